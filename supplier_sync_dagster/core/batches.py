@@ -1,0 +1,614 @@
+"""Tasks and batches: what to sync, and one execution of it per trigger.
+
+A trigger (schedule, UI launch or backfill, sensor, compensation) never starts work
+directly. It asks :func:`create_batch`, which is idempotent per ``(task_code, trigger_id)``
+and applies the task's concurrency policy against the task's unfinished batches. Workers
+then claim the batch's shards (:mod:`supplier_sync_dagster.core.leases`); the batch's status,
+counts and progress are derived from its shards by :func:`refresh_batch`.
+
+Batch state machine (every move is one guarded UPDATE)::
+
+    PENDING ──first shard claimed──> RUNNING ──all shards finished──> SUCCESS
+       │                                │                             PARTIAL_FAILED
+       └──────────── cancel ────────────┴──> CANCELLED                FAILED
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Literal, get_args
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
+from supplier_sync_dagster.core.errors import (
+    ConfigError,
+    InvalidTransition,
+    TaskDisabled,
+    UnknownBatch,
+    UnknownTask,
+)
+
+TaskStatus = Literal["ENABLED", "DISABLED"]
+ConcurrencyPolicy = Literal["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"]
+SyncMode = Literal["FULL", "INCREMENTAL", "PUSH", "REFRESH"]
+DataScope = Literal["RESOURCE", "PRODUCT", "OFFER", "STOCK_PRICE"]
+ScheduleType = Literal["CRON", "MANUAL", "PUSH"]
+TriggerSource = Literal["CRON", "MANUAL", "COMPENSATION", "SENSOR", "BACKFILL"]
+BatchStatus = Literal["PENDING", "RUNNING", "SUCCESS", "PARTIAL_FAILED", "FAILED", "CANCELLED"]
+DecisionOutcome = Literal["CREATED", "EXISTING", "SKIPPED"]
+
+ACTIVE_BATCH_STATUSES: tuple[BatchStatus, ...] = ("PENDING", "RUNNING")
+TERMINAL_BATCH_STATUSES: tuple[BatchStatus, ...] = (
+    "SUCCESS",
+    "PARTIAL_FAILED",
+    "FAILED",
+    "CANCELLED",
+)
+MAX_CODE_LEN = 64
+MAX_SHARD_KEY_LEN = 128
+
+
+def _check_choice(name: str, value: str, allowed: Any) -> None:
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_code(name: str, value: str, max_len: int = MAX_CODE_LEN) -> None:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise ConfigError(f"{name} must be a string of 1-{max_len} characters; got {value!r}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A sync task definition (a row of ``supplier_sync_task``)."""
+
+    task_code: str
+    supplier_id: int
+    category_code: str = "HOTEL"
+    sync_mode: SyncMode = "FULL"
+    data_scope: DataScope = "RESOURCE"
+    schedule_type: ScheduleType = "MANUAL"
+    cron_expr: str | None = None
+    status: TaskStatus = "ENABLED"
+    concurrency_policy: ConcurrencyPolicy = "SKIP_IF_RUNNING"
+    owner_team: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_code("task_code", self.task_code)
+        _check_code("category_code", self.category_code, 32)
+        if not isinstance(self.supplier_id, int) or self.supplier_id <= 0:
+            raise ConfigError(f"supplier_id must be a positive integer; got {self.supplier_id!r}")
+        _check_choice("sync_mode", self.sync_mode, SyncMode)
+        _check_choice("data_scope", self.data_scope, DataScope)
+        _check_choice("schedule_type", self.schedule_type, ScheduleType)
+        _check_choice("status", self.status, TaskStatus)
+        _check_choice("concurrency_policy", self.concurrency_policy, ConcurrencyPolicy)
+        if self.schedule_type == "CRON" and not self.cron_expr:
+            raise ConfigError(f"task {self.task_code!r}: schedule_type CRON needs a cron_expr")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch as stored; counts and progress are derived from its shards."""
+
+    batch_id: str
+    task_code: str
+    trigger_source: str
+    trigger_id: str | None
+    supplier_id: int
+    category_code: str
+    sync_mode: str
+    data_scope: str
+    city_scope: tuple[str, ...] | None
+    status: BatchStatus
+    sync_batch_version: int
+    shard_count: int
+    shards_done: int
+    total_count: int
+    success_count: int
+    failed_count: int
+    skipped_count: int
+    current_city_code: str | None
+    current_page: int | None
+    progress_percent: Decimal
+    heartbeat_at: datetime | None
+    last_checkpoint_at: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error_message: str | None
+
+    @classmethod
+    def from_row(cls, row: sa.Row[Any]) -> Batch:
+        """Builds a Batch from a ``supplier_sync_batch`` row."""
+        data = row._mapping
+        values = {f.name: data[f.name] for f in fields(cls) if f.name != "city_scope"}
+        scope = data["city_scope"]
+        return cls(city_scope=tuple(json.loads(scope)) if scope is not None else None, **values)
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the batch can no longer change status."""
+        return self.status in TERMINAL_BATCH_STATUSES
+
+
+@dataclass(frozen=True)
+class BatchDecision:
+    """What :func:`create_batch` decided for one trigger."""
+
+    outcome: DecisionOutcome
+    batch: Batch | None
+    reason: str
+    blocking_batch_id: str | None = None
+    cancelled_batch_ids: tuple[str, ...] = ()
+
+
+def upsert_task(db: SyncDatabase, spec: TaskSpec) -> None:
+    """Creates the task, or updates its definition if ``task_code`` exists."""
+    now = db.clock.now()
+    values = {f.name: getattr(spec, f.name) for f in fields(spec)}
+    with db.begin() as conn:
+        updated = conn.execute(
+            sa.update(t.task)
+            .where(t.task.c.task_code == spec.task_code)
+            .values(**values, updated_at=now)
+        ).rowcount
+        if not updated:
+            insert_ignore(conn, t.task, [values], created_at=now, updated_at=now)
+
+
+def get_task(conn: Connection, task_code: str, *, for_update: bool = False) -> TaskSpec:
+    """Reads a task definition.
+
+    Raises:
+        UnknownTask: No task has this code.
+    """
+    stmt = sa.select(*(t.task.c[f.name] for f in fields(TaskSpec))).where(
+        t.task.c.task_code == task_code
+    )
+    row = conn.execute(stmt.with_for_update() if for_update else stmt).first()
+    if row is None:
+        raise UnknownTask(f"unknown task {task_code!r}: no supplier_sync_task row has this code")
+    return TaskSpec(**row._mapping)
+
+
+def set_task_status(db: SyncDatabase, task_code: str, status: TaskStatus) -> None:
+    """Enables or disables a task.
+
+    Raises:
+        ConfigError: ``status`` is not ENABLED or DISABLED.
+        UnknownTask: No task has this code.
+    """
+    _check_choice("status", status, TaskStatus)
+    with db.begin() as conn:
+        guarded_update(
+            conn,
+            sa.update(t.task)
+            .where(t.task.c.task_code == task_code)
+            .values(status=status, updated_at=db.clock.now()),
+            lambda: UnknownTask(f"unknown task {task_code!r}"),
+        )
+
+
+def create_batch(
+    db: SyncDatabase,
+    *,
+    task_code: str,
+    trigger_id: str,
+    trigger_source: TriggerSource,
+    shard_keys: Sequence[str] | None = None,
+) -> BatchDecision:
+    """Creates the batch for one trigger, idempotently, under the task's concurrency policy.
+
+    The same ``(task_code, trigger_id)`` always gets the same answer: the batch created the
+    first time (outcome EXISTING), or the recorded skip. Concurrent callers are serialized
+    on the task row, so a policy decision never races another.
+
+    Args:
+        db: The sync database.
+        task_code: The task to run.
+        trigger_id: The caller's idempotency key (a Dagster backfill or run id, a schedule's
+            fire time, an operator's request id).
+        trigger_source: Where the trigger came from.
+        shard_keys: The cities this batch covers; a shard is created for each. None means
+            every city of the supplier (shards are added as work is discovered).
+
+    Returns:
+        The decision; ``batch`` is None only when the trigger was SKIPPED.
+
+    Raises:
+        UnknownTask: The task does not exist.
+        TaskDisabled: The task is DISABLED.
+        ConfigError: A trigger field or shard key is malformed.
+    """
+    _check_code("trigger_id", trigger_id)
+    _check_choice("trigger_source", trigger_source, TriggerSource)
+    keys = _validate_shard_keys(shard_keys) if shard_keys is not None else None
+    clock = db.clock
+    with db.begin() as conn:
+        task = get_task(conn, task_code, for_update=True)
+        existing = _batch_by_trigger(conn, task_code, trigger_id)
+        if existing is not None:
+            return BatchDecision("EXISTING", existing, "this trigger already created the batch")
+        skipped = conn.execute(
+            sa.select(t.trigger_log.c.blocking_batch_id, t.trigger_log.c.reason).where(
+                t.trigger_log.c.task_code == task_code,
+                t.trigger_log.c.trigger_id == trigger_id,
+                t.trigger_log.c.outcome == "SKIPPED",
+            )
+        ).first()
+        if skipped is not None:
+            return BatchDecision("SKIPPED", None, skipped.reason, skipped.blocking_batch_id)
+        if task.status != "ENABLED":
+            raise TaskDisabled(f"task {task_code!r} is DISABLED; enable it to create batches")
+
+        cancelled: tuple[str, ...] = ()
+        active = _active_batches(conn, task)
+        if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
+            blocking = active[0]
+            reason = f"SKIP_IF_RUNNING: batch {blocking.batch_id} is {blocking.status}"
+            _log_trigger(
+                conn,
+                clock,
+                task_code,
+                trigger_id,
+                trigger_source,
+                "SKIPPED",
+                None,
+                blocking.batch_id,
+                reason,
+            )
+            return BatchDecision("SKIPPED", None, reason, blocking.batch_id)
+        if task.concurrency_policy == "CANCEL_PREVIOUS":
+            cancelled = tuple(b.batch_id for b in active)
+            for old in cancelled:
+                _cancel(conn, clock, old, f"cancelled by trigger {trigger_id} (CANCEL_PREVIOUS)")
+        if task.concurrency_policy == "ALLOW_PARALLEL":
+            overlapping = [b for b in _active_in_scope(conn, task) if _overlaps(b.city_scope, keys)]
+            if overlapping:
+                blocking = overlapping[0]
+                reason = (
+                    f"ALLOW_PARALLEL: batch {blocking.batch_id} ({blocking.status}) covers "
+                    f"an overlapping {task.data_scope} scope"
+                )
+                _log_trigger(
+                    conn,
+                    clock,
+                    task_code,
+                    trigger_id,
+                    trigger_source,
+                    "SKIPPED",
+                    None,
+                    blocking.batch_id,
+                    reason,
+                )
+                return BatchDecision("SKIPPED", None, reason, blocking.batch_id)
+
+        batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
+        version = conn.execute(
+            sa.select(sa.func.coalesce(sa.func.max(t.batch.c.sync_batch_version), 0) + 1).where(
+                t.batch.c.task_code == task_code
+            )
+        ).scalar_one()
+        now = clock.now()
+        conn.execute(
+            sa.insert(t.batch).values(
+                batch_id=batch_id,
+                task_code=task_code,
+                trigger_source=trigger_source,
+                trigger_id=trigger_id,
+                supplier_id=task.supplier_id,
+                category_code=task.category_code,
+                sync_mode=task.sync_mode,
+                data_scope=task.data_scope,
+                city_scope=json.dumps(list(keys), ensure_ascii=False) if keys is not None else None,
+                status="PENDING",
+                sync_batch_version=version,
+                shard_count=len(keys) if keys else 0,
+                created_at=now,
+                updated_at=now,
+            )
+        )
+        if keys:
+            _insert_shards(conn, clock, batch_id, keys)
+        conn.execute(
+            sa.update(t.task)
+            .where(t.task.c.task_code == task_code)
+            .values(last_batch_id=batch_id, updated_at=now)
+        )
+        _log_trigger(
+            conn,
+            clock,
+            task_code,
+            trigger_id,
+            trigger_source,
+            "CREATED",
+            batch_id,
+            None,
+            "batch created",
+        )
+        batch = get_batch(conn, batch_id)
+    reason = "batch created" + (f"; cancelled {', '.join(cancelled)}" if cancelled else "")
+    return BatchDecision("CREATED", batch, reason, cancelled_batch_ids=cancelled)
+
+
+def add_shards(db: SyncDatabase, batch_id: str, shard_keys: Sequence[str]) -> int:
+    """Adds shards (idempotently) to an unfinished batch; returns the batch's shard count.
+
+    Raises:
+        UnknownBatch: No such batch.
+        InvalidTransition: The batch is finished or cancelled.
+        ConfigError: A shard key is malformed.
+    """
+    keys = _validate_shard_keys(shard_keys)
+    with db.begin() as conn:
+        current = lock_batch(conn, batch_id)
+        if current.is_terminal:
+            raise InvalidTransition(f"batch {batch_id} is {current.status}; cannot add shards")
+        _insert_shards(conn, db.clock, batch_id, keys)
+        return refresh_batch(conn, db.clock, batch_id).shard_count
+
+
+def get_batch(conn: Connection, batch_id: str) -> Batch:
+    """Reads a batch.
+
+    Raises:
+        UnknownBatch: No batch has this id.
+    """
+    row = conn.execute(sa.select(t.batch).where(t.batch.c.batch_id == batch_id)).first()
+    if row is None:
+        raise UnknownBatch(f"unknown batch {batch_id!r}")
+    return Batch.from_row(row)
+
+
+def lock_batch(conn: Connection, batch_id: str) -> Batch:
+    """Reads a batch with a row lock held until the transaction ends (BEGIN IMMEDIATE on SQLite).
+
+    Every transaction that touches a batch and its shards takes this lock first, so they
+    all lock in the same order (batch, then shard) and cannot deadlock.
+    """
+    row = conn.execute(
+        sa.select(t.batch).where(t.batch.c.batch_id == batch_id).with_for_update()
+    ).first()
+    if row is None:
+        raise UnknownBatch(f"unknown batch {batch_id!r}")
+    return Batch.from_row(row)
+
+
+def list_batches(db: SyncDatabase, *, task_code: str | None = None, limit: int = 20) -> list[Batch]:
+    """The most recent batches, newest first."""
+    stmt = sa.select(t.batch).order_by(t.batch.c.id.desc()).limit(limit)
+    if task_code is not None:
+        stmt = stmt.where(t.batch.c.task_code == task_code)
+    with db.engine.connect() as conn:
+        return [Batch.from_row(r) for r in conn.execute(stmt)]
+
+
+def cancel_batch(db: SyncDatabase, batch_id: str, reason: str) -> None:
+    """Cancels an unfinished batch; its workers lose their lease at their next write.
+
+    Raises:
+        UnknownBatch: No such batch.
+        InvalidTransition: The batch already finished.
+    """
+    with db.begin() as conn:
+        lock_batch(conn, batch_id)
+        _cancel(conn, db.clock, batch_id, reason)
+
+
+def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> None:
+    now = clock.now()
+    guarded_update(
+        conn,
+        sa.update(t.batch)
+        .where(t.batch.c.batch_id == batch_id, t.batch.c.status.in_(ACTIVE_BATCH_STATUSES))
+        .values(status="CANCELLED", finished_at=now, updated_at=now, error_message=reason[:1024]),
+        lambda: InvalidTransition(f"batch {batch_id} is not PENDING or RUNNING; cannot cancel"),
+    )
+    # Shards leave RUNNING too: every fenced write requires status RUNNING, so the batch's
+    # workers fail their next heartbeat or checkpoint with LeaseLost.
+    conn.execute(
+        sa.update(t.shard)
+        .where(t.shard.c.batch_id == batch_id, t.shard.c.status.in_(("PENDING", "RUNNING")))
+        .values(status="CANCELLED", finished_at=now, updated_at=now, lease_until=None)
+    )
+
+
+def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
+    """Derives a batch's status, counts, progress and heartbeat from its shards.
+
+    The caller must hold the batch lock (:func:`lock_batch`) in ``conn``'s transaction, so
+    two workers finishing the last two shards cannot both see the other still running.
+
+    Status: CANCELLED stays; shards PENDING/RUNNING make it RUNNING (PENDING while none
+    started); all finished make it SUCCESS, FAILED, or PARTIAL_FAILED for a mix.
+    """
+    current = lock_batch(conn, batch_id)
+    s = t.shard.c
+    agg = conn.execute(
+        sa.select(
+            sa.func.count().label("n"),
+            sa.func.sum(sa.case((s.status == "PENDING", 1), else_=0)).label("pending"),
+            sa.func.sum(sa.case((s.status == "RUNNING", 1), else_=0)).label("running"),
+            sa.func.sum(sa.case((s.status == "SUCCESS", 1), else_=0)).label("success"),
+            sa.func.sum(sa.case((s.status == "FAILED", 1), else_=0)).label("failed"),
+            sa.func.coalesce(sa.func.sum(s.total_count), 0).label("total_count"),
+            sa.func.coalesce(sa.func.sum(s.success_count), 0).label("success_count"),
+            sa.func.coalesce(sa.func.sum(s.failed_count), 0).label("failed_count"),
+            sa.func.coalesce(sa.func.sum(s.skipped_count), 0).label("skipped_count"),
+            sa.func.coalesce(
+                sa.func.sum(
+                    sa.case(
+                        (s.status.in_(("SUCCESS", "FAILED", "CANCELLED")), 1.0),
+                        (s.total_pages > 0, sa.cast(s.pages_done, sa.Float) / s.total_pages),
+                        else_=0.0,
+                    )
+                ),
+                0.0,
+            ).label("progress"),
+            sa.func.max(s.heartbeat_at).label("heartbeat_at"),
+            sa.func.max(s.last_checkpoint_at).label("last_checkpoint_at"),
+        ).where(s.batch_id == batch_id)
+    ).one()
+    latest = conn.execute(
+        sa.select(s.shard_key, s.checkpoint)
+        .where(s.batch_id == batch_id, s.last_checkpoint_at.is_not(None))
+        .order_by(s.last_checkpoint_at.desc())
+        .limit(1)
+    ).first()
+
+    n = int(agg.n)
+    done = int(agg.success or 0) + int(agg.failed or 0)
+    status: BatchStatus = current.status
+    if current.status != "CANCELLED" and n:
+        if agg.pending or agg.running:
+            started = bool(agg.running) or done > 0 or current.status == "RUNNING"
+            status = "RUNNING" if started else "PENDING"
+        elif not agg.failed:
+            status = "SUCCESS"
+        elif not agg.success:
+            status = "FAILED"
+        else:
+            status = "PARTIAL_FAILED"
+    progress = min(100.0, 100.0 * float(agg.progress) / n) if n else 0.0
+    values: dict[str, Any] = {
+        "status": status,
+        "shard_count": n,
+        "shards_done": done,
+        "total_count": int(agg.total_count),
+        "success_count": int(agg.success_count),
+        "failed_count": int(agg.failed_count),
+        "skipped_count": int(agg.skipped_count),
+        "progress_percent": Decimal(f"{progress:.2f}"),
+        "heartbeat_at": agg.heartbeat_at,
+        "last_checkpoint_at": agg.last_checkpoint_at,
+        "updated_at": clock.now(),
+    }
+    if latest is not None:
+        values["current_city_code"] = latest.shard_key
+        values["current_page"] = _page_of(latest.checkpoint)
+        values["end_checkpoint"] = (latest.checkpoint or "")[:512] or None
+    if status == "RUNNING" and current.started_at is None:
+        values["started_at"] = clock.now()
+    if status in TERMINAL_BATCH_STATUSES and current.status not in TERMINAL_BATCH_STATUSES:
+        values["finished_at"] = clock.now()
+    guarded_update(
+        conn,
+        sa.update(t.batch)
+        .where(t.batch.c.batch_id == batch_id, t.batch.c.status == current.status)
+        .values(**values),
+        lambda: InvalidTransition(f"batch {batch_id} changed status while locked"),
+    )
+    return get_batch(conn, batch_id)
+
+
+def _page_of(checkpoint: str | None) -> int | None:
+    try:
+        page = json.loads(checkpoint or "null")["page"]
+        return int(page) if page is not None else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _validate_shard_keys(keys: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise ConfigError("shard_keys must be a sequence of city codes, not one string")
+    for key in keys:
+        _check_code("shard key", key, MAX_SHARD_KEY_LEN)
+    return tuple(dict.fromkeys(keys))
+
+
+def _insert_shards(conn: Connection, clock: DbClock, batch_id: str, keys: Sequence[str]) -> None:
+    now = clock.now()
+    # Bulk insert: one statement for the whole city list, never a row at a time.
+    insert_ignore(
+        conn,
+        t.shard,
+        [{"shard_key": key} for key in keys],
+        batch_id=batch_id,
+        shard_type="CITY",
+        status="PENDING",
+        created_at=now,
+        updated_at=now,
+    )
+
+
+def _batch_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batch | None:
+    row = conn.execute(
+        sa.select(t.batch).where(
+            t.batch.c.task_code == task_code, t.batch.c.trigger_id == trigger_id
+        )
+    ).first()
+    return Batch.from_row(row) if row is not None else None
+
+
+def _active_batches(conn: Connection, task: TaskSpec) -> list[Batch]:
+    rows = conn.execute(
+        sa.select(t.batch)
+        .where(
+            t.batch.c.task_code == task.task_code,
+            t.batch.c.status.in_(ACTIVE_BATCH_STATUSES),
+        )
+        .order_by(t.batch.c.id.desc())
+    )
+    return [Batch.from_row(r) for r in rows]
+
+
+def _active_in_scope(conn: Connection, task: TaskSpec) -> list[Batch]:
+    """Unfinished batches of any task that syncs the same supplier, category and data scope."""
+    rows = conn.execute(
+        sa.select(t.batch)
+        .where(
+            t.batch.c.supplier_id == task.supplier_id,
+            t.batch.c.category_code == task.category_code,
+            t.batch.c.data_scope == task.data_scope,
+            t.batch.c.status.in_(ACTIVE_BATCH_STATUSES),
+        )
+        .order_by(t.batch.c.id.desc())
+    )
+    return [Batch.from_row(r) for r in rows]
+
+
+def _overlaps(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> bool:
+    """Two city scopes overlap unless both are explicit lists with no city in common."""
+    if a is None or b is None:
+        return True
+    return not set(a).isdisjoint(b)
+
+
+def _log_trigger(
+    conn: Connection,
+    clock: DbClock,
+    task_code: str,
+    trigger_id: str,
+    trigger_source: str,
+    outcome: str,
+    batch_id: str | None,
+    blocking_batch_id: str | None,
+    reason: str,
+) -> None:
+    insert_ignore(
+        conn,
+        t.trigger_log,
+        [
+            {
+                "task_code": task_code,
+                "trigger_id": trigger_id,
+                "trigger_source": trigger_source,
+                "outcome": outcome,
+                "batch_id": batch_id,
+                "blocking_batch_id": blocking_batch_id,
+                "reason": reason[:512],
+            }
+        ],
+        created_at=clock.now(),
+    )

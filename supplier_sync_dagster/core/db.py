@@ -1,0 +1,305 @@
+"""Opening the sync database, and the database clock.
+
+One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL). Unset, the
+embedded default is a SQLite file in the local state folder (``SUPPLIER_SYNC_HOME``, default
+``./.supplier_sync``), created on first use. MySQL 8 and MariaDB are reached through
+``mysql+pymysql://user:password@host:port/db``.
+
+Time has one seam: :class:`DbClock`. Lease expiry and "now" are SQL expressions evaluated by
+the database (invariant 2: workers on different machines drift, the database does not
+disagree with itself); tests shift the clock by an offset instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+
+from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
+from supplier_sync_dagster.core.schema import metadata
+
+DB_URL_ENV = "SUPPLIER_SYNC_DB_URL"
+HOME_ENV = "SUPPLIER_SYNC_HOME"
+_SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def state_dir() -> Path:
+    """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
+    return Path(os.environ.get(HOME_ENV) or ".supplier_sync").resolve()
+
+
+def resolve_db_url(url: str | None = None) -> str:
+    """Returns the sync database URL: ``url``, else ``$SUPPLIER_SYNC_DB_URL``, else SQLite.
+
+    Args:
+        url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
+    """
+    if url:
+        return url
+    env = os.environ.get(DB_URL_ENV)
+    if env:
+        return env
+    return f"sqlite:///{state_dir() / 'sync.sqlite3'}"
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError as err:
+        raise ConfigError(
+            f"{DB_URL_ENV} is not a valid SQLAlchemy URL ({err}); "
+            "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
+        ) from None
+    if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
+        raise ConfigError(
+            f"{DB_URL_ENV} uses backend {parsed.get_backend_name()!r}; "
+            f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
+        )
+    return parsed
+
+
+def make_engine(url: str) -> Engine:
+    """Creates an engine configured for the sync's concurrency rules.
+
+    SQLite: WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction, so a
+    read-then-write transaction holds the write lock from its start (SQLite's equivalent of
+    ``SELECT ... FOR UPDATE``). MySQL/MariaDB: READ COMMITTED, so a statement that follows a
+    row lock sees the latest committed rows, and affected-row counts that count matched rows.
+
+    Args:
+        url: A SQLAlchemy URL of a supported backend.
+
+    Raises:
+        ConfigError: The URL is malformed or names an unsupported backend.
+    """
+    parsed = _parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(
+            parsed,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        )
+        _configure_sqlite(engine)
+        return engine
+    return sa.create_engine(
+        parsed,
+        isolation_level="READ COMMITTED",
+        pool_pre_ping=True,
+        pool_recycle=3600,
+        connect_args={"connect_timeout": 5},
+    )
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # The driver must not open transactions on its own: we emit BEGIN IMMEDIATE below.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class db_now(FunctionElement[datetime]):
+    """The database's current UTC time plus an offset in microseconds, as a SQL expression."""
+
+    type = sa.DateTime()
+    name = "db_now"
+    inherit_cache = True
+
+    def __init__(self, offset_us: int) -> None:
+        super().__init__(sa.literal(int(offset_us), sa.BigInteger()))
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    offset = compiler.process(next(iter(element.clauses)), **kw)
+    # SQLAlchemy stores SQLite datetimes as 'YYYY-MM-DD HH:MM:SS.ffffff': pad %f's millis.
+    return (
+        "(strftime('%Y-%m-%d %H:%M:%f', 'now', "
+        f"printf('%+.6f seconds', ({offset}) / 1000000.0)) || '000')"
+    )
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    offset = compiler.process(next(iter(element.clauses)), **kw)
+    return f"TIMESTAMPADD(MICROSECOND, {offset}, UTC_TIMESTAMP(6))"
+
+
+@dataclass
+class DbClock:
+    """The one place where sync time comes from: the database clock plus a shiftable offset.
+
+    Production code never reads a worker's wall clock for leases. Tests call :meth:`advance`
+    to make leases expire without sleeping.
+    """
+
+    offset_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def now(self, plus_seconds: float = 0.0) -> db_now:
+        """SQL expression: database now + offset + ``plus_seconds``."""
+        return db_now(round((self.offset_seconds + plus_seconds) * 1_000_000))
+
+    def advance(self, seconds: float) -> None:
+        """Shifts this clock forward (tests only: makes time pass without sleeping)."""
+        with self._lock:
+            self.offset_seconds += seconds
+
+    def read(self, conn: Connection) -> datetime:
+        """Reads the current time as the database sees it (with this clock's offset)."""
+        value = conn.execute(sa.select(self.now())).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+
+
+@dataclass
+class SyncDatabase:
+    """The sync database: an engine and the clock that every lease decision uses."""
+
+    engine: Engine
+    clock: DbClock = field(default_factory=DbClock)
+
+    @classmethod
+    def open(cls, url: str | None = None, *, create_schema: bool = True) -> SyncDatabase:
+        """Opens (and by default creates) the sync database.
+
+        Args:
+            url: SQLAlchemy URL; None resolves ``$SUPPLIER_SYNC_DB_URL`` or the SQLite default.
+            create_schema: Create missing tables (SQLite default and tests). Production MySQL
+                databases get the DDL of ``sql/`` applied by their DBA; creating is harmless.
+
+        Raises:
+            ConfigError: The URL is malformed or unsupported.
+            DatabaseUnavailable: The database cannot be reached or opened.
+        """
+        engine = make_engine(resolve_db_url(url))
+        db = cls(engine=engine)
+        db.ping()
+        if create_schema:
+            with db.translate_errors("creating the schema"):
+                metadata.create_all(engine, checkfirst=True)
+        return db
+
+    @property
+    def dialect(self) -> str:
+        """``sqlite`` or ``mysql``/``mariadb``."""
+        return self.engine.dialect.name
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password masked, for messages."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    def ping(self) -> None:
+        """Checks that the database answers.
+
+        Raises:
+            DatabaseUnavailable: It does not, with the reason and the (masked) URL.
+        """
+        with self.translate_errors("connecting"), self.engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
+    @contextmanager
+    def translate_errors(self, doing: str) -> Iterator[None]:
+        """Turns driver connection errors into :class:`DatabaseUnavailable`."""
+        try:
+            yield
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as err:
+            if err.connection_invalidated or _is_connect_error(err):
+                raise DatabaseUnavailable(
+                    f"sync database {self.safe_url} is unavailable while {doing}: {err.orig}"
+                ) from err
+            raise
+
+    def begin(self) -> Any:
+        """A transaction context (``with db.begin() as conn:``)."""
+        return self.engine.begin()
+
+    def dispose(self) -> None:
+        """Closes pooled connections (call in tests and before forking)."""
+        self.engine.dispose()
+
+
+def _is_connect_error(err: sa.exc.DBAPIError) -> bool:
+    text = str(err.orig).lower()
+    return any(
+        marker in text
+        for marker in (
+            "can't connect",
+            "unable to open database",
+            "access denied",
+            "unknown database",
+            "lost connection",
+            "gone away",
+            "connection refused",
+            "timed out",
+        )
+    )
+
+
+def guarded_update(
+    conn: Connection, stmt: sa.Update, on_miss: Callable[[], Exception], *, expected: int = 1
+) -> None:
+    """Runs a conditional UPDATE and raises ``on_miss()`` unless exactly ``expected`` rows matched.
+
+    Every state transition goes through here: the WHERE clause carries the state (and, for
+    leased rows, the owner) that the move requires, so a stale writer changes nothing.
+    MySQL dialects count matched rows (CLIENT_FOUND_ROWS), not only changed ones.
+    """
+    if conn.execute(stmt).rowcount != expected:
+        raise on_miss()
+
+
+def insert_ignore(
+    conn: Connection,
+    table: sa.Table,
+    rows: Sequence[Mapping[str, Any]],
+    **fixed: Any,
+) -> None:
+    """Inserts rows in one statement, skipping those whose unique key already exists.
+
+    Only duplicate keys are ignored (``ON DUPLICATE KEY UPDATE id=id`` / ``ON CONFLICT DO
+    NOTHING``), unlike MySQL's ``INSERT IGNORE``, which also truncates over-long values.
+
+    Args:
+        conn: Connection in the caller's transaction.
+        table: Target table.
+        rows: Plain column values, one mapping per row.
+        **fixed: Column values shared by every row; may be SQL expressions (``clock.now()``).
+    """
+    if not rows:
+        return
+    stmt: Any
+    if conn.dialect.name == "sqlite":
+        stmt = sqlite_insert(table).values(**fixed).on_conflict_do_nothing()
+    else:
+        stmt = mysql_insert(table).values(**fixed).on_duplicate_key_update(id=table.c.id)
+    if len(rows) == 1:
+        conn.execute(stmt.values(**rows[0]))
+    else:
+        conn.execute(stmt, list(rows))

@@ -1,0 +1,261 @@
+"""The sync database schema as SQLAlchemy Core metadata.
+
+This is the same schema as the numbered MySQL DDL in ``sql/``; a test applies ``sql/`` to a
+fresh MariaDB database and compares it with this metadata, so the two cannot drift.
+
+Codes that come from suppliers or triggers (task codes, trigger ids, city codes, hotel ids)
+use a binary collation on MySQL: ``'a'`` and ``'A'`` or ``'e'`` and ``'é'`` are different
+cities, and a case- or accent-insensitive unique key would merge them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.schema import SchemaItem
+
+metadata = sa.MetaData()
+
+_MYSQL = ("mysql", "mariadb")
+
+
+def _ts() -> sa.types.TypeEngine[Any]:
+    """DATETIME with microseconds on MySQL; lease arithmetic needs sub-second precision."""
+    t: sa.types.TypeEngine[Any] = sa.DateTime()
+    for name in _MYSQL:
+        t = t.with_variant(mysql.DATETIME(fsp=6), name)
+    return t
+
+
+def _code(length: int) -> sa.types.TypeEngine[str]:
+    """A VARCHAR compared byte for byte (utf8mb4_bin) on MySQL."""
+    t: sa.types.TypeEngine[str] = sa.String(length)
+    for name in _MYSQL:
+        t = t.with_variant(mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), name)
+    return t
+
+
+def _big_id() -> sa.types.TypeEngine[int]:
+    # SQLite only auto-increments an INTEGER PRIMARY KEY, not a BIGINT one.
+    return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def _table(name: str, *items: SchemaItem, comment: str) -> sa.Table:
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", _big_id(), primary_key=True, autoincrement=True),
+        *items,
+        comment=comment,
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+task = _table(
+    "supplier_sync_task",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("category_code", sa.String(32), nullable=False),
+    sa.Column("sync_mode", sa.String(32), nullable=False),
+    sa.Column("data_scope", sa.String(64), nullable=False),
+    sa.Column("schedule_type", sa.String(32), nullable=False),
+    sa.Column("cron_expr", sa.String(64)),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("concurrency_policy", sa.String(32), nullable=False),
+    sa.Column("last_batch_id", sa.String(64)),
+    sa.Column("owner_team", sa.String(64)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("task_code", name="uk_task_code"),
+    sa.Index("idx_supplier_category", "supplier_id", "category_code"),
+    comment="supplier sync task definitions",
+)
+
+batch = _table(
+    "supplier_sync_batch",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("trigger_source", sa.String(32), nullable=False),
+    sa.Column("trigger_id", _code(64)),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("category_code", sa.String(32), nullable=False),
+    sa.Column("sync_mode", sa.String(32), nullable=False),
+    sa.Column("data_scope", sa.String(64), nullable=False),
+    # JSON list of the shard keys this batch covers; NULL means every city of the supplier.
+    sa.Column("city_scope", sa.Text),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("sync_batch_version", sa.BigInteger, nullable=False),
+    sa.Column("start_checkpoint", sa.String(512)),
+    sa.Column("end_checkpoint", sa.String(512)),
+    sa.Column("shard_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("shards_done", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("total_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("success_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("failed_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("skipped_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("current_city_code", _code(64)),
+    sa.Column("current_page", sa.Integer),
+    sa.Column("progress_percent", sa.Numeric(5, 2), nullable=False, server_default="0"),
+    sa.Column("worker_id", sa.String(64)),
+    sa.Column("lease_token", sa.String(64)),
+    sa.Column("lease_until", _ts()),
+    sa.Column("heartbeat_at", _ts()),
+    sa.Column("last_heartbeat_stage", sa.String(64)),
+    sa.Column("last_heartbeat_message", sa.String(512)),
+    sa.Column("last_checkpoint_at", _ts()),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("started_at", _ts()),
+    sa.Column("finished_at", _ts()),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.Column("error_message", sa.String(1024)),
+    sa.UniqueConstraint("batch_id", name="uk_batch_id"),
+    sa.UniqueConstraint("task_code", "trigger_id", name="uk_task_trigger"),
+    sa.Index("idx_task_status", "task_code", "status"),
+    sa.Index("idx_status_lease", "status", "lease_until"),
+    sa.Index("idx_supplier_time", "supplier_id", "started_at"),
+    comment="supplier sync batches (one per trigger)",
+)
+
+trigger_log = _table(
+    "supplier_sync_trigger_log",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("trigger_id", _code(64), nullable=False),
+    sa.Column("trigger_source", sa.String(32), nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("batch_id", sa.String(64)),
+    sa.Column("blocking_batch_id", sa.String(64)),
+    sa.Column("reason", sa.String(512)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("task_code", "trigger_id", name="uk_trigger_log"),
+    comment="every trigger decision: CREATED, SKIPPED, with the reason",
+)
+
+shard = _table(
+    "supplier_sync_shard",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("shard_type", sa.String(32), nullable=False),
+    sa.Column("shard_key", _code(128), nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("checkpoint", sa.String(1024)),
+    sa.Column("total_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("success_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("failed_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("skipped_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("pages_done", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("total_pages", sa.Integer),
+    sa.Column("claim_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("worker_id", sa.String(64)),
+    sa.Column("lease_token", sa.String(64)),
+    sa.Column("lease_until", _ts()),
+    sa.Column("heartbeat_at", _ts()),
+    sa.Column("last_heartbeat_stage", sa.String(64)),
+    sa.Column("last_heartbeat_message", sa.String(512)),
+    sa.Column("last_checkpoint_at", _ts()),
+    sa.Column("error_message", sa.String(1024)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("started_at", _ts()),
+    sa.Column("finished_at", _ts()),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("batch_id", "shard_key", name="uk_batch_shard"),
+    sa.Index("idx_shard_status", "status"),
+    sa.Index("idx_lease", "status", "lease_until"),
+    sa.Index("idx_updated_at", "updated_at"),
+    comment="supplier sync shards (one per batch and city)",
+)
+
+snapshot = _table(
+    "supplier_sync_snapshot",
+    sa.Column("snapshot_id", sa.String(64), nullable=False),
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("category_code", sa.String(32), nullable=False),
+    sa.Column("supplier_resource_code", _code(128)),
+    sa.Column("supplier_product_code", _code(128)),
+    sa.Column("snapshot_type", sa.String(32), nullable=False),
+    sa.Column("snapshot_version", sa.BigInteger, nullable=False),
+    sa.Column("payload_ref", sa.String(512)),
+    sa.Column("payload_hash", sa.String(64), nullable=False),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("snapshot_id", name="uk_snapshot_id"),
+    sa.Index("idx_snapshot_batch", "batch_id"),
+    sa.Index(
+        "idx_supplier_object", "supplier_id", "supplier_resource_code", "supplier_product_code"
+    ),
+    comment="raw and normalized supplier payload snapshots",
+)
+
+diff_log = _table(
+    "supplier_sync_diff_log",
+    sa.Column("diff_id", sa.String(64), nullable=False),
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("category_code", sa.String(32), nullable=False),
+    sa.Column("supplier_resource_code", _code(128)),
+    sa.Column("supplier_product_code", _code(128)),
+    sa.Column("platform_resource_id", sa.BigInteger),
+    sa.Column("spu_id", sa.BigInteger),
+    sa.Column("sku_id", sa.BigInteger),
+    sa.Column("offer_id", sa.BigInteger),
+    sa.Column("old_publish_version", sa.BigInteger),
+    sa.Column("new_snapshot_version", sa.BigInteger, nullable=False),
+    sa.Column("diff_type", sa.String(64), nullable=False),
+    sa.Column("changed_fields", sa.JSON, nullable=False),
+    sa.Column("risk_level", sa.String(32), nullable=False),
+    sa.Column("action", sa.String(64), nullable=False),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("diff_id", name="uk_diff_id"),
+    sa.Index("idx_diff_batch", "batch_id"),
+    sa.Index("idx_action", "action"),
+    comment="field-level differences between normalized and published data",
+)
+
+dead_letter = _table(
+    "supplier_sync_dead_letter",
+    sa.Column("dead_letter_id", sa.String(64), nullable=False),
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("sync_mode", sa.String(32), nullable=False),
+    sa.Column("category_code", sa.String(32), nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("supplier_resource_code", _code(128)),
+    sa.Column("supplier_product_code", _code(128)),
+    sa.Column("platform_resource_id", sa.BigInteger),
+    sa.Column("spu_id", sa.BigInteger),
+    sa.Column("sku_id", sa.BigInteger),
+    sa.Column("offer_id", sa.BigInteger),
+    sa.Column("error_stage", sa.String(64), nullable=False),
+    sa.Column("error_type", sa.String(64), nullable=False),
+    sa.Column("error_code", sa.String(128), nullable=False),
+    sa.Column("error_message", sa.String(1024), nullable=False),
+    sa.Column("raw_payload_ref", sa.String(512)),
+    sa.Column("raw_payload_hash", sa.String(64)),
+    sa.Column("normalized_payload_ref", sa.String(512)),
+    sa.Column("status", sa.String(32), nullable=False, server_default="PENDING"),
+    sa.Column("retry_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("max_retry_count", sa.Integer, nullable=False, server_default="5"),
+    sa.Column("next_retry_at", _ts()),
+    sa.Column("last_retry_at", _ts()),
+    sa.Column("owner_team", sa.String(64)),
+    sa.Column("assignee", sa.String(64)),
+    sa.Column("fix_note", sa.String(1024)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.Column("resolved_at", _ts()),
+    sa.UniqueConstraint("dead_letter_id", name="uk_dead_letter_id"),
+    sa.UniqueConstraint(
+        "batch_id",
+        "supplier_id",
+        "supplier_resource_code",
+        "supplier_product_code",
+        "error_stage",
+        "raw_payload_hash",
+        name="uk_dedup",
+    ),
+    sa.Index("idx_status_next_retry", "status", "next_retry_at"),
+    sa.Index("idx_supplier_status", "supplier_id", "status"),
+    sa.Index("idx_category_status", "category_code", "status"),
+    comment="dead letters: every record that could not be published, with its state",
+)
