@@ -9,8 +9,8 @@ counts and progress are derived from its shards by :func:`refresh_batch`.
 Batch state machine (every move is one guarded UPDATE)::
 
     PENDING ──first shard claimed──> RUNNING ──all shards finished──> SUCCESS
-       │                                │                             PARTIAL_FAILED
-       └──────────── cancel ────────────┴──> CANCELLED                FAILED
+       │                                │   <──a failed shard reopened──  PARTIAL_FAILED
+       └──────────── cancel ────────────┴──> CANCELLED                    FAILED
 """
 
 from __future__ import annotations
@@ -471,7 +471,7 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
     status: BatchStatus = current.status
     if current.status != "CANCELLED" and n:
         if agg.pending or agg.running:
-            started = bool(agg.running) or done > 0 or current.status == "RUNNING"
+            started = bool(agg.running) or done > 0 or current.started_at is not None
             status = "RUNNING" if started else "PENDING"
         elif not agg.failed:
             status = "SUCCESS"
@@ -501,6 +501,8 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
         values["started_at"] = clock.now()
     if status in TERMINAL_BATCH_STATUSES and current.status not in TERMINAL_BATCH_STATUSES:
         values["finished_at"] = clock.now()
+    elif status in ACTIVE_BATCH_STATUSES:
+        values["finished_at"] = None  # a reopened shard makes a finished batch run again
     guarded_update(
         conn,
         sa.update(t.batch)

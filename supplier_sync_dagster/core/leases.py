@@ -17,6 +17,7 @@ Shard state machine::
     PENDING ──claim──> RUNNING ──finish──> SUCCESS | FAILED
        ^                │  ^
        └────release─────┘  └──reclaim (lease_until < now)
+    FAILED ──reopen──> PENDING (checkpoint kept)
     PENDING | RUNNING ──batch cancelled──> CANCELLED
 """
 
@@ -44,6 +45,7 @@ from supplier_sync_dagster.core.db import SyncDatabase, guarded_update
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     InvalidCheckpoint,
+    InvalidTransition,
     LeaseLost,
     LeaseNotAcquired,
     UnknownShard,
@@ -536,6 +538,35 @@ def claim_next_shard(
     return None
 
 
+def reopen_shard(db: SyncDatabase, batch_id: str, shard_key: str, reason: str) -> Batch:
+    """Puts a FAILED shard back to PENDING, keeping its checkpoint, so a retry resumes it.
+
+    Raises:
+        UnknownShard: No such shard.
+        InvalidTransition: The shard is not FAILED.
+    """
+    clock = db.clock
+    with db.begin() as conn:
+        lock_batch(conn, batch_id)
+        info = _read_shard(conn, batch_id, shard_key)
+        guarded_update(
+            conn,
+            sa.update(t.shard)
+            .where(t.shard.c.id == info.shard_id, t.shard.c.status == "FAILED")
+            .values(
+                status="PENDING",
+                finished_at=None,
+                last_heartbeat_stage="REOPENED",
+                last_heartbeat_message=reason[:512],
+                updated_at=clock.now(),
+            ),
+            lambda: InvalidTransition(
+                f"shard {shard_key!r} of batch {batch_id} is {info.status}; only FAILED reopens"
+            ),
+        )
+        return refresh_batch(conn, clock, batch_id)
+
+
 def get_shard(db: SyncDatabase, batch_id: str, shard_key: str) -> ShardInfo:
     """Reads a shard.
 
@@ -795,4 +826,5 @@ __all__ = [
     "get_shard",
     "list_shards",
     "make_worker_id",
+    "reopen_shard",
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.db import SyncDatabase
@@ -30,7 +29,7 @@ def _describe(engine: sa.Engine) -> dict[str, dict[str, object]]:
                 for u in insp.get_unique_constraints(table)
             },
             "indexes": {
-                (ix["name"], tuple(ix["column_names"]))  # type: ignore[arg-type]
+                (ix["name"], tuple(ix["column_names"]))
                 for ix in insp.get_indexes(table)
                 if not ix.get("unique")
             },
@@ -77,7 +76,7 @@ def test_sql_ddl_matches_metadata_on_mariadb(mysql_server_url: str, fresh_mysql_
             assert actual[table] == expected[table], table
         # Codes compare byte for byte: BKK and bkk, e and é are different cities.
         with from_sql.connect() as conn:
-            collations = dict(
+            collations: dict[str, str] = dict(
                 conn.execute(
                     sa.text(
                         "SELECT column_name, collation_name FROM information_schema.columns "

@@ -1,0 +1,175 @@
+"""The ``supplier-sync`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.demo import format_report, run_demo
+
+    report = run_demo(
+        db_url=args.db_url,
+        lease_seconds=args.lease_seconds,
+        crash=not args.no_crash,
+        trigger_id=args.trigger_id,
+    )
+    print(format_report(report))
+    return 0 if not report.problems else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.batches import list_batches
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.leases import list_shards
+
+    db = SyncDatabase.open(args.db_url)
+    batches = list_batches(db, task_code=args.task, limit=args.limit)
+    if args.batch:
+        batches = [b for b in batches if b.batch_id == args.batch] or [
+            b for b in list_batches(db, limit=10_000) if b.batch_id == args.batch
+        ]
+    if not batches:
+        print("no batches")
+        return 0
+    for b in batches:
+        print(
+            f"{b.batch_id}  {b.task_code}  {b.status:<14} {b.shards_done}/{b.shard_count} cities  "
+            f"{b.progress_percent}%  total={b.total_count} ok={b.success_count} "
+            f"failed={b.failed_count} skipped={b.skipped_count}  "
+            f"current={b.current_city_code!r} page={b.current_page}  heartbeat={b.heartbeat_at}"
+        )
+        if args.batch:
+            for s in list_shards(db, b.batch_id):
+                print(
+                    f"    {s.shard_key!r:<30} {s.status:<9} pages={s.pages_done}/{s.total_pages} "
+                    f"total={s.total_count} claims={s.claim_count} worker={s.worker_id} "
+                    f"stage={s.last_heartbeat_stage}"
+                )
+    return 0
+
+
+def _cmd_stalls(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.leases import find_stalls
+
+    db = SyncDatabase.open(args.db_url)
+    stalls = find_stalls(db, checkpoint_stall_seconds=args.checkpoint_stall_seconds)
+    for s in stalls:
+        print(
+            f"{s.kind:<19} batch={s.batch_id} city={s.shard_key!r} worker={s.worker_id} "
+            f"since_checkpoint={s.seconds_since_checkpoint:.0f}s heartbeat={s.heartbeat_at}"
+        )
+    if not stalls:
+        print("no stalled shards")
+    return 0
+
+
+def _cmd_db_init(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.db import SyncDatabase
+
+    db = SyncDatabase.open(args.db_url)
+    print(f"schema ready in {db.safe_url}")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig, serve
+
+    try:
+        faults = FaultProfile.named(args.profile)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"unknown fault profile {args.profile!r}: {err}") from None
+    if args.hostile_city_codes:
+        faults = faults.with_(hostile_city_codes=True)
+    config = SimulatorConfig(
+        seed=args.seed,
+        n_cities=args.cities,
+        total_hotels=args.hotels,
+        api_key=args.api_key,
+        day=args.day,
+        rate_limit_rps=args.rate_limit,
+        faults=faults,
+    )
+    print(
+        f"supplier simulator on http://{args.host}:{args.port} ({args.cities} cities, "
+        f"{args.hotels} hotels, profile {args.profile}, day {args.day})",
+        flush=True,
+    )
+    serve(config, host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``supplier-sync``."""
+    parser = argparse.ArgumentParser(prog="supplier-sync", description=__doc__)
+    parser.add_argument(
+        "--db-url",
+        default=None,
+        help="sync database URL (default: $SUPPLIER_SYNC_DB_URL, else a SQLite file in "
+        "$SUPPLIER_SYNC_HOME or ./.supplier_sync)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="run the main job: today, the end-to-end lease/checkpoint demonstration "
+        "(two worker processes, one killed mid-city, the other reclaims and resumes)",
+    )
+    run.add_argument("--lease-seconds", type=float, default=6.0, help="lease duration (5-1800)")
+    run.add_argument("--no-crash", action="store_true", help="do not kill worker A")
+    run.add_argument("--trigger-id", default=None, help="idempotency key of this launch")
+    run.set_defaults(func=_cmd_run)
+
+    status = sub.add_parser("status", help="batches with their progress (and shards with --batch)")
+    status.add_argument("--batch", default=None, help="show this batch and its shards")
+    status.add_argument("--task", default=None, help="only this task's batches")
+    status.add_argument("--limit", type=int, default=10)
+    status.set_defaults(func=_cmd_status)
+
+    stalls = sub.add_parser("stalls", help="running shards that are stuck or whose lease expired")
+    stalls.add_argument("--checkpoint-stall-seconds", type=float, default=600.0)
+    stalls.set_defaults(func=_cmd_stalls)
+
+    sim = sub.add_parser("simulate", help="serve the supplier simulator over HTTP (uvicorn)")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8080)
+    sim.add_argument("--seed", type=int, default=42)
+    sim.add_argument("--cities", type=int, default=50)
+    sim.add_argument("--hotels", type=int, default=20_000)
+    sim.add_argument("--day", type=int, default=0)
+    sim.add_argument("--api-key", default="sim-key", help="the key clients must send")
+    sim.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key")
+    sim.add_argument("--profile", default="clean", help="fault profile: clean or flaky")
+    sim.add_argument("--hostile-city-codes", action="store_true")
+    sim.set_defaults(func=_cmd_simulate)
+
+    db = sub.add_parser("db", help="sync database administration")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    init = db_sub.add_parser("init", help="create the tables if missing")
+    init.set_defaults(func=_cmd_db_init)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``supplier-sync`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except SupplierSyncError as err:
+        print(f"supplier-sync: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
