@@ -670,6 +670,7 @@ class HeartbeatRunner:
         lease: The lease to renew.
         on_lost: Called once, from the heartbeat thread, when the lease is lost.
         refresh_batch_every: Re-derive the batch's progress every this many beats (0: never).
+        monotonic: The local timer that measures how long renewals have been failing.
     """
 
     def __init__(
@@ -678,8 +679,10 @@ class HeartbeatRunner:
         *,
         on_lost: Callable[[LeaseLost], None] | None = None,
         refresh_batch_every: int = 1,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.lease = lease
+        self._monotonic = monotonic
         self.interval = lease.settings.heartbeat_seconds
         self._on_lost = on_lost
         self._refresh_every = refresh_batch_every
@@ -719,7 +722,7 @@ class HeartbeatRunner:
         return self.lease.lost
 
     def _run(self) -> None:
-        last_ok = time.monotonic()
+        last_ok = self._monotonic()
         while not self._stop.wait(self.interval):
             try:
                 self.lease.heartbeat(self._stage, self._message)
@@ -731,16 +734,17 @@ class HeartbeatRunner:
                 self.failures += 1
                 log.warning("heartbeat for shard %r failed: %s", self.lease.shard_key, err)
                 margin = self.lease.settings.lease_seconds - self.interval
-                if time.monotonic() - last_ok >= margin:
+                failing_for = self._monotonic() - last_ok
+                if failing_for >= margin:
                     reason = (
                         f"shard {self.lease.shard_key!r}: heartbeat failed for "
-                        f"{time.monotonic() - last_ok:.0f} s, the lease may have expired ({err})"
+                        f"{failing_for:.0f} s, the lease may have expired ({err})"
                     )
                     self.lease.mark_lost(reason)
                     self._lose(LeaseLost(reason))
                     return
                 continue
-            last_ok = time.monotonic()
+            last_ok = self._monotonic()
             self.beats += 1
             if self._refresh_every and self.beats % self._refresh_every == 0:
                 try:

@@ -206,6 +206,31 @@ def test_heartbeat_runner_renews_then_detects_loss_and_signals_stop(
     assert _shard_row(db, batch.batch_id, "BKK")["worker_id"] == "w2"
 
 
+def test_heartbeat_runner_gives_up_when_renewals_fail_until_the_lease_could_expire(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    calls = {"n": 0}
+
+    def unreachable(*_a: object, **_k: object) -> None:
+        calls["n"] += 1
+        raise sa.exc.OperationalError("UPDATE supplier_sync_shard", {}, Exception("gone away"))
+
+    monkeypatch.setattr(lease, "heartbeat", unreachable)
+    ticks = iter(range(0, 10_000, 5))  # each reading of the local timer: 5 s later
+    lost = threading.Event()
+    with HeartbeatRunner(
+        lease, on_lost=lambda err: lost.set(), monotonic=lambda: float(next(ticks))
+    ):
+        assert lost.wait(5), "the runner kept going without a renewed lease"
+    # 30 s lease, renewal every 0.05 s: it gives up once failures span >= 29.95 s of timer.
+    assert 5 <= calls["n"] <= 8
+    assert lease.lost
+    with pytest.raises(LeaseLost, match="heartbeat failed"):
+        lease.ensure_held()
+
+
 def test_heartbeat_extends_lease_by_database_clock(db: SyncDatabase, make_batch: MakeBatch):
     batch = make_batch(["BKK"])
     lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
