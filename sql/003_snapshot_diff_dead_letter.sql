@@ -33,6 +33,7 @@ CREATE TABLE IF NOT EXISTS supplier_sync_diff_log (
     offer_id BIGINT DEFAULT NULL,
     old_publish_version BIGINT DEFAULT NULL,
     new_snapshot_version BIGINT NOT NULL,
+    shard_key VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin DEFAULT NULL COMMENT 'the city being synced',
     diff_type VARCHAR(64) NOT NULL COMMENT 'NEW/NO_CHANGE/CONTENT_CHANGED/PRICE_CHANGED/STOCK_CHANGED/STATUS_CHANGED',
     changed_fields JSON NOT NULL,
     risk_level VARCHAR(32) NOT NULL COMMENT 'LOW/MEDIUM/HIGH',
@@ -40,7 +41,7 @@ CREATE TABLE IF NOT EXISTS supplier_sync_diff_log (
     created_at DATETIME(6) NOT NULL,
     PRIMARY KEY (id),
     UNIQUE KEY uk_diff_id (diff_id),
-    KEY idx_diff_batch (batch_id),
+    KEY idx_diff_batch (batch_id, shard_key),
     KEY idx_action (action)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COMMENT='field-level differences between normalized and published data';
 

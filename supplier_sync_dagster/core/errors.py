@@ -15,6 +15,9 @@ The tree::
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
+    ├── PayloadError                  the payload store (raw/normalized bytes) failed
+    │   ├── PayloadNotFound           no payload under this reference
+    │   └── PayloadCorrupt            stored bytes do not match their hash, or do not decompress
     ├── LeaseError                    shard ownership problems
     │   ├── LeaseNotAcquired          the shard is held by a live lease, finished, or was taken first
     │   └── LeaseLost                 a fenced write matched 0 rows: stop, write nothing more
@@ -72,6 +75,18 @@ class InvalidCheckpoint(SupplierSyncError):
 
 class InvalidTransition(SupplierSyncError):
     """A guarded state move matched no row: the row was not in the expected state."""
+
+
+class PayloadError(SupplierSyncError):
+    """The payload store could not store or return a payload."""
+
+
+class PayloadNotFound(PayloadError):
+    """No payload is stored under this reference."""
+
+
+class PayloadCorrupt(PayloadError):
+    """The stored bytes do not decompress or do not match the hash they are keyed by."""
 
 
 class LeaseError(SupplierSyncError):

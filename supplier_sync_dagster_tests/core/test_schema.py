@@ -22,7 +22,10 @@ def _describe(engine: sa.Engine) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
     for table in sorted(insp.get_table_names()):
         out[table] = {
-            "columns": {c["name"]: c["nullable"] for c in insp.get_columns(table)},
+            "columns": {
+                c["name"]: (c["nullable"], str(c["type"]), str(c.get("default")))
+                for c in insp.get_columns(table)
+            },
             "unique": {
                 # MariaDB reflects UNIQUE KEYs both as unique constraints and unique indexes.
                 (u["name"], tuple(u["column_names"]))

@@ -1,0 +1,390 @@
+"""Field-level differences between a normalized hotel and the currently published one.
+
+Input hotels are in their canonical form (the decoded canonical JSON of normalization:
+money and star ratings as decimal strings, times as RFC 3339 strings). The published side
+is read back from the platform tables in bulk, one query per chunk, never per hotel.
+
+Diff types, by precedence when several kinds of field changed (``changed_fields`` lists
+them all): STATUS_CHANGED > CONTENT_CHANGED > PRICE_CHANGED > STOCK_CHANGED; NEW when
+nothing is published yet; NO_CHANGE when the fingerprints match; STALE when the published
+supplier version is newer (an older version never overwrites a newer one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.mapping import chunks
+
+DiffType = Literal[
+    "NEW",
+    "NO_CHANGE",
+    "CONTENT_CHANGED",
+    "PRICE_CHANGED",
+    "STOCK_CHANGED",
+    "STATUS_CHANGED",
+    "STALE",
+]
+RiskLevel = Literal["LOW", "MEDIUM", "HIGH"]
+Action = Literal["IGNORE", "AUTO_PUBLISH", "REVIEW", "DLQ"]
+
+CONTENT_FIELDS = (
+    "name",
+    "name_local",
+    "city_code",
+    "country_code",
+    "address_line1",
+    "postal_code",
+    "lat",
+    "lng",
+    "star_rating",
+    "phone_e164",
+    "email",
+    "facilities",
+    "images",
+)
+ROOM_CONTENT_FIELDS = ("name", "bed_type", "max_occupancy")
+PLAN_CONTENT_FIELDS = ("board", "refundable")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A normalized hotel ready to be compared and published.
+
+    Attributes:
+        doc: The canonical form of the normalized hotel.
+        fingerprint: sha256 of its canonical JSON.
+        raw_payload_ref: The raw page it came from (traceability).
+        raw_payload_hash: sha256 of that page.
+    """
+
+    doc: Mapping[str, Any]
+    fingerprint: str
+    raw_payload_ref: str | None = None
+    raw_payload_hash: str | None = None
+
+    @property
+    def supplier_hotel_id(self) -> str:
+        """The supplier's hotel id."""
+        return str(self.doc["supplier_hotel_id"])
+
+    @property
+    def version(self) -> int:
+        """The supplier's version of this hotel."""
+        return int(self.doc["version"])
+
+    def offer_keys(self) -> list[tuple[str, str, str]]:
+        """(hotel, room, rate plan) of every offer of the hotel."""
+        return [
+            (self.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
+            for room in self.doc.get("rooms") or ()
+            for plan in room.get("rate_plans") or ()
+        ]
+
+
+@dataclass(frozen=True)
+class HotelDiff:
+    """What changed for one hotel, and what to do about it."""
+
+    supplier_hotel_id: str
+    platform_resource_id: int
+    old_publish_version: int | None
+    old_supplier_version: int | None
+    new_version: int
+    diff_type: DiffType
+    changed_fields: list[dict[str, Any]] = field(default_factory=list)
+    risk_level: RiskLevel = "LOW"
+    action: Action = "AUTO_PUBLISH"
+
+
+RiskPolicy = Callable[[HotelDiff], tuple[RiskLevel, Action]]
+
+
+def default_risk_policy(diff: HotelDiff) -> tuple[RiskLevel, Action]:
+    """Publishes every real change; ignores NO_CHANGE and STALE (a governance layer may replace this)."""
+    if diff.diff_type in ("NO_CHANGE", "STALE"):
+        return "LOW", "IGNORE"
+    return "LOW", "AUTO_PUBLISH"
+
+
+def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """One candidate per hotel: the highest version (a hotel listed on two pages, or twice).
+
+    Ties keep the first seen, so the result does not depend on anything but input order.
+    """
+    best: dict[str, Candidate] = {}
+    for cand in candidates:
+        seen = best.get(cand.supplier_hotel_id)
+        if seen is None or cand.version > seen.version:
+            best[cand.supplier_hotel_id] = cand
+    return list(best.values())
+
+
+def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The published hotels (canonical form plus versions and fingerprint) by resource id."""
+    out: dict[int, dict[str, Any]] = {}
+    h, o = t.platform_hotel.c, t.platform_offer.c
+    ids = sorted(set(resource_ids))
+    for part in chunks(ids):
+        for row in conn.execute(sa.select(t.platform_hotel).where(h.resource_id.in_(part))):
+            m = row._mapping
+            out[m["resource_id"]] = {
+                "supplier_version": m["supplier_version"],
+                "publish_version": m["publish_version"],
+                "fingerprint": m["fingerprint"],
+                "doc": {
+                    "name": m["name"],
+                    "name_local": m["name_local"],
+                    "city_code": m["city_code"],
+                    "country_code": m["country_code"],
+                    "address_line1": m["address_line1"],
+                    "postal_code": m["postal_code"],
+                    "lat": m["lat"],
+                    "lng": m["lng"],
+                    "star_rating": _dec_str(m["star_rating"]),
+                    "phone_e164": m["phone"],
+                    "email": m["email"],
+                    "facilities": json.loads(m["facilities"] or "[]"),
+                    "images": json.loads(m["images"] or "[]"),
+                    "status": m["status"],
+                    "rooms": {},
+                },
+            }
+        for row in conn.execute(
+            sa.select(t.platform_offer).where(o.resource_id.in_(part), o.active.is_(True))
+        ):
+            m = row._mapping
+            pub = out.get(m["resource_id"])
+            if pub is None:
+                continue
+            room = pub["doc"]["rooms"].setdefault(
+                m["room_code"],
+                {
+                    "name": m["room_name"],
+                    "bed_type": m["bed_type"],
+                    "max_occupancy": m["max_occupancy"],
+                    "rate_plans": {},
+                },
+            )
+            room["rate_plans"][m["rate_plan_code"]] = {
+                "board": m["board"],
+                "refundable": bool(m["refundable"]) if m["refundable"] is not None else None,
+                "available": bool(m["available"]),
+                "price": _dec_str(m["price_amount"]),
+                "currency": m["currency"],
+            }
+    return out
+
+
+def compute_diffs(
+    conn: Connection,
+    candidates: Sequence[Candidate],
+    resource_ids: Mapping[str, int],
+    *,
+    policy: RiskPolicy = default_risk_policy,
+) -> list[HotelDiff]:
+    """Compares each candidate with its published version; one HotelDiff per candidate."""
+    published = load_published(conn, [resource_ids[c.supplier_hotel_id] for c in candidates])
+    out = []
+    for cand in candidates:
+        rid = resource_ids[cand.supplier_hotel_id]
+        pub = published.get(rid)
+        if pub is None:
+            diff = HotelDiff(
+                cand.supplier_hotel_id,
+                rid,
+                None,
+                None,
+                cand.version,
+                "NEW",
+                [{"field": "*", "old": None, "new": "created"}],
+            )
+        elif pub["supplier_version"] > cand.version:
+            diff = HotelDiff(
+                cand.supplier_hotel_id,
+                rid,
+                pub["publish_version"],
+                pub["supplier_version"],
+                cand.version,
+                "STALE",
+                [{"field": "version", "old": pub["supplier_version"], "new": cand.version}],
+            )
+        elif pub["fingerprint"] == cand.fingerprint:
+            diff = HotelDiff(
+                cand.supplier_hotel_id,
+                rid,
+                pub["publish_version"],
+                pub["supplier_version"],
+                cand.version,
+                "NO_CHANGE",
+            )
+        else:
+            changes, kinds = _changes(pub["doc"], cand.doc)
+            diff = HotelDiff(
+                cand.supplier_hotel_id,
+                rid,
+                pub["publish_version"],
+                pub["supplier_version"],
+                cand.version,
+                _primary(kinds),
+                changes,
+            )
+        risk, action = policy(diff)
+        out.append(
+            HotelDiff(
+                diff.supplier_hotel_id,
+                diff.platform_resource_id,
+                diff.old_publish_version,
+                diff.old_supplier_version,
+                diff.new_version,
+                diff.diff_type,
+                diff.changed_fields,
+                risk,
+                action,
+            )
+        )
+    return out
+
+
+def record_diffs(
+    conn: Connection,
+    clock: DbClock,
+    *,
+    batch_id: str,
+    shard_key: str,
+    supplier_id: int,
+    diffs: Sequence[HotelDiff],
+    category_code: str = "HOTEL",
+) -> None:
+    """Writes diff log rows in one statement; a re-run of the same batch adds nothing."""
+    insert_ignore(
+        conn,
+        t.diff_log,
+        [
+            {
+                "diff_id": diff_id(batch_id, supplier_id, d.supplier_hotel_id, d.new_version),
+                "supplier_resource_code": d.supplier_hotel_id,
+                "platform_resource_id": d.platform_resource_id,
+                "old_publish_version": d.old_publish_version,
+                "new_snapshot_version": d.new_version,
+                "diff_type": d.diff_type,
+                "changed_fields": d.changed_fields,
+                "risk_level": d.risk_level,
+                "action": d.action,
+            }
+            for d in diffs
+        ],
+        batch_id=batch_id,
+        shard_key=shard_key,
+        supplier_id=supplier_id,
+        category_code=category_code,
+        created_at=clock.now(),
+    )
+
+
+def diff_id(batch_id: str, supplier_id: int, hotel_id: str, version: int) -> str:
+    """Deterministic diff id: one diff per (batch, hotel, version)."""
+    key = f"{batch_id}\0{supplier_id}\0{hotel_id}\0{version}"
+    return "df_" + hashlib.sha256(key.encode()).hexdigest()[:61]
+
+
+def _dec_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _norm_num(str(value))
+
+
+def _norm_num(text: str) -> str:
+    """Decimal strings compare by value: '120.5000' == '120.50'."""
+    try:
+        d = Decimal(text)
+    except ArithmeticError:
+        return text
+    return format(d.normalize(), "f")
+
+
+def _same(old: Any, new: Any, *, numeric: bool = False) -> bool:
+    if numeric and old is not None and new is not None:
+        if isinstance(old, float) or isinstance(new, float):
+            return abs(float(old) - float(new)) < 1e-9
+        return _norm_num(str(old)) == _norm_num(str(new))
+    return bool(old == new)
+
+
+def _changes(
+    old: Mapping[str, Any], new: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], set[str]]:
+    changes: list[dict[str, Any]] = []
+    kinds: set[str] = set()
+
+    def add(kind: str, name: str, before: Any, after: Any) -> None:
+        kinds.add(kind)
+        changes.append({"field": name, "old": before, "new": after})
+
+    if old.get("status") != new.get("status"):
+        add("STATUS", "status", old.get("status"), new.get("status"))
+    for name in CONTENT_FIELDS:
+        numeric = name in ("lat", "lng", "star_rating")
+        if not _same(old.get(name), new.get(name), numeric=numeric):
+            add("CONTENT", name, old.get(name), new.get(name))
+    old_rooms: Mapping[str, Any] = old.get("rooms") or {}
+    new_rooms = {str(r["room_code"]): r for r in new.get("rooms") or ()}
+    for code in sorted(set(old_rooms) | set(new_rooms)):
+        before, after = old_rooms.get(code), new_rooms.get(code)
+        if before is None or after is None:
+            add(
+                "CONTENT",
+                f"rooms[{code}]",
+                "present" if before else None,
+                "present" if after else None,
+            )
+            continue
+        for name in ROOM_CONTENT_FIELDS:
+            if not _same(before.get(name), after.get(name)):
+                add("CONTENT", f"rooms[{code}].{name}", before.get(name), after.get(name))
+        old_plans: Mapping[str, Any] = before.get("rate_plans") or {}
+        new_plans = {str(p["code"]): p for p in after.get("rate_plans") or ()}
+        for pcode in sorted(set(old_plans) | set(new_plans)):
+            pb, pa = old_plans.get(pcode), new_plans.get(pcode)
+            where = f"rooms[{code}].rate_plans[{pcode}]"
+            if pb is None or pa is None:
+                add("CONTENT", where, "present" if pb else None, "present" if pa else None)
+                continue
+            for name in PLAN_CONTENT_FIELDS:
+                if not _same(pb.get(name), pa.get(name)):
+                    add("CONTENT", f"{where}.{name}", pb.get(name), pa.get(name))
+            if not _same(pb.get("price"), pa.get("price"), numeric=True) or pb.get(
+                "currency"
+            ) != pa.get("currency"):
+                add(
+                    "PRICE",
+                    f"{where}.price",
+                    f"{pb.get('price')} {pb.get('currency')}",
+                    f"{pa.get('price')} {pa.get('currency')}",
+                )
+            if bool(pb.get("available")) != bool(pa.get("available")):
+                add("STOCK", f"{where}.available", pb.get("available"), pa.get("available"))
+    return changes, kinds
+
+
+def _primary(kinds: set[str]) -> DiffType:
+    for kind, diff_type in (
+        ("STATUS", "STATUS_CHANGED"),
+        ("CONTENT", "CONTENT_CHANGED"),
+        ("PRICE", "PRICE_CHANGED"),
+        ("STOCK", "STOCK_CHANGED"),
+    ):
+        if kind in kinds:
+            return diff_type  # type: ignore[return-value]
+    # A new version whose published fields are all equal (only updated_at moved).
+    return "NO_CHANGE"

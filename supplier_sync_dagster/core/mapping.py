@@ -1,0 +1,118 @@
+"""Resource mapping: supplier hotel -> platform resource id, room x rate plan -> offer id.
+
+Ids are allocated exactly once by a unique key: one bulk insert-or-ignore, then one read of
+the ids. Never check-then-insert: two concurrent runs that both see "no mapping" would
+allocate two ids for one supplier hotel (the duplicate-allocation bug of the post-mortem
+in ``seeds/cas-dedupe-postmortem.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import DbClock, insert_ignore
+
+CHUNK = 1000  # ids per IN (...) list: far below every driver's parameter limit
+
+OfferKey = tuple[str, str, str]  # (supplier hotel id, room code, rate plan code)
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
+    """Consecutive slices of at most ``size`` items."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@dataclass(frozen=True)
+class HotelMappings:
+    """Resource ids of a set of supplier hotels, and which of them this call created."""
+
+    resource_ids: dict[str, int]
+    created: frozenset[str]
+
+
+def ensure_hotel_mappings(
+    conn: Connection,
+    clock: DbClock,
+    *,
+    supplier_id: int,
+    batch_id: str,
+    hotel_ids: Iterable[str],
+) -> HotelMappings:
+    """Returns the platform resource id of each supplier hotel, creating missing ones.
+
+    ``created`` holds the hotels whose mapping was created by this batch (now or by an
+    earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
+    """
+    ids = sorted(set(hotel_ids))
+    c = t.hotel_mapping.c
+    insert_ignore(
+        conn,
+        t.hotel_mapping,
+        [{"supplier_hotel_id": h} for h in ids],
+        supplier_id=supplier_id,
+        created_batch_id=batch_id,
+        created_at=clock.now(),
+    )
+    resource_ids: dict[str, int] = {}
+    created: set[str] = set()
+    for part in chunks(ids):
+        for hotel_id, rid, made_by in conn.execute(
+            sa.select(c.supplier_hotel_id, c.id, c.created_batch_id).where(
+                c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
+            )
+        ):
+            resource_ids[hotel_id] = int(rid)
+            if made_by == batch_id:
+                created.add(hotel_id)
+    return HotelMappings(resource_ids, frozenset(created))
+
+
+def ensure_offer_mappings(
+    conn: Connection,
+    clock: DbClock,
+    *,
+    supplier_id: int,
+    batch_id: str,
+    offers: Iterable[OfferKey],
+    resource_ids: dict[str, int],
+) -> dict[OfferKey, int]:
+    """Returns the platform offer id of each (hotel, room, rate plan), creating missing ones."""
+    keys = sorted(set(offers))
+    c = t.offer_mapping.c
+    insert_ignore(
+        conn,
+        t.offer_mapping,
+        [
+            {
+                "supplier_hotel_id": h,
+                "room_code": room,
+                "rate_plan_code": plan,
+                "platform_resource_id": resource_ids[h],
+            }
+            for h, room, plan in keys
+        ],
+        supplier_id=supplier_id,
+        created_batch_id=batch_id,
+        created_at=clock.now(),
+    )
+    out: dict[OfferKey, int] = {}
+    hotels = sorted({h for h, _, _ in keys})
+    wanted = set(keys)
+    for part in chunks(hotels):
+        for h, room, plan, oid in conn.execute(
+            sa.select(c.supplier_hotel_id, c.room_code, c.rate_plan_code, c.id).where(
+                c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
+            )
+        ):
+            if (h, room, plan) in wanted:
+                out[(h, room, plan)] = int(oid)
+    return out

@@ -1,0 +1,327 @@
+"""Publishing: version-guarded upserts of hotels and offers, with their outbox events.
+
+Everything happens in the caller's transaction (invariant 7: publish and its events are one
+transaction). The hotel upsert is guarded in SQL: a row is written only when the incoming
+supplier version is newer, or equal with a different fingerprint (a fixed normalization
+rule replayed). A ``publish_token`` stamped on every written row tells which hotels this
+call actually changed, so offers and events follow only those: two concurrent publishes of
+the same version write once and emit once, and an older version never overwrites a newer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.diff import Candidate, HotelDiff
+from supplier_sync_dagster.core.mapping import OfferKey, chunks
+
+HOTEL_EVENTS = ("HotelResourceUpdated", "HotelSearchIndexRefreshRequired")
+CONTENT_DIFFS = ("NEW", "CONTENT_CHANGED", "STATUS_CHANGED")
+
+_HOTEL_COLUMNS = (
+    "name",
+    "name_local",
+    "city_code",
+    "country_code",
+    "address_line1",
+    "postal_code",
+    "lat",
+    "lng",
+    "star_rating",
+    "phone",
+    "email",
+    "facilities",
+    "images",
+    "status",
+    "supplier_updated_at",
+    "raw_payload_ref",
+    "raw_payload_hash",
+    "last_batch_id",
+    "publish_token",
+    "published_at",
+)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A hotel this call published."""
+
+    supplier_hotel_id: str
+    resource_id: int
+    publish_version: int
+    supplier_version: int
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What a publish call wrote and what it left alone."""
+
+    published: list[Published]
+    not_newer: list[str]  # a newer (or identical) version was already published
+    events: int
+
+
+def publish_hotels(
+    conn: Connection,
+    clock: DbClock,
+    *,
+    supplier_id: int,
+    batch_id: str,
+    items: Sequence[tuple[HotelDiff, Candidate]],
+    offer_ids: Mapping[OfferKey, int],
+) -> PublishResult:
+    """Publishes AUTO_PUBLISH diffs with their offers and outbox events, in ``conn``'s transaction.
+
+    Args:
+        conn: A connection inside the transaction that must also commit the events.
+        clock: The database clock.
+        supplier_id: The supplier.
+        batch_id: The batch publishing.
+        items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are written.
+        offer_ids: Platform offer ids of every (hotel, room, rate plan) of the candidates.
+    """
+    todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
+    if not todo:
+        return PublishResult([], [], 0)
+    token = uuid.uuid4().hex
+    _upsert_hotels(conn, clock, supplier_id, batch_id, token, todo)
+    rids = [d.platform_resource_id for d, _ in todo]
+    written: dict[int, tuple[int, int]] = {}
+    h = t.platform_hotel.c
+    for part in chunks(rids):
+        for rid, pv, sv in conn.execute(
+            sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
+                h.resource_id.in_(part), h.publish_token == token
+            )
+        ):
+            written[int(rid)] = (int(pv), int(sv))
+    done = [(d, c) for d, c in todo if d.platform_resource_id in written]
+    _replace_offers(conn, clock, done, offer_ids, written)
+    events = _events(batch_id, done, written)
+    insert_ignore(conn, t.outbox, events, batch_id=batch_id, created_at=clock.now())
+    published = [
+        Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
+        for d, _ in done
+    ]
+    not_newer = [d.supplier_hotel_id for d, _ in todo if d.platform_resource_id not in written]
+    return PublishResult(published, not_newer, len(events))
+
+
+def _hotel_row(
+    diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str, token: str
+) -> dict[str, Any]:
+    doc = cand.doc
+    return {
+        "resource_id": diff.platform_resource_id,
+        "supplier_id": supplier_id,
+        "supplier_hotel_id": cand.supplier_hotel_id,
+        "supplier_version": cand.version,
+        "publish_version": 1,
+        "fingerprint": cand.fingerprint,
+        "name": doc["name"],
+        "name_local": doc.get("name_local"),
+        "city_code": doc["city_code"],
+        "country_code": doc["country_code"],
+        "address_line1": doc.get("address_line1"),
+        "postal_code": doc.get("postal_code"),
+        "lat": float(doc["lat"]),
+        "lng": float(doc["lng"]),
+        "star_rating": Decimal(str(doc["star_rating"]))
+        if doc.get("star_rating") is not None
+        else None,
+        "phone": doc.get("phone_e164"),
+        "email": doc.get("email"),
+        "facilities": json.dumps(list(doc.get("facilities") or ()), ensure_ascii=False),
+        "images": json.dumps(list(doc.get("images") or ()), ensure_ascii=False),
+        "status": doc["status"],
+        "supplier_updated_at": _utc(doc["updated_at"]),
+        "raw_payload_ref": cand.raw_payload_ref,
+        "raw_payload_hash": cand.raw_payload_hash,
+        "last_batch_id": batch_id,
+        "publish_token": token,
+    }
+
+
+def _upsert_hotels(
+    conn: Connection,
+    clock: DbClock,
+    supplier_id: int,
+    batch_id: str,
+    token: str,
+    todo: Sequence[tuple[HotelDiff, Candidate]],
+) -> None:
+    rows = [_hotel_row(d, c, supplier_id, batch_id, token) for d, c in todo]
+    now = clock.now()
+    if conn.dialect.name == "sqlite":
+        ins = sqlite_insert(t.platform_hotel).values(published_at=now)
+        ex = ins.excluded
+        cur = t.platform_hotel.c
+        newer = sa.or_(
+            ex.supplier_version > cur.supplier_version,
+            sa.and_(ex.supplier_version == cur.supplier_version, ex.fingerprint != cur.fingerprint),
+        )
+        stmt: Any = ins.on_conflict_do_update(
+            index_elements=[cur.resource_id],
+            set_={
+                **{name: ex[name] for name in _HOTEL_COLUMNS},
+                "publish_version": cur.publish_version + 1,
+                "fingerprint": ex.fingerprint,
+                "supplier_version": ex.supplier_version,
+            },
+            where=newer,
+        )
+    else:
+        ins_m = mysql_insert(t.platform_hotel).values(published_at=now)
+        new = ins_m.inserted
+        cur = t.platform_hotel.c
+        newer = sa.or_(
+            new.supplier_version > cur.supplier_version,
+            sa.and_(
+                new.supplier_version == cur.supplier_version, new.fingerprint != cur.fingerprint
+            ),
+        )
+        # MySQL applies ON DUPLICATE KEY assignments left to right, each seeing the ones
+        # before it: every column that the guard reads (fingerprint, supplier_version) is
+        # assigned last, so the guard sees the old row in every earlier assignment.
+        assignments: list[tuple[str, Any]] = [
+            (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
+        ]
+        assignments += [
+            ("publish_version", sa.func.IF(newer, cur.publish_version + 1, cur.publish_version)),
+            ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
+            ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),
+        ]
+        stmt = ins_m.on_duplicate_key_update(assignments)
+    conn.execute(stmt, rows)
+
+
+def _replace_offers(
+    conn: Connection,
+    clock: DbClock,
+    done: Sequence[tuple[HotelDiff, Candidate]],
+    offer_ids: Mapping[OfferKey, int],
+    written: Mapping[int, tuple[int, int]],
+) -> None:
+    """The published hotels' offers become exactly their candidates' offers.
+
+    Only hotels this call wrote get here, and their rows stay locked until commit, so no
+    concurrent publish of another version can interleave with these offer writes.
+    """
+    if not done:
+        return
+    rows = []
+    for diff, cand in done:
+        pv, sv = written[diff.platform_resource_id]
+        for room in cand.doc.get("rooms") or ():
+            for plan in room.get("rate_plans") or ():
+                key = (cand.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
+                rows.append(
+                    {
+                        "offer_id": offer_ids[key],
+                        "resource_id": diff.platform_resource_id,
+                        "room_code": key[1],
+                        "rate_plan_code": key[2],
+                        "room_name": room.get("name"),
+                        "bed_type": room.get("bed_type"),
+                        "max_occupancy": room.get("max_occupancy"),
+                        "board": plan.get("board"),
+                        "refundable": plan.get("refundable"),
+                        "available": bool(plan.get("available")),
+                        "price_amount": Decimal(str(plan["price"])),
+                        "currency": plan["currency"],
+                        "supplier_version": sv,
+                        "publish_version": pv,
+                    }
+                )
+    o = t.platform_offer.c
+    rids = [d.platform_resource_id for d, _ in done]
+    for part in chunks(rids):
+        conn.execute(
+            sa.update(t.platform_offer)
+            .where(o.resource_id.in_(part))
+            .values(active=False, updated_at=clock.now())
+        )
+    if not rows:
+        return
+    now = clock.now()
+    if conn.dialect.name == "sqlite":
+        ins = sqlite_insert(t.platform_offer).values(active=True, updated_at=now)
+        stmt: Any = ins.on_conflict_do_update(
+            index_elements=[o.offer_id],
+            set_={name: ins.excluded[name] for name in rows[0] if name != "offer_id"}
+            | {"active": True, "updated_at": now},
+        )
+    else:
+        ins_m = mysql_insert(t.platform_offer).values(active=True, updated_at=now)
+        stmt = ins_m.on_duplicate_key_update(
+            {name: ins_m.inserted[name] for name in rows[0] if name != "offer_id"}
+            | {"active": True, "updated_at": now}
+        )
+    conn.execute(stmt, rows)
+
+
+def _events(
+    batch_id: str,
+    done: Sequence[tuple[HotelDiff, Candidate]],
+    written: Mapping[int, tuple[int, int]],
+) -> list[dict[str, Any]]:
+    events = []
+    for diff, cand in done:
+        rid = diff.platform_resource_id
+        pv, sv = written[rid]
+        types = list(HOTEL_EVENTS)
+        if diff.diff_type in CONTENT_DIFFS:
+            types.append("HotelContentChanged")
+        if diff.diff_type == "NEW":
+            types.append("HotelMappingCreated")
+        for event_type in types:
+            payload = {
+                "event_type": event_type,
+                "resource_id": rid,
+                "publish_version": pv,
+                "supplier_hotel_id": cand.supplier_hotel_id,
+                "supplier_version": sv,
+                "diff_type": diff.diff_type,
+                "changed_fields": [c["field"] for c in diff.changed_fields][:50],
+                "batch_id": batch_id,
+            }
+            events.append(
+                {
+                    "event_id": event_id(event_type, rid, pv),
+                    "event_type": event_type,
+                    "aggregate_type": "HOTEL",
+                    "aggregate_id": rid,
+                    "aggregate_version": pv,
+                    "payload": json.dumps(payload, ensure_ascii=False, sort_keys=True),
+                }
+            )
+    return events
+
+
+def event_id(event_type: str, resource_id: int, publish_version: int) -> str:
+    """Deterministic event id: one event of a type per published version of a resource."""
+    return hashlib.sha256(f"{event_type}\0{resource_id}\0{publish_version}".encode()).hexdigest()
+
+
+def _utc(value: Any) -> datetime:
+    if isinstance(value, datetime):
+        dt = value
+    else:
+        dt = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    if dt.tzinfo is not None:
+        dt = dt.astimezone(UTC).replace(tzinfo=None)
+    return dt

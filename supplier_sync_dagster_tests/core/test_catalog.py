@@ -1,0 +1,345 @@
+"""Mappings, diffs, version-guarded publish with outbox events, and dead letters."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.deadletters import (
+    DeadLetter,
+    count_dead_letters,
+    record_dead_letters,
+)
+from supplier_sync_dagster.core.diff import (
+    Candidate,
+    collapse_duplicates,
+    compute_diffs,
+    record_diffs,
+)
+from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
+from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster_tests.core.conftest import run_concurrently
+
+SUPPLIER = 1001
+
+
+def hotel(hid: str, version: int = 1, **changes: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "supplier_hotel_id": hid,
+        "name": f"Hotel {hid}",
+        "name_local": None,
+        "city_code": "BKK",
+        "country_code": "TH",
+        "address_line1": "1 Road",
+        "postal_code": "10500",
+        "lat": 13.7234,
+        "lng": 100.5143,
+        "star_rating": "4.5",
+        "phone_e164": "+6621234567",
+        "email": None,
+        "facilities": ["wifi", "pool"],
+        "images": [],
+        "rooms": [
+            {
+                "room_code": "DLX",
+                "name": "Deluxe King",
+                "bed_type": "KING",
+                "max_occupancy": 2,
+                "rate_plans": [
+                    {
+                        "code": "BAR",
+                        "board": "RO",
+                        "refundable": True,
+                        "available": True,
+                        "price": "120.50",
+                        "currency": "THB",
+                    },
+                    {
+                        "code": "NRF",
+                        "board": "BB",
+                        "refundable": False,
+                        "available": True,
+                        "price": "99.00",
+                        "currency": "THB",
+                    },
+                ],
+            }
+        ],
+        "status": "ACTIVE",
+        "updated_at": f"2026-11-{version:02d}T10:00:00Z",
+        "version": version,
+    }
+    doc.update(changes)
+    return doc
+
+
+def cand(doc: dict[str, Any]) -> Candidate:
+    fp = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return Candidate(doc, fp, raw_payload_ref="file:///raw/x.json.gz", raw_payload_hash="a" * 64)
+
+
+def sync(db: SyncDatabase, batch_id: str, docs: list[dict[str, Any]]):
+    """Maps, diffs, records and publishes a list of hotels in one transaction."""
+    cands = collapse_duplicates([cand(d) for d in docs])
+    with db.begin() as conn:
+        maps = ensure_hotel_mappings(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id=batch_id,
+            hotel_ids=[c.supplier_hotel_id for c in cands],
+        )
+        offers = ensure_offer_mappings(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id=batch_id,
+            offers=[k for c in cands for k in c.offer_keys()],
+            resource_ids=maps.resource_ids,
+        )
+        diffs = compute_diffs(conn, cands, maps.resource_ids)
+        record_diffs(
+            conn, db.clock, batch_id=batch_id, shard_key="BKK", supplier_id=SUPPLIER, diffs=diffs
+        )
+        by_id = {c.supplier_hotel_id: c for c in cands}
+        result = publish_hotels(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id=batch_id,
+            items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
+            offer_ids=offers,
+        )
+    return diffs, result
+
+
+def rows(db: SyncDatabase, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
+    with db.engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(sa.select(table).where(*where))]
+
+
+def test_mappings_are_allocated_once_even_under_concurrent_batches(db: SyncDatabase):
+    ids = [f"H{i:04d}" for i in range(300)] + ["../../etc", "x'; DROP TABLE t;--", "h0001"]
+
+    def allocate(i: int) -> dict[str, int]:
+        with db.begin() as conn:
+            return ensure_hotel_mappings(
+                conn, db.clock, supplier_id=SUPPLIER, batch_id=f"b{i}", hotel_ids=ids
+            ).resource_ids
+
+    results, errors = run_concurrently(6, allocate)
+    assert not errors, errors
+    assert all(r == results[0] for r in results)
+    assert len(set(results[0].values())) == len(ids)  # 'H0001' and 'h0001' are two hotels
+    assert len(rows(db, t.hotel_mapping)) == len(ids)
+    with db.begin() as conn:
+        again = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="later", hotel_ids=ids[:5]
+        )
+    assert again.created == frozenset() and again.resource_ids == {
+        h: results[0][h] for h in ids[:5]
+    }
+
+
+def test_new_then_no_change_then_each_kind_of_change(db: SyncDatabase):
+    diffs, res = sync(db, "b1", [hotel("H1"), hotel("H2"), hotel("H3"), hotel("H4"), hotel("H5")])
+    assert {d.diff_type for d in diffs} == {"NEW"} and len(res.published) == 5
+    assert {p.publish_version for p in res.published} == {1}
+
+    diffs, res = sync(db, "b2", [hotel("H1"), hotel("H2"), hotel("H3"), hotel("H4"), hotel("H5")])
+    assert {d.diff_type for d in diffs} == {"NO_CHANGE"} and res.published == []
+    assert {d.action for d in diffs} == {"IGNORE"}
+
+    price = hotel("H1", 2)
+    price["rooms"][0]["rate_plans"][0]["price"] = "150.00"
+    stock = hotel("H2", 2)
+    stock["rooms"][0]["rate_plans"][1]["available"] = False
+    content = hotel("H3", 2, name="Hotel H3 Riverside", facilities=["wifi", "pool", "spa"])
+    status = hotel("H4", 2, status="INACTIVE")
+    same_fields = hotel("H5", 2)  # only version and updated_at moved
+    diffs, res = sync(db, "b3", [price, stock, content, status, same_fields])
+    by = {d.supplier_hotel_id: d for d in diffs}
+    assert by["H1"].diff_type == "PRICE_CHANGED"
+    assert by["H1"].changed_fields == [
+        {"field": "rooms[DLX].rate_plans[BAR].price", "old": "120.5 THB", "new": "150.00 THB"}
+    ]
+    assert by["H2"].diff_type == "STOCK_CHANGED"
+    assert by["H3"].diff_type == "CONTENT_CHANGED"
+    assert {c["field"] for c in by["H3"].changed_fields} == {"name", "facilities"}
+    assert by["H4"].diff_type == "STATUS_CHANGED"
+    assert by["H5"].diff_type == "NO_CHANGE"
+    assert {p.supplier_hotel_id for p in res.published} == {"H1", "H2", "H3", "H4"}
+    assert {p.publish_version for p in res.published} == {2}
+    logged = rows(db, t.diff_log, t.diff_log.c.batch_id == "b3")
+    assert {r["supplier_resource_code"]: r["diff_type"] for r in logged} == {
+        k: v.diff_type for k, v in by.items()
+    }
+    assert logged[0]["shard_key"] == "BKK"
+
+
+def test_older_version_never_overwrites_newer(db: SyncDatabase):
+    sync(db, "b1", [hotel("H1", 5, name="Newest name")])
+    diffs, res = sync(db, "b2", [hotel("H1", 3, name="Old name")])
+    assert diffs[0].diff_type == "STALE" and diffs[0].action == "IGNORE"
+    assert res.published == []
+    # Even forced through publish (a stale diff that slipped past), the SQL guard holds.
+    stale = hotel("H1", 4, name="Older name")
+    with db.begin() as conn:
+        maps = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
+        )
+        offers = ensure_offer_mappings(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id="b3",
+            offers=cand(stale).offer_keys(),
+            resource_ids=maps.resource_ids,
+        )
+        forced = compute_diffs(
+            conn, [cand(stale)], maps.resource_ids, policy=lambda d: ("LOW", "AUTO_PUBLISH")
+        )
+        res = publish_hotels(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id="b3",
+            items=[(forced[0], cand(stale))],
+            offer_ids=offers,
+        )
+    assert res.published == [] and res.not_newer == ["H1"] and res.events == 0
+    (row,) = rows(db, t.platform_hotel)
+    assert (row["name"], row["supplier_version"], row["publish_version"]) == ("Newest name", 5, 1)
+
+
+def test_duplicates_in_one_batch_collapse_to_highest_version(db: SyncDatabase):
+    diffs, res = sync(
+        db, "b1", [hotel("H1", 2, name="v2"), hotel("H1", 3, name="v3"), hotel("H1", 1)]
+    )
+    assert len(diffs) == 1 and diffs[0].new_version == 3
+    (row,) = rows(db, t.platform_hotel)
+    assert row["name"] == "v3" and row["supplier_version"] == 3
+
+
+def test_offers_follow_the_published_version_and_events_are_one_transaction(db: SyncDatabase):
+    sync(db, "b1", [hotel("H1")])
+    v2 = hotel("H1", 2)
+    v2["rooms"][0]["rate_plans"] = [v2["rooms"][0]["rate_plans"][0] | {"price": "130.00"}]
+    sync(db, "b2", [v2])
+    offers = {r["rate_plan_code"]: r for r in rows(db, t.platform_offer)}
+    assert offers["BAR"]["active"] and str(offers["BAR"]["price_amount"]).startswith("130")
+    assert not offers["NRF"]["active"]  # the supplier stopped offering it
+    assert offers["BAR"]["publish_version"] == 2
+    events = rows(db, t.outbox)
+    kinds = sorted((e["aggregate_version"], e["event_type"]) for e in events)
+    assert kinds == [
+        (1, "HotelContentChanged"),
+        (1, "HotelMappingCreated"),
+        (1, "HotelResourceUpdated"),
+        (1, "HotelSearchIndexRefreshRequired"),
+        (2, "HotelContentChanged"),
+        (2, "HotelResourceUpdated"),
+        (2, "HotelSearchIndexRefreshRequired"),
+    ]
+    # A publish that fails after writing rolls back its events with it.
+    v3 = hotel("H1", 3, name="never published")
+    try:
+        with db.begin() as conn:
+            maps = ensure_hotel_mappings(
+                conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
+            )
+            offer_ids = ensure_offer_mappings(
+                conn,
+                db.clock,
+                supplier_id=SUPPLIER,
+                batch_id="b3",
+                offers=cand(v3).offer_keys(),
+                resource_ids=maps.resource_ids,
+            )
+            diffs = compute_diffs(conn, [cand(v3)], maps.resource_ids)
+            publish_hotels(
+                conn,
+                db.clock,
+                supplier_id=SUPPLIER,
+                batch_id="b3",
+                items=[(diffs[0], cand(v3))],
+                offer_ids=offer_ids,
+            )
+            raise RuntimeError("crash before commit")
+    except RuntimeError:
+        pass
+    assert len(rows(db, t.outbox)) == len(events)
+    assert rows(db, t.platform_hotel)[0]["supplier_version"] == 2
+
+
+def test_concurrent_publishes_of_the_same_data_publish_once(db: SyncDatabase):
+    docs = [hotel(f"H{i}") for i in range(50)]
+
+    def run(i: int) -> int:
+        return len(sync(db, f"b{i}", copy.deepcopy(docs))[1].published)
+
+    counts, errors = run_concurrently(4, run)
+    assert not errors, errors
+    assert sum(counts) == 50  # each hotel published by exactly one of the runs
+    assert len(rows(db, t.platform_hotel)) == 50
+    assert {r["publish_version"] for r in rows(db, t.platform_hotel)} == {1}
+    assert len(rows(db, t.outbox, t.outbox.c.event_type == "HotelResourceUpdated")) == 50
+    assert len(rows(db, t.hotel_mapping)) == 50
+
+
+def test_dead_letters_are_idempotent_and_counted(db: SyncDatabase):
+    letters = [
+        DeadLetter(
+            "H1",
+            "ADAPTER",
+            "NON_RETRYABLE",
+            "MISSING_REQUIRED_FIELD",
+            "name is missing",
+            "file:///raw/p1.json.gz",
+            "b" * 64,
+        ),
+        DeadLetter(
+            None,
+            "ADAPTER",
+            "NON_RETRYABLE",
+            "NOT_AN_OBJECT",
+            "record is 42",
+            "file:///raw/p1.json.gz",
+            "b" * 64,
+        ),
+        DeadLetter(
+            "H2",
+            "VALIDATION",
+            "NON_RETRYABLE",
+            "LAT_OUT_OF_RANGE",
+            "lat 200.0",
+            "file:///raw/p1.json.gz",
+            "b" * 64,
+        ),
+    ]
+    for _ in range(2):
+        with db.begin() as conn:
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id="b1",
+                task_code="t",
+                sync_mode="FULL",
+                supplier_id=SUPPLIER,
+                letters=letters,
+            )
+    with db.engine.connect() as conn:
+        assert count_dead_letters(conn, "b1") == {
+            "MISSING_REQUIRED_FIELD": 1,
+            "NOT_AN_OBJECT": 1,
+            "LAT_OUT_OF_RANGE": 1,
+        }
+    stored = rows(db, t.dead_letter)
+    assert {r["status"] for r in stored} == {"PENDING"}
+    assert all(r["raw_payload_ref"] == "file:///raw/p1.json.gz" for r in stored)
