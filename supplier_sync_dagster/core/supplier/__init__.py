@@ -1,0 +1,85 @@
+"""Resilient client of the Supplier Hotel API v1 (``shared/supplier-api.md``).
+
+Build one client per supplier API key::
+
+    limiter = make_rate_limiter(redis_url=settings.redis_url, supplier_id="acme",
+                                api_key=key, rate=20, burst=1)
+    with httpx.Client(base_url="https://api.acme.example/") as http:
+        client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
+        for item in client.iter_city("BKK", page_size=100, start=checkpoint):
+            commit(item.page, item.raw)          # then store item.position as the checkpoint
+"""
+
+from __future__ import annotations
+
+from supplier_sync_dagster.core.supplier.breaker import BreakerState, BreakerStats, CircuitBreaker
+from supplier_sync_dagster.core.supplier.client import (
+    ERROR_CODE_STATUS,
+    ClientStats,
+    SupplierClient,
+    encode_segment,
+)
+from supplier_sync_dagster.core.supplier.models import (
+    MALFORMED_RECORD_KEY,
+    ChangesPage,
+    ChangeWatermark,
+    City,
+    CityList,
+    CityPage,
+    CitySummary,
+    Fetched,
+    Hotel,
+    HotelsPage,
+    HotelStatus,
+    Money,
+    OfferConfirmation,
+    OfferRequest,
+    PagePosition,
+    RateLimitInfo,
+)
+from supplier_sync_dagster.core.supplier.ratelimit import (
+    CityRateLimiters,
+    InProcessTokenBucket,
+    RateLimiter,
+    RedisTokenBucket,
+    bucket_key,
+    make_city_rate_limiters,
+    make_rate_limiter,
+)
+from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
+
+__all__ = [
+    "ERROR_CODE_STATUS",
+    "MALFORMED_RECORD_KEY",
+    "NO_RETRY",
+    "BreakerState",
+    "BreakerStats",
+    "ChangeWatermark",
+    "ChangesPage",
+    "CircuitBreaker",
+    "City",
+    "CityList",
+    "CityPage",
+    "CityRateLimiters",
+    "CitySummary",
+    "ClientStats",
+    "Fetched",
+    "Hotel",
+    "HotelStatus",
+    "HotelsPage",
+    "InProcessTokenBucket",
+    "Money",
+    "OfferConfirmation",
+    "OfferRequest",
+    "PagePosition",
+    "RateLimitInfo",
+    "RateLimiter",
+    "RedisTokenBucket",
+    "RetryPolicy",
+    "SupplierClient",
+    "bucket_key",
+    "encode_segment",
+    "make_city_rate_limiters",
+    "make_rate_limiter",
+    "parse_retry_after",
+]

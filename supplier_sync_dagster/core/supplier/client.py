@@ -1,0 +1,937 @@
+"""The resilient client of the Supplier Hotel API v1 (``shared/supplier-api.md``).
+
+Every call goes: circuit breaker -> rate limiter(s) -> one HTTP request with explicit
+timeouts -> classification -> (retry with Retry-After or full-jitter backoff | result | error).
+
+Only what the contract promises is relied on, so the client works with any supplier that
+honours it, not just the project's simulator.
+
+Path segments built from untrusted codes (city codes, hotel ids) are percent-encoded with
+``urllib.parse.quote(code, safe="")``, so ``/``, ``?``, ``#``, ``%``, quotes and non-ASCII text
+cannot change the URL's structure. A segment made only of dots (``.``, ``..``) is a
+dot-segment that URL normalization (httpx, proxies, servers) would remove, so its dots are
+sent as ``%2E``; dots inside longer codes (``a..b``) are not special and are sent as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+import pydantic
+
+from supplier_sync_dagster.core.errors import (
+    CursorExpired,
+    RetryBudgetExhausted,
+    SupplierAuthError,
+    SupplierBadRequest,
+    SupplierError,
+    SupplierNotFound,
+    SupplierProtocolError,
+    SupplierRateLimited,
+    SupplierUnavailable,
+)
+from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBreaker
+from supplier_sync_dagster.core.supplier.models import (
+    ChangesPage,
+    CityList,
+    CityPage,
+    CitySummary,
+    Fetched,
+    HotelsPage,
+    OfferConfirmation,
+    OfferRequest,
+    PagePosition,
+    RateLimitInfo,
+)
+from supplier_sync_dagster.core.supplier.ratelimit import CityRateLimiters, RateLimiter
+from supplier_sync_dagster.core.supplier.retry import RetryPolicy, parse_retry_after
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+#: Error codes of a ``{"error": {"code": ...}}`` body, mapped to the status they stand for.
+ERROR_CODE_STATUS: Mapping[str, int] = {
+    "BAD_REQUEST": 400,
+    "INVALID_PARAMETER": 400,
+    "INVALID_REQUEST": 400,
+    "UNAUTHORIZED": 401,
+    "INVALID_API_KEY": 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "CURSOR_EXPIRED": 410,
+    "RATE_LIMITED": 429,
+    "TOO_MANY_REQUESTS": 429,
+}
+
+_MAX_MESSAGE = 300
+_REDACTED = "***"
+
+
+def encode_segment(value: str) -> str:
+    """Percent-encode one URL path segment from untrusted text.
+
+    Args:
+        value: A city code, hotel id or other supplier-provided string.
+
+    Returns:
+        The segment, safe to put between two ``/``: every reserved character is escaped,
+        and a segment of dots only is sent as ``%2E`` so no layer treats it as ``.``/``..``.
+    """
+    encoded = quote(value, safe="")
+    if encoded and set(encoded) == {"."}:
+        return "%2E" * len(encoded)
+    return encoded
+
+
+def _format_time(value: datetime | str) -> str:
+    if isinstance(value, str):
+        return value
+    if value.tzinfo is None:
+        raise ValueError("since must be timezone-aware (UTC)")
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _int_header(headers: httpx.Headers, name: str) -> int | None:
+    try:
+        return int(headers[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _float_header(headers: httpx.Headers, name: str) -> float | None:
+    try:
+        return float(headers[name])
+    except (KeyError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """A snapshot of a client's counters (they feed metrics). Never holds the API key.
+
+    Attributes:
+        requests: HTTP requests sent (each retry counts).
+        responses_by_status: Responses received, by HTTP status.
+        retries_by_reason: Retries, by reason (``"rate_limited"``, ``"status_503"``,
+            ``"timeout"``, ``"connection"``, ``"bad_body"``, ``"error_envelope"``...).
+        rate_limited: 429 answers, plus ``RATE_LIMITED`` error bodies.
+        rate_limiter_wait: Seconds spent waiting for the rate limiter(s).
+        backoff_wait: Seconds spent sleeping between attempts (backoff and Retry-After).
+        bytes_received: Body bytes received on the wire (before gzip decoding).
+        bytes_decoded: Body bytes after decoding.
+        cursor_expired: 410 CURSOR_EXPIRED answers.
+        breaker_state: The circuit breaker's state.
+        breaker_transitions: Breaker moves, by ``"from->to"``.
+        breaker_rejections: Calls refused at once because the breaker was open.
+        last_rate_limit: The supplier's rate-limit headers on the latest response.
+    """
+
+    requests: int
+    responses_by_status: dict[int, int]
+    retries_by_reason: dict[str, int]
+    rate_limited: int
+    rate_limiter_wait: float
+    backoff_wait: float
+    bytes_received: int
+    bytes_decoded: int
+    cursor_expired: int
+    breaker_state: BreakerState
+    breaker_transitions: dict[str, int]
+    breaker_rejections: int
+    last_rate_limit: RateLimitInfo | None
+
+    @property
+    def total_wait(self) -> float:
+        """Seconds spent waiting for the rate limiter and between retries together."""
+        return self.rate_limiter_wait + self.backoff_wait
+
+    @property
+    def retries(self) -> int:
+        """All retries together."""
+        return sum(self.retries_by_reason.values())
+
+
+@dataclass
+class _Counters:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: int = 0
+    responses_by_status: dict[int, int] = field(default_factory=dict)
+    retries_by_reason: dict[str, int] = field(default_factory=dict)
+    rate_limited: int = 0
+    rate_limiter_wait: float = 0.0
+    backoff_wait: float = 0.0
+    bytes_received: int = 0
+    bytes_decoded: int = 0
+    cursor_expired: int = 0
+    last_rate_limit: RateLimitInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ok:
+    body: dict[str, Any]
+    raw: bytes
+    status: int
+    rate_limit: RateLimitInfo
+    parsed: pydantic.BaseModel | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Transient:
+    """A failure worth retrying."""
+
+    reason: str
+    kind: Literal["rate", "server", "body"]
+    message: str
+    status: int | None = None
+    code: str | None = None
+    retry_after: float | None = None
+
+
+class _ApiKey:
+    """Holds the key; its repr and str never show it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return _REDACTED
+
+    __str__ = __repr__
+
+
+class SupplierClient:
+    """Calls one supplier's API with timeouts, rate limiting, retries and a circuit breaker.
+
+    Thread-safe: threads may share one client (and so its breaker, limiter and counters).
+    """
+
+    def __init__(
+        self,
+        http: httpx.Client,
+        *,
+        api_key: str,
+        supplier_id: str = "supplier",
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        write_timeout: float = 10.0,
+        pool_timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+        breaker: CircuitBreaker | None = None,
+        rate_limiter: RateLimiter | None = None,
+        city_rate_limiters: CityRateLimiters | None = None,
+        max_cursor_expiries: int = 3,
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        """Create a client.
+
+        Args:
+            http: The HTTP client, with ``base_url`` set to the supplier's API root. The
+                caller owns it (and closes it).
+            api_key: The supplier API key, sent as ``X-Api-Key``; never logged or shown.
+            supplier_id: The supplier's id, used in messages and as the breaker's name.
+            connect_timeout: Seconds to establish a connection.
+            read_timeout: Seconds to wait for each chunk of the response.
+            write_timeout: Seconds to send each chunk of the request.
+            pool_timeout: Seconds to wait for a free connection from the pool.
+            retry: Retry policy; defaults to :class:`RetryPolicy()`.
+            breaker: Circuit breaker; pass one instance to every client of the same supplier
+                in a process. Defaults to a new breaker.
+            rate_limiter: Paces every request (see ``make_rate_limiter``); None sends unpaced.
+            city_rate_limiters: Optional second throttle per city (city endpoints only).
+            max_cursor_expiries: Cursor expiries after which a city walk stops asking for
+                cursors and continues by page number only.
+            sleep: Sleep function, injectable for tests.
+            monotonic: Clock for the breaker and elapsed times, injectable for tests.
+            wall_clock: Unix time, to read ``Retry-After`` given as an HTTP-date.
+            rng: Randomness for backoff jitter.
+        """
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self._http = http
+        self._key = _ApiKey(api_key)
+        self.supplier_id = supplier_id
+        self._timeout = httpx.Timeout(
+            connect=connect_timeout, read=read_timeout, write=write_timeout, pool=pool_timeout
+        )
+        self.retry_policy = retry or RetryPolicy()
+        self.breaker = breaker or CircuitBreaker(name=supplier_id, monotonic=monotonic)
+        self._limiter = rate_limiter
+        self._city_limiters = city_rate_limiters
+        self._max_cursor_expiries = max_cursor_expiries
+        self._sleep = sleep
+        self._clock = monotonic
+        self._wall_clock = wall_clock
+        self._rng = rng or random.Random()
+        self._c = _Counters()
+
+    def __repr__(self) -> str:
+        url = self._http.base_url
+        # Only scheme, host, port and path: userinfo or a query could carry credentials.
+        where = f"{url.scheme}://{url.host}" + (f":{url.port}" if url.port else "") + url.path
+        return (
+            f"SupplierClient(supplier_id={self.supplier_id!r}, base_url={where!r}, "
+            f"api_key={_REDACTED}, breaker={self.breaker.state.value})"
+        )
+
+    # --- endpoints -------------------------------------------------------------------------
+
+    def list_cities(self) -> Fetched[CityList]:
+        """``GET /v1/cities``: every city the supplier serves.
+
+        Returns:
+            The validated city list and its raw body.
+
+        Raises:
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        return self._typed("GET", "/v1/cities", CityList)
+
+    def get_hotels_page(
+        self,
+        city_code: str,
+        *,
+        page: int | None = None,
+        cursor: str | None = None,
+        page_size: int | None = None,
+    ) -> Fetched[HotelsPage]:
+        """``GET /v1/cities/{city_code}/hotels``: one page, by page number or by cursor.
+
+        Args:
+            city_code: The supplier's city code (any 1-64 characters; encoded safely).
+            page: 1-based page number; the default when no cursor is given is page 1.
+            cursor: Opaque cursor from a previous page's ``next_cursor``.
+            page_size: Hotels per page, 1-500 (the supplier's default when None).
+
+        Returns:
+            The page (records as raw dicts) and the decoded body bytes.
+
+        Raises:
+            CursorExpired: The cursor is too old; continue by page number.
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        _check_city(city_code)
+        if page is not None and cursor is not None:
+            raise ValueError("pass page or cursor, not both")
+        if page is not None and page < 1:
+            raise ValueError(f"page must be >= 1, got {page}")
+        if page_size is not None and not 1 <= page_size <= 500:
+            raise ValueError(f"page_size must be within 1..500, got {page_size}")
+        params: dict[str, str | int] = {}
+        if cursor is not None:
+            params["cursor"] = cursor
+        else:
+            params["page"] = page or 1
+        if page_size is not None:
+            params["page_size"] = page_size
+        path = f"/v1/cities/{encode_segment(city_code)}/hotels"
+        return self._typed(
+            "GET", path, HotelsPage, params=params, city=city_code, with_cursor=cursor is not None
+        )
+
+    def get_hotel(self, hotel_id: str) -> Fetched[dict[str, Any]]:
+        """``GET /v1/hotels/{hotel_id}``: one hotel, full detail.
+
+        The record is returned as a raw dict, like page records: validate it with
+        ``models.Hotel`` during normalization.
+
+        Args:
+            hotel_id: The supplier's hotel id (encoded safely).
+
+        Returns:
+            The hotel record and the decoded body bytes.
+
+        Raises:
+            SupplierNotFound: The supplier does not know this hotel.
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        if not hotel_id:
+            raise ValueError("hotel_id must not be empty")
+        path = f"/v1/hotels/{encode_segment(hotel_id)}"
+        ok = self._call("GET", path)
+        body = ok.body
+        # Some suppliers wrap the record: {"hotel": {...}}.
+        if set(body) == {"hotel"} and isinstance(body["hotel"], dict):
+            body = body["hotel"]
+        return Fetched(data=body, raw=ok.raw, status=ok.status, rate_limit=ok.rate_limit)
+
+    def get_changes(
+        self, *, since: datetime | str, after_id: str | None = None, limit: int = 500
+    ) -> Fetched[ChangesPage]:
+        """``GET /v1/hotels/changes``: hotels changed since a watermark.
+
+        Late data is real: callers should ask from a watermark a few minutes back.
+
+        Args:
+            since: Watermark time (aware datetime, or an RFC 3339 string as received).
+            after_id: Watermark hotel id, from the previous ``next``.
+            limit: Changes per call, 1-1000.
+
+        Returns:
+            The changes (records as raw dicts), the next watermark, and the raw body.
+
+        Raises:
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        if not 1 <= limit <= 1000:
+            raise ValueError(f"limit must be within 1..1000, got {limit}")
+        params: dict[str, str | int] = {"since": _format_time(since), "limit": limit}
+        if after_id is not None:
+            params["after_id"] = after_id
+        return self._typed("GET", "/v1/hotels/changes", ChangesPage, params=params)
+
+    def get_city_summary(self, city_code: str) -> Fetched[CitySummary]:
+        """``GET /v1/cities/{city_code}/summary``: counts for reconciliation.
+
+        Args:
+            city_code: The supplier's city code (encoded safely).
+
+        Returns:
+            The summary and its raw body.
+
+        Raises:
+            SupplierNotFound: Unknown city.
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        _check_city(city_code)
+        path = f"/v1/cities/{encode_segment(city_code)}/summary"
+        return self._typed("GET", path, CitySummary, city=city_code)
+
+    def confirm_offer(
+        self,
+        *,
+        hotel_id: str,
+        room_code: str,
+        rate_plan_code: str,
+        check_in: date,
+        check_out: date,
+        guests: int,
+        retry: RetryPolicy | None = None,
+    ) -> Fetched[OfferConfirmation]:
+        """``POST /v1/offers/confirm``: real-time price and availability. Never cache it.
+
+        Confirming is a quote without side effects, so it is retried like a read; pass a
+        shorter ``retry`` policy when a customer is waiting.
+
+        Args:
+            hotel_id: Supplier hotel id.
+            room_code: Room code.
+            rate_plan_code: Rate plan code.
+            check_in: Arrival date.
+            check_out: Departure date (after ``check_in``).
+            guests: Number of guests (>= 1).
+            retry: Retry policy for this call; defaults to the client's.
+
+        Returns:
+            The quote and its raw body.
+
+        Raises:
+            SupplierError: See the module docstring of ``core.errors``.
+        """
+        if check_out <= check_in:
+            raise ValueError("check_out must be after check_in")
+        request = OfferRequest(
+            hotel_id=hotel_id,
+            room_code=room_code,
+            rate_plan_code=rate_plan_code,
+            check_in=check_in,
+            check_out=check_out,
+            guests=guests,
+        )
+        return self._typed(
+            "POST",
+            "/v1/offers/confirm",
+            OfferConfirmation,
+            json_body=request.model_dump(mode="json"),
+            retry=retry,
+        )
+
+    # --- city walk ------------------------------------------------------------------------
+
+    def iter_city(
+        self, city_code: str, *, page_size: int = 100, start: PagePosition | None = None
+    ) -> Iterator[CityPage]:
+        """Walk all pages of a city, by cursor when offered, else by page number.
+
+        The walk starts by page number (or from ``start``), follows ``next_cursor`` whenever
+        the supplier offers one, and ends on an empty page, a null cursor on a cursor page,
+        or a page number reaching ``total_pages``. On 410 CURSOR_EXPIRED it falls back to
+        page numbers from the last completed page (after ``max_cursor_expiries`` expiries it
+        stops asking for cursors).
+
+        Resuming by page number (after a cursor expiry, or from a checkpoint without a
+        cursor) first makes sure nothing was skipped when the supplier's data shifted: it
+        steps back from the checkpoint's page until a page starts at or before the last hotel
+        already processed (normally one page back). Those overlapping pages are yielded again;
+        processing is idempotent, so hotels seen twice are harmless while a hotel skipped
+        would be lost. This assumes ``hotel_id`` order is code-point order.
+
+        Args:
+            city_code: The supplier's city code.
+            page_size: Hotels per page (1-500).
+            start: Checkpoint to resume from (``CityPage.position`` of the last committed
+                page); None starts at page 1.
+
+        Yields:
+            Each page with its raw bytes and the position to checkpoint once it is committed.
+
+        Raises:
+            SupplierError: A call failed beyond retries (the checkpoint stays valid).
+        """
+        pos = start or PagePosition()
+        if pos.done:
+            return
+        number = pos.page
+        cursor = pos.cursor
+        last_id = pos.last_hotel_id
+        expiries = 0
+        verify_overlap = cursor is None and last_id is not None and number > 1
+        queued: list[tuple[int, Fetched[HotelsPage]]] = []
+        while True:
+            used_cursor: str | None = None
+            if queued:
+                number, fetched = queued.pop(0)
+                fetched_by: Literal["cursor", "page"] = "page"
+            elif cursor is not None and expiries < self._max_cursor_expiries:
+                try:
+                    fetched = self.get_hotels_page(city_code, cursor=cursor, page_size=page_size)
+                except CursorExpired:
+                    expiries += 1
+                    logger.info(
+                        "supplier %s city walk: cursor expired before page %d; "
+                        "continuing by page number",
+                        self.supplier_id,
+                        number,
+                    )
+                    cursor = None
+                    verify_overlap = last_id is not None and number > 1
+                    continue
+                used_cursor = cursor
+                fetched_by = "cursor"
+            elif verify_overlap:
+                verify_overlap = False
+                assert last_id is not None
+                queued = self._pages_from_overlap(city_code, number, last_id, page_size)
+                continue
+            else:
+                fetched = self.get_hotels_page(city_code, page=number, page_size=page_size)
+                fetched_by = "page"
+
+            page = fetched.data
+            next_cursor: str | None = None
+            if not page.hotels:
+                done = True
+            elif page.next_cursor is not None and expiries < self._max_cursor_expiries:
+                if page.next_cursor == used_cursor:
+                    raise SupplierProtocolError(
+                        f"supplier {self.supplier_id} returned the same cursor it was given "
+                        f"(page {number}): the walk would never end",
+                        reason="cursor_loop",
+                        status=fetched.status,
+                    )
+                next_cursor = page.next_cursor
+                done = False
+            elif fetched_by == "cursor" and page.next_cursor is None:
+                done = True  # a null cursor on a cursor page marks the last page
+            else:
+                done = page.total_pages is not None and number >= page.total_pages
+            page_last = page.last_hotel_id
+            if page_last is not None and (last_id is None or page_last > last_id):
+                # An overlap page ends before the checkpoint; never move the mark back.
+                last_id = page_last
+            position = PagePosition(
+                page=number + 1, cursor=next_cursor, last_hotel_id=last_id, done=done
+            )
+            yield CityPage(
+                city_code=city_code,
+                page=page,
+                raw=fetched.raw,
+                page_number=number,
+                fetched_by=fetched_by,
+                position=position,
+            )
+            if done and not queued:
+                return
+            number += 1
+            cursor = next_cursor
+
+    def _pages_from_overlap(
+        self, city_code: str, number: int, last_id: str, page_size: int
+    ) -> list[tuple[int, Fetched[HotelsPage]]]:
+        """Fetch pages ``number``, ``number-1``... until one starts at or before ``last_id``."""
+        found: dict[int, Fetched[HotelsPage]] = {}
+        k = number
+        while True:
+            fetched = self.get_hotels_page(city_code, page=k, page_size=page_size)
+            found[k] = fetched
+            first = fetched.data.first_hotel_id
+            if k == 1 or (first is not None and first <= last_id):
+                break
+            k -= 1
+        if k < number:
+            logger.info(
+                "supplier %s city walk: resuming by page number at page %d (%d page(s) of overlap)",
+                self.supplier_id,
+                k,
+                number - k,
+            )
+        return [(n, found[n]) for n in sorted(found)]
+
+    # --- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> ClientStats:
+        """Return a snapshot of the client's counters."""
+        breaker = self.breaker.stats()
+        with self._c.lock:
+            return ClientStats(
+                requests=self._c.requests,
+                responses_by_status=dict(self._c.responses_by_status),
+                retries_by_reason=dict(self._c.retries_by_reason),
+                rate_limited=self._c.rate_limited,
+                rate_limiter_wait=self._c.rate_limiter_wait,
+                backoff_wait=self._c.backoff_wait,
+                bytes_received=self._c.bytes_received,
+                bytes_decoded=self._c.bytes_decoded,
+                cursor_expired=self._c.cursor_expired,
+                breaker_state=breaker.state,
+                breaker_transitions=breaker.transitions,
+                breaker_rejections=breaker.rejected,
+                last_rate_limit=self._c.last_rate_limit,
+            )
+
+    # --- the request loop -----------------------------------------------------------------
+
+    def _typed(
+        self,
+        method: str,
+        path: str,
+        model: type[ModelT],
+        *,
+        params: Mapping[str, str | int] | None = None,
+        json_body: Any = None,
+        city: str | None = None,
+        with_cursor: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> Fetched[ModelT]:
+        ok = self._call(
+            method,
+            path,
+            params=params,
+            json_body=json_body,
+            city=city,
+            with_cursor=with_cursor,
+            retry=retry,
+            model=model,
+        )
+        # _call validated the body already (a malformed body is retried like a broken one).
+        data = ok.parsed
+        assert isinstance(data, model)
+        return Fetched(data=data, raw=ok.raw, status=ok.status, rate_limit=ok.rate_limit)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str | int] | None = None,
+        json_body: Any = None,
+        city: str | None = None,
+        with_cursor: bool = False,
+        retry: RetryPolicy | None = None,
+        model: type[pydantic.BaseModel] | None = None,
+    ) -> _Ok:
+        policy = retry or self.retry_policy
+        attempts = 0
+        slept = 0.0
+        while True:
+            attempts += 1
+            token = self.breaker.before_request()
+            try:
+                self._wait_for_token(city)
+            except BaseException:
+                self.breaker.release(token)
+                raise
+            try:
+                outcome = self._attempt(method, path, params, json_body, with_cursor, attempts)
+                if isinstance(outcome, _Ok) and model is not None:
+                    outcome = self._check_shape(outcome, model)
+            except SupplierError:
+                self.breaker.record_success(token)  # the supplier answered coherently
+                raise
+            except BaseException:
+                self.breaker.release(token)
+                raise
+            if isinstance(outcome, _Ok):
+                self.breaker.record_success(token)
+                return outcome
+            if outcome.kind == "rate":
+                self.breaker.record_success(token)
+            else:
+                self.breaker.record_failure(token)
+
+            wait = self._next_wait(outcome, policy, attempts, slept)
+            if wait is None:
+                raise self._exhausted(method, path, outcome, attempts, slept)
+            with self._c.lock:
+                self._c.retries_by_reason[outcome.reason] = (
+                    self._c.retries_by_reason.get(outcome.reason, 0) + 1
+                )
+                self._c.backoff_wait += wait
+            logger.warning(
+                "supplier %s: %s %s attempt %d failed (%s); retrying in %.2fs",
+                self.supplier_id,
+                method,
+                path,
+                attempts,
+                outcome.reason,
+                wait,
+            )
+            if wait > 0:
+                self._sleep(wait)
+            slept += wait
+
+    def _wait_for_token(self, city: str | None) -> None:
+        waited = 0.0
+        if self._limiter is not None:
+            waited += self._limiter.acquire()
+        if city is not None and self._city_limiters is not None:
+            waited += self._city_limiters.for_city(city).acquire()
+        if waited:
+            with self._c.lock:
+                self._c.rate_limiter_wait += waited
+
+    def _next_wait(
+        self, outcome: _Transient, policy: RetryPolicy, attempts: int, slept: float
+    ) -> float | None:
+        """Seconds to sleep before the next attempt, or None to give up."""
+        if attempts >= policy.max_attempts:
+            return None
+        remaining = policy.max_total_wait - slept
+        if outcome.retry_after is not None:
+            if outcome.retry_after > policy.max_retry_after or outcome.retry_after > remaining:
+                return None
+            return outcome.retry_after
+        wait = policy.backoff(attempts, self._rng)
+        if outcome.kind == "rate":
+            # Retrying a 429 at once only earns another 429.
+            wait = max(wait, min(policy.base_delay, policy.max_delay))
+        if policy.max_total_wait > 0 and remaining <= 0:
+            return None
+        return max(0.0, min(wait, remaining))
+
+    def _exhausted(
+        self, method: str, path: str, outcome: _Transient, attempts: int, slept: float
+    ) -> SupplierError:
+        what = f"{method} {path}: {outcome.message}"
+        if outcome.retry_after is not None:
+            what += f" (Retry-After {outcome.retry_after:.1f}s)"
+        msg = self._redact(f"{what}; gave up after {attempts} attempt(s), {slept:.1f}s waiting")
+        classes: dict[str, type[RetryBudgetExhausted]] = {
+            "rate": SupplierRateLimited,
+            "server": SupplierUnavailable,
+            "body": SupplierProtocolError,
+        }
+        return classes[outcome.kind](
+            msg,
+            reason=outcome.reason,
+            status=outcome.status,
+            code=outcome.code,
+            attempts=attempts,
+            retry_after=outcome.retry_after,
+        )
+
+    def _attempt(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str | int] | None,
+        json_body: Any,
+        with_cursor: bool,
+        attempt: int,
+    ) -> _Ok | _Transient:
+        """Send one request and classify the answer; raises the non-retryable errors."""
+        with self._c.lock:
+            self._c.requests += 1
+        try:
+            response = self._http.request(
+                method,
+                path,
+                params=params,
+                json=json_body,
+                headers={"X-Api-Key": self._key.reveal(), "Accept": "application/json"},
+                timeout=self._timeout,
+            )
+        except httpx.TimeoutException as err:
+            return _Transient("timeout", "server", f"timed out ({type(err).__name__})")
+        except httpx.DecodingError:
+            return _Transient("bad_body", "body", "the body could not be decoded (broken gzip?)")
+        except httpx.RemoteProtocolError as err:
+            # h11 says "without sending a response" when the peer hung up before any
+            # headers; anything else is a response cut short (a truncated body).
+            if "without sending a response" in str(err):
+                return _Transient("connection", "server", "the server closed the connection")
+            return _Transient("truncated", "body", "the response was cut short")
+        except httpx.TransportError as err:
+            return _Transient("connection", "server", f"connection failed ({type(err).__name__})")
+
+        raw = response.content
+        status = response.status_code
+        rate_limit = RateLimitInfo(
+            limit=_int_header(response.headers, "X-RateLimit-Limit"),
+            remaining=_int_header(response.headers, "X-RateLimit-Remaining"),
+            reset_seconds=_float_header(response.headers, "X-RateLimit-Reset"),
+        )
+        with self._c.lock:
+            self._c.responses_by_status[status] = self._c.responses_by_status.get(status, 0) + 1
+            self._c.bytes_received += response.num_bytes_downloaded
+            self._c.bytes_decoded += len(raw)
+            self._c.last_rate_limit = rate_limit
+
+        body, parse_error = _parse_json(raw)
+        code, message = _error_fields(body)
+        effective = status
+        if 200 <= status < 300:
+            if parse_error is not None:
+                return _Transient("bad_body", "body", f"{status} with {parse_error}", status)
+            if code is not None or (isinstance(body, dict) and body.get("error")):
+                # An error envelope inside a 200 counts as the error it names.
+                effective = ERROR_CODE_STATUS.get(code or "", 500)
+                if effective == 500:
+                    return _Transient(
+                        "error_envelope",
+                        "server",
+                        f"{status} with error body {code or '?'}: {message}",
+                        status,
+                        code,
+                    )
+            else:
+                assert isinstance(body, dict)
+                return _Ok(body=body, raw=raw, status=status, rate_limit=rate_limit)
+
+        return self._classify_error(
+            method, path, status, effective, code, message, response.headers, with_cursor, attempt
+        )
+
+    def _classify_error(
+        self,
+        method: str,
+        path: str,
+        status: int,
+        effective: int,
+        code: str | None,
+        message: str,
+        headers: httpx.Headers,
+        with_cursor: bool,
+        attempt: int,
+    ) -> _Transient:
+        label = f"{status}" + (f" {code}" if code else "")
+        detail = f"{method} {path} -> {label}" + (f": {message}" if message else "")
+        detail = self._redact(detail)
+        if effective == 429 or effective == 503:
+            retry_after = parse_retry_after(headers.get("Retry-After"), now=self._wall_clock())
+            if effective == 429:
+                with self._c.lock:
+                    self._c.rate_limited += 1
+                return _Transient("rate_limited", "rate", label, status, code, retry_after)
+            return _Transient("status_503", "server", label, status, code, retry_after)
+        if effective >= 500 or effective == 408:
+            return _Transient(f"status_{effective}", "server", label, status, code)
+        if effective in (401, 403):
+            raise SupplierAuthError(
+                f"supplier {self.supplier_id} refused the API key: {detail}. "
+                "Check the key configured for this supplier; the sync must stop.",
+                status=status,
+                code=code,
+                attempts=attempt,
+            )
+        if effective == 404:
+            raise SupplierNotFound(detail, status=status, code=code, attempts=attempt)
+        if effective == 410 and (code == "CURSOR_EXPIRED" or with_cursor):
+            with self._c.lock:
+                self._c.cursor_expired += 1
+            raise CursorExpired(detail, status=status, code=code, attempts=attempt)
+        if 300 <= effective < 400:
+            raise SupplierProtocolError(
+                f"{detail} (redirects are not followed)",
+                reason="redirect",
+                status=status,
+                code=code,
+                attempts=attempt,
+            )
+        raise SupplierBadRequest(detail, status=status, code=code, attempts=attempt)
+
+    def _check_shape(self, ok: _Ok, model: type[pydantic.BaseModel]) -> _Ok | _Transient:
+        try:
+            parsed = model.model_validate(ok.body)
+        except pydantic.ValidationError as err:
+            details = err.errors()
+            where = ".".join(str(part) for part in details[0]["loc"]) if details else ""
+            why = details[0]["msg"] if details else ""
+            return _Transient(
+                "bad_body",
+                "body",
+                f"{ok.status} body does not match {model.__name__} "
+                f"({err.error_count()} error(s), first at '{where}': {why})",
+                ok.status,
+            )
+        return dataclasses.replace(ok, parsed=parsed)
+
+    def _redact(self, text: str) -> str:
+        # A supplier may echo the key back in an error message.
+        return text.replace(self._key.reveal(), _REDACTED)
+
+
+def _check_city(city_code: str) -> None:
+    if not isinstance(city_code, str) or not 1 <= len(city_code) <= 64:
+        raise ValueError("city_code must be a string of 1 to 64 characters")
+
+
+def _parse_json(raw: bytes) -> tuple[Any, str | None]:
+    """Decode a JSON object body; returns (body, None) or (None, what went wrong)."""
+    if not raw:
+        return None, "an empty body"
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "a body that is not UTF-8"
+    except ValueError:
+        return None, "a body that is not JSON (truncated or HTML)"
+    if not isinstance(body, dict):
+        return None, f"a JSON {type(body).__name__} instead of an object"
+    return body, None
+
+
+def _error_fields(body: Any) -> tuple[str | None, str]:
+    """Pull ``(code, message)`` out of an ``{"error": ...}`` body, if it is one."""
+    if not isinstance(body, dict):
+        return None, ""
+    error = body.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+        message = error.get("message")
+        return (
+            str(code)[:64] if code is not None else None,
+            str(message)[:_MAX_MESSAGE] if message is not None else "",
+        )
+    if isinstance(error, str) and error:
+        return error[:64], ""
+    return None, ""

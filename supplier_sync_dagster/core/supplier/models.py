@@ -1,0 +1,330 @@
+"""Typed models of the Supplier Hotel API v1 (``shared/supplier-api.md``).
+
+Two kinds of model live here:
+
+* Envelope models (:class:`HotelsPage`, :class:`ChangesPage`, :class:`CityList`...) that the
+  client validates every response against. Hotel records inside pages and change feeds are
+  kept as raw dicts: real feeds contain bad records, and judging them is the normalization
+  stage's job. One bad hotel never fails its page.
+* :class:`Hotel` and its parts: the strict shape of a good hotel record, for normalization.
+  The client never applies it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import date
+from decimal import Decimal
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+)
+
+#: Key under which a non-object entry of a ``hotels``/``changes`` array is wrapped, so that the
+#: page still validates and normalization can dead-letter the entry instead of losing it.
+MALFORMED_RECORD_KEY = "_malformed_record"
+
+CityCode = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+def _wrap_records(value: Any) -> Any:
+    """Keep every entry of a record array: objects as they are, anything else wrapped."""
+    if not isinstance(value, list):
+        return value
+    return [item if isinstance(item, dict) else {MALFORMED_RECORD_KEY: item} for item in value]
+
+
+RawRecords = Annotated[list[dict[str, Any]], BeforeValidator(_wrap_records)]
+
+
+class _Envelope(BaseModel):
+    """Base of response envelopes: unknown top-level fields are kept, never an error."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class City(_Envelope):
+    """One city the supplier serves (``GET /v1/cities``)."""
+
+    city_code: CityCode
+    name: str | None = None
+    country_code: str | None = None
+    hotel_count: int | None = None
+    updated_at: AwareDatetime | None = None
+
+
+class CityList(_Envelope):
+    """The body of ``GET /v1/cities``."""
+
+    cities: list[City]
+    total: int | None = None
+
+
+class HotelsPage(_Envelope):
+    """One page of a city's hotels (``GET /v1/cities/{city_code}/hotels``).
+
+    ``hotels`` holds the records exactly as decoded from JSON (non-object entries wrapped under
+    :data:`MALFORMED_RECORD_KEY`); validate them with :class:`Hotel` during normalization.
+    ``page`` may be absent when the page was requested by cursor.
+    """
+
+    city_code: str | None = None
+    page: int | None = None
+    page_size: int | None = None
+    total: int | None = None
+    total_pages: int | None = None
+    next_cursor: str | None = None
+    hotels: RawRecords
+
+    @property
+    def last_hotel_id(self) -> str | None:
+        """The ``hotel_id`` of the last record that has a string id, or None."""
+        for record in reversed(self.hotels):
+            hotel_id = record.get("hotel_id")
+            if isinstance(hotel_id, str):
+                return hotel_id
+        return None
+
+    @property
+    def first_hotel_id(self) -> str | None:
+        """The ``hotel_id`` of the first record that has a string id, or None."""
+        for record in self.hotels:
+            hotel_id = record.get("hotel_id")
+            if isinstance(hotel_id, str):
+                return hotel_id
+        return None
+
+
+class ChangeWatermark(_Envelope):
+    """Where to continue a change feed: ``since`` and ``after_id``."""
+
+    since: AwareDatetime
+    after_id: str | None = None
+
+
+class ChangesPage(_Envelope):
+    """The body of ``GET /v1/hotels/changes``; ``next`` is None when caught up."""
+
+    changes: RawRecords
+    next: ChangeWatermark | None = None
+
+
+class CitySummary(_Envelope):
+    """What the supplier holds for a city (``GET /v1/cities/{city_code}/summary``)."""
+
+    city_code: str
+    hotel_count: int
+    active_count: int | None = None
+    inactive_count: int | None = None
+    max_updated_at: AwareDatetime | None = None
+
+
+def _decimal_from_string(value: Any) -> Any:
+    """Money travels as a decimal string; a JSON float would already have lost precision."""
+    if isinstance(value, float):
+        raise ValueError("money amount must be a decimal string, not a float")
+    return value
+
+
+class Money(BaseModel):
+    """A decimal amount (sent as a string) and its ISO 4217 currency code."""
+
+    model_config = ConfigDict(frozen=True)
+
+    amount: Annotated[Decimal, BeforeValidator(_decimal_from_string), Field(ge=0)]
+    currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$")]
+
+    @field_validator("currency")
+    @classmethod
+    def _real_currency(cls, value: str) -> str:
+        # X-codes for "no currency" and testing are valid ISO 4217 but never a real price.
+        if value in {"XXX", "XTS"}:
+            raise ValueError(f"currency {value} is not a real currency")
+        return value
+
+
+class OfferRequest(BaseModel):
+    """The body of ``POST /v1/offers/confirm``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    hotel_id: Annotated[str, Field(min_length=1)]
+    room_code: Annotated[str, Field(min_length=1)]
+    rate_plan_code: Annotated[str, Field(min_length=1)]
+    check_in: date
+    check_out: date
+    guests: Annotated[int, Field(ge=1)]
+
+
+class OfferConfirmation(_Envelope):
+    """A real-time quote from ``POST /v1/offers/confirm``; never cache it."""
+
+    available: bool
+    price: Money | None = None
+    quoted_at: AwareDatetime
+    valid_for_seconds: int
+
+
+# --- the strict hotel record, for normalization ------------------------------------------
+
+
+class HotelStatus(enum.StrEnum):
+    """Lifecycle of a hotel at the supplier."""
+
+    ACTIVE = "ACTIVE"
+    INACTIVE = "INACTIVE"
+
+
+class Geo(BaseModel):
+    """WGS 84 coordinates."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lat: Annotated[float, Field(ge=-90, le=90)]
+    lng: Annotated[float, Field(ge=-180, le=180)]
+
+
+class Address(BaseModel):
+    """A postal address; suppliers add fields freely."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    line1: str | None = None
+    postal_code: str | None = None
+
+
+class Image(BaseModel):
+    """One hotel image."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    caption: str | None = None
+
+
+class RatePlan(BaseModel):
+    """A bookable rate of a room."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: str
+    board: str | None = None
+    refundable: bool | None = None
+    available: bool | None = None
+    price: Money | None = None
+
+
+class Room(BaseModel):
+    """A room type and its rate plans."""
+
+    model_config = ConfigDict(frozen=True)
+
+    room_code: str
+    name: str | None = None
+    bed_type: str | None = None
+    max_occupancy: Annotated[int, Field(ge=1)] | None = None
+    rate_plans: list[RatePlan] = Field(default_factory=list)
+
+
+class Hotel(BaseModel):
+    """A hotel record that follows the contract. Normalization validates raw records with it.
+
+    The client never applies this model to pages: see :class:`HotelsPage`.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    hotel_id: Annotated[str, Field(min_length=1, max_length=64)]
+    name: Annotated[str, Field(min_length=1, max_length=512)]
+    name_local: str | None = None
+    city_code: CityCode
+    country_code: Annotated[str, Field(pattern=r"^[A-Z]{2}$")]
+    address: Address | None = None
+    geo: Geo
+    star_rating: Annotated[float, Field(ge=0, le=5)] | None = None
+    phone: str | None = None
+    email: str | None = None
+    facilities: list[str] = Field(default_factory=list)
+    images: list[Image] = Field(default_factory=list)
+    rooms: list[Room] = Field(default_factory=list)
+    status: HotelStatus
+    updated_at: AwareDatetime
+    version: Annotated[int, Field(ge=0)]
+
+
+# --- what the client hands back ------------------------------------------------------------
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitInfo:
+    """The supplier's ``X-RateLimit-*`` headers of one response (None when absent)."""
+
+    limit: int | None
+    remaining: int | None
+    reset_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched(Generic[M]):
+    """A validated response body and the bytes it was parsed from.
+
+    Attributes:
+        data: The validated model (or raw dict, for single hotel records).
+        raw: The response body after HTTP content decoding (gzip removed): the exact JSON
+            text the supplier sent. This is what gets hashed and stored for replay.
+        status: The HTTP status (200, or whatever 2xx the supplier used).
+        rate_limit: The rate-limit headers of the response.
+    """
+
+    data: M
+    raw: bytes
+    status: int
+    rate_limit: RateLimitInfo
+
+
+class PagePosition(BaseModel):
+    """Where a city walk stands: the checkpoint to store once a page is committed.
+
+    Attributes:
+        page: Next page number to fetch by number (1-based).
+        cursor: Next cursor to fetch with, when the supplier offered one.
+        last_hotel_id: ``hotel_id`` of the last record already processed, if any.
+        done: True once the walk has seen the city's last page.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    page: Annotated[int, Field(ge=1)] = 1
+    cursor: str | None = None
+    last_hotel_id: str | None = None
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CityPage:
+    """One page yielded by :meth:`SupplierClient.iter_city`.
+
+    Attributes:
+        city_code: The city being walked.
+        page: The validated page (records as raw dicts).
+        raw: The decoded response body (see :attr:`Fetched.raw`).
+        page_number: The walk's own number for this page (1-based), also when fetched by cursor.
+        fetched_by: Whether the request used a cursor or a page number.
+        position: The checkpoint to store after this page's data is committed.
+    """
+
+    city_code: str
+    page: HotelsPage
+    raw: bytes
+    page_number: int
+    fetched_by: Literal["cursor", "page"]
+    position: PagePosition

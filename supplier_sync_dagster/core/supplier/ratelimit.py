@@ -1,0 +1,329 @@
+"""Token buckets that pace requests before they are sent.
+
+* :class:`InProcessTokenBucket` paces the threads of one process.
+* :class:`RedisTokenBucket` paces every process that shares one Redis key: the supplier's
+  limit is per API key, and several workers share a key. The refill and the take happen in
+  one Lua script on Redis' own clock (``TIME``), so worker clocks never matter.
+
+The bucket key holds the supplier id and a SHA-256 of the API key: the key itself never
+reaches Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from supplier_sync_dagster.core.errors import ConfigError, RateLimiterUnavailable
+
+if TYPE_CHECKING:
+    import redis
+
+
+@runtime_checkable
+class RateLimiter(Protocol):
+    """Something that blocks until one request may be sent."""
+
+    def acquire(self) -> float:
+        """Block until a token is available and take it.
+
+        Returns:
+            Seconds spent waiting.
+        """
+        ...
+
+
+_EPSILON = 1e-9
+
+
+def _check_rate(rate: float, burst: float) -> None:
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ConfigError(f"rate must be a finite number > 0, got {rate}")
+    if not (burst >= 1 and math.isfinite(burst)):
+        raise ConfigError(f"burst must be a finite number >= 1, got {burst}")
+
+
+class InProcessTokenBucket:
+    """A thread-safe token bucket: ``rate`` tokens per second, holding at most ``burst``."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst: float = 1.0,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Create a full bucket.
+
+        Args:
+            rate: Tokens added per second (the sustained request rate).
+            burst: Capacity: requests that may go out back to back after a quiet spell.
+            monotonic: Clock, injectable for tests.
+            sleep: Sleep function, injectable for tests.
+        """
+        _check_rate(rate, burst)
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._clock = monotonic
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._tokens = self.burst
+        self._stamp = monotonic()
+
+    def __repr__(self) -> str:
+        return f"InProcessTokenBucket(rate={self.rate}, burst={self.burst})"
+
+    def try_acquire(self) -> float:
+        """Take a token if one is available, without blocking.
+
+        Returns:
+            0.0 if a token was taken, otherwise the seconds until one will be available.
+        """
+        with self._lock:
+            now = self._clock()
+            elapsed = now - self._stamp
+            if elapsed > 0:
+                self._tokens = min(self.burst, self._tokens + elapsed * self.rate)
+                self._stamp = now
+            # Float rounding can leave 0.99999...; waiting that out would never end.
+            if self._tokens >= 1.0 - _EPSILON:
+                self._tokens = max(0.0, self._tokens - 1.0)
+                return 0.0
+            return (1.0 - self._tokens) / self.rate
+
+    def acquire(self) -> float:
+        """Block until a token is available and take it.
+
+        Returns:
+            Seconds spent waiting.
+        """
+        waited = 0.0
+        while True:
+            wait = self.try_acquire()
+            if wait <= 0:
+                return waited
+            self._sleep(wait)
+            waited += wait
+
+
+_LUA_TAKE = """
+-- KEYS[1]: bucket key. ARGV: rate (tokens/s), burst (capacity), ttl_ms.
+-- Returns "0" when a token was taken, otherwise the seconds until one is available.
+local t = redis.call('TIME')
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 's', 'us')
+local tokens = tonumber(b[1])
+local s = tonumber(b[2])
+local us = tonumber(b[3])
+if tokens == nil or s == nil or us == nil then
+  tokens = burst
+else
+  -- Seconds and microseconds kept apart: one double cannot hold both exactly.
+  local elapsed = (tonumber(t[1]) - s) + (tonumber(t[2]) - us) / 1000000
+  if elapsed > 0 then
+    tokens = math.min(burst, tokens + elapsed * rate)
+  end
+end
+local wait = 0
+if tokens >= 1 - 1e-9 then
+  tokens = math.max(0, tokens - 1)
+else
+  wait = (1 - tokens) / rate
+end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 's', t[1], 'us', t[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return string.format('%.17g', wait)
+"""
+
+
+def bucket_key(prefix: str, supplier_id: str, api_key: str, *, scope: str | None = None) -> str:
+    """Build the Redis key of a supplier's bucket without revealing the API key.
+
+    Args:
+        prefix: Namespace of the keys (e.g. ``"supplier-sync:ratelimit"``).
+        supplier_id: The supplier's id.
+        api_key: The supplier API key; only a SHA-256 digest of it enters the key.
+        scope: Optional sub-bucket (a city code); hashed too, as it is untrusted text.
+
+    Returns:
+        ``{prefix}:{supplier_id}:{sha256(api_key)[:32]}`` plus ``:city:{sha256(scope)[:32]}``.
+    """
+    digest = hashlib.sha256(b"supplier-sync-ratelimit\0" + api_key.encode()).hexdigest()[:32]
+    key = f"{prefix}:{supplier_id}:{digest}"
+    if scope is not None:
+        key += ":city:" + hashlib.sha256(scope.encode()).hexdigest()[:32]
+    return key
+
+
+class RedisTokenBucket:
+    """A token bucket in Redis, shared by every process that uses the same key."""
+
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        key: str,
+        rate: float,
+        burst: float = 1.0,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        max_sleep: float = 1.0,
+    ) -> None:
+        """Create a handle on a shared bucket (the bucket starts full when first used).
+
+        Args:
+            redis_client: A redis-py client.
+            key: The bucket's key; build it with :func:`bucket_key`.
+            rate: Tokens added per second, for all processes together.
+            burst: Capacity of the bucket.
+            sleep: Sleep function, injectable for tests.
+            max_sleep: Longest single sleep before asking Redis again (guards against a
+                rate change by another process).
+        """
+        _check_rate(rate, burst)
+        self.key = key
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._redis = redis_client
+        self._sleep = sleep
+        self._max_sleep = max_sleep
+        self._script = redis_client.register_script(_LUA_TAKE)
+        # Long enough for an idle bucket to refill completely, then it can go.
+        self._ttl_ms = int(math.ceil(self.burst / self.rate * 1000)) + 1000
+
+    def __repr__(self) -> str:
+        return f"RedisTokenBucket(key={self.key!r}, rate={self.rate}, burst={self.burst})"
+
+    def try_acquire(self) -> float:
+        """Take a token if one is available, without blocking.
+
+        Returns:
+            0.0 if a token was taken, otherwise the seconds until one will be available.
+
+        Raises:
+            RateLimiterUnavailable: Redis could not be reached or refused the script.
+        """
+        import redis
+
+        try:
+            result = self._script(keys=[self.key], args=[self.rate, self.burst, self._ttl_ms])
+        except redis.RedisError as err:
+            raise RateLimiterUnavailable(
+                f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
+            ) from err
+        text = result.decode() if isinstance(result, bytes) else str(result)
+        return max(0.0, float(text))
+
+    def acquire(self) -> float:
+        """Block until the shared bucket yields a token and take it.
+
+        Returns:
+            Seconds spent waiting.
+
+        Raises:
+            RateLimiterUnavailable: Redis could not be reached or refused the script.
+        """
+        waited = 0.0
+        while True:
+            wait = self.try_acquire()
+            if wait <= 0:
+                return waited
+            wait = min(wait, self._max_sleep)
+            self._sleep(wait)
+            waited += wait
+
+
+class CityRateLimiters:
+    """Lazily created per-city buckets, for suppliers that also throttle per city."""
+
+    def __init__(self, factory: Callable[[str], RateLimiter]) -> None:
+        """Create the registry.
+
+        Args:
+            factory: Builds the bucket of one city code.
+        """
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._buckets: dict[str, RateLimiter] = {}
+
+    def for_city(self, city_code: str) -> RateLimiter:
+        """Return the bucket of ``city_code``, creating it on first use."""
+        with self._lock:
+            bucket = self._buckets.get(city_code)
+            if bucket is None:
+                bucket = self._buckets[city_code] = self._factory(city_code)
+            return bucket
+
+
+def _redis_from_url(redis_url: str) -> redis.Redis:
+    import redis
+
+    return redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+
+
+def make_rate_limiter(
+    *,
+    redis_url: str | None,
+    supplier_id: str,
+    api_key: str,
+    rate: float,
+    burst: float = 1.0,
+    key_prefix: str = "supplier-sync:ratelimit",
+) -> RateLimiter:
+    """Build the request limiter of one supplier API key.
+
+    Args:
+        redis_url: Redis URL (the app passes ``SUPPLIER_SYNC_REDIS_URL``); None for an
+            in-process bucket, which only paces the threads of this process.
+        supplier_id: The supplier's id.
+        api_key: The supplier API key (hashed into the Redis key).
+        rate: Requests per second allowed for the key, all workers together.
+        burst: Bucket capacity.
+        key_prefix: Namespace of the Redis keys.
+
+    Returns:
+        A :class:`RedisTokenBucket` when ``redis_url`` is given, else an
+        :class:`InProcessTokenBucket`.
+    """
+    if redis_url is None:
+        return InProcessTokenBucket(rate, burst)
+    key = bucket_key(key_prefix, supplier_id, api_key)
+    return RedisTokenBucket(_redis_from_url(redis_url), key, rate, burst)
+
+
+def make_city_rate_limiters(
+    *,
+    redis_url: str | None,
+    supplier_id: str,
+    api_key: str,
+    rate: float,
+    burst: float = 1.0,
+    key_prefix: str = "supplier-sync:ratelimit",
+) -> CityRateLimiters:
+    """Build per-city buckets (a second throttle on top of the per-key one).
+
+    Args:
+        redis_url: Redis URL, or None for in-process buckets.
+        supplier_id: The supplier's id.
+        api_key: The supplier API key (hashed into the Redis keys).
+        rate: Requests per second allowed per city.
+        burst: Capacity of each city's bucket.
+        key_prefix: Namespace of the Redis keys.
+
+    Returns:
+        A :class:`CityRateLimiters` registry.
+    """
+    if redis_url is None:
+        return CityRateLimiters(lambda _city: InProcessTokenBucket(rate, burst))
+    client = _redis_from_url(redis_url)
+
+    def factory(city_code: str) -> RateLimiter:
+        key = bucket_key(key_prefix, supplier_id, api_key, scope=city_code)
+        return RedisTokenBucket(client, key, rate, burst)
+
+    return CityRateLimiters(factory)
