@@ -58,3 +58,51 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path):
         cwd=tmp_path,
     )
     assert proc.returncode == 2 and "out of range" in proc.stderr
+
+
+def test_simulate_command_serves_the_contract_over_http(tmp_path: Path):
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = Path(sys.executable).parent / "supplier-sync"
+    proc = subprocess.Popen(
+        [
+            str(cli),
+            "simulate",
+            "--port",
+            str(port),
+            "--cities",
+            "4",
+            "--hotels",
+            "200",
+            "--hostile-city-codes",
+            "--api-key",
+            "k1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/v1/cities", headers={"X-Api-Key": "k1"})
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                assert time.monotonic() < deadline, "simulator did not start"
+                time.sleep(0.2)
+        assert resp.status_code == 200
+        codes = {c["city_code"] for c in resp.json()["cities"]}
+        assert "../../etc" in codes and len(codes) >= 4
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/cities").status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
