@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS supplier_sync_batch (
     end_checkpoint VARCHAR(512) DEFAULT NULL,
     shard_count INT NOT NULL DEFAULT 0,
     shards_done INT NOT NULL DEFAULT 0,
+    pages_done INT NOT NULL DEFAULT 0,
+    fetched_count INT NOT NULL DEFAULT 0 COMMENT 'records fetched so far (progress)',
     total_count INT NOT NULL DEFAULT 0,
     success_count INT NOT NULL DEFAULT 0,
     failed_count INT NOT NULL DEFAULT 0,

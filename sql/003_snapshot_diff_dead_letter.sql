@@ -8,6 +8,9 @@ CREATE TABLE IF NOT EXISTS supplier_sync_snapshot (
     category_code VARCHAR(32) NOT NULL,
     supplier_resource_code VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin DEFAULT NULL,
     supplier_product_code VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin DEFAULT NULL,
+    shard_key VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin DEFAULT NULL COMMENT 'the city whose page this is',
+    page_number INT DEFAULT NULL,
+    record_count INT DEFAULT NULL,
     snapshot_type VARCHAR(32) NOT NULL COMMENT 'RAW/NORMALIZED',
     snapshot_version BIGINT NOT NULL,
     payload_ref VARCHAR(512) DEFAULT NULL,
@@ -15,7 +18,7 @@ CREATE TABLE IF NOT EXISTS supplier_sync_snapshot (
     created_at DATETIME(6) NOT NULL,
     PRIMARY KEY (id),
     UNIQUE KEY uk_snapshot_id (snapshot_id),
-    KEY idx_snapshot_batch (batch_id),
+    KEY idx_snapshot_batch (batch_id, shard_key, snapshot_type),
     KEY idx_supplier_object (supplier_id, supplier_resource_code, supplier_product_code)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COMMENT='raw and normalized supplier payload snapshots';
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 
@@ -21,6 +23,85 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     print(format_report(report))
     return 0 if not report.problems else 1
+
+
+def _supplier_from_env(args: argparse.Namespace) -> Any:
+    """The supplier resource from the SUPPLIER_SYNC_* environment (read now, at run time)."""
+    from supplier_sync_dagster.defs.resources import SupplierResource
+
+    return SupplierResource(
+        base_url=os.environ.get("SUPPLIER_SYNC_SUPPLIER_URL") or None,
+        api_key=os.environ.get("SUPPLIER_SYNC_SUPPLIER_API_KEY") or None,
+        redis_url=os.environ.get("SUPPLIER_SYNC_REDIS_URL") or None,
+        page_size=args.page_size,
+        rate_limit_rps=args.rate_limit,
+    )
+
+
+def _resources(args: argparse.Namespace) -> tuple[Any, Any]:
+    from supplier_sync_dagster.defs.resources import PayloadStoreResource, SyncDatabaseResource
+
+    return (
+        SyncDatabaseResource(db_url=args.db_url or os.environ.get("SUPPLIER_SYNC_DB_URL") or None),
+        PayloadStoreResource(url=os.environ.get("SUPPLIER_SYNC_PAYLOAD_URL") or None),
+    )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.defs.resources import SupplierResource
+    from supplier_sync_dagster.sync_runner import demo_day, run_full_sync
+
+    day = demo_day(advance=False)
+    supplier = SupplierResource(
+        sim_cities=args.cities,
+        sim_hotels=args.hotels,
+        sim_profile=args.profile,
+        sim_day=day,
+        rate_limit_rps=args.rate_limit,
+    )
+    sync_db, payloads = _resources(args)
+    print(
+        f"demo: a full sync through Dagster of the simulated supplier (day {day}, "
+        f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
+        flush=True,
+    )
+    summary = run_full_sync(supplier=supplier, sync_db=sync_db, payloads=payloads)
+    print(summary.render())
+    ok = summary.run_success and summary.status == "SUCCESS" and summary.counts_add_up
+    if ok:
+        demo_day(advance=True)
+        print(
+            f"run `supplier-sync demo` again: the supplier moves to day {day + 1} and only changes publish"
+        )
+    return 0 if ok else 1
+
+
+def _cmd_sync(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.sync_runner import run_full_sync
+
+    sync_db, payloads = _resources(args)
+    summary = run_full_sync(
+        supplier=_supplier_from_env(args),
+        sync_db=sync_db,
+        payloads=payloads,
+        trigger_id=args.trigger_id,
+        progress=None if args.json else sys.stderr,
+    )
+    print(summary.to_json() if args.json else summary.render())
+    return 0 if summary.run_success and summary.status == "SUCCESS" else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.export import export_jsonl
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        n = export_jsonl(db, args.what, sys.stdout, batch_id=args.batch)
+    finally:
+        db.dispose()
+    print(f"exported {n} {args.what}", file=sys.stderr)
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -117,10 +198,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    demo = sub.add_parser(
+        "demo",
+        help="the main job on the embedded defaults: a full sync through Dagster of the "
+        "simulated supplier (flaky), with progress and a summary; run again for the next day",
+    )
+    demo.add_argument("--cities", type=int, default=50)
+    demo.add_argument("--hotels", type=int, default=20_000)
+    demo.add_argument("--profile", default="flaky", help="simulator fault profile: clean or flaky")
+    demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
+    demo.set_defaults(func=_cmd_demo)
+
+    sync = sub.add_parser("sync", help="a sync against the configured supplier (SUPPLIER_SYNC_*)")
+    sync.add_argument("--full", action="store_true", required=True, help="every city (full sync)")
+    sync.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
+    sync.add_argument("--page-size", type=int, default=100)
+    sync.add_argument("--rate-limit", type=float, default=50.0, help="requests/s allowed")
+    sync.set_defaults(func=_cmd_sync)
+
+    export = sub.add_parser("export", help="JSON lines of published hotels, dead letters or diffs")
+    export.add_argument("what", choices=["published", "dead-letters", "diffs"])
+    export.add_argument("--format", choices=["jsonl"], default="jsonl")
+    export.add_argument("--batch", default=None, help="only this batch (dead letters, diffs)")
+    export.set_defaults(func=_cmd_export)
+
     run = sub.add_parser(
-        "run",
-        help="run the main job: today, the end-to-end lease/checkpoint demonstration "
-        "(two worker processes, one killed mid-city, the other reclaims and resumes)",
+        "lease-demo",
+        help="the lease/checkpoint demonstration: two worker processes, one killed mid-city, "
+        "the other reclaims its city after the lease expires and resumes from the checkpoint",
     )
     run.add_argument("--lease-seconds", type=float, default=6.0, help="lease duration (5-1800)")
     run.add_argument("--no-crash", action="store_true", help="do not kill worker A")
@@ -164,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # Retries are expected (and counted); the summary reports them, not the terminal.
+        logging.getLogger("supplier_sync_dagster.core.supplier").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except SupplierSyncError as err:

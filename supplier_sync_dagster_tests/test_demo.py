@@ -1,4 +1,4 @@
-"""The main job (today the lease/checkpoint demonstration) works as the README says."""
+"""The README's main command (a full sync through Dagster), the lease demonstration, the CLI."""
 
 from __future__ import annotations
 
@@ -10,12 +10,36 @@ from pathlib import Path
 from supplier_sync_dagster.demo import run_demo
 
 
-def test_readme_main_command_on_the_embedded_default(tmp_path: Path):
+def test_readme_main_command_syncs_then_publishes_only_changes(tmp_path: Path):
+    env = dict(os.environ, SUPPLIER_SYNC_HOME=str(tmp_path / "home"))
+    for name in ("SUPPLIER_SYNC_DB_URL", "DAGSTER_HOME", "SUPPLIER_SYNC_PAYLOAD_URL"):
+        env.pop(name, None)
+    cli = Path(sys.executable).parent / "supplier-sync"
+    small = ["demo", "--cities", "8", "--hotels", "1500"]
+    first = subprocess.run(
+        [str(cli), *small], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert ": SUCCESS (" in first.stdout and "DOES NOT ADD UP" not in first.stdout
+    assert "dead letters by code: " in first.stdout and "NEW" in first.stdout
+    second = subprocess.run(
+        [str(cli), *small], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "(day 1," in second.stdout
+    by_action = next(ln for ln in second.stdout.splitlines() if ln.startswith("diffs by action:"))
+    assert "IGNORE" in by_action  # unchanged hotels are not published again
+    published = int(second.stdout.split(" = published ")[1].split()[0])
+    records = int(second.stdout.split("records ")[1].split()[0])
+    assert 0 < published < records / 3  # a day's changes, not the catalog
+
+
+def test_lease_demonstration_on_the_embedded_default(tmp_path: Path):
     env = dict(os.environ, SUPPLIER_SYNC_HOME=str(tmp_path / "home"))
     env.pop("SUPPLIER_SYNC_DB_URL", None)
     cli = Path(sys.executable).parent / "supplier-sync"
     proc = subprocess.run(
-        [str(cli), "run"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+        [str(cli), "lease-demo"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "KILLED (exit 137)" in proc.stdout
@@ -51,7 +75,7 @@ def test_cli_reports_bad_input_clearly(tmp_path: Path):
     assert proc.returncode == 2
     assert "supplier-sync: error:" in proc.stderr and "SUPPLIER_SYNC_DB_URL" in proc.stderr
     proc = subprocess.run(
-        [str(cli), "--db-url", f"sqlite:///{tmp_path}/x.db", "run", "--lease-seconds", "1"],
+        [str(cli), "--db-url", f"sqlite:///{tmp_path}/x.db", "lease-demo", "--lease-seconds", "1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -113,6 +113,8 @@ class Batch:
     sync_batch_version: int
     shard_count: int
     shards_done: int
+    pages_done: int
+    fetched_count: int
     total_count: int
     success_count: int
     failed_count: int
@@ -342,18 +344,21 @@ def create_batch(
 
 
 def add_shards(db: SyncDatabase, batch_id: str, shard_keys: Sequence[str]) -> int:
-    """Adds shards (idempotently) to an unfinished batch; returns the batch's shard count.
+    """Adds shards (idempotently) to a batch; returns the batch's shard count.
+
+    A batch grows as the runs of its trigger arrive (a backfill's runs each bring their
+    cities), so a finished batch that gets new shards runs again; a cancelled one refuses.
 
     Raises:
         UnknownBatch: No such batch.
-        InvalidTransition: The batch is finished or cancelled.
+        InvalidTransition: The batch is cancelled.
         ConfigError: A shard key is malformed.
     """
     keys = _validate_shard_keys(shard_keys)
     with db.begin() as conn:
         current = lock_batch(conn, batch_id)
-        if current.is_terminal:
-            raise InvalidTransition(f"batch {batch_id} is {current.status}; cannot add shards")
+        if current.status == "CANCELLED":
+            raise InvalidTransition(f"batch {batch_id} is CANCELLED; cannot add shards")
         _insert_shards(conn, db.clock, batch_id, keys)
         return refresh_batch(conn, db.clock, batch_id).shard_count
 
@@ -445,6 +450,8 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
             sa.func.coalesce(sa.func.sum(s.success_count), 0).label("success_count"),
             sa.func.coalesce(sa.func.sum(s.failed_count), 0).label("failed_count"),
             sa.func.coalesce(sa.func.sum(s.skipped_count), 0).label("skipped_count"),
+            sa.func.coalesce(sa.func.sum(s.pages_done), 0).label("pages_done"),
+            sa.func.coalesce(sa.func.sum(s.fetched_count), 0).label("fetched_count"),
             sa.func.coalesce(
                 sa.func.sum(
                     sa.case(
@@ -488,6 +495,8 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
         "success_count": int(agg.success_count),
         "failed_count": int(agg.failed_count),
         "skipped_count": int(agg.skipped_count),
+        "pages_done": int(agg.pages_done),
+        "fetched_count": int(agg.fetched_count),
         "progress_percent": Decimal(f"{progress:.2f}"),
         "heartbeat_at": agg.heartbeat_at,
         "last_checkpoint_at": agg.last_checkpoint_at,

@@ -294,12 +294,24 @@ def insert_ignore(
     """
     if not rows:
         return
+    fixed = bind_values(conn, fixed)
     stmt: Any
     if conn.dialect.name == "sqlite":
-        stmt = sqlite_insert(table).values(**fixed).on_conflict_do_nothing()
+        stmt = sqlite_insert(table).on_conflict_do_nothing()
     else:
-        stmt = mysql_insert(table).values(**fixed).on_duplicate_key_update(id=table.c.id)
-    if len(rows) == 1:
-        conn.execute(stmt.values(**rows[0]))
-    else:
-        conn.execute(stmt, list(rows))
+        stmt = mysql_insert(table).on_duplicate_key_update(id=table.c.id)
+    conn.execute(stmt, [{**fixed, **row} for row in rows])
+
+
+def bind_values(conn: Connection, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Evaluates SQL expressions among ``values`` (``clock.now()``) in one SELECT.
+
+    Multi-row statements then carry only bound parameters, which is what lets drivers send
+    them as one multi-row INSERT (PyMySQL batches an executemany only then) instead of a
+    round trip per row.
+    """
+    exprs = {k: v for k, v in values.items() if isinstance(v, sa.ClauseElement)}
+    if not exprs:
+        return dict(values)
+    row = conn.execute(sa.select(*(v.label(k) for k, v in exprs.items()))).one()  # type: ignore[attr-defined]
+    return {**values, **row._mapping}

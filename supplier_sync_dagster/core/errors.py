@@ -15,6 +15,7 @@ The tree::
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
+    ├── CountsDoNotAddUp              a shard's records are not all published, dead-lettered or skipped
     ├── PayloadError                  the payload store (raw/normalized bytes) failed
     │   ├── PayloadNotFound           no payload under this reference
     │   └── PayloadCorrupt            stored bytes do not match their hash, or do not decompress
@@ -75,6 +76,10 @@ class InvalidCheckpoint(SupplierSyncError):
 
 class InvalidTransition(SupplierSyncError):
     """A guarded state move matched no row: the row was not in the expected state."""
+
+
+class CountsDoNotAddUp(SupplierSyncError):
+    """Invariant 4 broke: some fetched record ended in no bucket (a bug; nothing is finished)."""
 
 
 class PayloadError(SupplierSyncError):

@@ -95,12 +95,14 @@ class Checkpoint:
         page: The next page number to fetch (1-based).
         cursor: The supplier's cursor for the next page, when it offers cursors.
         last_supplier_hotel_id: The last hotel id of the last committed page.
+        done: True once the city's last page is committed.
     """
 
     city_code: str
     page: int = 1
     cursor: str | None = None
     last_supplier_hotel_id: str | None = None
+    done: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.city_code, str) or not self.city_code:
@@ -111,6 +113,8 @@ class Checkpoint:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidCheckpoint(f"checkpoint {name} must be a string or null: {self!r}")
+        if not isinstance(self.done, bool):
+            raise InvalidCheckpoint(f"checkpoint done must be true or false: {self!r}")
 
     def to_json(self) -> str:
         """Serializes for the ``checkpoint`` column.
@@ -124,6 +128,7 @@ class Checkpoint:
                 "page": self.page,
                 "cursor": self.cursor,
                 "last_supplier_hotel_id": self.last_supplier_hotel_id,
+                "done": self.done,
             },
             ensure_ascii=False,
             separators=(",", ":"),
@@ -150,7 +155,7 @@ class Checkpoint:
             ) from None
         if not isinstance(data, dict):
             raise InvalidCheckpoint(f"checkpoint must be a JSON object: {text[:200]!r}")
-        unknown = set(data) - {"city_code", "page", "cursor", "last_supplier_hotel_id"}
+        unknown = set(data) - {"city_code", "page", "cursor", "last_supplier_hotel_id", "done"}
         if unknown:
             raise InvalidCheckpoint(f"checkpoint has unknown fields {sorted(unknown)}")
         if "city_code" not in data:
@@ -193,6 +198,7 @@ class ShardInfo:
     skipped_count: int
     pages_done: int
     total_pages: int | None
+    fetched_count: int
     claim_count: int
     worker_id: str | None
     lease_until: datetime | None
@@ -306,6 +312,7 @@ class ShardLease:
         counts: PageCounts,
         *,
         total_pages: int | None = None,
+        fetched: int = 0,
         message: str = "",
         conn: Connection | None = None,
     ) -> None:
@@ -331,6 +338,7 @@ class ShardLease:
             "failed_count": t.shard.c.failed_count + counts.failed,
             "skipped_count": t.shard.c.skipped_count + counts.skipped,
             "pages_done": t.shard.c.pages_done + 1,
+            "fetched_count": t.shard.c.fetched_count + fetched,
             "heartbeat_at": clock.now(),
             "lease_until": clock.now(self.settings.lease_seconds),
             "last_checkpoint_at": clock.now(),
@@ -349,8 +357,35 @@ class ShardLease:
                 self._fenced(own, **values)
         self.checkpoint = checkpoint
 
-    def finish(self, status: FinishStatus = "SUCCESS", error_message: str | None = None) -> Batch:
+    def fence(self, conn: Connection, stage: str, message: str = "") -> None:
+        """A fenced heartbeat inside the caller's transaction.
+
+        Every write transaction of a shard's work calls this first: if the lease is lost the
+        transaction fails with :class:`LeaseLost` and its writes roll back with it.
+        """
+        self._fenced(
+            conn,
+            heartbeat_at=self.db.clock.now(),
+            lease_until=self.db.clock.now(self.settings.lease_seconds),
+            last_heartbeat_stage=stage[:64],
+            last_heartbeat_message=message[:512],
+            updated_at=self.db.clock.now(),
+        )
+
+    def finish(
+        self,
+        status: FinishStatus = "SUCCESS",
+        error_message: str | None = None,
+        *,
+        counts: PageCounts | None = None,
+    ) -> Batch:
         """Ends the shard and re-derives its batch; returns the batch as it now stands.
+
+        Args:
+            status: SUCCESS or FAILED.
+            error_message: Why it failed.
+            counts: The final outcome of every record of the shard, replacing the counts
+                accumulated by :meth:`advance` (for work whose outcome is known only at the end).
 
         Raises:
             ConfigError: ``status`` is not SUCCESS or FAILED.
@@ -371,6 +406,16 @@ class ShardLease:
                 last_heartbeat_message=f"finished {status}",
                 error_message=(error_message or None) and error_message[:1024],
                 updated_at=clock.now(),
+                **(
+                    {
+                        "total_count": counts.total,
+                        "success_count": counts.success,
+                        "failed_count": counts.failed,
+                        "skipped_count": counts.skipped,
+                    }
+                    if counts is not None
+                    else {}
+                ),
             )
             batch = refresh_batch(conn, clock, self.batch_id)
         self.mark_lost(f"shard {self.shard_key!r} already finished", expected=True)
@@ -794,6 +839,7 @@ def _shard_info(row: sa.Row[Any]) -> ShardInfo:
         skipped_count=m["skipped_count"],
         pages_done=m["pages_done"],
         total_pages=m["total_pages"],
+        fetched_count=m["fetched_count"],
         claim_count=m["claim_count"],
         worker_id=m["worker_id"],
         lease_until=m["lease_until"],

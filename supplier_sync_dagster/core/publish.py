@@ -25,9 +25,13 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.db import DbClock, bind_values, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff
 from supplier_sync_dagster.core.mapping import OfferKey, chunks
+
+# PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
+# tail has no bound parameters: constants there are written as literal SQL.
+_ONE: Any = sa.literal_column("1")
 
 HOTEL_EVENTS = ("HotelResourceUpdated", "HotelSearchIndexRefreshRequired")
 CONTENT_DIFFS = ("NEW", "CONTENT_CHANGED", "STATUS_CHANGED")
@@ -164,10 +168,10 @@ def _upsert_hotels(
     token: str,
     todo: Sequence[tuple[HotelDiff, Candidate]],
 ) -> None:
-    rows = [_hotel_row(d, c, supplier_id, batch_id, token) for d, c in todo]
-    now = clock.now()
+    now = bind_values(conn, {"now": clock.now()})["now"]
+    rows = [_hotel_row(d, c, supplier_id, batch_id, token) | {"published_at": now} for d, c in todo]
     if conn.dialect.name == "sqlite":
-        ins = sqlite_insert(t.platform_hotel).values(published_at=now)
+        ins = sqlite_insert(t.platform_hotel)
         ex = ins.excluded
         cur = t.platform_hotel.c
         newer = sa.or_(
@@ -185,7 +189,7 @@ def _upsert_hotels(
             where=newer,
         )
     else:
-        ins_m = mysql_insert(t.platform_hotel).values(published_at=now)
+        ins_m = mysql_insert(t.platform_hotel)
         new = ins_m.inserted
         cur = t.platform_hotel.c
         newer = sa.or_(
@@ -201,7 +205,7 @@ def _upsert_hotels(
             (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
         ]
         assignments += [
-            ("publish_version", sa.func.IF(newer, cur.publish_version + 1, cur.publish_version)),
+            ("publish_version", sa.func.IF(newer, cur.publish_version + _ONE, cur.publish_version)),
             ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
             ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),
         ]
@@ -257,19 +261,18 @@ def _replace_offers(
         )
     if not rows:
         return
-    now = clock.now()
+    now = bind_values(conn, {"now": clock.now()})["now"]
+    rows = [r | {"active": True, "updated_at": now} for r in rows]
     if conn.dialect.name == "sqlite":
-        ins = sqlite_insert(t.platform_offer).values(active=True, updated_at=now)
+        ins = sqlite_insert(t.platform_offer)
         stmt: Any = ins.on_conflict_do_update(
             index_elements=[o.offer_id],
-            set_={name: ins.excluded[name] for name in rows[0] if name != "offer_id"}
-            | {"active": True, "updated_at": now},
+            set_={name: ins.excluded[name] for name in rows[0] if name != "offer_id"},
         )
     else:
-        ins_m = mysql_insert(t.platform_offer).values(active=True, updated_at=now)
+        ins_m = mysql_insert(t.platform_offer)
         stmt = ins_m.on_duplicate_key_update(
             {name: ins_m.inserted[name] for name in rows[0] if name != "offer_id"}
-            | {"active": True, "updated_at": now}
         )
     conn.execute(stmt, rows)
 

@@ -237,12 +237,20 @@ def test_hostile_codes_as_task_trigger_and_shards_round_trip(db: SyncDatabase):
     assert _count(db, t.batch) == len(HOSTILE_CODES)
 
 
-def test_add_shards_is_idempotent_and_refused_on_finished_batch(db: SyncDatabase):
+def test_add_shards_is_idempotent_reopens_finished_and_refused_on_cancelled(db: SyncDatabase):
     code = _task(db)
     batch = create_batch(db, task_code=code, trigger_id="t", trigger_source="BACKFILL").batch
     assert batch is not None and batch.city_scope is None
     assert add_shards(db, batch.batch_id, ["BKK", "SIN"]) == 2
     assert add_shards(db, batch.batch_id, ["SIN", "JKT"]) == 3
+    for key in ("BKK", "SIN", "JKT"):
+        claim_shard(db, batch.batch_id, key, worker_id="w", settings=FAST).finish("SUCCESS")
+    with db.engine.connect() as conn:
+        assert get_batch(conn, batch.batch_id).status == "SUCCESS"
+    assert add_shards(db, batch.batch_id, ["HKG"]) == 4  # the backfill's next run arrives
+    with db.engine.connect() as conn:
+        again = get_batch(conn, batch.batch_id)
+    assert again.status == "RUNNING" and again.finished_at is None
     cancel_batch(db, batch.batch_id, "test")
     with pytest.raises(InvalidTransition, match="CANCELLED"):
         add_shards(db, batch.batch_id, ["HKG"])

@@ -1,0 +1,117 @@
+"""Exports of the sync's results as JSON lines, streamed (bounded memory, any size)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any, Literal, TextIO
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import SyncDatabase
+
+ExportKind = Literal["published", "dead-letters", "diffs"]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return str(value)
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return value
+
+
+def _rows(db: SyncDatabase, stmt: sa.Select[Any]) -> Iterator[dict[str, Any]]:
+    with db.engine.connect() as conn:
+        result = conn.execution_options(stream_results=True, yield_per=1000).execute(stmt)
+        for row in result:
+            yield {k: _plain(v) for k, v in row._mapping.items()}
+
+
+def export_jsonl(
+    db: SyncDatabase, what: ExportKind, out: TextIO, *, batch_id: str | None = None
+) -> int:
+    """Writes one JSON object per line; returns how many.
+
+    - published: a hotel with ``supplier_id``, ``supplier_hotel_id``, ``supplier_version``,
+      ``platform_resource_id``, ``publish_version``, its published fields and its offers.
+    - dead-letters: ``supplier_hotel_id``, ``error_stage``, ``error_type``, ``error_code``,
+      ``error_message``, ``status``, the raw payload ref and hash.
+    - diffs: the diff log.
+    """
+    n = 0
+    if what == "published":
+        h, o = t.platform_hotel.c, t.platform_offer.c
+        offers: dict[int, list[dict[str, Any]]] = {}
+        batch: list[dict[str, Any]] = []
+
+        def flush() -> int:
+            ids = [r["platform_resource_id"] for r in batch]
+            offers.clear()
+            with db.engine.connect() as conn:
+                for row in conn.execute(
+                    sa.select(t.platform_offer).where(o.resource_id.in_(ids), o.active.is_(True))
+                ):
+                    m = {k: _plain(v) for k, v in row._mapping.items()}
+                    offers.setdefault(m.pop("resource_id"), []).append(m)
+            for r in batch:
+                r["facilities"] = json.loads(r["facilities"] or "[]")
+                r["images"] = json.loads(r["images"] or "[]")
+                r["offers"] = offers.get(r["platform_resource_id"], [])
+                out.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+            count = len(batch)
+            batch.clear()
+            return count
+
+        cols = [c for c in t.platform_hotel.c if c.name not in ("resource_id", "publish_token")]
+        stmt = sa.select(h.resource_id.label("platform_resource_id"), *cols).order_by(h.resource_id)
+        for row in _rows(db, stmt):
+            batch.append(row)
+            if len(batch) >= 1000:
+                n += flush()
+        n += flush()
+        return n
+    if what == "dead-letters":
+        d = t.dead_letter.c
+        stmt = sa.select(
+            d.dead_letter_id,
+            d.batch_id,
+            d.supplier_id,
+            d.supplier_resource_code.label("supplier_hotel_id"),
+            d.supplier_product_code,
+            d.error_stage,
+            d.error_type,
+            d.error_code,
+            d.error_message,
+            d.status,
+            d.retry_count,
+            d.raw_payload_ref,
+            d.raw_payload_hash,
+            d.created_at,
+        ).order_by(d.id)
+        if batch_id:
+            stmt = stmt.where(d.batch_id == batch_id)
+    else:
+        f = t.diff_log.c
+        stmt = sa.select(
+            f.diff_id,
+            f.batch_id,
+            f.shard_key.label("city_code"),
+            f.supplier_resource_code.label("supplier_hotel_id"),
+            f.platform_resource_id,
+            f.old_publish_version,
+            f.new_snapshot_version,
+            f.diff_type,
+            f.changed_fields,
+            f.risk_level,
+            f.action,
+            f.created_at,
+        ).order_by(f.id)
+        if batch_id:
+            stmt = stmt.where(f.batch_id == batch_id)
+    for row in _rows(db, stmt):
+        out.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+        n += 1
+    return n

@@ -1,0 +1,495 @@
+"""One city's sync, stage by stage, under one shard lease.
+
+``fetch → normalize → (gate) → map → diff → publish``, as plain Python over the sync
+database, the payload store and the supplier client; the Dagster assets call these stages
+and report what they return.
+
+- **fetch**: walks the city page by page (cursor or page numbers) from the shard's
+  checkpoint; each page's exact bytes go to the payload store, a RAW snapshot row and the
+  checkpoint past the page commit in one fenced transaction (a crash re-fetches at most the
+  page in flight).
+- **normalize**: reads the city's RAW snapshots back from the store (never the supplier:
+  replay is free), normalizes every record, stores each page's normalized hotels as a
+  NORMALIZED snapshot and every rejected record as a dead letter.
+- **map/diff/publish**: reads NORMALIZED snapshots in chunks (memory stays bounded
+  whatever the city's size), allocates mappings, diffs against what is published, writes
+  the diff log and publishes AUTO_PUBLISH diffs with their outbox events, one transaction
+  per chunk.
+
+Every record fetched ends in exactly one bucket (invariant 4): published (success), dead
+letter (failed), or skipped: unchanged, stale, a duplicate of a record on another page, or
+held for review. The shard finishes with those counts, and ``total = success + failed +
+skipped = records in the city's stored pages``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.batches import Batch
+from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.diff import (
+    Candidate,
+    HotelDiff,
+    RiskPolicy,
+    collapse_duplicates,
+    compute_diffs,
+    default_risk_policy,
+    record_diffs,
+)
+from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseNotAcquired
+from supplier_sync_dagster.core.leases import (
+    Checkpoint,
+    HeartbeatRunner,
+    LeaseSettings,
+    PageCounts,
+    ShardLease,
+    claim_shard,
+    get_shard,
+    reopen_shard,
+)
+from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
+from supplier_sync_dagster.core.normalize import canonical_json, normalize_records
+from supplier_sync_dagster.core.payloads import PayloadStore
+from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
+
+log = logging.getLogger(__name__)
+
+RAW = "RAW"
+NORMALIZED = "NORMALIZED"
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """What one sync needs to know besides its inputs.
+
+    Attributes:
+        task_code: The task being run (dead letters name it).
+        supplier_id: The platform's id of the supplier.
+        sync_mode: FULL or INCREMENTAL (dead letters name it).
+        page_size: Hotels per supplier page (1-500).
+        chunk_hotels: Hotels per map/diff/publish transaction.
+        lease: Lease duration and heartbeat interval.
+        risk_policy: Decides each diff's risk level and action.
+    """
+
+    task_code: str
+    supplier_id: int
+    sync_mode: str = "FULL"
+    page_size: int = 100
+    chunk_hotels: int = 2000
+    lease: LeaseSettings = field(default_factory=LeaseSettings)
+    risk_policy: RiskPolicy = default_risk_policy
+
+
+@dataclass
+class CityReport:
+    """What a city's sync did, stage by stage (counts, timings), for metadata and summaries."""
+
+    city_code: str
+    status: str = "SUCCESS"
+    resumed_from_page: int | None = None
+    pages_fetched: int = 0
+    records: int = 0
+    published: int = 0
+    dead_letters: int = 0
+    skipped: int = 0
+    duplicates: int = 0
+    dead_letters_by_code: Counter[str] = field(default_factory=Counter)
+    diffs_by_type: Counter[str] = field(default_factory=Counter)
+    diffs_by_action: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    error: str | None = None
+
+    @property
+    def counts(self) -> PageCounts:
+        """The shard's outcome counts: published, dead letters, everything else."""
+        return PageCounts(success=self.published, failed=self.dead_letters, skipped=self.skipped)
+
+
+Gate = Callable[[SyncDatabase, str, str, "CityReport"], str | None]
+"""Called after normalization with (db, batch_id, city_code, report); a non-None return
+stops the city before anything is published (the reason is reported)."""
+
+
+def sync_city(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    *,
+    batch: Batch,
+    city_code: str,
+    worker_id: str,
+    settings: SyncSettings,
+    gate: Gate | None = None,
+    fetch: bool = True,
+) -> CityReport:
+    """Runs every stage of one city under its shard lease and finishes the shard.
+
+    Args:
+        db: The sync database.
+        store: The payload store for raw and normalized pages.
+        client: The supplier client (unused when ``fetch`` is False).
+        batch: The batch this city belongs to (it must have a shard for the city).
+        city_code: The supplier's city code, verbatim.
+        worker_id: This worker's id.
+        settings: Task and tuning settings.
+        gate: Optional batch-level quality gate run before publishing.
+        fetch: False replays the stored raw pages of this batch without calling the supplier.
+
+    Returns:
+        The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
+        LEASE_LOST, HELD_BY_OTHER (a live lease elsewhere) or GATED.
+
+    Raises:
+        SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
+    """
+    report = CityReport(city_code)
+    info = get_shard(db, batch.batch_id, city_code)
+    if info.status == "SUCCESS":
+        report.status = "ALREADY_DONE"
+        return report
+    if info.status == "FAILED":
+        reopen_shard(db, batch.batch_id, city_code, f"retried by {worker_id}")
+    try:
+        lease = claim_shard(
+            db, batch.batch_id, city_code, worker_id=worker_id, settings=settings.lease
+        )
+    except LeaseNotAcquired as err:
+        report.status, report.error = "HELD_BY_OTHER", str(err)
+        return report
+    if lease.checkpoint is not None:
+        report.resumed_from_page = lease.checkpoint.page
+    with HeartbeatRunner(lease) as heartbeat:
+        try:
+            if fetch:
+                if client is None:
+                    raise ValueError("fetching needs a supplier client")
+                _fetch(lease, store, client, heartbeat, settings, report)
+            _normalize(lease, store, heartbeat, settings, report)
+            reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
+            if reason is not None:
+                report.status, report.error = "GATED", reason
+                lease.finish("FAILED", f"quality gate: {reason}", counts=_gated_counts(report))
+                return report
+            _publish(lease, store, heartbeat, settings, report)
+            heartbeat.check()
+            lease.finish("SUCCESS", counts=report.counts)
+        except Exception as err:
+            if lease.lost:
+                report.status, report.error = "LEASE_LOST", str(err)
+                log.warning("city %r stopped: %s", city_code, err)
+                return report
+            report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
+            if not lease.lost:
+                lease.finish("FAILED", report.error)
+            raise
+        except BaseException:
+            if not lease.lost:
+                lease.release("worker interrupted")
+            raise
+    return report
+
+
+def _gated_counts(report: CityReport) -> PageCounts:
+    # Nothing published: valid records are held (skipped) until the gate is overridden.
+    return PageCounts(
+        success=0, failed=report.dead_letters, skipped=report.records - report.dead_letters
+    )
+
+
+def snapshot_id(batch_id: str, city_code: str, kind: str, payload_hash: str) -> str:
+    """Deterministic snapshot id: one row per (batch, city, kind, page bytes)."""
+    key = f"{batch_id}\0{city_code}\0{kind}\0{payload_hash}"
+    return ("rs_" if kind == RAW else "ns_") + hashlib.sha256(key.encode()).hexdigest()[:61]
+
+
+def _fetch(
+    lease: ShardLease,
+    store: PayloadStore,
+    client: SupplierClient,
+    heartbeat: HeartbeatRunner,
+    settings: SyncSettings,
+    report: CityReport,
+) -> None:
+    cp = lease.checkpoint
+    if cp is not None and cp.done:
+        return
+    start = (
+        PagePosition(page=cp.page, cursor=cp.cursor, last_hotel_id=cp.last_supplier_hotel_id)
+        if cp is not None
+        else None
+    )
+    city = lease.shard_key
+    began = time.perf_counter()
+    for page in client.iter_city(city, page_size=settings.page_size, start=start):
+        heartbeat.check()
+        heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
+        stored = store.put(page.raw, kind="raw")
+        pos = page.position
+        with lease.db.begin() as conn:
+            insert_ignore(
+                conn,
+                t.snapshot,
+                [
+                    {
+                        "snapshot_id": snapshot_id(lease.batch_id, city, RAW, stored.sha256),
+                        "payload_ref": stored.ref,
+                        "payload_hash": stored.sha256,
+                        "page_number": page.page_number,
+                        "record_count": len(page.page.hotels),
+                    }
+                ],
+                batch_id=lease.batch_id,
+                supplier_id=settings.supplier_id,
+                category_code="HOTEL",
+                shard_key=city,
+                snapshot_type=RAW,
+                snapshot_version=1,
+                created_at=lease.db.clock.now(),
+            )
+            lease.advance(
+                Checkpoint(
+                    city,
+                    page=pos.page,
+                    cursor=pos.cursor,
+                    last_supplier_hotel_id=pos.last_hotel_id,
+                    done=pos.done,
+                ),
+                PageCounts(),
+                total_pages=page.page.total_pages,
+                fetched=len(page.page.hotels),
+                conn=conn,
+            )
+        report.pages_fetched += 1
+    report.seconds["fetch"] += time.perf_counter() - began
+
+
+def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[sa.Row[Any]]:
+    s = t.snapshot.c
+    with db.engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.select(s.payload_ref, s.payload_hash, s.page_number, s.record_count)
+                .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == kind)
+                .order_by(s.id)
+            )
+        )
+
+
+def _normalize(
+    lease: ShardLease,
+    store: PayloadStore,
+    heartbeat: HeartbeatRunner,
+    settings: SyncSettings,
+    report: CityReport,
+) -> None:
+    db, city = lease.db, lease.shard_key
+    began = time.perf_counter()
+    done = {row.payload_hash for row in _snapshots(db, lease.batch_id, city, NORMALIZED)}
+    report.records = 0
+    for raw in _snapshots(db, lease.batch_id, city, RAW):
+        heartbeat.check()
+        report.records += int(raw.record_count or 0)
+        records = json.loads(store.get(raw.payload_ref)).get("hotels") or []
+        result = normalize_records(records)
+        # Dead letters are counted from every page, also pages normalized by an earlier
+        # attempt, so that the shard's counts describe all of its records.
+        letters = [
+            DeadLetter(
+                r.supplier_hotel_id,
+                r.stage,
+                "NON_RETRYABLE",
+                r.error_code,
+                r.message,
+                raw.payload_ref,
+                raw.payload_hash,
+                # The record's place on its page: two unreadable records of one page stay
+                # two dead letters, and a re-run finds the same key.
+                supplier_product_code=f"record#{index}",
+            )
+            for r, index in zip(result.rejections, result.rejection_index, strict=True)
+        ]
+        report.dead_letters += len(letters)
+        report.dead_letters_by_code.update(d.error_code for d in letters)
+        body = b"[" + b",".join(canonical_json(h) for h in result.hotels) + b"]"
+        norm_hash = hashlib.sha256(body).hexdigest()
+        if norm_hash in done and not letters:
+            continue
+        heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
+        stored = store.put(body, kind="normalized")
+        with db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={city} page={raw.page_number}")
+            insert_ignore(
+                conn,
+                t.snapshot,
+                [
+                    {
+                        "snapshot_id": snapshot_id(
+                            lease.batch_id, city, NORMALIZED, raw.payload_hash
+                        ),
+                        "payload_ref": stored.ref,
+                        "payload_hash": stored.sha256,
+                        "page_number": raw.page_number,
+                        "record_count": len(result.hotels),
+                        # The raw page these hotels came from: the trace back to the supplier.
+                        "supplier_product_code": raw.payload_hash,
+                    }
+                ],
+                batch_id=lease.batch_id,
+                supplier_id=settings.supplier_id,
+                category_code="HOTEL",
+                shard_key=city,
+                snapshot_type=NORMALIZED,
+                snapshot_version=1,
+                created_at=db.clock.now(),
+            )
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id=lease.batch_id,
+                task_code=settings.task_code,
+                sync_mode=settings.sync_mode,
+                supplier_id=settings.supplier_id,
+                letters=letters,
+            )
+    report.seconds["normalize"] += time.perf_counter() - began
+
+
+def _normalized_chunks(
+    db: SyncDatabase, store: PayloadStore, batch_id: str, city: str, chunk_hotels: int
+) -> Iterator[list[Candidate]]:
+    """Candidates of the city, chunk by chunk, each traced to its raw page."""
+    s = t.snapshot.c
+    with db.engine.connect() as conn:
+        rows = list(
+            conn.execute(
+                sa.select(s.payload_ref, s.supplier_product_code)
+                .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == NORMALIZED)
+                .order_by(s.id)
+            )
+        )
+        raw_refs = dict(
+            conn.execute(
+                sa.select(s.payload_hash, s.payload_ref).where(
+                    s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == RAW
+                )
+            ).all()
+        )
+    chunk: list[Candidate] = []
+    for row in rows:
+        raw_hash = row.supplier_product_code
+        for doc in json.loads(store.get(row.payload_ref)):
+            fp = hashlib.sha256(
+                json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+            ).hexdigest()
+            chunk.append(Candidate(doc, fp, raw_refs.get(raw_hash), raw_hash))
+        if len(chunk) >= chunk_hotels:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _publish(
+    lease: ShardLease,
+    store: PayloadStore,
+    heartbeat: HeartbeatRunner,
+    settings: SyncSettings,
+    report: CityReport,
+) -> None:
+    db, city = lease.db, lease.shard_key
+    began = time.perf_counter()
+    report.published = 0
+    report.skipped = 0
+    report.duplicates = 0
+    for chunk in _normalized_chunks(db, store, lease.batch_id, city, settings.chunk_hotels):
+        heartbeat.check()
+        heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
+        cands = collapse_duplicates(chunk)
+        report.duplicates += len(chunk) - len(cands)
+        with db.begin() as conn:
+            lease.fence(conn, "PUBLISHING", f"city={city}")
+            diffs = _map_and_diff(conn, lease, cands, settings)
+            record_diffs(
+                conn,
+                db.clock,
+                batch_id=lease.batch_id,
+                shard_key=city,
+                supplier_id=settings.supplier_id,
+                diffs=diffs,
+            )
+            by_id = {c.supplier_hotel_id: c for c in cands}
+            result = publish_hotels(
+                conn,
+                db.clock,
+                supplier_id=settings.supplier_id,
+                batch_id=lease.batch_id,
+                items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
+                offer_ids=_offer_ids(conn, lease, cands, settings, diffs),
+            )
+        report.diffs_by_type.update(d.diff_type for d in diffs)
+        report.diffs_by_action.update(d.action for d in diffs)
+        report.published += len(result.published)
+        # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
+        # stale, held for review), and publishes the version guard refused.
+        report.skipped += (
+            len(chunk)
+            - len(cands)
+            + sum(1 for d in diffs if d.action != "AUTO_PUBLISH")
+            + len(result.not_newer)
+        )
+    if report.published + report.dead_letters + report.skipped != report.records:
+        raise CountsDoNotAddUp(
+            f"city {city!r}: {report.records} records but {report.published} published + "
+            f"{report.dead_letters} dead letters + {report.skipped} skipped"
+        )
+    report.seconds["publish"] += time.perf_counter() - began
+
+
+def _map_and_diff(
+    conn: Connection, lease: ShardLease, cands: Sequence[Candidate], settings: SyncSettings
+) -> list[HotelDiff]:
+    maps = ensure_hotel_mappings(
+        conn,
+        lease.db.clock,
+        supplier_id=settings.supplier_id,
+        batch_id=lease.batch_id,
+        hotel_ids=[c.supplier_hotel_id for c in cands],
+    )
+    lease_resource_ids = maps.resource_ids
+    return compute_diffs(conn, cands, lease_resource_ids, policy=settings.risk_policy)
+
+
+def _offer_ids(
+    conn: Connection,
+    lease: ShardLease,
+    cands: Sequence[Candidate],
+    settings: SyncSettings,
+    diffs: Sequence[HotelDiff],
+) -> dict[tuple[str, str, str], int]:
+    publishing = {
+        d.supplier_hotel_id: d.platform_resource_id for d in diffs if d.action == "AUTO_PUBLISH"
+    }
+    keys = [k for c in cands if c.supplier_hotel_id in publishing for k in c.offer_keys()]
+    return ensure_offer_mappings(
+        conn,
+        lease.db.clock,
+        supplier_id=settings.supplier_id,
+        batch_id=lease.batch_id,
+        offers=keys,
+        resource_ids=publishing,
+    )

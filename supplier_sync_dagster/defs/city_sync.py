@@ -1,0 +1,310 @@
+"""The city-partitioned asset graph: raw snapshots → normalized → mappings → diffs → published.
+
+One multi-asset step works every city of its run (a backfill groups cities into runs with
+``BackfillPolicy.multi_run``), so that orchestration is a small share of the wall time: a
+step per stage and city would cost a process start per step. Each city runs its stages
+under its own shard lease (``core.pipeline.sync_city``); the five assets are materialized
+together with metadata for each stage, and lineage shows the chain.
+
+The batch is the run's trigger: the backfill id for backfill runs (all runs of one backfill
+share one batch), else an explicit ``supplier_sync/trigger_id`` tag (CLI), else the run id.
+"""
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+
+from supplier_sync_dagster.core.batches import (
+    Batch,
+    TaskSpec,
+    TriggerSource,
+    add_shards,
+    create_batch,
+    get_batch,
+    upsert_task,
+)
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key
+from supplier_sync_dagster.defs.resources import (
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+TRIGGER_TAG = "supplier_sync/trigger_id"
+SOURCE_TAG = "supplier_sync/trigger_source"
+GROUP = "supplier_sync"
+
+RAW = dg.AssetKey("raw_hotel_snapshots")
+NORMALIZED = dg.AssetKey("normalized_hotels")
+MAPPINGS = dg.AssetKey("hotel_mappings")
+DIFFS = dg.AssetKey("hotel_diffs")
+PUBLISHED = dg.AssetKey("published_hotels")
+
+
+def _specs() -> list[dg.AssetSpec]:
+    # Built in a function: the defs loader collects module-level AssetSpecs as assets.
+    return [
+        dg.AssetSpec(
+            RAW,
+            group_name=GROUP,
+            description=(
+                "Each supplier page's exact bytes, gzip in the payload store, with a RAW "
+                "supplier_sync_snapshot row (sha256, ref); the shard checkpoint advances per page."
+            ),
+        ),
+        dg.AssetSpec(
+            NORMALIZED,
+            deps=[RAW],
+            group_name=GROUP,
+            description=(
+                "Supplier records turned into the platform model (trimmed text, ISO country and "
+                "currency, E.164 phone, Decimal money); NORMALIZED snapshots; every record that "
+                "cannot be parsed or is out of its domain becomes a dead letter with a precise code."
+            ),
+        ),
+        dg.AssetSpec(
+            MAPPINGS,
+            deps=[NORMALIZED],
+            group_name=GROUP,
+            description=(
+                "(supplier, hotel) → platform resource id and (hotel, room, rate plan) → offer id, "
+                "allocated once by unique keys."
+            ),
+        ),
+        dg.AssetSpec(
+            DIFFS,
+            deps=[MAPPINGS],
+            group_name=GROUP,
+            description="Field-level diffs against the published hotels, with risk and action (supplier_sync_diff_log).",
+        ),
+        dg.AssetSpec(
+            PUBLISHED,
+            deps=[DIFFS],
+            group_name=GROUP,
+            description=(
+                "Platform hotels and offers, version-guarded (an older supplier version never "
+                "overwrites a newer), with outbox events in the same transaction."
+            ),
+        ),
+    ]
+
+
+def trigger_of(tags: dict[str, str], run_id: str) -> tuple[str, TriggerSource]:
+    """The batch trigger of a run: (trigger id, trigger source)."""
+    backfill = tags.get("dagster/backfill")
+    if tags.get(TRIGGER_TAG):
+        source = tags.get(SOURCE_TAG, "MANUAL")
+        return tags[TRIGGER_TAG], source if source in (
+            "CRON",
+            "MANUAL",
+            "COMPENSATION",
+            "SENSOR",
+            "BACKFILL",
+        ) else "MANUAL"  # type: ignore[return-value]
+    if backfill:
+        return backfill, "BACKFILL"
+    if tags.get("dagster/schedule_name"):
+        return run_id, "CRON"
+    if tags.get("dagster/sensor_name"):
+        return run_id, "SENSOR"
+    return run_id, "MANUAL"
+
+
+def resolve_batch(
+    db: SyncDatabase,
+    supplier: SupplierResource,
+    trigger_id: str,
+    source: TriggerSource,
+    cities: list[str],
+) -> Batch:
+    """The batch of this trigger (created once), with a shard for each of the run's cities.
+
+    Raises:
+        dg.Failure: The task's concurrency policy skipped this trigger.
+    """
+    upsert_task(
+        db,
+        TaskSpec(
+            task_code=supplier.task_code,
+            supplier_id=supplier.supplier_id,
+            concurrency_policy="SKIP_IF_RUNNING",
+        ),
+    )
+    decision = create_batch(
+        db, task_code=supplier.task_code, trigger_id=trigger_id, trigger_source=source
+    )
+    if decision.batch is None:
+        raise dg.Failure(
+            description=f"sync skipped: {decision.reason}",
+            metadata={"blocking_batch_id": decision.blocking_batch_id or ""},
+            allow_retries=False,
+        )
+    add_shards(db, decision.batch.batch_id, cities)
+    with db.engine.connect() as conn:
+        return get_batch(conn, decision.batch.batch_id)
+
+
+def _summary(reports: list[CityReport], batch: Batch, seconds: float) -> dict[str, Any]:
+    total: Counter[str] = Counter()
+    for r in reports:
+        total.update(
+            {
+                "pages": r.pages_fetched,
+                "records": r.records,
+                "published": r.published,
+                "dead_letters": r.dead_letters,
+                "skipped": r.skipped,
+                "duplicates": r.duplicates,
+            }
+        )
+    return {"batch_id": batch.batch_id, "seconds": seconds, **total}
+
+
+@dg.multi_asset(
+    specs=_specs(),
+    partitions_def=city_partitions,
+    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
+    pool="supplier_api",
+    name="city_sync",
+    description="Syncs the run's cities from the supplier to the platform catalog, stage by stage.",
+)
+def city_sync(
+    context: dg.AssetExecutionContext,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+) -> Iterator[dg.MaterializeResult]:
+    """Claims, fetches, normalizes, maps, diffs and publishes each city of the run."""
+    started = time.perf_counter()
+    cities = [decode_city_key(k) for k in context.partition_keys]
+    db = sync_db.open()
+    store = payloads.open()
+    trigger_id, source = trigger_of(dict(context.run.tags), context.run_id)
+    batch = resolve_batch(db, supplier, trigger_id, source, cities)
+    context.log.info(
+        f"batch {batch.batch_id} (trigger {trigger_id}, {source}): {len(cities)} cities"
+    )
+    settings = SyncSettings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+    )
+    worker_id = make_worker_id("supplier-sync")
+    reports: list[CityReport] = []
+    failures: dict[str, str] = {}
+    try:
+        with supplier.client() as client:
+            for city in cities:
+                try:
+                    report = sync_city(
+                        db,
+                        store,
+                        client,
+                        batch=batch,
+                        city_code=city,
+                        worker_id=worker_id,
+                        settings=settings,
+                    )
+                except Exception as err:  # the city's shard is FAILED and resumable
+                    failures[city] = f"{type(err).__name__}: {err}"
+                    context.log.error(f"city {city!r} failed: {failures[city]}")
+                    continue
+                reports.append(report)
+                context.log.info(
+                    f"city {city!r}: {report.status}, {report.records} records, "
+                    f"{report.published} published, {report.dead_letters} dead letters"
+                )
+            stats = client.stats()
+        with db.engine.connect() as conn:
+            batch = get_batch(conn, batch.batch_id)
+    finally:
+        db.dispose()
+    seconds = time.perf_counter() - started
+    yield from _results(reports, batch, seconds, stats.requests, stats.retries)
+    if failures:
+        raise dg.Failure(
+            description=f"{len(failures)} of {len(cities)} cities failed; re-run resumes them",
+            metadata={"failed_cities": dg.MetadataValue.json(failures)},
+        )
+
+
+def _results(
+    reports: list[CityReport], batch: Batch, seconds: float, requests: int, retries: int
+) -> Iterator[dg.MaterializeResult]:
+    s = _summary(reports, batch, seconds)
+    by_code: Counter[str] = Counter()
+    by_type: Counter[str] = Counter()
+    by_action: Counter[str] = Counter()
+    timing: dict[str, float] = {"fetch": 0.0, "normalize": 0.0, "publish": 0.0}
+    for r in reports:
+        by_code.update(r.dead_letters_by_code)
+        by_type.update(r.diffs_by_type)
+        by_action.update(r.diffs_by_action)
+        for stage, secs in r.seconds.items():
+            timing[stage] = timing.get(stage, 0.0) + secs
+    statuses = Counter(r.status for r in reports)
+    common: dict[str, Any] = {
+        "batch_id": batch.batch_id,
+        "cities": len(reports),
+        "city_status": dg.MetadataValue.json(dict(statuses)),
+    }
+    yield dg.MaterializeResult(
+        asset_key=RAW,
+        metadata={
+            **common,
+            "pages": s["pages"],
+            "records": s["records"],
+            "supplier_requests": requests,
+            "supplier_retries": retries,
+            "fetch_seconds": round(timing["fetch"], 3),
+            "resumed_cities": sum(1 for r in reports if r.resumed_from_page is not None),
+        },
+    )
+    yield dg.MaterializeResult(
+        asset_key=NORMALIZED,
+        metadata={
+            **common,
+            "records": s["records"],
+            "dead_letters": s["dead_letters"],
+            "dead_letters_by_code": dg.MetadataValue.json(dict(by_code)),
+            "bad_record_ratio": round(s["dead_letters"] / s["records"], 4) if s["records"] else 0.0,
+            "normalize_seconds": round(timing["normalize"], 3),
+        },
+    )
+    yield dg.MaterializeResult(
+        asset_key=MAPPINGS,
+        metadata={
+            **common,
+            "hotels": s["records"] - s["dead_letters"] - s["duplicates"],
+            "duplicates": s["duplicates"],
+        },
+    )
+    yield dg.MaterializeResult(
+        asset_key=DIFFS,
+        metadata={
+            **common,
+            "diffs_by_type": dg.MetadataValue.json(dict(by_type)),
+            "diffs_by_action": dg.MetadataValue.json(dict(by_action)),
+        },
+    )
+    yield dg.MaterializeResult(
+        asset_key=PUBLISHED,
+        metadata={
+            **common,
+            "published": s["published"],
+            "skipped": s["skipped"],
+            "dead_letters": s["dead_letters"],
+            "records": s["records"],
+            "counts_add_up": s["records"] == s["published"] + s["skipped"] + s["dead_letters"],
+            "publish_seconds": round(timing["publish"], 3),
+            "hotels_per_second": round(s["records"] / seconds, 1) if seconds else 0.0,
+            "batch_status": batch.status,
+        },
+    )

@@ -1,0 +1,260 @@
+"""Running a full sync through Dagster from the command line, with progress and a summary.
+
+The CLI (``supplier-sync demo`` and ``supplier-sync sync --full``) discovers the supplier's
+cities as dynamic partitions, then materializes the city-sync assets over the whole range
+in one run on the local Dagster instance (``$DAGSTER_HOME``, default
+``$SUPPLIER_SYNC_HOME/dagster_home``), so the run, its metadata and lineage show in the UI.
+A thread renders the batch's progress from the sync database while the run works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import dagster as dg
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.batches import Batch, get_batch
+from supplier_sync_dagster.core.db import SyncDatabase, state_dir
+from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.defs.city_sync import SOURCE_TAG, TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.partitions import city_partitions, encode_city_key
+from supplier_sync_dagster.defs.resources import (
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+
+def dagster_instance() -> dg.DagsterInstance:
+    """The local Dagster instance: ``$DAGSTER_HOME``, or one in the state folder."""
+    if not os.environ.get("DAGSTER_HOME"):
+        home = state_dir() / "dagster_home"
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.get()
+
+
+@dataclass
+class SyncSummary:
+    """What a sync did, for the terminal and for ``--json``."""
+
+    batch_id: str
+    trigger_id: str
+    status: str
+    run_success: bool
+    cities: int
+    cities_done: int
+    records: int
+    published: int
+    dead_letters: int
+    skipped: int
+    counts_add_up: bool
+    dead_letters_by_code: dict[str, int] = field(default_factory=dict)
+    diffs_by_type: dict[str, int] = field(default_factory=dict)
+    diffs_by_action: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    hotels_per_second: float = 0.0
+    dagster_run_id: str = ""
+    dagster_home: str = ""
+
+    def to_json(self) -> str:
+        """The summary as one JSON object."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def render(self) -> str:
+        """The summary as text for a terminal."""
+        lines = [
+            f"batch {self.batch_id}: {self.status} ({self.cities_done}/{self.cities} cities)",
+            f"records {self.records} = published {self.published} + dead letters "
+            f"{self.dead_letters} + skipped {self.skipped}"
+            + ("" if self.counts_add_up else "   <-- DOES NOT ADD UP"),
+            "dead letters by code: " + _fmt(self.dead_letters_by_code),
+            "diffs by type:        " + _fmt(self.diffs_by_type),
+            "diffs by action:      " + _fmt(self.diffs_by_action),
+            f"elapsed {self.seconds:.1f} s, {self.hotels_per_second:.0f} hotels/s",
+            f"open the UI: DAGSTER_HOME={self.dagster_home} .venv/bin/dagster dev -w workspace.yaml "
+            f"(run {self.dagster_run_id})",
+        ]
+        return "\n".join(lines)
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def run_full_sync(
+    *,
+    supplier: SupplierResource,
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    trigger_id: str | None = None,
+    progress: TextIO | None = sys.stderr,
+    console_log_level: str = "WARNING",
+) -> SyncSummary:
+    """Syncs every city of the supplier in one Dagster run and returns the summary."""
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    instance = dagster_instance()
+    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+    with supplier.client() as client:
+        codes = [c.city_code for c in client.list_cities().data.cities]
+    keys = [encode_city_key(c) for c in codes]
+    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+    missing = [k for k in keys if k not in existing]
+    if missing:
+        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+    # A range covers the keys between its ends in the partition set's order.
+    ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
+    db = SyncDatabase.open(sync_db.db_url)
+    stop = threading.Event()
+    reporter = threading.Thread(
+        target=_report_progress,
+        args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
+        daemon=True,
+    )
+    started = time.perf_counter()
+    reporter.start()
+    try:
+        result = dg.materialize(
+            [city_sync],
+            instance=instance,
+            resources={"sync_db": sync_db, "payloads": payloads, "supplier": supplier},
+            tags={
+                "dagster/asset_partition_range_start": ordered[0],
+                "dagster/asset_partition_range_end": ordered[-1],
+                TRIGGER_TAG: trigger_id,
+                SOURCE_TAG: "MANUAL",
+            },
+            raise_on_error=False,
+            run_config=dg.RunConfig(
+                loggers={"console": {"config": {"log_level": console_log_level}}}
+            ),
+        )
+    finally:
+        stop.set()
+        reporter.join(timeout=5)
+    seconds = time.perf_counter() - started
+    summary = summarize(db, supplier.task_code, trigger_id, seconds)
+    summary.run_success = result.success
+    summary.dagster_run_id = result.run_id
+    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+    db.dispose()
+    return summary
+
+
+def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None:
+    with db.engine.connect() as conn:
+        batch_id = conn.execute(
+            sa.select(t.batch.c.batch_id).where(
+                t.batch.c.task_code == task_code, t.batch.c.trigger_id == trigger_id
+            )
+        ).scalar()
+        return get_batch(conn, batch_id) if batch_id else None
+
+
+def _report_progress(
+    db: SyncDatabase,
+    task_code: str,
+    trigger_id: str,
+    cities: int,
+    stop: threading.Event,
+    out: TextIO | None,
+) -> None:
+    if out is None:
+        return
+    started = time.monotonic()
+    tty = out.isatty()
+    last = ""
+    while not stop.wait(0.5 if tty else 5.0):
+        try:
+            batch = _batch_of(db, task_code, trigger_id)
+        except Exception:  # progress display only
+            continue
+        if batch is None:
+            continue
+        elapsed = time.monotonic() - started
+        rate = batch.fetched_count / elapsed if elapsed else 0.0
+        pct = float(batch.progress_percent)
+        eta = elapsed * (100 - pct) / pct if pct > 0 else float("nan")
+        width = 30
+        bar = "#" * int(width * pct / 100)
+        line = (
+            f"[{bar:<{width}}] {pct:5.1f}%  cities {batch.shards_done}/{cities}  "
+            f"pages {batch.pages_done}  hotels {batch.fetched_count}  {rate:,.0f}/s  "
+            f"ETA {eta:,.0f}s"
+        )
+        if line != last:
+            out.write(("\r" + line) if tty else (line + "\n"))
+            out.flush()
+            last = line
+    if tty and last:
+        out.write("\n")
+
+
+def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float) -> SyncSummary:
+    """The summary of the batch of a trigger, read back from the sync database."""
+    batch = _batch_of(db, task_code, trigger_id)
+    if batch is None:
+        return SyncSummary(
+            "", trigger_id, "NOT_CREATED", False, 0, 0, 0, 0, 0, 0, True, seconds=seconds
+        )
+    with db.engine.connect() as conn:
+        by_code = count_dead_letters(conn, batch.batch_id)
+        d = t.diff_log.c
+        by_type: dict[Any, Any] = dict(
+            conn.execute(
+                sa.select(d.diff_type, sa.func.count())
+                .where(d.batch_id == batch.batch_id)
+                .group_by(d.diff_type)
+            ).all()
+        )
+        by_action: dict[Any, Any] = dict(
+            conn.execute(
+                sa.select(d.action, sa.func.count())
+                .where(d.batch_id == batch.batch_id)
+                .group_by(d.action)
+            ).all()
+        )
+    return SyncSummary(
+        batch_id=batch.batch_id,
+        trigger_id=trigger_id,
+        status=batch.status,
+        run_success=False,
+        cities=batch.shard_count,
+        cities_done=batch.shards_done,
+        records=batch.total_count,
+        published=batch.success_count,
+        dead_letters=batch.failed_count,
+        skipped=batch.skipped_count,
+        counts_add_up=batch.total_count
+        == batch.success_count + batch.failed_count + batch.skipped_count,
+        dead_letters_by_code=by_code,
+        diffs_by_type={str(k): int(v) for k, v in by_type.items()},
+        diffs_by_action={str(k): int(v) for k, v in by_action.items()},
+        seconds=seconds,
+        hotels_per_second=batch.total_count / seconds if seconds else 0.0,
+    )
+
+
+DEMO_STATE = "demo_state.json"
+
+
+def demo_day(advance: bool) -> int:
+    """The simulated supplier's day for the next demo run (each successful run moves it on)."""
+    path: Path = state_dir() / DEMO_STATE
+    state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    day = int(state.get("next_day", 0))
+    if advance:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"next_day": day + 1}))
+    return day
