@@ -214,13 +214,43 @@ def _process_started(pid: int) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
+def _host() -> str:
+    return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+def holder_is_dead_here(worker_id: str) -> bool:
+    """True when ``worker_id`` names a process of this host that no longer runs.
+
+    Only a provably dead holder counts: another host, a truncated id, a live pid (or one
+    we may not signal) all answer False, so a live lease is never taken on a guess.
+    """
+    try:
+        head, pid_text, _started = worker_id.rsplit("-", 2)
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if not head.endswith(f"-{_host()}") or pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a killed child its parent has not reaped yet is a zombie: dead all the same
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def make_worker_id(service: str = "supplier-sync") -> str:
     """``service-host-pid-starttime``, as the seed specifies, cut to the column's 64 chars.
 
     The host is the pod name when running in Kubernetes (``POD_NAME``), else ``HOSTNAME``,
     else the machine's name; it is shortened first, so pid and start time always survive.
     """
-    host = os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+    host = _host()
     pid = os.getpid()
     tail = f"-{pid}-{_process_started(pid)}"
     head = f"{service}-{host}"[: MAX_WORKER_ID_LEN - len(tail)]
@@ -479,8 +509,13 @@ def claim_shard(
     *,
     worker_id: str,
     settings: LeaseSettings | None = None,
+    reclaim_dead_local: bool = True,
 ) -> ShardLease:
     """Claims one shard: PENDING, or RUNNING whose lease has expired (a reclaim).
+
+    With ``reclaim_dead_local``, a live lease whose holder is a process of this host that
+    provably no longer runs (:func:`holder_is_dead_here`) is taken over at once, by a
+    conditional UPDATE on that exact holder and token, instead of waiting for expiry.
 
     Returns:
         The lease, carrying the stored checkpoint to resume from (None: start at page 1).
@@ -521,6 +556,38 @@ def claim_shard(
             )
         ).rowcount
         info = _read_shard(conn, batch_id, shard_key)
+        if (
+            not claimed
+            and reclaim_dead_local
+            and info.status == "RUNNING"
+            and info.worker_id
+            and holder_is_dead_here(info.worker_id)
+        ):
+            old_token = conn.execute(
+                sa.select(c.lease_token).where(c.id == info.shard_id)
+            ).scalar_one()
+            claimed = conn.execute(
+                sa.update(t.shard)
+                .where(
+                    c.id == info.shard_id,
+                    c.status == "RUNNING",
+                    c.worker_id == info.worker_id,
+                    c.lease_token == old_token,
+                )
+                .values(
+                    worker_id=worker_id,
+                    lease_token=token,
+                    lease_until=clock.now(settings.lease_seconds),
+                    heartbeat_at=clock.now(),
+                    claim_count=c.claim_count + 1,
+                    last_heartbeat_stage="CLAIMED",
+                    last_heartbeat_message=f"taken from dead {info.worker_id}"[:512],
+                    updated_at=clock.now(),
+                )
+            ).rowcount
+            if claimed:
+                log.warning("took shard %r from dead local worker %s", shard_key, info.worker_id)
+                info = _read_shard(conn, batch_id, shard_key)
         if not claimed:
             raise LeaseNotAcquired(_why_not_claimable(conn, db, batch_id, shard_key, info))
         conn.execute(

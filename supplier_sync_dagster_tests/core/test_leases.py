@@ -28,6 +28,7 @@ from supplier_sync_dagster.core.leases import (
     claim_shard,
     find_stalls,
     get_shard,
+    holder_is_dead_here,
     list_shards,
     make_worker_id,
 )
@@ -465,3 +466,32 @@ def test_worker_id_is_service_host_pid_start(monkeypatch: pytest.MonkeyPatch):
     import os
 
     assert f"-{os.getpid()}-" in wid and wid.endswith("Z")
+
+
+def test_live_lease_of_a_dead_local_process_is_taken_at_once(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    import subprocess
+    import sys
+
+    batch = make_batch(["BKK"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_worker = make_worker_id("other").rsplit("-", 2)[0] + f"-{child.pid}-20260101T000000Z"
+        claim_shard(db, batch.batch_id, "BKK", worker_id=dead_worker, settings=FAST)
+        # Alive: its lease is respected.
+        with pytest.raises(LeaseNotAcquired, match="live lease"):
+            claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    finally:
+        child.kill()
+        child.wait()
+    assert holder_is_dead_here(dead_worker)
+    taken = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    assert taken.claim_count == 2 and _shard_row(db, batch.batch_id, "BKK")["worker_id"] == "w2"
+    # Another host's worker, or an id that is not ours, is never presumed dead.
+    assert not holder_is_dead_here("supplier-sync-some-other-host-1-20260101T000000Z")
+    assert not holder_is_dead_here("not-a-worker-id")
+    with pytest.raises(LeaseNotAcquired):
+        claim_shard(
+            db, batch.batch_id, "BKK", worker_id="w3", settings=FAST, reclaim_dead_local=False
+        )

@@ -1,0 +1,343 @@
+"""A city's sync end to end: the simulator over real HTTP, SQLite and MariaDB, ground truth."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.batches import TaskSpec, create_batch, get_batch, upsert_task
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
+from supplier_sync_dagster.core.payloads import LocalPayloadStore, PayloadStore
+from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster_tests.core.conftest import run_concurrently
+
+KEY = "sim-key"
+SUPPLIER = 1001
+
+
+def settings(task_code: str = "hotel_full", **kw: Any) -> SyncSettings:
+    return SyncSettings(
+        task_code=task_code,
+        supplier_id=SUPPLIER,
+        page_size=kw.pop("page_size", 50),
+        lease=LeaseSettings(lease_seconds=60, heartbeat_seconds=1),
+        **kw,
+    )
+
+
+def full_sync(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient,
+    trigger: str,
+    *,
+    task: str = "hotel_full",
+    scope: str = "RESOURCE",
+    worker: str = "w1",
+    **kw: Any,
+) -> tuple[str, list[CityReport]]:
+    upsert_task(
+        db,
+        TaskSpec(
+            task_code=task,
+            supplier_id=SUPPLIER,
+            concurrency_policy="ALLOW_PARALLEL",
+            data_scope=scope,  # type: ignore[arg-type]
+        ),
+    )
+    cities = [c.city_code for c in client.list_cities().data.cities]
+    decision = create_batch(
+        db, task_code=task, trigger_id=trigger, trigger_source="MANUAL", shard_keys=cities
+    )
+    assert decision.batch is not None, decision
+    reports = [
+        sync_city(
+            db,
+            store,
+            client,
+            batch=decision.batch,
+            city_code=city,
+            worker_id=worker,
+            settings=settings(task_code=task, **kw),
+        )
+        for city in cities
+    ]
+    return decision.batch.batch_id, reports
+
+
+def published(db: SyncDatabase) -> dict[str, int]:
+    with db.engine.connect() as conn:
+        h = t.platform_hotel.c
+        return dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+
+
+def dead_letters(db: SyncDatabase, batch_id: str) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        d = t.dead_letter.c
+        return dict(
+            conn.execute(
+                sa.select(d.supplier_resource_code, d.error_code).where(d.batch_id == batch_id)
+            ).all()
+        )
+
+
+@pytest.fixture
+def flaky_sim() -> Iterator[tuple[Simulator, str]]:
+    # Slow responses would only slow the test down; every other fault stays on.
+    sim = Simulator(
+        SimulatorConfig(
+            seed=7,
+            n_cities=10,
+            total_hotels=1500,
+            api_key=KEY,
+            faults=FaultProfile.flaky().with_(rate_slow=0.0, bad_record_rate=0.03),
+        )
+    )
+    with running_server(sim) as url:
+        yield sim, url
+
+
+def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
+    db: SyncDatabase, tmp_path: Path, flaky_sim: tuple[Simulator, str]
+):
+    sim, url = flaky_sim
+    store = LocalPayloadStore(tmp_path / "payloads")
+    truth = sim.ground_truth()
+    with httpx.Client(base_url=url) as http:
+        client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+        batch_id, reports = full_sync(db, store, client, "day-0")
+        assert client.stats().retries > 0  # the faults happened and were absorbed
+
+    assert all(r.status == "SUCCESS" for r in reports), [
+        (r.city_code, r.status, r.error) for r in reports
+    ]
+    assert published(db) == truth.valid
+    letters = dead_letters(db, batch_id)
+    assert set(letters) == set(truth.bad)
+    assert not set(letters) & set(published(db))
+    assert "MISSING_REQUIRED_FIELD" in letters.values()
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, batch_id)
+    assert batch.status == "SUCCESS"
+    assert batch.total_count == batch.success_count + batch.failed_count + batch.skipped_count
+    # A bad hotel listed on two pages is two bad records: one dead letter each.
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(t.dead_letter)
+            .where(t.dead_letter.c.batch_id == batch_id)
+        ).scalar_one()
+    assert batch.failed_count == rows >= len(truth.bad)
+    assert batch.success_count == len(truth.valid)
+    for shard in list_shards(db, batch_id):
+        assert shard.total_count == shard.success_count + shard.failed_count + shard.skipped_count
+
+    # Every published hotel traces back to stored supplier bytes that contain it.
+    with db.engine.connect() as conn:
+        ref, hid = conn.execute(
+            sa.select(
+                t.platform_hotel.c.raw_payload_ref, t.platform_hotel.c.supplier_hotel_id
+            ).limit(1)
+        ).one()
+    assert hid.encode() in store.get(ref)
+
+    sim.advance_day()
+    before = published(db)
+    after_truth = sim.ground_truth()
+    with httpx.Client(base_url=url) as http:
+        batch2, reports2 = full_sync(
+            db, store, SupplierClient(http, api_key=KEY, supplier_id="sim"), "day-1"
+        )
+    now = published(db)
+    for hid, version in after_truth.valid.items():
+        assert now[hid] == version
+    changed = {h for h, v in after_truth.valid.items() if before.get(h) != v}
+    with db.engine.connect() as conn:
+        d = t.diff_log.c
+        diffs = dict(
+            conn.execute(
+                sa.select(d.supplier_resource_code, d.diff_type).where(d.batch_id == batch2)
+            ).all()
+        )
+        actions = dict(
+            conn.execute(
+                sa.select(d.supplier_resource_code, d.action).where(d.batch_id == batch2)
+            ).all()
+        )
+    published_now = {h for h, a in actions.items() if a == "AUTO_PUBLISH"}
+    assert changed and published_now == changed
+    assert {h for h, ty in diffs.items() if ty == "NEW"} == {h for h in changed if h not in before}
+    assert {ty for h, ty in diffs.items() if h not in changed} <= {"NO_CHANGE", "STALE"}
+    assert sum(r.published for r in reports2) == len(changed)
+
+
+@pytest.mark.parametrize("same_batch", [True, False], ids=["one-batch-two-workers", "two-tasks"])
+def test_two_syncs_at_once_publish_each_hotel_once(
+    db: SyncDatabase, tmp_path: Path, same_batch: bool
+):
+    sim = Simulator(SimulatorConfig(seed=3, n_cities=6, total_hotels=600, api_key=KEY))
+    store = LocalPayloadStore(tmp_path / "payloads")
+
+    def run(i: int) -> list[CityReport]:
+        # One batch raced by two workers (the shard leases decide), or two tasks whose
+        # scopes the policy lets run in parallel (only the publish guard stands between them).
+        with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+            client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+            if same_batch:
+                return full_sync(db, store, client, "shared", worker=f"w{i}")[1]
+            return full_sync(
+                db,
+                store,
+                client,
+                f"task-{i}",
+                task=f"task_{i}",
+                scope=("RESOURCE", "PRODUCT")[i],
+                worker=f"w{i}",
+            )[1]
+
+    results, errors = run_concurrently(2, run)
+    assert not errors, errors
+    truth = sim.ground_truth()
+    assert published(db) == truth.valid
+    with db.engine.connect() as conn:
+        h, o = t.platform_hotel.c, t.outbox.c
+        assert set(conn.execute(sa.select(h.publish_version).distinct()).scalars()) == {1}
+        events = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(t.outbox)
+            .where(o.event_type == "HotelResourceUpdated")
+        ).scalar_one()
+        mappings = conn.execute(
+            sa.select(sa.func.count()).select_from(t.hotel_mapping)
+        ).scalar_one()
+    assert events == len(truth.valid) and mappings == len(truth.valid)
+    assert sum(r.published for rs in results for r in rs) == len(truth.valid)
+    if same_batch:  # every city was worked by exactly one of the two workers
+        worked = [r.city_code for rs in results for r in rs if r.status == "SUCCESS"]
+        assert sorted(worked) == sorted(set(worked)) and len(worked) == len(truth.listed_by_city)
+
+
+def test_replay_from_stored_raw_pages_never_calls_the_supplier(db: SyncDatabase, tmp_path: Path):
+    sim = Simulator(SimulatorConfig(seed=5, n_cities=4, total_hotels=300, api_key=KEY))
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+        batch_id, _ = full_sync(
+            db, store, SupplierClient(http, api_key=KEY, supplier_id="sim"), "first"
+        )
+    served = sim.stats["requests_total"]
+    with db.begin() as conn:  # forget what was published: replay must rebuild it
+        for table in (t.platform_offer, t.platform_hotel, t.outbox):
+            conn.execute(sa.delete(table))
+        conn.execute(
+            sa.update(t.shard).where(t.shard.c.batch_id == batch_id).values(status="FAILED")
+        )
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, batch_id)
+    for shard in list_shards(db, batch_id):
+        report = sync_city(
+            db,
+            store,
+            None,
+            batch=batch,
+            city_code=shard.shard_key,
+            worker_id="replayer",
+            settings=settings(),
+            fetch=False,
+        )
+        assert report.status == "SUCCESS"
+    assert sim.stats["requests_total"] == served
+    assert published(db) == sim.ground_truth().valid
+
+
+def _expected_page_requests(sim: Simulator, page_size: int) -> int:
+    truth = sim.ground_truth()
+    return sum(max(1, math.ceil(len(ids) / page_size)) for ids in truth.listed_by_city.values())
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_path: Path):
+    sim = Simulator(SimulatorConfig(seed=11, n_cities=12, total_hotels=3000, api_key=KEY))
+    page_size = 25
+    env = dict(
+        os.environ,
+        SUPPLIER_SYNC_HOME=str(tmp_path / "home"),
+        DAGSTER_HOME=str(tmp_path / "dagster_home"),
+        SUPPLIER_SYNC_DB_URL=db_url,
+        SUPPLIER_SYNC_SUPPLIER_API_KEY=KEY,
+    )
+    env.pop("SUPPLIER_SYNC_PAYLOAD_URL", None)
+    (tmp_path / "dagster_home").mkdir()
+    cli = str(Path(sys.executable).parent / "supplier-sync")
+    trigger = f"kill-{uuid.uuid4().hex[:8]}"
+    db = SyncDatabase.open(db_url)
+    with running_server(sim) as url:
+        env["SUPPLIER_SYNC_SUPPLIER_URL"] = url
+        cmd = [
+            cli,
+            "sync",
+            "--full",
+            "--json",
+            "--trigger-id",
+            trigger,
+            "--page-size",
+            str(page_size),
+            "--rate-limit",
+            "200",
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while True:
+            with db.engine.connect() as conn:
+                done = conn.execute(
+                    sa.select(sa.func.coalesce(sa.func.sum(t.shard.c.pages_done), 0))
+                ).scalar_one()
+            if done >= 20:
+                break
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else b""
+            assert time.monotonic() < deadline, "the sync made no progress"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with db.engine.connect() as conn:
+            running = conn.execute(
+                sa.select(sa.func.count()).select_from(t.shard).where(t.shard.c.status == "RUNNING")
+            ).scalar_one()
+        assert running >= 1  # killed mid-city: its lease is still live
+
+        again = subprocess.run(
+            cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400
+        )
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        served = sim.stats["requests_by_endpoint"].get("hotels", 0)
+    truth = sim.ground_truth()
+    assert published(db) == truth.valid
+    assert served - _expected_page_requests(sim, page_size) <= running
+    with db.engine.connect() as conn:
+        batches = conn.execute(sa.select(t.batch).where(t.batch.c.trigger_id == trigger)).all()
+    assert len(batches) == 1 and batches[0].status == "SUCCESS"  # the re-run continued it
+    b = batches[0]
+    assert b.total_count == b.success_count + b.failed_count + b.skipped_count
+    db.dispose()

@@ -1,0 +1,191 @@
+"""The city-sync assets in Dagster: partition keys, single-partition and range runs, S3 payloads."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3  # type: ignore[import-untyped]
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+from dagster_aws.s3 import S3Resource
+from moto.server import ThreadedMotoServer
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
+from supplier_sync_dagster.defs.resources import (
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+from supplier_sync_dagster.simulator import (
+    HOSTILE_CITY_CODES,
+    FaultProfile,
+    Simulator,
+    SimulatorConfig,
+)
+
+CODES = [*HOSTILE_CITY_CODES, "BKK", "bkk", "a~7Cb", "~", "São Paulo", "x" * 64, "a,b", "a b\tc"]
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_partition_keys_are_safe_and_reversible(code: str):
+    key = encode_city_key(code)
+    assert decode_city_key(key) == code
+    for forbidden in ("...", "|", ",", "/", " ", "\t", "[", "]", "*", "'"):
+        assert forbidden not in key
+    assert len({encode_city_key(c) for c in CODES}) == len(CODES)
+
+
+@pytest.mark.parametrize("bad", ["a~", "a~zz", "a|b", "a.b", "~C3"])
+def test_malformed_partition_keys_are_clear_errors(bad: str):
+    with pytest.raises(ConfigError, match="partition key"):
+        decode_city_key(bad)
+
+
+def _setup(tmp_path: Path, **sim: Any) -> tuple[dg.DagsterInstance, SupplierResource, list[str]]:
+    supplier = SupplierResource(
+        sim_cities=sim.get("cities", 4),
+        sim_hotels=sim.get("hotels", 400),
+        sim_profile="flaky",
+        rate_limit_rps=10_000,
+    )
+    with supplier.client() as client:
+        codes = [c.city_code for c in client.list_cities().data.cities]
+    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
+    keys = [encode_city_key(c) for c in codes]
+    instance.add_dynamic_partitions("supplier_city", keys)
+    return instance, supplier, keys
+
+
+def _metadata(result: dg.ExecuteInJobResult, asset: str) -> dict[str, Any]:
+    mats = [
+        m
+        for m in result.asset_materializations_for_node("city_sync")
+        if m.asset_key.to_user_string() == asset
+    ]
+    assert mats, asset
+    return {k: v.value for k, v in mats[0].metadata.items()}
+
+
+def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, tmp_path: Path):
+    instance, supplier, keys = _setup(tmp_path)
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
+        "supplier": supplier,
+    }
+    result = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=keys[1]
+    )
+    assert result.success
+    meta = _metadata(result, "published_hotels")
+    assert (
+        meta["counts_add_up"] is True and meta["cities"] == 1 and meta["batch_status"] == "SUCCESS"
+    )
+    assert {
+        m.asset_key.to_user_string() for m in result.asset_materializations_for_node("city_sync")
+    } == {
+        "raw_hotel_snapshots",
+        "normalized_hotels",
+        "hotel_mappings",
+        "hotel_diffs",
+        "published_hotels",
+    }
+    first_published = meta["published"]
+    assert first_published > 0
+
+    again = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=keys[1]
+    )
+    assert again.success
+    meta2 = _metadata(again, "published_hotels")
+    assert meta2["batch_id"] != meta["batch_id"]  # a new launch is a new batch
+    assert meta2["published"] == 0 and meta2["skipped"] >= first_published
+    assert "NO_CHANGE" in _metadata(again, "hotel_diffs")["diffs_by_type"]
+
+    # Relaunching with the same trigger id is the same batch: nothing is redone.
+    tags = {TRIGGER_TAG: "fixed-trigger"}
+    r1 = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=keys[2], tags=tags
+    )
+    r2 = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=keys[2], tags=tags
+    )
+    assert r1.success and r2.success
+    assert (
+        _metadata(r1, "published_hotels")["batch_id"]
+        == _metadata(r2, "published_hotels")["batch_id"]
+    )
+    assert _metadata(r2, "published_hotels")["city_status"] == {"ALREADY_DONE": 1}
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    bucket = f"sync-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    try:
+        yield endpoint, bucket
+    finally:
+        server.stop()
+
+
+def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str]):
+    endpoint, bucket = moto_s3
+    instance, supplier, keys = _setup(tmp_path, cities=5, hotels=500)
+    db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(
+            url=f"s3://{bucket}/supplier-sync",
+            s3=S3Resource(endpoint_url=endpoint, region_name="us-east-1"),
+        ),
+        "supplier": supplier,
+    }
+    result = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=resources,
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+    )
+    assert result.success
+    assert _metadata(result, "published_hotels")["cities"] == len(keys)
+    db = SyncDatabase.open(db_url)
+    with db.engine.connect() as conn:
+        refs = conn.execute(sa.select(t.snapshot.c.payload_ref)).scalars().all()
+        published = dict(
+            conn.execute(
+                sa.select(t.platform_hotel.c.supplier_hotel_id, t.platform_hotel.c.supplier_version)
+            ).all()
+        )
+    db.dispose()
+    assert refs and all(r.startswith(f"s3://{bucket}/supplier-sync/") for r in refs)
+    objects = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").list_objects_v2(
+        Bucket=bucket
+    )
+    assert objects["KeyCount"] > 0
+    truth = Simulator(
+        SimulatorConfig(n_cities=5, total_hotels=500, faults=FaultProfile.named("flaky"))
+    ).ground_truth()
+    assert published == truth.valid
