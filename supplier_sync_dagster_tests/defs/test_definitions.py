@@ -14,5 +14,18 @@ def test_definitions_load_and_validate():
     dg.Definitions.validate_loadable(loaded)
     assert loaded.resources is not None and loaded.sensors is not None
     assert isinstance(loaded.resources["sync_db"], SyncDatabaseResource)
-    assert {s.name for s in loaded.sensors} >= {"shard_stall_sensor"}
-    loaded.get_repository_def()  # resolves every definition and its resource requirements
+    assert {s.name for s in loaded.sensors} >= {"shard_stall_sensor", "city_discovery_sensor"}
+    assert loaded.schedules is not None
+    assert {s.name for s in loaded.schedules} == {"nightly_full_sync"}
+    repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
+    assert repo.has_job("full_sync_job")
+    keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
+    assert keys >= {
+        "raw_hotel_snapshots",
+        "normalized_hotels",
+        "hotel_mappings",
+        "hotel_diffs",
+        "published_hotels",
+    }
+    graph = repo.asset_graph
+    assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys
