@@ -33,6 +33,46 @@ def test_readme_main_command_syncs_then_publishes_only_changes(tmp_path: Path):
     records = int(second.stdout.split("records ")[1].split()[0])
     assert 0 < published < records / 3  # a day's changes, not the catalog
 
+    import json
+
+    hotels = subprocess.run(
+        [str(cli), "export", "published", "--format", "jsonl"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert hotels.returncode == 0, hotels.stderr
+    rows = [json.loads(line) for line in hotels.stdout.splitlines()]
+    assert len(rows) > 1000
+    required = {
+        "supplier_id",
+        "supplier_hotel_id",
+        "supplier_version",
+        "platform_resource_id",
+        "publish_version",
+        "name",
+        "city_code",
+        "offers",
+    }
+    assert all(required <= set(r) for r in rows)
+    assert any(r["publish_version"] == 2 for r in rows)  # changed on day 1
+    letters = subprocess.run(
+        [str(cli), "export", "dead-letters", "--format", "jsonl"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    dead = [json.loads(line) for line in letters.stdout.splitlines()]
+    assert dead and all(
+        {"supplier_hotel_id", "error_stage", "error_code", "status"} <= set(d) for d in dead
+    )
+    assert {d["error_stage"] for d in dead} <= {"ADAPTER", "VALIDATION"}
+    assert all(d["error_code"] and d["status"] == "PENDING" for d in dead)
+
 
 def test_lease_demonstration_on_the_embedded_default(tmp_path: Path):
     env = dict(os.environ, SUPPLIER_SYNC_HOME=str(tmp_path / "home"))

@@ -30,6 +30,43 @@ def _rows(db: SyncDatabase, stmt: sa.Select[Any]) -> Iterator[dict[str, Any]]:
             yield {k: _plain(v) for k, v in row._mapping.items()}
 
 
+def _export_published(db: SyncDatabase, out: TextIO, page: int = 1000) -> int:
+    """Hotels with their active offers, a page at a time by resource id, on one connection
+    (a second connection inside a read would wait on SQLite's lock held by the first)."""
+    h, o = t.platform_hotel.c, t.platform_offer.c
+    cols = [c for c in t.platform_hotel.c if c.name not in ("resource_id", "publish_token")]
+    n, last = 0, -1
+    with db.engine.connect() as conn:
+        while True:
+            hotels = [
+                {k: _plain(v) for k, v in row._mapping.items()}
+                for row in conn.execute(
+                    sa.select(h.resource_id.label("platform_resource_id"), *cols)
+                    .where(h.resource_id > last)
+                    .order_by(h.resource_id)
+                    .limit(page)
+                )
+            ]
+            if not hotels:
+                return n
+            ids = [r["platform_resource_id"] for r in hotels]
+            offers: dict[int, list[dict[str, Any]]] = {}
+            for row in conn.execute(
+                sa.select(t.platform_offer)
+                .where(o.resource_id.in_(ids), o.active.is_(True))
+                .order_by(o.offer_id)
+            ):
+                m = {k: _plain(v) for k, v in row._mapping.items()}
+                offers.setdefault(m.pop("resource_id"), []).append(m)
+            for r in hotels:
+                r["facilities"] = json.loads(r["facilities"] or "[]")
+                r["images"] = json.loads(r["images"] or "[]")
+                r["offers"] = offers.get(r["platform_resource_id"], [])
+                out.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+            n += len(hotels)
+            last = ids[-1]
+
+
 def export_jsonl(
     db: SyncDatabase, what: ExportKind, out: TextIO, *, batch_id: str | None = None
 ) -> int:
@@ -43,36 +80,7 @@ def export_jsonl(
     """
     n = 0
     if what == "published":
-        h, o = t.platform_hotel.c, t.platform_offer.c
-        offers: dict[int, list[dict[str, Any]]] = {}
-        batch: list[dict[str, Any]] = []
-
-        def flush() -> int:
-            ids = [r["platform_resource_id"] for r in batch]
-            offers.clear()
-            with db.engine.connect() as conn:
-                for row in conn.execute(
-                    sa.select(t.platform_offer).where(o.resource_id.in_(ids), o.active.is_(True))
-                ):
-                    m = {k: _plain(v) for k, v in row._mapping.items()}
-                    offers.setdefault(m.pop("resource_id"), []).append(m)
-            for r in batch:
-                r["facilities"] = json.loads(r["facilities"] or "[]")
-                r["images"] = json.loads(r["images"] or "[]")
-                r["offers"] = offers.get(r["platform_resource_id"], [])
-                out.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-            count = len(batch)
-            batch.clear()
-            return count
-
-        cols = [c for c in t.platform_hotel.c if c.name not in ("resource_id", "publish_token")]
-        stmt = sa.select(h.resource_id.label("platform_resource_id"), *cols).order_by(h.resource_id)
-        for row in _rows(db, stmt):
-            batch.append(row)
-            if len(batch) >= 1000:
-                n += flush()
-        n += flush()
-        return n
+        return _export_published(db, out)
     if what == "dead-letters":
         d = t.dead_letter.c
         stmt = sa.select(
