@@ -185,7 +185,7 @@ def city_sync(
     cities = [decode_city_key(k) for k in context.partition_keys]
     db = sync_db.open()
     store = payloads.open()
-    trigger_id, source = trigger_of(dict(context.run.tags), context.run_id)
+    trigger_id, source = trigger_of(dict(context.run.tags), context.run.run_id)
     batch = resolve_batch(db, supplier, trigger_id, source, cities)
     context.log.info(
         f"batch {batch.batch_id} (trigger {trigger_id}, {source}): {len(cities)} cities"
