@@ -10,7 +10,7 @@ and report what they return.
   page in flight).
 - **normalize**: reads the city's RAW snapshots back from the store (never the supplier:
   replay is free), normalizes every record, stores each page's normalized hotels as a
-  NORMALIZED snapshot and every rejected record as a dead letter.
+  NORMALIZED snapshot (JSON lines) and every rejected record as a dead letter.
 - **map/diff/publish**: reads NORMALIZED snapshots in chunks (memory stays bounded
   whatever the city's size), allocates mappings, diffs against what is published, writes
   the diff log and publishes AUTO_PUBLISH diffs with their outbox events, one transaction
@@ -24,9 +24,11 @@ skipped = records in the city's stored pages``.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +72,39 @@ log = logging.getLogger(__name__)
 
 RAW = "RAW"
 NORMALIZED = "NORMALIZED"
+# gzip level of stored RAW and NORMALIZED pages: ~4x cheaper than the store's default of 6
+# for somewhat larger objects (a 500-hotel page: ~2 ms instead of ~7 ms). Any level reads
+# back the same bytes and hashes, so replay and traceability do not depend on it.
+PAGE_COMPRESSLEVEL = 1
+# Young-generation GC threshold set by prepare_process (CPython's default is 700).
+GC_GEN0_THRESHOLD = 50_000
+
+_prepared = False
+_prepare_lock = threading.Lock()
+
+
+def prepare_process() -> None:
+    """Tunes the cyclic garbage collector for a long sync in this process; idempotent.
+
+    A sync keeps many long-lived objects (modules, compiled statements, a chunk of
+    documents) while allocating millions of short-lived ones, and CPython's collector keeps
+    re-scanning the long-lived heap: that nearly doubles the cost of normalization. So, once
+    per process: collect what is garbage now, ``gc.freeze()`` everything that survives (it
+    is never scanned again; nothing is leaked, frozen objects are still freed by reference
+    counting) and raise the young-generation threshold so collections run less often.
+    Reference counting still frees every acyclic object at once; only cyclic garbage waits
+    a little longer. :func:`sync_city` calls this itself; entry points may call it earlier,
+    after their imports, to freeze more of the start-up heap.
+    """
+    global _prepared
+    with _prepare_lock:
+        if _prepared:
+            return
+        _prepared = True
+        gc.collect()
+        gc.freeze()
+        gen0, gen1, gen2 = gc.get_threshold()
+        gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
 
 
 @dataclass(frozen=True)
@@ -157,6 +192,7 @@ def sync_city(
     Raises:
         SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
     """
+    prepare_process()
     report = CityReport(city_code)
     info = get_shard(db, batch.batch_id, city_code)
     if info.status == "SUCCESS":
@@ -238,7 +274,7 @@ def _fetch(
     for page in client.iter_city(city, page_size=settings.page_size, start=start):
         heartbeat.check()
         heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
-        stored = store.put(page.raw, kind="raw")
+        stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
         pos = page.position
         with lease.db.begin() as conn:
             insert_ignore(
@@ -325,12 +361,12 @@ def _normalize(
         ]
         report.dead_letters += len(letters)
         report.dead_letters_by_code.update(d.error_code for d in letters)
-        body = b"[" + b",".join(canonical_json(h) for h in result.hotels) + b"]"
+        body = b"\n".join(canonical_json(h) for h in result.hotels)
         norm_hash = hashlib.sha256(body).hexdigest()
         if norm_hash in done and not letters:
             continue
         heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
-        stored = store.put(body, kind="normalized")
+        stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
         with db.begin() as conn:
             lease.fence(conn, "NORMALIZING", f"city={city} page={raw.page_number}")
             insert_ignore(
@@ -392,11 +428,13 @@ def _normalized_chunks(
     chunk: list[Candidate] = []
     for row in rows:
         raw_hash = row.supplier_product_code
-        for doc in json.loads(store.get(row.payload_ref)):
-            fp = hashlib.sha256(
-                json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-            ).hexdigest()
-            chunk.append(Candidate(doc, fp, raw_refs.get(raw_hash), raw_hash))
+        raw_ref = raw_refs.get(raw_hash)
+        # A NORMALIZED page is JSON lines of canonical documents: a line's sha256 is the
+        # hotel's fingerprint (normalize.fingerprint), no re-encoding needed.
+        for line in store.get(row.payload_ref).split(b"\n"):
+            if line:
+                fp = hashlib.sha256(line).hexdigest()
+                chunk.append(Candidate(json.loads(line), fp, raw_ref, raw_hash))
         if len(chunk) >= chunk_hotels:
             yield chunk
             chunk = []

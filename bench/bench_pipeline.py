@@ -1,0 +1,415 @@
+"""Benchmark a full sync end to end: hotels/s of ``core.pipeline.sync_city`` over every city.
+
+The simulator runs in its own process behind uvicorn on loopback HTTP (clean profile, no
+rate limit), so its CPU is not counted in the sync; every city is walked once before timing
+so that the simulator's world generation is not measured either. Each database backend is
+synced in a fresh child process (so peak RSS and the GC state are its own) with a throwaway
+database (a temp SQLite file; a ``bench_<random>`` MariaDB database, dropped afterwards) and
+payloads in a temp local folder.
+
+Reported per backend: hotels/s over the whole run (wall time of all ``sync_city`` calls), the
+per-stage seconds summed from ``CityReport.seconds`` (fetch, normalize, publish), peak RSS of
+the sync process, and a correctness check: the published hotels (id -> supplier version) must
+equal the simulator's ground truth exactly, and the dead letters must be exactly its bad
+records (none on the clean profile).
+
+Usage:
+    .venv/bin/python bench/bench_pipeline.py [--hotels 100000] [--cities 50]
+        [--backends sqlite,mariadb] [--mysql-url mysql+pymysql://root@127.0.0.1:3306]
+        [--page-size 500] [--chunk-hotels N] [--workers 1] [--profile-out DIR]
+
+Exit status 0 when every backend's result is correct and meets its target
+(SQLite >= 4,500 hotels/s, MariaDB >= 3,500 hotels/s), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
+
+API_KEY = "bench-key"
+TARGETS = {"sqlite": 4500.0, "mariadb": 3500.0}
+DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(config: SimulatorConfig, port: int, out: multiprocessing.connection.Connection) -> None:
+    """Child process: build the world, send the ground truth back, then serve over HTTP."""
+    from supplier_sync_dagster.simulator import serve
+
+    sim = Simulator(config)
+    truth = sim.ground_truth()
+    out.send((dict(truth.valid), dict(truth.bad)))
+    out.close()
+    serve(sim, host="127.0.0.1", port=port, log_level="warning")
+
+
+class ServerProcess:
+    """The simulator in a child process; ``truth`` holds (valid, bad) of its ground truth."""
+
+    def __init__(self, config: SimulatorConfig) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        ctx = multiprocessing.get_context("spawn")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_serve, args=(config, self.port, send), daemon=True)
+        self.truth: tuple[dict[str, int], dict[str, str]] = ({}, {})
+
+    def __enter__(self) -> ServerProcess:
+        self._proc.start()
+        self.truth = self._recv.recv()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self._proc.terminate()
+        raise RuntimeError("the simulator did not start within 120 s")
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        self._proc.join(timeout=10)
+
+
+def _client(url: str) -> Any:
+    from supplier_sync_dagster.core.supplier import SupplierClient
+
+    http = httpx.Client(base_url=url)
+    return http, SupplierClient(http, api_key=API_KEY, supplier_id="bench")
+
+
+def prewarm(url: str, page_size: int) -> tuple[list[str], int, float]:
+    """Walks every city once (the simulator builds hotels on first use)."""
+    began = time.perf_counter()
+    http, client = _client(url)
+    with http:
+        cities = [c.city_code for c in client.list_cities().data.cities]
+        hotels = 0
+        for city in cities:
+            for page in client.iter_city(city, page_size=page_size):
+                hotels += len(page.page.hotels)
+    return cities, hotels, time.perf_counter() - began
+
+
+def _db_url(backend: str, mysql_url: str, tmp: Path) -> tuple[str, str | None]:
+    if backend == "sqlite":
+        return f"sqlite:///{tmp / 'sync.sqlite3'}", None
+    import sqlalchemy as sa
+
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    server = sa.create_engine(mysql_url)
+    with server.begin() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    server.dispose()
+    return f"{mysql_url.rstrip('/')}/{name}?charset=utf8mb4", name
+
+
+def _drop(mysql_url: str, name: str) -> None:
+    import sqlalchemy as sa
+
+    server = sa.create_engine(mysql_url)
+    with server.begin() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+    server.dispose()
+
+
+def run_backend(
+    backend: str,
+    cities: list[str],
+    truth: tuple[dict[str, int], dict[str, str]],
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """Child process: one full sync of every city on one backend, timed and checked."""
+    import sqlalchemy as sa
+
+    from supplier_sync_dagster.core import schema as t
+    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.payloads import open_payload_store
+    from supplier_sync_dagster.core.pipeline import prepare_process, sync_city
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
+    db_url, mysql_db = _db_url(backend, opts["mysql_url"], tmp)
+    try:
+        db = SyncDatabase.open(db_url)
+        store = open_payload_store(f"file://{tmp / 'payloads'}")
+        upsert_task(
+            db, TaskSpec(task_code="bench", supplier_id=1001, concurrency_policy="ALLOW_PARALLEL")
+        )
+        batch = create_batch(
+            db, task_code="bench", trigger_id="bench", trigger_source="MANUAL", shard_keys=cities
+        ).batch
+        settings = _settings(opts)
+        prepare_process()
+        profiler = None
+        if opts["profile_out"]:
+            import cProfile
+
+            profiler = cProfile.Profile()
+        totals: Counter[str] = Counter()
+        stages: dict[str, float] = defaultdict(float)
+        statuses: Counter[str] = Counter()
+        workers = opts["workers"]
+        peak_rss_mb = 0.0
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        if workers > 1:
+            # Scale-out as in production: several workers claim cities (shard leases) at once.
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(
+                workers, initializer=_worker_init, initargs=(db_url, str(tmp), opts, batch)
+            ) as pool:
+                for summary in pool.imap_unordered(_worker_city, cities, chunksize=1):
+                    statuses[summary["status"]] += 1
+                    totals.update(summary["totals"])
+                    for stage, seconds in summary["seconds"].items():
+                        stages[stage] += seconds
+                    peak_rss_mb = max(peak_rss_mb, summary["peak_rss_mb"])
+            wall, cpu = time.perf_counter() - wall0, float("nan")
+        else:
+            http, client = _client(opts["sim_url"])
+            with http:
+                if profiler is not None:
+                    profiler.enable()
+                for city in cities:
+                    summary = _summarize(
+                        sync_city(
+                            db,
+                            store,
+                            client,
+                            batch=batch,
+                            city_code=city,
+                            worker_id="bench",
+                            settings=settings,
+                        )
+                    )
+                    statuses[summary["status"]] += 1
+                    totals.update(summary["totals"])
+                    for stage, seconds in summary["seconds"].items():
+                        stages[stage] += seconds
+                if profiler is not None:
+                    profiler.disable()
+            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        peak_rss_mb = max(peak_rss_mb, _peak_rss_mb())
+        if profiler is not None:
+            out = Path(opts["profile_out"]) / f"pipeline_{backend}.prof"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(out)
+        with db.engine.connect() as conn:
+            h, d = t.platform_hotel.c, t.dead_letter.c
+            published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+            dead = dict(
+                conn.execute(
+                    sa.select(d.supplier_resource_code, d.error_code).where(
+                        d.batch_id == batch.batch_id
+                    )
+                ).all()
+            )
+        valid, bad = truth
+        problems = []
+        if published != valid:
+            problems.append(
+                f"published {len(published)} hotels != ground truth {len(valid)} valid "
+                f"(missing {len(set(valid) - set(published))}, "
+                f"extra {len(set(published) - set(valid))}, "
+                f"wrong version {sum(1 for k, v in published.items() if valid.get(k, v) != v)})"
+            )
+        if set(dead) != set(bad):
+            problems.append(f"{len(dead)} dead letters != {len(bad)} bad records")
+        if totals["records"] != totals["published"] + totals["dead_letters"] + totals["skipped"]:
+            problems.append(f"counts do not add up: {dict(totals)}")
+        if statuses != Counter({"SUCCESS": len(cities)}):
+            problems.append(f"city statuses {dict(statuses)}")
+        db.dispose()
+        return {
+            "backend": backend,
+            "hotels": totals["records"],
+            "wall": wall,
+            "cpu": cpu,
+            "rate": totals["records"] / wall if wall else 0.0,
+            "stages": dict(stages),
+            "totals": dict(totals),
+            "peak_rss_mb": peak_rss_mb,
+            "problems": problems,
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if mysql_db is not None:
+            _drop(opts["mysql_url"], mysql_db)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _settings(opts: dict[str, Any]) -> Any:
+    from supplier_sync_dagster.core.pipeline import SyncSettings
+
+    kw: dict[str, Any] = {"page_size": opts["page_size"]}
+    if opts["chunk_hotels"]:
+        kw["chunk_hotels"] = opts["chunk_hotels"]
+    return SyncSettings(task_code="bench", supplier_id=1001, **kw)
+
+
+def _summarize(report: Any) -> dict[str, Any]:
+    return {
+        "status": report.status,
+        "totals": {
+            k: getattr(report, k)
+            for k in ("records", "published", "dead_letters", "skipped", "duplicates")
+        },
+        "seconds": dict(report.seconds),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(db_url: str, tmp: str, opts: dict[str, Any], batch: Any) -> None:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.payloads import open_payload_store
+    from supplier_sync_dagster.core.pipeline import prepare_process
+
+    http, client = _client(opts["sim_url"])
+    _WORKER.update(
+        db=SyncDatabase.open(db_url, create_schema=False),
+        store=open_payload_store(f"file://{tmp}/payloads"),
+        http=http,
+        client=client,
+        batch=batch,
+        settings=_settings(opts),
+        worker_id=f"bench-{uuid.uuid4().hex[:8]}",
+    )
+    prepare_process()
+
+
+def _worker_city(city: str) -> dict[str, Any]:
+    from supplier_sync_dagster.core.pipeline import sync_city
+
+    w = _WORKER
+    report = sync_city(
+        w["db"],
+        w["store"],
+        w["client"],
+        batch=w["batch"],
+        city_code=city,
+        worker_id=w["worker_id"],
+        settings=w["settings"],
+    )
+    return _summarize(report)
+
+
+def _child(send: multiprocessing.connection.Connection, args: tuple[Any, ...]) -> None:
+    try:
+        send.send(("ok", run_backend(*args)))
+    except BaseException as err:
+        import traceback
+
+        send.send(("error", f"{err!r}\n{traceback.format_exc()}"))
+        raise
+
+
+def _run_in_child(*args: Any) -> dict[str, Any]:
+    """Runs ``run_backend`` in a fresh (non-daemonic: it may start workers) process."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, args))
+    proc.start()
+    status, result = recv.recv()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"benchmark child failed: {result}")
+    assert isinstance(result, dict)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print one line per backend; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hotels", type=int, default=100_000, help="hotels in the world")
+    parser.add_argument("--cities", type=int, default=50, help="cities in the world")
+    parser.add_argument("--backends", default="sqlite,mariadb", help="sqlite,mariadb")
+    parser.add_argument("--mysql-url", default=DEFAULT_MYSQL_URL, help="server URL, no db")
+    parser.add_argument("--page-size", type=int, default=500)
+    parser.add_argument("--chunk-hotels", type=int, default=0, help="0: SyncSettings default")
+    parser.add_argument("--profile-out", default="", help="write cProfile stats to this folder")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="sync processes claiming cities concurrently"
+    )
+    parser.add_argument("--seed", type=int, default=42)
+    args = parser.parse_args(argv)
+
+    config = SimulatorConfig(
+        seed=args.seed,
+        n_cities=args.cities,
+        total_hotels=args.hotels,
+        api_key=API_KEY,
+        rate_limit_rps=None,
+        faults=FaultProfile.named("clean"),
+    )
+    print(
+        f"full sync of {args.hotels} hotels in {args.cities} cities, clean profile, no rate "
+        f"limit, page size {args.page_size}, simulator in its own process over loopback HTTP",
+        flush=True,
+    )
+    ok = True
+    with ServerProcess(config) as server:
+        valid, bad = server.truth
+        cities, listed, warm = prewarm(server.url, args.page_size)
+        print(
+            f"ground truth: {len(valid)} valid, {len(bad)} bad; pre-warm walked {listed} "
+            f"hotels in {len(cities)} cities in {warm:.1f}s",
+            flush=True,
+        )
+        opts = {
+            "mysql_url": args.mysql_url,
+            "page_size": args.page_size,
+            "chunk_hotels": args.chunk_hotels,
+            "profile_out": args.profile_out,
+            "sim_url": server.url,
+            "workers": args.workers,
+        }
+        for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            res = _run_in_child(backend, cities, server.truth, opts)
+            stages = " ".join(f"{k}={v:.1f}s" for k, v in sorted(res["stages"].items()))
+            target = TARGETS.get(backend, 0.0)
+            met = res["rate"] >= target and not res["problems"]
+            ok = ok and met
+            print(
+                f"{backend:8} {res['hotels']:>7} hotels in {res['wall']:6.1f}s "
+                f"(cpu {res['cpu']:.1f}s, {args.workers} worker(s)) = {res['rate']:7.0f} hotels/s "
+                f"[target {target:.0f}: {'MET' if met else 'NOT MET'}] | {stages} | "
+                f"peak RSS {res['peak_rss_mb']:.0f} MB | "
+                f"published {res['totals'].get('published', 0)} "
+                f"dead {res['totals'].get('dead_letters', 0)} "
+                f"skipped {res['totals'].get('skipped', 0)} | "
+                + ("correct" if not res["problems"] else "WRONG: " + "; ".join(res["problems"])),
+                flush=True,
+            )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
