@@ -36,6 +36,7 @@ DB_URL_ENV = "SUPPLIER_SYNC_DB_URL"
 HOME_ENV = "SUPPLIER_SYNC_HOME"
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+WRITE_OPTION = "supplier_sync_write"
 
 
 def state_dir() -> Path:
@@ -76,9 +77,10 @@ def _parse_url(url: str) -> URL:
 def make_engine(url: str) -> Engine:
     """Creates an engine configured for the sync's concurrency rules.
 
-    SQLite: WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction, so a
-    read-then-write transaction holds the write lock from its start (SQLite's equivalent of
-    ``SELECT ... FOR UPDATE``). MySQL/MariaDB: READ COMMITTED, so a statement that follows a
+    SQLite: WAL and a busy timeout. Write transactions (:meth:`SyncDatabase.begin`) start
+    with ``BEGIN IMMEDIATE``, so a read-then-write transaction holds the write lock from its
+    start (SQLite's ``SELECT ... FOR UPDATE``) and waits for it instead of failing; plain
+    connections (reads) start a deferred ``BEGIN`` and, under WAL, never block a writer. MySQL/MariaDB: READ COMMITTED, so a statement that follows a
     row lock sees the latest committed rows, and affected-row counts that count matched rows.
 
     Args:
@@ -119,7 +121,8 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 class db_now(FunctionElement[datetime]):
@@ -201,8 +204,8 @@ class SyncDatabase:
         db = cls(engine=engine)
         db.ping()
         if create_schema:
-            with db.translate_errors("creating the schema"):
-                metadata.create_all(engine, checkfirst=True)
+            with db.translate_errors("creating the schema"), db.begin() as conn:
+                metadata.create_all(conn, checkfirst=True)
         return db
 
     @property
@@ -236,9 +239,17 @@ class SyncDatabase:
                 ) from err
             raise
 
-    def begin(self) -> Any:
-        """A transaction context (``with db.begin() as conn:``)."""
-        return self.engine.begin()
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A write transaction (``with db.begin() as conn:``): committed on success.
+
+        On SQLite it takes the write lock at its start; read-only work should use
+        ``db.engine.connect()`` instead, which does not block writers.
+        """
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                yield conn
 
     def dispose(self) -> None:
         """Closes pooled connections (call in tests and before forking)."""
