@@ -254,7 +254,7 @@ def create_batch(
             raise TaskDisabled(f"task {task_code!r} is DISABLED; enable it to create batches")
 
         cancelled: tuple[str, ...] = ()
-        active = _active_batches(conn, task)
+        active = _active_batches(conn, t.batch.c.task_code == task.task_code)
         if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
             blocking = active[0]
             reason = f"SKIP_IF_RUNNING: batch {blocking.batch_id} is {blocking.status}"
@@ -275,7 +275,14 @@ def create_batch(
             for old in cancelled:
                 _cancel(conn, clock, old, f"cancelled by trigger {trigger_id} (CANCEL_PREVIOUS)")
         if task.concurrency_policy == "ALLOW_PARALLEL":
-            overlapping = [b for b in _active_in_scope(conn, task) if _overlaps(b.city_scope, keys)]
+            # Any task syncing the same supplier, category and data scope can overlap.
+            in_scope = _active_batches(
+                conn,
+                t.batch.c.supplier_id == task.supplier_id,
+                t.batch.c.category_code == task.category_code,
+                t.batch.c.data_scope == task.data_scope,
+            )
+            overlapping = [b for b in in_scope if _overlaps(b.city_scope, keys)]
             if overlapping:
                 blocking = overlapping[0]
                 reason = (
@@ -562,28 +569,11 @@ def _batch_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batc
     return Batch.from_row(row) if row is not None else None
 
 
-def _active_batches(conn: Connection, task: TaskSpec) -> list[Batch]:
+def _active_batches(conn: Connection, *where: sa.ColumnElement[bool]) -> list[Batch]:
+    """Unfinished batches matching ``where``, newest first."""
     rows = conn.execute(
         sa.select(t.batch)
-        .where(
-            t.batch.c.task_code == task.task_code,
-            t.batch.c.status.in_(ACTIVE_BATCH_STATUSES),
-        )
-        .order_by(t.batch.c.id.desc())
-    )
-    return [Batch.from_row(r) for r in rows]
-
-
-def _active_in_scope(conn: Connection, task: TaskSpec) -> list[Batch]:
-    """Unfinished batches of any task that syncs the same supplier, category and data scope."""
-    rows = conn.execute(
-        sa.select(t.batch)
-        .where(
-            t.batch.c.supplier_id == task.supplier_id,
-            t.batch.c.category_code == task.category_code,
-            t.batch.c.data_scope == task.data_scope,
-            t.batch.c.status.in_(ACTIVE_BATCH_STATUSES),
-        )
+        .where(t.batch.c.status.in_(ACTIVE_BATCH_STATUSES), *where)
         .order_by(t.batch.c.id.desc())
     )
     return [Batch.from_row(r) for r in rows]

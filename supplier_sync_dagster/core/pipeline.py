@@ -64,7 +64,7 @@ from supplier_sync_dagster.core.leases import (
 )
 from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
 from supplier_sync_dagster.core.normalize import canonical_json, normalize_records
-from supplier_sync_dagster.core.payloads import PayloadStore
+from supplier_sync_dagster.core.payloads import PayloadStore, StoredPayload
 from supplier_sync_dagster.core.publish import publish_hotels
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
 
@@ -253,6 +253,43 @@ def snapshot_id(batch_id: str, city_code: str, kind: str, payload_hash: str) -> 
     return ("rs_" if kind == RAW else "ns_") + hashlib.sha256(key.encode()).hexdigest()[:61]
 
 
+def _record_snapshot(
+    conn: Connection,
+    lease: ShardLease,
+    settings: SyncSettings,
+    *,
+    kind: str,
+    key_hash: str,
+    stored: StoredPayload,
+    page_number: int | None,
+    record_count: int,
+    source_hash: str | None = None,
+) -> None:
+    """One snapshot row for a stored page (idempotent: its id derives from its content)."""
+    insert_ignore(
+        conn,
+        t.snapshot,
+        [
+            {
+                "snapshot_id": snapshot_id(lease.batch_id, lease.shard_key, kind, key_hash),
+                "payload_ref": stored.ref,
+                "payload_hash": stored.sha256,
+                "page_number": page_number,
+                "record_count": record_count,
+                # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
+                "supplier_product_code": source_hash,
+            }
+        ],
+        batch_id=lease.batch_id,
+        supplier_id=settings.supplier_id,
+        category_code="HOTEL",
+        shard_key=lease.shard_key,
+        snapshot_type=kind,
+        snapshot_version=1,
+        created_at=lease.db.clock.now(),
+    )
+
+
 def _fetch(
     lease: ShardLease,
     store: PayloadStore,
@@ -277,25 +314,15 @@ def _fetch(
         stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
         pos = page.position
         with lease.db.begin() as conn:
-            insert_ignore(
+            _record_snapshot(
                 conn,
-                t.snapshot,
-                [
-                    {
-                        "snapshot_id": snapshot_id(lease.batch_id, city, RAW, stored.sha256),
-                        "payload_ref": stored.ref,
-                        "payload_hash": stored.sha256,
-                        "page_number": page.page_number,
-                        "record_count": len(page.page.hotels),
-                    }
-                ],
-                batch_id=lease.batch_id,
-                supplier_id=settings.supplier_id,
-                category_code="HOTEL",
-                shard_key=city,
-                snapshot_type=RAW,
-                snapshot_version=1,
-                created_at=lease.db.clock.now(),
+                lease,
+                settings,
+                kind=RAW,
+                key_hash=stored.sha256,
+                stored=stored,
+                page_number=page.page_number,
+                record_count=len(page.page.hotels),
             )
             lease.advance(
                 Checkpoint(
@@ -369,29 +396,16 @@ def _normalize(
         stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
         with db.begin() as conn:
             lease.fence(conn, "NORMALIZING", f"city={city} page={raw.page_number}")
-            insert_ignore(
+            _record_snapshot(
                 conn,
-                t.snapshot,
-                [
-                    {
-                        "snapshot_id": snapshot_id(
-                            lease.batch_id, city, NORMALIZED, raw.payload_hash
-                        ),
-                        "payload_ref": stored.ref,
-                        "payload_hash": stored.sha256,
-                        "page_number": raw.page_number,
-                        "record_count": len(result.hotels),
-                        # The raw page these hotels came from: the trace back to the supplier.
-                        "supplier_product_code": raw.payload_hash,
-                    }
-                ],
-                batch_id=lease.batch_id,
-                supplier_id=settings.supplier_id,
-                category_code="HOTEL",
-                shard_key=city,
-                snapshot_type=NORMALIZED,
-                snapshot_version=1,
-                created_at=db.clock.now(),
+                lease,
+                settings,
+                kind=NORMALIZED,
+                key_hash=raw.payload_hash,
+                stored=stored,
+                page_number=raw.page_number,
+                record_count=len(result.hotels),
+                source_hash=raw.payload_hash,
             )
             record_dead_letters(
                 conn,
