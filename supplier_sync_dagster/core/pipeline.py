@@ -230,8 +230,7 @@ def sync_city(
                 log.warning("city %r stopped: %s", city_code, err)
                 return report
             report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
-            if not lease.lost:
-                lease.finish("FAILED", report.error)
+            lease.finish("FAILED", report.error)
             raise
         except BaseException:
             if not lease.lost:
@@ -522,8 +521,7 @@ def _map_and_diff(
         batch_id=lease.batch_id,
         hotel_ids=[c.supplier_hotel_id for c in cands],
     )
-    lease_resource_ids = maps.resource_ids
-    return compute_diffs(conn, cands, lease_resource_ids, policy=settings.risk_policy)
+    return compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
 
 
 def _offer_ids(
