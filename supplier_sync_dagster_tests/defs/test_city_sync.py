@@ -189,3 +189,35 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
         SimulatorConfig(n_cities=5, total_hotels=500, faults=FaultProfile.named("flaky"))
     ).ground_truth()
     assert published == truth.valid
+
+
+def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
+    instance, supplier, keys = _setup(tmp_path, cities=4, hotels=300)
+    db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
+        "supplier": supplier,
+    }
+    half = len(keys) // 2
+    batches = set()
+    for first, last in ((keys[0], keys[half - 1]), (keys[half], keys[-1])):
+        result = dg.materialize(
+            [city_sync],
+            instance=instance,
+            resources=resources,
+            tags={
+                "dagster/backfill": "bf-123",
+                "dagster/asset_partition_range_start": first,
+                "dagster/asset_partition_range_end": last,
+            },
+        )
+        assert result.success
+        batches.add(_metadata(result, "published_hotels")["batch_id"])
+    assert len(batches) == 1
+    db = SyncDatabase.open(db_url)
+    with db.engine.connect() as conn:
+        row = conn.execute(sa.select(t.batch)).one()
+    db.dispose()
+    assert (row.trigger_id, row.trigger_source, row.status) == ("bf-123", "BACKFILL", "SUCCESS")
+    assert row.shard_count == row.shards_done == len(keys)
