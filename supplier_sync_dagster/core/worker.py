@@ -99,6 +99,7 @@ def run_shard(
                         page.next_checkpoint,
                         counts,
                         total_pages=page.total_pages,
+                        fetched=len(page.records),
                         message=f"city={lease.shard_key} page={page.number} committed",
                         conn=conn,
                     )
