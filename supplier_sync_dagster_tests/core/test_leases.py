@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import cancel_batch, get_batch
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     InvalidCheckpoint,
@@ -198,8 +198,10 @@ def test_heartbeat_runner_renews_then_detects_loss_and_signals_stop(
         assert row["last_heartbeat_stage"] == "FETCHING"
         assert row["last_heartbeat_message"] == "city=BKK page=1"
 
-        db.clock.advance(FAST.lease_seconds + 1)
-        claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+        # Another worker, whose clock is past the lease (the runner's own clock is not
+        # shifted: were it shared, a beat landing now would renew the lease past the claim).
+        other = SyncDatabase(engine=db.engine, clock=DbClock(FAST.lease_seconds + 1))
+        claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
         assert lost.wait(5), "the heartbeat runner did not detect the lost lease"
         assert runner.lost
         with pytest.raises(LeaseLost):
@@ -269,12 +271,12 @@ def test_reclaim_resumes_from_stored_checkpoint_live_lease_never_reclaimed(
     cp = Checkpoint("BKK", page=7, cursor="opaque==", last_supplier_hotel_id="H0600")
     first.advance(cp, PageCounts(success=100), total_pages=12)
 
-    db.clock.advance(FAST.lease_seconds - 1)  # 1 s before expiry: still live
+    db.clock.advance(FAST.lease_seconds - 5)  # 5 s before expiry: still live
     with pytest.raises(LeaseNotAcquired):
         claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
     assert claim_next_shard(db, batch.batch_id, worker_id="w2", settings=FAST) is None
 
-    db.clock.advance(2)  # now expired
+    db.clock.advance(6)  # now expired
     stalls = find_stalls(db)
     assert [(s.kind, s.shard_key) for s in stalls] == [("LEASE_EXPIRED", "BKK")]
     second = claim_next_shard(db, batch.batch_id, worker_id="w2", settings=FAST)

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import InvalidTransition
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
@@ -105,12 +105,13 @@ def test_failure_marks_shard_failed_and_reopen_resumes_from_checkpoint(
 def test_lost_lease_stops_the_loop_and_writes_nothing_more(db: SyncDatabase, make_batch: MakeBatch):
     batch = make_batch(["BKK"])
     lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    # The other worker's own clock is past the lease; w1's heartbeat thread keeps its own.
+    other = SyncDatabase(engine=db.engine, clock=DbClock(SETTINGS.lease_seconds + 1))
 
     def source(start: Checkpoint) -> Iterator[FetchedPage]:
         for n in range(start.page, PAGES + 1):
             if n == 3:  # meanwhile the lease expired and another worker took over
-                db.clock.advance(SETTINGS.lease_seconds + 1)
-                claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+                claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
             yield FetchedPage(n, Checkpoint("BKK", page=n + 1), PAGES, b"", [])
 
     outcome = run_shard(lease, source, handler(db, batch.batch_id))
