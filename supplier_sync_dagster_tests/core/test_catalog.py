@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
@@ -18,8 +19,10 @@ from supplier_sync_dagster.core.deadletters import (
 )
 from supplier_sync_dagster.core.diff import (
     Candidate,
+    RiskPolicy,
     collapse_duplicates,
     compute_diffs,
+    default_risk_policy,
     record_diffs,
 )
 from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
@@ -84,39 +87,50 @@ def cand(doc: dict[str, Any]) -> Candidate:
     return Candidate(doc, fp, raw_payload_ref="file:///raw/x.json.gz", raw_payload_hash="a" * 64)
 
 
-def sync(db: SyncDatabase, batch_id: str, docs: list[dict[str, Any]]):
-    """Maps, diffs, records and publishes a list of hotels in one transaction."""
+def sync_in(
+    conn: Connection,
+    db: SyncDatabase,
+    batch_id: str,
+    docs: list[dict[str, Any]],
+    policy: RiskPolicy = default_risk_policy,
+):
+    """Maps, diffs, records and publishes a list of hotels inside ``conn``'s transaction."""
     cands = collapse_duplicates([cand(d) for d in docs])
-    with db.begin() as conn:
-        maps = ensure_hotel_mappings(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id=batch_id,
-            hotel_ids=[c.supplier_hotel_id for c in cands],
-        )
-        offers = ensure_offer_mappings(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id=batch_id,
-            offers=[k for c in cands for k in c.offer_keys()],
-            resource_ids=maps.resource_ids,
-        )
-        diffs = compute_diffs(conn, cands, maps.resource_ids)
-        record_diffs(
-            conn, db.clock, batch_id=batch_id, shard_key="BKK", supplier_id=SUPPLIER, diffs=diffs
-        )
-        by_id = {c.supplier_hotel_id: c for c in cands}
-        result = publish_hotels(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id=batch_id,
-            items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
-            offer_ids=offers,
-        )
+    maps = ensure_hotel_mappings(
+        conn,
+        db.clock,
+        supplier_id=SUPPLIER,
+        batch_id=batch_id,
+        hotel_ids=[c.supplier_hotel_id for c in cands],
+    )
+    offers = ensure_offer_mappings(
+        conn,
+        db.clock,
+        supplier_id=SUPPLIER,
+        batch_id=batch_id,
+        offers=[k for c in cands for k in c.offer_keys()],
+        resource_ids=maps.resource_ids,
+    )
+    diffs = compute_diffs(conn, cands, maps.resource_ids, policy=policy)
+    record_diffs(
+        conn, db.clock, batch_id=batch_id, shard_key="BKK", supplier_id=SUPPLIER, diffs=diffs
+    )
+    by_id = {c.supplier_hotel_id: c for c in cands}
+    result = publish_hotels(
+        conn,
+        db.clock,
+        supplier_id=SUPPLIER,
+        batch_id=batch_id,
+        items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
+        offer_ids=offers,
+    )
     return diffs, result
+
+
+def sync(db: SyncDatabase, batch_id: str, docs: list[dict[str, Any]]):
+    """:func:`sync_in` in a transaction of its own."""
+    with db.begin() as conn:
+        return sync_in(conn, db, batch_id, docs)
 
 
 def rows(db: SyncDatabase, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
@@ -191,28 +205,7 @@ def test_older_version_never_overwrites_newer(db: SyncDatabase):
     # Even forced through publish (a stale diff that slipped past), the SQL guard holds.
     stale = hotel("H1", 4, name="Older name")
     with db.begin() as conn:
-        maps = ensure_hotel_mappings(
-            conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
-        )
-        offers = ensure_offer_mappings(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id="b3",
-            offers=cand(stale).offer_keys(),
-            resource_ids=maps.resource_ids,
-        )
-        forced = compute_diffs(
-            conn, [cand(stale)], maps.resource_ids, policy=lambda d: ("LOW", "AUTO_PUBLISH")
-        )
-        res = publish_hotels(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id="b3",
-            items=[(forced[0], cand(stale))],
-            offer_ids=offers,
-        )
+        _, res = sync_in(conn, db, "b3", [stale], policy=lambda d: ("LOW", "AUTO_PUBLISH"))
     assert res.published == [] and res.not_newer == ["H1"] and res.events == 0
     (row,) = rows(db, t.platform_hotel)
     assert (row["name"], row["supplier_version"], row["publish_version"]) == ("Newest name", 5, 1)
@@ -251,26 +244,7 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
     v3 = hotel("H1", 3, name="never published")
     try:
         with db.begin() as conn:
-            maps = ensure_hotel_mappings(
-                conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
-            )
-            offer_ids = ensure_offer_mappings(
-                conn,
-                db.clock,
-                supplier_id=SUPPLIER,
-                batch_id="b3",
-                offers=cand(v3).offer_keys(),
-                resource_ids=maps.resource_ids,
-            )
-            diffs = compute_diffs(conn, [cand(v3)], maps.resource_ids)
-            publish_hotels(
-                conn,
-                db.clock,
-                supplier_id=SUPPLIER,
-                batch_id="b3",
-                items=[(diffs[0], cand(v3))],
-                offer_ids=offer_ids,
-            )
+            sync_in(conn, db, "b3", [v3])
             raise RuntimeError("crash before commit")
     except RuntimeError:
         pass
