@@ -12,6 +12,8 @@ disagree with itself); tests shift the clock by an offset instead of sleeping.
 
 from __future__ import annotations
 
+import copy
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -300,18 +302,127 @@ def insert_ignore(
     Args:
         conn: Connection in the caller's transaction.
         table: Target table.
-        rows: Plain column values, one mapping per row.
+        rows: Plain column values, one mapping per row; every row has the same keys.
         **fixed: Column values shared by every row; may be SQL expressions (``clock.now()``).
     """
     if not rows:
         return
     fixed = bind_values(conn, fixed)
-    stmt: Any
-    if conn.dialect.name == "sqlite":
-        stmt = sqlite_insert(table).on_conflict_do_nothing()
+
+    def build() -> sa.ClauseElement:
+        if conn.dialect.name == "sqlite":
+            return sqlite_insert(table).on_conflict_do_nothing()
+        return mysql_insert(table).on_duplicate_key_update(id=table.c.id)
+
+    execute_many(conn, ("insert_ignore", table.name), build, rows, fixed=fixed)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sql: str
+    get: Callable[[Mapping[str, Any]], tuple[Any, ...]]  # a row's values in SQL order
+    processors: tuple[tuple[int, Callable[[Any], Any]], ...]  # (position, bind processor)
+    fixed_processors: dict[str, Callable[[Any], Any]]  # applied once per call, not per row
+
+
+_plans: dict[tuple[Any, ...], _Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def execute_many(
+    conn: Connection,
+    key: tuple[Any, ...],
+    build: Callable[[], sa.ClauseElement],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    fixed: Mapping[str, Any] | None = None,
+) -> None:
+    """Runs one INSERT/upsert for many rows through the driver's ``executemany``.
+
+    The statement is compiled once per (dialect, ``key``, column set) and the rows go to the
+    driver as plain tuples, after the same bind processing that SQLAlchemy applies (dates
+    and decimals on SQLite, for instance). That skips SQLAlchemy's per-row parameter
+    handling, which costs more than the database itself on bulk writes, while the SQL text
+    and the stored values are exactly what ``conn.execute(build(), rows)`` would produce.
+
+    Args:
+        conn: Connection in the caller's transaction.
+        key: Names the statement that ``build`` returns; equal keys must build equal SQL.
+        build: Builds the statement (called once per key and column set).
+        rows: Column values, one mapping per row; every row has the keys of the first.
+        fixed: Plain values shared by every row (evaluate SQL expressions with
+            :func:`bind_values` first).
+
+    Raises:
+        ValueError: The statement has a bound parameter that neither the rows nor ``fixed``
+            provide (write constants as literal SQL instead).
+    """
+    if not rows:
+        return
+    fixed = fixed or {}
+    dialect = conn.dialect
+    plan_key = (dialect.name, dialect.driver, key, tuple(rows[0]), tuple(fixed))
+    plan = _plans.get(plan_key)
+    if plan is None:
+        plan = _compile_plan(conn, build(), list(rows[0]), list(fixed))
+        with _plans_lock:
+            _plans[plan_key] = plan
+    if plan.fixed_processors:
+        procs = plan.fixed_processors
+        fixed = {k: v if v is None or k not in procs else procs[k](v) for k, v in fixed.items()}
+    get = plan.get
+    params = [get({**fixed, **row}) for row in rows] if fixed else [get(row) for row in rows]
+    if plan.processors:
+        params = [_process(values, plan.processors) for values in params]
+    conn.exec_driver_sql(plan.sql, params)
+
+
+def _process(
+    values: tuple[Any, ...], processors: tuple[tuple[int, Callable[[Any], Any]], ...]
+) -> tuple[Any, ...]:
+    out = list(values)
+    for i, proc in processors:
+        if out[i] is not None:
+            out[i] = proc(out[i])
+    return tuple(out)
+
+
+def _compile_plan(
+    conn: Connection, stmt: sa.ClauseElement, row_keys: list[str], fixed_keys: list[str]
+) -> _Plan:
+    keys = row_keys + fixed_keys
+    dialect = conn.dialect
+    if not dialect.positional and dialect.paramstyle == "pyformat":
+        # PyMySQL and mysqlclient take "format" (%s) as well as "pyformat" (%(name)s):
+        # compile positionally so rows can be sent as tuples. A copy keeps what the dialect
+        # learned from the server (MariaDB or MySQL, which upsert syntax).
+        dialect = copy.copy(dialect)
+        dialect.paramstyle, dialect.positional = "format", True
+    compiled = stmt.compile(dialect=dialect, column_keys=keys)
+    assert isinstance(compiled, SQLCompiler)
+    names = compiled.positiontup
+    if not names:
+        raise ValueError(f"{dialect.name}: execute_many needs a positional paramstyle")
+    missing = [name for name in names if name not in keys]
+    if missing:
+        raise ValueError(f"statement parameters {missing} are not columns of the rows")
+    processors = []
+    fixed_processors: dict[str, Callable[[Any], Any]] = {}
+    for i, name in enumerate(names):
+        proc = compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect)
+        if proc is None:
+            continue
+        if name in row_keys:
+            processors.append((i, proc))
+        else:
+            fixed_processors[name] = proc
+    get: Callable[[Mapping[str, Any]], tuple[Any, ...]]
+    if len(names) == 1:
+        only = names[0]
+        get = lambda row: (row[only],)  # noqa: E731
     else:
-        stmt = mysql_insert(table).on_duplicate_key_update(id=table.c.id)
-    conn.execute(stmt, [{**fixed, **row} for row in rows])
+        get = operator.itemgetter(*names)
+    return _Plan(compiled.string, get, tuple(processors), fixed_processors)
 
 
 def bind_values(conn: Connection, values: Mapping[str, Any]) -> dict[str, Any]:

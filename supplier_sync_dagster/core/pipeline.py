@@ -76,6 +76,8 @@ NORMALIZED = "NORMALIZED"
 # for somewhat larger objects (a 500-hotel page: ~2 ms instead of ~7 ms). Any level reads
 # back the same bytes and hashes, so replay and traceability do not depend on it.
 PAGE_COMPRESSLEVEL = 1
+# NORMALIZED pages whose snapshot rows and dead letters are written in one transaction.
+NORMALIZE_FLUSH_PAGES = 20
 # Young-generation GC threshold set by prepare_process (CPython's default is 700).
 GC_GEN0_THRESHOLD = 50_000
 
@@ -252,10 +254,8 @@ def snapshot_id(batch_id: str, city_code: str, kind: str, payload_hash: str) -> 
     return ("rs_" if kind == RAW else "ns_") + hashlib.sha256(key.encode()).hexdigest()[:61]
 
 
-def _record_snapshot(
-    conn: Connection,
+def _snapshot_row(
     lease: ShardLease,
-    settings: SyncSettings,
     *,
     kind: str,
     key_hash: str,
@@ -263,22 +263,30 @@ def _record_snapshot(
     page_number: int | None,
     record_count: int,
     source_hash: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "snapshot_id": snapshot_id(lease.batch_id, lease.shard_key, kind, key_hash),
+        "payload_ref": stored.ref,
+        "payload_hash": stored.sha256,
+        "page_number": page_number,
+        "record_count": record_count,
+        # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
+        "supplier_product_code": source_hash,
+    }
+
+
+def _record_snapshots(
+    conn: Connection,
+    lease: ShardLease,
+    settings: SyncSettings,
+    kind: str,
+    rows: Sequence[dict[str, Any]],
 ) -> None:
-    """One snapshot row for a stored page (idempotent: its id derives from its content)."""
+    """Snapshot rows for stored pages (idempotent: their ids derive from their content)."""
     insert_ignore(
         conn,
         t.snapshot,
-        [
-            {
-                "snapshot_id": snapshot_id(lease.batch_id, lease.shard_key, kind, key_hash),
-                "payload_ref": stored.ref,
-                "payload_hash": stored.sha256,
-                "page_number": page_number,
-                "record_count": record_count,
-                # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
-                "supplier_product_code": source_hash,
-            }
-        ],
+        rows,
         batch_id=lease.batch_id,
         supplier_id=settings.supplier_id,
         category_code="HOTEL",
@@ -312,17 +320,16 @@ def _fetch(
         heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
         stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
         pos = page.position
+        row = _snapshot_row(
+            lease,
+            kind=RAW,
+            key_hash=stored.sha256,
+            stored=stored,
+            page_number=page.page_number,
+            record_count=len(page.page.hotels),
+        )
         with lease.db.begin() as conn:
-            _record_snapshot(
-                conn,
-                lease,
-                settings,
-                kind=RAW,
-                key_hash=stored.sha256,
-                stored=stored,
-                page_number=page.page_number,
-                record_count=len(page.page.hotels),
-            )
+            _record_snapshots(conn, lease, settings, RAW, [row])
             lease.advance(
                 Checkpoint(
                     city,
@@ -363,6 +370,30 @@ def _normalize(
     began = time.perf_counter()
     done = {row.payload_hash for row in _snapshots(db, lease.batch_id, city, NORMALIZED)}
     report.records = 0
+    rows: list[dict[str, Any]] = []
+    pending: list[DeadLetter] = []
+
+    def flush() -> None:
+        # Normalizing is a pure function of the stored raw pages, so its rows are written
+        # every few pages rather than per page: a crash only repeats that work, and a
+        # concurrent worker waits for the write lock (SQLite) less often.
+        if not rows and not pending:
+            return
+        with db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={city}")
+            _record_snapshots(conn, lease, settings, NORMALIZED, rows)
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id=lease.batch_id,
+                task_code=settings.task_code,
+                sync_mode=settings.sync_mode,
+                supplier_id=settings.supplier_id,
+                letters=pending,
+            )
+        rows.clear()
+        pending.clear()
+
     for raw in _snapshots(db, lease.batch_id, city, RAW):
         heartbeat.check()
         report.records += int(raw.record_count or 0)
@@ -393,12 +424,9 @@ def _normalize(
             continue
         heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
         stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
-        with db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={city} page={raw.page_number}")
-            _record_snapshot(
-                conn,
+        rows.append(
+            _snapshot_row(
                 lease,
-                settings,
                 kind=NORMALIZED,
                 key_hash=raw.payload_hash,
                 stored=stored,
@@ -406,15 +434,11 @@ def _normalize(
                 record_count=len(result.hotels),
                 source_hash=raw.payload_hash,
             )
-            record_dead_letters(
-                conn,
-                db.clock,
-                batch_id=lease.batch_id,
-                task_code=settings.task_code,
-                sync_mode=settings.sync_mode,
-                supplier_id=settings.supplier_id,
-                letters=letters,
-            )
+        )
+        pending.extend(letters)
+        if len(rows) >= NORMALIZE_FLUSH_PAGES:
+            flush()
+    flush()
     report.seconds["normalize"] += time.perf_counter() - began
 
 

@@ -25,7 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import DbClock, bind_values, insert_ignore
+from supplier_sync_dagster.core.db import DbClock, bind_values, execute_many, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff
 from supplier_sync_dagster.core.mapping import OfferKey, chunks
 
@@ -169,7 +169,14 @@ def _upsert_hotels(
     todo: Sequence[tuple[HotelDiff, Candidate]],
 ) -> None:
     now = bind_values(conn, {"now": clock.now()})["now"]
-    rows = [_hotel_row(d, c, supplier_id, batch_id, token) | {"published_at": now} for d, c in todo]
+    rows = [_hotel_row(d, c, supplier_id, batch_id, token) for d, c in todo]
+    execute_many(
+        conn, ("publish_hotels",), lambda: _hotel_upsert(conn), rows, fixed={"published_at": now}
+    )
+
+
+def _hotel_upsert(conn: Connection) -> Any:
+    """The version-guarded upsert of platform hotels, in the connection's dialect."""
     if conn.dialect.name == "sqlite":
         ins = sqlite_insert(t.platform_hotel)
         ex = ins.excluded
@@ -178,39 +185,35 @@ def _upsert_hotels(
             ex.supplier_version > cur.supplier_version,
             sa.and_(ex.supplier_version == cur.supplier_version, ex.fingerprint != cur.fingerprint),
         )
-        stmt: Any = ins.on_conflict_do_update(
+        return ins.on_conflict_do_update(
             index_elements=[cur.resource_id],
             set_={
                 **{name: ex[name] for name in _HOTEL_COLUMNS},
-                "publish_version": cur.publish_version + 1,
+                "publish_version": cur.publish_version + _ONE,
                 "fingerprint": ex.fingerprint,
                 "supplier_version": ex.supplier_version,
             },
             where=newer,
         )
-    else:
-        ins_m = mysql_insert(t.platform_hotel)
-        new = ins_m.inserted
-        cur = t.platform_hotel.c
-        newer = sa.or_(
-            new.supplier_version > cur.supplier_version,
-            sa.and_(
-                new.supplier_version == cur.supplier_version, new.fingerprint != cur.fingerprint
-            ),
-        )
-        # MySQL applies ON DUPLICATE KEY assignments left to right, each seeing the ones
-        # before it: every column that the guard reads (fingerprint, supplier_version) is
-        # assigned last, so the guard sees the old row in every earlier assignment.
-        assignments: list[tuple[str, Any]] = [
-            (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
-        ]
-        assignments += [
-            ("publish_version", sa.func.IF(newer, cur.publish_version + _ONE, cur.publish_version)),
-            ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
-            ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),
-        ]
-        stmt = ins_m.on_duplicate_key_update(assignments)
-    conn.execute(stmt, rows)
+    ins_m = mysql_insert(t.platform_hotel)
+    new = ins_m.inserted
+    cur = t.platform_hotel.c
+    newer = sa.or_(
+        new.supplier_version > cur.supplier_version,
+        sa.and_(new.supplier_version == cur.supplier_version, new.fingerprint != cur.fingerprint),
+    )
+    # MySQL applies ON DUPLICATE KEY assignments left to right, each seeing the ones
+    # before it: every column that the guard reads (fingerprint, supplier_version) is
+    # assigned last, so the guard sees the old row in every earlier assignment.
+    assignments: list[tuple[str, Any]] = [
+        (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
+    ]
+    assignments += [
+        ("publish_version", sa.func.IF(newer, cur.publish_version + _ONE, cur.publish_version)),
+        ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
+        ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),
+    ]
+    return ins_m.on_duplicate_key_update(assignments)
 
 
 def _replace_offers(
@@ -262,19 +265,18 @@ def _replace_offers(
     if not rows:
         return
     now = bind_values(conn, {"now": clock.now()})["now"]
-    rows = [r | {"active": True, "updated_at": now} for r in rows]
-    if conn.dialect.name == "sqlite":
-        ins = sqlite_insert(t.platform_offer)
-        stmt: Any = ins.on_conflict_do_update(
-            index_elements=[o.offer_id],
-            set_={name: ins.excluded[name] for name in rows[0] if name != "offer_id"},
-        )
-    else:
+    columns = [name for name in rows[0] if name != "offer_id"] + ["active", "updated_at"]
+
+    def build() -> Any:
+        if conn.dialect.name == "sqlite":
+            ins = sqlite_insert(t.platform_offer)
+            return ins.on_conflict_do_update(
+                index_elements=[o.offer_id], set_={name: ins.excluded[name] for name in columns}
+            )
         ins_m = mysql_insert(t.platform_offer)
-        stmt = ins_m.on_duplicate_key_update(
-            {name: ins_m.inserted[name] for name in rows[0] if name != "offer_id"}
-        )
-    conn.execute(stmt, rows)
+        return ins_m.on_duplicate_key_update({name: ins_m.inserted[name] for name in columns})
+
+    execute_many(conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": now})
 
 
 def _events(
@@ -291,9 +293,9 @@ def _events(
             types.append("HotelContentChanged")
         if diff.diff_type == "NEW":
             types.append("HotelMappingCreated")
-        for event_type in types:
-            payload = {
-                "event_type": event_type,
+        # One encoding per hotel: its events differ only by their type, which comes first.
+        body = json.dumps(
+            {
                 "resource_id": rid,
                 "publish_version": pv,
                 "supplier_hotel_id": cand.supplier_hotel_id,
@@ -301,7 +303,10 @@ def _events(
                 "diff_type": diff.diff_type,
                 "changed_fields": [c["field"] for c in diff.changed_fields][:50],
                 "batch_id": batch_id,
-            }
+            },
+            ensure_ascii=False,
+        )
+        for event_type in types:
             events.append(
                 {
                     "event_id": event_id(event_type, rid, pv),
@@ -309,7 +314,7 @@ def _events(
                     "aggregate_type": "HOTEL",
                     "aggregate_id": rid,
                     "aggregate_version": pv,
-                    "payload": json.dumps(payload, ensure_ascii=False, sort_keys=True),
+                    "payload": f'{{"event_type": "{event_type}", {body[1:]}',
                 }
             )
     return events
