@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
@@ -117,17 +117,32 @@ def default_risk_policy(diff: HotelDiff) -> tuple[RiskLevel, Action]:
     return "LOW", "AUTO_PUBLISH"
 
 
+def highest_versions(keys: Iterable[tuple[str, int]]) -> list[int]:
+    """Which items to keep, one per hotel: the highest version (a hotel listed twice).
+
+    Ties keep the first seen, so the result does not depend on anything but input order.
+
+    Args:
+        keys: ``(supplier_hotel_id, version)`` of each item, in input order.
+
+    Returns:
+        The positions of the kept items, in the order each hotel first appears.
+    """
+    best: dict[str, tuple[int, int]] = {}
+    for i, (hotel_id, version) in enumerate(keys):
+        seen = best.get(hotel_id)
+        if seen is None or version > seen[1]:
+            best[hotel_id] = (i, version)
+    return [i for i, _ in best.values()]
+
+
 def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
     """One candidate per hotel: the highest version (a hotel listed on two pages, or twice).
 
     Ties keep the first seen, so the result does not depend on anything but input order.
     """
-    best: dict[str, Candidate] = {}
-    for cand in candidates:
-        seen = best.get(cand.supplier_hotel_id)
-        if seen is None or cand.version > seen.version:
-            best[cand.supplier_hotel_id] = cand
-    return list(best.values())
+    kept = highest_versions((c.supplier_hotel_id, c.version) for c in candidates)
+    return [candidates[i] for i in kept]
 
 
 def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
