@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -35,7 +37,10 @@ from supplier_sync_dagster.core.gates import (
     set_gate_thresholds,
 )
 from supplier_sync_dagster.core.leases import claim_shard
-from supplier_sync_dagster.core.pipeline import CityReport
+from supplier_sync_dagster.core.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
 from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch
 
 CITY = "BKK"
@@ -627,3 +632,63 @@ def test_pipeline_gate_without_profile_judges_the_report(
     drift = {r.check_name: r for r in seen[0]}["schema_drift"]
     assert drift.passed and drift.metadata["baseline"] == "not measurable"
     assert gate(db, now.batch_id, CITY, CityReport(CITY, records=90, dead_letters=1)) is None
+
+
+def test_gated_city_publishes_nothing_until_overridden_then_publishes(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+):
+    sim = Simulator(
+        SimulatorConfig(
+            seed=11,
+            n_cities=1,
+            total_hotels=120,
+            api_key="sim-key",
+            faults=FaultProfile.clean().with_(bad_record_rate=0.5),
+        )
+    )
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with running_server(sim) as url, httpx.Client(base_url=url) as http:
+        client = SupplierClient(http, api_key="sim-key", supplier_id="sim")
+        (city,) = [c.city_code for c in client.list_cities().data.cities]
+        batch = make_batch((city,))
+        settings = SyncSettings(task_code=batch.task_code, supplier_id=1001, page_size=50)
+
+        def sync() -> CityReport:
+            return sync_city(
+                db,
+                store,
+                client,
+                batch=batch,
+                city_code=city,
+                worker_id="w1",
+                settings=settings,
+                gate=gate_for_pipeline(),
+            )
+
+        gated = sync()
+        assert gated.status == "GATED"
+        assert gated.error is not None and gated.error.startswith("bad_record_ratio:")
+        with db.engine.connect() as conn:
+            published = sa.select(sa.func.count()).select_from(t.platform_hotel)
+            assert conn.execute(published).scalar() == 0
+            shard = conn.execute(
+                sa.select(t.shard.c.status, t.shard.c.error_message).where(
+                    t.shard.c.batch_id == batch.batch_id
+                )
+            ).one()
+        assert shard.status == "FAILED" and "bad_record_ratio" in shard.error_message
+
+        with db.begin() as conn:
+            override_gate(
+                conn,
+                db.clock,
+                batch_id=batch.batch_id,
+                shard_key=city,
+                check_name="bad_record_ratio",
+                who="alice",
+                reason="simulated feed: half the records are broken on purpose",
+            )
+        done = sync()
+    assert done.status == "SUCCESS", done.error
+    truth = sim.ground_truth()
+    assert done.published == len(truth.valid) > 0
