@@ -43,6 +43,7 @@ from supplier_sync_dagster.core.batches import get_batch, get_task
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
     ConfigError,
+    CountsDoNotAddUp,
     InvalidGateOverride,
     ProfileMissing,
     UnknownBatch,
@@ -307,10 +308,10 @@ def record_city_profile(
         field_counts: Top-level fields of the raw records; None when not profiled.
 
     Raises:
-        ConfigError: A count is negative, or more records are bad than exist.
+        CountsDoNotAddUp: A count is negative, or more records are bad than exist (a bug).
     """
     if record_count < 0 or bad_count < 0 or bad_count > record_count:
-        raise ConfigError(
+        raise CountsDoNotAddUp(
             f"city profile of {shard_key!r}: {bad_count} bad of {record_count} records"
         )
     _upsert(

@@ -15,6 +15,7 @@ from supplier_sync_dagster.core.batches import Batch
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import (
     ConfigError,
+    CountsDoNotAddUp,
     InvalidGateOverride,
     ProfileMissing,
     UnknownShard,
@@ -197,7 +198,7 @@ def test_profile_without_fields_and_invalid_counts(db: SyncDatabase, cities: Cit
         profile = get_city_profile(conn, batch_id=batch.batch_id, shard_key=CITY)
         assert profile is not None and profile.field_counts is None
         assert get_city_profile(conn, batch_id=batch.batch_id, shard_key="SIN") is None
-    with pytest.raises(ConfigError), db.begin() as conn:
+    with pytest.raises(CountsDoNotAddUp), db.begin() as conn:
         record_city_profile(
             conn,
             db.clock,
