@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -602,6 +603,10 @@ def test_pipeline_gate_names_failed_checks_and_respects_overrides(db: SyncDataba
             )
     assert gate(db, now.batch_id, CITY, report) is None
     assert all(r.overridden for r in seen[1][2])
+    # Metadata is plain JSON (what Dagster check metadata and alerts carry).
+    for _, _, results in seen:
+        for r in results:
+            assert json.loads(json.dumps(r.metadata)) == r.metadata
 
 
 def test_pipeline_gate_uses_task_thresholds(db: SyncDatabase, cities: Cities):
