@@ -11,11 +11,13 @@ The tree::
     ├── NotFound                      a named thing does not exist
     │   ├── UnknownTask
     │   ├── UnknownBatch
-    │   └── UnknownShard
+    │   ├── UnknownShard
+    │   └── ProfileMissing            no city profile was recorded for this batch and city
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
     ├── CountsDoNotAddUp              a shard's records are not all published, dead-lettered or skipped
+    ├── InvalidGateOverride           a quality gate override was refused (unknown check, no who/why)
     ├── PayloadError                  the payload store (raw/normalized bytes) failed
     │   ├── PayloadNotFound           no payload under this reference
     │   └── PayloadCorrupt            stored bytes do not match their hash, or do not decompress
@@ -66,6 +68,10 @@ class UnknownShard(NotFound):
     """No `supplier_sync_shard` row has this (batch_id, shard_key)."""
 
 
+class ProfileMissing(NotFound):
+    """No `supplier_sync_city_profile` row for this (batch_id, shard_key): not normalized yet."""
+
+
 class TaskDisabled(SupplierSyncError):
     """A batch was requested for a task whose status is DISABLED."""
 
@@ -80,6 +86,10 @@ class InvalidTransition(SupplierSyncError):
 
 class CountsDoNotAddUp(SupplierSyncError):
     """Invariant 4 broke: some fetched record ended in no bucket (a bug; nothing is finished)."""
+
+
+class InvalidGateOverride(SupplierSyncError):
+    """A quality gate override was refused: unknown check name, or no operator or reason."""
 
 
 class PayloadError(SupplierSyncError):

@@ -378,3 +378,42 @@ outbox = _table(
     sa.Index("idx_outbox_aggregate", "aggregate_type", "aggregate_id"),
     comment="transactional outbox: events written with the publish that caused them",
 )
+
+city_profile = _table(
+    "supplier_sync_city_profile",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("shard_key", _code(128), nullable=False),
+    sa.Column("record_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("bad_count", sa.Integer, nullable=False, server_default="0"),
+    # {"records": n, "fields": {name: records having it}}; NULL: the fields were not profiled.
+    sa.Column("field_counts", sa.JSON(none_as_null=True)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("batch_id", "shard_key", name="uk_city_profile"),
+    sa.Index("idx_profile_task_city", "task_code", "shard_key"),
+    comment="what normalization saw per batch and city: the input of the quality gates",
+)
+
+gate_override = _table(
+    "supplier_sync_gate_override",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("shard_key", _code(128), nullable=False),
+    sa.Column("check_name", sa.String(64), nullable=False),
+    sa.Column("overridden_by", sa.String(64), nullable=False),
+    sa.Column("reason", sa.String(1024), nullable=False),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("batch_id", "shard_key", "check_name", name="uk_gate_override"),
+    comment="quality gate overrides: who let a failed check pass, when and why",
+)
+
+gate_threshold = _table(
+    "supplier_sync_gate_threshold",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("thresholds", sa.JSON, nullable=False),
+    sa.Column("updated_by", sa.String(64)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("task_code", name="uk_gate_threshold_task"),
+    comment="per-task quality gate thresholds (JSON, missing keys take the defaults)",
+)
