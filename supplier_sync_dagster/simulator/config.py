@@ -132,6 +132,8 @@ class SimulatorConfig:
         daily_price_change_rate: share of hotels whose prices change each day.
         daily_content_change_rate: share of hotels whose content changes each day.
         daily_status_change_rate: share of hotels switching ACTIVE/INACTIVE each day.
+        price_shock_rate: share of price changes that are a shock: every price of the hotel
+            jumps 2.5x (a feed error or a real surge; either way a person should look).
         daily_add_rate: new hotels per day, as a share of a city's hotels.
         daily_remove_rate: hotels removed per day, as a share of a city's hotels.
         late_arrival_rate: share of a day's changes that the change feed only shows the
@@ -153,6 +155,7 @@ class SimulatorConfig:
     daily_price_change_rate: float = 0.07
     daily_content_change_rate: float = 0.008
     daily_status_change_rate: float = 0.002
+    price_shock_rate: float = 0.0
     daily_add_rate: float = 0.004
     daily_remove_rate: float = 0.002
     late_arrival_rate: float = 0.02
@@ -177,6 +180,7 @@ class SimulatorConfig:
             "daily_price_change_rate",
             "daily_content_change_rate",
             "daily_status_change_rate",
+            "price_shock_rate",
             "daily_add_rate",
             "daily_remove_rate",
             "late_arrival_rate",

@@ -231,6 +231,8 @@ class GroundTruth:
         listed_by_city: city_code -> hotel ids its listing serves, in order (clean profile).
         versions: hotel_id -> version of every hotel served, valid or bad.
         inactive: ids of hotels whose status is ``INACTIVE``.
+        price_shocks: ids of valid hotels whose prices moved by the shock factor (up or
+            down) since the day before: a price change that entered or left a shock.
     """
 
     day: int
@@ -241,6 +243,7 @@ class GroundTruth:
     listed_by_city: Mapping[str, tuple[str, ...]]
     versions: Mapping[str, int]
     inactive: frozenset[str]
+    price_shocks: frozenset[str] = frozenset()
 
     @property
     def total(self) -> int:
@@ -597,6 +600,7 @@ class World:
             active=h.active,
             updated_at=rfc3339(h.updated_at),
             version=h.version,
+            price_shock_rate=self.config.price_shock_rate,
         )
 
     def record(self, listed: City, h: Hotel, day: int) -> dict[str, Any]:
@@ -672,6 +676,7 @@ class World:
         moved: dict[str, str] = {}
         versions: dict[str, int] = {}
         inactive: set[str] = set()
+        shocks: set[str] = set()
         by_city: dict[str, dict[str, int]] = {c.code: {} for c in self.cities}
         listed: dict[str, tuple[str, ...]] = {}
         for city, state in self.all_states(day):
@@ -689,9 +694,32 @@ class World:
                 if reason is None:
                     valid[hid] = h.version
                     by_city[home.code][hid] = h.version
+                    if self._shock_moved(city, h, day):
+                        shocks.add(hid)
                 else:
                     bad[hid] = reason
-        return GroundTruth(day, valid, bad, moved, by_city, listed, versions, frozenset(inactive))
+        return GroundTruth(
+            day,
+            valid,
+            bad,
+            moved,
+            by_city,
+            listed,
+            versions,
+            frozenset(inactive),
+            frozenset(shocks),
+        )
+
+    def _shock_moved(self, city: City, h: Hotel, day: int) -> bool:
+        rate = self.config.price_shock_rate
+        if not rate or day == 0 or h.price_epoch == 0:
+            return False
+        before = self.state(city, day - 1).hotels.get(h.num)
+        if before is None or before.price_epoch == h.price_epoch:
+            return False
+        shocked = render.price_shocked(self.seed, h.num, h.price_epoch, rate)
+        was = render.price_shocked(self.seed, h.num, before.price_epoch, rate)
+        return shocked != was
 
 
 def _break(record: dict[str, Any], reason: str, rng: random.Random) -> None:

@@ -169,6 +169,16 @@ def _slug(text: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in folded).split()) or "hotel"
 
 
+PRICE_SHOCK = 2.5  # a shocked price epoch multiplies every price of the hotel by this
+
+
+def price_shocked(seed: int, num: int, price_epoch: int, rate: float) -> bool:
+    """Whether the hotel's prices at ``price_epoch`` are shocked (a sudden large move)."""
+    if not rate or not price_epoch:
+        return False
+    return _Bits(_digest(seed, "shock", num, price_epoch)).unit() < rate
+
+
 def render_valid(
     kit: CityKit,
     *,
@@ -180,31 +190,38 @@ def render_valid(
     active: bool,
     updated_at: str,
     version: int,
+    price_shock_rate: float = 0.0,
 ) -> bytes:
     """The hotel's valid record as compact JSON (UTF-8), keys in the contract's order."""
-    b = _Bits(_digest(seed, "content", num, content_epoch))
+    # What a hotel is (name, position, stars, rooms) never changes; a content change edits
+    # what a hotel's content team edits (address, phone, facilities, images), as real feeds do.
+    b = _Bits(_digest(seed, "content", num, 0))
     take = b.take
     name_json, local_json, slug = kit.names[take(len(kit.names))]
-    number = 1 + take(250)
-    street = kit.streets[take(len(kit.streets))]
-    line1 = f"{number} {street}" if kit.number_first else f"{street} {number}"
-    digits = kit.postal_digits
-    postal = f'"{take(10**digits):0{digits}d}"' if digits else "null"
     lat = kit.lat + (b.unit() + b.unit() + b.unit() - 1.5) * 2.0 * kit.spread
     lat = max(-89.9, min(89.9, lat))
     lng = (kit.lng + (b.unit() + b.unit() + b.unit() - 1.5) * 2.0 * kit.lng_spread + 180.0) % 360.0
     lng -= 180.0
     star = _STAR_TABLE[take(len(_STAR_TABLE))]
-    phone = kit.phones[take(len(kit.phones))]
-    facilities = _pick(take, len(FACILITIES), 2 + take(6))
-    n_images = 1 + take(4)
+    e = _Bits(_digest(seed, "edit", num, content_epoch))
+    edit = e.take
+    number = 1 + edit(250)
+    street = kit.streets[edit(len(kit.streets))]
+    line1 = f"{number} {street}" if kit.number_first else f"{street} {number}"
+    digits = kit.postal_digits
+    postal = f'"{edit(10**digits):0{digits}d}"' if digits else "null"
+    phone = kit.phones[edit(len(kit.phones))]
+    facilities = _pick(edit, len(FACILITIES), 2 + edit(6))
+    n_images = 1 + edit(4)
     images = ",".join(
         f'{{"url":"https://img.example/h/{hotel_id}/{i}.jpg",'
-        f'"caption":{_CAPTION_JSON[take(len(CAPTIONS))]}}}'
+        f'"caption":{_CAPTION_JSON[edit(len(CAPTIONS))]}}}'
         for i in range(1, n_images + 1)
     )
     p = _Bits(_digest(seed, "price", num, price_epoch))
     drift = (0.85 + 0.35 * p.unit()) if price_epoch else 1.0
+    if price_shocked(seed, num, price_epoch, price_shock_rate):
+        drift *= PRICE_SHOCK
     level = kit.level * 1.45 ** (star - 2.0) * drift * kit.usd_rate
     decimals = kit.decimals
     currency = kit.currency_json
