@@ -12,8 +12,11 @@ supplier version is newer (an older version never overwrites a newer one).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -110,11 +113,130 @@ class HotelDiff:
 RiskPolicy = Callable[[HotelDiff], tuple[RiskLevel, Action]]
 
 
-def default_risk_policy(diff: HotelDiff) -> tuple[RiskLevel, Action]:
-    """Publishes every real change; ignores NO_CHANGE and STALE (a governance layer may replace this)."""
+def publish_all_policy(diff: HotelDiff) -> tuple[RiskLevel, Action]:
+    """Publishes every real change; ignores NO_CHANGE and STALE (no review at all)."""
     if diff.diff_type in ("NO_CHANGE", "STALE"):
         return "LOW", "IGNORE"
     return "LOW", "AUTO_PUBLISH"
+
+
+@dataclass(frozen=True)
+class RiskRules:
+    """The risk policy: which diffs publish on their own and which wait for a person.
+
+    A diff goes to REVIEW (risk HIGH) when any offer's price moves by more than
+    ``price_move_ratio`` (0.5: below half or above one and a half times the published
+    price; a currency switch counts as a move), when the coordinates move more than
+    ``coordinate_move_km``, or when the name is replaced rather than edited (similarity of
+    the old and new name below ``name_similarity_min``). Within one chunk of a city, when at
+    least ``mass_inactive_min`` hotels and ``mass_inactive_share`` of the chunk turn INACTIVE
+    at once, each of them goes to REVIEW too: a supplier closing a city is more often a feed
+    problem than news. Other changes publish (MEDIUM for status and content, LOW for price and
+    stock); NO_CHANGE and STALE are ignored.
+
+    Attributes:
+        price_move_ratio: Largest relative price move that publishes without review.
+        coordinate_move_km: Largest move of a hotel's position (km) without review.
+        name_similarity_min: Smallest similarity (0-1) of old and new name without review.
+        mass_inactive_share: Share of a chunk turning INACTIVE that makes them all REVIEW.
+        mass_inactive_min: Fewest such hotels for the mass rule to apply.
+    """
+
+    price_move_ratio: float = 0.5
+    coordinate_move_km: float = 2.0
+    name_similarity_min: float = 0.5
+    mass_inactive_share: float = 0.2
+    mass_inactive_min: int = 5
+
+    def __call__(self, diff: HotelDiff) -> tuple[RiskLevel, Action]:
+        """Risk level and action of one diff (the per-hotel rules)."""
+        if diff.diff_type in ("NO_CHANGE", "STALE"):
+            return "LOW", "IGNORE"
+        if diff.diff_type == "NEW":
+            return "LOW", "AUTO_PUBLISH"
+        if self.review_reasons(diff):
+            return "HIGH", "REVIEW"
+        if diff.diff_type in ("STATUS_CHANGED", "CONTENT_CHANGED"):
+            return "MEDIUM", "AUTO_PUBLISH"
+        return "LOW", "AUTO_PUBLISH"
+
+    def review_reasons(self, diff: HotelDiff) -> list[str]:
+        """Why the per-hotel rules hold this diff for review (empty: they do not)."""
+        reasons: list[str] = []
+        coords: dict[str, tuple[Any, Any]] = {}
+        for change in diff.changed_fields:
+            name = str(change.get("field"))
+            old, new = change.get("old"), change.get("new")
+            if name.endswith(".price"):
+                move = _price_move(old, new)
+                if move is None or move > self.price_move_ratio:
+                    reasons.append(f"{name}: {old} -> {new}")
+            elif name in ("lat", "lng"):
+                coords[name] = (old, new)
+            elif name == "name" and old and new:
+                # Case and spacing fixes are edits, not a new name.
+                before, after = (
+                    " ".join(str(old).casefold().split()),
+                    " ".join(str(new).casefold().split()),
+                )
+                similarity = difflib.SequenceMatcher(None, before, after).ratio()
+                if similarity < self.name_similarity_min:
+                    reasons.append(f"name replaced ({similarity:.2f} similar)")
+        if coords:
+            km = _coordinate_move_km(coords)
+            if km is None or km > self.coordinate_move_km:
+                reasons.append("coordinates moved" if km is None else f"moved {km:.1f} km")
+        return reasons
+
+    def escalate(self, diffs: Sequence[HotelDiff]) -> list[HotelDiff]:
+        """The chunk-level rule: a mass turn to INACTIVE goes to review as a whole."""
+        turning = [
+            i
+            for i, d in enumerate(diffs)
+            if d.action == "AUTO_PUBLISH"
+            and any(
+                c.get("field") == "status" and c.get("new") == "INACTIVE" for c in d.changed_fields
+            )
+        ]
+        if len(turning) < max(self.mass_inactive_min, self.mass_inactive_share * len(diffs)):
+            return list(diffs)
+        out = list(diffs)
+        for i in turning:
+            out[i] = dataclasses.replace(out[i], risk_level="HIGH", action="REVIEW")
+        return out
+
+
+default_risk_policy: RiskPolicy = RiskRules()
+
+
+def _price_move(old: Any, new: Any) -> float | None:
+    """Relative move of an "amount currency" price; None when it cannot be compared."""
+    try:
+        old_amount, old_currency = str(old).split(" ")
+        new_amount, new_currency = str(new).split(" ")
+        before, after = Decimal(old_amount), Decimal(new_amount)
+    except (ValueError, ArithmeticError):
+        return None
+    if old_currency != new_currency or before <= 0:
+        return None
+    return float(abs(after - before) / before)
+
+
+def _coordinate_move_km(coords: Mapping[str, tuple[Any, Any]]) -> float | None:
+    """Distance between old and new position (equirectangular; plenty for a few km).
+
+    A diff lists only the coordinates that changed: an unchanged latitude is taken as 0,
+    which can only overstate an east-west move (so it errs toward review).
+    """
+    try:
+        lat0, lat1 = (float(v) for v in coords.get("lat", (0.0, 0.0)))
+        lng0, lng1 = (float(v) for v in coords.get("lng", (0.0, 0.0)))
+    except (TypeError, ValueError):
+        return None
+    mean_lat = math.radians((lat0 + lat1) / 2)
+    dy = (lat1 - lat0) * 111.32
+    dx = (lng1 - lng0) * 111.32 * math.cos(mean_lat)
+    return math.hypot(dx, dy)
 
 
 def highest_versions(keys: Iterable[tuple[str, int]]) -> list[int]:
@@ -268,6 +390,8 @@ def compute_diffs(
                 action,
             )
         )
+    if isinstance(policy, RiskRules):
+        out = policy.escalate(out)
     return out
 
 

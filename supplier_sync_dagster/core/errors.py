@@ -16,6 +16,7 @@ The tree::
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
+    │   └── ReviewStateError          a review is missing or not in the state a decision needs
     ├── CountsDoNotAddUp              a shard's records are not all published, dead-lettered or skipped
     ├── InvalidGateOverride           a quality gate override was refused (unknown check, no who/why)
     ├── PayloadError                  the payload store (raw/normalized bytes) failed
@@ -82,6 +83,10 @@ class InvalidCheckpoint(SupplierSyncError):
 
 class InvalidTransition(SupplierSyncError):
     """A guarded state move matched no row: the row was not in the expected state."""
+
+
+class ReviewStateError(InvalidTransition):
+    """A review decision named a review that does not exist or is no longer PENDING."""
 
 
 class CountsDoNotAddUp(SupplierSyncError):
