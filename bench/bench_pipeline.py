@@ -202,6 +202,7 @@ def run_backend(
                             city_code=city,
                             worker_id="bench",
                             settings=settings,
+                            **_governance(client),
                         )
                     )
                     statuses[summary["status"]] += 1
@@ -285,6 +286,22 @@ def _summarize(report: Any) -> dict[str, Any]:
 
 
 _WORKER: dict[str, Any] = {}
+_GOVERNANCE: dict[int, dict[str, Any]] = {}
+
+
+def _governance(client: Any) -> dict[str, Any]:
+    """What a production sync runs with: the quality gates and the city -> country rule."""
+    found = _GOVERNANCE.get(id(client))
+    if found is None:
+        from supplier_sync_dagster.core.gates import gate_for_pipeline
+
+        cities = client.list_cities().data.cities
+        found = {
+            "gate": gate_for_pipeline(),
+            "city_countries": {c.city_code: c.country_code for c in cities if c.country_code},
+        }
+        _GOVERNANCE[id(client)] = found
+    return found
 
 
 def _worker_init(db_url: str, tmp: str, opts: dict[str, Any], batch: Any) -> None:
@@ -317,6 +334,7 @@ def _worker_city(city: str) -> dict[str, Any]:
         city_code=city,
         worker_id=w["worker_id"],
         settings=w["settings"],
+        **_governance(w["client"]),
     )
     return _summarize(report)
 

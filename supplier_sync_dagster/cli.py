@@ -203,6 +203,155 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_review(args: argparse.Namespace) -> int:
+    import json
+
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.review import (
+        approve_reviews,
+        count_reviews,
+        list_reviews,
+        reject_reviews,
+    )
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        if args.review_command == "list":
+            status = None if args.status == "ALL" else args.status
+            with db.engine.connect() as conn:
+                reviews = list_reviews(conn, status=status, batch_id=args.batch, limit=args.limit)
+                counts = count_reviews(conn, batch_id=args.batch)
+            for rv in reviews:
+                if args.json:
+                    print(json.dumps(rv.__dict__, default=str, ensure_ascii=False))
+                    continue
+                fields = ", ".join(
+                    f"{c['field']}: {c['old']} -> {c['new']}" for c in rv.changed_fields[:4]
+                )
+                print(
+                    f"{rv.review_id}  {rv.status:<10} {rv.supplier_hotel_id} v{rv.supplier_version}"
+                    f"  {rv.diff_type}  {fields}"
+                )
+            print(f"reviews by status: {counts}", file=sys.stderr)
+            return 0
+        ids = None if args.all else list(args.ids)
+        if ids is not None and not ids:
+            raise ConfigError("name the reviews to decide, or pass --all")
+        decide = approve_reviews if args.review_command == "approve" else reject_reviews
+        decision = decide(db, review_ids=ids, who=args.by, reason=args.reason, batch_id=args.batch)
+        print(json.dumps(decision.__dict__))
+        return 0
+    finally:
+        db.dispose()
+
+
+def _cmd_gate(args: argparse.Namespace) -> int:
+    import json
+
+    from supplier_sync_dagster.core.batches import get_batch
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.gates import (
+        GateThresholds,
+        evaluate_gates,
+        get_gate_thresholds,
+        override_gate,
+        set_gate_thresholds,
+    )
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        if args.gate_command == "override":
+            with db.begin() as conn:
+                done = override_gate(
+                    conn,
+                    db.clock,
+                    batch_id=args.batch,
+                    shard_key=args.city,
+                    check_name=args.check,
+                    who=args.by,
+                    reason=args.reason,
+                )
+            print(json.dumps(done.__dict__, default=str, ensure_ascii=False))
+            print("re-run the city (the same launch) to publish it", file=sys.stderr)
+            return 0
+        if args.gate_command == "show":
+            with db.engine.connect() as conn:
+                task = get_batch(conn, args.batch).task_code
+                results = evaluate_gates(
+                    conn,
+                    batch_id=args.batch,
+                    task_code=task,
+                    shard_key=args.city,
+                    thresholds=get_gate_thresholds(conn, task),
+                )
+            for r in results:
+                state = "overridden" if r.overridden else ("passed" if r.passed else "FAILED")
+                print(f"{r.check_name:<18} {state:<10} {r.description}")
+                print(f"    {json.dumps(r.metadata, default=str, ensure_ascii=False)}")
+            return 0
+        # thresholds
+        changes = {
+            k: v
+            for k, v in {
+                "max_bad_ratio": args.max_bad_ratio,
+                "max_count_drop": args.max_count_drop,
+                "min_previous_records": args.min_previous_records,
+                "drift_present_ratio": args.drift_present_ratio,
+                "drift_absent_ratio": args.drift_absent_ratio,
+            }.items()
+            if v is not None
+        }
+        with db.begin() as conn:
+            current = get_gate_thresholds(conn, args.task)
+            if changes:
+                current = GateThresholds.from_dict({**current.to_dict(), **changes})
+                set_gate_thresholds(
+                    conn, db.clock, task_code=args.task, thresholds=current, updated_by=args.by
+                )
+        print(json.dumps(current.to_dict()))
+        return 0
+    finally:
+        db.dispose()
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import json
+
+    supplier = _supplier_from_env(args)
+    if args.dry_run:
+        from supplier_sync_dagster.core.db import SyncDatabase
+        from supplier_sync_dagster.core.replay import dry_run_city
+
+        sync_db, payloads = _resources(args)
+        db = SyncDatabase.open(sync_db.db_url)
+        store = payloads.open()
+        try:
+            for city in args.city:
+                report = dry_run_city(
+                    db,
+                    store,
+                    task_code=supplier.task_code,
+                    supplier_id=supplier.supplier_id,
+                    city_code=city,
+                )
+                print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
+        finally:
+            db.dispose()
+        return 0
+    from supplier_sync_dagster.sync_runner import run_replay
+
+    sync_db, payloads = _resources(args)
+    summary = run_replay(
+        supplier=supplier,
+        cities=args.city,
+        sync_db=sync_db,
+        payloads=payloads,
+        trigger_id=args.trigger_id,
+    )
+    print(summary.to_json() if args.json else summary.render())
+    return 0 if summary.run_success else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``supplier-sync``."""
     parser = argparse.ArgumentParser(prog="supplier-sync", description=__doc__)
@@ -272,6 +421,66 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", default="clean", help="fault profile: clean or flaky")
     sim.add_argument("--hostile-city-codes", action="store_true")
     sim.set_defaults(func=_cmd_simulate)
+
+    review = sub.add_parser("review", help="diffs held for review: list, approve, reject")
+    review_sub = review.add_subparsers(dest="review_command", required=True)
+    rlist = review_sub.add_parser("list", help="reviews (PENDING by default)")
+    rlist.add_argument(
+        "--status",
+        default="PENDING",
+        choices=["PENDING", "APPROVED", "REJECTED", "SUPERSEDED", "ALL"],
+    )
+    rlist.add_argument("--batch", default=None)
+    rlist.add_argument("--limit", type=int, default=100)
+    rlist.add_argument("--json", action="store_true")
+    rlist.set_defaults(func=_cmd_review)
+    for name, what in (
+        ("approve", "publish them (version-guarded)"),
+        ("reject", "keep what is live"),
+    ):
+        decide = review_sub.add_parser(name, help=f"{name} reviews: {what}")
+        decide.add_argument("ids", nargs="*", help="review ids")
+        decide.add_argument("--all", action="store_true", help="every PENDING review (of --batch)")
+        decide.add_argument("--batch", default=None)
+        decide.add_argument("--by", required=True, help="who decides (recorded)")
+        decide.add_argument("--reason", required=True, help="why (recorded)")
+        decide.set_defaults(func=_cmd_review)
+
+    gate = sub.add_parser("gate", help="batch quality gates: show, override, thresholds")
+    gate_sub = gate.add_subparsers(dest="gate_command", required=True)
+    show = gate_sub.add_parser("show", help="a city's gate results in a batch")
+    show.add_argument("--batch", required=True)
+    show.add_argument("--city", required=True, help="the supplier's city code, verbatim")
+    show.set_defaults(func=_cmd_gate)
+    override = gate_sub.add_parser("override", help="let a city pass a failed check (recorded)")
+    override.add_argument("--batch", required=True)
+    override.add_argument("--city", required=True, help="the supplier's city code, verbatim")
+    override.add_argument(
+        "--check", required=True, choices=["bad_record_ratio", "record_count", "schema_drift"]
+    )
+    override.add_argument("--by", required=True, help="who overrides (recorded)")
+    override.add_argument("--reason", required=True, help="why (recorded)")
+    override.set_defaults(func=_cmd_gate)
+    thresholds = gate_sub.add_parser("thresholds", help="show or set a task's gate thresholds")
+    thresholds.add_argument("--task", default="hotel_supplier_full_resource")
+    thresholds.add_argument("--max-bad-ratio", type=float, default=None)
+    thresholds.add_argument("--max-count-drop", type=float, default=None)
+    thresholds.add_argument("--min-previous-records", type=int, default=None)
+    thresholds.add_argument("--drift-present-ratio", type=float, default=None)
+    thresholds.add_argument("--drift-absent-ratio", type=float, default=None)
+    thresholds.add_argument("--by", default=None, help="who changes them (recorded)")
+    thresholds.set_defaults(func=_cmd_gate)
+
+    replay = sub.add_parser(
+        "replay",
+        help="normalize, check, diff and publish cities again from their stored raw pages "
+        "(no supplier request), e.g. after a rule was fixed",
+    )
+    replay.add_argument("--city", action="append", required=True, help="a city code (repeatable)")
+    replay.add_argument("--dry-run", action="store_true", help="report the diffs, publish nothing")
+    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
+    replay.set_defaults(func=_cmd_replay)
 
     db = sub.add_parser("db", help="sync database administration")
     db_sub = db.add_subparsers(dest="db_command", required=True)

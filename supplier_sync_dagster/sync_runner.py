@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,9 +27,18 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, get_batch
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
-from supplier_sync_dagster.defs.city_sync import SOURCE_TAG, TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_sync import (
+    DIFFS,
+    MAPPINGS,
+    NORMALIZED,
+    PUBLISHED,
+    SOURCE_TAG,
+    TRIGGER_TAG,
+    city_sync,
+)
 from supplier_sync_dagster.defs.partitions import city_partitions, encode_city_key
 from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
@@ -128,7 +138,12 @@ def run_full_sync(
         result = dg.materialize(
             [city_sync],
             instance=instance,
-            resources={"sync_db": sync_db, "payloads": payloads, "supplier": supplier},
+            resources={
+                "sync_db": sync_db,
+                "payloads": payloads,
+                "supplier": supplier,
+                "governance": GovernanceResource(),
+            },
             tags={
                 "dagster/asset_partition_range_start": ordered[0],
                 "dagster/asset_partition_range_end": ordered[-1],
@@ -258,3 +273,63 @@ def demo_day(advance: bool) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"next_day": day + 1}))
     return day
+
+
+def run_replay(
+    *,
+    supplier: SupplierResource,
+    cities: Sequence[str],
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    trigger_id: str | None = None,
+    console_log_level: str = "WARNING",
+) -> SyncSummary:
+    """Re-materializes normalized_hotels and downstream for ``cities`` from stored raw pages.
+
+    Goes through Dagster like any sync: one run per city (a city need not be next to the
+    others in the partition order), every run of the call sharing one replay batch.
+    No supplier request is made.
+    """
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    instance = dagster_instance()
+    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+    keys = [encode_city_key(c) for c in cities]
+    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+    missing = [k for k in keys if k not in existing]
+    if missing:
+        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+    started = time.perf_counter()
+    success = True
+    run_id = ""
+    for key in keys:
+        result = dg.materialize(
+            [city_sync],
+            selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
+            instance=instance,
+            partition_key=key,
+            resources={
+                "sync_db": sync_db,
+                "payloads": payloads,
+                "supplier": supplier,
+                "governance": GovernanceResource(),
+            },
+            tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
+            raise_on_error=False,
+            run_config=dg.RunConfig(
+                loggers={"console": {"config": {"log_level": console_log_level}}}
+            ),
+        )
+        success = success and result.success
+        run_id = result.run_id
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        summary = summarize(
+            db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
+        )
+    finally:
+        db.dispose()
+    summary.run_success = success
+    summary.dagster_run_id = run_id
+    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+    return summary

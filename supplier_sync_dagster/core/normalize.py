@@ -42,7 +42,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Annotated, Any, Final, Literal, TypeVar
@@ -63,6 +63,7 @@ __all__ = [
     "Rejection",
     "Room",
     "Stage",
+    "canonical_dumps",
     "canonical_json",
     "content_fields",
     "content_fingerprint",
@@ -1560,6 +1561,11 @@ def _dumps(value: object) -> bytes:
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     ).encode("utf-8")
+
+
+def canonical_dumps(doc: Mapping[str, Any]) -> bytes:
+    """Canonical JSON of a hotel already in primitive form (:func:`to_primitive`)."""
+    return _dumps(doc)
 
 
 def canonical_json(hotel: NormalizedHotel) -> bytes:

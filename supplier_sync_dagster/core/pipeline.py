@@ -24,14 +24,16 @@ skipped = records in the city's stored pages``.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,15 @@ from supplier_sync_dagster.core.diff import (
     record_diffs,
 )
 from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseNotAcquired
+from supplier_sync_dagster.core.gates import (
+    CityProfile,
+    FieldCounts,
+    check_schema_drift,
+    get_gate_thresholds,
+    list_overrides,
+    previous_profile,
+    record_city_profile,
+)
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
     HeartbeatRunner,
@@ -63,9 +74,16 @@ from supplier_sync_dagster.core.leases import (
     reopen_shard,
 )
 from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
-from supplier_sync_dagster.core.normalize import canonical_json, normalize_records
+from supplier_sync_dagster.core.normalize import (
+    NormalizeResult,
+    canonical_dumps,
+    normalize_records,
+    to_primitive,
+)
 from supplier_sync_dagster.core.payloads import PayloadStore, StoredPayload
 from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.core.quality import check_quality
+from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
 
 log = logging.getLogger(__name__)
@@ -76,8 +94,6 @@ NORMALIZED = "NORMALIZED"
 # for somewhat larger objects (a 500-hotel page: ~2 ms instead of ~7 ms). Any level reads
 # back the same bytes and hashes, so replay and traceability do not depend on it.
 PAGE_COMPRESSLEVEL = 1
-# NORMALIZED pages whose snapshot rows and dead letters are written in one transaction.
-NORMALIZE_FLUSH_PAGES = 20
 # Young-generation GC threshold set by prepare_process (CPython's default is 700).
 GC_GEN0_THRESHOLD = 50_000
 
@@ -145,6 +161,9 @@ class CityReport:
     dead_letters: int = 0
     skipped: int = 0
     duplicates: int = 0
+    moved: int = 0  # listed in this city but located in another: published under their own
+    held_for_review: int = 0
+    gate_failures: list[str] = field(default_factory=list)  # checks that stopped the city
     dead_letters_by_code: Counter[str] = field(default_factory=Counter)
     diffs_by_type: Counter[str] = field(default_factory=Counter)
     diffs_by_action: Counter[str] = field(default_factory=Counter)
@@ -173,6 +192,7 @@ def sync_city(
     settings: SyncSettings,
     gate: Gate | None = None,
     fetch: bool = True,
+    city_countries: Mapping[str, str] | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -186,6 +206,8 @@ def sync_city(
         settings: Task and tuning settings.
         gate: Optional batch-level quality gate run before publishing.
         fetch: False replays the stored raw pages of this batch without calling the supplier.
+        city_countries: The supplier's city -> country codes (``/v1/cities``), for the rule
+            that a hotel's country is its city's; cities missing here skip that rule.
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
@@ -217,10 +239,24 @@ def sync_city(
                 if client is None:
                     raise ValueError("fetching needs a supplier client")
                 _fetch(lease, store, client, heartbeat, settings, report)
-            _normalize(lease, store, heartbeat, settings, report)
+            if gate is not None:
+                drift = _drift_precheck(db, store, batch.batch_id, city_code, settings.task_code)
+                if drift is not None:
+                    # Stop before normalizing: a renamed field would otherwise turn every
+                    # record of the city into a dead letter.
+                    report.records = sum(
+                        int(r.record_count or 0)
+                        for r in _snapshots(db, batch.batch_id, city_code, RAW)
+                    )
+                    report.status, report.error = "GATED", drift
+                    report.gate_failures = ["schema_drift"]
+                    lease.finish("FAILED", f"quality gate: {drift}", counts=_gated_counts(report))
+                    return report
+            _normalize(lease, store, heartbeat, settings, report, city_countries or {})
             reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
             if reason is not None:
                 report.status, report.error = "GATED", reason
+                report.gate_failures = [part.split(":")[0].strip() for part in reason.split(" | ")]
                 lease.finish("FAILED", f"quality gate: {reason}", counts=_gated_counts(report))
                 return report
             _publish(lease, store, heartbeat, settings, report)
@@ -239,6 +275,40 @@ def sync_city(
                 lease.release("worker interrupted")
             raise
     return report
+
+
+DRIFT_SAMPLE_PAGES = 2
+
+
+def _drift_precheck(
+    db: SyncDatabase, store: PayloadStore, batch_id: str, city: str, task_code: str
+) -> str | None:
+    """Schema drift judged on the city's first pages, before anything is normalized.
+
+    A renamed field changes every record, so the first pages show it; the full check after
+    normalization still judges every record. Returns the reason to stop, or None.
+    """
+    raws = _snapshots(db, batch_id, city, RAW)[:DRIFT_SAMPLE_PAGES]
+    sample = FieldCounts()
+    for raw in raws:
+        sample.add(json.loads(store.get(raw.payload_ref)).get("hotels") or [])
+    if sample.records == 0:
+        return None
+    with db.engine.connect() as conn:
+        previous = previous_profile(
+            conn, task_code=task_code, shard_key=city, before_batch_id=batch_id
+        )
+        if previous is None or previous.field_counts is None:
+            return None
+        overrides = list_overrides(conn, batch_id=batch_id, shard_key=city)
+        if any(o.check_name == "schema_drift" for o in overrides):
+            return None
+        thresholds = get_gate_thresholds(conn, task_code)
+    current = CityProfile(batch_id, task_code, city, sample.records, 0, sample)
+    result = check_schema_drift(current, previous, thresholds)
+    if result.passed:
+        return None
+    return f"schema_drift: {result.description} (first {len(raws)} pages)"
 
 
 def _gated_counts(report: CityReport) -> PageCounts:
@@ -359,25 +429,41 @@ def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[sa
         )
 
 
+@dataclass
+class _Page:
+    """A raw page being normalized: its snapshot row, outcomes and canonical documents."""
+
+    raw: sa.Row[Any]
+    result: NormalizeResult
+    docs: list[dict[str, Any]]
+
+
 def _normalize(
     lease: ShardLease,
     store: PayloadStore,
     heartbeat: HeartbeatRunner,
     settings: SyncSettings,
     report: CityReport,
+    city_countries: Mapping[str, str],
 ) -> None:
     db, city = lease.db, lease.shard_key
     began = time.perf_counter()
     done = {row.payload_hash for row in _snapshots(db, lease.batch_id, city, NORMALIZED)}
     report.records = 0
+    report.dead_letters = 0
+    report.moved = 0
+    report.dead_letters_by_code.clear()
+    fields = FieldCounts()
     rows: list[dict[str, Any]] = []
-    pending: list[DeadLetter] = []
+    letters: list[DeadLetter] = []
+    pages: list[_Page] = []
+    buffered = 0
 
-    def flush() -> None:
+    def write() -> None:
         # Normalizing is a pure function of the stored raw pages, so its rows are written
         # every few pages rather than per page: a crash only repeats that work, and a
         # concurrent worker waits for the write lock (SQLite) less often.
-        if not rows and not pending:
+        if not rows and not letters:
             return
         with db.begin() as conn:
             lease.fence(conn, "NORMALIZING", f"city={city}")
@@ -389,56 +475,102 @@ def _normalize(
                 task_code=settings.task_code,
                 sync_mode=settings.sync_mode,
                 supplier_id=settings.supplier_id,
-                letters=pending,
+                letters=letters,
             )
         rows.clear()
-        pending.clear()
+        letters.clear()
+
+    def validate() -> None:
+        # Row-level quality runs over many pages at once: its cost is mostly per call.
+        docs = [d for page in pages for d in page.docs]
+        failed: dict[int, DeadLetter] = {}
+        if docs:
+            quality = check_quality(docs, city_code=city, city_countries=city_countries)
+            report.moved += len(quality.moved)
+            starts = list(itertools.accumulate((len(p.docs) for p in pages), initial=0))
+            for f in quality.failures:
+                k = bisect.bisect_right(starts, f.index) - 1
+                page = pages[k]
+                pos = page.result.hotel_index[f.index - starts[k]]
+                failed[f.index] = f.dead_letter(
+                    page.raw.payload_ref,
+                    page.raw.payload_hash,
+                    supplier_product_code=f"record#{pos}",
+                )
+        offset = 0
+        for page in pages:
+            raw, result = page.raw, page.result
+            page_letters = [
+                DeadLetter(
+                    r.supplier_hotel_id,
+                    r.stage,
+                    "NON_RETRYABLE",
+                    r.error_code,
+                    r.message,
+                    raw.payload_ref,
+                    raw.payload_hash,
+                    # The record's place on its page: two unreadable records of one page
+                    # stay two dead letters, and a re-run finds the same key.
+                    supplier_product_code=f"record#{index}",
+                )
+                for r, index in zip(result.rejections, result.rejection_index, strict=True)
+            ]
+            kept = []
+            for i, doc in enumerate(page.docs):
+                letter = failed.get(offset + i)
+                if letter is None:
+                    kept.append(doc)
+                else:
+                    page_letters.append(letter)
+            offset += len(page.docs)
+            # Dead letters are counted from every page, also pages normalized by an earlier
+            # attempt, so that the shard's counts describe all of its records.
+            report.dead_letters += len(page_letters)
+            report.dead_letters_by_code.update(d.error_code for d in page_letters)
+            body = b"\n".join(canonical_dumps(d) for d in kept)
+            if hashlib.sha256(body).hexdigest() in done and not page_letters:
+                continue
+            stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
+            rows.append(
+                _snapshot_row(
+                    lease,
+                    kind=NORMALIZED,
+                    key_hash=raw.payload_hash,
+                    stored=stored,
+                    page_number=raw.page_number,
+                    record_count=len(kept),
+                    source_hash=raw.payload_hash,
+                )
+            )
+            letters.extend(page_letters)
+        pages.clear()
+        write()
 
     for raw in _snapshots(db, lease.batch_id, city, RAW):
         heartbeat.check()
+        heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
         report.records += int(raw.record_count or 0)
         records = json.loads(store.get(raw.payload_ref)).get("hotels") or []
+        fields.add(records)
         result = normalize_records(records)
-        # Dead letters are counted from every page, also pages normalized by an earlier
-        # attempt, so that the shard's counts describe all of its records.
-        letters = [
-            DeadLetter(
-                r.supplier_hotel_id,
-                r.stage,
-                "NON_RETRYABLE",
-                r.error_code,
-                r.message,
-                raw.payload_ref,
-                raw.payload_hash,
-                # The record's place on its page: two unreadable records of one page stay
-                # two dead letters, and a re-run finds the same key.
-                supplier_product_code=f"record#{index}",
-            )
-            for r, index in zip(result.rejections, result.rejection_index, strict=True)
-        ]
-        report.dead_letters += len(letters)
-        report.dead_letters_by_code.update(d.error_code for d in letters)
-        body = b"\n".join(canonical_json(h) for h in result.hotels)
-        norm_hash = hashlib.sha256(body).hexdigest()
-        if norm_hash in done and not letters:
-            continue
-        heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
-        stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
-        rows.append(
-            _snapshot_row(
-                lease,
-                kind=NORMALIZED,
-                key_hash=raw.payload_hash,
-                stored=stored,
-                page_number=raw.page_number,
-                record_count=len(result.hotels),
-                source_hash=raw.payload_hash,
-            )
+        pages.append(_Page(raw, result, [to_primitive(h) for h in result.hotels]))
+        buffered += len(result.hotels)
+        if buffered >= settings.chunk_hotels:
+            validate()
+            buffered = 0
+    validate()
+    with db.begin() as conn:
+        lease.fence(conn, "NORMALIZING", f"city={city} profile")
+        record_city_profile(
+            conn,
+            db.clock,
+            batch_id=lease.batch_id,
+            task_code=settings.task_code,
+            shard_key=city,
+            record_count=report.records,
+            bad_count=report.dead_letters,
+            field_counts=fields,
         )
-        pending.extend(letters)
-        if len(rows) >= NORMALIZE_FLUSH_PAGES:
-            flush()
-    flush()
     report.seconds["normalize"] += time.perf_counter() - began
 
 
@@ -491,6 +623,7 @@ def _publish(
     report.published = 0
     report.skipped = 0
     report.duplicates = 0
+    report.held_for_review = 0
     for chunk in _normalized_chunks(db, store, lease.batch_id, city, settings.chunk_hotels):
         heartbeat.check()
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
@@ -508,6 +641,14 @@ def _publish(
                 diffs=diffs,
             )
             by_id = {c.supplier_hotel_id: c for c in cands}
+            report.held_for_review += hold_for_review(
+                conn,
+                db.clock,
+                batch_id=lease.batch_id,
+                shard_key=city,
+                supplier_id=settings.supplier_id,
+                items=[(d, by_id[d.supplier_hotel_id]) for d in diffs if d.action == "REVIEW"],
+            )
             result = publish_hotels(
                 conn,
                 db.clock,

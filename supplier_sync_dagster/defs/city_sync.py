@@ -13,6 +13,7 @@ share one batch), else an explicit ``supplier_sync/trigger_id`` tag (CLI), else 
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import dagster as dg
@@ -27,10 +28,20 @@ from supplier_sync_dagster.core.batches import (
     upsert_task,
 )
 from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
 from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.replay import (
+    prepare_replay,
+    record_city_list,
+    resolve_replayed_dead_letters,
+    stored_city_countries,
+)
+from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key
 from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
@@ -92,6 +103,31 @@ def _specs() -> list[dg.AssetSpec]:
                 "overwrites a newer), with outbox events in the same transaction."
             ),
         ),
+    ]
+
+
+_CHECK_DESCRIPTIONS = {
+    "bad_record_ratio": (
+        "Blocking gate: the share of a city's records that became dead letters stays under "
+        "the task's threshold; a city over it publishes nothing until an operator overrides."
+    ),
+    "record_count": (
+        "Blocking gate: a city's record count does not drop beyond the task's threshold "
+        "against its previous successful batch, and never falls to zero from some."
+    ),
+    "schema_drift": (
+        "Blocking gate: no top-level field of the supplier's records appears or disappears "
+        "against the previous successful batch (e.g. geo renamed to location)."
+    ),
+}
+
+
+def _check_specs() -> list[dg.AssetCheckSpec]:
+    return [
+        dg.AssetCheckSpec(
+            name, asset=NORMALIZED, blocking=True, description=_CHECK_DESCRIPTIONS[name]
+        )
+        for name in CHECK_NAMES
     ]
 
 
@@ -168,39 +204,71 @@ def _summary(reports: list[CityReport], batch: Batch, seconds: float) -> dict[st
 
 @dg.multi_asset(
     specs=_specs(),
+    check_specs=_check_specs(),
     partitions_def=city_partitions,
     backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
     pool="supplier_api",
     name="city_sync",
-    description="Syncs the run's cities from the supplier to the platform catalog, stage by stage.",
+    can_subset=True,
+    description=(
+        "Syncs the run's cities from the supplier to the platform catalog, stage by stage. "
+        "Materializing normalized_hotels and downstream without raw_hotel_snapshots replays "
+        "each city's latest stored raw pages without calling the supplier."
+    ),
 )
 def city_sync(
     context: dg.AssetExecutionContext,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
-) -> Iterator[dg.MaterializeResult]:
-    """Claims, fetches, normalizes, maps, diffs and publishes each city of the run."""
+    governance: GovernanceResource,
+) -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
+    """Claims, fetches, normalizes, gates, maps, diffs and publishes each city of the run."""
     started = time.perf_counter()
     cities = [decode_city_key(k) for k in context.partition_keys]
+    replay = RAW not in context.selected_asset_keys
     db = sync_db.open()
     store = payloads.open()
     trigger_id, source = trigger_of(dict(context.run.tags), context.run.run_id)
-    batch = resolve_batch(db, supplier, trigger_id, source, cities)
+    sources: dict[str, str] = {}
+    if replay:
+        plan = prepare_replay(
+            db, task_code=supplier.task_code, trigger_id=trigger_id, cities=cities
+        )
+        batch, sources = plan.batch, plan.sources
+        for city in plan.missing:
+            context.log.warning(f"city {city!r} has no stored raw pages: nothing to replay")
+        cities = [c for c in cities if c in sources]
+    else:
+        batch = resolve_batch(db, supplier, trigger_id, source, cities)
     context.log.info(
-        f"batch {batch.batch_id} (trigger {trigger_id}, {source}): {len(cities)} cities"
+        f"batch {batch.batch_id} (trigger {trigger_id}, {source}"
+        f"{', replay' if replay else ''}): {len(cities)} cities"
     )
     settings = SyncSettings(
         task_code=supplier.task_code,
         supplier_id=supplier.supplier_id,
         page_size=supplier.page_size,
         lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
     )
     worker_id = make_worker_id("supplier-sync")
     reports: list[CityReport] = []
     failures: dict[str, str] = {}
+    checks: dict[str, list[GateResult]] = {}
+
+    def on_results(batch_id: str, city: str, results: list[GateResult]) -> None:
+        checks[city] = results
+
+    gate = gate_for_pipeline(on_results=on_results)
+    requests = retries = 0
     try:
-        with supplier.client() as client:
+        # A replay reads stored pages only: it does not even open a supplier client.
+        with nullcontext(None) if replay else supplier.client() as client:
+            if client is None:
+                countries = stored_city_countries(db, store, task_code=supplier.task_code)
+            else:
+                countries = _city_countries(client, context, db, store, batch.batch_id, supplier)
             for city in cities:
                 try:
                     report = sync_city(
@@ -211,27 +279,117 @@ def city_sync(
                         city_code=city,
                         worker_id=worker_id,
                         settings=settings,
+                        gate=gate,
+                        fetch=not replay,
+                        city_countries=countries,
                     )
                 except Exception as err:  # the city's shard is FAILED and resumable
                     failures[city] = f"{type(err).__name__}: {err}"
                     context.log.error(f"city {city!r} failed: {failures[city]}")
                     continue
                 reports.append(report)
-                context.log.info(
+                if replay and report.status == "SUCCESS":
+                    resolved = resolve_replayed_dead_letters(
+                        db,
+                        source_batch_id=sources[city],
+                        replay_batch_id=batch.batch_id,
+                        city_code=city,
+                    )
+                    context.log.info(f"city {city!r}: {resolved} dead letters resolved by replay")
+                log = context.log.error if report.status == "GATED" else context.log.info
+                log(
                     f"city {city!r}: {report.status}, {report.records} records, "
                     f"{report.published} published, {report.dead_letters} dead letters"
+                    + (f" ({report.error})" if report.error else "")
                 )
-            stats = client.stats()
+            if client is not None:
+                stats = client.stats()
+                requests, retries = stats.requests, stats.retries
         with db.engine.connect() as conn:
             batch = get_batch(conn, batch.batch_id)
     finally:
         db.dispose()
     seconds = time.perf_counter() - started
-    yield from _results(reports, batch, seconds, stats.requests, stats.retries)
-    if failures:
+    selected = context.selected_asset_keys
+    for result in _results(reports, batch, seconds, requests, retries):
+        if result.asset_key in selected:
+            yield result
+    selected_checks = context.selected_asset_check_keys
+    for report in reports:
+        if report.status == "GATED" and report.city_code not in checks:
+            # Stopped by the drift check on its first pages, before a full evaluation.
+            checks[report.city_code] = [
+                GateResult(name, False, "ERROR", report.error or "", {"stopped": "first pages"})
+                for name in CHECK_NAMES
+                if name in report.gate_failures
+            ]
+    for check in _check_results(checks):
+        if (
+            check.asset_key is None
+            or dg.AssetCheckKey(check.asset_key, check.check_name or "") in selected_checks
+        ):
+            yield check
+    gated = [r.city_code for r in reports if r.status == "GATED"]
+    if failures or gated:
         raise dg.Failure(
-            description=f"{len(failures)} of {len(cities)} cities failed; re-run resumes them",
-            metadata={"failed_cities": dg.MetadataValue.json(failures)},
+            description=(
+                f"{len(failures)} of {len(cities)} cities failed and {len(gated)} were stopped "
+                "by a quality gate; a re-run resumes failed cities, and gated cities publish "
+                "once their gate is overridden (supplier-sync gate override)"
+            ),
+            metadata={
+                "failed_cities": dg.MetadataValue.json(failures),
+                "gated_cities": dg.MetadataValue.json(gated),
+            },
+        )
+
+
+def _city_countries(
+    client: SupplierClient,
+    context: dg.AssetExecutionContext,
+    db: SyncDatabase,
+    store: PayloadStore,
+    batch_id: str,
+    supplier: SupplierResource,
+) -> dict[str, str]:
+    """City -> country from the supplier's city list (one request), kept for replays."""
+    try:
+        fetched = client.list_cities()
+    except Exception as err:  # the rule is skipped, the sync is not
+        context.log.warning(f"city list unavailable, country rule skipped: {err}")
+        return {}
+    record_city_list(
+        db, store, batch_id=batch_id, supplier_id=supplier.supplier_id, raw=fetched.raw
+    )
+    return {c.city_code: c.country_code for c in fetched.data.cities if c.country_code}
+
+
+def _check_results(checks: dict[str, list[GateResult]]) -> Iterator[dg.AssetCheckResult]:
+    """One result per gate over the run's cities: passed when every city passed (or was overridden)."""
+    for name in CHECK_NAMES:
+        per_city = {
+            city: r for city, results in checks.items() for r in results if r.check_name == name
+        }
+        failed = {c: r.metadata for c, r in per_city.items() if not r.passed}
+        overridden = {c: r.metadata for c, r in per_city.items() if r.passed and r.overridden}
+        yield dg.AssetCheckResult(
+            asset_key=NORMALIZED,
+            check_name=name,
+            passed=not failed,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description=(
+                f"{len(failed)} of {len(per_city)} cities failed"
+                if failed
+                else f"{len(per_city)} cities passed"
+            ),
+            metadata={
+                "cities_checked": len(per_city),
+                "failed_cities": dg.MetadataValue.json(failed),
+                "overridden_cities": dg.MetadataValue.json(overridden),
+                "measured": dg.MetadataValue.json(
+                    {c: r.metadata for c, r in list(per_city.items())[:20]}
+                ),
+            },
         )
 
 
@@ -274,6 +432,10 @@ def _results(
             "records": s["records"],
             "dead_letters": s["dead_letters"],
             "dead_letters_by_code": dg.MetadataValue.json(dict(by_code)),
+            "moved_hotels": sum(r.moved for r in reports),
+            "gated_cities": dg.MetadataValue.json(
+                {r.city_code: r.error for r in reports if r.status == "GATED"}
+            ),
             "bad_record_ratio": round(s["dead_letters"] / s["records"], 4) if s["records"] else 0.0,
             "normalize_seconds": round(timing["normalize"], 3),
         },
@@ -292,6 +454,8 @@ def _results(
             **common,
             "diffs_by_type": dg.MetadataValue.json(dict(by_type)),
             "diffs_by_action": dg.MetadataValue.json(dict(by_action)),
+            "held_for_review": sum(r.held_for_review for r in reports),
+            "review_command": "supplier-sync review list --batch " + batch.batch_id,
         },
     )
     yield dg.MaterializeResult(

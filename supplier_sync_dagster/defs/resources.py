@@ -1,4 +1,4 @@
-"""Resources: the sync database, the payload store and the supplier.
+"""Resources: the sync database, the payload store, the supplier and the risk policy.
 
 Each setting has an embedded default, so the project runs with no set-up: a SQLite file,
 a local payload folder, the in-process supplier simulator, an in-process rate limiter.
@@ -18,6 +18,7 @@ from dagster_aws.s3 import S3Resource
 from pydantic import Field
 
 from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.diff import RiskRules
 from supplier_sync_dagster.core.leases import LeaseSettings
 from supplier_sync_dagster.core.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import (
@@ -160,6 +161,42 @@ class SupplierResource(dg.ConfigurableResource):
             http.close()
 
 
+class GovernanceResource(dg.ConfigurableResource):
+    """The risk policy: which diffs publish on their own and which wait for review.
+
+    Gate thresholds are per task in the sync database (``supplier-sync gate thresholds``).
+    """
+
+    price_move_ratio: float = Field(
+        default=0.5,
+        description="Largest relative move of an offer's price that publishes without review.",
+    )
+    coordinate_move_km: float = Field(
+        default=2.0, description="Largest move of a hotel's position (km) without review."
+    )
+    name_similarity_min: float = Field(
+        default=0.5,
+        description="Smallest similarity (0-1) of old and new name without review (else: replaced).",
+    )
+    mass_inactive_share: float = Field(
+        default=0.2,
+        description="Share of a chunk's hotels turning INACTIVE at once that sends them to review.",
+    )
+    mass_inactive_min: int = Field(
+        default=5, description="Fewest hotels turning INACTIVE at once for the mass rule."
+    )
+
+    def risk_rules(self) -> RiskRules:
+        """The configured risk policy."""
+        return RiskRules(
+            price_move_ratio=self.price_move_ratio,
+            coordinate_move_km=self.coordinate_move_km,
+            name_similarity_min=self.name_similarity_min,
+            mass_inactive_share=self.mass_inactive_share,
+            mass_inactive_min=self.mass_inactive_min,
+        )
+
+
 def _env(name: str) -> dg.EnvVar | None:
     # Read when Definitions are built (load time), never at import.
     return dg.EnvVar(ENV_VARS[name]) if os.environ.get(ENV_VARS[name]) else None
@@ -175,5 +212,6 @@ def resources() -> dg.Definitions:
             "supplier": SupplierResource(
                 base_url=_env("supplier_url"), api_key=_env("api_key"), redis_url=_env("redis_url")
             ),
+            "governance": GovernanceResource(),
         }
     )

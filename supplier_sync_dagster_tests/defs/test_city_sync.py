@@ -20,6 +20,7 @@ from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
@@ -80,6 +81,7 @@ def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, t
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
         "supplier": supplier,
+        "governance": GovernanceResource(),
     }
     result = dg.materialize(
         [city_sync], instance=instance, resources=resources, partition_key=keys[1]
@@ -159,6 +161,7 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
             s3=S3Resource(endpoint_url=endpoint, region_name="us-east-1"),
         ),
         "supplier": supplier,
+        "governance": GovernanceResource(),
     }
     result = dg.materialize(
         [city_sync],
@@ -198,6 +201,7 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
         "supplier": supplier,
+        "governance": GovernanceResource(),
     }
     half = len(keys) // 2
     batches = set()

@@ -1,0 +1,374 @@
+"""Replay: run normalization and everything after it again from stored raw pages.
+
+When a normalization or mapping rule is fixed, the records it mishandled are still in the
+payload store, byte for byte (invariant 6). A replay is a new batch (trigger
+``replay:<id>``, source COMPENSATION) whose RAW snapshot rows point at the stored pages of
+each city's latest batch; ``pipeline.sync_city(fetch=False)`` then normalizes, gates,
+diffs and publishes them without a single supplier request. Dead letters of the source
+batch whose records now pass are RESOLVED.
+
+A dry run (:func:`dry_run_city`) reads the same pages, normalizes and checks them, and
+diffs them against what is published, writing nothing: it reports what a replay would do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.batches import Batch, add_shards, create_batch, get_batch
+from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.diff import (
+    Candidate,
+    RiskPolicy,
+    collapse_duplicates,
+    compute_diffs,
+    default_risk_policy,
+)
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.mapping import chunks
+from supplier_sync_dagster.core.normalize import canonical_dumps, normalize_records, to_primitive
+from supplier_sync_dagster.core.payloads import PayloadStore
+from supplier_sync_dagster.core.quality import check_quality
+
+RAW = "RAW"
+
+
+def latest_raw_batch(db: SyncDatabase, *, task_code: str, city_code: str) -> str | None:
+    """The latest batch of the task that stored raw pages for the city (None: never synced)."""
+    s, b = t.snapshot.c, t.batch.c
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.select(s.batch_id)
+            .join(t.batch, b.batch_id == s.batch_id)
+            .where(b.task_code == task_code, s.shard_key == city_code, s.snapshot_type == RAW)
+            .order_by(s.id.desc())
+            .limit(1)
+        ).first()
+    return None if row is None else str(row.batch_id)
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """A replay batch and, for each of its cities, the batch whose raw pages it replays."""
+
+    batch: Batch
+    sources: dict[str, str]
+    missing: list[str]  # cities with no stored raw pages: nothing to replay
+
+
+def prepare_replay(
+    db: SyncDatabase, *, task_code: str, trigger_id: str, cities: Sequence[str]
+) -> ReplayPlan:
+    """Creates (idempotently) the replay batch and points its cities at their stored pages.
+
+    Args:
+        db: The sync database.
+        task_code: The task whose batches are replayed.
+        trigger_id: The replay's idempotency key (a Dagster run id, an operator's id).
+        cities: The cities to replay.
+
+    Raises:
+        ConfigError: The task's concurrency policy refused the replay batch.
+    """
+    sources = {}
+    missing = []
+    for city in cities:
+        source = latest_raw_batch(db, task_code=task_code, city_code=city)
+        if source is None or source == _replay_batch_id(db, task_code, trigger_id):
+            missing.append(city)
+        else:
+            sources[city] = source
+    decision = create_batch(
+        db,
+        task_code=task_code,
+        trigger_id=f"replay:{trigger_id}",
+        trigger_source="COMPENSATION",
+    )
+    if decision.batch is None:
+        raise ConfigError(f"replay refused: {decision.reason}")
+    batch_id = decision.batch.batch_id
+    if sources:
+        add_shards(db, batch_id, list(sources))
+    s = t.snapshot.c
+    with db.begin() as conn:
+        for city, source in sources.items():
+            pages = conn.execute(
+                sa.select(
+                    s.snapshot_id,
+                    s.supplier_id,
+                    s.category_code,
+                    s.payload_ref,
+                    s.payload_hash,
+                    s.page_number,
+                    s.record_count,
+                    s.snapshot_version,
+                )
+                .where(s.batch_id == source, s.shard_key == city, s.snapshot_type == RAW)
+                .order_by(s.id)
+            ).all()
+            insert_ignore(
+                conn,
+                t.snapshot,
+                [
+                    {
+                        "snapshot_id": _replay_snapshot_id(batch_id, p.snapshot_id),
+                        "supplier_id": p.supplier_id,
+                        "category_code": p.category_code,
+                        "payload_ref": p.payload_ref,
+                        "payload_hash": p.payload_hash,
+                        "page_number": p.page_number,
+                        "record_count": p.record_count,
+                        "snapshot_version": p.snapshot_version,
+                        # The batch whose fetch stored these bytes (the trace to the supplier).
+                        "supplier_product_code": f"replay-of:{source}"[:128],
+                    }
+                    for p in pages
+                ],
+                batch_id=batch_id,
+                shard_key=city,
+                snapshot_type=RAW,
+                created_at=db.clock.now(),
+            )
+        batch = get_batch(conn, batch_id)
+    return ReplayPlan(batch, sources, missing)
+
+
+def _replay_batch_id(db: SyncDatabase, task_code: str, trigger_id: str) -> str | None:
+    b = t.batch.c
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.select(b.batch_id).where(
+                b.task_code == task_code, b.trigger_id == f"replay:{trigger_id}"
+            )
+        ).first()
+    return None if row is None else str(row.batch_id)
+
+
+def _replay_snapshot_id(batch_id: str, source_snapshot_id: str) -> str:
+    key = f"{batch_id}\0{source_snapshot_id}"
+    return "rs_" + hashlib.sha256(key.encode()).hexdigest()[:61]
+
+
+def resolve_replayed_dead_letters(
+    db: SyncDatabase, *, source_batch_id: str, replay_batch_id: str, city_code: str
+) -> int:
+    """Marks RESOLVED the source batch's dead letters of the city that the replay no longer has.
+
+    A dead letter is identified by its record (raw page hash and place on the page) and its
+    stage: when the replay of that page produced no dead letter for the record at that
+    stage, the rule that rejected it has been fixed. Returns how many were resolved.
+    """
+    d, s = t.dead_letter.c, t.snapshot.c
+    with db.begin() as conn:
+        pages = sa.select(s.payload_hash).where(
+            s.batch_id == source_batch_id, s.shard_key == city_code, s.snapshot_type == RAW
+        )
+        still = {
+            (r.raw_payload_hash, r.supplier_product_code)
+            for r in conn.execute(
+                sa.select(d.raw_payload_hash, d.supplier_product_code).where(
+                    d.batch_id == replay_batch_id, d.raw_payload_hash.in_(pages)
+                )
+            )
+        }
+        candidates = conn.execute(
+            sa.select(d.id, d.raw_payload_hash, d.supplier_product_code).where(
+                d.batch_id == source_batch_id,
+                d.raw_payload_hash.in_(pages),
+                d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")),
+            )
+        ).all()
+        fixed = [
+            int(r.id)
+            for r in candidates
+            if (r.raw_payload_hash, r.supplier_product_code) not in still
+        ]
+        now = db.clock.now()
+        for part in chunks(fixed):
+            conn.execute(
+                sa.update(t.dead_letter)
+                .where(d.id.in_(part), d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")))
+                .values(
+                    status="RESOLVED",
+                    resolved_at=now,
+                    updated_at=now,
+                    fix_note=f"passed on replay in batch {replay_batch_id}"[:1024],
+                )
+            )
+    return len(fixed)
+
+
+@dataclass
+class DryRunReport:
+    """What a replay of one city would do, computed without writing anything."""
+
+    city_code: str
+    source_batch_id: str | None
+    records: int = 0
+    dead_letters: int = 0
+    dead_letters_by_code: Counter[str] = field(default_factory=Counter)
+    diffs_by_type: Counter[str] = field(default_factory=Counter)
+    diffs_by_action: Counter[str] = field(default_factory=Counter)
+    changes: list[dict[str, Any]] = field(default_factory=list)  # a sample, for people
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain JSON values."""
+        return {
+            "city_code": self.city_code,
+            "source_batch_id": self.source_batch_id,
+            "records": self.records,
+            "dead_letters": self.dead_letters,
+            "dead_letters_by_code": dict(self.dead_letters_by_code),
+            "diffs_by_type": dict(self.diffs_by_type),
+            "diffs_by_action": dict(self.diffs_by_action),
+            "changes": self.changes,
+        }
+
+
+def dry_run_city(
+    db: SyncDatabase,
+    store: PayloadStore,
+    *,
+    task_code: str,
+    supplier_id: int,
+    city_code: str,
+    city_countries: Mapping[str, str] | None = None,
+    risk_policy: RiskPolicy = default_risk_policy,
+    sample: int = 20,
+) -> DryRunReport:
+    """Normalizes, checks and diffs the city's latest stored raw pages; writes nothing.
+
+    Hotels without a mapping yet are reported as NEW.
+    """
+    source = latest_raw_batch(db, task_code=task_code, city_code=city_code)
+    report = DryRunReport(city_code, source)
+    if source is None:
+        return report
+    s, m = t.snapshot.c, t.hotel_mapping.c
+    with db.engine.connect() as conn:
+        pages = conn.execute(
+            sa.select(s.payload_ref, s.payload_hash, s.record_count)
+            .where(s.batch_id == source, s.shard_key == city_code, s.snapshot_type == RAW)
+            .order_by(s.id)
+        ).all()
+        candidates: list[Candidate] = []
+        for page in pages:
+            records = json.loads(store.get(page.payload_ref)).get("hotels") or []
+            report.records += len(records)
+            result = normalize_records(records)
+            report.dead_letters += len(result.rejections)
+            report.dead_letters_by_code.update(r.error_code for r in result.rejections)
+            docs = [to_primitive(h) for h in result.hotels]
+            for doc in docs:
+                body = canonical_dumps(doc)
+                candidates.append(
+                    Candidate(
+                        json.loads(body),
+                        hashlib.sha256(body).hexdigest(),
+                        page.payload_ref,
+                        page.payload_hash,
+                    )
+                )
+        if candidates:
+            quality = check_quality(
+                [c.doc for c in candidates],
+                city_code=city_code,
+                city_countries=city_countries or {},
+            )
+            bad = {f.index for f in quality.failures}
+            report.dead_letters += len(bad)
+            report.dead_letters_by_code.update(f.error_code for f in quality.failures)
+            candidates = collapse_duplicates([c for i, c in enumerate(candidates) if i not in bad])
+        ids = sorted({c.supplier_hotel_id for c in candidates})
+        resource_ids: dict[str, int] = {}
+        for part in chunks(ids):
+            for hid, rid in conn.execute(
+                sa.select(m.supplier_hotel_id, m.id).where(
+                    m.supplier_id == supplier_id, m.supplier_hotel_id.in_(part)
+                )
+            ):
+                resource_ids[str(hid)] = int(rid)
+        # Unmapped hotels get ids that match nothing published (so: NEW), never a real one.
+        for n, hid in enumerate(h for h in ids if h not in resource_ids):
+            resource_ids[hid] = -1 - n
+        for batch_part in chunks(candidates):
+            diffs = compute_diffs(conn, batch_part, resource_ids, policy=risk_policy)
+            report.diffs_by_type.update(d.diff_type for d in diffs)
+            report.diffs_by_action.update(d.action for d in diffs)
+            for d in diffs:
+                if len(report.changes) < sample and d.diff_type not in ("NO_CHANGE", "NEW"):
+                    report.changes.append(
+                        {
+                            "supplier_hotel_id": d.supplier_hotel_id,
+                            "diff_type": d.diff_type,
+                            "action": d.action,
+                            "changed_fields": d.changed_fields[:10],
+                        }
+                    )
+    return report
+
+
+CITIES = "CITIES"
+_CITY_LIST_KEY = "*"  # the city list belongs to no city; never a shard (shards have type CITY)
+
+
+def record_city_list(
+    db: SyncDatabase, store: PayloadStore, *, batch_id: str, supplier_id: int, raw: bytes
+) -> None:
+    """Keeps the supplier's city list of a batch (its exact bytes), for replays.
+
+    A replay must not call the supplier, yet the country rule needs each city's country:
+    the replay reads it from the list stored by the batch it replays.
+    """
+    stored = store.put(raw, kind="raw")
+    key = f"{batch_id}\0{CITIES}\0{stored.sha256}"
+    with db.begin() as conn:
+        insert_ignore(
+            conn,
+            t.snapshot,
+            [
+                {
+                    "snapshot_id": "cl_" + hashlib.sha256(key.encode()).hexdigest()[:61],
+                    "payload_ref": stored.ref,
+                    "payload_hash": stored.sha256,
+                }
+            ],
+            batch_id=batch_id,
+            supplier_id=supplier_id,
+            category_code="HOTEL",
+            shard_key=_CITY_LIST_KEY,
+            snapshot_type=CITIES,
+            snapshot_version=1,
+            created_at=db.clock.now(),
+        )
+
+
+def stored_city_countries(
+    db: SyncDatabase, store: PayloadStore, *, task_code: str
+) -> dict[str, str]:
+    """City -> country from the latest city list a batch of the task stored ({} if none)."""
+    s, b = t.snapshot.c, t.batch.c
+    with db.engine.connect() as conn:
+        ref = conn.execute(
+            sa.select(s.payload_ref)
+            .join(t.batch, b.batch_id == s.batch_id)
+            .where(b.task_code == task_code, s.snapshot_type == CITIES)
+            .order_by(s.id.desc())
+            .limit(1)
+        ).scalar()
+    if ref is None:
+        return {}
+    body = json.loads(store.get(ref))
+    return {
+        str(c["city_code"]): str(c["country_code"])
+        for c in body.get("cities") or ()
+        if isinstance(c, dict) and c.get("city_code") and c.get("country_code")
+    }
