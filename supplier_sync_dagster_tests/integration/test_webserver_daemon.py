@@ -1,0 +1,269 @@
+"""The MySQL profile for real: dagster-webserver and dagster-daemon on a MySQL instance.
+
+A backfill of every city is launched through the webserver's GraphQL API; the daemon
+queues and launches its runs (grouped by the backfill policy), each run worker syncs its
+cities into the MySQL sync database, fetching from the simulator over HTTP through a
+shared Redis rate-limit bucket. The end state must equal the simulator's ground truth,
+and no city may have been processed by two runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "it-key"
+ASSETS = [
+    "raw_hotel_snapshots",
+    "normalized_hotels",
+    "hotel_mappings",
+    "hotel_diffs",
+    "published_hotels",
+]
+
+LAUNCH_BACKFILL = """
+mutation($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on PythonError { message stack }
+    ... on PartitionKeysNotFoundError { message }
+  }
+}
+"""
+
+BACKFILL_STATUS = """
+query($id: String!) {
+  partitionBackfillOrError(backfillId: $id) {
+    __typename
+    ... on PartitionBackfill { status numPartitions }
+  }
+}
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def mysql_databases(mysql_server_url: str) -> Iterator[tuple[str, str]]:
+    """Two new databases: the Dagster instance's and the sync database."""
+    names = (f"sst_dg_{uuid.uuid4().hex[:10]}", f"sst_sync_{uuid.uuid4().hex[:10]}")
+    admin = sa.create_engine(mysql_server_url)
+    with admin.begin() as conn:
+        for name in names:
+            conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    url = sa.make_url(mysql_server_url)
+    try:
+        yield (
+            url.set(drivername="mysql+mysqlconnector", database=names[0]).render_as_string(
+                hide_password=False
+            ),
+            url.set(database=names[1]).render_as_string(hide_password=False) + "?charset=utf8mb4",
+        )
+    finally:
+        with admin.begin() as conn:
+            for name in names:
+                conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+@pytest.fixture
+def simulator() -> Iterator[tuple[Simulator, str]]:
+    sim = Simulator(
+        SimulatorConfig(
+            seed=91,
+            n_cities=60,
+            total_hotels=1800,
+            api_key=KEY,
+            faults=FaultProfile.clean(),
+            empty_city_share=0.0,
+        )
+    )
+    with running_server(sim) as url:
+        yield sim, url
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("wb")
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _graphql(port: int, query: str, variables: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/graphql",
+        json={"query": query, "variables": variables},
+        timeout=60,
+    )
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    assert "errors" not in body, body
+    return body["data"]
+
+
+def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
+    mysql_databases: tuple[str, str],
+    redis_url: str,
+    simulator: tuple[Simulator, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    dagster_url, sync_url = mysql_databases
+    sim, sim_url = simulator
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_MYSQL_URL": dagster_url,
+        "SUPPLIER_SYNC_DB_URL": sync_url,
+        "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
+        "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+        "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
+        "SUPPLIER_SYNC_REDIS_URL": redis_url,
+    }
+    for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL"):
+        monkeypatch.setenv(name, env[name])
+    bin_dir = Path(sys.executable).parent
+    migrate = subprocess.run(
+        [str(bin_dir / "dagster"), "instance", "migrate"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert migrate.returncode == 0, migrate.stderr.decode()[-3000:]
+
+    port = _free_port()
+    workspace = str(ROOT / "workspace.yaml")
+    webserver = _start(
+        [str(bin_dir / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)],
+        env,
+        tmp_path / "webserver.log",
+    )
+    daemon = _start(
+        [str(bin_dir / "dagster-daemon"), "run", "-w", workspace], env, tmp_path / "daemon.log"
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert webserver.poll() is None, (tmp_path / "webserver.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "webserver did not start"
+            time.sleep(1)
+
+        truth = sim.ground_truth()
+        codes = sim.city_codes()
+        keys = [encode_city_key(c) for c in codes]
+        instance = dg.DagsterInstance.get()
+        instance.add_dynamic_partitions("supplier_city", keys)
+        data = _graphql(
+            port,
+            LAUNCH_BACKFILL,
+            {
+                "params": {
+                    "partitionNames": keys,
+                    "assetSelection": [{"path": [name]} for name in ASSETS],
+                    "title": "integration: every city",
+                }
+            },
+        )
+        launched = data["launchPartitionBackfill"]
+        assert launched["__typename"] == "LaunchBackfillSuccess", launched
+        backfill_id = launched["backfillId"]
+
+        deadline = time.monotonic() + 420
+        status = ""
+        while time.monotonic() < deadline:
+            status = _graphql(port, BACKFILL_STATUS, {"id": backfill_id})[
+                "partitionBackfillOrError"
+            ]["status"]
+            runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+            if (
+                status not in ("REQUESTED", "CANCELING", "FAILING")
+                and runs
+                and all(r.is_finished for r in runs)
+            ):
+                break
+            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+            time.sleep(2)
+        assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (
+            status,
+            (tmp_path / "daemon.log").read_text()[-3000:],
+        )
+        runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+        assert len(runs) >= 2  # the backfill policy grouped the cities into several runs
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [
+            (r.run_id, r.status) for r in runs
+        ]
+        # The runs' city ranges are disjoint and cover every city.
+        covered: list[str] = []
+        for run in runs:
+            start = run.tags.get("dagster/asset_partition_range_start")
+            end = run.tags.get("dagster/asset_partition_range_end")
+            part = run.tags.get("dagster/partition")
+            if part:
+                covered.append(part)
+            else:
+                ordered = instance.get_dynamic_partitions("supplier_city")
+                covered += ordered[ordered.index(start) : ordered.index(end) + 1]
+        assert sorted(covered) == sorted(keys)
+    finally:
+        _stop(daemon)
+        _stop(webserver)
+
+    db = SyncDatabase.open(sync_url)
+    try:
+        h, s, b = t.platform_hotel.c, t.shard.c, t.batch.c
+        with db.engine.connect() as conn:
+            published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+            batches = conn.execute(sa.select(b.batch_id, b.status, b.trigger_id)).all()
+            shards = conn.execute(sa.select(s.shard_key, s.status, s.claim_count, s.batch_id)).all()
+        assert published == dict(truth.valid)
+        assert [(x.status, x.trigger_id) for x in batches] == [("SUCCESS", backfill_id)]
+        assert sorted(x.shard_key for x in shards) == sorted(codes)
+        # Each city was claimed once: one run, one worker, never two at a time.
+        assert {(x.status, x.claim_count) for x in shards} == {("SUCCESS", 1)}
+    finally:
+        db.dispose()
