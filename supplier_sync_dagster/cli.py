@@ -105,7 +105,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from supplier_sync_dagster.core.batches import get_batch, list_batches
+    from supplier_sync_dagster.core.batches import get_batch, list_batches, rate_and_eta
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.leases import list_shards
 
@@ -125,7 +125,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"{b.batch_id}  {b.task_code}  {b.status:<14} {b.shards_done}/{b.shard_count} cities  "
             f"{b.progress_percent}%  pages={b.pages_done} hotels={b.fetched_count}  "
             f"total={b.total_count} ok={b.success_count} failed={b.failed_count} "
-            f"skipped={b.skipped_count}  {_rate_eta(b, now)}  "
+            f"skipped={b.skipped_count}  {rate_and_eta(b, now)}  "
             f"current={b.current_city_code!r} page={b.current_page}  heartbeat={b.heartbeat_at}"
         )
         if args.batch:
@@ -136,20 +136,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
                     f"stage={s.last_heartbeat_stage}"
                 )
     return 0
-
-
-def _rate_eta(batch: Any, now: Any) -> str:
-    """Hotels/s since the batch started and the time left at that pace (by the db clock)."""
-    if batch.started_at is None:
-        return "not started"
-    end = batch.finished_at or now
-    seconds = max((end - batch.started_at).total_seconds(), 1e-6)
-    rate = batch.fetched_count / seconds
-    pct = float(batch.progress_percent)
-    if batch.finished_at is not None or pct >= 100:
-        return f"{rate:,.0f} hotels/s, took {seconds:,.0f}s"
-    eta = seconds * (100 - pct) / pct if pct > 0 else float("nan")
-    return f"{rate:,.0f} hotels/s, ETA {eta:,.0f}s"
 
 
 def _cmd_stalls(args: argparse.Namespace) -> int:

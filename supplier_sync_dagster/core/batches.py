@@ -613,3 +613,30 @@ def _log_trigger(
         ],
         created_at=clock.now(),
     )
+
+
+def rate_and_eta(batch: Batch, now: datetime) -> str:
+    """Hotels/s since the batch started and the time left at that pace (by the db clock).
+
+    Args:
+        batch: The batch, as read (``get_batch``).
+        now: The database's current time (``db.clock.read``).
+    """
+    if batch.started_at is None:
+        return "not started"
+    end = batch.finished_at or now
+    seconds = max((end - batch.started_at).total_seconds(), 1e-6)
+    rate = batch.fetched_count / seconds
+    pct = float(batch.progress_percent)
+    if batch.finished_at is not None or pct >= 100:
+        return f"{rate:,.0f} hotels/s, took {seconds:,.0f}s"
+    eta = seconds * (100 - pct) / pct if pct > 0 else float("nan")
+    return f"{rate:,.0f} hotels/s, ETA {eta:,.0f}s"
+
+
+def progress_line(batch: Batch, now: datetime) -> str:
+    """One line of a batch's progress: cities, pages, hotels, rate and ETA."""
+    return (
+        f"{batch.shards_done}/{batch.shard_count} cities, {batch.pages_done} pages, "
+        f"{batch.fetched_count} hotels, {batch.progress_percent}%, {rate_and_eta(batch, now)}"
+    )

@@ -12,7 +12,7 @@ share one batch), else an explicit ``supplier_sync/trigger_id`` tag (CLI), else 
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -25,11 +25,12 @@ from supplier_sync_dagster.core.batches import (
     add_shards,
     create_batch,
     get_batch,
+    progress_line,
     upsert_task,
 )
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
-from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.leases import list_shards, make_worker_id
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
 from supplier_sync_dagster.core.replay import (
@@ -269,8 +270,9 @@ def city_sync(
                 countries = stored_city_countries(db, store, task_code=supplier.task_code)
             else:
                 countries = _city_countries(client, context, db, store, batch.batch_id, supplier)
-            for city in cities:
-                try:
+
+            def run_city(city: str, *, wait: bool) -> CityReport:
+                while True:
                     report = sync_city(
                         db,
                         store,
@@ -283,11 +285,21 @@ def city_sync(
                         fetch=not replay,
                         city_countries=countries,
                     )
+                    if report.status != "HELD_BY_OTHER" or not wait:
+                        return report
+                    # Another run of the batch is syncing this city (it helped out, or
+                    # raced): wait for its lease to end, then take the outcome or resume.
+                    time.sleep(HELD_POLL_SECONDS)
+
+            for city in cities:
+                try:
+                    report = run_city(city, wait=True)
                 except Exception as err:  # the city's shard is FAILED and resumable
                     failures[city] = f"{type(err).__name__}: {err}"
                     context.log.error(f"city {city!r} failed: {failures[city]}")
                     continue
                 reports.append(report)
+                _show_progress(context, db, batch.batch_id)
                 if replay and report.status == "SUCCESS":
                     resolved = resolve_replayed_dead_letters(
                         db,
@@ -302,6 +314,10 @@ def city_sync(
                     f"{report.published} published, {report.dead_letters} dead letters"
                     + (f" ({report.error})" if report.error else "")
                 )
+            if supplier.help_other_runs and not replay:
+                helped = _help_other_runs(db, batch.batch_id, set(cities), run_city, context)
+                if helped:
+                    context.log.info(f"helped other runs of the batch with {helped} cities")
             if client is not None:
                 stats = client.stats()
                 requests, retries = stats.requests, stats.retries
@@ -342,6 +358,58 @@ def city_sync(
                 "gated_cities": dg.MetadataValue.json(gated),
             },
         )
+
+
+HELD_POLL_SECONDS = 2.0
+PROGRESS_TAG = "supplier_sync/progress"
+
+
+def _show_progress(context: dg.AssetExecutionContext, db: SyncDatabase, batch_id: str) -> None:
+    """The batch's progress as a run tag, updated after each city (visible while it runs)."""
+    try:
+        with db.engine.connect() as conn:
+            line = progress_line(get_batch(conn, batch_id), db.clock.read(conn))
+        context.instance.add_run_tags(context.run.run_id, {PROGRESS_TAG: line})
+    except Exception as err:  # progress is for people; it never stops a sync
+        context.log.debug(f"progress tag not updated: {err}")
+
+
+def _help_other_runs(
+    db: SyncDatabase,
+    batch_id: str,
+    mine: set[str],
+    run_city: Callable[..., CityReport],
+    context: dg.AssetExecutionContext,
+) -> int:
+    """Syncs cities of the batch that other runs have not started yet; returns how many.
+
+    A run that finishes early would otherwise leave the supplier's request budget unused
+    while cities of slower runs wait. Cities are taken from the end of the batch (the
+    owners work from the start of theirs); the shard lease decides who syncs each city,
+    and the owner run waits for the helper's lease to end before reporting the city.
+    """
+    helped = 0
+    while True:
+        pending = [
+            s.shard_key
+            for s in reversed(list_shards(db, batch_id))
+            if s.status == "PENDING" and s.shard_key not in mine
+        ]
+        if not pending:
+            return helped
+        progressed = False
+        for city in pending:
+            try:
+                report = run_city(city, wait=False)
+            except Exception as err:  # the owner run retries or resumes it
+                context.log.warning(f"helping with city {city!r} failed: {err}")
+                continue
+            if report.status not in ("HELD_BY_OTHER", "ALREADY_DONE"):
+                helped += 1
+                progressed = True
+                break  # re-read: the picture changes as owners progress
+        if not progressed:
+            return helped
 
 
 def _city_countries(

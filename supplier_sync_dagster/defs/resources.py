@@ -111,6 +111,13 @@ class SupplierResource(dg.ConfigurableResource):
         default=50.0, description="Requests per second allowed by the supplier."
     )
     page_size: int = Field(default=100, description="Hotels per page (1-500).")
+    help_other_runs: bool = Field(
+        default=True,
+        description=(
+            "A run that has synced its cities goes on with cities of the same batch that "
+            "other runs have not started, so the request budget is not left unused."
+        ),
+    )
     connect_timeout: float = Field(default=5.0, description="Connect timeout in seconds.")
     read_timeout: float = Field(default=30.0, description="Read timeout in seconds.")
     sim_seed: int = Field(default=42, description="Embedded simulator: world seed.")

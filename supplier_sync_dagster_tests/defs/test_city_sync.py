@@ -225,3 +225,54 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
     db.dispose()
     assert (row.trigger_id, row.trigger_source, row.status) == ("bf-123", "BACKFILL", "SUCCESS")
     assert row.shard_count == row.shards_done == len(keys)
+
+
+def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started(
+    db_url: str, tmp_path: Path
+):
+    from supplier_sync_dagster.core.batches import TaskSpec, add_shards, create_batch, upsert_task
+    from supplier_sync_dagster.core.leases import list_shards
+
+    instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
+        "supplier": supplier,
+        "governance": GovernanceResource(),
+    }
+    mine, theirs = keys[0], keys[3]
+    # Another run of the same backfill has registered its city but not started it yet.
+    db = SyncDatabase.open(db_url)
+    upsert_task(
+        db,
+        TaskSpec(
+            task_code=supplier.task_code,
+            supplier_id=supplier.supplier_id,
+            concurrency_policy="SKIP_IF_RUNNING",
+        ),
+    )
+    batch = create_batch(
+        db, task_code=supplier.task_code, trigger_id="bf-1", trigger_source="BACKFILL"
+    ).batch
+    assert batch is not None
+    add_shards(db, batch.batch_id, [decode_city_key(theirs)])
+
+    tags = {TRIGGER_TAG: "bf-1", "supplier_sync/trigger_source": "BACKFILL"}
+    first = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=mine, tags=tags
+    )
+    assert first.success
+    progress = instance.get_run_by_id(first.run_id).tags["supplier_sync/progress"]  # type: ignore[union-attr]
+    assert progress.startswith("1/2 cities") or progress.startswith("2/2 cities"), progress
+    assert "hotels/s" in progress
+    shards = {s.shard_key: s for s in list_shards(db, batch.batch_id)}
+    assert shards[decode_city_key(theirs)].status == "SUCCESS"  # helped
+    assert shards[decode_city_key(theirs)].claim_count == 1
+    assert shards[decode_city_key(mine)].worker_id == shards[decode_city_key(theirs)].worker_id
+
+    second = dg.materialize(
+        [city_sync], instance=instance, resources=resources, partition_key=theirs, tags=tags
+    )
+    assert second.success
+    assert _metadata(second, "published_hotels")["city_status"] == {"ALREADY_DONE": 1}
+    db.dispose()

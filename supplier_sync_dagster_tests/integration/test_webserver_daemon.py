@@ -9,64 +9,29 @@ and no city may have been processed by two runs.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
-import httpx
 import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.deployment import (
+    FINAL_BACKFILL_STATES,
+    ROOT,
+    DagsterProcesses,
+    migrate_instance,
+    profile_env,
+)
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "it-key"
-ASSETS = [
-    "raw_hotel_snapshots",
-    "normalized_hotels",
-    "hotel_mappings",
-    "hotel_diffs",
-    "published_hotels",
-]
-
-LAUNCH_BACKFILL = """
-mutation($params: LaunchBackfillParams!) {
-  launchPartitionBackfill(backfillParams: $params) {
-    __typename
-    ... on LaunchBackfillSuccess { backfillId }
-    ... on PythonError { message stack }
-    ... on PartitionKeysNotFoundError { message }
-  }
-}
-"""
-
-BACKFILL_STATUS = """
-query($id: String!) {
-  partitionBackfillOrError(backfillId: $id) {
-    __typename
-    ... on PartitionBackfill { status numPartitions }
-  }
-}
-"""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -108,35 +73,6 @@ def simulator() -> Iterator[tuple[Simulator, str]]:
         yield sim, url
 
 
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    out = log.open("wb")
-    return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
-def _graphql(port: int, query: str, variables: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(
-        f"http://127.0.0.1:{port}/graphql",
-        json={"query": query, "variables": variables},
-        timeout=60,
-    )
-    response.raise_for_status()
-    body: dict[str, Any] = response.json()
-    assert "errors" not in body, body
-    return body["data"]
-
-
 def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
     mysql_databases: tuple[str, str],
     redis_url: str,
@@ -149,89 +85,38 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", home / "dagster.yaml")
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "DAGSTER_MYSQL_URL": dagster_url,
-        "SUPPLIER_SYNC_DB_URL": sync_url,
-        "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-        "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
-        "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
-        "SUPPLIER_SYNC_REDIS_URL": redis_url,
-    }
+    env = profile_env(
+        dagster_home=home,
+        extra={
+            "DAGSTER_MYSQL_URL": dagster_url,
+            "SUPPLIER_SYNC_DB_URL": sync_url,
+            "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
+            "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+            "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
+            "SUPPLIER_SYNC_REDIS_URL": redis_url,
+        },
+    )
     for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL"):
         monkeypatch.setenv(name, env[name])
-    bin_dir = Path(sys.executable).parent
-    migrate = subprocess.run(
-        [str(bin_dir / "dagster"), "instance", "migrate"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
-    assert migrate.returncode == 0, migrate.stderr.decode()[-3000:]
+    migrate_instance(env)
 
-    port = _free_port()
-    workspace = str(ROOT / "workspace.yaml")
-    webserver = _start(
-        [str(bin_dir / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)],
-        env,
-        tmp_path / "webserver.log",
-    )
-    daemon = _start(
-        [str(bin_dir / "dagster-daemon"), "run", "-w", workspace], env, tmp_path / "daemon.log"
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert webserver.poll() is None, (tmp_path / "webserver.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "webserver did not start"
-            time.sleep(1)
-
-        truth = sim.ground_truth()
-        codes = sim.city_codes()
-        keys = [encode_city_key(c) for c in codes]
+    truth = sim.ground_truth()
+    codes = sim.city_codes()
+    keys = [encode_city_key(c) for c in codes]
+    with DagsterProcesses(env, tmp_path / "logs") as dagster:
         instance = dg.DagsterInstance.get()
         instance.add_dynamic_partitions("supplier_city", keys)
-        data = _graphql(
-            port,
-            LAUNCH_BACKFILL,
-            {
-                "params": {
-                    "partitionNames": keys,
-                    "assetSelection": [{"path": [name]} for name in ASSETS],
-                    "title": "integration: every city",
-                }
-            },
-        )
-        launched = data["launchPartitionBackfill"]
-        assert launched["__typename"] == "LaunchBackfillSuccess", launched
-        backfill_id = launched["backfillId"]
-
+        backfill_id = dagster.launch_backfill(keys, title="integration: every city")
         deadline = time.monotonic() + 420
         status = ""
         while time.monotonic() < deadline:
-            status = _graphql(port, BACKFILL_STATUS, {"id": backfill_id})[
-                "partitionBackfillOrError"
-            ]["status"]
+            status = dagster.backfill_status(backfill_id)
             runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-            if (
-                status not in ("REQUESTED", "CANCELING", "FAILING")
-                and runs
-                and all(r.is_finished for r in runs)
-            ):
+            if status in FINAL_BACKFILL_STATES and runs and all(r.is_finished for r in runs):
                 break
-            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+            dagster.check()
             time.sleep(2)
-        assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (
-            status,
-            (tmp_path / "daemon.log").read_text()[-3000:],
-        )
+        assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (status, dagster.tail("daemon.log"))
         runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
         assert len(runs) >= 2  # the backfill policy grouped the cities into several runs
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [
@@ -239,19 +124,17 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
         ]
         # The runs' city ranges are disjoint and cover every city.
         covered: list[str] = []
+        ordered = instance.get_dynamic_partitions("supplier_city")
         for run in runs:
-            start = run.tags.get("dagster/asset_partition_range_start")
-            end = run.tags.get("dagster/asset_partition_range_end")
             part = run.tags.get("dagster/partition")
             if part:
                 covered.append(part)
             else:
-                ordered = instance.get_dynamic_partitions("supplier_city")
+                start = run.tags["dagster/asset_partition_range_start"]
+                end = run.tags["dagster/asset_partition_range_end"]
                 covered += ordered[ordered.index(start) : ordered.index(end) + 1]
+            assert "cities" in run.tags.get("supplier_sync/progress", "")
         assert sorted(covered) == sorted(keys)
-    finally:
-        _stop(daemon)
-        _stop(webserver)
 
     db = SyncDatabase.open(sync_url)
     try:

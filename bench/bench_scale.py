@@ -1,0 +1,306 @@
+"""Scale benchmarks: the supplier's request budget shared by parallel runs, and memory per city.
+
+``budget``: the simulator (its own process, HTTP) allows R requests/s per API key. W worker
+processes play a backfill's runs: each gets a contiguous range of the cities, as
+``BackfillPolicy.multi_run`` hands them out, and syncs them with ``core.pipeline.sync_city``
+into one batch, all pacing their requests through one Redis token bucket at R. With
+``--steal`` a worker that finishes its range goes on with cities that nobody has started
+(the shard lease decides who syncs a city), as the Dagster asset does. Reported: achieved
+request rate / R (target >= 0.97), the simulator's 429 answers (target ~0), and wall time
+/ (pages / R) (target <= 1.05).
+
+``memory``: one city of N hotels synced in a fresh process per size (SQLite, local
+payloads); peak RSS must not grow with N (pages stream; chunks are bounded).
+
+Usage:
+    .venv/bin/python bench/bench_scale.py budget [--rate 20] [--workers 4] [--cities 40]
+        [--hotels 40000] [--page-size 100] [--backend sqlite|mariadb] [--steal]
+        [--redis-url redis://127.0.0.1:6379/14]
+    .venv/bin/python bench/bench_scale.py memory [--sizes 1000,10000,100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import resource
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_client import ServerProcess
+
+from supplier_sync_dagster.simulator import SimulatorConfig
+
+API_KEY = "bench-key"
+MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
+
+
+def _db_url(backend: str, tmp: Path) -> tuple[str, str | None]:
+    if backend == "sqlite":
+        return f"sqlite:///{tmp / 'sync.sqlite3'}", None
+    name = f"bench_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(MYSQL_URL)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    admin.dispose()
+    return f"{MYSQL_URL}/{name}?charset=utf8mb4", name
+
+
+def _drop(name: str | None) -> None:
+    if name:
+        admin = sa.create_engine(MYSQL_URL)
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+def _settings(page_size: int) -> Any:
+    from supplier_sync_dagster.core.leases import LeaseSettings
+    from supplier_sync_dagster.core.pipeline import SyncSettings
+
+    return SyncSettings(
+        task_code="bench",
+        supplier_id=1001,
+        page_size=page_size,
+        lease=LeaseSettings(lease_seconds=60, heartbeat_seconds=5),
+    )
+
+
+def _worker(
+    url: str,
+    db_url: str,
+    tmp: str,
+    batch: Any,
+    mine: list[str],
+    everyone: list[str],
+    opts: dict[str, Any],
+    out: Any,
+) -> None:
+    import redis
+
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.payloads import open_payload_store
+    from supplier_sync_dagster.core.pipeline import sync_city
+    from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
+    from supplier_sync_dagster.core.supplier.ratelimit import RedisTokenBucket
+
+    db = SyncDatabase.open(db_url, create_schema=False)
+    store = open_payload_store(f"file://{tmp}/payloads")
+    limiter = RedisTokenBucket(
+        redis.Redis.from_url(opts["redis_url"]), opts["bucket"], opts["rate"], 1
+    )
+    worker = f"w-{uuid.uuid4().hex[:6]}"
+    pages = 0
+    started = time.perf_counter()
+    with httpx.Client(base_url=url) as http:
+        client = SupplierClient(
+            http,
+            api_key=API_KEY,
+            supplier_id="bench",
+            rate_limiter=limiter,
+            retry=RetryPolicy(max_total_wait=600),
+        )
+        todo = list(mine)
+        if opts["steal"]:
+            todo += [c for c in everyone if c not in set(mine)]
+        for city in todo:
+            report = sync_city(
+                db,
+                store,
+                client,
+                batch=batch,
+                city_code=city,
+                worker_id=worker,
+                settings=_settings(opts["page_size"]),
+            )
+            pages += report.pages_fetched
+        stats = client.stats()
+    out.put(
+        {
+            "pages": pages,
+            "requests": stats.requests,
+            "seconds": time.perf_counter() - started,
+            "finished_at": time.time(),
+        }
+    )
+    db.dispose()
+
+
+def budget(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
+    from supplier_sync_dagster.core.db import SyncDatabase
+
+    config = SimulatorConfig(
+        seed=args.seed,
+        n_cities=args.cities,
+        total_hotels=args.hotels,
+        api_key=API_KEY,
+        rate_limit_rps=args.rate,
+        empty_city_share=0.0,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    db_url, dbname = _db_url(args.backend, tmp)
+    try:
+        with ServerProcess(config) as server:
+            with httpx.Client(base_url=server.url) as http:
+                listing = http.get("/v1/cities", headers={"X-Api-Key": API_KEY}).json()
+                cities = [c["city_code"] for c in listing["cities"]]
+                # The simulator builds each city on first use: keep that out of the window.
+                for city in cities:
+                    http.get(
+                        f"/v1/cities/{city}/summary", headers={"X-Api-Key": API_KEY}
+                    ).raise_for_status()
+                    time.sleep(1.0 / args.rate)
+            db = SyncDatabase.open(db_url)
+            upsert_task(
+                db,
+                TaskSpec(task_code="bench", supplier_id=1001, concurrency_policy="ALLOW_PARALLEL"),
+            )
+            batch = create_batch(
+                db,
+                task_code="bench",
+                trigger_id="bench",
+                trigger_source="BACKFILL",
+                shard_keys=cities,
+            ).batch
+            db.dispose()
+            size = -(-len(cities) // args.workers)
+            ranges = [cities[i : i + size] for i in range(0, len(cities), size)]
+            opts = {
+                "redis_url": args.redis_url,
+                "bucket": f"bench-budget:{uuid.uuid4().hex}",
+                "rate": args.rate,
+                "page_size": args.page_size,
+                "steal": args.steal,
+            }
+            before = httpx.get(f"{server.url}/_sim/stats").json()
+            ctx = multiprocessing.get_context("spawn")
+            out = ctx.Queue()
+            procs = [
+                ctx.Process(
+                    target=_worker,
+                    args=(server.url, db_url, str(tmp), batch, r, cities, opts, out),
+                )
+                for r in ranges
+            ]
+            started = time.time()
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=3600) for _ in procs]
+            for p in procs:
+                p.join()
+            wall = max(r["finished_at"] for r in results) - started
+            after = httpx.get(f"{server.url}/_sim/stats").json()
+    finally:
+        _drop(dbname)
+    pages = sum(r["pages"] for r in results)
+    requests = after["requests_total"] - before["requests_total"]
+    rate_429 = after["responses_429"] - before["responses_429"]
+    achieved = requests / wall
+    print(
+        f"budget: R={args.rate}/s, {len(procs)} runs{' (stealing)' if args.steal else ''}, "
+        f"{args.backend}, {len(cities)} cities, {pages} pages of {args.page_size}"
+    )
+    print(
+        f"  wall {wall:.1f}s; requests {requests} (429: {rate_429}); achieved {achieved:.2f}/s "
+        f"= {achieved / args.rate:.3f} R [target >= 0.97]; wall / (pages/R) = "
+        f"{wall / (pages / args.rate):.3f} [target <= 1.05]"
+    )
+    for i, r in enumerate(sorted(results, key=lambda r: r["finished_at"])):
+        print(f"  run {i}: {r['pages']} pages, finished at +{r['finished_at'] - started:.1f}s")
+    ok = achieved / args.rate >= 0.97 and wall / (pages / args.rate) <= 1.05 and rate_429 <= 2
+    return 0 if ok else 1
+
+
+def _memory_child(size: int, page_size: int, out: Any) -> None:
+    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.payloads import open_payload_store
+    from supplier_sync_dagster.core.pipeline import sync_city
+    from supplier_sync_dagster.core.supplier import SupplierClient
+    from supplier_sync_dagster.simulator import Simulator
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_mem_"))
+    sim = Simulator(
+        SimulatorConfig(
+            seed=3, n_cities=1, total_hotels=size, api_key=API_KEY, empty_city_share=0.0
+        )
+    )
+    city = sim.city_codes()[0]
+    db = SyncDatabase.open(f"sqlite:///{tmp / 'sync.sqlite3'}")
+    upsert_task(db, TaskSpec(task_code="bench", supplier_id=1001))
+    batch = create_batch(
+        db, task_code="bench", trigger_id="m", trigger_source="MANUAL", shard_keys=[city]
+    ).batch
+    store = open_payload_store(f"file://{tmp}/payloads")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # The simulator answers in-process here (its world is part of this process's memory
+    # either way); the figure that matters is the growth from ``base`` while syncing.
+    with httpx.Client(base_url="http://sim.local", transport=sim.transport()) as http:
+        client = SupplierClient(http, api_key=API_KEY, supplier_id="bench")
+        started = time.perf_counter()
+        report = sync_city(
+            db,
+            store,
+            client,
+            batch=batch,
+            city_code=city,
+            worker_id="m",
+            settings=_settings(page_size),
+        )
+        seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.put({"size": size, "records": report.records, "base": base, "peak": peak, "s": seconds})
+
+
+def memory(args: argparse.Namespace) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        out = ctx.Queue()
+        p = ctx.Process(target=_memory_child, args=(size, args.page_size, out))
+        p.start()
+        rows.append(out.get(timeout=3600))
+        p.join()
+    print(f"memory: one city per process, SQLite, page size {args.page_size}")
+    for r in rows:
+        print(
+            f"  {r['size']:>7} hotels ({r['records']} records) in {r['s']:.1f}s: peak RSS "
+            f"{r['peak']:.0f} MB (start {r['base']:.0f} MB, growth {r['peak'] - r['base']:.0f} MB)"
+        )
+    growth = [r["peak"] - r["base"] for r in rows]
+    return 0 if max(growth) <= 2 * min(growth) + 50 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    b = sub.add_parser("budget")
+    b.add_argument("--rate", type=float, default=20.0)
+    b.add_argument("--workers", type=int, default=4)
+    b.add_argument("--cities", type=int, default=40)
+    b.add_argument("--hotels", type=int, default=40_000)
+    b.add_argument("--page-size", type=int, default=100)
+    b.add_argument("--backend", choices=["sqlite", "mariadb"], default="sqlite")
+    b.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    b.add_argument("--steal", action="store_true")
+    b.add_argument("--seed", type=int, default=42)
+    b.set_defaults(func=budget)
+    m = sub.add_parser("memory")
+    m.add_argument("--sizes", default="1000,10000,100000")
+    m.add_argument("--page-size", type=int, default=500)
+    m.set_defaults(func=memory)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

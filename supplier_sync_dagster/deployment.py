@@ -1,0 +1,209 @@
+"""Running the Dagster webserver and daemon for a profile, and backfills through GraphQL.
+
+Used by the integration test and the backfill benchmark, and usable from a shell session:
+it starts ``dagster-webserver`` and ``dagster-daemon`` as their own process groups (a
+background job of a shell script would ignore SIGTERM), waits until the webserver
+answers, launches partition backfills through the GraphQL API and waits for them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = (
+    "raw_hotel_snapshots",
+    "normalized_hotels",
+    "hotel_mappings",
+    "hotel_diffs",
+    "published_hotels",
+)
+
+_LAUNCH_BACKFILL = """
+mutation($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on PythonError { message stack }
+    ... on PartitionKeysNotFoundError { message }
+  }
+}
+"""
+
+_BACKFILL_STATUS = """
+query($id: String!) {
+  partitionBackfillOrError(backfillId: $id) {
+    __typename
+    ... on PartitionBackfill { status }
+  }
+}
+"""
+
+FINAL_BACKFILL_STATES = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class DagsterProcesses:
+    """A webserver and a daemon on one ``DAGSTER_HOME``, started with :meth:`start`.
+
+    Attributes:
+        env: The environment of both processes (``DAGSTER_HOME``, ``SUPPLIER_SYNC_*``...).
+        log_dir: Where their output goes (``webserver.log``, ``daemon.log``).
+        port: The webserver's port (a free one when 0).
+    """
+
+    env: Mapping[str, str]
+    log_dir: Path
+    port: int = 0
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, *, timeout: float = 180.0) -> DagsterProcesses:
+        """Starts both processes and waits until the webserver answers.
+
+        Raises:
+            RuntimeError: A process exited or the webserver did not answer in time.
+        """
+        self.port = self.port or free_port()
+        bin_dir = Path(sys.executable).parent
+        workspace = str(ROOT / "workspace.yaml")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs = [
+            self._spawn(
+                [
+                    str(bin_dir / "dagster-webserver"),
+                    *("-w", workspace, "-h", "127.0.0.1", "-p", str(self.port)),
+                ],
+                "webserver.log",
+            ),
+            self._spawn([str(bin_dir / "dagster-daemon"), "run", "-w", workspace], "daemon.log"),
+        ]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/server_info", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the webserver did not answer: {self.tail('webserver.log')}")
+            time.sleep(1)
+
+    @property
+    def url(self) -> str:
+        """The webserver's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = (self.log_dir / log).open("wb")
+        return subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=dict(self.env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def check(self) -> None:
+        """Raises RuntimeError if the webserver or the daemon has exited."""
+        for proc, log in zip(self.procs, ("webserver.log", "daemon.log"), strict=False):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{log[:-4]} exited ({proc.returncode}): {self.tail(log)}")
+
+    def tail(self, log: str, chars: int = 3000) -> str:
+        """The end of a process's output."""
+        path = self.log_dir / log
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM to each process group, SIGKILL after 30 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def __enter__(self) -> DagsterProcesses:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def graphql(self, query: str, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """Runs a GraphQL query; raises RuntimeError on GraphQL errors."""
+        response = httpx.post(
+            f"{self.url}/graphql", json={"query": query, "variables": dict(variables)}, timeout=120
+        )
+        response.raise_for_status()
+        body: dict[str, Any] = response.json()
+        if body.get("errors"):
+            raise RuntimeError(f"GraphQL errors: {body['errors']}")
+        return dict(body["data"])
+
+    def launch_backfill(
+        self, partition_keys: Sequence[str], *, title: str = "", assets: Sequence[str] = ASSETS
+    ) -> str:
+        """Launches a backfill of ``assets`` over ``partition_keys``; returns its id."""
+        data = self.graphql(
+            _LAUNCH_BACKFILL,
+            {
+                "params": {
+                    "partitionNames": list(partition_keys),
+                    "assetSelection": [{"path": [name]} for name in assets],
+                    "title": title,
+                }
+            },
+        )["launchPartitionBackfill"]
+        if data["__typename"] != "LaunchBackfillSuccess":
+            raise RuntimeError(f"backfill not launched: {data}")
+        return str(data["backfillId"])
+
+    def backfill_status(self, backfill_id: str) -> str:
+        """The backfill's status (REQUESTED, COMPLETED_SUCCESS, ...)."""
+        data = self.graphql(_BACKFILL_STATUS, {"id": backfill_id})["partitionBackfillOrError"]
+        return str(data.get("status", data["__typename"]))
+
+
+def profile_env(*, dagster_home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``DAGSTER_HOME`` and ``extra`` (SUPPLIER_SYNC_*...)."""
+    return {**os.environ, "DAGSTER_HOME": str(dagster_home), **(extra or {})}
+
+
+def migrate_instance(env: Mapping[str, str]) -> None:
+    """``dagster instance migrate`` for the instance of ``env`` (creates MySQL tables).
+
+    Raises:
+        RuntimeError: The migration failed.
+    """
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "instance", "migrate"],
+        cwd=ROOT,
+        env=dict(env),
+        capture_output=True,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"instance migrate failed: {done.stderr.decode()[-3000:]}")
