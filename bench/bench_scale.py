@@ -83,6 +83,8 @@ def _worker(
     everyone: list[str],
     opts: dict[str, Any],
     out: Any,
+    ready: Any,
+    go: Any,
 ) -> None:
     import redis
 
@@ -99,6 +101,10 @@ def _worker(
     )
     worker = f"w-{uuid.uuid4().hex[:6]}"
     pages = 0
+    # Start-up (imports, connections) is the orchestration's share, measured by
+    # bench_backfill.py; the budget is measured from the moment every run can fetch.
+    ready.put(worker)
+    go.wait()
     started = time.perf_counter()
     with httpx.Client(base_url=url) as http:
         client = SupplierClient(
@@ -183,17 +189,20 @@ def budget(args: argparse.Namespace) -> int:
             }
             before = httpx.get(f"{server.url}/_sim/stats").json()
             ctx = multiprocessing.get_context("spawn")
-            out = ctx.Queue()
+            out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
             procs = [
                 ctx.Process(
                     target=_worker,
-                    args=(server.url, db_url, str(tmp), batch, r, cities, opts, out),
+                    args=(server.url, db_url, str(tmp), batch, r, cities, opts, out, ready, go),
                 )
                 for r in ranges
             ]
-            started = time.time()
             for p in procs:
                 p.start()
+            for _ in procs:
+                ready.get(timeout=120)
+            started = time.time()
+            go.set()
             results = [out.get(timeout=3600) for _ in procs]
             for p in procs:
                 p.join()
@@ -220,31 +229,23 @@ def budget(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _memory_child(size: int, page_size: int, out: Any) -> None:
+def _memory_child(url: str, city: str, page_size: int, out: Any) -> None:
     from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.payloads import open_payload_store
-    from supplier_sync_dagster.core.pipeline import sync_city
+    from supplier_sync_dagster.core.pipeline import prepare_process, sync_city
     from supplier_sync_dagster.core.supplier import SupplierClient
-    from supplier_sync_dagster.simulator import Simulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_mem_"))
-    sim = Simulator(
-        SimulatorConfig(
-            seed=3, n_cities=1, total_hotels=size, api_key=API_KEY, empty_city_share=0.0
-        )
-    )
-    city = sim.city_codes()[0]
     db = SyncDatabase.open(f"sqlite:///{tmp / 'sync.sqlite3'}")
     upsert_task(db, TaskSpec(task_code="bench", supplier_id=1001))
     batch = create_batch(
         db, task_code="bench", trigger_id="m", trigger_source="MANUAL", shard_keys=[city]
     ).batch
     store = open_payload_store(f"file://{tmp}/payloads")
+    prepare_process()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # The simulator answers in-process here (its world is part of this process's memory
-    # either way); the figure that matters is the growth from ``base`` while syncing.
-    with httpx.Client(base_url="http://sim.local", transport=sim.transport()) as http:
+    with httpx.Client(base_url=url) as http:
         client = SupplierClient(http, api_key=API_KEY, supplier_id="bench")
         started = time.perf_counter()
         report = sync_city(
@@ -258,19 +259,27 @@ def _memory_child(size: int, page_size: int, out: Any) -> None:
         )
         seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put({"size": size, "records": report.records, "base": base, "peak": peak, "s": seconds})
+    out.put({"records": report.records, "base": base, "peak": peak, "s": seconds})
 
 
 def memory(args: argparse.Namespace) -> int:
     ctx = multiprocessing.get_context("spawn")
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
-        out = ctx.Queue()
-        p = ctx.Process(target=_memory_child, args=(size, args.page_size, out))
-        p.start()
-        rows.append(out.get(timeout=3600))
-        p.join()
-    print(f"memory: one city per process, SQLite, page size {args.page_size}")
+        config = SimulatorConfig(
+            seed=3, n_cities=1, total_hotels=size, api_key=API_KEY, empty_city_share=0.0
+        )
+        # The simulator has its own process: only the sync's memory is measured.
+        with ServerProcess(config) as server:
+            city = httpx.get(
+                f"{server.url}/v1/cities", headers={"X-Api-Key": API_KEY}, timeout=60
+            ).json()["cities"][0]["city_code"]
+            out = ctx.Queue()
+            p = ctx.Process(target=_memory_child, args=(server.url, city, args.page_size, out))
+            p.start()
+            rows.append({"size": size, **out.get(timeout=3600)})
+            p.join()
+    print(f"memory: one city per sync process, SQLite, page size {args.page_size}")
     for r in rows:
         print(
             f"  {r['size']:>7} hotels ({r['records']} records) in {r['s']:.1f}s: peak RSS "
