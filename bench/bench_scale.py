@@ -80,7 +80,6 @@ def _worker(
     tmp: str,
     batch: Any,
     mine: list[str],
-    everyone: list[str],
     opts: dict[str, Any],
     out: Any,
     ready: Any,
@@ -90,7 +89,7 @@ def _worker(
 
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.payloads import open_payload_store
-    from supplier_sync_dagster.core.pipeline import sync_city
+    from supplier_sync_dagster.core.pipeline import help_other_workers, sync_cities, sync_city
     from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
     from supplier_sync_dagster.core.supplier.ratelimit import RedisTokenBucket
 
@@ -100,7 +99,6 @@ def _worker(
         redis.Redis.from_url(opts["redis_url"]), opts["bucket"], opts["rate"], 1
     )
     worker = f"w-{uuid.uuid4().hex[:6]}"
-    pages = 0
     # Start-up (imports, connections) is the orchestration's share, measured by
     # bench_backfill.py; the budget is measured from the moment every run can fetch.
     ready.put(worker)
@@ -114,11 +112,9 @@ def _worker(
             rate_limiter=limiter,
             retry=RetryPolicy(max_total_wait=600),
         )
-        todo = list(mine)
-        if opts["steal"]:
-            todo += [c for c in everyone if c not in set(mine)]
-        for city in todo:
-            report = sync_city(
+
+        def sync_one(city: str) -> Any:
+            return sync_city(
                 db,
                 store,
                 client,
@@ -127,7 +123,14 @@ def _worker(
                 worker_id=worker,
                 settings=_settings(opts["page_size"]),
             )
-            pages += report.pages_fetched
+
+        # What a Dagster run does: its cities (largest first), then help with the batch's.
+        reports = sync_cities(mine, sync_one=sync_one, threads=opts["threads"])
+        if opts["steal"]:
+            reports += help_other_workers(
+                db, batch.batch_id, skip=set(mine), sync_one=sync_one, threads=opts["threads"]
+            )
+        pages = sum(r.pages_fetched for r in reports)
         stats = client.stats()
     out.put(
         {
@@ -143,6 +146,7 @@ def _worker(
 def budget(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
     from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.pipeline import largest_first
 
     config = SimulatorConfig(
         seed=args.seed,
@@ -159,6 +163,7 @@ def budget(args: argparse.Namespace) -> int:
             with httpx.Client(base_url=server.url) as http:
                 listing = http.get("/v1/cities", headers={"X-Api-Key": API_KEY}).json()
                 cities = [c["city_code"] for c in listing["cities"]]
+                sizes = {c["city_code"]: c["hotel_count"] for c in listing["cities"]}
                 # The simulator builds each city on first use: keep that out of the window.
                 for city in cities:
                     http.get(
@@ -179,13 +184,17 @@ def budget(args: argparse.Namespace) -> int:
             ).batch
             db.dispose()
             size = -(-len(cities) // args.workers)
-            ranges = [cities[i : i + size] for i in range(0, len(cities), size)]
+            # Each run syncs its range largest city first, as the Dagster asset does.
+            ranges = [
+                largest_first(cities[i : i + size], sizes) for i in range(0, len(cities), size)
+            ]
             opts = {
                 "redis_url": args.redis_url,
                 "bucket": f"bench-budget:{uuid.uuid4().hex}",
                 "rate": args.rate,
                 "page_size": args.page_size,
                 "steal": args.steal,
+                "threads": args.threads,
             }
             before = httpx.get(f"{server.url}/_sim/stats").json()
             ctx = multiprocessing.get_context("spawn")
@@ -193,7 +202,7 @@ def budget(args: argparse.Namespace) -> int:
             procs = [
                 ctx.Process(
                     target=_worker,
-                    args=(server.url, db_url, str(tmp), batch, r, cities, opts, out, ready, go),
+                    args=(server.url, db_url, str(tmp), batch, r, opts, out, ready, go),
                 )
                 for r in ranges
             ]
@@ -215,7 +224,8 @@ def budget(args: argparse.Namespace) -> int:
     rate_429 = after["responses_429"] - before["responses_429"]
     achieved = requests / wall
     print(
-        f"budget: R={args.rate}/s, {len(procs)} runs{' (stealing)' if args.steal else ''}, "
+        f"budget: R={args.rate}/s, {len(procs)} runs{' (helping)' if args.steal else ''}, "
+        f"{args.threads} cities in flight per run, "
         f"{args.backend}, {len(cities)} cities, {pages} pages of {args.page_size}"
     )
     print(
@@ -300,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--page-size", type=int, default=100)
     b.add_argument("--backend", choices=["sqlite", "mariadb"], default="sqlite")
     b.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
-    b.add_argument("--steal", action="store_true")
+    b.add_argument("--steal", action="store_true", help="runs help with others' cities")
+    b.add_argument("--threads", type=int, default=1, help="cities in flight per run")
     b.add_argument("--seed", type=int, default=42)
     b.set_defaults(func=budget)
     m = sub.add_parser("memory")

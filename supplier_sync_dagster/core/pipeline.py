@@ -33,7 +33,8 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ from supplier_sync_dagster.core.leases import (
     ShardLease,
     claim_shard,
     get_shard,
+    list_shards,
     reopen_shard,
 )
 from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
@@ -329,6 +331,116 @@ def _drift_precheck(
     if result.passed:
         return None
     return f"schema_drift: {result.description} (first {len(raws)} pages)"
+
+
+def largest_first(cities: Sequence[str], hotel_counts: Mapping[str, int]) -> list[str]:
+    """The cities in the order to sync them: largest first (unknown sizes last, in order).
+
+    A city's normalize and publish run after its last page is fetched; ending a run with
+    small cities keeps that tail, when no request can use the supplier's budget, short.
+    """
+    position = {city: i for i, city in enumerate(cities)}
+    return sorted(cities, key=lambda c: (-hotel_counts.get(c, -1), position[c]))
+
+
+def sync_cities(
+    cities: Sequence[str],
+    *,
+    sync_one: Callable[[str], CityReport],
+    threads: int = 2,
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> list[CityReport]:
+    """Syncs cities with ``threads`` cities in flight at once; returns their reports.
+
+    One city's normalize and publish are CPU work during which it makes no supplier
+    request; with two cities in flight the other one fetches meanwhile, so a worker keeps
+    the supplier's request budget busy on its own. Each city runs under its own lease and
+    connection; the client, its rate limiter and breaker are shared and thread-safe.
+
+    Args:
+        cities: In the order to start them (see :func:`largest_first`).
+        sync_one: Syncs one city (``sync_city`` with the worker's arguments).
+        threads: Cities in flight (1: one after the other).
+        on_error: Called with (city, exception) when ``sync_one`` raises; the other cities
+            go on. Without it the first exception is raised after all cities ran.
+    """
+    reports: list[CityReport] = []
+    errors: list[Exception] = []
+
+    def one(city: str) -> None:
+        try:
+            reports.append(sync_one(city))
+        except Exception as err:  # reported; the other cities go on
+            if on_error is None:
+                errors.append(err)
+            else:
+                on_error(city, err)
+
+    if threads <= 1:
+        for city in cities:
+            one(city)
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city") as pool:
+            list(pool.map(one, cities))
+    if errors:
+        raise errors[0]
+    return reports
+
+
+def help_other_workers(
+    db: SyncDatabase,
+    batch_id: str,
+    *,
+    skip: Collection[str],
+    sync_one: Callable[[str], CityReport],
+    threads: int = 2,
+) -> list[CityReport]:
+    """Syncs cities of the batch that no worker has started yet; returns their reports.
+
+    A worker (a Dagster run) that has finished its own cities would otherwise leave the
+    supplier's request budget unused while cities of slower workers wait. Cities are taken
+    from the end of the batch (their owners work from the start of theirs); the shard
+    lease decides who syncs each city, so an owner that reaches a city being helped with
+    gets HELD_BY_OTHER and must wait for the lease to end before reporting it.
+
+    Args:
+        db: The sync database.
+        batch_id: The batch whose PENDING shards may be taken.
+        skip: Cities not to take (the worker's own).
+        sync_one: Syncs one city (``sync_city`` with the worker's arguments); its
+            exceptions are logged and the city is left to its owner.
+        threads: Cities in flight at once (see :func:`sync_cities`).
+    """
+    done: list[CityReport] = []
+
+    def loop() -> None:
+        while True:
+            pending = [
+                s.shard_key
+                for s in reversed(list_shards(db, batch_id))
+                if s.status == "PENDING" and s.shard_key not in skip
+            ]
+            progressed = False
+            for city in pending:
+                try:
+                    report = sync_one(city)
+                except Exception as err:  # the owner retries or resumes it
+                    log.warning("helping with city %r failed: %s", city, err)
+                    continue
+                if report.status not in ("HELD_BY_OTHER", "ALREADY_DONE"):
+                    done.append(report)
+                    progressed = True
+                    break  # re-read: the picture changes as owners progress
+            if not progressed:
+                return
+
+    if threads <= 1:
+        loop()
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
+            for future in [pool.submit(loop) for _ in range(threads)]:
+                future.result()
+    return done
 
 
 def _gated_counts(report: CityReport) -> PageCounts:

@@ -12,7 +12,7 @@ share one batch), else an explicit ``supplier_sync/trigger_id`` tag (CLI), else 
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -30,9 +30,16 @@ from supplier_sync_dagster.core.batches import (
 )
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
-from supplier_sync_dagster.core.leases import list_shards, make_worker_id
+from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.payloads import PayloadStore
-from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.pipeline import (
+    CityReport,
+    SyncSettings,
+    help_other_workers,
+    largest_first,
+    sync_cities,
+    sync_city,
+)
 from supplier_sync_dagster.core.replay import (
     prepare_replay,
     record_city_list,
@@ -269,7 +276,8 @@ def city_sync(
             if client is None:
                 countries = stored_city_countries(db, store, task_code=supplier.task_code)
             else:
-                countries = _city_countries(client, context, db, store, batch.batch_id, supplier)
+                countries, sizes = _city_list(client, context, db, store, batch.batch_id, supplier)
+                cities = largest_first(cities, sizes)
 
             def run_city(city: str, *, wait: bool) -> CityReport:
                 while True:
@@ -291,14 +299,8 @@ def city_sync(
                     # raced): wait for its lease to end, then take the outcome or resume.
                     time.sleep(HELD_POLL_SECONDS)
 
-            for city in cities:
-                try:
-                    report = run_city(city, wait=True)
-                except Exception as err:  # the city's shard is FAILED and resumable
-                    failures[city] = f"{type(err).__name__}: {err}"
-                    context.log.error(f"city {city!r} failed: {failures[city]}")
-                    continue
-                reports.append(report)
+            def one_city(city: str) -> CityReport:
+                report = run_city(city, wait=True)
                 _show_progress(context, db, batch.batch_id)
                 if replay and report.status == "SUCCESS":
                     resolved = resolve_replayed_dead_letters(
@@ -314,10 +316,34 @@ def city_sync(
                     f"{report.published} published, {report.dead_letters} dead letters"
                     + (f" ({report.error})" if report.error else "")
                 )
+                return report
+
+            def failed(city: str, err: Exception) -> None:
+                # The city's shard is FAILED and resumable: a re-run continues it.
+                failures[city] = f"{type(err).__name__}: {err}"
+                context.log.error(f"city {city!r} failed: {failures[city]}")
+
+            reports.extend(
+                sync_cities(
+                    cities,
+                    sync_one=one_city,
+                    threads=supplier.city_threads,
+                    on_error=failed,
+                )
+            )
             if supplier.help_other_runs and not replay:
-                helped = _help_other_runs(db, batch.batch_id, set(cities), run_city, context)
+                helped = help_other_workers(
+                    db,
+                    batch.batch_id,
+                    skip=set(cities),
+                    sync_one=lambda city: run_city(city, wait=False),
+                    threads=supplier.city_threads,
+                )
                 if helped:
-                    context.log.info(f"helped other runs of the batch with {helped} cities")
+                    context.log.info(
+                        f"helped other runs of the batch with {len(helped)} cities: "
+                        + ", ".join(repr(r.city_code) for r in helped[:20])
+                    )
             if client is not None:
                 stats = client.stats()
                 requests, retries = stats.requests, stats.retries
@@ -374,62 +400,31 @@ def _show_progress(context: dg.AssetExecutionContext, db: SyncDatabase, batch_id
         context.log.debug(f"progress tag not updated: {err}")
 
 
-def _help_other_runs(
-    db: SyncDatabase,
-    batch_id: str,
-    mine: set[str],
-    run_city: Callable[..., CityReport],
-    context: dg.AssetExecutionContext,
-) -> int:
-    """Syncs cities of the batch that other runs have not started yet; returns how many.
-
-    A run that finishes early would otherwise leave the supplier's request budget unused
-    while cities of slower runs wait. Cities are taken from the end of the batch (the
-    owners work from the start of theirs); the shard lease decides who syncs each city,
-    and the owner run waits for the helper's lease to end before reporting the city.
-    """
-    helped = 0
-    while True:
-        pending = [
-            s.shard_key
-            for s in reversed(list_shards(db, batch_id))
-            if s.status == "PENDING" and s.shard_key not in mine
-        ]
-        if not pending:
-            return helped
-        progressed = False
-        for city in pending:
-            try:
-                report = run_city(city, wait=False)
-            except Exception as err:  # the owner run retries or resumes it
-                context.log.warning(f"helping with city {city!r} failed: {err}")
-                continue
-            if report.status not in ("HELD_BY_OTHER", "ALREADY_DONE"):
-                helped += 1
-                progressed = True
-                break  # re-read: the picture changes as owners progress
-        if not progressed:
-            return helped
-
-
-def _city_countries(
+def _city_list(
     client: SupplierClient,
     context: dg.AssetExecutionContext,
     db: SyncDatabase,
     store: PayloadStore,
     batch_id: str,
     supplier: SupplierResource,
-) -> dict[str, str]:
-    """City -> country from the supplier's city list (one request), kept for replays."""
+) -> tuple[dict[str, str], dict[str, int]]:
+    """City -> country and city -> hotel count from the supplier's list (one request).
+
+    The list's bytes are kept with the batch, for replays (which never call the supplier).
+    """
     try:
         fetched = client.list_cities()
     except Exception as err:  # the rule is skipped, the sync is not
         context.log.warning(f"city list unavailable, country rule skipped: {err}")
-        return {}
+        return {}, {}
     record_city_list(
         db, store, batch_id=batch_id, supplier_id=supplier.supplier_id, raw=fetched.raw
     )
-    return {c.city_code: c.country_code for c in fetched.data.cities if c.country_code}
+    cities = fetched.data.cities
+    return (
+        {c.city_code: c.country_code for c in cities if c.country_code},
+        {c.city_code: c.hotel_count for c in cities if c.hotel_count is not None},
+    )
 
 
 def _check_results(checks: dict[str, list[GateResult]]) -> Iterator[dg.AssetCheckResult]:

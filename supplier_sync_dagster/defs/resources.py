@@ -111,6 +111,14 @@ class SupplierResource(dg.ConfigurableResource):
         default=50.0, description="Requests per second allowed by the supplier."
     )
     page_size: int = Field(default=100, description="Hotels per page (1-500).")
+    city_threads: int = Field(
+        default=1,
+        description=(
+            "Cities in flight at once in a run (2: one fetches while another is published). "
+            "Measured on 2 cores with 4 runs, 2 used the request budget less well (0.92 R "
+            "instead of 0.95 R: the threads share one interpreter lock), so 1 is the default."
+        ),
+    )
     help_other_runs: bool = Field(
         default=True,
         description=(

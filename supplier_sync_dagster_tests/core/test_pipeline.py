@@ -348,3 +348,10 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
     b = batches[0]
     assert b.total_count == b.success_count + b.failed_count + b.skipped_count
     db.dispose()
+
+
+def test_cities_are_synced_largest_first_unknown_sizes_last():
+    from supplier_sync_dagster.core.pipeline import largest_first
+
+    order = largest_first(["a", "b", "c", "d", "e"], {"a": 5, "b": 50, "d": 50, "e": 0})
+    assert order == ["b", "d", "a", "e", "c"]
