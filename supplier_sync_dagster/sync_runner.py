@@ -50,6 +50,10 @@ def dagster_instance() -> dg.DagsterInstance:
     if not os.environ.get("DAGSTER_HOME"):
         home = state_dir() / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
+        config = home / "dagster.yaml"
+        if not config.exists():
+            # The embedded profile: SQLite storage (Dagster's default), no telemetry.
+            config.write_text("telemetry:\n  enabled: false\n")
         os.environ["DAGSTER_HOME"] = str(home)
     return dg.DagsterInstance.get()
 
