@@ -33,15 +33,10 @@ from supplier_sync_dagster.core.supplier import (
     RetryPolicy,
     SupplierClient,
 )
+from supplier_sync_dagster.deployment import free_port
 from supplier_sync_dagster.simulator import SimulatorConfig, serve
 
 API_KEY = "bench-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _serve(config: SimulatorConfig, port: int) -> None:
@@ -52,7 +47,7 @@ class ServerProcess:
     """The simulator in a child process, stopped on exit."""
 
     def __init__(self, config: SimulatorConfig) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=_serve, args=(config, self.port), daemon=True)

@@ -40,17 +40,12 @@ from typing import Any
 
 import httpx
 
+from supplier_sync_dagster.deployment import free_port
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 API_KEY = "bench-key"
 TARGETS = {"sqlite": 4500.0, "mariadb": 3500.0}
 DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _serve(config: SimulatorConfig, port: int, out: multiprocessing.connection.Connection) -> None:
@@ -68,7 +63,7 @@ class ServerProcess:
     """The simulator in a child process; ``truth`` holds (valid, bad) of its ground truth."""
 
     def __init__(self, config: SimulatorConfig) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = multiprocessing.get_context("spawn")
         self._recv, send = ctx.Pipe(duplex=False)

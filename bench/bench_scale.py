@@ -32,34 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_client import ServerProcess
+from bench_pipeline import _db_url, _drop
 
 from supplier_sync_dagster.simulator import SimulatorConfig
 
 API_KEY = "bench-key"
 MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
-
-
-def _db_url(backend: str, tmp: Path) -> tuple[str, str | None]:
-    if backend == "sqlite":
-        return f"sqlite:///{tmp / 'sync.sqlite3'}", None
-    name = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(MYSQL_URL)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
-    admin.dispose()
-    return f"{MYSQL_URL}/{name}?charset=utf8mb4", name
-
-
-def _drop(name: str | None) -> None:
-    if name:
-        admin = sa.create_engine(MYSQL_URL)
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
-        admin.dispose()
 
 
 def _settings(page_size: int) -> Any:
@@ -157,7 +138,7 @@ def budget(args: argparse.Namespace) -> int:
         empty_city_share=0.0,
     )
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    db_url, dbname = _db_url(args.backend, tmp)
+    db_url, dbname = _db_url(args.backend, MYSQL_URL, tmp)
     try:
         with ServerProcess(config) as server:
             with httpx.Client(base_url=server.url) as http:
@@ -218,7 +199,8 @@ def budget(args: argparse.Namespace) -> int:
             wall = max(r["finished_at"] for r in results) - started
             after = httpx.get(f"{server.url}/_sim/stats").json()
     finally:
-        _drop(dbname)
+        if dbname:
+            _drop(MYSQL_URL, dbname)
     pages = sum(r["pages"] for r in results)
     requests = after["requests_total"] - before["requests_total"]
     rate_429 = after["responses_429"] - before["responses_429"]

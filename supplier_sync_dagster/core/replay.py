@@ -36,9 +36,8 @@ from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.mapping import chunks
 from supplier_sync_dagster.core.normalize import canonical_dumps, normalize_records, to_primitive
 from supplier_sync_dagster.core.payloads import PayloadStore
+from supplier_sync_dagster.core.pipeline import RAW, snapshot_id
 from supplier_sync_dagster.core.quality import check_quality
-
-RAW = "RAW"
 
 
 def latest_raw_batch(db: SyncDatabase, *, task_code: str, city_code: str) -> str | None:
@@ -102,7 +101,6 @@ def prepare_replay(
         for city, source in sources.items():
             pages = conn.execute(
                 sa.select(
-                    s.snapshot_id,
                     s.supplier_id,
                     s.category_code,
                     s.payload_ref,
@@ -119,7 +117,7 @@ def prepare_replay(
                 t.snapshot,
                 [
                     {
-                        "snapshot_id": _replay_snapshot_id(batch_id, p.snapshot_id),
+                        "snapshot_id": snapshot_id(batch_id, city, RAW, p.payload_hash),
                         "supplier_id": p.supplier_id,
                         "category_code": p.category_code,
                         "payload_ref": p.payload_ref,
@@ -150,11 +148,6 @@ def _replay_batch_id(db: SyncDatabase, task_code: str, trigger_id: str) -> str |
             )
         ).first()
     return None if row is None else str(row.batch_id)
-
-
-def _replay_snapshot_id(batch_id: str, source_snapshot_id: str) -> str:
-    key = f"{batch_id}\0{source_snapshot_id}"
-    return "rs_" + hashlib.sha256(key.encode()).hexdigest()[:61]
 
 
 def resolve_replayed_dead_letters(

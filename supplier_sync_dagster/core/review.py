@@ -303,20 +303,17 @@ def _publish(
         )
         versions = {p.supplier_hotel_id: p.publish_version for p in result.published}
         r = t.review.c
+        stale = []
         for pos in positions:
             rv = reviews[pos]
-            if rv.supplier_hotel_id in versions:
-                conn.execute(
-                    sa.update(t.review)
-                    .where(r.review_id == rv.review_id)
-                    .values(publish_version=versions[rv.supplier_hotel_id])
-                )
-        stale = [reviews[pos].review_id for pos in positions]
-        stale = [
-            rid
-            for rid, pos in zip(stale, positions, strict=True)
-            if reviews[pos].supplier_hotel_id not in versions
-        ]
+            if rv.supplier_hotel_id not in versions:
+                stale.append(rv.review_id)
+                continue
+            conn.execute(
+                sa.update(t.review)
+                .where(r.review_id == rv.review_id)
+                .values(publish_version=versions[rv.supplier_hotel_id])
+            )
         if stale:
             _move(conn, clock, stale, "APPROVED", "SUPERSEDED", "system", "a newer version is live")
         published += len(versions)

@@ -24,52 +24,27 @@ from supplier_sync_dagster.simulator import (
     SimulatorConfig,
     encode_city_code,
 )
+from supplier_sync_dagster_tests.core.test_normalize import EXAMPLE
 
 CITY = "BKK"
 COUNTRIES = {"BKK": "TH", "CNX": "TH", "PAR": "FR"}
 
-RECORD: dict[str, Any] = {
-    "hotel_id": "H000123",
-    "name": "Riverside Grand Hotel",
-    "name_local": "โรงแรมริเวอร์ไซด์",
-    "city_code": "BKK",
-    "country_code": "TH",
-    "address": {"line1": "123 Charoen Krung Rd", "postal_code": "10500"},
-    "geo": {"lat": 13.7234, "lng": 100.5143},
-    "star_rating": 4.5,
-    "phone": "+66 2 123 4567",
-    "email": "stay@riverside.example",
-    "facilities": ["wifi", "pool", "parking"],
-    "images": [{"url": "https://img.example/h/123/1.jpg", "caption": "Lobby"}],
-    "rooms": [
-        {
-            "room_code": "DLX",
-            "name": "Deluxe King",
-            "bed_type": "KING",
-            "max_occupancy": 2,
-            "rate_plans": [
-                {
-                    "code": "BAR",
-                    "board": "RO",
-                    "refundable": True,
-                    "available": True,
-                    "price": {"amount": "120.50", "currency": "THB"},
-                },
-                {
-                    "code": "NRF",
-                    "board": "BB",
-                    "refundable": False,
-                    "available": True,
-                    "price": {"amount": "99.00", "currency": "THB"},
-                },
-            ],
-        },
+
+def _thai_record() -> dict[str, Any]:
+    """normalize's example record, priced in baht (the city's currency), one plan edited."""
+    record = copy.deepcopy(EXAMPLE)
+    dlx = record["rooms"][0]
+    for plan in dlx["rate_plans"]:
+        plan["price"]["currency"] = "THB"
+    dlx["rate_plans"][1].update(board="BB", available=True)
+    record["rooms"] = [
+        dlx,
         {"room_code": "STD", "name": "Standard", "max_occupancy": 2, "rate_plans": []},
-    ],
-    "status": "ACTIVE",
-    "updated_at": "2026-11-20T10:00:00Z",
-    "version": 17,
-}
+    ]
+    return record
+
+
+RECORD: dict[str, Any] = _thai_record()
 
 
 def _normalized(record: dict[str, Any]) -> dict[str, Any]:
