@@ -39,7 +39,6 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Annotated, Any, Final, Literal, TypeVar
 
+import orjson
 import phonenumbers
 import pycountry
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -68,6 +68,7 @@ __all__ = [
     "content_fields",
     "content_fingerprint",
     "fingerprint",
+    "loads_canonical",
     "normalize_record",
     "normalize_records",
     "price_fields",
@@ -1558,9 +1559,19 @@ def to_primitive(hotel: NormalizedHotel) -> dict[str, Any]:
 
 
 def _dumps(value: object) -> bytes:
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    # orjson: the same compact, sorted, UTF-8 form as the standard library's encoder (only
+    # float exponents differ: 1e-7, not 1e-07) at a fraction of the cost; this runs for
+    # every hotel of every sync. Primitive documents only (to_primitive), so no NaN here.
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def loads_canonical(data: bytes) -> Any:
+    """Decodes JSON written by :func:`canonical_dumps` (our own output, so orjson is exact).
+
+    Untrusted supplier bytes are decoded by the standard library instead: orjson reads an
+    integer beyond 64 bits as a float, which would change what the quality checks see.
+    """
+    return orjson.loads(data)
 
 
 def canonical_dumps(doc: Mapping[str, Any]) -> bytes:

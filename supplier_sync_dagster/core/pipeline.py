@@ -79,6 +79,7 @@ from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_off
 from supplier_sync_dagster.core.normalize import (
     NormalizeResult,
     canonical_dumps,
+    loads_canonical,
     normalize_records,
     to_primitive,
 )
@@ -737,7 +738,7 @@ def _normalized_chunks(
         for line in store.get(row.payload_ref).split(b"\n"):
             if line:
                 fp = hashlib.sha256(line).hexdigest()
-                chunk.append(Candidate(json.loads(line), fp, raw_ref, raw_hash))
+                chunk.append(Candidate(loads_canonical(line), fp, raw_ref, raw_hash))
         if len(chunk) >= chunk_hotels:
             yield chunk
             chunk = []

@@ -34,7 +34,12 @@ from supplier_sync_dagster.core.diff import (
 )
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.mapping import chunks
-from supplier_sync_dagster.core.normalize import canonical_dumps, normalize_records, to_primitive
+from supplier_sync_dagster.core.normalize import (
+    canonical_dumps,
+    loads_canonical,
+    normalize_records,
+    to_primitive,
+)
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import RAW, snapshot_id
 from supplier_sync_dagster.core.quality import check_quality
@@ -264,7 +269,7 @@ def dry_run_city(
                 body = canonical_dumps(doc)
                 candidates.append(
                     Candidate(
-                        json.loads(body),
+                        loads_canonical(body),
                         hashlib.sha256(body).hexdigest(),
                         page.payload_ref,
                         page.payload_hash,
