@@ -25,6 +25,7 @@ skipped = records in the city's stored pages``.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import hashlib
 import itertools
@@ -33,10 +34,10 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -88,6 +89,7 @@ from supplier_sync_dagster.core.publish import publish_hotels
 from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
+from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,8 @@ class SyncSettings:
         sync_mode: FULL or INCREMENTAL (dead letters name it).
         page_size: Hotels per supplier page (1-500).
         chunk_hotels: Hotels per map/diff/publish transaction.
+        memory_hotels: Normalized hotels of a city kept in memory for publishing; a larger
+            city's are read back from its NORMALIZED pages (memory stays bounded).
         lease: Lease duration and heartbeat interval.
         risk_policy: Decides each diff's risk level and action.
     """
@@ -167,6 +171,7 @@ class SyncSettings:
     sync_mode: str = "FULL"
     page_size: int = 100
     chunk_hotels: int = 2000
+    memory_hotels: int = 5000
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     risk_policy: RiskPolicy = default_risk_policy
 
@@ -258,12 +263,33 @@ def sync_city(
         report.resumed_from_page = lease.checkpoint.page
     with HeartbeatRunner(lease) as heartbeat:
         try:
+            normalizer = _Normalizer(
+                lease,
+                store,
+                heartbeat,
+                settings,
+                report,
+                city_countries or {},
+                drift_check=gate is not None,
+            )
             if fetch:
                 if client is None:
                     raise ValueError("fetching needs a supplier client")
-                _fetch(lease, store, client, heartbeat, settings, report)
+                # A walk from the city's first page normalizes each page as it arrives (no
+                # re-read of what was just fetched); a resumed walk normalizes afterwards,
+                # in page order, with the pages stored by the earlier attempt.
+                fresh = lease.checkpoint is None
+                _fetch(
+                    lease,
+                    store,
+                    client,
+                    heartbeat,
+                    settings,
+                    report,
+                    on_page=normalizer.add if fresh else None,
+                )
             if gate is not None:
-                drift = _drift_precheck(db, store, batch.batch_id, city_code, settings.task_code)
+                drift = normalizer.drift_reason()
                 if drift is not None:
                     # Stop before normalizing: a renamed field would otherwise turn every
                     # record of the city into a dead letter.
@@ -275,14 +301,14 @@ def sync_city(
                     report.gate_failures = ["schema_drift"]
                     lease.finish("FAILED", f"quality gate: {drift}", counts=_gated_counts(report))
                     return report
-            _normalize(lease, store, heartbeat, settings, report, city_countries or {})
+            normalizer.finish()
             reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
             if reason is not None:
                 report.status, report.error = "GATED", reason
                 report.gate_failures = [part.split(":")[0].strip() for part in reason.split(" | ")]
                 lease.finish("FAILED", f"quality gate: {reason}", counts=_gated_counts(report))
                 return report
-            _publish(lease, store, heartbeat, settings, report)
+            _publish(lease, store, heartbeat, settings, report, normalizer.candidates)
             heartbeat.check()
             lease.finish("SUCCESS", counts=report.counts)
         except Exception as err:
@@ -304,17 +330,23 @@ DRIFT_SAMPLE_PAGES = 2
 
 
 def _drift_precheck(
-    db: SyncDatabase, store: PayloadStore, batch_id: str, city: str, task_code: str
+    db: SyncDatabase, batch_id: str, city: str, task_code: str, pages: Sequence[Sequence[Any]]
 ) -> str | None:
     """Schema drift judged on the city's first pages, before anything is normalized.
 
     A renamed field changes every record, so the first pages show it; the full check after
     normalization still judges every record. Returns the reason to stop, or None.
+
+    Args:
+        db: The sync database.
+        batch_id: The batch being synced.
+        city: The city.
+        task_code: The task (its previous batch of the city is the reference).
+        pages: The records of the city's first pages (at most ``DRIFT_SAMPLE_PAGES``).
     """
-    raws = _snapshots(db, batch_id, city, RAW)[:DRIFT_SAMPLE_PAGES]
     sample = FieldCounts()
-    for raw in raws:
-        sample.add(json.loads(store.get(raw.payload_ref)).get("hotels") or [])
+    for records in pages:
+        sample.add(records)
     if sample.records == 0:
         return None
     with db.engine.connect() as conn:
@@ -331,7 +363,7 @@ def _drift_precheck(
     result = check_schema_drift(current, previous, thresholds)
     if result.passed:
         return None
-    return f"schema_drift: {result.description} (first {len(raws)} pages)"
+    return f"schema_drift: {result.description} (first {len(pages)} pages)"
 
 
 def largest_first(cities: Sequence[str], hotel_counts: Mapping[str, int]) -> list[str]:
@@ -500,6 +532,19 @@ def _record_snapshots(
     )
 
 
+class _RawPage(NamedTuple):
+    """A stored RAW page: its snapshot row's fields that normalization needs."""
+
+    payload_ref: str
+    payload_hash: str
+    page_number: int | None
+    record_count: int | None
+
+
+PageSink = Callable[[_RawPage, list[Any]], None]
+"""Takes each page right after it is committed: its RAW snapshot and its records."""
+
+
 def _fetch(
     lease: ShardLease,
     store: PayloadStore,
@@ -507,7 +552,14 @@ def _fetch(
     heartbeat: HeartbeatRunner,
     settings: SyncSettings,
     report: CityReport,
+    *,
+    on_page: PageSink | None = None,
 ) -> None:
+    """Walks the city from its checkpoint; each page is stored and checkpointed, then sunk.
+
+    The next page is requested while ``on_page`` works on the current one, but only after
+    the current one is committed: a crash re-fetches at most one page, as without overlap.
+    """
     cp = lease.checkpoint
     if cp is not None and cp.done:
         return
@@ -517,38 +569,66 @@ def _fetch(
         else None
     )
     city = lease.shard_key
-    began = time.perf_counter()
-    for page in client.iter_city(city, page_size=settings.page_size, start=start):
-        heartbeat.check()
-        heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
-        stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
-        pos = page.position
-        row = _snapshot_row(
-            lease,
-            kind=RAW,
-            key_hash=stored.sha256,
-            stored=stored,
-            page_number=page.page_number,
-            record_count=len(page.page.hotels),
-        )
-        with lease.db.begin() as conn:
-            _record_snapshots(conn, lease, settings, RAW, [row])
-            lease.advance(
-                Checkpoint(
-                    city,
-                    page=pos.page,
-                    cursor=pos.cursor,
-                    last_supplier_hotel_id=pos.last_hotel_id,
-                    done=pos.done,
-                ),
-                PageCounts(),
-                total_pages=page.page.total_pages,
-                fetched=len(page.page.hotels),
-                conn=conn,
-            )
-        report.pages_fetched += 1
-        collect_garbage()
-    report.seconds["fetch"] += time.perf_counter() - began
+    pages = client.iter_city(city, page_size=settings.page_size, start=start)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as ahead:
+        pending = ahead.submit(next, pages, None)
+        try:
+            while True:
+                began = time.perf_counter()
+                page = pending.result()
+                if page is None:
+                    report.seconds["fetch"] += time.perf_counter() - began
+                    break
+                heartbeat.check()
+                heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
+                stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
+                pos = page.position
+                row = _snapshot_row(
+                    lease,
+                    kind=RAW,
+                    key_hash=stored.sha256,
+                    stored=stored,
+                    page_number=page.page_number,
+                    record_count=len(page.page.hotels),
+                )
+                with lease.db.begin() as conn:
+                    _record_snapshots(conn, lease, settings, RAW, [row])
+                    lease.advance(
+                        Checkpoint(
+                            city,
+                            page=pos.page,
+                            cursor=pos.cursor,
+                            last_supplier_hotel_id=pos.last_hotel_id,
+                            done=pos.done,
+                        ),
+                        PageCounts(),
+                        total_pages=page.page.total_pages,
+                        fetched=len(page.page.hotels),
+                        conn=conn,
+                    )
+                report.pages_fetched += 1
+                pending = ahead.submit(next, pages, None)
+                report.seconds["fetch"] += time.perf_counter() - began
+                if on_page is not None:
+                    on_page(
+                        _RawPage(stored.ref, stored.sha256, page.page_number, row["record_count"]),
+                        _unwrap(page.page.hotels),
+                    )
+                collect_garbage()
+        finally:
+            # The generator must not be closed while the prefetch thread is inside it.
+            with contextlib.suppress(Exception):  # that error is already on its way
+                pending.result()
+            close = getattr(pages, "close", None)
+            if close is not None:
+                close()
+
+
+def _unwrap(records: list[dict[str, Any]]) -> list[Any]:
+    """The page's records as decoded from JSON (the client wraps non-object entries)."""
+    return [
+        r[MALFORMED_RECORD_KEY] if len(r) == 1 and MALFORMED_RECORD_KEY in r else r for r in records
+    ]
 
 
 def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[sa.Row[Any]]:
@@ -565,61 +645,140 @@ def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[sa
 
 @dataclass
 class _Page:
-    """A raw page being normalized: its snapshot row, outcomes and canonical documents."""
+    """A raw page being normalized: its snapshot, outcomes and canonical documents."""
 
-    raw: sa.Row[Any]
+    raw: _RawPage
     result: NormalizeResult
     docs: list[dict[str, Any]]
 
 
-def _normalize(
-    lease: ShardLease,
-    store: PayloadStore,
-    heartbeat: HeartbeatRunner,
-    settings: SyncSettings,
-    report: CityReport,
-    city_countries: Mapping[str, str],
-) -> None:
-    db, city = lease.db, lease.shard_key
-    began = time.perf_counter()
-    done = {row.payload_hash for row in _snapshots(db, lease.batch_id, city, NORMALIZED)}
-    report.records = 0
-    report.dead_letters = 0
-    report.moved = 0
-    report.dead_letters_by_code.clear()
-    fields = FieldCounts()
-    rows: list[dict[str, Any]] = []
-    letters: list[DeadLetter] = []
-    pages: list[_Page] = []
-    buffered = 0
+class _Normalizer:
+    """Normalizes a city's raw pages, page by page, validating them a chunk at a time.
 
-    def write() -> None:
-        # Normalizing is a pure function of the stored raw pages, so its rows are written
-        # every few pages rather than per page: a crash only repeats that work, and a
-        # concurrent worker waits for the write lock (SQLite) less often.
-        if not rows and not letters:
-            return
-        with db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={city}")
-            _record_snapshots(conn, lease, settings, NORMALIZED, rows)
-            record_dead_letters(
-                conn,
-                db.clock,
-                batch_id=lease.batch_id,
-                task_code=settings.task_code,
-                sync_mode=settings.sync_mode,
-                supplier_id=settings.supplier_id,
-                letters=letters,
+    Pages come from the fetch as they are committed (:meth:`add`) and, in :meth:`finish`,
+    from the store for every stored RAW page not seen yet (a resumed walk, a replay). Each
+    page's kept documents are stored as a NORMALIZED page and its rejected records become
+    dead letters. With ``drift_check``, the first ``DRIFT_SAMPLE_PAGES`` pages wait until
+    schema drift has been judged on them: a drifted city is not normalized at all.
+
+    While the city stays within ``settings.memory_hotels`` kept documents, they are also kept
+    as publish candidates (:attr:`candidates`), so publishing does not read them back.
+    """
+
+    def __init__(
+        self,
+        lease: ShardLease,
+        store: PayloadStore,
+        heartbeat: HeartbeatRunner,
+        settings: SyncSettings,
+        report: CityReport,
+        city_countries: Mapping[str, str],
+        *,
+        drift_check: bool,
+    ) -> None:
+        self.lease, self.store, self.heartbeat = lease, store, heartbeat
+        self.settings, self.report, self.city_countries = settings, report, city_countries
+        self.city = lease.shard_key
+        self.done = {
+            row.payload_hash for row in _snapshots(lease.db, lease.batch_id, self.city, NORMALIZED)
+        }
+        report.records = 0
+        report.dead_letters = 0
+        report.moved = 0
+        report.dead_letters_by_code.clear()
+        self.fields = FieldCounts()
+        self.seen: set[str] = set()
+        self.rows: list[dict[str, Any]] = []
+        self.letters: list[DeadLetter] = []
+        self.pages: list[_Page] = []
+        self.buffered = 0
+        self.candidates: list[Candidate] | None = []
+        self._drift_pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
+        self._drift: str | None = None
+        self._drift_judged = not drift_check
+
+    def drift_reason(self) -> str | None:
+        """Judges schema drift (once) on the first pages; the reason to stop, or None."""
+        if not self._drift_judged:
+            self._drift_judged = True
+            if self._drift_pending is None or not self._drift_pending:
+                # Nothing arrived from a fetch: judge the stored pages (resumed walk, replay).
+                raws = _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW)
+                sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
+            else:
+                sample = [records for _, records in self._drift_pending]
+            self._drift = _drift_precheck(
+                self.lease.db, self.lease.batch_id, self.city, self.settings.task_code, sample
             )
-        rows.clear()
-        letters.clear()
+            pending, self._drift_pending = self._drift_pending or [], None
+            if self._drift is None:
+                for raw, records in pending:
+                    self._normalize(raw, records)
+        return self._drift
 
-    def validate() -> None:
+    def add(self, raw: _RawPage, records: list[Any]) -> None:
+        """Takes a page just committed by the fetch."""
+        if self._drift_pending is not None and not self._drift_judged:
+            self._drift_pending.append((raw, records))
+            if len(self._drift_pending) >= DRIFT_SAMPLE_PAGES:
+                self.drift_reason()
+            return
+        if self._drift is None:
+            self._normalize(raw, records)
+
+    def finish(self) -> None:
+        """Normalizes the stored pages not seen yet, validates the rest, records the profile."""
+        if self.drift_reason() is not None:
+            raise RuntimeError("a city with schema drift is not normalized")
+        for raw in _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW):
+            if raw.payload_hash not in self.seen:
+                self._normalize(
+                    _RawPage(raw.payload_ref, raw.payload_hash, raw.page_number, raw.record_count),
+                    self._load(raw),
+                )
+        began = time.perf_counter()
+        self._validate()
+        report, lease = self.report, self.lease
+        with lease.db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
+            record_city_profile(
+                conn,
+                lease.db.clock,
+                batch_id=lease.batch_id,
+                task_code=self.settings.task_code,
+                shard_key=self.city,
+                record_count=report.records,
+                bad_count=report.dead_letters,
+                field_counts=self.fields,
+            )
+        report.seconds["normalize"] += time.perf_counter() - began
+
+    def _load(self, raw: Any) -> list[Any]:
+        return list(json.loads(self.store.get(raw.payload_ref)).get("hotels") or [])
+
+    def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
+        if raw.payload_hash in self.seen:
+            return  # the same page bytes again (a walk re-reads overlapping pages)
+        began = time.perf_counter()
+        self.seen.add(raw.payload_hash)
+        self.heartbeat.check()
+        self.heartbeat.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
+        self.report.records += int(raw.record_count or 0)
+        self.fields.add(records)
+        result = normalize_records(records)
+        self.pages.append(_Page(raw, result, [to_primitive(h) for h in result.hotels]))
+        self.buffered += len(result.hotels)
+        if self.buffered >= self.settings.chunk_hotels:
+            self._validate()
+        self.report.seconds["normalize"] += time.perf_counter() - began
+
+    def _validate(self) -> None:
         # Row-level quality runs over many pages at once: its cost is mostly per call.
+        pages, report = self.pages, self.report
         docs = [d for page in pages for d in page.docs]
         failed: dict[int, DeadLetter] = {}
         if docs:
-            quality = check_quality(docs, city_code=city, city_countries=city_countries)
+            quality = check_quality(docs, city_code=self.city, city_countries=self.city_countries)
             report.moved += len(quality.moved)
             starts = list(itertools.accumulate((len(p.docs) for p in pages), initial=0))
             for f in quality.failures:
@@ -661,13 +820,15 @@ def _normalize(
             # attempt, so that the shard's counts describe all of its records.
             report.dead_letters += len(page_letters)
             report.dead_letters_by_code.update(d.error_code for d in page_letters)
-            body = b"\n".join(canonical_dumps(d) for d in kept)
-            if hashlib.sha256(body).hexdigest() in done and not page_letters:
+            lines = [canonical_dumps(d) for d in kept]
+            self._keep(kept, lines, raw)
+            body = b"\n".join(lines)
+            if hashlib.sha256(body).hexdigest() in self.done and not page_letters:
                 continue
-            stored = store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
-            rows.append(
+            stored = self.store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
+            self.rows.append(
                 _snapshot_row(
-                    lease,
+                    self.lease,
                     kind=NORMALIZED,
                     key_hash=raw.payload_hash,
                     stored=stored,
@@ -676,37 +837,43 @@ def _normalize(
                     source_hash=raw.payload_hash,
                 )
             )
-            letters.extend(page_letters)
+            self.letters.extend(page_letters)
         pages.clear()
-        write()
+        self.buffered = 0
+        self._write()
 
-    for raw in _snapshots(db, lease.batch_id, city, RAW):
-        heartbeat.check()
-        heartbeat.report("NORMALIZING", f"city={city} page={raw.page_number}")
-        report.records += int(raw.record_count or 0)
-        records = json.loads(store.get(raw.payload_ref)).get("hotels") or []
-        fields.add(records)
-        result = normalize_records(records)
-        pages.append(_Page(raw, result, [to_primitive(h) for h in result.hotels]))
-        collect_garbage()
-        buffered += len(result.hotels)
-        if buffered >= settings.chunk_hotels:
-            validate()
-            buffered = 0
-    validate()
-    with db.begin() as conn:
-        lease.fence(conn, "NORMALIZING", f"city={city} profile")
-        record_city_profile(
-            conn,
-            db.clock,
-            batch_id=lease.batch_id,
-            task_code=settings.task_code,
-            shard_key=city,
-            record_count=report.records,
-            bad_count=report.dead_letters,
-            field_counts=fields,
+    def _keep(self, docs: list[dict[str, Any]], lines: list[bytes], raw: _RawPage) -> None:
+        if self.candidates is None:
+            return
+        if len(self.candidates) + len(docs) > self.settings.memory_hotels:
+            self.candidates = None  # a large city: publishing reads its pages back
+            return
+        self.candidates.extend(
+            Candidate(doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash)
+            for doc, line in zip(docs, lines, strict=True)
         )
-    report.seconds["normalize"] += time.perf_counter() - began
+
+    def _write(self) -> None:
+        # Normalizing is a pure function of the stored raw pages, so its rows are written
+        # every few pages rather than per page: a crash only repeats that work, and a
+        # concurrent worker waits for the write lock (SQLite) less often.
+        if not self.rows and not self.letters:
+            return
+        lease, settings = self.lease, self.settings
+        with lease.db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={self.city}")
+            _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
+            record_dead_letters(
+                conn,
+                lease.db.clock,
+                batch_id=lease.batch_id,
+                task_code=settings.task_code,
+                sync_mode=settings.sync_mode,
+                supplier_id=settings.supplier_id,
+                letters=self.letters,
+            )
+        self.rows.clear()
+        self.letters.clear()
 
 
 def _normalized_chunks(
@@ -752,14 +919,26 @@ def _publish(
     heartbeat: HeartbeatRunner,
     settings: SyncSettings,
     report: CityReport,
+    candidates: Sequence[Candidate] | None = None,
 ) -> None:
+    """Maps, diffs and publishes the city chunk by chunk.
+
+    ``candidates`` are the city's normalized documents when normalization kept them all in
+    memory; otherwise they are read back from the city's NORMALIZED pages.
+    """
     db, city = lease.db, lease.shard_key
     began = time.perf_counter()
     report.published = 0
     report.skipped = 0
     report.duplicates = 0
     report.held_for_review = 0
-    for chunk in _normalized_chunks(db, store, lease.batch_id, city, settings.chunk_hotels):
+    size = settings.chunk_hotels
+    chunks_: Iterable[Sequence[Candidate]] = (
+        _normalized_chunks(db, store, lease.batch_id, city, size)
+        if candidates is None
+        else (candidates[i : i + size] for i in range(0, len(candidates), size))
+    )
+    for chunk in chunks_:
         heartbeat.check()
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
         cands = collapse_duplicates(chunk)
