@@ -76,7 +76,11 @@ from supplier_sync_dagster.core.leases import (
     list_shards,
     reopen_shard,
 )
-from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
+from supplier_sync_dagster.core.mapping import (
+    OfferKey,
+    ensure_hotel_mappings,
+    ensure_offer_mappings,
+)
 from supplier_sync_dagster.core.normalize import (
     NormalizeResult,
     canonical_dumps,
@@ -85,7 +89,7 @@ from supplier_sync_dagster.core.normalize import (
     to_primitive,
 )
 from supplier_sync_dagster.core.payloads import PayloadStore, StoredPayload
-from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
 from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
@@ -943,9 +947,36 @@ def _publish(
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
         cands = collapse_duplicates(chunk)
         report.duplicates += len(chunk) - len(cands)
+        # Ids are allocated in short transactions of their own (idempotent: after a crash
+        # the re-run reuses them), diffs are computed from a read snapshot and every row is
+        # built before the transaction that publishes: a concurrent worker waits for the
+        # SQLite write lock only while statements run. The version guard in that
+        # transaction keeps a concurrent publish of the same hotel correct.
+        with db.begin() as conn:
+            lease.fence(conn, "PUBLISHING", f"city={city} mappings")
+            maps = ensure_hotel_mappings(
+                conn,
+                db.clock,
+                supplier_id=settings.supplier_id,
+                batch_id=lease.batch_id,
+                hotel_ids=[c.supplier_hotel_id for c in cands],
+            )
+        with db.engine.connect() as conn:
+            diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
+        by_id = {c.supplier_hotel_id: c for c in cands}
+        items = [(d, by_id[d.supplier_hotel_id]) for d in diffs]
+        offer_ids: dict[OfferKey, int] = {}
+        if any(d.action == "AUTO_PUBLISH" for d in diffs):
+            with db.begin() as conn:
+                offer_ids = _offer_ids(conn, lease, cands, settings, diffs)
+        plan = prepare_publish(
+            supplier_id=settings.supplier_id,
+            batch_id=lease.batch_id,
+            items=items,
+            offer_ids=offer_ids,
+        )
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={city}")
-            diffs = _map_and_diff(conn, lease, cands, settings)
             record_diffs(
                 conn,
                 db.clock,
@@ -954,22 +985,22 @@ def _publish(
                 supplier_id=settings.supplier_id,
                 diffs=diffs,
             )
-            by_id = {c.supplier_hotel_id: c for c in cands}
             report.held_for_review += hold_for_review(
                 conn,
                 db.clock,
                 batch_id=lease.batch_id,
                 shard_key=city,
                 supplier_id=settings.supplier_id,
-                items=[(d, by_id[d.supplier_hotel_id]) for d in diffs if d.action == "REVIEW"],
+                items=[(d, c) for d, c in items if d.action == "REVIEW"],
             )
             result = publish_hotels(
                 conn,
                 db.clock,
                 supplier_id=settings.supplier_id,
                 batch_id=lease.batch_id,
-                items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
-                offer_ids=_offer_ids(conn, lease, cands, settings, diffs),
+                items=items,
+                offer_ids=offer_ids,
+                plan=plan,
             )
         collect_garbage()
         report.diffs_by_type.update(d.diff_type for d in diffs)
@@ -989,19 +1020,6 @@ def _publish(
             f"{report.dead_letters} dead letters + {report.skipped} skipped"
         )
     report.seconds["publish"] += time.perf_counter() - began
-
-
-def _map_and_diff(
-    conn: Connection, lease: ShardLease, cands: Sequence[Candidate], settings: SyncSettings
-) -> list[HotelDiff]:
-    maps = ensure_hotel_mappings(
-        conn,
-        lease.db.clock,
-        supplier_id=settings.supplier_id,
-        batch_id=lease.batch_id,
-        hotel_ids=[c.supplier_hotel_id for c in cands],
-    )
-    return compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
 
 
 def _offer_ids(

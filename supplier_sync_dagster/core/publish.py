@@ -79,6 +79,57 @@ class PublishResult:
     events: int
 
 
+@dataclass(frozen=True)
+class PublishPlan:
+    """Everything a publish writes, built before its transaction (no lock held meanwhile).
+
+    Offers and events are built for the versions the diffs expect: publish version one
+    above the published one (1 for a new hotel) and the candidate's supplier version.
+    :func:`publish_hotels` rebuilds the few whose written versions differ (a concurrent
+    publish of the same hotel in between).
+    """
+
+    todo: list[tuple[HotelDiff, Candidate]]
+    hotel_rows: list[dict[str, Any]]
+    offer_rows: dict[int, list[dict[str, Any]]]  # by resource id
+    events: dict[int, list[dict[str, Any]]]  # by resource id
+    expected: dict[int, tuple[int, int]]  # resource id -> (publish version, supplier version)
+
+
+def prepare_publish(
+    *,
+    supplier_id: int,
+    batch_id: str,
+    items: Sequence[tuple[HotelDiff, Candidate]],
+    offer_ids: Mapping[OfferKey, int],
+) -> PublishPlan:
+    """Builds the rows of a publish of ``items``' AUTO_PUBLISH diffs (pure, no database).
+
+    Args:
+        supplier_id: The supplier.
+        batch_id: The batch publishing.
+        items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are kept.
+        offer_ids: Platform offer ids of every (hotel, room, rate plan) of the kept ones.
+    """
+    todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
+    expected = {
+        d.platform_resource_id: ((d.old_publish_version or 0) + 1, c.version) for d, c in todo
+    }
+    return PublishPlan(
+        todo=todo,
+        hotel_rows=[_hotel_row(d, c, supplier_id, batch_id) for d, c in todo],
+        offer_rows={
+            d.platform_resource_id: _offer_rows(d, c, offer_ids, expected[d.platform_resource_id])
+            for d, c in todo
+        },
+        events={
+            d.platform_resource_id: _hotel_events(batch_id, d, c, expected[d.platform_resource_id])
+            for d, c in todo
+        },
+        expected=expected,
+    )
+
+
 def publish_hotels(
     conn: Connection,
     clock: DbClock,
@@ -87,6 +138,7 @@ def publish_hotels(
     batch_id: str,
     items: Sequence[tuple[HotelDiff, Candidate]],
     offer_ids: Mapping[OfferKey, int],
+    plan: PublishPlan | None = None,
 ) -> PublishResult:
     """Publishes AUTO_PUBLISH diffs with their offers and outbox events, in ``conn``'s transaction.
 
@@ -97,12 +149,25 @@ def publish_hotels(
         batch_id: The batch publishing.
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are written.
         offer_ids: Platform offer ids of every (hotel, room, rate plan) of the candidates.
+        plan: The rows, built beforehand by :func:`prepare_publish` from the same arguments
+            (keeps a SQLite write lock short); built here when None.
     """
-    todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
+    if plan is None:
+        plan = prepare_publish(
+            supplier_id=supplier_id, batch_id=batch_id, items=items, offer_ids=offer_ids
+        )
+    todo = plan.todo
     if not todo:
         return PublishResult([], [], 0)
     token = uuid.uuid4().hex
-    _upsert_hotels(conn, clock, supplier_id, batch_id, token, todo)
+    now = bind_values(conn, {"now": clock.now()})["now"]
+    execute_many(
+        conn,
+        ("publish_hotels",),
+        lambda: _hotel_upsert(conn),
+        plan.hotel_rows,
+        fixed={"publish_token": token, "published_at": now},
+    )
     rids = [d.platform_resource_id for d, _ in todo]
     written: dict[int, tuple[int, int]] = {}
     h = t.platform_hotel.c
@@ -114,8 +179,17 @@ def publish_hotels(
         ):
             written[int(rid)] = (int(pv), int(sv))
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
-    _replace_offers(conn, clock, done, offer_ids, written)
-    events = _events(batch_id, done, written)
+    offers: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for d, c in done:
+        rid = d.platform_resource_id
+        if written[rid] == plan.expected[rid]:
+            offers += plan.offer_rows[rid]
+            events += plan.events[rid]
+        else:  # another publish of this hotel committed in between: other versions
+            offers += _offer_rows(d, c, offer_ids, written[rid])
+            events += _hotel_events(batch_id, d, c, written[rid])
+    _replace_offers(conn, clock, [d.platform_resource_id for d, _ in done], offers)
     insert_ignore(conn, t.outbox, events, batch_id=batch_id, created_at=clock.now())
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
@@ -125,9 +199,7 @@ def publish_hotels(
     return PublishResult(published, not_newer, len(events))
 
 
-def _hotel_row(
-    diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str, token: str
-) -> dict[str, Any]:
+def _hotel_row(diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str) -> dict[str, Any]:
     doc = cand.doc
     return {
         "resource_id": diff.platform_resource_id,
@@ -156,23 +228,7 @@ def _hotel_row(
         "raw_payload_ref": cand.raw_payload_ref,
         "raw_payload_hash": cand.raw_payload_hash,
         "last_batch_id": batch_id,
-        "publish_token": token,
     }
-
-
-def _upsert_hotels(
-    conn: Connection,
-    clock: DbClock,
-    supplier_id: int,
-    batch_id: str,
-    token: str,
-    todo: Sequence[tuple[HotelDiff, Candidate]],
-) -> None:
-    now = bind_values(conn, {"now": clock.now()})["now"]
-    rows = [_hotel_row(d, c, supplier_id, batch_id, token) for d, c in todo]
-    execute_many(
-        conn, ("publish_hotels",), lambda: _hotel_upsert(conn), rows, fixed={"published_at": now}
-    )
 
 
 def _hotel_upsert(conn: Connection) -> Any:
@@ -216,46 +272,50 @@ def _hotel_upsert(conn: Connection) -> Any:
     return ins_m.on_duplicate_key_update(assignments)
 
 
-def _replace_offers(
-    conn: Connection,
-    clock: DbClock,
-    done: Sequence[tuple[HotelDiff, Candidate]],
+def _offer_rows(
+    diff: HotelDiff,
+    cand: Candidate,
     offer_ids: Mapping[OfferKey, int],
-    written: Mapping[int, tuple[int, int]],
+    versions: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """The hotel's offers as platform rows, stamped with its (publish, supplier) versions."""
+    pv, sv = versions
+    rows = []
+    for room in cand.doc.get("rooms") or ():
+        for plan in room.get("rate_plans") or ():
+            key = (cand.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
+            rows.append(
+                {
+                    "offer_id": offer_ids[key],
+                    "resource_id": diff.platform_resource_id,
+                    "room_code": key[1],
+                    "rate_plan_code": key[2],
+                    "room_name": room.get("name"),
+                    "bed_type": room.get("bed_type"),
+                    "max_occupancy": room.get("max_occupancy"),
+                    "board": plan.get("board"),
+                    "refundable": plan.get("refundable"),
+                    "available": bool(plan.get("available")),
+                    "price_amount": Decimal(str(plan["price"])),
+                    "currency": plan["currency"],
+                    "supplier_version": sv,
+                    "publish_version": pv,
+                }
+            )
+    return rows
+
+
+def _replace_offers(
+    conn: Connection, clock: DbClock, rids: Sequence[int], rows: Sequence[dict[str, Any]]
 ) -> None:
-    """The published hotels' offers become exactly their candidates' offers.
+    """The published hotels' offers become exactly ``rows``.
 
     Only hotels this call wrote get here, and their rows stay locked until commit, so no
     concurrent publish of another version can interleave with these offer writes.
     """
-    if not done:
+    if not rids:
         return
-    rows = []
-    for diff, cand in done:
-        pv, sv = written[diff.platform_resource_id]
-        for room in cand.doc.get("rooms") or ():
-            for plan in room.get("rate_plans") or ():
-                key = (cand.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
-                rows.append(
-                    {
-                        "offer_id": offer_ids[key],
-                        "resource_id": diff.platform_resource_id,
-                        "room_code": key[1],
-                        "rate_plan_code": key[2],
-                        "room_name": room.get("name"),
-                        "bed_type": room.get("bed_type"),
-                        "max_occupancy": room.get("max_occupancy"),
-                        "board": plan.get("board"),
-                        "refundable": plan.get("refundable"),
-                        "available": bool(plan.get("available")),
-                        "price_amount": Decimal(str(plan["price"])),
-                        "currency": plan["currency"],
-                        "supplier_version": sv,
-                        "publish_version": pv,
-                    }
-                )
     o = t.platform_offer.c
-    rids = [d.platform_resource_id for d, _ in done]
     for part in chunks(rids):
         conn.execute(
             sa.update(t.platform_offer)
@@ -279,45 +339,41 @@ def _replace_offers(
     execute_many(conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": now})
 
 
-def _events(
-    batch_id: str,
-    done: Sequence[tuple[HotelDiff, Candidate]],
-    written: Mapping[int, tuple[int, int]],
+def _hotel_events(
+    batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
 ) -> list[dict[str, Any]]:
-    events = []
-    for diff, cand in done:
-        rid = diff.platform_resource_id
-        pv, sv = written[rid]
-        types = list(HOTEL_EVENTS)
-        if diff.diff_type in CONTENT_DIFFS:
-            types.append("HotelContentChanged")
-        if diff.diff_type == "NEW":
-            types.append("HotelMappingCreated")
-        # One encoding per hotel: its events differ only by their type, which comes first.
-        body = json.dumps(
-            {
-                "resource_id": rid,
-                "publish_version": pv,
-                "supplier_hotel_id": cand.supplier_hotel_id,
-                "supplier_version": sv,
-                "diff_type": diff.diff_type,
-                "changed_fields": [c["field"] for c in diff.changed_fields][:50],
-                "batch_id": batch_id,
-            },
-            ensure_ascii=False,
-        )
-        for event_type in types:
-            events.append(
-                {
-                    "event_id": event_id(event_type, rid, pv),
-                    "event_type": event_type,
-                    "aggregate_type": "HOTEL",
-                    "aggregate_id": rid,
-                    "aggregate_version": pv,
-                    "payload": f'{{"event_type": "{event_type}", {body[1:]}',
-                }
-            )
-    return events
+    """The outbox events of one published version of a hotel."""
+    rid = diff.platform_resource_id
+    pv, sv = versions
+    types = list(HOTEL_EVENTS)
+    if diff.diff_type in CONTENT_DIFFS:
+        types.append("HotelContentChanged")
+    if diff.diff_type == "NEW":
+        types.append("HotelMappingCreated")
+    # One encoding per hotel: its events differ only by their type, which comes first.
+    body = json.dumps(
+        {
+            "resource_id": rid,
+            "publish_version": pv,
+            "supplier_hotel_id": cand.supplier_hotel_id,
+            "supplier_version": sv,
+            "diff_type": diff.diff_type,
+            "changed_fields": [c["field"] for c in diff.changed_fields][:50],
+            "batch_id": batch_id,
+        },
+        ensure_ascii=False,
+    )
+    return [
+        {
+            "event_id": event_id(event_type, rid, pv),
+            "event_type": event_type,
+            "aggregate_type": "HOTEL",
+            "aggregate_id": rid,
+            "aggregate_version": pv,
+            "payload": f'{{"event_type": "{event_type}", {body[1:]}',
+        }
+        for event_type in types
+    ]
 
 
 def event_id(event_type: str, resource_id: int, publish_version: int) -> str:
