@@ -273,7 +273,7 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
     h, o = t.platform_hotel.c, t.platform_offer.c
     ids = sorted(set(resource_ids))
     for part in chunks(ids):
-        for row in conn.execute(sa.select(t.platform_hotel).where(h.resource_id.in_(part))):
+        for row in conn.execute(sa.select(t.platform_hotel).where(h.resource_id.in_(part))).all():
             m = row._mapping
             out[m["resource_id"]] = {
                 "supplier_version": m["supplier_version"],
@@ -299,7 +299,7 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
             }
         for row in conn.execute(
             sa.select(t.platform_offer).where(o.resource_id.in_(part), o.active.is_(True))
-        ):
+        ).all():
             m = row._mapping
             pub = out.get(m["resource_id"])
             if pub is None:

@@ -69,7 +69,7 @@ def ensure_hotel_mappings(
             sa.select(c.supplier_hotel_id, c.id, c.created_batch_id).where(
                 c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
             )
-        ):
+        ).all():
             resource_ids[hotel_id] = int(rid)
             if made_by == batch_id:
                 created.add(hotel_id)
@@ -112,7 +112,7 @@ def ensure_offer_mappings(
             sa.select(c.supplier_hotel_id, c.room_code, c.rate_plan_code, c.id).where(
                 c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
             )
-        ):
+        ).all():
             if (h, room, plan) in wanted:
                 out[(h, room, plan)] = int(oid)
     return out

@@ -11,7 +11,6 @@ the same version write once and emit once, and an older version never overwrites
 from __future__ import annotations
 
 import hashlib
-import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -176,7 +176,7 @@ def publish_hotels(
             sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
                 h.resource_id.in_(part), h.publish_token == token
             )
-        ):
+        ).all():
             written[int(rid)] = (int(pv), int(sv))
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
     offers: list[dict[str, Any]] = []
@@ -221,8 +221,8 @@ def _hotel_row(diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str
         else None,
         "phone": doc.get("phone_e164"),
         "email": doc.get("email"),
-        "facilities": json.dumps(list(doc.get("facilities") or ()), ensure_ascii=False),
-        "images": json.dumps(list(doc.get("images") or ()), ensure_ascii=False),
+        "facilities": _json_text(doc.get("facilities") or []),
+        "images": _json_text(doc.get("images") or []),
         "status": doc["status"],
         "supplier_updated_at": _utc(doc["updated_at"]),
         "raw_payload_ref": cand.raw_payload_ref,
@@ -351,7 +351,7 @@ def _hotel_events(
     if diff.diff_type == "NEW":
         types.append("HotelMappingCreated")
     # One encoding per hotel: its events differ only by their type, which comes first.
-    body = json.dumps(
+    body = _json_text(
         {
             "resource_id": rid,
             "publish_version": pv,
@@ -360,8 +360,7 @@ def _hotel_events(
             "diff_type": diff.diff_type,
             "changed_fields": [c["field"] for c in diff.changed_fields][:50],
             "batch_id": batch_id,
-        },
-        ensure_ascii=False,
+        }
     )
     return [
         {
@@ -370,10 +369,15 @@ def _hotel_events(
             "aggregate_type": "HOTEL",
             "aggregate_id": rid,
             "aggregate_version": pv,
-            "payload": f'{{"event_type": "{event_type}", {body[1:]}',
+            "payload": f'{{"event_type":"{event_type}",{body[1:]}',
         }
         for event_type in types
     ]
+
+
+def _json_text(value: Any) -> str:
+    """Compact JSON text of documents already in primitive form (see ``normalize``)."""
+    return orjson.dumps(value).decode()
 
 
 def event_id(event_type: str, resource_id: int, publish_version: int) -> str:
