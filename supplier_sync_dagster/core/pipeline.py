@@ -29,7 +29,6 @@ import contextlib
 import gc
 import hashlib
 import itertools
-import json
 import logging
 import threading
 import time
@@ -93,7 +92,7 @@ from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
 from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
-from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY
+from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY, decode_json
 
 log = logging.getLogger(__name__)
 
@@ -758,7 +757,7 @@ class _Normalizer:
         report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: Any) -> list[Any]:
-        return list(json.loads(self.store.get(raw.payload_ref)).get("hotels") or [])
+        return list(decode_json(self.store.get(raw.payload_ref)).get("hotels") or [])
 
     def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
         if raw.payload_hash in self.seen:

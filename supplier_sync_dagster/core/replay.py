@@ -43,6 +43,7 @@ from supplier_sync_dagster.core.normalize import (
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import RAW, snapshot_id
 from supplier_sync_dagster.core.quality import check_quality
+from supplier_sync_dagster.core.supplier.models import decode_json
 
 
 def latest_raw_batch(db: SyncDatabase, *, task_code: str, city_code: str) -> str | None:
@@ -259,7 +260,7 @@ def dry_run_city(
         ).all()
         candidates: list[Candidate] = []
         for page in pages:
-            records = json.loads(store.get(page.payload_ref)).get("hotels") or []
+            records = decode_json(store.get(page.payload_ref)).get("hotels") or []
             report.records += len(records)
             result = normalize_records(records)
             report.dead_letters += len(result.rejections)

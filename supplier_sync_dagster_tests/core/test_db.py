@@ -69,3 +69,48 @@ def test_clock_is_the_database_clock_and_shifts_without_sleeping(db_url: str):
     db.dispose()
     assert 3600 <= (after - before).total_seconds() < 3605
     assert abs((shifted - before).total_seconds()) < 5
+
+
+def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
+    """The generated bind step (dates as text on MySQL included) matches SQLAlchemy's own."""
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from supplier_sync_dagster.core import schema as t
+    from supplier_sync_dagster.core.db import execute_many
+
+    def row(offer_id: int, i: int) -> dict[str, object]:
+        return {
+            "offer_id": offer_id,
+            "resource_id": 7,
+            "room_code": f"R{i}é",
+            "rate_plan_code": "BAR",
+            "room_name": None if i % 2 else "Deluxe 'quoted' \\ room",
+            "bed_type": "KING",
+            "max_occupancy": i,
+            "board": None,
+            "refundable": bool(i % 2),
+            "available": True,
+            "price_amount": Decimal("1234.5678") + i,
+            "currency": "THB",
+            "supplier_version": 2**40 + i,
+            "publish_version": i,
+            "updated_at": datetime(2026, 11, 30, 5, 6, 7, 890123 if i % 2 else 0),
+        }
+
+    fixed = {"active": True}
+    with db.begin() as conn:
+        ours = [row(100 + i, i) for i in range(5)]
+        execute_many(conn, ("test_offers",), lambda: sa.insert(t.platform_offer), ours, fixed=fixed)
+        theirs = [{**row(200 + i, i), **fixed} for i in range(5)]
+        conn.execute(sa.insert(t.platform_offer), theirs)
+        aware = [{**row(300, 1), "updated_at": datetime(2026, 11, 30, 5, 6, 7, 1, tzinfo=UTC)}]
+        execute_many(conn, ("test_offers",), lambda: sa.insert(t.platform_offer), aware, fixed=fixed)
+    with db.engine.connect() as conn:
+        got = {
+            r.offer_id: {k: v for k, v in r._mapping.items() if k != "offer_id"}
+            for r in conn.execute(sa.select(t.platform_offer))
+        }
+    for i in range(5):
+        assert got[100 + i] == got[200 + i]
+    assert got[300]["updated_at"] == datetime(2026, 11, 30, 5, 6, 7, 1)

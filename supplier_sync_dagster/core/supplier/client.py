@@ -16,7 +16,6 @@ sent as ``%2E``; dots inside longer codes (``a..b``) are not special and are sen
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import threading
@@ -53,6 +52,7 @@ from supplier_sync_dagster.core.supplier.models import (
     OfferRequest,
     PagePosition,
     RateLimitInfo,
+    decode_json,
 )
 from supplier_sync_dagster.core.supplier.ratelimit import CityRateLimiters, RateLimiter
 from supplier_sync_dagster.core.supplier.retry import RetryPolicy, parse_retry_after
@@ -910,7 +910,7 @@ def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     if not raw:
         return None, "an empty body"
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = decode_json(raw)
     except UnicodeDecodeError:
         return None, "a body that is not UTF-8"
     except ValueError:

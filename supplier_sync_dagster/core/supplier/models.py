@@ -13,11 +13,14 @@ Two kinds of model live here:
 from __future__ import annotations
 
 import enum
+import json
+import re
 from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
+import orjson
 from pydantic import (
     AwareDatetime,
     BaseModel,
@@ -30,6 +33,30 @@ from pydantic import (
 #: Key under which a non-object entry of a ``hotels``/``changes`` array is wrapped, so that the
 #: page still validates and normalization can dead-letter the entry instead of losing it.
 MALFORMED_RECORD_KEY = "_malformed_record"
+
+# 19 digits in a row: an integer that may not fit 64 bits (or a long fraction).
+_LONG_DIGITS = re.compile(rb"\d{19}")
+
+
+def decode_json(raw: bytes) -> Any:
+    """``json.loads(raw.decode("utf-8"))``, exactly, at orjson's speed where that is exact.
+
+    orjson parses a page several times faster than the standard library, but reads an
+    integer beyond 64 bits as a float; bodies with such digit runs, and every body orjson
+    refuses (NaN, ``1e400``, bad UTF-8, a lone surrogate...), are decoded by the standard
+    library, which decides what is accepted and with which error.
+
+    Raises:
+        UnicodeDecodeError: The bytes are not UTF-8.
+        ValueError: They are not JSON.
+    """
+    if _LONG_DIGITS.search(raw) is None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw.decode("utf-8"))
+
 
 CityCode = Annotated[str, Field(min_length=1, max_length=64)]
 
