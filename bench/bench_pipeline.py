@@ -358,6 +358,22 @@ def _run_in_child(*args: Any) -> dict[str, Any]:
     return result
 
 
+def calibrate() -> float:
+    """Seconds for a fixed pure-Python loop (best of 3): how fast this machine is right now.
+
+    The same code measured 1,569 hotels/s one day and 823 another on this machine, whose
+    CPU speed varies; this figure makes such runs comparable.
+    """
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        total = 0
+        for i in range(10_000_000):
+            total += i
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one line per backend; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -385,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"full sync of {args.hotels} hotels in {args.cities} cities, clean profile, no rate "
         f"limit, page size {args.page_size}, simulator in its own process over loopback HTTP",
+        flush=True,
+    )
+    print(
+        f"machine speed: {calibrate():.2f}s for 10M Python additions (smaller is faster; "
+        "compare figures across sessions relative to it)",
         flush=True,
     )
     ok = True
