@@ -105,7 +105,9 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
         theirs = [{**row(200 + i, i), **fixed} for i in range(5)]
         conn.execute(sa.insert(t.platform_offer), theirs)
         aware = [{**row(300, 1), "updated_at": datetime(2026, 11, 30, 5, 6, 7, 1, tzinfo=UTC)}]
-        execute_many(conn, ("test_offers",), lambda: sa.insert(t.platform_offer), aware, fixed=fixed)
+        execute_many(
+            conn, ("test_offers",), lambda: sa.insert(t.platform_offer), aware, fixed=fixed
+        )
     with db.engine.connect() as conn:
         got = {
             r.offer_id: {k: v for k, v in r._mapping.items() if k != "offer_id"}
