@@ -8,13 +8,14 @@ and report what they return.
   checkpoint; each page's exact bytes go to the payload store, a RAW snapshot row and the
   checkpoint past the page commit in one fenced transaction (a crash re-fetches at most the
   page in flight).
-- **normalize**: reads the city's RAW snapshots back from the store (never the supplier:
-  replay is free), normalizes every record, stores each page's normalized hotels as a
-  NORMALIZED snapshot (JSON lines) and every rejected record as a dead letter.
-- **map/diff/publish**: reads NORMALIZED snapshots in chunks (memory stays bounded
-  whatever the city's size), allocates mappings, diffs against what is published, writes
-  the diff log and publishes AUTO_PUBLISH diffs with their outbox events, one transaction
-  per chunk.
+- **normalize**: a walk from the city's first page normalizes each page as soon as it is
+  committed; a resumed walk or a replay reads the RAW snapshots back from the store (never
+  the supplier: replay is free). Each page's normalized hotels are stored as a NORMALIZED
+  snapshot (JSON lines), every rejected record as a dead letter.
+- **map/diff/publish**: chunk by chunk, from memory for a small city, else read back from
+  its NORMALIZED snapshots (memory stays bounded whatever the city's size): allocates
+  mappings, diffs against what is published, builds every row, then writes the diff log
+  and publishes AUTO_PUBLISH diffs with their outbox events in one transaction per chunk.
 
 Every record fetched ends in exactly one bucket (invariant 4): published (success), dead
 letter (failed), or skipped: unchanged, stale, a duplicate of a record on another page, or
@@ -33,7 +34,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -77,6 +78,7 @@ from supplier_sync_dagster.core.leases import (
 )
 from supplier_sync_dagster.core.mapping import (
     OfferKey,
+    chunks,
     ensure_hotel_mappings,
     ensure_offer_mappings,
 )
@@ -536,7 +538,7 @@ def _record_snapshots(
 
 
 class _RawPage(NamedTuple):
-    """A stored RAW page: its snapshot row's fields that normalization needs."""
+    """A stored page: the fields of its snapshot row that normalization needs."""
 
     payload_ref: str
     payload_hash: str
@@ -634,16 +636,17 @@ def _unwrap(records: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
-def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[sa.Row[Any]]:
+def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[_RawPage]:
     s = t.snapshot.c
     with db.engine.connect() as conn:
-        return list(
-            conn.execute(
+        return [
+            _RawPage(*row)
+            for row in conn.execute(
                 sa.select(s.payload_ref, s.payload_hash, s.page_number, s.record_count)
                 .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == kind)
                 .order_by(s.id)
             )
-        )
+        ]
 
 
 @dataclass
@@ -696,37 +699,35 @@ class _Normalizer:
         self.pages: list[_Page] = []
         self.buffered = 0
         self.candidates: list[Candidate] | None = []
-        self._drift_pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
+        # Pages waiting for the drift judgement; None once judged (or with no drift check).
+        self._pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
         self._drift: str | None = None
-        self._drift_judged = not drift_check
 
     def drift_reason(self) -> str | None:
         """Judges schema drift (once) on the first pages; the reason to stop, or None."""
-        if not self._drift_judged:
-            self._drift_judged = True
-            if self._drift_pending is None or not self._drift_pending:
-                # Nothing arrived from a fetch: judge the stored pages (resumed walk, replay).
-                raws = _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW)
-                sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
-            else:
-                sample = [records for _, records in self._drift_pending]
-            self._drift = _drift_precheck(
-                self.lease.db, self.lease.batch_id, self.city, self.settings.task_code, sample
-            )
-            pending, self._drift_pending = self._drift_pending or [], None
-            if self._drift is None:
-                for raw, records in pending:
-                    self._normalize(raw, records)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._drift
+        if pending:
+            sample = [records for _, records in pending]
+        else:  # nothing arrived from a fetch: the stored pages (resumed walk, replay)
+            raws = _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW)
+            sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
+        self._drift = _drift_precheck(
+            self.lease.db, self.lease.batch_id, self.city, self.settings.task_code, sample
+        )
+        if self._drift is None:
+            for raw, records in pending:
+                self._normalize(raw, records)
         return self._drift
 
     def add(self, raw: _RawPage, records: list[Any]) -> None:
         """Takes a page just committed by the fetch."""
-        if self._drift_pending is not None and not self._drift_judged:
-            self._drift_pending.append((raw, records))
-            if len(self._drift_pending) >= DRIFT_SAMPLE_PAGES:
+        if self._pending is not None:
+            self._pending.append((raw, records))
+            if len(self._pending) >= DRIFT_SAMPLE_PAGES:
                 self.drift_reason()
-            return
-        if self._drift is None:
+        elif self._drift is None:
             self._normalize(raw, records)
 
     def finish(self) -> None:
@@ -735,10 +736,7 @@ class _Normalizer:
             raise RuntimeError("a city with schema drift is not normalized")
         for raw in _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW):
             if raw.payload_hash not in self.seen:
-                self._normalize(
-                    _RawPage(raw.payload_ref, raw.payload_hash, raw.page_number, raw.record_count),
-                    self._load(raw),
-                )
+                self._normalize(raw, self._load(raw))
         began = time.perf_counter()
         self._validate()
         report, lease = self.report, self.lease
@@ -756,7 +754,7 @@ class _Normalizer:
             )
         report.seconds["normalize"] += time.perf_counter() - began
 
-    def _load(self, raw: Any) -> list[Any]:
+    def _load(self, raw: _RawPage) -> list[Any]:
         return list(decode_json(self.store.get(raw.payload_ref)).get("hotels") or [])
 
     def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
@@ -773,6 +771,7 @@ class _Normalizer:
         self.buffered += len(result.hotels)
         if self.buffered >= self.settings.chunk_hotels:
             self._validate()
+        collect_garbage()
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _validate(self) -> None:
@@ -936,12 +935,11 @@ def _publish(
     report.duplicates = 0
     report.held_for_review = 0
     size = settings.chunk_hotels
-    chunks_: Iterable[Sequence[Candidate]] = (
+    for chunk in (
         _normalized_chunks(db, store, lease.batch_id, city, size)
         if candidates is None
-        else (candidates[i : i + size] for i in range(0, len(candidates), size))
-    )
-    for chunk in chunks_:
+        else chunks(candidates, size)
+    ):
         heartbeat.check()
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
         cands = collapse_duplicates(chunk)

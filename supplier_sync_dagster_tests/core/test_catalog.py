@@ -26,7 +26,7 @@ from supplier_sync_dagster.core.diff import (
     record_diffs,
 )
 from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
-from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 
 SUPPLIER = 1001
@@ -250,6 +250,53 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
         pass
     assert len(rows(db, t.outbox)) == len(events)
     assert rows(db, t.platform_hotel)[0]["supplier_version"] == 2
+
+
+def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db: SyncDatabase):
+    """Rows are built before the publish transaction for the expected versions; a publish
+    of the same hotel in between moves them, and the written versions win."""
+    sync(db, "b1", [hotel("H1")])
+    v3 = cand(hotel("H1", 3, facilities=["wifi", "pool", "spa"]))
+    with db.begin() as conn:
+        maps = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
+        )
+        offers = ensure_offer_mappings(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id="b3",
+            offers=v3.offer_keys(),
+            resource_ids=maps.resource_ids,
+        )
+    with db.engine.connect() as conn:
+        diffs = compute_diffs(conn, [v3], maps.resource_ids)
+    items = [(diffs[0], v3)]
+    plan = prepare_publish(supplier_id=SUPPLIER, batch_id="b3", items=items, offer_ids=offers)
+    assert plan.expected[diffs[0].platform_resource_id] == (2, 3)
+
+    # Lands in between: publish version 2.
+    _, between = sync(db, "b2", [hotel("H1", 2, facilities=["wifi"])])
+    assert [p.publish_version for p in between.published] == [2]
+
+    with db.begin() as conn:
+        res = publish_hotels(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id="b3",
+            items=items,
+            offer_ids=offers,
+            plan=plan,
+        )
+    assert [(p.publish_version, p.supplier_version) for p in res.published] == [(3, 3)]
+    (row,) = rows(db, t.platform_hotel)
+    assert (json.loads(row["facilities"]), row["publish_version"]) == (["wifi", "pool", "spa"], 3)
+    live = rows(db, t.platform_offer, t.platform_offer.c.active.is_(True))
+    assert {o["publish_version"] for o in live} == {3}
+    events = rows(db, t.outbox, t.outbox.c.batch_id == "b3")
+    assert events and {e["aggregate_version"] for e in events} == {3}
+    assert all(json.loads(e["payload"])["publish_version"] == 3 for e in events)
 
 
 def test_concurrent_publishes_of_the_same_data_publish_once(db: SyncDatabase):
