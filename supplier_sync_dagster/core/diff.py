@@ -86,14 +86,6 @@ class Candidate:
         """The supplier's version of this hotel."""
         return int(self.doc["version"])
 
-    def offer_keys(self) -> list[tuple[str, str, str]]:
-        """(hotel, room, rate plan) of every offer of the hotel."""
-        return [
-            (self.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
-            for room in self.doc.get("rooms") or ()
-            for plan in room.get("rate_plans") or ()
-        ]
-
 
 @dataclass(frozen=True)
 class HotelDiff:

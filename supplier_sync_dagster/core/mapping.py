@@ -1,9 +1,14 @@
-"""Resource mapping: supplier hotel -> platform resource id, room x rate plan -> offer id.
+"""Resource mapping: supplier hotel -> platform resource id.
 
 Ids are allocated exactly once by a unique key: one bulk insert-or-ignore, then one read of
 the ids. Never check-then-insert: two concurrent runs that both see "no mapping" would
 allocate two ids for one supplier hotel (the duplicate-allocation bug of the post-mortem
 in ``seeds/cas-dedupe-postmortem.md``).
+
+Offers (room x rate plan) need no table of their own: ``platform_hotel_offer`` allocates
+an offer's id under the unique key (platform resource id, room, rate plan) when publishing
+upserts it (``publish._replace_offers``), so the resource id mapped here is the offer's
+whole mapping.
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import DbClock, insert_ignore
 
 CHUNK = 1000  # ids per IN (...) list: far below every driver's parameter limit
-
-OfferKey = tuple[str, str, str]  # (supplier hotel id, room code, rate plan code)
 
 T = TypeVar("T")
 
@@ -74,45 +77,3 @@ def ensure_hotel_mappings(
             if made_by == batch_id:
                 created.add(hotel_id)
     return HotelMappings(resource_ids, frozenset(created))
-
-
-def ensure_offer_mappings(
-    conn: Connection,
-    clock: DbClock,
-    *,
-    supplier_id: int,
-    batch_id: str,
-    offers: Iterable[OfferKey],
-    resource_ids: dict[str, int],
-) -> dict[OfferKey, int]:
-    """Returns the platform offer id of each (hotel, room, rate plan), creating missing ones."""
-    keys = sorted(set(offers))
-    c = t.offer_mapping.c
-    insert_ignore(
-        conn,
-        t.offer_mapping,
-        [
-            {
-                "supplier_hotel_id": h,
-                "room_code": room,
-                "rate_plan_code": plan,
-                "platform_resource_id": resource_ids[h],
-            }
-            for h, room, plan in keys
-        ],
-        supplier_id=supplier_id,
-        created_batch_id=batch_id,
-        created_at=clock.now(),
-    )
-    out: dict[OfferKey, int] = {}
-    hotels = sorted({h for h, _, _ in keys})
-    wanted = set(keys)
-    for part in chunks(hotels):
-        for h, room, plan, oid in conn.execute(
-            sa.select(c.supplier_hotel_id, c.room_code, c.rate_plan_code, c.id).where(
-                c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
-            )
-        ).all():
-            if (h, room, plan) in wanted:
-                out[(h, room, plan)] = int(oid)
-    return out

@@ -48,7 +48,6 @@ from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
 from supplier_sync_dagster.core.diff import (
     Candidate,
-    HotelDiff,
     RiskPolicy,
     collapse_duplicates,
     compute_diffs,
@@ -76,12 +75,7 @@ from supplier_sync_dagster.core.leases import (
     list_shards,
     reopen_shard,
 )
-from supplier_sync_dagster.core.mapping import (
-    OfferKey,
-    chunks,
-    ensure_hotel_mappings,
-    ensure_offer_mappings,
-)
+from supplier_sync_dagster.core.mapping import chunks, ensure_hotel_mappings
 from supplier_sync_dagster.core.normalize import (
     NormalizeResult,
     canonical_dumps,
@@ -944,8 +938,8 @@ def _publish(
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
         cands = collapse_duplicates(chunk)
         report.duplicates += len(chunk) - len(cands)
-        # Ids are allocated in short transactions of their own (idempotent: after a crash
-        # the re-run reuses them), diffs are computed from a read snapshot and every row is
+        # Resource ids are allocated in a short transaction of its own (idempotent: after a
+        # crash the re-run reuses them; offer ids come with the offers' upsert), diffs are computed from a read snapshot and every row is
         # built before the transaction that publishes: a concurrent worker waits for the
         # SQLite write lock only while statements run. The version guard in that
         # transaction keeps a concurrent publish of the same hotel correct.
@@ -962,15 +956,10 @@ def _publish(
             diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
         by_id = {c.supplier_hotel_id: c for c in cands}
         items = [(d, by_id[d.supplier_hotel_id]) for d in diffs]
-        offer_ids: dict[OfferKey, int] = {}
-        if any(d.action == "AUTO_PUBLISH" for d in diffs):
-            with db.begin() as conn:
-                offer_ids = _offer_ids(conn, lease, cands, settings, diffs)
         plan = prepare_publish(
             supplier_id=settings.supplier_id,
             batch_id=lease.batch_id,
             items=items,
-            offer_ids=offer_ids,
         )
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={city}")
@@ -996,7 +985,6 @@ def _publish(
                 supplier_id=settings.supplier_id,
                 batch_id=lease.batch_id,
                 items=items,
-                offer_ids=offer_ids,
                 plan=plan,
             )
         # No collection per chunk: publishing makes little cyclic garbage, and a full
@@ -1018,24 +1006,3 @@ def _publish(
             f"{report.dead_letters} dead letters + {report.skipped} skipped"
         )
     report.seconds["publish"] += time.perf_counter() - began
-
-
-def _offer_ids(
-    conn: Connection,
-    lease: ShardLease,
-    cands: Sequence[Candidate],
-    settings: SyncSettings,
-    diffs: Sequence[HotelDiff],
-) -> dict[tuple[str, str, str], int]:
-    publishing = {
-        d.supplier_hotel_id: d.platform_resource_id for d in diffs if d.action == "AUTO_PUBLISH"
-    }
-    keys = [k for c in cands if c.supplier_hotel_id in publishing for k in c.offer_keys()]
-    return ensure_offer_mappings(
-        conn,
-        lease.db.clock,
-        supplier_id=settings.supplier_id,
-        batch_id=lease.batch_id,
-        offers=keys,
-        resource_ids=publishing,
-    )

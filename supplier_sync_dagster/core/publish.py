@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import DbClock, bind_values, execute_many, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff
-from supplier_sync_dagster.core.mapping import OfferKey, chunks
+from supplier_sync_dagster.core.mapping import chunks
 
 # PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
 # tail has no bound parameters: constants there are written as literal SQL.
@@ -101,7 +101,6 @@ def prepare_publish(
     supplier_id: int,
     batch_id: str,
     items: Sequence[tuple[HotelDiff, Candidate]],
-    offer_ids: Mapping[OfferKey, int],
 ) -> PublishPlan:
     """Builds the rows of a publish of ``items``' AUTO_PUBLISH diffs (pure, no database).
 
@@ -109,7 +108,6 @@ def prepare_publish(
         supplier_id: The supplier.
         batch_id: The batch publishing.
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are kept.
-        offer_ids: Platform offer ids of every (hotel, room, rate plan) of the kept ones.
     """
     todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
     expected = {
@@ -119,7 +117,7 @@ def prepare_publish(
         todo=todo,
         hotel_rows=[_hotel_row(d, c, supplier_id, batch_id) for d, c in todo],
         offer_rows={
-            d.platform_resource_id: _offer_rows(d, c, offer_ids, expected[d.platform_resource_id])
+            d.platform_resource_id: _offer_rows(d, c, expected[d.platform_resource_id])
             for d, c in todo
         },
         events={
@@ -137,7 +135,6 @@ def publish_hotels(
     supplier_id: int,
     batch_id: str,
     items: Sequence[tuple[HotelDiff, Candidate]],
-    offer_ids: Mapping[OfferKey, int],
     plan: PublishPlan | None = None,
 ) -> PublishResult:
     """Publishes AUTO_PUBLISH diffs with their offers and outbox events, in ``conn``'s transaction.
@@ -148,14 +145,11 @@ def publish_hotels(
         supplier_id: The supplier.
         batch_id: The batch publishing.
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are written.
-        offer_ids: Platform offer ids of every (hotel, room, rate plan) of the candidates.
         plan: The rows, built beforehand by :func:`prepare_publish` from the same arguments
             (keeps a SQLite write lock short); built here when None.
     """
     if plan is None:
-        plan = prepare_publish(
-            supplier_id=supplier_id, batch_id=batch_id, items=items, offer_ids=offer_ids
-        )
+        plan = prepare_publish(supplier_id=supplier_id, batch_id=batch_id, items=items)
     todo = plan.todo
     if not todo:
         return PublishResult([], [], 0)
@@ -187,7 +181,7 @@ def publish_hotels(
             offers += plan.offer_rows[rid]
             events += plan.events[rid]
         else:  # another publish of this hotel committed in between: other versions
-            offers += _offer_rows(d, c, offer_ids, written[rid])
+            offers += _offer_rows(d, c, written[rid])
             events += _hotel_events(batch_id, d, c, written[rid])
     _replace_offers(conn, clock, [d.platform_resource_id for d, _ in done], offers)
     insert_ignore(conn, t.outbox, events, batch_id=batch_id, created_at=clock.now())
@@ -275,7 +269,6 @@ def _hotel_upsert(conn: Connection) -> Any:
 def _offer_rows(
     diff: HotelDiff,
     cand: Candidate,
-    offer_ids: Mapping[OfferKey, int],
     versions: tuple[int, int],
 ) -> list[dict[str, Any]]:
     """The hotel's offers as platform rows, stamped with its (publish, supplier) versions."""
@@ -283,13 +276,11 @@ def _offer_rows(
     rows = []
     for room in cand.doc.get("rooms") or ():
         for plan in room.get("rate_plans") or ():
-            key = (cand.supplier_hotel_id, str(room["room_code"]), str(plan["code"]))
             rows.append(
                 {
-                    "offer_id": offer_ids[key],
                     "resource_id": diff.platform_resource_id,
-                    "room_code": key[1],
-                    "rate_plan_code": key[2],
+                    "room_code": str(room["room_code"]),
+                    "rate_plan_code": str(plan["code"]),
                     "room_name": room.get("name"),
                     "bed_type": room.get("bed_type"),
                     "max_occupancy": room.get("max_occupancy"),
@@ -310,7 +301,9 @@ def _replace_offers(
 ) -> None:
     """The published hotels' offers become exactly ``rows``.
 
-    Only hotels this call wrote get here, and their rows stay locked until commit, so no
+    An offer is upserted under its identity (hotel, room, rate plan): the table allocates
+    its id the first time and keeps it, also while the supplier stops and resumes offering
+    it. Only hotels this call wrote get here, and their rows stay locked until commit, so no
     concurrent publish of another version can interleave with these offer writes.
     """
     if not rids:
@@ -325,13 +318,15 @@ def _replace_offers(
     if not rows:
         return
     now = bind_values(conn, {"now": clock.now()})["now"]
-    columns = [name for name in rows[0] if name != "offer_id"] + ["active", "updated_at"]
+    identity = ("resource_id", "room_code", "rate_plan_code")
+    columns = [name for name in rows[0] if name not in identity] + ["active", "updated_at"]
 
     def build() -> Any:
         if conn.dialect.name == "sqlite":
             ins = sqlite_insert(t.platform_offer)
             return ins.on_conflict_do_update(
-                index_elements=[o.offer_id], set_={name: ins.excluded[name] for name in columns}
+                index_elements=[o[name] for name in identity],
+                set_={name: ins.excluded[name] for name in columns},
             )
         ins_m = mysql_insert(t.platform_offer)
         return ins_m.on_duplicate_key_update({name: ins_m.inserted[name] for name in columns})

@@ -31,7 +31,7 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff, diff_id
 from supplier_sync_dagster.core.errors import ReviewStateError
-from supplier_sync_dagster.core.mapping import chunks, ensure_offer_mappings
+from supplier_sync_dagster.core.mapping import chunks
 from supplier_sync_dagster.core.publish import publish_hotels
 
 ReviewStatus = Literal["PENDING", "APPROVED", "REJECTED", "SUPERSEDED"]
@@ -276,7 +276,6 @@ def _publish(
             "AUTO_PUBLISH",
         )
         items.append((diff, Candidate(doc, fingerprint, raw_ref, raw_hash)))
-    publishing = {d.supplier_hotel_id: d.platform_resource_id for d, _ in items}
     # Each review publishes under its own batch id (events name the batch that produced
     # the change); reviews of one call may come from several batches.
     published = superseded = 0
@@ -285,21 +284,12 @@ def _publish(
         by_batch.setdefault(rv.batch_id, []).append(i)
     for batch_id, positions in by_batch.items():
         group = [items[i] for i in positions]
-        offer_ids = ensure_offer_mappings(
-            conn,
-            clock,
-            supplier_id=supplier_id,
-            batch_id=batch_id,
-            offers=[k for _, c in group for k in c.offer_keys()],
-            resource_ids=publishing,
-        )
         result = publish_hotels(
             conn,
             clock,
             supplier_id=supplier_id,
             batch_id=batch_id,
             items=group,
-            offer_ids=offer_ids,
         )
         versions = {p.supplier_hotel_id: p.publish_version for p in result.published}
         r = t.review.c

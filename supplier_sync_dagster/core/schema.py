@@ -279,23 +279,6 @@ hotel_mapping = _table(
     comment="supplier hotel -> platform resource id (the row id)",
 )
 
-offer_mapping = _table(
-    "supplier_sync_offer_mapping",
-    # id is the platform offer id (one per room and rate plan of a supplier hotel).
-    sa.Column("supplier_id", sa.BigInteger, nullable=False),
-    sa.Column("supplier_hotel_id", _code(128), nullable=False),
-    sa.Column("room_code", _code(64), nullable=False),
-    sa.Column("rate_plan_code", _code(64), nullable=False),
-    sa.Column("platform_resource_id", sa.BigInteger, nullable=False),
-    sa.Column("created_batch_id", sa.String(64), nullable=False),
-    sa.Column("created_at", _ts(), nullable=False),
-    sa.UniqueConstraint(
-        "supplier_id", "supplier_hotel_id", "room_code", "rate_plan_code", name="uk_supplier_offer"
-    ),
-    sa.Index("idx_offer_resource", "platform_resource_id"),
-    comment="supplier room + rate plan -> platform offer id (the row id)",
-)
-
 platform_hotel = sa.Table(
     "platform_hotel_resource",
     metadata,
@@ -335,7 +318,9 @@ platform_hotel = sa.Table(
 platform_offer = sa.Table(
     "platform_hotel_offer",
     metadata,
-    sa.Column("offer_id", sa.BigInteger, primary_key=True, autoincrement=False),
+    # The offer id is allocated once by the table itself, under the unique key of the
+    # (hotel, room, rate plan) it stands for: this table is the offer mapping.
+    sa.Column("offer_id", _big_id(), primary_key=True, autoincrement=True),
     sa.Column("resource_id", sa.BigInteger, nullable=False),
     sa.Column("room_code", _code(64), nullable=False),
     sa.Column("rate_plan_code", _code(64), nullable=False),
@@ -351,7 +336,7 @@ platform_offer = sa.Table(
     sa.Column("publish_version", sa.BigInteger, nullable=False),
     sa.Column("active", sa.Boolean, nullable=False),
     sa.Column("updated_at", _ts(), nullable=False),
-    sa.Index("idx_offer_hotel", "resource_id"),
+    sa.UniqueConstraint("resource_id", "room_code", "rate_plan_code", name="uk_offer_identity"),
     comment="the platform's published offers (room x rate plan) of hotel resources",
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",

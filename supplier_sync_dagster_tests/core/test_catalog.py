@@ -25,7 +25,7 @@ from supplier_sync_dagster.core.diff import (
     default_risk_policy,
     record_diffs,
 )
-from supplier_sync_dagster.core.mapping import ensure_hotel_mappings, ensure_offer_mappings
+from supplier_sync_dagster.core.mapping import ensure_hotel_mappings
 from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 
@@ -103,14 +103,6 @@ def sync_in(
         batch_id=batch_id,
         hotel_ids=[c.supplier_hotel_id for c in cands],
     )
-    offers = ensure_offer_mappings(
-        conn,
-        db.clock,
-        supplier_id=SUPPLIER,
-        batch_id=batch_id,
-        offers=[k for c in cands for k in c.offer_keys()],
-        resource_ids=maps.resource_ids,
-    )
     diffs = compute_diffs(conn, cands, maps.resource_ids, policy=policy)
     record_diffs(
         conn, db.clock, batch_id=batch_id, shard_key="BKK", supplier_id=SUPPLIER, diffs=diffs
@@ -122,7 +114,6 @@ def sync_in(
         supplier_id=SUPPLIER,
         batch_id=batch_id,
         items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
-        offer_ids=offers,
     )
     return diffs, result
 
@@ -222,6 +213,7 @@ def test_duplicates_in_one_batch_collapse_to_highest_version(db: SyncDatabase):
 
 def test_offers_follow_the_published_version_and_events_are_one_transaction(db: SyncDatabase):
     sync(db, "b1", [hotel("H1")])
+    first = {r["rate_plan_code"]: r["offer_id"] for r in rows(db, t.platform_offer)}
     v2 = hotel("H1", 2)
     v2["rooms"][0]["rate_plans"] = [v2["rooms"][0]["rate_plans"][0] | {"price": "130.00"}]
     sync(db, "b2", [v2])
@@ -229,6 +221,7 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
     assert offers["BAR"]["active"] and str(offers["BAR"]["price_amount"]).startswith("130")
     assert not offers["NRF"]["active"]  # the supplier stopped offering it
     assert offers["BAR"]["publish_version"] == 2
+    assert {k: r["offer_id"] for k, r in offers.items()} == first
     events = rows(db, t.outbox)
     kinds = sorted((e["aggregate_version"], e["event_type"]) for e in events)
     assert kinds == [
@@ -252,6 +245,23 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
     assert rows(db, t.platform_hotel)[0]["supplier_version"] == 2
 
 
+def test_an_offer_keeps_its_id_for_good(db: SyncDatabase):
+    """The offer table allocates an offer's id once, under (hotel, room, rate plan)."""
+    sync(db, "b1", [hotel("H1"), hotel("H2")])
+    first = {
+        (r["resource_id"], r["rate_plan_code"]): r["offer_id"] for r in rows(db, t.platform_offer)
+    }
+    assert len(first) == len(set(first.values())) == 4
+    paused = hotel("H1", 2)
+    paused["rooms"][0]["rate_plans"] = paused["rooms"][0]["rate_plans"][:1]
+    sync(db, "b2", [paused])
+    sync(db, "b3", [hotel("H1", 3, name="Hotel H1 again")])
+    now = {(r["resource_id"], r["rate_plan_code"]): r for r in rows(db, t.platform_offer)}
+    assert {k: r["offer_id"] for k, r in now.items()} == first
+    h1 = {r["rate_plan_code"]: r for r in now.values() if r["publish_version"] == 3}
+    assert set(h1) == {"BAR", "NRF"} and all(r["active"] for r in h1.values())
+
+
 def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db: SyncDatabase):
     """Rows are built before the publish transaction for the expected versions; a publish
     of the same hotel in between moves them, and the written versions win."""
@@ -261,18 +271,10 @@ def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db
         maps = ensure_hotel_mappings(
             conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
         )
-        offers = ensure_offer_mappings(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id="b3",
-            offers=v3.offer_keys(),
-            resource_ids=maps.resource_ids,
-        )
     with db.engine.connect() as conn:
         diffs = compute_diffs(conn, [v3], maps.resource_ids)
     items = [(diffs[0], v3)]
-    plan = prepare_publish(supplier_id=SUPPLIER, batch_id="b3", items=items, offer_ids=offers)
+    plan = prepare_publish(supplier_id=SUPPLIER, batch_id="b3", items=items)
     assert plan.expected[diffs[0].platform_resource_id] == (2, 3)
 
     # Lands in between: publish version 2.
@@ -286,7 +288,6 @@ def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db
             supplier_id=SUPPLIER,
             batch_id="b3",
             items=items,
-            offer_ids=offers,
             plan=plan,
         )
     assert [(p.publish_version, p.supplier_version) for p in res.published] == [(3, 3)]

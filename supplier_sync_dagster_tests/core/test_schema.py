@@ -43,13 +43,14 @@ def _describe(engine: sa.Engine) -> dict[str, dict[str, object]]:
 def test_sql_files_are_numbered_and_complete():
     files = sorted(SQL_DIR.glob("*.sql"))
     assert [f.name[:4] for f in files] == [f"{i:03d}_" for i in range(1, len(files) + 1)]
-    created = {
-        stmt.split("(")[0].split()[-1]
-        for f in files
-        for stmt in _statements(f)
-        if stmt.upper().startswith("CREATE TABLE")
-    }
-    assert created == set(metadata.tables)
+    tables: set[str] = set()
+    for f in files:
+        for stmt in _statements(f):
+            if stmt.upper().startswith("CREATE TABLE"):
+                tables.add(stmt.split("(")[0].split()[-1])
+            elif stmt.upper().startswith("DROP TABLE"):
+                tables.discard(stmt.split()[-1])
+    assert tables == set(metadata.tables)
 
 
 def test_sql_ddl_matches_metadata_on_mariadb(mysql_server_url: str, fresh_mysql_db: str):
