@@ -358,9 +358,12 @@ outbox = _table(
     sa.Column("last_error", sa.String(1024)),
     sa.Column("created_at", _ts(), nullable=False),
     sa.Column("dispatched_at", _ts()),
-    sa.UniqueConstraint("event_id", name="uk_event_id"),
+    # One event of a type per published version of an aggregate; event_id hashes exactly
+    # this key. Keyed by it rather than by the hash, inserts append (sql/008).
+    sa.UniqueConstraint(
+        "aggregate_type", "aggregate_id", "aggregate_version", "event_type", name="uk_outbox_event"
+    ),
     sa.Index("idx_outbox_status", "status", "next_attempt_at"),
-    sa.Index("idx_outbox_aggregate", "aggregate_type", "aggregate_id"),
     comment="transactional outbox: events written with the publish that caused them",
 )
 
