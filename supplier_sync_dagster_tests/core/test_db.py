@@ -71,13 +71,26 @@ def test_clock_is_the_database_clock_and_shifts_without_sleeping(db_url: str):
     assert abs((shifted - before).total_seconds()) < 5
 
 
-def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
+def test_execute_many_stores_exactly_what_sqlalchemy_stores(
+    db: SyncDatabase, monkeypatch: pytest.MonkeyPatch
+):
     """The generated bind step (dates as text on MySQL included) matches SQLAlchemy's own."""
     from datetime import UTC, datetime
     from decimal import Decimal
 
+    import supplier_sync_dagster.core.db as db_module
     from supplier_sync_dagster.core import schema as t
     from supplier_sync_dagster.core.db import execute_many
+
+    # Small statements: the rows of one call are split over several of them on MySQL.
+    monkeypatch.setattr(db_module, "MYSQL_MAX_STATEMENT_CHARS", 1000)
+    inserts: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT"):
+            inserts.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", count)
 
     def row(offer_id: int, i: int) -> dict[str, object]:
         return {
@@ -85,7 +98,9 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
             "resource_id": offer_id // 100,  # (resource, room, rate plan) is unique
             "room_code": f"R{i}é",
             "rate_plan_code": "BAR",
-            "room_name": None if i % 2 else "Deluxe 'quoted' \\ room",
+            "room_name": None
+            if i % 2
+            else "Deluxe 'quoted' \"\\ 100% %s\n\r\x1a\x00 room \U0001f600",
             "bed_type": "KING",
             "max_occupancy": i,
             "board": None,
@@ -100,9 +115,11 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
 
     fixed = {"active": True}
     with db.begin() as conn:
-        ours = [row(100 + i, i) for i in range(5)]
+        ours = [row(100 + i, i) for i in range(12)]
         execute_many(conn, ("test_offers",), lambda: sa.insert(t.platform_offer), ours, fixed=fixed)
-        theirs = [{**row(200 + i, i), **fixed} for i in range(5)]
+        if db.dialect != "sqlite":  # sent as SQL text, in statements of at most 1000 characters
+            assert len(inserts) > 1 and max(len(s) for s in inserts) <= 1000
+        theirs = [{**row(200 + i, i), **fixed} for i in range(12)]
         conn.execute(sa.insert(t.platform_offer), theirs)
         aware = [{**row(300, 1), "updated_at": datetime(2026, 11, 30, 5, 6, 7, 1, tzinfo=UTC)}]
         execute_many(
@@ -115,6 +132,8 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(db: SyncDatabase):
             }
             for r in conn.execute(sa.select(t.platform_offer))
         }
-    for i in range(5):
+    for i in range(12):
         assert got[100 + i] == got[200 + i]
+    assert got[100]["room_name"] == "Deluxe 'quoted' \"\\ 100% %s\n\r\x1a\x00 room \U0001f600"
     assert got[300]["updated_at"] == datetime(2026, 11, 30, 5, 6, 7, 1)
+    sa.event.remove(db.engine, "before_cursor_execute", count)
