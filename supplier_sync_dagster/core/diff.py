@@ -403,7 +403,7 @@ def record_diffs(
         t.diff_log,
         [
             {
-                "diff_id": diff_id(batch_id, supplier_id, d.supplier_hotel_id, d.new_version),
+                "diff_id": diff_id(batch_id, supplier_id, d.platform_resource_id, d.new_version),
                 "supplier_resource_code": d.supplier_hotel_id,
                 "platform_resource_id": d.platform_resource_id,
                 "old_publish_version": d.old_publish_version,
@@ -423,10 +423,16 @@ def record_diffs(
     )
 
 
-def diff_id(batch_id: str, supplier_id: int, hotel_id: str, version: int) -> str:
-    """Deterministic diff id: one diff per (batch, hotel, version)."""
-    key = f"{batch_id}\0{supplier_id}\0{hotel_id}\0{version}"
-    return "df_" + hashlib.sha256(key.encode()).hexdigest()[:61]
+def diff_id(batch_id: str, supplier_id: int, resource_id: int, version: int) -> str:
+    """Deterministic diff id: one diff per (batch, hotel, version).
+
+    ``df_<batch hash>_<resource id, 19 digits>_<version>``, at most 59 characters. Within a
+    batch the ids sort by resource id, which grows as hotels are mapped: the unique index
+    takes a batch's diffs at the end of that batch's range, not at random places of an index
+    that holds every batch ever logged.
+    """
+    batch = hashlib.sha256(f"{batch_id}\0{supplier_id}".encode()).hexdigest()[:16]
+    return f"df_{batch}_{resource_id:019d}_{version}"
 
 
 def _dec_str(value: Any) -> str | None:

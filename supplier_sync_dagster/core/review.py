@@ -84,7 +84,7 @@ def hold_for_review(
     """
     rows = [
         {
-            "review_id": diff_id(batch_id, supplier_id, d.supplier_hotel_id, d.new_version),
+            "review_id": diff_id(batch_id, supplier_id, d.platform_resource_id, d.new_version),
             "supplier_hotel_id": d.supplier_hotel_id,
             "supplier_version": d.new_version,
             "platform_resource_id": d.platform_resource_id,
