@@ -490,22 +490,13 @@ class NormalizedHotel(BaseModel):
 _M = TypeVar("_M", bound=BaseModel)
 _new = object.__new__
 _setattr = object.__setattr__
-_IMAGE_FIELDS: Final = set(Image.model_fields)
-_RATE_PLAN_FIELDS: Final = set(RatePlan.model_fields)
-_ROOM_FIELDS: Final = set(Room.model_fields)
-_HOTEL_FIELDS: Final = set(NormalizedHotel.model_fields)
 
 
 def _assemble(cls: type[_M], values: dict[str, Any]) -> _M:
     """Build a model from values the normalizer has already checked, without re-validating.
 
     What ``model_construct`` does, minus its per-field alias and default handling (which costs
-    more than full validation): every field is given. The fast path inlines the same four
-    steps but shares one ``__pydantic_fields_set__`` per class: a set per model is a dozen
-    more GC-tracked objects per hotel, and the cyclic GC is a large share of the cost on a
-    big heap. Sharing is safe because the models are frozen (pydantic copies the set before
-    ``model_copy(update=...)`` changes it); never mutate ``model_fields_set``. The tests
-    re-validate the output.
+    more than full validation): every field is given. The tests re-validate the output.
     """
     m = _new(cls)
     _setattr(m, "__dict__", values)
@@ -1091,10 +1082,11 @@ def _normalize(rec: object) -> NormalizedHotel:
 _STAR_BY_VALUE: Final[dict[float, Decimal]] = {k / 2: star for k, star in enumerate(_STARS)}
 
 
-def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
+def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     """The usual clean record, normalized with as few calls as possible; None if unusual.
 
-    It accepts only what :func:`_normalize` (the reference) accepts, with the same output;
+    It accepts only what :func:`_normalize` (the reference) accepts, and returns what
+    ``to_primitive(_normalize(rec))`` returns, built directly (no model objects on the way);
     anything else (a problem, or merely an unusual spelling such as a lower-case country, an
     integer amount or a tab in a name) returns None and goes through :func:`_normalize`. The
     tests compare both paths on simulator records and on fuzzed ones.
@@ -1208,7 +1200,7 @@ def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
             if item:
                 facilities[item.lower()] = None
 
-    images: list[Image] = []
+    images: list[dict[str, Any]] = []
     raw_images = get("images")
     if raw_images is not None:
         if type(raw_images) is not list or len(raw_images) > LIMITS["images"]:
@@ -1234,14 +1226,9 @@ def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
                 if "  " in caption:
                     caption = _WS_RE.sub(" ", caption)
                 caption = caption or None
-            image = _new(Image)
-            _setattr(image, "__dict__", {"url": url, "caption": caption})
-            _setattr(image, "__pydantic_fields_set__", _IMAGE_FIELDS)
-            _setattr(image, "__pydantic_extra__", None)
-            _setattr(image, "__pydantic_private__", None)
-            images.append(image)
+            images.append({"url": url, "caption": caption})
 
-    rooms: list[Room] = []
+    rooms: list[dict[str, Any]] = []
     raw_rooms = get("rooms")
     if raw_rooms is not None:
         if type(raw_rooms) is not list or len(raw_rooms) > LIMITS["rooms"]:
@@ -1285,7 +1272,7 @@ def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
                 room_name = _WS_RE.sub(" ", room_name)
             if not room_name:
                 return None
-            plans: list[RatePlan] = []
+            plans: list[dict[str, Any]] = []
             plan_codes: set[str] = set()
             for plan in raw_plans or ():
                 if type(plan) is not dict:
@@ -1324,39 +1311,25 @@ def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
                 ):
                     return None
                 plan_codes.add(code)
-                rate_plan = _new(RatePlan)
-                _setattr(
-                    rate_plan,
-                    "__dict__",
+                plans.append(
                     {
                         "code": code,
                         "board": board,
                         "refundable": refundable,
                         "available": available,
-                        "price": Decimal(amount),
+                        "price": str(Decimal(amount)),  # "007.50" is "7.50", as the model says
                         "currency": currency,
-                    },
+                    }
                 )
-                _setattr(rate_plan, "__pydantic_fields_set__", _RATE_PLAN_FIELDS)
-                _setattr(rate_plan, "__pydantic_extra__", None)
-                _setattr(rate_plan, "__pydantic_private__", None)
-                plans.append(rate_plan)
-            room_model = _new(Room)
-            _setattr(
-                room_model,
-                "__dict__",
+            rooms.append(
                 {
                     "room_code": room_code,
                     "name": room_name,
                     "bed_type": bed,
                     "max_occupancy": occupancy,
-                    "rate_plans": tuple(plans),
-                },
+                    "rate_plans": plans,
+                }
             )
-            _setattr(room_model, "__pydantic_fields_set__", _ROOM_FIELDS)
-            _setattr(room_model, "__pydantic_extra__", None)
-            _setattr(room_model, "__pydantic_private__", None)
-            rooms.append(room_model)
 
     status = get("status")
     ts = get("updated_at")
@@ -1373,35 +1346,26 @@ def _fast(rec: dict[str, Any]) -> NormalizedHotel | None:
     if updated_at is None:
         return None
 
-    hotel = _new(NormalizedHotel)
-    _setattr(
-        hotel,
-        "__dict__",
-        {
-            "supplier_hotel_id": hotel_id,
-            "name": name,
-            "name_local": name_local,
-            "city_code": city_code,
-            "country_code": country,
-            "address_line1": line1,
-            "postal_code": postal,
-            "lat": float(lat) + 0.0,
-            "lng": float(lng) + 0.0,
-            "star_rating": star,
-            "phone_e164": phone,
-            "email": email,
-            "facilities": tuple(facilities),
-            "images": tuple(images),
-            "rooms": tuple(rooms),
-            "status": status,
-            "updated_at": updated_at,
-            "version": version,
-        },
-    )
-    _setattr(hotel, "__pydantic_fields_set__", _HOTEL_FIELDS)
-    _setattr(hotel, "__pydantic_extra__", None)
-    _setattr(hotel, "__pydantic_private__", None)
-    return hotel
+    return {
+        "supplier_hotel_id": hotel_id,
+        "name": name,
+        "name_local": name_local,
+        "city_code": city_code,
+        "country_code": country,
+        "address_line1": line1,
+        "postal_code": postal,
+        "lat": float(lat) + 0.0,
+        "lng": float(lng) + 0.0,
+        "star_rating": None if star is None else str(star),
+        "phone_e164": phone,
+        "email": email,
+        "facilities": list(facilities),
+        "images": images,
+        "rooms": rooms,
+        "status": status,
+        "updated_at": _timestamp(updated_at),
+        "version": version,
+    }
 
 
 # -- public API -----------------------------------------------------------------------------
@@ -1420,10 +1384,6 @@ def normalize_record(record: object) -> NormalizedHotel | Rejection:
         The hotel in the platform's model, or the first (most fundamental) problem found.
     """
     try:
-        if type(record) is dict:
-            hotel = _fast(record)
-            if hotel is not None:
-                return hotel
         return _normalize(record)
     except _Reject as r:
         return Rejection(
@@ -1497,6 +1457,59 @@ def normalize_records(records: Iterable[object]) -> NormalizeResult:
         else:
             hotels.append(out)  # type: ignore[arg-type]
             hotel_index.append(i)
+    return result
+
+
+@dataclass
+class NormalizedDocuments:
+    """The outcome of normalizing one page of records, hotels in primitive form.
+
+    Attributes:
+        docs: normalized hotels as :func:`to_primitive` gives them, in input order.
+        rejections: rejections, in input order.
+        doc_index: ``doc_index[i]`` is the position in the input of ``docs[i]``.
+        rejection_index: ``rejection_index[i]`` is the position in the input of
+            ``rejections[i]``.
+    """
+
+    docs: list[dict[str, Any]] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    doc_index: list[int] = field(default_factory=list)
+    rejection_index: list[int] = field(default_factory=list)
+
+
+def normalize_documents(records: Iterable[object]) -> NormalizedDocuments:
+    """:func:`normalize_records`, each hotel as ``to_primitive`` of it: what a sync stores.
+
+    The usual clean record takes a fast path that builds the primitive document directly;
+    every other record goes through the reference normalizer, so the outcome is the same.
+
+    Args:
+        records: the page's ``hotels`` list, as decoded from JSON.
+
+    Returns:
+        Documents and rejections, each with its position in ``records``.
+    """
+    result = NormalizedDocuments()
+    docs, doc_index = result.docs, result.doc_index
+    for i, record in enumerate(records):
+        doc = None
+        if type(record) is dict:
+            try:
+                doc = _fast(record)
+            except Exception:  # a bug in the fast path: the reference path reports it
+                doc = None
+        if doc is not None:
+            docs.append(doc)
+            doc_index.append(i)
+            continue
+        out = normalize_record(record)
+        if type(out) is Rejection:
+            result.rejections.append(out)
+            result.rejection_index.append(i)
+        else:
+            docs.append(to_primitive(out))  # type: ignore[arg-type]
+            doc_index.append(i)
     return result
 
 

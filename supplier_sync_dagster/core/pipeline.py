@@ -77,11 +77,10 @@ from supplier_sync_dagster.core.leases import (
 )
 from supplier_sync_dagster.core.mapping import chunks, ensure_hotel_mappings
 from supplier_sync_dagster.core.normalize import (
-    NormalizeResult,
+    NormalizedDocuments,
     canonical_dumps,
     loads_canonical,
-    normalize_records,
-    to_primitive,
+    normalize_documents,
 )
 from supplier_sync_dagster.core.payloads import PayloadStore, StoredPayload
 from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
@@ -648,8 +647,7 @@ class _Page:
     """A raw page being normalized: its snapshot, outcomes and canonical documents."""
 
     raw: _RawPage
-    result: NormalizeResult
-    docs: list[dict[str, Any]]
+    result: NormalizedDocuments
 
 
 class _Normalizer:
@@ -760,9 +758,9 @@ class _Normalizer:
         self.heartbeat.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
         self.fields.add(records)
-        result = normalize_records(records)
-        self.pages.append(_Page(raw, result, [to_primitive(h) for h in result.hotels]))
-        self.buffered += len(result.hotels)
+        result = normalize_documents(records)
+        self.pages.append(_Page(raw, result))
+        self.buffered += len(result.docs)
         if self.buffered >= self.settings.chunk_hotels:
             self._validate()
         collect_garbage()
@@ -771,16 +769,16 @@ class _Normalizer:
     def _validate(self) -> None:
         # Row-level quality runs over many pages at once: its cost is mostly per call.
         pages, report = self.pages, self.report
-        docs = [d for page in pages for d in page.docs]
+        docs = [d for page in pages for d in page.result.docs]
         failed: dict[int, DeadLetter] = {}
         if docs:
             quality = check_quality(docs, city_code=self.city, city_countries=self.city_countries)
             report.moved += len(quality.moved)
-            starts = list(itertools.accumulate((len(p.docs) for p in pages), initial=0))
+            starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
             for f in quality.failures:
                 k = bisect.bisect_right(starts, f.index) - 1
                 page = pages[k]
-                pos = page.result.hotel_index[f.index - starts[k]]
+                pos = page.result.doc_index[f.index - starts[k]]
                 failed[f.index] = f.dead_letter(
                     page.raw.payload_ref,
                     page.raw.payload_hash,
@@ -805,13 +803,13 @@ class _Normalizer:
                 for r, index in zip(result.rejections, result.rejection_index, strict=True)
             ]
             kept = []
-            for i, doc in enumerate(page.docs):
+            for i, doc in enumerate(page.result.docs):
                 letter = failed.get(offset + i)
                 if letter is None:
                     kept.append(doc)
                 else:
                     page_letters.append(letter)
-            offset += len(page.docs)
+            offset += len(page.result.docs)
             # Dead letters are counted from every page, also pages normalized by an earlier
             # attempt, so that the shard's counts describe all of its records.
             report.dead_letters += len(page_letters)

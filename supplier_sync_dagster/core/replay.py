@@ -37,8 +37,7 @@ from supplier_sync_dagster.core.mapping import chunks
 from supplier_sync_dagster.core.normalize import (
     canonical_dumps,
     loads_canonical,
-    normalize_records,
-    to_primitive,
+    normalize_documents,
 )
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import RAW, snapshot_id
@@ -262,11 +261,10 @@ def dry_run_city(
         for page in pages:
             records = decode_json(store.get(page.payload_ref)).get("hotels") or []
             report.records += len(records)
-            result = normalize_records(records)
+            result = normalize_documents(records)
             report.dead_letters += len(result.rejections)
             report.dead_letters_by_code.update(r.error_code for r in result.rejections)
-            docs = [to_primitive(h) for h in result.hotels]
-            for doc in docs:
+            for doc in result.docs:
                 body = canonical_dumps(doc)
                 candidates.append(
                     Candidate(

@@ -371,11 +371,12 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
 
     store = LocalPayloadStore(tmp_path / "payloads")
     sim = Simulator(SimulatorConfig(seed=61, n_cities=4, total_hotels=400, api_key=KEY))
-    fixed_rule = pipeline.to_primitive
+    fixed_rule = pipeline.normalize_documents
 
-    def buggy_rule(hotel: Any) -> dict[str, Any]:
-        doc = fixed_rule(hotel)
-        return {**doc, "name": doc["name"].upper()}
+    def buggy_rule(records: Any) -> Any:
+        result = fixed_rule(records)
+        result.docs = [{**doc, "name": doc["name"].upper()} for doc in result.docs]
+        return result
 
     with served(sim) as client:
         listing = client.list_cities().data.cities
@@ -383,9 +384,9 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
         city = max(listing, key=lambda c: c.hotel_count or 0).city_code
         other = next(c.city_code for c in listing if c.city_code != city and c.hotel_count)
         wrong = {**right, other: "AQ"}
-        monkeypatch.setattr(pipeline, "to_primitive", buggy_rule)
+        monkeypatch.setattr(pipeline, "normalize_documents", buggy_rule)
         source, _ = sync_all(db, store, client, "day-0", countries=wrong)
-        monkeypatch.setattr(pipeline, "to_primitive", fixed_rule)
+        monkeypatch.setattr(pipeline, "normalize_documents", fixed_rule)
     names = _names(db)
     assert names and all(n == n.upper() for n in names.values())
     mismatched = [r for r in letter_rows(db, source) if r.error_code == "COUNTRY_CITY_MISMATCH"]

@@ -26,10 +26,12 @@ from supplier_sync_dagster.core.normalize import (
     content_fields,
     content_fingerprint,
     fingerprint,
+    normalize_documents,
     normalize_record,
     normalize_records,
     price_fields,
     price_fingerprint,
+    to_primitive,
 )
 from supplier_sync_dagster.simulator import (
     BAD_RECORD_REASONS,
@@ -249,9 +251,23 @@ def test_valid_records_take_the_fast_path_and_match_the_reference(
         out = normalize_record(rec)
         if isinstance(out, NormalizedHotel):
             assert fast is not None, rec["hotel_id"]  # no clean record falls to the slow path
+            assert fast == to_primitive(out)
             check_hotel(out, rec)
         else:
             assert fast is None
+
+
+def test_documents_are_the_primitive_form_of_the_outcomes(
+    bad_world: tuple[Simulator, list[dict[str, Any]]],
+) -> None:
+    _, records = bad_world
+    page = records[:2000]
+    docs = normalize_documents(page)
+    ref = normalize_records(page)
+    assert docs.doc_index == ref.hotel_index and docs.rejection_index == ref.rejection_index
+    assert docs.docs == [to_primitive(h) for h in ref.hotels]
+    assert docs.rejections == ref.rejections
+    assert ref.rejections and ref.hotels
 
 
 def test_location_rename_rejects_every_record() -> None:
@@ -695,6 +711,6 @@ def test_fuzz_never_raises(bad_world: tuple[Simulator, list[dict[str, Any]]]) ->
             assert fast is None
         else:
             check_hotel(out, rec)
-            assert fast is None or fast == out
+            assert fast is None or fast == to_primitive(out)
     assert kinds[NormalizedHotel] > 100 and kinds[Rejection] > 1000
     assert len(codes) >= 12
