@@ -271,29 +271,32 @@ def _offer_rows(
     cand: Candidate,
     versions: tuple[int, int],
 ) -> list[dict[str, Any]]:
-    """The hotel's offers as platform rows, stamped with its (publish, supplier) versions."""
+    """The hotel's offers as platform rows, stamped with its (publish, supplier) versions.
+
+    The document is in canonical primitive form (``normalize.to_primitive``): every key is
+    present, codes are strings and prices are decimal strings.
+    """
     pv, sv = versions
-    rows = []
-    for room in cand.doc.get("rooms") or ():
-        for plan in room.get("rate_plans") or ():
-            rows.append(
-                {
-                    "resource_id": diff.platform_resource_id,
-                    "room_code": str(room["room_code"]),
-                    "rate_plan_code": str(plan["code"]),
-                    "room_name": room.get("name"),
-                    "bed_type": room.get("bed_type"),
-                    "max_occupancy": room.get("max_occupancy"),
-                    "board": plan.get("board"),
-                    "refundable": plan.get("refundable"),
-                    "available": bool(plan.get("available")),
-                    "price_amount": Decimal(str(plan["price"])),
-                    "currency": plan["currency"],
-                    "supplier_version": sv,
-                    "publish_version": pv,
-                }
-            )
-    return rows
+    rid = diff.platform_resource_id
+    return [
+        {
+            "resource_id": rid,
+            "room_code": room["room_code"],
+            "rate_plan_code": plan["code"],
+            "room_name": room["name"],
+            "bed_type": room["bed_type"],
+            "max_occupancy": room["max_occupancy"],
+            "board": plan["board"],
+            "refundable": plan["refundable"],
+            "available": plan["available"],
+            "price_amount": Decimal(plan["price"]),
+            "currency": plan["currency"],
+            "supplier_version": sv,
+            "publish_version": pv,
+        }
+        for room in cand.doc["rooms"]
+        for plan in room["rate_plans"]
+    ]
 
 
 def _replace_offers(
