@@ -94,8 +94,11 @@ def _worker(
             retry=RetryPolicy(max_total_wait=600),
         )
 
+        timeline: list[dict[str, Any]] = []
+
         def sync_one(city: str) -> Any:
-            return sync_city(
+            began = time.time()
+            report = sync_city(
                 db,
                 store,
                 client,
@@ -104,12 +107,28 @@ def _worker(
                 worker_id=worker,
                 settings=_settings(opts["page_size"]),
             )
+            if report.pages_fetched:
+                timeline.append(
+                    {
+                        "city": city,
+                        "pages": report.pages_fetched,
+                        "began": began,
+                        "ended": time.time(),
+                        "after_fetch": sum(v for k, v in report.seconds.items() if k != "fetch"),
+                    }
+                )
+            return report
 
         # What a Dagster run does: its cities (largest first), then help with the batch's.
         reports = sync_cities(mine, sync_one=sync_one, threads=opts["threads"])
         if opts["steal"]:
             reports += help_other_workers(
-                db, batch.batch_id, skip=set(mine), sync_one=sync_one, threads=opts["threads"]
+                db,
+                batch.batch_id,
+                skip=set(mine),
+                sync_one=sync_one,
+                threads=opts["threads"],
+                hotel_counts=opts["sizes"],
             )
         pages = sum(r.pages_fetched for r in reports)
         stats = client.stats()
@@ -119,6 +138,7 @@ def _worker(
             "requests": stats.requests,
             "seconds": time.perf_counter() - started,
             "finished_at": time.time(),
+            "timeline": timeline,
         }
     )
     db.dispose()
@@ -175,6 +195,7 @@ def budget(args: argparse.Namespace) -> int:
                 "rate": args.rate,
                 "page_size": args.page_size,
                 "steal": args.steal,
+                "sizes": sizes,
                 "threads": args.threads,
             }
             before = httpx.get(f"{server.url}/_sim/stats").json()
@@ -217,6 +238,13 @@ def budget(args: argparse.Namespace) -> int:
     )
     for i, r in enumerate(sorted(results, key=lambda r: r["finished_at"])):
         print(f"  run {i}: {r['pages']} pages, finished at +{r['finished_at'] - started:.1f}s")
+    # The tail: cities that ended last, with their normalize/publish seconds (no requests).
+    cities_done = sorted((c for r in results for c in r["timeline"]), key=lambda c: c["ended"])
+    for c in cities_done[-6:]:
+        print(
+            f"  city {c['city']!r}: {c['pages']} pages, +{c['began'] - started:.1f}s to "
+            f"+{c['ended'] - started:.1f}s, {c['after_fetch']:.1f}s of it normalizing/publishing"
+        )
     ok = achieved / args.rate >= 0.97 and wall / (pages / args.rate) <= 1.05 and rate_429 <= 2
     return 0 if ok else 1
 

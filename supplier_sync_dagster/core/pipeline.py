@@ -425,14 +425,18 @@ def help_other_workers(
     skip: Collection[str],
     sync_one: Callable[[str], CityReport],
     threads: int = 2,
+    hotel_counts: Mapping[str, int] | None = None,
 ) -> list[CityReport]:
     """Syncs cities of the batch that no worker has started yet; returns their reports.
 
     A worker (a Dagster run) that has finished its own cities would otherwise leave the
-    supplier's request budget unused while cities of slower workers wait. Cities are taken
-    from the end of the batch (their owners work from the start of theirs); the shard
-    lease decides who syncs each city, so an owner that reaches a city being helped with
-    gets HELD_BY_OTHER and must wait for the lease to end before reporting it.
+    supplier's request budget unused while cities of slower workers wait. With
+    ``hotel_counts``, the largest pending city is taken first: a big city that its owner
+    has not reached yet (it is busy with a bigger one) would otherwise start last and
+    keep the batch running, fetching at a fraction of the budget and then publishing,
+    long after the small cities are done. Without sizes, cities are taken from the end of
+    the batch. The shard lease decides who syncs each city; an owner that reaches a city
+    being helped with gets HELD_BY_OTHER and goes on with its other cities first.
 
     Args:
         db: The sync database.
@@ -441,6 +445,7 @@ def help_other_workers(
         sync_one: Syncs one city (``sync_city`` with the worker's arguments); its
             exceptions are logged and the city is left to its owner.
         threads: Cities in flight at once (see :func:`sync_cities`).
+        hotel_counts: The supplier's hotel count per city, when known.
     """
     done: list[CityReport] = []
 
@@ -451,6 +456,8 @@ def help_other_workers(
                 for s in reversed(list_shards(db, batch_id))
                 if s.status == "PENDING" and s.shard_key not in skip
             ]
+            if hotel_counts:
+                pending = largest_first(pending, hotel_counts)
             progressed = False
             for city in pending:
                 try:

@@ -272,6 +272,7 @@ def city_sync(
     requests = retries = 0
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
+        sizes: dict[str, int] = {}
         with nullcontext(None) if replay else supplier.client() as client:
             if client is None:
                 countries = stored_city_countries(db, store, task_code=supplier.task_code)
@@ -299,8 +300,15 @@ def city_sync(
                     # raced): wait for its lease to end, then take the outcome or resume.
                     time.sleep(HELD_POLL_SECONDS)
 
-            def one_city(city: str) -> CityReport:
-                report = run_city(city, wait=True)
+            held: list[str] = []
+
+            def one_city(city: str, *, wait: bool = False) -> CityReport:
+                report = run_city(city, wait=wait)
+                if report.status == "HELD_BY_OTHER":
+                    # Another run is syncing it (it helped out, or raced): go on with the
+                    # other cities and wait for this one's outcome at the end.
+                    held.append(city)
+                    return report
                 _show_progress(context, db, batch.batch_id)
                 if replay and report.status == "SUCCESS":
                     resolved = resolve_replayed_dead_letters(
@@ -323,14 +331,19 @@ def city_sync(
                 failures[city] = f"{type(err).__name__}: {err}"
                 context.log.error(f"city {city!r} failed: {failures[city]}")
 
-            reports.extend(
-                sync_cities(
-                    cities,
-                    sync_one=one_city,
-                    threads=supplier.city_threads,
-                    on_error=failed,
-                )
+            first = sync_cities(
+                cities, sync_one=one_city, threads=supplier.city_threads, on_error=failed
             )
+            reports.extend(r for r in first if r.status != "HELD_BY_OTHER")
+            if held:
+                reports.extend(
+                    sync_cities(
+                        list(held),
+                        sync_one=lambda city: one_city(city, wait=True),
+                        threads=supplier.city_threads,
+                        on_error=failed,
+                    )
+                )
             if supplier.help_other_runs and not replay:
                 helped = help_other_workers(
                     db,
@@ -338,6 +351,7 @@ def city_sync(
                     skip=set(cities),
                     sync_one=lambda city: run_city(city, wait=False),
                     threads=supplier.city_threads,
+                    hotel_counts=sizes,
                 )
                 if helped:
                     context.log.info(

@@ -350,6 +350,42 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
     db.dispose()
 
 
+def test_helpers_take_the_largest_pending_city_first(db: SyncDatabase):
+    """A helper starts the biggest city that no run has started, so the batch ends small."""
+    from supplier_sync_dagster.core.pipeline import help_other_workers
+
+    upsert_task(db, TaskSpec(task_code="help", supplier_id=1, concurrency_policy="ALLOW_PARALLEL"))
+    cities = ["own", "s1", "big", "s2", "mid", "started"]
+    batch = create_batch(
+        db, task_code="help", trigger_id="h", trigger_source="BACKFILL", shard_keys=cities
+    ).batch
+    assert batch is not None
+    sh = t.shard.c
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(t.shard)
+            .where(sh.batch_id == batch.batch_id, sh.shard_key == "started")
+            .values(status="RUNNING")
+        )
+    order: list[str] = []
+
+    def sync_one(city: str) -> CityReport:
+        order.append(city)
+        with db.begin() as conn:
+            conn.execute(
+                sa.update(t.shard)
+                .where(sh.batch_id == batch.batch_id, sh.shard_key == city)
+                .values(status="SUCCESS")
+            )
+        return CityReport(city)
+
+    sizes = {"own": 900, "s1": 10, "big": 500, "s2": 20, "mid": 100, "started": 1000}
+    help_other_workers(
+        db, batch.batch_id, skip={"own"}, sync_one=sync_one, threads=1, hotel_counts=sizes
+    )
+    assert order == ["big", "mid", "s2", "s1"]
+
+
 def test_cities_are_synced_largest_first_unknown_sizes_last():
     from supplier_sync_dagster.core.pipeline import largest_first
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -275,4 +276,67 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
     )
     assert second.success
     assert _metadata(second, "published_hotels")["city_status"] == {"ALREADY_DONE": 1}
+    db.dispose()
+
+
+def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Path):
+    """The run's largest city is leased by someone else: the run syncs its other cities
+    first, then waits for that lease to end and finishes the city itself."""
+    from supplier_sync_dagster.core.batches import TaskSpec, add_shards, create_batch, upsert_task
+    from supplier_sync_dagster.core.leases import LeaseSettings, claim_shard, list_shards
+
+    instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
+    db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
+        "supplier": supplier,
+        "governance": GovernanceResource(),
+    }
+    with supplier.client() as client:
+        listing = client.list_cities().data.cities
+    held = max(listing, key=lambda c: c.hotel_count or 0).city_code
+    db = SyncDatabase.open(db_url)
+    upsert_task(
+        db,
+        TaskSpec(
+            task_code=supplier.task_code,
+            supplier_id=supplier.supplier_id,
+            concurrency_policy="SKIP_IF_RUNNING",
+        ),
+    )
+    batch = create_batch(
+        db, task_code=supplier.task_code, trigger_id="bf-held", trigger_source="BACKFILL"
+    ).batch
+    assert batch is not None
+    add_shards(db, batch.batch_id, [held])
+    # A worker that then stops renewing: its 5 s lease must run out before anyone else syncs.
+    claim_shard(
+        db,
+        batch.batch_id,
+        held,
+        worker_id="other-worker",
+        settings=LeaseSettings(lease_seconds=5, heartbeat_seconds=1),
+    )
+    result = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=resources,
+        tags={
+            "dagster/backfill": "bf-held",
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+    )
+    assert result.success
+    done = [
+        ast.literal_eval(e.message[len("city ") :].split(": SUCCESS,")[0])
+        for e in instance.all_logs(result.run_id)
+        if e.message.startswith("city ") and ": SUCCESS," in e.message
+    ]
+    assert sorted(done) == sorted(decode_city_key(k) for k in keys)
+    assert done[-1] == held  # the others did not wait behind it
+    shards = {s.shard_key: s for s in list_shards(db, batch.batch_id)}
+    assert all(s.status == "SUCCESS" for s in shards.values())
+    assert shards[held].claim_count == 2
     db.dispose()
