@@ -528,6 +528,29 @@ def _mysql_datetime(value: Any) -> Any:
     return value
 
 
+def _row_expressions(
+    names: Sequence[str],
+    row_keys: Sequence[str],
+    processors: Mapping[int, Callable[[Any], Any]],
+    wrap: str,
+) -> tuple[list[str], dict[str, Any]]:
+    """Python expressions of a row's values in SQL order (``r``: the row, ``f``: the fixed
+    values, already processed once per call), each row value bind-processed and passed to
+    the function named ``wrap`` (none when empty); and the names they use."""
+    env: dict[str, Any] = {}
+    parts = []
+    in_row = set(row_keys)
+    for i, name in enumerate(names):
+        if name not in in_row:
+            parts.append(f"f[{name!r}]")
+        elif i in processors:
+            env[f"p{i}"] = processors[i]
+            parts.append(f"{wrap}(None if (v{i} := r[{name!r}]) is None else p{i}(v{i}))")
+        else:
+            parts.append(f"{wrap}(r[{name!r}])")
+    return parts, env
+
+
 def _values_function(
     names: Sequence[str], row_keys: Sequence[str], processors: Mapping[int, Callable[[Any], Any]]
 ) -> Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[Any, ...]]:
@@ -538,17 +561,7 @@ def _values_function(
     statement does it in one expression. Column names come from our own schema, and are
     written as ``repr`` literals anyway.
     """
-    env: dict[str, Any] = {}
-    parts = []
-    in_row = set(row_keys)
-    for i, name in enumerate(names):
-        if name not in in_row:
-            parts.append(f"f[{name!r}]")  # fixed values are processed once per call
-        elif i in processors:
-            env[f"p{i}"] = processors[i]
-            parts.append(f"(None if (v{i} := r[{name!r}]) is None else p{i}(v{i}))")
-        else:
-            parts.append(f"r[{name!r}]")
+    parts, env = _row_expressions(names, row_keys, processors, "")
     fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
     return cast(Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[Any, ...]], fn)
 
@@ -562,20 +575,11 @@ def _literal_function(
     """One generated function that turns a row into its ``(...)`` of SQL literals.
 
     ``template`` is the statement's ``(%s, %s, ...)``; a value goes through its bind
-    processor, then through ``literal`` (the driver's escaping); fixed values arrive as
-    literals already (escaped once per call).
+    processor, then through ``L`` (the driver's escaping); fixed values arrive as literals
+    already (escaped once per call).
     """
-    env: dict[str, Any] = {"T": template}
-    parts = []
-    in_row = set(row_keys)
-    for i, name in enumerate(names):
-        if name not in in_row:
-            parts.append(f"f[{name!r}]")
-        elif i in processors:
-            env[f"p{i}"] = processors[i]
-            parts.append(f"L(None if (v{i} := r[{name!r}]) is None else p{i}(v{i}))")
-        else:
-            parts.append(f"L(r[{name!r}])")
+    parts, env = _row_expressions(names, row_keys, processors, "L")
+    env["T"] = template
     fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
     return cast(Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str], fn)
 

@@ -18,7 +18,7 @@ from moto.server import ThreadedMotoServer
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, resolve_batch
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -66,6 +66,16 @@ def _setup(tmp_path: Path, **sim: Any) -> tuple[dg.DagsterInstance, SupplierReso
     return instance, supplier, keys
 
 
+def _resources(db_url: str, tmp_path: Path, supplier: SupplierResource) -> dict[str, Any]:
+    """The asset's resources: the given sync database, payloads in a local folder."""
+    return {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
+        "supplier": supplier,
+        "governance": GovernanceResource(),
+    }
+
+
 def _metadata(result: dg.ExecuteInJobResult, asset: str) -> dict[str, Any]:
     mats = [
         m
@@ -78,12 +88,7 @@ def _metadata(result: dg.ExecuteInJobResult, asset: str) -> dict[str, Any]:
 
 def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, tmp_path: Path):
     instance, supplier, keys = _setup(tmp_path)
-    resources = {
-        "sync_db": SyncDatabaseResource(db_url=db_url),
-        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": supplier,
-        "governance": GovernanceResource(),
-    }
+    resources = _resources(db_url, tmp_path, supplier)
     result = dg.materialize(
         [city_sync], instance=instance, resources=resources, partition_key=keys[1]
     )
@@ -198,12 +203,7 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
 def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=300)
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
-    resources = {
-        "sync_db": SyncDatabaseResource(db_url=db_url),
-        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": supplier,
-        "governance": GovernanceResource(),
-    }
+    resources = _resources(db_url, tmp_path, supplier)
     half = len(keys) // 2
     batches = set()
     for first, last in ((keys[0], keys[half - 1]), (keys[half], keys[-1])):
@@ -231,32 +231,14 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
 def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started(
     db_url: str, tmp_path: Path
 ):
-    from supplier_sync_dagster.core.batches import TaskSpec, add_shards, create_batch, upsert_task
     from supplier_sync_dagster.core.leases import list_shards
 
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
-    resources = {
-        "sync_db": SyncDatabaseResource(db_url=db_url),
-        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": supplier,
-        "governance": GovernanceResource(),
-    }
+    resources = _resources(db_url, tmp_path, supplier)
     mine, theirs = keys[0], keys[3]
     # Another run of the same backfill has registered its city but not started it yet.
     db = SyncDatabase.open(db_url)
-    upsert_task(
-        db,
-        TaskSpec(
-            task_code=supplier.task_code,
-            supplier_id=supplier.supplier_id,
-            concurrency_policy="SKIP_IF_RUNNING",
-        ),
-    )
-    batch = create_batch(
-        db, task_code=supplier.task_code, trigger_id="bf-1", trigger_source="BACKFILL"
-    ).batch
-    assert batch is not None
-    add_shards(db, batch.batch_id, [decode_city_key(theirs)])
+    batch = resolve_batch(db, supplier, "bf-1", "BACKFILL", [decode_city_key(theirs)])
 
     tags = {TRIGGER_TAG: "bf-1", "supplier_sync/trigger_source": "BACKFILL"}
     first = dg.materialize(
@@ -282,34 +264,16 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
 def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Path):
     """The run's largest city is leased by someone else: the run syncs its other cities
     first, then waits for that lease to end and finishes the city itself."""
-    from supplier_sync_dagster.core.batches import TaskSpec, add_shards, create_batch, upsert_task
     from supplier_sync_dagster.core.leases import LeaseSettings, claim_shard, list_shards
 
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
-    resources = {
-        "sync_db": SyncDatabaseResource(db_url=db_url),
-        "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": supplier,
-        "governance": GovernanceResource(),
-    }
+    resources = _resources(db_url, tmp_path, supplier)
     with supplier.client() as client:
         listing = client.list_cities().data.cities
     held = max(listing, key=lambda c: c.hotel_count or 0).city_code
     db = SyncDatabase.open(db_url)
-    upsert_task(
-        db,
-        TaskSpec(
-            task_code=supplier.task_code,
-            supplier_id=supplier.supplier_id,
-            concurrency_policy="SKIP_IF_RUNNING",
-        ),
-    )
-    batch = create_batch(
-        db, task_code=supplier.task_code, trigger_id="bf-held", trigger_source="BACKFILL"
-    ).batch
-    assert batch is not None
-    add_shards(db, batch.batch_id, [held])
+    batch = resolve_batch(db, supplier, "bf-held", "BACKFILL", [held])
     # A worker that then stops renewing: its 5 s lease must run out before anyone else syncs.
     claim_shard(
         db,
