@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
+from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -408,6 +409,25 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--hostile-city-codes", action="store_true")
     sim.set_defaults(func=_cmd_simulate)
 
+    daemon = sub.add_parser(
+        "daemon",
+        help="dagster-daemon run, with the backfill daemon looking for new backfills every "
+        "--backfill-interval seconds instead of Dagster's fixed 30",
+    )
+    daemon.add_argument(
+        "--backfill-interval",
+        type=float,
+        default=BACKFILL_DAEMON_INTERVAL_SECONDS,
+        help="seconds between backfill daemon ticks",
+    )
+    daemon.add_argument(
+        "-w",
+        "--workspace",
+        default="workspace.yaml",
+        help="the workspace file, as for dagster-daemon run",
+    )
+    daemon.set_defaults(func=_cmd_daemon)
+
     review = sub.add_parser("review", help="diffs held for review: list, approve, reject")
     review_sub = review.add_subparsers(dest="review_command", required=True)
     rlist = review_sub.add_parser("list", help="reviews (PENDING by default)")
@@ -473,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     init = db_sub.add_parser("init", help="create the tables if missing")
     init.set_defaults(func=_cmd_db_init)
     return parser
+
+
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    return run_daemon(["-w", args.workspace], backfill_interval_seconds=args.backfill_interval)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
