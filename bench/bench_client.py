@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import multiprocessing.connection
 import socket
 import sys
 import time
@@ -34,27 +35,43 @@ from supplier_sync_dagster.core.supplier import (
     SupplierClient,
 )
 from supplier_sync_dagster.deployment import free_port
-from supplier_sync_dagster.simulator import SimulatorConfig, serve
+from supplier_sync_dagster.simulator import Simulator, SimulatorConfig, serve
 
 API_KEY = "bench-key"
 
 
-def _serve(config: SimulatorConfig, port: int) -> None:
-    serve(config, host="127.0.0.1", port=port, log_level="warning")
+def _serve(
+    config: SimulatorConfig, port: int, out: multiprocessing.connection.Connection | None
+) -> None:
+    """Child process: build the world, send its ground truth back if asked, serve over HTTP."""
+    sim = Simulator(config)
+    if out is not None:
+        truth = sim.ground_truth()
+        out.send((dict(truth.valid), dict(truth.bad)))
+        out.close()
+    serve(sim, host="127.0.0.1", port=port, log_level="warning")
 
 
 class ServerProcess:
-    """The simulator in a child process, stopped on exit."""
+    """The simulator in a child process, stopped on exit.
 
-    def __init__(self, config: SimulatorConfig) -> None:
+    With ``truth=True`` the child computes its ground truth before serving and ``truth``
+    holds it as (valid hotel id -> version, bad hotel id -> expected error code).
+    """
+
+    def __init__(self, config: SimulatorConfig, *, truth: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=_serve, args=(config, self.port), daemon=True)
+        self._recv, send = ctx.Pipe(duplex=False) if truth else (None, None)
+        self._proc = ctx.Process(target=_serve, args=(config, self.port, send), daemon=True)
+        self.truth: tuple[dict[str, int], dict[str, str]] = ({}, {})
 
     def __enter__(self) -> ServerProcess:
         self._proc.start()
-        deadline = time.monotonic() + 30
+        if self._recv is not None:
+            self.truth = self._recv.recv()
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
@@ -62,7 +79,7 @@ class ServerProcess:
             except OSError:
                 time.sleep(0.05)
         self._proc.terminate()
-        raise RuntimeError("the simulator did not start within 30 s")
+        raise RuntimeError("the simulator did not start within 120 s")
 
     def __exit__(self, *exc: object) -> None:
         self._proc.terminate()

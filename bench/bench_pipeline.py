@@ -29,7 +29,6 @@ import multiprocessing
 import multiprocessing.connection
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -40,52 +39,14 @@ from typing import Any
 
 import httpx
 
-from supplier_sync_dagster.deployment import free_port
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_client import ServerProcess
+
+from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig
 
 API_KEY = "bench-key"
 TARGETS = {"sqlite": 4500.0, "mariadb": 3500.0}
 DEFAULT_MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
-
-
-def _serve(config: SimulatorConfig, port: int, out: multiprocessing.connection.Connection) -> None:
-    """Child process: build the world, send the ground truth back, then serve over HTTP."""
-    from supplier_sync_dagster.simulator import serve
-
-    sim = Simulator(config)
-    truth = sim.ground_truth()
-    out.send((dict(truth.valid), dict(truth.bad)))
-    out.close()
-    serve(sim, host="127.0.0.1", port=port, log_level="warning")
-
-
-class ServerProcess:
-    """The simulator in a child process; ``truth`` holds (valid, bad) of its ground truth."""
-
-    def __init__(self, config: SimulatorConfig) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        ctx = multiprocessing.get_context("spawn")
-        self._recv, send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_serve, args=(config, self.port, send), daemon=True)
-        self.truth: tuple[dict[str, int], dict[str, str]] = ({}, {})
-
-    def __enter__(self) -> ServerProcess:
-        self._proc.start()
-        self.truth = self._recv.recv()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self._proc.terminate()
-        raise RuntimeError("the simulator did not start within 120 s")
-
-    def __exit__(self, *exc: object) -> None:
-        self._proc.terminate()
-        self._proc.join(timeout=10)
 
 
 def _client(url: str) -> Any:
@@ -413,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     ok = True
-    with ServerProcess(config) as server:
+    with ServerProcess(config, truth=True) as server:
         valid, bad = server.truth
         cities, listed, warm = prewarm(server.url, args.page_size)
         print(

@@ -253,11 +253,7 @@ def create_batch(
         if task.status != "ENABLED":
             raise TaskDisabled(f"task {task_code!r} is DISABLED; enable it to create batches")
 
-        cancelled: tuple[str, ...] = ()
-        active = _active_batches(conn, t.batch.c.task_code == task.task_code)
-        if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
-            blocking = active[0]
-            reason = f"SKIP_IF_RUNNING: batch {blocking.batch_id} is {blocking.status}"
+        def skip(blocking_batch_id: str, reason: str) -> BatchDecision:
             _log_trigger(
                 conn,
                 clock,
@@ -266,10 +262,17 @@ def create_batch(
                 trigger_source,
                 "SKIPPED",
                 None,
-                blocking.batch_id,
+                blocking_batch_id,
                 reason,
             )
-            return BatchDecision("SKIPPED", None, reason, blocking.batch_id)
+            return BatchDecision("SKIPPED", None, reason, blocking_batch_id)
+
+        cancelled: tuple[str, ...] = ()
+        active = _active_batches(conn, t.batch.c.task_code == task.task_code)
+        if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
+            blocking = active[0]
+            reason = f"SKIP_IF_RUNNING: batch {blocking.batch_id} is {blocking.status}"
+            return skip(blocking.batch_id, reason)
         if task.concurrency_policy == "CANCEL_PREVIOUS":
             cancelled = tuple(b.batch_id for b in active)
             for old in cancelled:
@@ -289,18 +292,7 @@ def create_batch(
                     f"ALLOW_PARALLEL: batch {blocking.batch_id} ({blocking.status}) covers "
                     f"an overlapping {task.data_scope} scope"
                 )
-                _log_trigger(
-                    conn,
-                    clock,
-                    task_code,
-                    trigger_id,
-                    trigger_source,
-                    "SKIPPED",
-                    None,
-                    blocking.batch_id,
-                    reason,
-                )
-                return BatchDecision("SKIPPED", None, reason, blocking.batch_id)
+                return skip(blocking.batch_id, reason)
 
         batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
         version = conn.execute(
