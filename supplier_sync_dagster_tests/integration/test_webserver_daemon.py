@@ -1,4 +1,4 @@
-"""The MySQL profile for real: dagster-webserver and dagster-daemon on a MySQL instance.
+"""The MySQL profile for real: dagster-webserver and `supplier-sync daemon` on a MySQL instance.
 
 A backfill of every city is launched through the webserver's GraphQL API; the daemon
 queues and launches its runs (grouped by the backfill policy), each run worker syncs its
