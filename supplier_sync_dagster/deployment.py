@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from supplier_sync_dagster.core.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = (
     "raw_hotel_snapshots",
@@ -203,12 +205,14 @@ def set_backfill_daemon_interval(seconds: float) -> float:
     files set it) reads that constant. ``test_deployment`` fails if Dagster stops reading it.
 
     Raises:
-        ValueError: ``seconds`` is not positive.
+        ConfigError: ``seconds`` is not a positive, finite number.
     """
     from dagster._daemon import controller
 
-    if seconds <= 0:
-        raise ValueError(f"backfill daemon interval must be positive, not {seconds}")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(
+            f"--backfill-interval must be a positive number of seconds, not {seconds}"
+        )
     previous = float(controller.DEFAULT_DAEMON_INTERVAL_SECONDS)
     controller.DEFAULT_DAEMON_INTERVAL_SECONDS = seconds  # type: ignore[assignment]
     return previous

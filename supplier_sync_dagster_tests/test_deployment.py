@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from dagster._daemon.backfill import execute_backfill_iteration_loop
 
 from supplier_sync_dagster import cli, deployment
+from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.deployment import ROOT, set_backfill_daemon_interval
 
 
@@ -53,15 +55,21 @@ def test_the_backfill_daemon_ticks_at_the_interval_we_set(interval: None) -> Non
 
 
 def test_a_non_positive_interval_is_refused(interval: None) -> None:
-    with pytest.raises(ValueError, match="positive"):
-        set_backfill_daemon_interval(0)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="positive"):
+            set_backfill_daemon_interval(bad)
+
+
+def test_the_daemon_command_refuses_a_bad_interval_before_starting(
+    capsys: pytest.CaptureFixture[str], interval: None
+) -> None:
+    assert cli.main(["daemon", "--backfill-interval", "0"]) == 2
+    assert "--backfill-interval must be a positive number" in capsys.readouterr().err
 
 
 def test_supplier_sync_daemon_runs_dagster_daemon_with_its_arguments(
     monkeypatch: pytest.MonkeyPatch, interval: None
 ) -> None:
-    import sys
-
     import dagster._daemon.cli as daemon_cli
     from dagster._daemon import controller
 
