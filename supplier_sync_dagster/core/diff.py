@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.db import DbClock, insert_ignore, use_index
 from supplier_sync_dagster.core.mapping import chunks
 
 DiffType = Literal[
@@ -259,10 +259,17 @@ def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [candidates[i] for i in kept]
 
 
+def active_offers(resource_ids: Sequence[int]) -> sa.Select[Any]:
+    """SELECT of the active offers of these hotels, read through the offer identity index."""
+    o = t.platform_offer.c
+    query = sa.select(t.platform_offer).where(o.resource_id.in_(resource_ids), o.active.is_(True))
+    return use_index(query, t.platform_offer, "uk_offer_identity")
+
+
 def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
     """The published hotels (canonical form plus versions and fingerprint) by resource id."""
     out: dict[int, dict[str, Any]] = {}
-    h, o = t.platform_hotel.c, t.platform_offer.c
+    h = t.platform_hotel.c
     ids = sorted(set(resource_ids))
     for part in chunks(ids):
         for row in conn.execute(sa.select(t.platform_hotel).where(h.resource_id.in_(part))).all():
@@ -289,9 +296,10 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
                     "rooms": {},
                 },
             }
-        for row in conn.execute(
-            sa.select(t.platform_offer).where(o.resource_id.in_(part), o.active.is_(True))
-        ).all():
+        found = [rid for rid in part if rid in out]
+        if not found:  # new hotels have no offers: skip the query
+            continue
+        for row in conn.execute(active_offers(found)).all():
             m = row._mapping
             pub = out.get(m["resource_id"])
             if pub is None:

@@ -11,6 +11,8 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.diff import active_offers
+from supplier_sync_dagster.core.mapping import CHUNK
 
 ExportKind = Literal["published", "dead-letters", "diffs"]
 
@@ -30,7 +32,7 @@ def _rows(db: SyncDatabase, stmt: sa.Select[Any]) -> Iterator[dict[str, Any]]:
             yield {k: _plain(v) for k, v in row._mapping.items()}
 
 
-def _export_published(db: SyncDatabase, out: TextIO, page: int = 1000) -> int:
+def _export_published(db: SyncDatabase, out: TextIO, page: int = CHUNK) -> int:
     """Hotels with their active offers, a page at a time by resource id, on one connection
     (a second connection inside a read would wait on SQLite's lock held by the first)."""
     h, o = t.platform_hotel.c, t.platform_offer.c
@@ -51,11 +53,7 @@ def _export_published(db: SyncDatabase, out: TextIO, page: int = 1000) -> int:
                 return n
             ids = [r["platform_resource_id"] for r in hotels]
             offers: dict[int, list[dict[str, Any]]] = {}
-            for row in conn.execute(
-                sa.select(t.platform_offer)
-                .where(o.resource_id.in_(ids), o.active.is_(True))
-                .order_by(o.offer_id)
-            ):
+            for row in conn.execute(active_offers(ids).order_by(o.offer_id)):
                 m = {k: _plain(v) for k, v in row._mapping.items()}
                 offers.setdefault(m.pop("resource_id"), []).append(m)
             for r in hotels:

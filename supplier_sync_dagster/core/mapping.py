@@ -23,7 +23,10 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import DbClock, insert_ignore
 
-CHUNK = 1000  # ids per IN (...) list: far below every driver's parameter limit
+# Ids per IN (...) list: far below every driver's parameter limit, and below MariaDB's
+# in_predicate_conversion_threshold (1000). From 1000 values on, MariaDB turns the list
+# into a semi-join that may scan the whole table, an index hint notwithstanding.
+CHUNK = 500
 
 T = TypeVar("T")
 

@@ -944,11 +944,12 @@ def _publish(
         heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
         cands = collapse_duplicates(chunk)
         report.duplicates += len(chunk) - len(cands)
-        # Resource ids are allocated in a short transaction of its own (idempotent: after a
-        # crash the re-run reuses them; offer ids come with the offers' upsert), diffs are computed from a read snapshot and every row is
-        # built before the transaction that publishes: a concurrent worker waits for the
-        # SQLite write lock only while statements run. The version guard in that
-        # transaction keeps a concurrent publish of the same hotel correct.
+        # Resource ids are allocated in a short transaction of their own (idempotent: after
+        # a crash the re-run reuses them; offer ids come with the offers' upsert), diffs
+        # are computed from a read snapshot and every row is built before the transaction
+        # that publishes: a concurrent worker waits for the SQLite write lock only while
+        # statements run. The version guard in that transaction keeps a concurrent publish
+        # of the same hotel correct.
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={city} mappings")
             maps = ensure_hotel_mappings(

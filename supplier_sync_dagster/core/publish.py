@@ -25,7 +25,13 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import DbClock, bind_values, execute_many, insert_ignore
+from supplier_sync_dagster.core.db import (
+    DbClock,
+    bind_values,
+    execute_many,
+    insert_ignore,
+    use_index,
+)
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff
 from supplier_sync_dagster.core.mapping import chunks
 
@@ -183,7 +189,9 @@ def publish_hotels(
         else:  # another publish of this hotel committed in between: other versions
             offers += _offer_rows(d, c, written[rid])
             events += _hotel_events(batch_id, d, c, written[rid])
-    _replace_offers(conn, clock, [d.platform_resource_id for d, _ in done], offers)
+    # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
+    # are only written with their hotel row, which stays locked by this call until commit.
+    _replace_offers(conn, clock, [rid for rid in written if written[rid][0] > 1], offers)
     insert_ignore(conn, t.outbox, events, batch_id=batch_id, created_at=clock.now())
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
@@ -308,16 +316,21 @@ def _replace_offers(
     its id the first time and keeps it, also while the supplier stops and resumes offering
     it. Only hotels this call wrote get here, and their rows stay locked until commit, so no
     concurrent publish of another version can interleave with these offer writes.
+
+    Args:
+        conn: The publish's connection.
+        clock: The database clock.
+        rids: The hotels that may already have offers (deactivated first, then upserted).
+        rows: Every offer of the hotels this call wrote.
     """
-    if not rids:
-        return
     o = t.platform_offer.c
     for part in chunks(rids):
-        conn.execute(
+        deactivate = (
             sa.update(t.platform_offer)
             .where(o.resource_id.in_(part))
             .values(active=False, updated_at=clock.now())
         )
+        conn.execute(use_index(deactivate, t.platform_offer, "uk_offer_identity"))
     if not rows:
         return
     now = bind_values(conn, {"now": clock.now()})["now"]

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.db import SyncDatabase, use_index
 from supplier_sync_dagster.core.deadletters import (
     DeadLetter,
     count_dead_letters,
@@ -20,12 +20,13 @@ from supplier_sync_dagster.core.deadletters import (
 from supplier_sync_dagster.core.diff import (
     Candidate,
     RiskPolicy,
+    active_offers,
     collapse_duplicates,
     compute_diffs,
     default_risk_policy,
     record_diffs,
 )
-from supplier_sync_dagster.core.mapping import ensure_hotel_mappings
+from supplier_sync_dagster.core.mapping import CHUNK, ensure_hotel_mappings
 from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 
@@ -260,6 +261,47 @@ def test_an_offer_keeps_its_id_for_good(db: SyncDatabase):
     assert {k: r["offer_id"] for k, r in now.items()} == first
     h1 = {r["rate_plan_code"]: r for r in now.values() if r["publish_version"] == 3}
     assert set(h1) == {"BAR", "NRF"} and all(r["active"] for r in h1.values())
+
+
+def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
+    """Loading and deactivating a chunk's offers never scans the table (MariaDB plans).
+
+    With an IN list past 200 values MariaDB sizes the ranges from index statistics; while
+    the offer table grew they lagged and every chunk's lookup became a full scan. The
+    statements force the index, so the plan does not depend on statistics at all.
+    """
+    sync(db, "b1", [hotel(f"H{i}") for i in range(30)])
+    ids = sorted({r["resource_id"] for r in rows(db, t.platform_offer)})
+    # Past eq_range_index_dive_limit (200); a chunk stays below 1000 (see mapping.CHUNK).
+    for extra in (300, CHUNK - len(ids)):
+        many = ids + list(range(10**9, 10**9 + extra))
+        deactivate = use_index(
+            sa.update(t.platform_offer)
+            .where(t.platform_offer.c.resource_id.in_(many))
+            .values(active=False),
+            t.platform_offer,
+            "uk_offer_identity",
+        )
+        with db.engine.connect() as conn:
+            for stmt in (active_offers(many), deactivate):
+                sql = str(
+                    stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
+                )
+                if db.engine.dialect.name == "sqlite":
+                    plan = " ".join(
+                        str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")
+                    )
+                    assert "SCAN platform_hotel_offer" not in plan, plan
+                    continue
+                plan = [
+                    dict(r)
+                    for r in conn.exec_driver_sql(f"EXPLAIN {sql}").mappings()
+                    if r["table"] == "platform_hotel_offer"
+                ]
+                assert [(r["type"] in ("range", "ref"), r["key"]) for r in plan] == [
+                    (True, "uk_offer_identity")
+                ], plan
+            assert len(conn.execute(active_offers(many)).all()) == 60
 
 
 def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db: SyncDatabase):
