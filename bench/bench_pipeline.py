@@ -16,7 +16,7 @@ records (none on the clean profile).
 Usage:
     .venv/bin/python bench/bench_pipeline.py [--hotels 100000] [--cities 50]
         [--backends sqlite,mariadb] [--mysql-url mysql+pymysql://root@127.0.0.1:3306]
-        [--page-size 500] [--chunk-hotels N] [--workers 1] [--profile-out DIR]
+        [--page-size 500] [--chunk-hotels N] [--workers 1] [--days 1] [--profile-out DIR]
 
 Exit status 0 when every backend's result is correct and meets its target
 (SQLite >= 4,500 hotels/s, MariaDB >= 3,500 hotels/s), 1 otherwise.
@@ -25,6 +25,8 @@ Exit status 0 when every backend's result is correct and meets its target
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import resource
@@ -94,17 +96,18 @@ def _drop(mysql_url: str, name: str) -> None:
 def run_backend(
     backend: str,
     cities: list[str],
-    truth: tuple[dict[str, int], dict[str, str]],
+    days: list[tuple[str, tuple[dict[str, int], dict[str, str]]]],
     opts: dict[str, Any],
-) -> dict[str, Any]:
-    """Child process: one full sync of every city on one backend, timed and checked."""
-    import sqlalchemy as sa
+) -> list[dict[str, Any]]:
+    """Child process: one full sync of every city per day on one backend, timed and checked.
 
-    from supplier_sync_dagster.core import schema as t
-    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
+    ``days`` holds (simulator URL, ground truth) per day; each day is its own batch on the
+    same database, so day 1 measures a day-to-day sync (mostly unchanged hotels).
+    """
+    from supplier_sync_dagster.core.batches import TaskSpec, upsert_task
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.payloads import open_payload_store
-    from supplier_sync_dagster.core.pipeline import prepare_process, sync_city
+    from supplier_sync_dagster.core.pipeline import prepare_process
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     db_url, mysql_db = _db_url(backend, opts["mysql_url"], tmp)
@@ -114,42 +117,80 @@ def run_backend(
         upsert_task(
             db, TaskSpec(task_code="bench", supplier_id=1001, concurrency_policy="ALLOW_PARALLEL")
         )
-        batch = create_batch(
-            db, task_code="bench", trigger_id="bench", trigger_source="MANUAL", shard_keys=cities
-        ).batch
-        settings = _settings(opts)
         prepare_process()
-        profiler = None
-        if opts["profile_out"]:
-            import cProfile
+        results = []
+        for day, (url, truth) in enumerate(days):
+            res = _sync_day(db, store, db_url, tmp, cities, day, truth, {**opts, "sim_url": url})
+            results.append({"backend": backend, "day": day, **res})
+        db.dispose()
+        return results
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if mysql_db is not None:
+            _drop(opts["mysql_url"], mysql_db)
 
-            profiler = cProfile.Profile()
-        totals: Counter[str] = Counter()
-        stages: dict[str, float] = defaultdict(float)
-        statuses: Counter[str] = Counter()
-        workers = opts["workers"]
-        peak_rss_mb = 0.0
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        if workers > 1:
-            # Scale-out as in production: several workers claim cities (shard leases) at once.
-            ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(
-                workers, initializer=_worker_init, initargs=(db_url, str(tmp), opts, batch)
-            ) as pool:
-                for summary in pool.imap_unordered(_worker_city, cities, chunksize=1):
-                    statuses[summary["status"]] += 1
-                    totals.update(summary["totals"])
-                    for stage, seconds in summary["seconds"].items():
-                        stages[stage] += seconds
-                    peak_rss_mb = max(peak_rss_mb, summary["peak_rss_mb"])
-            wall, cpu = time.perf_counter() - wall0, float("nan")
-        else:
-            http, client = _client(opts["sim_url"])
-            with http:
-                if profiler is not None:
-                    profiler.enable()
-                for city in cities:
-                    summary = _summarize(
+
+def _sync_day(
+    db: Any,
+    store: Any,
+    db_url: str,
+    tmp: Path,
+    cities: list[str],
+    day: int,
+    truth: tuple[dict[str, int], dict[str, str]],
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    """One batch over every city, timed, then checked against the day's ground truth."""
+    import sqlalchemy as sa
+
+    from supplier_sync_dagster.core import schema as t
+    from supplier_sync_dagster.core.batches import create_batch
+    from supplier_sync_dagster.core.pipeline import sync_city
+
+    batch = create_batch(
+        db,
+        task_code="bench",
+        trigger_id=f"bench-day{day}",
+        trigger_source="MANUAL",
+        shard_keys=cities,
+    ).batch
+    settings = _settings(opts)
+    profiler = None
+    if opts["profile_out"]:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    totals: Counter[str] = Counter()
+    stages: dict[str, float] = defaultdict(float)
+    statuses: Counter[str] = Counter()
+    workers = opts["workers"]
+    peak_rss_mb = 0.0
+
+    def add(summary: dict[str, Any]) -> None:
+        statuses[summary["status"]] += 1
+        totals.update(summary["totals"])
+        for stage, seconds in summary["seconds"].items():
+            stages[stage] += seconds
+
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    if workers > 1:
+        # Scale-out as in production: several workers claim cities (shard leases) at once.
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(
+            workers, initializer=_worker_init, initargs=(db_url, str(tmp), opts, batch)
+        ) as pool:
+            for summary in pool.imap_unordered(_worker_city, cities, chunksize=1):
+                add(summary)
+                peak_rss_mb = max(peak_rss_mb, summary["peak_rss_mb"])
+        wall, cpu = time.perf_counter() - wall0, float("nan")
+    else:
+        http, client = _client(opts["sim_url"])
+        with http:
+            if profiler is not None:
+                profiler.enable()
+            for city in cities:
+                add(
+                    _summarize(
                         sync_city(
                             db,
                             store,
@@ -161,59 +202,58 @@ def run_backend(
                             **_governance(client),
                         )
                     )
-                    statuses[summary["status"]] += 1
-                    totals.update(summary["totals"])
-                    for stage, seconds in summary["seconds"].items():
-                        stages[stage] += seconds
-                if profiler is not None:
-                    profiler.disable()
-            wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        peak_rss_mb = max(peak_rss_mb, _peak_rss_mb())
-        if profiler is not None:
-            out = Path(opts["profile_out"]) / f"pipeline_{backend}.prof"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            profiler.dump_stats(out)
-        with db.engine.connect() as conn:
-            h, d = t.platform_hotel.c, t.dead_letter.c
-            published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
-            dead = dict(
-                conn.execute(
-                    sa.select(d.supplier_resource_code, d.error_code).where(
-                        d.batch_id == batch.batch_id
-                    )
-                ).all()
-            )
-        valid, bad = truth
-        problems = []
-        if published != valid:
-            problems.append(
-                f"published {len(published)} hotels != ground truth {len(valid)} valid "
-                f"(missing {len(set(valid) - set(published))}, "
-                f"extra {len(set(published) - set(valid))}, "
-                f"wrong version {sum(1 for k, v in published.items() if valid.get(k, v) != v)})"
-            )
-        if set(dead) != set(bad):
-            problems.append(f"{len(dead)} dead letters != {len(bad)} bad records")
-        if totals["records"] != totals["published"] + totals["dead_letters"] + totals["skipped"]:
-            problems.append(f"counts do not add up: {dict(totals)}")
-        if statuses != Counter({"SUCCESS": len(cities)}):
-            problems.append(f"city statuses {dict(statuses)}")
-        db.dispose()
-        return {
-            "backend": backend,
-            "hotels": totals["records"],
-            "wall": wall,
-            "cpu": cpu,
-            "rate": totals["records"] / wall if wall else 0.0,
-            "stages": dict(stages),
-            "totals": dict(totals),
-            "peak_rss_mb": peak_rss_mb,
-            "problems": problems,
-        }
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if mysql_db is not None:
-            _drop(opts["mysql_url"], mysql_db)
+                )
+            if profiler is not None:
+                profiler.disable()
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    peak_rss_mb = max(peak_rss_mb, _peak_rss_mb())
+    if profiler is not None:
+        out = Path(opts["profile_out"]) / f"pipeline_{db.engine.dialect.name}_day{day}.prof"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(out)
+    with db.engine.connect() as conn:
+        h, d = t.platform_hotel.c, t.dead_letter.c
+        published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+        dead = dict(
+            conn.execute(
+                sa.select(d.supplier_resource_code, d.error_code).where(
+                    d.batch_id == batch.batch_id
+                )
+            ).all()
+        )
+    valid, bad = truth
+    problems = []
+    # Day 0 publishes exactly the valid hotels. Later days also keep hotels the supplier
+    # removed (published as they were) and hold large price moves for review, so each of
+    # the day's valid hotels is published at its version or waits in review.
+    wrong = {k for k, v in valid.items() if published.get(k) != v}
+    if day == 0 and set(published) != set(valid):
+        problems.append(
+            f"published {len(published)} hotels != ground truth {len(valid)} valid "
+            f"(missing {len(set(valid) - set(published))}, "
+            f"extra {len(set(published) - set(valid))})"
+        )
+    if len(wrong) != totals["held_for_review"]:
+        problems.append(
+            f"{len(wrong)} valid hotels not published at their version, "
+            f"{totals['held_for_review']} held for review"
+        )
+    if set(dead) != set(bad):
+        problems.append(f"{len(dead)} dead letters != {len(bad)} bad records")
+    if totals["records"] != totals["published"] + totals["dead_letters"] + totals["skipped"]:
+        problems.append(f"counts do not add up: {dict(totals)}")
+    if statuses != Counter({"SUCCESS": len(cities)}):
+        problems.append(f"city statuses {dict(statuses)}")
+    return {
+        "hotels": totals["records"],
+        "wall": wall,
+        "cpu": cpu,
+        "rate": totals["records"] / wall if wall else 0.0,
+        "stages": dict(stages),
+        "totals": dict(totals),
+        "peak_rss_mb": peak_rss_mb,
+        "problems": problems,
+    }
 
 
 def _peak_rss_mb() -> float:
@@ -234,7 +274,14 @@ def _summarize(report: Any) -> dict[str, Any]:
         "status": report.status,
         "totals": {
             k: getattr(report, k)
-            for k in ("records", "published", "dead_letters", "skipped", "duplicates")
+            for k in (
+                "records",
+                "published",
+                "dead_letters",
+                "skipped",
+                "duplicates",
+                "held_for_review",
+            )
         },
         "seconds": dict(report.seconds),
         "peak_rss_mb": _peak_rss_mb(),
@@ -305,7 +352,7 @@ def _child(send: multiprocessing.connection.Connection, args: tuple[Any, ...]) -
         raise
 
 
-def _run_in_child(*args: Any) -> dict[str, Any]:
+def _run_in_child(*args: Any) -> list[dict[str, Any]]:
     """Runs ``run_backend`` in a fresh (non-daemonic: it may start workers) process."""
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
@@ -315,7 +362,7 @@ def _run_in_child(*args: Any) -> dict[str, Any]:
     proc.join()
     if status != "ok":
         raise RuntimeError(f"benchmark child failed: {result}")
-    assert isinstance(result, dict)
+    assert isinstance(result, list)
     return result
 
 
@@ -349,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=1, help="sync processes claiming cities concurrently"
     )
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--days",
+        type=int,
+        default=1,
+        help="days to sync (2: also a day-to-day sync of the simulator one day later)",
+    )
     args = parser.parse_args(argv)
 
     config = SimulatorConfig(
@@ -374,39 +427,48 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     ok = True
-    with ServerProcess(config, truth=True) as server:
-        valid, bad = server.truth
-        cities, listed, warm = prewarm(server.url, args.page_size)
-        print(
-            f"ground truth: {len(valid)} valid, {len(bad)} bad; pre-warm walked {listed} "
-            f"hotels in {len(cities)} cities in {warm:.1f}s",
-            flush=True,
-        )
+    with contextlib.ExitStack() as stack:
+        days = []
+        for day in range(args.days):
+            server = stack.enter_context(
+                ServerProcess(dataclasses.replace(config, day=day), truth=True)
+            )
+            valid, bad = server.truth
+            cities, listed, warm = prewarm(server.url, args.page_size)
+            print(
+                f"day {day} ground truth: {len(valid)} valid, {len(bad)} bad; pre-warm walked "
+                f"{listed} hotels in {len(cities)} cities in {warm:.1f}s",
+                flush=True,
+            )
+            days.append((server.url, server.truth))
         opts = {
             "mysql_url": args.mysql_url,
             "page_size": args.page_size,
             "chunk_hotels": args.chunk_hotels,
             "profile_out": args.profile_out,
-            "sim_url": server.url,
             "workers": args.workers,
         }
         for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-            res = _run_in_child(backend, cities, server.truth, opts)
-            stages = " ".join(f"{k}={v:.1f}s" for k, v in sorted(res["stages"].items()))
-            target = TARGETS.get(backend, 0.0)
-            met = res["rate"] >= target and not res["problems"]
-            ok = ok and met
-            print(
-                f"{backend:8} {res['hotels']:>7} hotels in {res['wall']:6.1f}s "
-                f"(cpu {res['cpu']:.1f}s, {args.workers} worker(s)) = {res['rate']:7.0f} hotels/s "
-                f"[target {target:.0f}: {'MET' if met else 'NOT MET'}] | {stages} | "
-                f"peak RSS {res['peak_rss_mb']:.0f} MB | "
-                f"published {res['totals'].get('published', 0)} "
-                f"dead {res['totals'].get('dead_letters', 0)} "
-                f"skipped {res['totals'].get('skipped', 0)} | "
-                + ("correct" if not res["problems"] else "WRONG: " + "; ".join(res["problems"])),
-                flush=True,
-            )
+            for res in _run_in_child(backend, cities, days, opts):
+                stages = " ".join(f"{k}={v:.1f}s" for k, v in sorted(res["stages"].items()))
+                # The targets are for the full sync of day 0.
+                target = TARGETS.get(backend, 0.0) if res["day"] == 0 else 0.0
+                met = res["rate"] >= target and not res["problems"]
+                ok = ok and met
+                tot = res["totals"]
+                print(
+                    f"{backend:8} day {res['day']} {res['hotels']:>7} hotels in "
+                    f"{res['wall']:6.1f}s (cpu {res['cpu']:.1f}s, {args.workers} worker(s)) = "
+                    f"{res['rate']:7.0f} hotels/s "
+                    + (f"[target {target:.0f}: {'MET' if met else 'NOT MET'}] " if target else "")
+                    + f"| {stages} | peak RSS {res['peak_rss_mb']:.0f} MB | "
+                    f"published {tot.get('published', 0)} dead {tot.get('dead_letters', 0)} "
+                    f"skipped {tot.get('skipped', 0)} review {tot.get('held_for_review', 0)} | "
+                    + (
+                        "correct" if not res["problems"] else "WRONG: " + "; ".join(res["problems"])
+                    ),
+                    flush=True,
+                )
     return 0 if ok else 1
 
 
