@@ -288,10 +288,10 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
                     stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
                 )
                 if db.engine.dialect.name == "sqlite":
-                    plan = " ".join(
+                    steps = " ".join(
                         str(r[-1]) for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}")
                     )
-                    assert "SCAN platform_hotel_offer" not in plan, plan
+                    assert "SCAN platform_hotel_offer" not in steps, steps
                     continue
                 plan = [
                     dict(r)
