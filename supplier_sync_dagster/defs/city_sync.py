@@ -269,6 +269,7 @@ def city_sync(
         checks[city] = results
 
     gate = gate_for_pipeline(on_results=on_results)
+    progress = _Progress()
     requests = retries = 0
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
@@ -309,7 +310,7 @@ def city_sync(
                     # other cities and wait for this one's outcome at the end.
                     held.append(city)
                     return report
-                _show_progress(context, db, batch.batch_id)
+                progress.show(context, db, batch.batch_id)
                 if replay and report.status == "SUCCESS":
                     resolved = resolve_replayed_dead_letters(
                         db,
@@ -358,6 +359,7 @@ def city_sync(
                         f"helped other runs of the batch with {len(helped)} cities: "
                         + ", ".join(repr(r.city_code) for r in helped[:20])
                     )
+            progress.show(context, db, batch.batch_id, final=True)
             if client is not None:
                 stats = client.stats()
                 requests, retries = stats.requests, stats.retries
@@ -402,16 +404,38 @@ def city_sync(
 
 HELD_POLL_SECONDS = 2.0
 PROGRESS_TAG = "supplier_sync/progress"
+PROGRESS_INTERVAL_SECONDS = 2.0
 
 
-def _show_progress(context: dg.AssetExecutionContext, db: SyncDatabase, batch_id: str) -> None:
-    """The batch's progress as a run tag, updated after each city (visible while it runs)."""
-    try:
-        with db.engine.connect() as conn:
-            line = progress_line(get_batch(conn, batch_id), db.clock.read(conn))
-        context.instance.add_run_tags(context.run.run_id, {PROGRESS_TAG: line})
-    except Exception as err:  # progress is for people; it never stops a sync
-        context.log.debug(f"progress tag not updated: {err}")
+class _Progress:
+    """The batch's progress as a run tag, visible while the run works.
+
+    Updated at most every ``PROGRESS_INTERVAL_SECONDS`` and once when the run's cities are
+    done: each update reads the batch and writes a run tag, which a run of many
+    small cities would otherwise pay after every city.
+    """
+
+    def __init__(self) -> None:
+        self._last = float("-inf")
+
+    def show(
+        self,
+        context: dg.AssetExecutionContext,
+        db: SyncDatabase,
+        batch_id: str,
+        *,
+        final: bool = False,
+    ) -> None:
+        now = time.monotonic()
+        if not final and now - self._last < PROGRESS_INTERVAL_SECONDS:
+            return
+        self._last = now
+        try:
+            with db.engine.connect() as conn:
+                line = progress_line(get_batch(conn, batch_id), db.clock.read(conn))
+            context.instance.add_run_tags(context.run.run_id, {PROGRESS_TAG: line})
+        except Exception as err:  # progress is for people; it never stops a sync
+            context.log.debug(f"progress tag not updated: {err}")
 
 
 def _city_list(
