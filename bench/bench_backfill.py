@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                     ends.append(max(r.timestamp for r in records))
                 wall = max(ends) - launched
                 busy = _union(steps)
-                records = instance.get_run_records(
+                run_records = instance.get_run_records(
                     filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id})
                 )
-                first_run = min(r.create_timestamp.timestamp() for r in records) - launched
+                first_run = min(r.create_timestamp.timestamp() for r in run_records) - launched
                 first_step = min(a for a, _ in steps) - launched
                 tail = max(ends) - max(b for _, b in steps)
                 ok_runs = sum(1 for r in runs if r.status == dg.DagsterRunStatus.SUCCESS)

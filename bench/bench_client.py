@@ -63,7 +63,10 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = multiprocessing.get_context("spawn")
-        self._recv, send = ctx.Pipe(duplex=False) if truth else (None, None)
+        self._recv: multiprocessing.connection.Connection | None = None
+        send: multiprocessing.connection.Connection | None = None
+        if truth:
+            self._recv, send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_serve, args=(config, self.port, send), daemon=True)
         self.truth: tuple[dict[str, int], dict[str, str]] = ({}, {})
 

@@ -154,6 +154,7 @@ def _sync_day(
         trigger_source="MANUAL",
         shard_keys=cities,
     ).batch
+    assert batch is not None, "the bench task allows a batch per day"
     settings = _settings(opts)
     profiler = None
     if opts["profile_out"]:

@@ -262,6 +262,7 @@ def _memory_child(url: str, city: str, page_size: int, out: Any) -> None:
     batch = create_batch(
         db, task_code="bench", trigger_id="m", trigger_source="MANUAL", shard_keys=[city]
     ).batch
+    assert batch is not None, "a fresh database has no batch to conflict with"
     store = open_payload_store(f"file://{tmp}/payloads")
     prepare_process()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
