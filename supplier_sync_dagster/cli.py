@@ -36,6 +36,7 @@ def _supplier_from_env(args: argparse.Namespace) -> Any:
         redis_url=os.environ.get("SUPPLIER_SYNC_REDIS_URL") or None,
         page_size=args.page_size,
         rate_limit_rps=args.rate_limit,
+        city_threads=args.city_threads,
     )
 
 
@@ -59,6 +60,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sim_profile=args.profile,
         sim_day=day,
         rate_limit_rps=args.rate_limit,
+        city_threads=args.city_threads,
     )
     sync_db, payloads = _resources(args)
     print(
@@ -339,6 +341,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0 if summary.run_success else 1
 
 
+# Cities in flight in the CLI's run. It is the only run, so a second city can use the
+# time one city waits on the database server: 2 measured +31-42 % hotels/s on MariaDB and
+# no change on SQLite (100k hotels, 2 cores). A backfill's runs keep the default of 1.
+CLI_CITY_THREADS = 2
+_THREADS = "cities in flight at once in the run"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``supplier-sync``."""
     parser = argparse.ArgumentParser(prog="supplier-sync", description=__doc__)
@@ -360,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hotels", type=int, default=20_000)
     demo.add_argument("--profile", default="flaky", help="simulator fault profile: clean or flaky")
     demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
+    demo.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     demo.set_defaults(func=_cmd_demo)
 
     sync = sub.add_parser("sync", help="a sync against the configured supplier (SUPPLIER_SYNC_*)")
@@ -368,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
     sync.add_argument("--page-size", type=int, default=100)
     sync.add_argument("--rate-limit", type=float, default=50.0, help="requests/s allowed")
+    sync.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     sync.set_defaults(func=_cmd_sync)
 
     export = sub.add_parser("export", help="JSON lines of published hotels, dead letters or diffs")

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from supplier_sync_dagster import cli
 from supplier_sync_dagster.demo import run_demo
 
 
@@ -170,3 +173,16 @@ def test_simulate_command_serves_the_contract_over_http(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.CaptureFixture[str]):
+    parser = cli.build_parser()
+    args = parser.parse_args(["sync", "--full"])
+    assert cli._supplier_from_env(args).city_threads == cli.CLI_CITY_THREADS == 2
+    args = parser.parse_args(["sync", "--full", "--city-threads", "1"])
+    assert cli._supplier_from_env(args).city_threads == 1
+    assert parser.parse_args(["demo", "--city-threads", "3"]).city_threads == 3
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["demo", "--city-threads", "0"])
+    assert exited.value.code == 2
+    assert "--city-threads: must be at least 1, not 0" in capsys.readouterr().err

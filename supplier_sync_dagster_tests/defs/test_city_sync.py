@@ -304,3 +304,38 @@ def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Pat
     assert all(s.status == "SUCCESS" for s in shards.values())
     assert shards[held].claim_count == 2
     db.dispose()
+
+
+def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
+    db_url: str, tmp_path: Path
+):
+    """``city_threads=2`` (the CLI's single run): same end state as one city at a time."""
+    instance, _, keys = _setup(tmp_path, cities=6, hotels=900)
+    supplier = SupplierResource(
+        sim_cities=6, sim_hotels=900, sim_profile="flaky", rate_limit_rps=10_000, city_threads=2
+    )
+    result = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=_resources(db_url, tmp_path, supplier),
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+    )
+    assert result.success
+    meta = _metadata(result, "published_hotels")
+    assert meta["cities"] == len(keys) and meta["counts_add_up"] is True
+    truth = Simulator(
+        SimulatorConfig(n_cities=6, total_hotels=900, faults=FaultProfile.named("flaky"))
+    ).ground_truth()
+    db = SyncDatabase.open(db_url)
+    try:
+        with db.engine.connect() as conn:
+            h, d = t.platform_hotel.c, t.dead_letter.c
+            published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+            dead = set(conn.execute(sa.select(d.supplier_resource_code)).scalars())
+    finally:
+        db.dispose()
+    assert published == truth.valid
+    assert dead == set(truth.bad)
