@@ -263,7 +263,7 @@ def active_offers(resource_ids: Sequence[int]) -> sa.Select[Any]:
     """SELECT of the active offers of these hotels, read through the offer identity index."""
     o = t.platform_offer.c
     query = sa.select(t.platform_offer).where(o.resource_id.in_(resource_ids), o.active.is_(True))
-    return use_index(query, t.platform_offer, "uk_offer_identity")
+    return use_index(query, t.platform_offer, t.OFFER_IDENTITY)
 
 
 def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
@@ -301,10 +301,7 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
             continue
         for row in conn.execute(active_offers(found)).all():
             m = row._mapping
-            pub = out.get(m["resource_id"])
-            if pub is None:
-                continue
-            room = pub["doc"]["rooms"].setdefault(
+            room = out[m["resource_id"]]["doc"]["rooms"].setdefault(
                 m["room_code"],
                 {
                     "name": m["room_name"],

@@ -307,6 +307,13 @@ def _offer_rows(
     ]
 
 
+def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
+    """UPDATE deactivating every offer of these hotels, through the offer identity index."""
+    o = t.platform_offer.c
+    stmt = sa.update(t.platform_offer).where(o.resource_id.in_(resource_ids))
+    return use_index(stmt.values(active=False, updated_at=at), t.platform_offer, t.OFFER_IDENTITY)
+
+
 def _replace_offers(
     conn: Connection, clock: DbClock, rids: Sequence[int], rows: Sequence[dict[str, Any]]
 ) -> None:
@@ -325,12 +332,7 @@ def _replace_offers(
     """
     o = t.platform_offer.c
     for part in chunks(rids):
-        deactivate = (
-            sa.update(t.platform_offer)
-            .where(o.resource_id.in_(part))
-            .values(active=False, updated_at=clock.now())
-        )
-        conn.execute(use_index(deactivate, t.platform_offer, "uk_offer_identity"))
+        conn.execute(offer_deactivation(part, clock.now()))
     if not rows:
         return
     now = bind_values(conn, {"now": clock.now()})["now"]

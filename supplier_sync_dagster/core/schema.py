@@ -315,6 +315,9 @@ platform_hotel = sa.Table(
     mysql_charset="utf8mb4",
 )
 
+# The offer identity index: lookups of a hotel's offers read it (``db.use_index``).
+OFFER_IDENTITY = "uk_offer_identity"
+
 platform_offer = sa.Table(
     "platform_hotel_offer",
     metadata,
@@ -336,7 +339,7 @@ platform_offer = sa.Table(
     sa.Column("publish_version", sa.BigInteger, nullable=False),
     sa.Column("active", sa.Boolean, nullable=False),
     sa.Column("updated_at", _ts(), nullable=False),
-    sa.UniqueConstraint("resource_id", "room_code", "rate_plan_code", name="uk_offer_identity"),
+    sa.UniqueConstraint("resource_id", "room_code", "rate_plan_code", name=OFFER_IDENTITY),
     comment="the platform's published offers (room x rate plan) of hotel resources",
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.db import SyncDatabase, use_index
+from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.deadletters import (
     DeadLetter,
     count_dead_letters,
@@ -27,7 +27,7 @@ from supplier_sync_dagster.core.diff import (
     record_diffs,
 )
 from supplier_sync_dagster.core.mapping import CHUNK, ensure_hotel_mappings
-from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
+from supplier_sync_dagster.core.publish import offer_deactivation, prepare_publish, publish_hotels
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 
 SUPPLIER = 1001
@@ -275,13 +275,7 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
     # Past eq_range_index_dive_limit (200); a chunk stays below 1000 (see mapping.CHUNK).
     for extra in (300, CHUNK - len(ids)):
         many = ids + list(range(10**9, 10**9 + extra))
-        deactivate = use_index(
-            sa.update(t.platform_offer)
-            .where(t.platform_offer.c.resource_id.in_(many))
-            .values(active=False),
-            t.platform_offer,
-            "uk_offer_identity",
-        )
+        deactivate = offer_deactivation(many, db.clock.now())
         with db.engine.connect() as conn:
             for stmt in (active_offers(many), deactivate):
                 sql = str(
@@ -299,7 +293,7 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
                     if r["table"] == "platform_hotel_offer"
                 ]
                 assert [(r["type"] in ("range", "ref"), r["key"]) for r in plan] == [
-                    (True, "uk_offer_identity")
+                    (True, t.OFFER_IDENTITY)
                 ], plan
             assert len(conn.execute(active_offers(many)).all()) == 60
 
