@@ -32,7 +32,6 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.schema import metadata
 
 DB_URL_ENV = "SUPPLIER_SYNC_DB_URL"
 HOME_ENV = "SUPPLIER_SYNC_HOME"
@@ -191,23 +190,32 @@ class SyncDatabase:
 
     @classmethod
     def open(cls, url: str | None = None, *, create_schema: bool = True) -> SyncDatabase:
-        """Opens (and by default creates) the sync database.
+        """Opens the sync database and, by default, brings its schema to the newest version.
 
         Args:
             url: SQLAlchemy URL; None resolves ``$SUPPLIER_SYNC_DB_URL`` or the SQLite default.
-            create_schema: Create missing tables (SQLite default and tests). Production MySQL
-                databases get the DDL of ``sql/`` applied by their DBA; creating is harmless.
+            create_schema: Apply the pending migrations of ``sql/`` (an empty database gets
+                all of them; see :mod:`supplier_sync_dagster.core.migrations`). On an
+                up-to-date database this costs one read of the schema history.
 
         Raises:
             ConfigError: The URL is malformed or unsupported.
             DatabaseUnavailable: The database cannot be reached or opened.
+            MigrationError: The schema cannot be brought to the newest version (an applied
+                migration file was edited, a MySQL migration stopped half-way, ...).
         """
         engine = make_engine(resolve_db_url(url))
         db = cls(engine=engine)
-        db.ping()
-        if create_schema:
-            with db.translate_errors("creating the schema"), db.begin() as conn:
-                metadata.create_all(conn, checkfirst=True)
+        try:
+            db.ping()
+            if create_schema:
+                # Imported here: the migrations module builds on this one.
+                from supplier_sync_dagster.core.migrations import migrate_on_open
+
+                migrate_on_open(db)
+        except BaseException:
+            engine.dispose()
+            raise
         return db
 
     @property

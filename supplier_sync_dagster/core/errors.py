@@ -8,6 +8,10 @@ The tree::
     SupplierSyncError                 base of everything below
     ├── ConfigError                   a setting is missing, malformed or out of range
     ├── DatabaseUnavailable           the sync database cannot be reached or opened
+    ├── MigrationError                the schema cannot be brought to the newest version
+    │   ├── MigrationChecksumMismatch an applied migration file was edited since
+    │   ├── MigrationFailed           a MySQL migration stopped half-way: repair by hand
+    │   └── MigrationLocked           another process held the migration lock too long
     ├── NotFound                      a named thing does not exist
     │   ├── UnknownTask
     │   ├── UnknownBatch
@@ -51,6 +55,25 @@ class ConfigError(SupplierSyncError):
 
 class DatabaseUnavailable(SupplierSyncError):
     """The sync database cannot be reached, opened or authenticated against."""
+
+
+class MigrationError(SupplierSyncError):
+    """The schema cannot be brought to the newest version of ``sql/`` (the message says why)."""
+
+
+class MigrationChecksumMismatch(MigrationError):
+    """A migration file was edited after its version was applied: add a new file instead."""
+
+
+class MigrationFailed(MigrationError):
+    """A migration stopped half-way on MySQL, whose DDL cannot be rolled back.
+
+    The operator undoes (or completes) it by hand, then runs ``supplier-sync db repair``.
+    """
+
+
+class MigrationLocked(MigrationError):
+    """Another process held the migration lock for longer than this one would wait."""
 
 
 class NotFound(SupplierSyncError):

@@ -1,12 +1,16 @@
-"""The numbered DDL in sql/ and the package's SQLAlchemy metadata are the same schema."""
+"""The numbered DDL in sql/ (and sql/sqlite/) and the package's SQLAlchemy metadata are the same
+schema."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.db import SyncDatabase, make_engine
+from supplier_sync_dagster.core.migrations import HISTORY_TABLE, load_migrations
 from supplier_sync_dagster.core.schema import metadata
 
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
@@ -53,47 +57,60 @@ def test_sql_files_are_numbered_and_complete():
     assert tables == set(metadata.tables)
 
 
-def test_sql_ddl_matches_metadata_on_mariadb(mysql_server_url: str, fresh_mysql_db: str):
-    from_sql = sa.create_engine(fresh_mysql_db)
-    with from_sql.begin() as conn:
-        for path in sorted(SQL_DIR.glob("*.sql")):
-            for stmt in _statements(path):
-                conn.exec_driver_sql(stmt)
-
-    other = (
-        fresh_mysql_db.rsplit("/", 1)[0]
-        + "/"
-        + "meta_"
-        + fresh_mysql_db.rsplit("/", 1)[1].split("?")[0]
-    )
-    admin = sa.create_engine(mysql_server_url)
-    name = other.rsplit("/", 1)[1]
+@pytest.fixture
+def metadata_db_url(db_url: str, tmp_path: Path) -> Iterator[str]:
+    """A second empty database beside ``db_url``, of the same backend."""
+    if db_url.startswith("sqlite"):
+        yield f"sqlite:///{tmp_path / 'from_metadata.sqlite3'}"
+        return
+    server, rest = db_url.rsplit("/", 1)
+    name = "meta_" + rest.split("?")[0]
+    admin = sa.create_engine(server)
     with admin.begin() as conn:
         conn.exec_driver_sql(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
     try:
-        db = SyncDatabase.open(other)
-        expected = _describe(db.engine)
-        db.dispose()
-        actual = _describe(from_sql)
-        assert set(actual) == set(metadata.tables)
-        for table in metadata.tables:
-            assert actual[table] == expected[table], table
-        # Codes compare byte for byte: BKK and bkk, e and é are different cities.
-        with from_sql.connect() as conn:
-            collations: dict[str, str] = dict(
-                conn.execute(
-                    sa.text(
-                        "SELECT column_name, collation_name FROM information_schema.columns "
-                        "WHERE table_schema = DATABASE() AND table_name = 'supplier_sync_shard'"
-                    )
-                ).all()
-            )
-        assert collations["shard_key"] == "utf8mb4_bin"
+        yield f"{server}/{name}?charset=utf8mb4"
     finally:
-        from_sql.dispose()
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
         admin.dispose()
+
+
+def test_migrations_at_head_match_metadata(db_url: str, metadata_db_url: str):
+    """sql/ (MariaDB) and sql/sqlite/ (SQLite), applied in order, build what schema.py says."""
+    migrated = SyncDatabase.open(db_url)  # applies every migration to the empty database
+    from_metadata = make_engine(metadata_db_url)
+    with from_metadata.begin() as conn:
+        metadata.create_all(conn)
+    try:
+        actual = _describe(migrated.engine)
+        expected = _describe(from_metadata)
+        assert set(actual) == set(metadata.tables) | {HISTORY_TABLE}
+        for table in metadata.tables:
+            assert actual[table] == expected[table], table
+        if migrated.dialect != "sqlite":
+            # Codes compare byte for byte: BKK and bkk, e and é are different cities.
+            with migrated.engine.connect() as conn:
+                collations: dict[str, str] = dict(
+                    conn.execute(
+                        sa.text(
+                            "SELECT column_name, collation_name FROM information_schema.columns "
+                            "WHERE table_schema = DATABASE() AND table_name = 'supplier_sync_shard'"
+                        )
+                    ).all()
+                )
+            assert collations["shard_key"] == "utf8mb4_bin"
+    finally:
+        migrated.dispose()
+        from_metadata.dispose()
+
+
+def test_sql_and_sqlite_folders_hold_the_same_versions():
+    mysql = [Path(m.script).name for m in load_migrations("mysql")]
+    sqlite = [Path(m.script).name for m in load_migrations("sqlite")]
+    assert mysql == sqlite
+    assert sorted(p.name for p in (SQL_DIR / "sqlite").glob("*.sql")) == sqlite
+    assert sorted(p.name for p in SQL_DIR.glob("*.sql")) == mysql
 
 
 def test_tables_are_innodb_utf8mb4(fresh_mysql_db: str):
@@ -106,5 +123,5 @@ def test_tables_are_innodb_utf8mb4(fresh_mysql_db: str):
             )
         ).all()
     db.dispose()
-    assert {r[0] for r in rows} == set(metadata.tables)
+    assert {r[0] for r in rows} == set(metadata.tables) | {HISTORY_TABLE}
     assert all(r[1] == "InnoDB" and r[2].startswith("utf8mb4") for r in rows), rows
