@@ -157,11 +157,103 @@ def _cmd_stalls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_db_init(args: argparse.Namespace) -> int:
+def _cmd_db_migrate(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.migrations import migrate
 
-    db = SyncDatabase.open(args.db_url)
-    print(f"schema ready in {db.safe_url}")
+    db = SyncDatabase.open(args.db_url, create_schema=False)
+    try:
+        dry_run = getattr(args, "dry_run", False)
+        result = migrate(db, dry_run=dry_run)
+    finally:
+        db.dispose()
+    if result.baseline:
+        print(
+            f"{'would record' if dry_run else 'recorded'} {db.safe_url} at version "
+            f"{result.baseline:03d} (baseline: it had no schema history and the structure of "
+            f"version {result.baseline:03d})"
+        )
+    elif result.baseline == 0:
+        print(f"{db.safe_url} has none of the sync tables: every version applies")
+    for applied in result.applied:
+        print(
+            f"would apply {applied.label}"
+            if dry_run
+            else f"applied {applied.label} ({applied.seconds * 1000:.0f} ms)"
+        )
+    if dry_run:
+        print(f"dry run: nothing changed; {db.safe_url} would be at version {result.head:03d}")
+    elif not result.applied:
+        print(f"{db.safe_url} is at version {result.version:03d}: nothing to apply")
+    else:
+        print(f"{db.safe_url} is at version {result.version:03d}")
+    if args.db_command == "init" and not dry_run:
+        print(f"schema ready in {db.safe_url}")
+    return 0
+
+
+def _cmd_db_status(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.migrations import migration_status
+
+    db = SyncDatabase.open(args.db_url, create_schema=False)
+    try:
+        status = migration_status(db)
+    finally:
+        db.dispose()
+    rows = {r.version: r for r in status.history}
+    edited = {r.version for r in status.edited}
+    for m in status.migrations:
+        row = rows.get(m.version)
+        if row is None:
+            state = "pending"
+            if status.baseline and m.version <= status.baseline:
+                state = "present, not recorded (baseline)"
+            print(f"{m.version:03d}  {m.description:<28} {state}")
+            continue
+        when = f"{row.installed_at:%Y-%m-%d %H:%M:%S} UTC" if row.installed_at else "?"
+        if not row.success:
+            state = f"NOT FINISHED (started {when} by {row.installed_by}): see `db repair`"
+        elif m.version in edited:
+            state = f"EDITED since it was applied ({m.script})"
+        elif row.kind == "BASELINE":
+            state = f"baseline, recorded {when}"
+        else:
+            state = f"applied {when} ({row.execution_ms} ms)"
+        print(f"{m.version:03d}  {m.description:<28} {state}")
+    for row in status.unknown:
+        print(f"{row.version:03d}  {row.description:<28} applied by a newer release")
+    if not status.versioned:
+        print(
+            f"{db.safe_url} has no schema history: "
+            + (
+                f"its structure is that of version {status.baseline:03d}; "
+                if status.baseline
+                else "it is empty; "
+            )
+            + "`supplier-sync db migrate` records it and applies the rest"
+        )
+    verdict = "up to date" if status.up_to_date else "NOT up to date"
+    print(f"{db.safe_url}: version {status.version:03d} of {status.head:03d}, {verdict}")
+    return 0 if status.up_to_date else 1
+
+
+def _cmd_db_repair(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.migrations import repair
+
+    db = SyncDatabase.open(args.db_url, create_schema=False)
+    try:
+        repaired = repair(db, mark_applied=args.mark_applied)
+    finally:
+        db.dispose()
+    if not repaired:
+        print(f"{db.safe_url}: no unfinished migration to repair")
+    for row in repaired:
+        done = (
+            "recorded as applied" if args.mark_applied else "forgotten: `db migrate` runs it again"
+        )
+        print(f"{row.version:03d} {row.description}: {done}")
     return 0
 
 
@@ -509,10 +601,43 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
     replay.set_defaults(func=_cmd_replay)
 
-    db = sub.add_parser("db", help="sync database administration")
+    db = sub.add_parser(
+        "db",
+        help="sync database schema: versioned migrations of sql/ (migrate, status, repair)",
+        description="The schema is the numbered files of sql/ (sql/sqlite/ on SQLite), each "
+        "applied once and recorded with its checksum in supplier_sync_schema_history. Every "
+        "command that opens the database applies the pending ones first; these commands "
+        "show and do it explicitly.",
+    )
     db_sub = db.add_subparsers(dest="db_command", required=True)
-    init = db_sub.add_parser("init", help="create the tables if missing")
-    init.set_defaults(func=_cmd_db_init)
+    db_migrate = db_sub.add_parser(
+        "migrate",
+        help="bring the schema to the newest version: record an unversioned database's "
+        "version from its structure, then apply the pending files in order, printing each",
+    )
+    db_migrate.add_argument(
+        "--dry-run", action="store_true", help="print what would be applied, change nothing"
+    )
+    db_migrate.set_defaults(func=_cmd_db_migrate)
+    db_init = db_sub.add_parser("init", help="create the schema, or upgrade it (same as migrate)")
+    db_init.set_defaults(func=_cmd_db_migrate)
+    db_status = db_sub.add_parser(
+        "status",
+        help="each version: applied, baseline, pending, edited or unfinished; "
+        "exit 1 unless up to date",
+    )
+    db_status.set_defaults(func=_cmd_db_status)
+    db_repair = db_sub.add_parser(
+        "repair",
+        help="after a MySQL migration stopped half-way and you undid its statements by hand: "
+        "forget the attempt so that migrate runs it again",
+    )
+    db_repair.add_argument(
+        "--mark-applied",
+        action="store_true",
+        help="you completed its statements by hand instead: record it as applied",
+    )
+    db_repair.set_defaults(func=_cmd_db_repair)
     return parser
 
 
