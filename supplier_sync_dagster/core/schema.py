@@ -1,7 +1,9 @@
 """The sync database schema as SQLAlchemy Core metadata.
 
-This is the same schema as the numbered MySQL DDL in ``sql/``; a test applies ``sql/`` to a
-fresh MariaDB database and compares it with this metadata, so the two cannot drift.
+This is the same schema as the numbered MySQL DDL in ``sql/`` and its SQLite twin in
+``sql/sqlite/``, which :mod:`supplier_sync_dagster.core.migrations` applies; a test migrates a
+fresh MariaDB and a fresh SQLite database and compares each with this metadata, so they cannot
+drift. A change to the schema is a new numbered file in both folders and the same change here.
 
 Codes that come from suppliers or triggers (task codes, trigger ids, city codes, hotel ids)
 use a binary collation on MySQL: ``'a'`` and ``'A'`` or ``'e'`` and ``'é'`` are different
