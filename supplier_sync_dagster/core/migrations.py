@@ -212,12 +212,17 @@ class MigrationStatus:
 # The files
 
 
-def split_statements(text: str) -> list[str]:
+def split_statements(text: str, *, mysql: bool = True) -> list[str]:
     """Splits SQL text into statements at ``;``, dropping comments.
 
-    Quotes (``'...'``, ``"..."``, backticks) are kept verbatim; outside them, ``--`` and
-    ``#`` comments end at the line's end, ``/* ... */`` comments are dropped, and runs of
-    whitespace become one space, so that comments and layout do not change a checksum.
+    Quotes (``'...'``, ``"..."``, backticks) are kept verbatim; outside them, ``--`` comments
+    (and ``#`` ones on MySQL) end at the line's end, ``/* ... */`` comments are dropped, and
+    runs of whitespace become one space, so that comments and layout do not change a checksum.
+
+    Args:
+        text: The SQL.
+        mysql: MySQL's rules (a backslash escapes inside quotes, ``#`` starts a comment);
+            False for SQLite's.
     """
     statements: list[str] = []
     buf: list[str] = []
@@ -227,7 +232,7 @@ def split_statements(text: str) -> list[str]:
         if ch in "'\"`":
             j = i + 1
             while j < n:
-                if text[j] == "\\" and ch != "`":
+                if mysql and text[j] == "\\" and ch != "`":
                     j += 2
                     continue
                 if text[j] == ch:
@@ -238,7 +243,7 @@ def split_statements(text: str) -> list[str]:
                 j += 1
             buf.append(text[i : j + 1])
             i = j + 1
-        elif text.startswith("--", i) or ch == "#":
+        elif text.startswith("--", i) or (mysql and ch == "#"):
             end = text.find("\n", i)
             i = n if end < 0 else end
         elif text.startswith("/*", i):
@@ -271,7 +276,7 @@ def migrations_dir(dialect: str, sql_dir: Path | None = None) -> Path:
     return base / SQLITE_SUBDIR if dialect == "sqlite" else base
 
 
-def _read_dir(folder: Path, base: Path) -> tuple[Migration, ...]:
+def _read_dir(folder: Path, base: Path, *, mysql: bool) -> tuple[Migration, ...]:
     if not folder.is_dir():
         raise ConfigError(
             f"the schema migration files are missing: no folder {folder} (supplier-sync runs "
@@ -284,7 +289,7 @@ def _read_dir(folder: Path, base: Path) -> tuple[Migration, ...]:
             raise MigrationError(
                 f"{path}: a migration file is named NNN_words.sql (three digits, lower case)"
             )
-        statements = tuple(split_statements(path.read_text(encoding="utf-8")))
+        statements = tuple(split_statements(path.read_text(encoding="utf-8"), mysql=mysql))
         if not statements:
             raise MigrationError(f"{path}: the migration has no statement")
         found.append(
@@ -321,8 +326,8 @@ def _load(
     sql_dir: Path, signature: tuple[tuple[str, int, int], ...]
 ) -> dict[str, tuple[Migration, ...]]:
     # ``signature`` is only part of the cache key: a changed file is read again.
-    mysql = _read_dir(sql_dir, sql_dir)
-    sqlite = _read_dir(sql_dir / SQLITE_SUBDIR, sql_dir)
+    mysql = _read_dir(sql_dir, sql_dir, mysql=True)
+    sqlite = _read_dir(sql_dir / SQLITE_SUBDIR, sql_dir, mysql=False)
     if len(mysql) != len(sqlite):
         missing = sorted(
             {m.script.split("/")[-1][:3] for m in mysql}

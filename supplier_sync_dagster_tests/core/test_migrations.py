@@ -100,6 +100,12 @@ def test_statements_split_at_semicolons_outside_quotes_and_comments():
         "CREATE TABLE a (x VARCHAR(8) COMMENT 'it''s; here', y INT) COMMENT='t;'",
         'INSERT INTO a VALUES ("x;y", 1)',
     ]
+    # SQLite: a backslash is an ordinary character, and # no comment.
+    assert split_statements(r"SELECT 'a\'; SELECT 1 # 2;", mysql=False) == [
+        r"SELECT 'a\'",
+        "SELECT 1 # 2",
+    ]
+    assert split_statements(r"SELECT 'a\'; b'; SELECT 2;") == [r"SELECT 'a\'; b'", "SELECT 2"]
 
 
 def test_an_empty_database_gets_every_version_from_001(db_url: str):
