@@ -24,9 +24,10 @@ import dagster as dg
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.batches import Batch, get_batch
+from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.core.tasks import require_enabled
 from supplier_sync_dagster.defs.city_sync import (
     DIFFS,
     MAPPINGS,
@@ -115,9 +116,20 @@ def run_full_sync(
     progress: TextIO | None = sys.stderr,
     console_log_level: str = "WARNING",
 ) -> SyncSummary:
-    """Syncs every city of the supplier in one Dagster run and returns the summary."""
+    """Syncs every city of the supplier in one Dagster run and returns the summary.
+
+    Raises:
+        TaskDisabled: The task is DISABLED (nothing is launched).
+    """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
+    check = SyncDatabase.open(sync_db.db_url)
+    try:
+        with check.engine.connect() as conn:
+            # Refused before Dagster starts: one line for the terminal, not a failed run.
+            require_enabled(conn, supplier.task_code)
+    finally:
+        check.dispose()
     instance = dagster_instance()
     trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
     with supplier.client() as client:
@@ -172,13 +184,9 @@ def run_full_sync(
 
 
 def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None:
+    # The trigger's own batch, or the abandoned batch it adopted and continued.
     with db.engine.connect() as conn:
-        batch_id = conn.execute(
-            sa.select(t.batch.c.batch_id).where(
-                t.batch.c.task_code == task_code, t.batch.c.trigger_id == trigger_id
-            )
-        ).scalar()
-        return get_batch(conn, batch_id) if batch_id else None
+        return batch_for_trigger(conn, task_code, trigger_id)
 
 
 def _report_progress(

@@ -230,6 +230,7 @@ def create_batch(
     shard_keys: Sequence[str] | None = None,
     worker_id: str | None = None,
     lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    adopt: bool = True,
 ) -> BatchDecision:
     """Creates the batch for one trigger, idempotently, under the task's concurrency policy.
 
@@ -256,6 +257,8 @@ def create_batch(
             creator's grace of a batch it creates or adopts.
         lease_seconds: The grace: how long a new or adopted batch counts as running while
             its creator lives and no shard lease shows work yet (one lease period).
+        adopt: False for a batch of its own kind (a replay), which must not continue
+            another batch: abandoned batches then neither block it nor get adopted.
 
     Returns:
         The decision; ``batch`` is None only when the trigger was SKIPPED.
@@ -322,17 +325,18 @@ def create_batch(
                     return skip(candidate.batch_id, reason)
             # Every unfinished batch is abandoned: continue the newest one.
             newest, state = states[0]
-            return _adopt(
-                conn,
-                clock,
-                newest,
-                trigger_id=trigger_id,
-                trigger_source=trigger_source,
-                keys=keys,
-                creator=creator,
-                lease_seconds=lease_seconds,
-                why=state.reason,
-            )
+            if adopt:
+                return _adopt(
+                    conn,
+                    clock,
+                    newest,
+                    trigger_id=trigger_id,
+                    trigger_source=trigger_source,
+                    keys=keys,
+                    creator=creator,
+                    lease_seconds=lease_seconds,
+                    why=state.reason,
+                )
         if task.concurrency_policy == "CANCEL_PREVIOUS":
             cancelled = tuple(b.batch_id for b in active)
             for old in cancelled:
