@@ -509,3 +509,22 @@ def test_a_batch_from_before_the_grace_existed_is_abandoned_without_leases(db: S
         )
     adopted = create_batch(db, task_code=code, trigger_id="t2", trigger_source="CRON")
     assert adopted.outcome == "ADOPTED" and "no grace" in adopted.reason
+
+
+def test_a_replay_batch_never_adopts_and_is_not_blocked_by_an_abandoned_batch(db: SyncDatabase):
+    code = _task(db)
+    sync = create_batch(
+        db,
+        task_code=code,
+        trigger_id="night-1",
+        trigger_source="CRON",
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert sync.batch is not None
+    db.clock.advance(31)
+    replay = create_batch(
+        db, task_code=code, trigger_id="replay:r1", trigger_source="COMPENSATION", adopt=False
+    )
+    assert replay.outcome == "CREATED" and replay.batch is not None
+    assert replay.batch.batch_id != sync.batch.batch_id
