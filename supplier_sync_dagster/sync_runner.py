@@ -27,6 +27,7 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.core.processes import this_host
 from supplier_sync_dagster.core.tasks import require_enabled
 from supplier_sync_dagster.defs.city_sync import (
     DIFFS,
@@ -44,6 +45,27 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.run_launcher import WORKER_HOST_TAG
+
+# The state folder's instance: SQLite storage (Dagster's default), no telemetry, and run
+# monitoring as in the repository's dagster.yaml, so that `dagster dev` on it marks a run of
+# a killed `sync --full` FAILURE (see run_launcher.py).
+EMBEDDED_DAGSTER_YAML = """\
+telemetry:
+  enabled: false
+run_launcher:
+  module: supplier_sync_dagster.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+"""
+# What earlier versions wrote: replaced, since nobody edited it.
+_OLD_EMBEDDED_DAGSTER_YAML = "telemetry:\n  enabled: false\n"
 
 
 def dagster_instance() -> dg.DagsterInstance:
@@ -52,9 +74,8 @@ def dagster_instance() -> dg.DagsterInstance:
         home = state_dir() / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
         config = home / "dagster.yaml"
-        if not config.exists():
-            # The embedded profile: SQLite storage (Dagster's default), no telemetry.
-            config.write_text("telemetry:\n  enabled: false\n")
+        if not config.exists() or config.read_text() == _OLD_EMBEDDED_DAGSTER_YAML:
+            config.write_text(EMBEDDED_DAGSTER_YAML)
         os.environ["DAGSTER_HOME"] = str(home)
     return dg.DagsterInstance.get()
 
@@ -165,6 +186,8 @@ def run_full_sync(
                 "dagster/asset_partition_range_end": ordered[-1],
                 TRIGGER_TAG: trigger_id,
                 SOURCE_TAG: "MANUAL",
+                # The run executes in this process: run monitoring can tell when it dies.
+                WORKER_HOST_TAG: this_host(),
             },
             raise_on_error=False,
             run_config=dg.RunConfig(

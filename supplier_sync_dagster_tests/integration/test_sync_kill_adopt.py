@@ -99,11 +99,11 @@ def test_sync_killed_three_times_is_adopted_and_ends_at_the_ground_truth(
             before = _progress(db, trigger) or 0
             logs.append(log.read_text(errors="replace")[-2000:])
 
-        done = subprocess.run(
+        final = subprocess.run(
             [*command, "--trigger-id", "night-4"], env=env, capture_output=True, timeout=300
         )
-        assert done.returncode == 0, (seed, done.stdout[-3000:], done.stderr[-3000:], logs)
-        summary = json.loads(done.stdout)
+        assert final.returncode == 0, (seed, final.stdout[-3000:], final.stderr[-3000:], logs)
+        summary = json.loads(final.stdout)
 
         g, h, s = t.trigger_log.c, t.platform_hotel.c, t.shard.c
         with db.engine.connect() as conn:
