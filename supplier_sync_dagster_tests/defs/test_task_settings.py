@@ -35,7 +35,19 @@ def test_runs_keep_the_task_settings_and_a_disabled_task_refuses_them(db_url: st
     )
     with supplier.client() as client:
         keys = [encode_city_key(c.city_code) for c in client.list_cities().data.cities]
-    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
+    # Entered, so that it is the current instance of this test whatever earlier tests left
+    # behind (a schedule context built without `with` leaves a dead one current).
+    with dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster")) as instance:
+        _run_and_check(instance, keys, db_url, tmp_path, supplier)
+
+
+def _run_and_check(
+    instance: dg.DagsterInstance,
+    keys: list[str],
+    db_url: str,
+    tmp_path: Path,
+    supplier: SupplierResource,
+) -> None:
     instance.add_dynamic_partitions("supplier_city", keys)
     resources = {
         "sync_db": SyncDatabaseResource(db_url=db_url),

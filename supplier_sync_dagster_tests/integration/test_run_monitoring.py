@@ -119,7 +119,10 @@ def test_runs_whose_worker_died_are_marked_failed_under_the_daemon(
             instance, dg.RunsFilter(tags={"dagster/backfill": backfill}), time.monotonic() + 120
         )
         assert run.tags[WORKER_HOST_TAG]
-        assert _claimed_slots(instance, run.run_id) == 1
+        deadline = time.monotonic() + 60
+        while not _claimed_slots(instance, run.run_id):  # its step has started
+            assert time.monotonic() < deadline, "the run's step never took its pool slot"
+            time.sleep(0.2)
         code_server, cmdline = _parent(pid)
         assert "dagster" in cmdline and "grpc" in cmdline, cmdline
         os.kill(pid, signal.SIGKILL)
