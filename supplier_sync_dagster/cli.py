@@ -395,6 +395,77 @@ def _cmd_gate(args: argparse.Namespace) -> int:
         db.dispose()
 
 
+def _cmd_task(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from supplier_sync_dagster.core.batches import get_task
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.gates import get_gate_thresholds
+    from supplier_sync_dagster.core.tasks import change_task, task_audit
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        if args.task_command == "set":
+            thresholds = {
+                k: v
+                for k, v in {
+                    "max_bad_ratio": args.max_bad_ratio,
+                    "max_count_drop": args.max_count_drop,
+                    "min_previous_records": args.min_previous_records,
+                    "drift_present_ratio": args.drift_present_ratio,
+                    "drift_absent_ratio": args.drift_absent_ratio,
+                }.items()
+                if v is not None
+            }
+            changes = change_task(
+                db,
+                args.task,
+                changed_by=args.by,
+                reason=args.reason,
+                policy=args.policy,
+                status=args.status,
+                cron=args.cron,
+                thresholds=thresholds,
+            )
+            for c in changes:
+                print(f"{c.field_name}: {c.old_value} -> {c.new_value}")
+            if not changes:
+                print("no change: the task already has these settings")
+            return 0
+        with db.engine.connect() as conn:
+            task = get_task(conn, args.task)
+            thresholds_now = get_gate_thresholds(conn, args.task)
+            audit = task_audit(conn, args.task, limit=args.history)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "task": asdict(task),
+                        "gate_thresholds": thresholds_now.to_dict(),
+                        "audit": [asdict(a) for a in audit],
+                    },
+                    default=str,
+                    ensure_ascii=False,
+                )
+            )
+            return 0
+        print(
+            f"task {task.task_code}: {task.status}, policy {task.concurrency_policy}, "
+            f"schedule {task.schedule_type}{f' {task.cron_expr!r}' if task.cron_expr else ''}, "
+            f"supplier {task.supplier_id}, {task.category_code}/{task.sync_mode}/{task.data_scope}"
+        )
+        print("gate thresholds: " + json.dumps(thresholds_now.to_dict()))
+        for a in audit:
+            print(
+                f"  {a.created_at:%Y-%m-%d %H:%M:%S}  {a.changed_by}  {a.field_name}: "
+                f"{a.old_value} -> {a.new_value}  ({a.reason})"
+            )
+        return 0
+    finally:
+        db.dispose()
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     import json
 
@@ -589,6 +660,35 @@ def build_parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--drift-absent-ratio", type=float, default=None)
     thresholds.add_argument("--by", default=None, help="who changes them (recorded)")
     thresholds.set_defaults(func=_cmd_gate)
+
+    task = sub.add_parser(
+        "task",
+        help="a sync task's settings: show them, or set them (audited; runs never change them)",
+    )
+    task_sub = task.add_subparsers(dest="task_command", required=True)
+    task_show = task_sub.add_parser("show", help="the settings, gate thresholds and change log")
+    task_set = task_sub.add_parser(
+        "set", help="change policy, status, cron or gate thresholds (recorded with who and why)"
+    )
+    for p in (task_show, task_set):
+        p.add_argument("--task", default="hotel_supplier_full_resource", help="the task code")
+        p.set_defaults(func=_cmd_task)
+    task_show.add_argument("--history", type=int, default=10, help="change-log rows to show")
+    task_show.add_argument("--json", action="store_true")
+    task_set.add_argument(
+        "--policy", choices=["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"], default=None
+    )
+    task_set.add_argument("--status", choices=["ENABLED", "DISABLED"], default=None)
+    task_set.add_argument(
+        "--cron", default=None, help="a cron expression ('0 2 * * *', @daily), or none to clear"
+    )
+    task_set.add_argument("--max-bad-ratio", type=float, default=None)
+    task_set.add_argument("--max-count-drop", type=float, default=None)
+    task_set.add_argument("--min-previous-records", type=int, default=None)
+    task_set.add_argument("--drift-present-ratio", type=float, default=None)
+    task_set.add_argument("--drift-absent-ratio", type=float, default=None)
+    task_set.add_argument("--by", required=True, help="who changes it (recorded)")
+    task_set.add_argument("--reason", required=True, help="why (recorded)")
 
     replay = sub.add_parser(
         "replay",

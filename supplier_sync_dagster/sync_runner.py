@@ -24,9 +24,11 @@ import dagster as dg
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
-from supplier_sync_dagster.core.batches import Batch, get_batch
+from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.core.processes import this_host
+from supplier_sync_dagster.core.tasks import require_enabled
 from supplier_sync_dagster.defs.city_sync import (
     DIFFS,
     MAPPINGS,
@@ -43,6 +45,27 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.run_launcher import WORKER_HOST_TAG
+
+# The state folder's instance: SQLite storage (Dagster's default), no telemetry, and run
+# monitoring as in the repository's dagster.yaml, so that `dagster dev` on it marks a run of
+# a killed `sync --full` FAILURE (see run_launcher.py).
+EMBEDDED_DAGSTER_YAML = """\
+telemetry:
+  enabled: false
+run_launcher:
+  module: supplier_sync_dagster.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+"""
+# What earlier versions wrote: replaced, since nobody edited it.
+_OLD_EMBEDDED_DAGSTER_YAML = "telemetry:\n  enabled: false\n"
 
 
 def dagster_instance() -> dg.DagsterInstance:
@@ -51,9 +74,8 @@ def dagster_instance() -> dg.DagsterInstance:
         home = state_dir() / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
         config = home / "dagster.yaml"
-        if not config.exists():
-            # The embedded profile: SQLite storage (Dagster's default), no telemetry.
-            config.write_text("telemetry:\n  enabled: false\n")
+        if not config.exists() or config.read_text() == _OLD_EMBEDDED_DAGSTER_YAML:
+            config.write_text(EMBEDDED_DAGSTER_YAML)
         os.environ["DAGSTER_HOME"] = str(home)
     return dg.DagsterInstance.get()
 
@@ -115,9 +137,20 @@ def run_full_sync(
     progress: TextIO | None = sys.stderr,
     console_log_level: str = "WARNING",
 ) -> SyncSummary:
-    """Syncs every city of the supplier in one Dagster run and returns the summary."""
+    """Syncs every city of the supplier in one Dagster run and returns the summary.
+
+    Raises:
+        TaskDisabled: The task is DISABLED (nothing is launched).
+    """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
+    check = SyncDatabase.open(sync_db.db_url)
+    try:
+        with check.engine.connect() as conn:
+            # Refused before Dagster starts: one line for the terminal, not a failed run.
+            require_enabled(conn, supplier.task_code)
+    finally:
+        check.dispose()
     instance = dagster_instance()
     trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
     with supplier.client() as client:
@@ -153,6 +186,8 @@ def run_full_sync(
                 "dagster/asset_partition_range_end": ordered[-1],
                 TRIGGER_TAG: trigger_id,
                 SOURCE_TAG: "MANUAL",
+                # The run executes in this process: run monitoring can tell when it dies.
+                WORKER_HOST_TAG: this_host(),
             },
             raise_on_error=False,
             run_config=dg.RunConfig(
@@ -172,13 +207,9 @@ def run_full_sync(
 
 
 def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None:
+    # The trigger's own batch, or the abandoned batch it adopted and continued.
     with db.engine.connect() as conn:
-        batch_id = conn.execute(
-            sa.select(t.batch.c.batch_id).where(
-                t.batch.c.task_code == task_code, t.batch.c.trigger_id == trigger_id
-            )
-        ).scalar()
-        return get_batch(conn, batch_id) if batch_id else None
+        return batch_for_trigger(conn, task_code, trigger_id)
 
 
 def _report_progress(

@@ -6,6 +6,15 @@ and applies the task's concurrency policy against the task's unfinished batches.
 then claim the batch's shards (:mod:`supplier_sync_dagster.core.leases`); the batch's status,
 counts and progress are derived from its shards by :func:`refresh_batch`.
 
+An unfinished batch is *live* (it counts as running) only while someone provably works on
+it (:func:`batch_liveness`): one of its shards holds an unexpired lease whose holder is not
+a dead process of this host, or it was created or adopted less than one lease period ago
+by a process that is not dead on this host (the creator's grace: the time a run takes to
+start and claim its first city). An unfinished batch that is not live is *abandoned*: its
+workers were killed. Under SKIP_IF_RUNNING a new trigger is skipped for a live batch and
+**adopts** an abandoned one (outcome ADOPTED): it continues that batch from its shards'
+checkpoints instead of waiting forever for a batch nobody will finish.
+
 Batch state machine (every move is one guarded UPDATE)::
 
     PENDING ──first shard claimed──> RUNNING ──all shards finished──> SUCCESS
@@ -35,6 +44,12 @@ from supplier_sync_dagster.core.errors import (
     UnknownBatch,
     UnknownTask,
 )
+from supplier_sync_dagster.core.processes import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_WORKER_ID_LEN,
+    holder_is_dead_here,
+    make_worker_id,
+)
 
 TaskStatus = Literal["ENABLED", "DISABLED"]
 ConcurrencyPolicy = Literal["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"]
@@ -43,7 +58,7 @@ DataScope = Literal["RESOURCE", "PRODUCT", "OFFER", "STOCK_PRICE"]
 ScheduleType = Literal["CRON", "MANUAL", "PUSH"]
 TriggerSource = Literal["CRON", "MANUAL", "COMPENSATION", "SENSOR", "BACKFILL"]
 BatchStatus = Literal["PENDING", "RUNNING", "SUCCESS", "PARTIAL_FAILED", "FAILED", "CANCELLED"]
-DecisionOutcome = Literal["CREATED", "EXISTING", "SKIPPED"]
+DecisionOutcome = Literal["CREATED", "EXISTING", "SKIPPED", "ADOPTED"]
 
 ACTIVE_BATCH_STATUSES: tuple[BatchStatus, ...] = ("PENDING", "RUNNING")
 TERMINAL_BATCH_STATUSES: tuple[BatchStatus, ...] = (
@@ -145,7 +160,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class BatchDecision:
-    """What :func:`create_batch` decided for one trigger."""
+    """What :func:`create_batch` decided for one trigger.
+
+    Outcomes: CREATED (a new batch), ADOPTED (this trigger continues an abandoned batch of
+    another trigger), EXISTING (this trigger asked before: its batch, created or adopted),
+    SKIPPED (a live batch blocks it; ``batch`` is None).
+    """
 
     outcome: DecisionOutcome
     batch: Batch | None
@@ -208,12 +228,22 @@ def create_batch(
     trigger_id: str,
     trigger_source: TriggerSource,
     shard_keys: Sequence[str] | None = None,
+    worker_id: str | None = None,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    adopt: bool = True,
 ) -> BatchDecision:
     """Creates the batch for one trigger, idempotently, under the task's concurrency policy.
 
-    The same ``(task_code, trigger_id)`` always gets the same answer: the batch created the
-    first time (outcome EXISTING), or the recorded skip. Concurrent callers are serialized
-    on the task row, so a policy decision never races another.
+    The same ``(task_code, trigger_id)`` always gets the same answer: the batch created or
+    adopted the first time (outcome EXISTING), or the recorded skip. Concurrent callers are
+    serialized on the task row, so a policy decision never races another.
+
+    SKIP_IF_RUNNING skips the trigger while an unfinished batch of the task is live
+    (:func:`batch_liveness`); when every unfinished batch is abandoned, the trigger adopts
+    the newest one: the batch gets this trigger's shards, and its creator's grace passes to
+    ``worker_id``. CANCEL_PREVIOUS cancels every unfinished batch, live or abandoned;
+    ALLOW_PARALLEL skips while a live batch of an overlapping scope runs (an abandoned one
+    does not block it).
 
     Args:
         db: The sync database.
@@ -223,6 +253,12 @@ def create_batch(
         trigger_source: Where the trigger came from.
         shard_keys: The cities this batch covers; a shard is created for each. None means
             every city of the supplier (shards are added as work is discovered).
+        worker_id: The calling process (:func:`make_worker_id`, the default): it holds the
+            creator's grace of a batch it creates or adopts.
+        lease_seconds: The grace: how long a new or adopted batch counts as running while
+            its creator lives and no shard lease shows work yet (one lease period).
+        adopt: False for a batch of its own kind (a replay), which must not continue
+            another batch: abandoned batches then neither block it nor get adopted.
 
     Returns:
         The decision; ``batch`` is None only when the trigger was SKIPPED.
@@ -235,12 +271,21 @@ def create_batch(
     _check_code("trigger_id", trigger_id)
     _check_choice("trigger_source", trigger_source, TriggerSource)
     keys = _validate_shard_keys(shard_keys) if shard_keys is not None else None
+    creator = worker_id or make_worker_id()
+    _check_code("worker_id", creator, MAX_WORKER_ID_LEN)
+    if not 0 < lease_seconds <= 86_400:
+        raise ConfigError(f"lease_seconds must be in (0, 86400]; got {lease_seconds!r}")
     clock = db.clock
     with db.begin() as conn:
         task = get_task(conn, task_code, for_update=True)
         existing = _batch_by_trigger(conn, task_code, trigger_id)
         if existing is not None:
             return BatchDecision("EXISTING", existing, "this trigger already created the batch")
+        adopted = _adopted_by_trigger(conn, task_code, trigger_id)
+        if adopted is not None:
+            return BatchDecision(
+                "EXISTING", adopted, f"this trigger adopted batch {adopted.batch_id}"
+            )
         skipped = conn.execute(
             sa.select(t.trigger_log.c.blocking_batch_id, t.trigger_log.c.reason).where(
                 t.trigger_log.c.task_code == task_code,
@@ -270,9 +315,28 @@ def create_batch(
         cancelled: tuple[str, ...] = ()
         active = _active_batches(conn, t.batch.c.task_code == task.task_code)
         if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
-            blocking = active[0]
-            reason = f"SKIP_IF_RUNNING: batch {blocking.batch_id} is {blocking.status}"
-            return skip(blocking.batch_id, reason)
+            states = [(b, batch_liveness(conn, clock, b.batch_id)) for b in active]
+            for candidate, state in states:
+                if state.live:
+                    reason = (
+                        f"SKIP_IF_RUNNING: batch {candidate.batch_id} is {candidate.status} "
+                        f"({state.reason})"
+                    )
+                    return skip(candidate.batch_id, reason)
+            # Every unfinished batch is abandoned: continue the newest one.
+            newest, state = states[0]
+            if adopt:
+                return _adopt(
+                    conn,
+                    clock,
+                    newest,
+                    trigger_id=trigger_id,
+                    trigger_source=trigger_source,
+                    keys=keys,
+                    creator=creator,
+                    lease_seconds=lease_seconds,
+                    why=state.reason,
+                )
         if task.concurrency_policy == "CANCEL_PREVIOUS":
             cancelled = tuple(b.batch_id for b in active)
             for old in cancelled:
@@ -285,14 +349,18 @@ def create_batch(
                 t.batch.c.category_code == task.category_code,
                 t.batch.c.data_scope == task.data_scope,
             )
-            overlapping = [b for b in in_scope if _overlaps(b.city_scope, keys)]
-            if overlapping:
-                blocking = overlapping[0]
-                reason = (
-                    f"ALLOW_PARALLEL: batch {blocking.batch_id} ({blocking.status}) covers "
-                    f"an overlapping {task.data_scope} scope"
-                )
-                return skip(blocking.batch_id, reason)
+            # ...while it runs: an abandoned batch blocks nobody (nor does it get adopted:
+            # it may be another task's).
+            for other in in_scope:
+                if not _overlaps(other.city_scope, keys):
+                    continue
+                state = batch_liveness(conn, clock, other.batch_id)
+                if state.live:
+                    reason = (
+                        f"ALLOW_PARALLEL: batch {other.batch_id} ({other.status}) covers "
+                        f"an overlapping {task.data_scope} scope ({state.reason})"
+                    )
+                    return skip(other.batch_id, reason)
 
         batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
         version = conn.execute(
@@ -315,6 +383,9 @@ def create_batch(
                 status="PENDING",
                 sync_batch_version=version,
                 shard_count=len(keys) if keys else 0,
+                # The creator's grace (see batch_liveness); shard leases take over from it.
+                worker_id=creator,
+                lease_until=clock.now(lease_seconds),
                 created_at=now,
                 updated_at=now,
             )
@@ -340,6 +411,62 @@ def create_batch(
         batch = get_batch(conn, batch_id)
     reason = "batch created" + (f"; cancelled {', '.join(cancelled)}" if cancelled else "")
     return BatchDecision("CREATED", batch, reason, cancelled_batch_ids=cancelled)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Whether an unfinished batch counts as running, and why (for logs and the trigger log)."""
+
+    live: bool
+    reason: str
+
+
+def batch_liveness(conn: Connection, clock: DbClock, batch_id: str) -> Liveness:
+    """Whether someone provably works on a batch (see the module docstring).
+
+    Live: a RUNNING shard's lease has not expired and its holder is not a dead process of
+    this host; or the creator's grace (one lease period from creation or adoption) has not
+    ended and the creator is not a dead process of this host. Anything else is abandoned:
+    expired leases, leases and grace held by processes of this host that no longer run, or
+    no lease at all. A holder on another host is presumed alive until its lease expires.
+    """
+    s = t.shard.c
+    now = clock.read(conn)
+    held = conn.execute(
+        sa.select(s.shard_key, s.worker_id, s.lease_until)
+        .where(s.batch_id == batch_id, s.status == "RUNNING", s.lease_until >= clock.now())
+        .order_by(s.lease_until.desc())
+    ).all()
+    dead: list[str] = []
+    for row in held:
+        if row.worker_id and holder_is_dead_here(row.worker_id):
+            dead.append(row.worker_id)
+            continue
+        return Liveness(
+            True, f"shard {row.shard_key!r} is leased to {row.worker_id} until {row.lease_until}"
+        )
+    b = t.batch.c
+    creator, grace_until = conn.execute(
+        sa.select(b.worker_id, b.lease_until).where(b.batch_id == batch_id)
+    ).one()
+    in_grace = grace_until is not None and grace_until >= now
+    if in_grace and creator and not holder_is_dead_here(creator):
+        return Liveness(True, f"created or adopted by {creator}, within its grace to {grace_until}")
+    why = ["no live shard lease"]
+    if dead:
+        why.append(f"{len(dead)} unexpired shard lease(s) of dead processes ({dead[0]})")
+    if in_grace:
+        why.append(f"its creator {creator} is dead")
+    else:
+        why.append(f"the creator's grace ended at {grace_until}" if grace_until else "no grace")
+    return Liveness(False, "abandoned: " + ", ".join(why))
+
+
+def batch_for_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batch | None:
+    """The batch a trigger works on: the one it created, or the one it adopted; else None."""
+    return _batch_by_trigger(conn, task_code, trigger_id) or _adopted_by_trigger(
+        conn, task_code, trigger_id
+    )
 
 
 def add_shards(db: SyncDatabase, batch_id: str, shard_keys: Sequence[str]) -> int:
@@ -559,6 +686,71 @@ def _batch_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batc
         )
     ).first()
     return Batch.from_row(row) if row is not None else None
+
+
+def _adopted_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batch | None:
+    batch_id = conn.execute(
+        sa.select(t.trigger_log.c.batch_id).where(
+            t.trigger_log.c.task_code == task_code,
+            t.trigger_log.c.trigger_id == trigger_id,
+            t.trigger_log.c.outcome == "ADOPTED",
+        )
+    ).scalar()
+    return get_batch(conn, batch_id) if batch_id else None
+
+
+def _adopt(
+    conn: Connection,
+    clock: DbClock,
+    batch: Batch,
+    *,
+    trigger_id: str,
+    trigger_source: str,
+    keys: tuple[str, ...] | None,
+    creator: str,
+    lease_seconds: float,
+    why: str,
+) -> BatchDecision:
+    """Hands an abandoned batch to a new trigger: its shards, the creator's grace, a log row.
+
+    The caller holds the task lock, so no other trigger decides at the same time; the
+    batch's shards keep their checkpoints, and their expired or dead leases are reclaimed
+    by the adopter's workers as usual (``claim_shard``).
+    """
+    current = lock_batch(conn, batch.batch_id)
+    values: dict[str, Any] = {
+        "worker_id": creator,
+        "lease_until": clock.now(lease_seconds),
+        "updated_at": clock.now(),
+    }
+    if current.city_scope is not None:
+        scope = None if keys is None else tuple(dict.fromkeys((*current.city_scope, *keys)))
+        values["city_scope"] = (
+            json.dumps(list(scope), ensure_ascii=False) if scope is not None else None
+        )
+    guarded_update(
+        conn,
+        sa.update(t.batch)
+        .where(t.batch.c.batch_id == batch.batch_id, t.batch.c.status == current.status)
+        .values(**values),
+        lambda: InvalidTransition(f"batch {batch.batch_id} changed status while locked"),
+    )
+    if keys:
+        _insert_shards(conn, clock, batch.batch_id, keys)
+        refresh_batch(conn, clock, batch.batch_id)
+    reason = f"adopted batch {batch.batch_id} of trigger {batch.trigger_id} ({why})"
+    _log_trigger(
+        conn,
+        clock,
+        batch.task_code,
+        trigger_id,
+        trigger_source,
+        "ADOPTED",
+        batch.batch_id,
+        None,
+        reason,
+    )
+    return BatchDecision("ADOPTED", get_batch(conn, batch.batch_id), reason)
 
 
 def _active_batches(conn: Connection, *where: sa.ColumnElement[bool]) -> list[Batch]:

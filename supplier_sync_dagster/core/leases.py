@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -50,6 +47,12 @@ from supplier_sync_dagster.core.errors import (
     LeaseNotAcquired,
     UnknownShard,
 )
+from supplier_sync_dagster.core.processes import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_WORKER_ID_LEN,
+    holder_is_dead_here,
+    make_worker_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,6 @@ FinishStatus = Literal["SUCCESS", "FAILED"]
 MIN_LEASE_SECONDS = 5.0
 MAX_LEASE_SECONDS = 1800.0
 MAX_CHECKPOINT_LEN = 1024
-MAX_WORKER_ID_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class LeaseSettings:
     be at most a third of the lease so that two missed beats still leave the lease alive.
     """
 
-    lease_seconds: float = 180.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     heartbeat_seconds: float = 20.0
 
     def __post_init__(self) -> None:
@@ -206,55 +208,6 @@ class ShardInfo:
     last_checkpoint_at: datetime | None
     last_heartbeat_stage: str | None
     error_message: str | None
-
-
-@cache
-def _process_started(pid: int) -> str:
-    # Keyed by pid so that a forked child gets its own start time.
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
-def _host() -> str:
-    return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
-
-
-def holder_is_dead_here(worker_id: str) -> bool:
-    """True when ``worker_id`` names a process of this host that no longer runs.
-
-    Only a provably dead holder counts: another host, a truncated id, a live pid (or one
-    we may not signal) all answer False, so a live lease is never taken on a guess.
-    """
-    try:
-        head, pid_text, _started = worker_id.rsplit("-", 2)
-        pid = int(pid_text)
-    except ValueError:
-        return False
-    if not head.endswith(f"-{_host()}") or pid == os.getpid() or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:  # a killed child its parent has not reaped yet is a zombie: dead all the same
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def make_worker_id(service: str = "supplier-sync") -> str:
-    """``service-host-pid-starttime``, as the seed specifies, cut to the column's 64 chars.
-
-    The host is the pod name when running in Kubernetes (``POD_NAME``), else ``HOSTNAME``,
-    else the machine's name; it is shortened first, so pid and start time always survive.
-    """
-    host = _host()
-    pid = os.getpid()
-    tail = f"-{pid}-{_process_started(pid)}"
-    head = f"{service}-{host}"[: MAX_WORKER_ID_LEN - len(tail)]
-    return head + tail
 
 
 class ShardLease:
@@ -941,6 +894,7 @@ __all__ = [
     "claim_shard",
     "find_stalls",
     "get_shard",
+    "holder_is_dead_here",
     "list_shards",
     "make_worker_id",
     "reopen_shard",

@@ -95,6 +95,7 @@ def prepare_replay(
         task_code=task_code,
         trigger_id=f"replay:{trigger_id}",
         trigger_source="COMPENSATION",
+        adopt=False,  # a replay batch reads stored pages: it never continues a sync batch
     )
     if decision.batch is None:
         raise ConfigError(f"replay refused: {decision.reason}")

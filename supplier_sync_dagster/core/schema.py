@@ -440,3 +440,16 @@ review = _table(
     sa.Index("idx_review_hotel", "supplier_id", "supplier_hotel_id"),
     comment="diffs held for review and the decisions on them",
 )
+
+task_audit = _table(
+    "supplier_sync_task_audit",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("field_name", sa.String(64), nullable=False),
+    sa.Column("old_value", sa.String(1024)),
+    sa.Column("new_value", sa.String(1024)),
+    sa.Column("changed_by", sa.String(64), nullable=False),
+    sa.Column("reason", sa.String(1024), nullable=False),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Index("idx_task_audit_task", "task_code", "created_at"),
+    comment="every change of a task's settings: who, when, why, old and new value",
+)

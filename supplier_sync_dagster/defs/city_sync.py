@@ -26,9 +26,9 @@ from supplier_sync_dagster.core.batches import (
     create_batch,
     get_batch,
     progress_line,
-    upsert_task,
 )
 from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.errors import TaskDisabled
 from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.payloads import PayloadStore
@@ -47,6 +47,7 @@ from supplier_sync_dagster.core.replay import (
     stored_city_countries,
 )
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.tasks import ensure_task, require_enabled
 from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -167,22 +168,28 @@ def resolve_batch(
     source: TriggerSource,
     cities: list[str],
 ) -> Batch:
-    """The batch of this trigger (created once), with a shard for each of the run's cities.
+    """The batch of this trigger (created once, or adopted), with a shard per city of the run.
+
+    The run creates its task if it is missing and never changes it: policy, status, cron
+    and thresholds are the operator's (``supplier-sync task set``).
 
     Raises:
-        dg.Failure: The task's concurrency policy skipped this trigger.
+        dg.Failure: The task is DISABLED, or its concurrency policy skipped this trigger.
     """
-    upsert_task(
+    ensure_task(
         db,
-        TaskSpec(
-            task_code=supplier.task_code,
-            supplier_id=supplier.supplier_id,
-            concurrency_policy="SKIP_IF_RUNNING",
-        ),
+        TaskSpec(task_code=supplier.task_code, supplier_id=supplier.supplier_id),
+        created_by=f"run {trigger_id}"[:64],
+        reason="created by its first run, with the default settings",
     )
-    decision = create_batch(
-        db, task_code=supplier.task_code, trigger_id=trigger_id, trigger_source=source
-    )
+    try:
+        with db.engine.connect() as conn:
+            require_enabled(conn, supplier.task_code)
+        decision = create_batch(
+            db, task_code=supplier.task_code, trigger_id=trigger_id, trigger_source=source
+        )
+    except TaskDisabled as err:
+        raise dg.Failure(description=f"sync refused: {err}", allow_retries=False) from None
     if decision.batch is None:
         raise dg.Failure(
             description=f"sync skipped: {decision.reason}",

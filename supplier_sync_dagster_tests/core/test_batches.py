@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -11,6 +14,8 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import (
     TaskSpec,
     add_shards,
+    batch_for_trigger,
+    batch_liveness,
     cancel_batch,
     create_batch,
     get_batch,
@@ -28,7 +33,15 @@ from supplier_sync_dagster.core.errors import (
     UnknownBatch,
     UnknownTask,
 )
-from supplier_sync_dagster.core.leases import LeaseSettings, claim_shard, list_shards
+from supplier_sync_dagster.core.leases import (
+    Checkpoint,
+    LeaseSettings,
+    PageCounts,
+    claim_shard,
+    get_shard,
+    list_shards,
+)
+from supplier_sync_dagster.core.processes import make_worker_id
 from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, run_concurrently
 
 FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=1)
@@ -269,3 +282,249 @@ def test_batch_versions_increase_per_task_and_list_newest_first(db: SyncDatabase
         ids.append((d.batch.batch_id, d.batch.sync_batch_version))
     assert [v for _, v in ids] == [1, 2, 3]
     assert [b.batch_id for b in list_batches(db, task_code=code)] == [i for i, _ in reversed(ids)]
+
+
+# A worker on another host: never presumed dead, so only its lease's expiry frees what it holds.
+REMOTE = "supplier-sync-some-other-host-77-20260101T000000Z"
+
+
+class LocalProcess:
+    """A real process of this host, whose worker id leases can name; kill() makes it dead."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.worker_id = (
+            make_worker_id("run").rsplit("-", 2)[0] + f"-{self.proc.pid}-20260101T000000Z"
+        )
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def local_process() -> Iterator[LocalProcess]:
+    proc = LocalProcess()
+    yield proc
+    proc.kill()
+
+
+def _log_row(db: SyncDatabase, code: str, trigger: str) -> sa.Row[tuple[object, ...]]:
+    with db.engine.connect() as conn:
+        return conn.execute(
+            sa.select(t.trigger_log).where(
+                t.trigger_log.c.task_code == code, t.trigger_log.c.trigger_id == trigger
+            )
+        ).one()
+
+
+def test_a_batch_whose_leases_expired_is_adopted_and_resumes_from_its_checkpoints(
+    db: SyncDatabase,
+):
+    code = _task(db)
+    first = create_batch(
+        db,
+        task_code=code,
+        trigger_id="night-1",
+        trigger_source="CRON",
+        shard_keys=["BKK", "SIN"],
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert first.batch is not None
+    batch_id = first.batch.batch_id
+    lease = claim_shard(db, batch_id, "BKK", worker_id=REMOTE, settings=FAST)
+    lease.advance(Checkpoint("BKK", page=3), PageCounts(success=2))
+    # The worker is somewhere else and its lease runs: the batch runs, night-2 is skipped.
+    skipped = create_batch(db, task_code=code, trigger_id="night-2", trigger_source="CRON")
+    assert skipped.outcome == "SKIPPED" and skipped.blocking_batch_id == batch_id
+    assert "leased to " + REMOTE in skipped.reason
+    # Its lease and the creator's grace run out (no heartbeat): the batch is abandoned.
+    db.clock.advance(FAST.lease_seconds + 1)
+    with db.engine.connect() as conn:
+        state = batch_liveness(conn, db.clock, batch_id)
+    assert not state.live and "abandoned" in state.reason
+    adopted = create_batch(
+        db, task_code=code, trigger_id="night-3", trigger_source="CRON", shard_keys=["JKT"]
+    )
+    assert adopted.outcome == "ADOPTED" and adopted.batch is not None
+    assert adopted.batch.batch_id == batch_id and adopted.batch.trigger_id == "night-1"
+    assert adopted.batch.city_scope == ("BKK", "SIN", "JKT")
+    log = _log_row(db, code, "night-3")
+    assert (log.outcome, log.batch_id) == ("ADOPTED", batch_id)
+    assert "abandoned" in str(log.reason) and "night-1" in str(log.reason)
+    # The same trigger asked again gets the same batch; the earlier skip stays a skip.
+    again = create_batch(db, task_code=code, trigger_id="night-3", trigger_source="CRON")
+    assert again.outcome == "EXISTING" and again.batch is not None
+    assert again.batch.batch_id == batch_id
+    assert create_batch(
+        db, task_code=code, trigger_id="night-2", trigger_source="CRON"
+    ).outcome == ("SKIPPED")
+    with db.engine.connect() as conn:
+        found = batch_for_trigger(conn, code, "night-3")
+        assert found is not None and found.batch_id == batch_id
+        assert batch_for_trigger(conn, code, "night-2") is None
+    # The adopter (this process, alive) holds the grace now: a fourth trigger waits.
+    fourth = create_batch(db, task_code=code, trigger_id="night-4", trigger_source="CRON")
+    assert fourth.outcome == "SKIPPED" and "within its grace" in fourth.reason
+    # Its workers continue each city where it stood: BKK from page 3, the others from 1.
+    resumed = claim_shard(db, batch_id, "BKK", worker_id="w-adopter", settings=FAST)
+    assert resumed.checkpoint == Checkpoint("BKK", page=3) and resumed.claim_count == 2
+    assert get_shard(db, batch_id, "BKK").success_count == 2
+    for key in ("SIN", "JKT"):
+        assert (
+            claim_shard(db, batch_id, key, worker_id="w-adopter", settings=FAST).checkpoint is None
+        )
+    assert _count(db, t.batch) == 1
+
+
+def test_a_run_killed_in_its_first_seconds_is_adopted_at_once(
+    db: SyncDatabase, local_process: LocalProcess
+):
+    code = _task(db)
+    first = create_batch(
+        db,
+        task_code=code,
+        trigger_id="night-1",
+        trigger_source="CRON",
+        worker_id=local_process.worker_id,
+    )
+    assert first.batch is not None
+    # Its creator lives and is within its grace (no shard claimed yet): a run starting up.
+    waiting = create_batch(db, task_code=code, trigger_id="night-2", trigger_source="CRON")
+    assert waiting.outcome == "SKIPPED" and local_process.worker_id in waiting.reason
+    local_process.kill()
+    # Killed before any city: no need to wait for the grace, its creator is provably dead.
+    adopted = create_batch(db, task_code=code, trigger_id="night-3", trigger_source="CRON")
+    assert adopted.outcome == "ADOPTED" and adopted.batch is not None
+    assert adopted.batch.batch_id == first.batch.batch_id
+    assert "creator " + local_process.worker_id + " is dead" in adopted.reason
+
+
+def test_live_leases_of_a_dead_local_process_do_not_keep_a_batch_running(
+    db: SyncDatabase, local_process: LocalProcess
+):
+    code = _task(db)
+    first = create_batch(
+        db,
+        task_code=code,
+        trigger_id="t1",
+        trigger_source="MANUAL",
+        shard_keys=["BKK", "SIN"],
+        worker_id=local_process.worker_id,
+    )
+    assert first.batch is not None
+    batch_id = first.batch.batch_id
+    for key in ("BKK", "SIN"):
+        claim_shard(db, batch_id, key, worker_id=local_process.worker_id, settings=FAST)
+    assert create_batch(db, task_code=code, trigger_id="t2", trigger_source="MANUAL").outcome == (
+        "SKIPPED"
+    )
+    local_process.kill()
+    # Both leases and the grace still run by the clock, but their holder is dead here.
+    adopted = create_batch(db, task_code=code, trigger_id="t3", trigger_source="MANUAL")
+    assert adopted.outcome == "ADOPTED" and adopted.batch is not None
+    assert adopted.batch.batch_id == batch_id
+    assert "2 unexpired shard lease(s) of dead processes" in adopted.reason
+    # The adopter's worker takes the cities over at once (the dead-holder shortcut).
+    taken = claim_shard(db, batch_id, "BKK", worker_id=make_worker_id(), settings=FAST)
+    assert taken.claim_count == 2
+
+
+def test_concurrent_triggers_on_an_abandoned_batch_adopt_it_once(db: SyncDatabase):
+    code = _task(db)
+    first = create_batch(
+        db,
+        task_code=code,
+        trigger_id="t0",
+        trigger_source="CRON",
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert first.batch is not None
+    db.clock.advance(31)
+    n = 8
+    decisions, errors = run_concurrently(
+        n,
+        lambda i: create_batch(db, task_code=code, trigger_id=f"op-{i}", trigger_source="MANUAL"),
+    )
+    assert not errors, errors
+    assert sorted(d.outcome for d in decisions) == ["ADOPTED"] + ["SKIPPED"] * (n - 1)
+    assert {d.blocking_batch_id for d in decisions if d.outcome == "SKIPPED"} == {
+        first.batch.batch_id
+    }
+    assert _count(db, t.batch) == 1
+
+
+def test_other_policies_keep_their_meaning_with_abandoned_batches(db: SyncDatabase):
+    cancel = _task(db, policy="CANCEL_PREVIOUS")
+    old = create_batch(
+        db,
+        task_code=cancel,
+        trigger_id="a",
+        trigger_source="CRON",
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert old.batch is not None
+    parallel = _task(db, policy="ALLOW_PARALLEL", data_scope="STOCK_PRICE")
+    stale = create_batch(
+        db,
+        task_code=parallel,
+        trigger_id="p1",
+        trigger_source="CRON",
+        shard_keys=["BKK"],
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert stale.batch is not None
+    # While they live, an overlapping parallel trigger is skipped.
+    assert (
+        create_batch(
+            db, task_code=parallel, trigger_id="p2", trigger_source="CRON", shard_keys=["BKK"]
+        ).outcome
+        == "SKIPPED"
+    )
+    db.clock.advance(31)
+    # CANCEL_PREVIOUS cancels the abandoned batch and creates its own, as before.
+    new = create_batch(db, task_code=cancel, trigger_id="b", trigger_source="CRON")
+    assert new.outcome == "CREATED" and new.cancelled_batch_ids == (old.batch.batch_id,)
+    # ALLOW_PARALLEL: an abandoned batch no longer blocks an overlapping one; not adopted.
+    fresh = create_batch(
+        db, task_code=parallel, trigger_id="p3", trigger_source="CRON", shard_keys=["BKK"]
+    )
+    assert fresh.outcome == "CREATED" and fresh.batch is not None
+    assert fresh.batch.batch_id != stale.batch.batch_id
+
+
+def test_a_batch_from_before_the_grace_existed_is_abandoned_without_leases(db: SyncDatabase):
+    code = _task(db)
+    first = create_batch(db, task_code=code, trigger_id="t1", trigger_source="CRON")
+    assert first.batch is not None
+    with db.begin() as conn:  # as stored before this version: no creator, no grace
+        conn.execute(
+            sa.update(t.batch)
+            .where(t.batch.c.batch_id == first.batch.batch_id)
+            .values(worker_id=None, lease_until=None)
+        )
+    adopted = create_batch(db, task_code=code, trigger_id="t2", trigger_source="CRON")
+    assert adopted.outcome == "ADOPTED" and "no grace" in adopted.reason
+
+
+def test_a_replay_batch_never_adopts_and_is_not_blocked_by_an_abandoned_batch(db: SyncDatabase):
+    code = _task(db)
+    sync = create_batch(
+        db,
+        task_code=code,
+        trigger_id="night-1",
+        trigger_source="CRON",
+        worker_id=REMOTE,
+        lease_seconds=30,
+    )
+    assert sync.batch is not None
+    db.clock.advance(31)
+    replay = create_batch(
+        db, task_code=code, trigger_id="replay:r1", trigger_source="COMPENSATION", adopt=False
+    )
+    assert replay.outcome == "CREATED" and replay.batch is not None
+    assert replay.batch.batch_id != sync.batch.batch_id
