@@ -201,58 +201,60 @@ def run_full_sync(
     """Syncs every city of the supplier in one Dagster run and returns the summary."""
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
-    instance = dagster_instance()
-    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-    with supplier.client() as client:
-        codes = [c.city_code for c in client.list_cities().data.cities]
-    keys = [encode_city_key(c) for c in codes]
-    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-    missing = [k for k in keys if k not in existing]
-    if missing:
-        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
-    # A range covers the keys between its ends in the partition set's order.
-    ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
-    db = SyncDatabase.open(sync_db.db_url)
-    stop = threading.Event()
-    reporter = threading.Thread(
-        target=_report_progress,
-        args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
-        daemon=True,
-    )
-    started = time.perf_counter()
-    reporter.start()
-    try:
-        result = dg.materialize(
-            [city_sync],
-            instance=instance,
-            resources={
-                "sync_db": sync_db,
-                "payloads": payloads,
-                "supplier": supplier,
-                "governance": GovernanceResource(),
-            },
-            tags={
-                "dagster/asset_partition_range_start": ordered[0],
-                "dagster/asset_partition_range_end": ordered[-1],
-                TRIGGER_TAG: trigger_id,
-                SOURCE_TAG: "MANUAL",
-            },
-            raise_on_error=False,
-            run_config=dg.RunConfig(
-                loggers={"console": {"config": {"log_level": console_log_level}}}
-            ),
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        with supplier.client() as client:
+            codes = [c.city_code for c in client.list_cities().data.cities]
+        keys = [encode_city_key(c) for c in codes]
+        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+        missing = [k for k in keys if k not in existing]
+        if missing:
+            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        # A range covers the keys between its ends in the partition set's order.
+        ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
+        db = SyncDatabase.open(sync_db.db_url)
+        stop = threading.Event()
+        reporter = threading.Thread(
+            target=_report_progress,
+            args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
+            daemon=True,
         )
-    finally:
-        stop.set()
-        reporter.join(timeout=5)
-    seconds = time.perf_counter() - started
-    summary = summarize(db, supplier.task_code, trigger_id, seconds)
-    summary.run_success = result.success
-    summary.run_error = "" if result.success else run_failure(result)
-    summary.dagster_run_id = result.run_id
-    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
-    db.dispose()
-    return summary
+        started = time.perf_counter()
+        reporter.start()
+        try:
+            result = dg.materialize(
+                [city_sync],
+                instance=instance,
+                resources={
+                    "sync_db": sync_db,
+                    "payloads": payloads,
+                    "supplier": supplier,
+                    "governance": GovernanceResource(),
+                },
+                tags={
+                    "dagster/asset_partition_range_start": ordered[0],
+                    "dagster/asset_partition_range_end": ordered[-1],
+                    TRIGGER_TAG: trigger_id,
+                    SOURCE_TAG: "MANUAL",
+                },
+                raise_on_error=False,
+                run_config=dg.RunConfig(
+                    loggers={"console": {"config": {"log_level": console_log_level}}}
+                ),
+            )
+        finally:
+            stop.set()
+            reporter.join(timeout=5)
+        seconds = time.perf_counter() - started
+        summary = summarize(db, supplier.task_code, trigger_id, seconds)
+        summary.run_success = result.success
+        summary.run_error = "" if result.success else run_failure(result)
+        summary.dagster_run_id = result.run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        db.dispose()
+        return summary
 
 
 def run_failure(result: dg.ExecuteInProcessResult) -> str:
@@ -432,48 +434,50 @@ def run_replay(
     """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
-    instance = dagster_instance()
-    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-    keys = [encode_city_key(c) for c in cities]
-    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-    missing = [k for k in keys if k not in existing]
-    if missing:
-        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
-    started = time.perf_counter()
-    success = True
-    run_id = run_error = ""
-    for key in keys:
-        result = dg.materialize(
-            [city_sync],
-            selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
-            instance=instance,
-            partition_key=key,
-            resources={
-                "sync_db": sync_db,
-                "payloads": payloads,
-                "supplier": supplier,
-                "governance": GovernanceResource(),
-            },
-            tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
-            raise_on_error=False,
-            run_config=dg.RunConfig(
-                loggers={"console": {"config": {"log_level": console_log_level}}}
-            ),
-        )
-        success = success and result.success
-        run_id = result.run_id
-        if not (result.success or run_error):
-            run_error = run_failure(result)
-    db = SyncDatabase.open(sync_db.db_url)
-    try:
-        summary = summarize(
-            db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
-        )
-    finally:
-        db.dispose()
-    summary.trigger_id = trigger_id  # what the caller passes to continue it, unprefixed
-    summary.run_success = success
-    summary.run_error = run_error
-    summary.dagster_run_id = run_id
-    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
-    return summary
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        keys = [encode_city_key(c) for c in cities]
+        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+        missing = [k for k in keys if k not in existing]
+        if missing:
+            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        started = time.perf_counter()
+        success = True
+        run_id = run_error = ""
+        for key in keys:
+            result = dg.materialize(
+                [city_sync],
+                selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
+                instance=instance,
+                partition_key=key,
+                resources={
+                    "sync_db": sync_db,
+                    "payloads": payloads,
+                    "supplier": supplier,
+                    "governance": GovernanceResource(),
+                },
+                tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
+                raise_on_error=False,
+                run_config=dg.RunConfig(
+                    loggers={"console": {"config": {"log_level": console_log_level}}}
+                ),
+            )
+            success = success and result.success
+            run_id = result.run_id
+            if not (result.success or run_error):
+                run_error = run_failure(result)
+        db = SyncDatabase.open(sync_db.db_url)
+        try:
+            summary = summarize(
+                db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
+            )
+        finally:
+            db.dispose()
+        summary.trigger_id = trigger_id  # what the caller passes to continue it, unprefixed
+        summary.run_success = success
+        summary.run_error = run_error
+        summary.dagster_run_id = run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        return summary
