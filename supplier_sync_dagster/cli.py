@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.gates import GateResult
+    from supplier_sync_dagster.sync_runner import SyncSummary
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -26,7 +36,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if not report.problems else 1
 
 
-def _supplier_from_env(args: argparse.Namespace) -> Any:
+def _supplier_from_env(*, page_size: int, rate_limit: float, city_threads: int) -> Any:
     """The supplier resource from the SUPPLIER_SYNC_* environment (read now, at run time)."""
     from supplier_sync_dagster.defs.resources import SupplierResource
 
@@ -34,10 +44,26 @@ def _supplier_from_env(args: argparse.Namespace) -> Any:
         base_url=os.environ.get("SUPPLIER_SYNC_SUPPLIER_URL") or None,
         api_key=os.environ.get("SUPPLIER_SYNC_SUPPLIER_API_KEY") or None,
         redis_url=os.environ.get("SUPPLIER_SYNC_REDIS_URL") or None,
-        page_size=args.page_size,
-        rate_limit_rps=args.rate_limit,
-        city_threads=args.city_threads,
+        page_size=page_size,
+        rate_limit_rps=rate_limit,
+        city_threads=city_threads,
     )
+
+
+def _console_log_level(args: argparse.Namespace) -> str:
+    # The summary and one line on stderr say what happened; the in-process run's own
+    # log (a step failure's stack trace among it) is for -v.
+    return "INFO" if args.verbose else "CRITICAL"
+
+
+def _finish_sync(summary: SyncSummary, *, as_json: bool) -> int:
+    """Prints a sync's summary; a sync that did not complete adds one line on stderr."""
+    print(summary.to_json() if as_json else summary.render())
+    problem = summary.problem()
+    if problem is None:
+        return 0
+    print(f"supplier-sync: {problem}", file=sys.stderr)
+    return 1
 
 
 def _resources(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -68,15 +94,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
         flush=True,
     )
-    summary = run_full_sync(supplier=supplier, sync_db=sync_db, payloads=payloads)
-    print(summary.render())
-    ok = summary.run_success and summary.status == "SUCCESS" and summary.counts_add_up
-    if ok:
+    summary = run_full_sync(
+        supplier=supplier,
+        sync_db=sync_db,
+        payloads=payloads,
+        progress=sys.stderr,
+        console_log_level=_console_log_level(args),
+    )
+    status = _finish_sync(summary, as_json=False)
+    if status == 0:
         demo_day(advance=True)
         print(
             f"run `supplier-sync demo` again: the supplier moves to day {day + 1} and only changes publish"
         )
-    return 0 if ok else 1
+    return status
 
 
 def _cmd_sync(args: argparse.Namespace) -> int:
@@ -84,14 +115,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 
     sync_db, payloads = _resources(args)
     summary = run_full_sync(
-        supplier=_supplier_from_env(args),
+        supplier=_supplier_from_env(
+            page_size=args.page_size, rate_limit=args.rate_limit, city_threads=args.city_threads
+        ),
         sync_db=sync_db,
         payloads=payloads,
         trigger_id=args.trigger_id,
         progress=None if args.json else sys.stderr,
+        console_log_level=_console_log_level(args),
     )
-    print(summary.to_json() if args.json else summary.render())
-    return 0 if summary.run_success and summary.status == "SUCCESS" else 1
+    return _finish_sync(summary, as_json=args.json)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -108,11 +141,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from supplier_sync_dagster.core.batches import get_batch, list_batches, rate_and_eta
     from supplier_sync_dagster.core.db import SyncDatabase
-    from supplier_sync_dagster.core.leases import list_shards
 
     db = SyncDatabase.open(args.db_url)
+    try:
+        return _print_status(db, args)
+    finally:
+        db.dispose()
+
+
+def _print_status(db: SyncDatabase, args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.batches import get_batch, list_batches, rate_and_eta
+    from supplier_sync_dagster.core.leases import list_shards
+
     if args.batch:
         with db.engine.connect() as conn:
             batches = [get_batch(conn, args.batch)]
@@ -146,7 +187,10 @@ def _cmd_stalls(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.leases import find_stalls
 
     db = SyncDatabase.open(args.db_url)
-    stalls = find_stalls(db, checkpoint_stall_seconds=args.checkpoint_stall_seconds)
+    try:
+        stalls = find_stalls(db, checkpoint_stall_seconds=args.checkpoint_stall_seconds)
+    finally:
+        db.dispose()
     for s in stalls:
         print(
             f"{s.kind:<19} batch={s.batch_id} city={s.shard_key!r} worker={s.worker_id} "
@@ -331,6 +375,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 
     from supplier_sync_dagster.core.batches import get_batch
     from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.errors import ProfileMissing
     from supplier_sync_dagster.core.gates import (
         GateThresholds,
         evaluate_gates,
@@ -358,13 +403,16 @@ def _cmd_gate(args: argparse.Namespace) -> int:
         if args.gate_command == "show":
             with db.engine.connect() as conn:
                 task = get_batch(conn, args.batch).task_code
-                results = evaluate_gates(
-                    conn,
-                    batch_id=args.batch,
-                    task_code=task,
-                    shard_key=args.city,
-                    thresholds=get_gate_thresholds(conn, task),
-                )
+                try:
+                    results = evaluate_gates(
+                        conn,
+                        batch_id=args.batch,
+                        task_code=task,
+                        shard_key=args.city,
+                        thresholds=get_gate_thresholds(conn, task),
+                    )
+                except ProfileMissing:
+                    results = _stopped_early(db, conn, args.batch, args.city)
             for r in results:
                 state = "overridden" if r.overridden else ("passed" if r.passed else "FAILED")
                 print(f"{r.check_name:<18} {state:<10} {r.description}")
@@ -466,44 +514,100 @@ def _cmd_task(args: argparse.Namespace) -> int:
         db.dispose()
 
 
+def _stopped_early(
+    db: SyncDatabase, conn: Connection, batch_id: str, city: str
+) -> list[GateResult]:
+    """The checks that stopped a city on its first pages, before it had a full profile.
+
+    Raises:
+        ProfileMissing: The city was not stopped by a gate (it is not normalized yet).
+    """
+    from supplier_sync_dagster.core.errors import ProfileMissing
+    from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, list_overrides
+    from supplier_sync_dagster.core.leases import get_shard
+    from supplier_sync_dagster.core.pipeline import GATED_PREFIX
+
+    shard = get_shard(db, batch_id, city)
+    message = shard.error_message or ""
+    if not message.startswith(GATED_PREFIX):
+        raise ProfileMissing(
+            f"city {city!r} of batch {batch_id} is {shard.status} and has no gate results yet"
+        )
+    overrides = {o.check_name for o in list_overrides(conn, batch_id=batch_id, shard_key=city)}
+    meta = {"stopped": "on its first pages; the other checks run once it passes"}
+    results = []
+    for part in message[len(GATED_PREFIX) :].split(" | "):
+        name, _, why = part.partition(":")
+        check = next((c for c in CHECK_NAMES if c == name.strip()), None)
+        if check is not None:
+            overridden = check in overrides
+            results.append(GateResult(check, overridden, "ERROR", why.strip(), meta, overridden))
+    return results
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     import json
 
-    supplier = _supplier_from_env(args)
-    if args.dry_run:
-        from supplier_sync_dagster.core.db import SyncDatabase
-        from supplier_sync_dagster.core.replay import dry_run_city
+    from supplier_sync_dagster.core.batches import get_task
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.replay import (
+        dry_run_city,
+        latest_raw_batch,
+        stored_city_countries,
+    )
+    from supplier_sync_dagster.defs.resources import SupplierResource
 
-        sync_db, payloads = _resources(args)
-        db = SyncDatabase.open(sync_db.db_url)
-        store = payloads.open()
-        try:
-            for city in args.city:
+    sync_db, payloads = _resources(args)
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        # A replay reads stored pages only: it needs the task and its supplier, no URL.
+        with db.engine.connect() as conn:
+            task = get_task(conn, args.task)
+        cities = list(dict.fromkeys(args.city))
+        missing = [
+            c for c in cities if latest_raw_batch(db, task_code=task.task_code, city_code=c) is None
+        ]
+        for city in missing:
+            print(
+                f"supplier-sync: city {city!r} has no stored raw pages for task "
+                f"{task.task_code!r}: nothing to replay",
+                file=sys.stderr,
+            )
+        if len(missing) == len(cities):
+            return 1
+        cities = [c for c in cities if c not in missing]
+        if args.dry_run:
+            store = payloads.open()
+            countries = stored_city_countries(db, store, task_code=task.task_code)
+            for city in cities:
                 report = dry_run_city(
                     db,
                     store,
-                    task_code=supplier.task_code,
-                    supplier_id=supplier.supplier_id,
+                    task_code=task.task_code,
+                    supplier_id=task.supplier_id,
                     city_code=city,
+                    city_countries=countries,
                 )
                 print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
-        finally:
-            db.dispose()
-        return 0
+            return 1 if missing else 0
+    finally:
+        db.dispose()
     from supplier_sync_dagster.sync_runner import run_replay
 
-    sync_db, payloads = _resources(args)
     summary = run_replay(
-        supplier=supplier,
-        cities=args.city,
+        supplier=SupplierResource(task_code=task.task_code, supplier_id=task.supplier_id),
+        cities=cities,
         sync_db=sync_db,
         payloads=payloads,
         trigger_id=args.trigger_id,
+        console_log_level=_console_log_level(args),
     )
-    print(summary.to_json() if args.json else summary.render())
-    return 0 if summary.run_success else 1
+    status = _finish_sync(summary, as_json=args.json)
+    return status or (1 if missing else 0)
 
 
+# The task of `sync --full` (SupplierResource.task_code's default).
+DEFAULT_TASK = "hotel_supplier_full_resource"
 # Cities in flight in the CLI's run. It is the only run, so a second city can use the
 # time one city waits on the database server: 2 measured +31-42 % hotels/s on MariaDB and
 # no change on SQLite (100k hotels, 2 cores). A backfill's runs keep the default of 1.
@@ -530,7 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sync database URL (default: $SUPPLIER_SYNC_DB_URL, else a SQLite file in "
         "$SUPPLIER_SYNC_HOME or ./.supplier_sync)",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level, with the Dagster run's log and the traceback of an error",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -652,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     override.add_argument("--reason", required=True, help="why (recorded)")
     override.set_defaults(func=_cmd_gate)
     thresholds = gate_sub.add_parser("thresholds", help="show or set a task's gate thresholds")
-    thresholds.add_argument("--task", default="hotel_supplier_full_resource")
+    thresholds.add_argument("--task", default=DEFAULT_TASK)
     thresholds.add_argument("--max-bad-ratio", type=float, default=None)
     thresholds.add_argument("--max-count-drop", type=float, default=None)
     thresholds.add_argument("--min-previous-records", type=int, default=None)
@@ -699,6 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--dry-run", action="store_true", help="report the diffs, publish nothing")
     replay.add_argument("--json", action="store_true")
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
+    replay.add_argument("--task", default=DEFAULT_TASK, help="the task whose pages are replayed")
     replay.set_defaults(func=_cmd_replay)
 
     db = sub.add_parser(
@@ -745,21 +855,62 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     return run_daemon(["-w", args.workspace], backfill_interval_seconds=args.backfill_interval)
 
 
+def _stdout_to_devnull() -> None:
+    """Points stdout at /dev/null, so that the interpreter's last flush finds no closed pipe
+    (the Python docs' recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # stdout is no file (in-process callers): nothing is flushed at exit
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``supplier-sync`` console script."""
+    """Entry point of the ``supplier-sync`` console script.
+
+    Returns:
+        0 on success; 1 when the work did not complete (a sync failed, was gated or
+        skipped) or on an unexpected error; 2 on an error the program names (bad input or
+        configuration, an unknown batch or task, an unreachable database or supplier);
+        130 when interrupted; 141 (128 + SIGPIPE) when stdout was closed (``| head``).
+    """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.func is not _cmd_daemon:
+        # The daemon's loggers have their own handlers: a root handler would print each
+        # of its lines twice.
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     if not args.verbose:
         # Retries are expected (and counted); the summary reports them, not the terminal.
         logging.getLogger("supplier_sync_dagster.core.supplier").setLevel(logging.ERROR)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader of stdout (`| head -1`) has what it wanted: stop quietly, as a Unix
+        # tool killed by SIGPIPE does.
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE
     except SupplierSyncError as err:
-        print(f"supplier-sync: error: {err}", file=sys.stderr)
+        print(f"supplier-sync: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("supplier-sync: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"supplier-sync: error: {_one_line(err)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

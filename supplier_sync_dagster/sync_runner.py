@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -27,6 +28,8 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.core.leases import list_shards
+from supplier_sync_dagster.core.pipeline import GATED_PREFIX, gate_check_names
 from supplier_sync_dagster.core.processes import this_host
 from supplier_sync_dagster.core.tasks import require_enabled
 from supplier_sync_dagster.defs.city_sync import (
@@ -102,13 +105,66 @@ class SyncSummary:
     hotels_per_second: float = 0.0
     dagster_run_id: str = ""
     dagster_home: str = ""
+    # city -> the gate's reason (a gated city publishes after an override and a re-run)
+    gated_cities: dict[str, str] = field(default_factory=dict)
+    # city -> its error (a re-run of the same trigger resumes it)
+    failed_cities: dict[str, str] = field(default_factory=dict)
+    # why the trigger made no batch (the concurrency policy's reason), if it did not
+    skip_reason: str = ""
+    # the Dagster run's failure, when the batch does not explain it
+    run_error: str = ""
 
     def to_json(self) -> str:
         """The summary as one JSON object."""
         return json.dumps(asdict(self), sort_keys=True)
 
+    def problem(self) -> str | None:
+        """Why the sync did not complete, in one line (None: it did).
+
+        The command line prints it after the summary and exits non-zero.
+        """
+        if not self.batch_id:
+            if self.skip_reason:
+                return f"sync skipped: {self.skip_reason}"
+            return f"sync failed before it made a batch: {self.run_error or 'no reason recorded'}"
+        parts = []
+        if self.failed_cities:
+            parts.append(
+                f"{_cities(len(self.failed_cities))} of {self.cities} failed "
+                f"({_some(self.failed_cities)}); run again with --trigger-id "
+                f"{shlex.quote(self.trigger_id)} to resume"
+            )
+        if self.gated_cities:
+            first = next(iter(self.gated_cities))
+            parts.append(
+                f"{_cities(len(self.gated_cities))} stopped by a quality gate "
+                f"({_some(self._gate_checks())}); see supplier-sync gate show --batch "
+                f"{self.batch_id} --city {shlex.quote(first)}"
+            )
+        if parts:
+            return "; ".join(parts)
+        if self.status != "SUCCESS":
+            why = self.run_error or f"run again with --trigger-id {shlex.quote(self.trigger_id)}"
+            return (
+                f"batch {self.batch_id} is {self.status} "
+                f"({self.cities_done}/{self.cities} cities): {why}"
+            )
+        if not self.run_success:
+            return f"the Dagster run failed: {self.run_error or 'no reason recorded'}"
+        if not self.counts_add_up:
+            return f"batch {self.batch_id}: the counts do not add up"
+        return None
+
     def render(self) -> str:
         """The summary as text for a terminal."""
+        if not self.batch_id:
+            return "\n".join(
+                [
+                    f"trigger {self.trigger_id}: no batch"
+                    + (f" (skipped: {self.skip_reason})" if self.skip_reason else ""),
+                    self._ui_line(),
+                ]
+            )
         lines = [
             f"batch {self.batch_id}: {self.status} ({self.cities_done}/{self.cities} cities)",
             f"records {self.records} = published {self.published} + dead letters "
@@ -118,14 +174,41 @@ class SyncSummary:
             "diffs by type:        " + _fmt(self.diffs_by_type),
             "diffs by action:      " + _fmt(self.diffs_by_action),
             f"elapsed {self.seconds:.1f} s, {self.hotels_per_second:.0f} hotels/s",
-            f"open the UI: DAGSTER_HOME={self.dagster_home} .venv/bin/dagster dev -w workspace.yaml "
-            f"(run {self.dagster_run_id})",
         ]
+        for what, cities in (("gated", self._gate_checks()), ("failed", self.failed_cities)):
+            if cities:
+                lines.append(f"{what} cities: ".ljust(22) + _some(cities, limit=10))
+        lines.append(self._ui_line())
         return "\n".join(lines)
+
+    def _gate_checks(self) -> dict[str, str]:
+        """City -> the names of the checks that stopped it."""
+        return {c: ", ".join(gate_check_names(r)) for c, r in self.gated_cities.items()}
+
+    def _ui_line(self) -> str:
+        return (
+            f"open the UI: DAGSTER_HOME={self.dagster_home} .venv/bin/dagster dev -w workspace.yaml "
+            f"(run {self.dagster_run_id})"
+        )
 
 
 def _fmt(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def _cities(n: int) -> str:
+    return f"{n} city" if n == 1 else f"{n} cities"
+
+
+def _some(reasons: dict[str, str], limit: int = 3, width: int = 120) -> str:
+    """``'city': reason, ...`` on one line: city codes quoted (they are supplier data), at
+    most ``limit`` of them, each reason cut to ``width`` characters."""
+    shown = [
+        f"{city!r}: {' '.join(reason.split())[:width]}"
+        for city, reason in list(reasons.items())[:limit]
+    ]
+    more = len(reasons) - len(shown)
+    return "; ".join(shown) + (f"; {more} more" if more > 0 else "")
 
 
 def run_full_sync(
@@ -151,59 +234,82 @@ def run_full_sync(
             require_enabled(conn, supplier.task_code)
     finally:
         check.dispose()
-    instance = dagster_instance()
-    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-    with supplier.client() as client:
-        codes = [c.city_code for c in client.list_cities().data.cities]
-    keys = [encode_city_key(c) for c in codes]
-    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-    missing = [k for k in keys if k not in existing]
-    if missing:
-        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
-    # A range covers the keys between its ends in the partition set's order.
-    ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
-    db = SyncDatabase.open(sync_db.db_url)
-    stop = threading.Event()
-    reporter = threading.Thread(
-        target=_report_progress,
-        args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
-        daemon=True,
-    )
-    started = time.perf_counter()
-    reporter.start()
-    try:
-        result = dg.materialize(
-            [city_sync],
-            instance=instance,
-            resources={
-                "sync_db": sync_db,
-                "payloads": payloads,
-                "supplier": supplier,
-                "governance": GovernanceResource(),
-            },
-            tags={
-                "dagster/asset_partition_range_start": ordered[0],
-                "dagster/asset_partition_range_end": ordered[-1],
-                TRIGGER_TAG: trigger_id,
-                SOURCE_TAG: "MANUAL",
-                # The run executes in this process: run monitoring can tell when it dies.
-                WORKER_HOST_TAG: this_host(),
-            },
-            raise_on_error=False,
-            run_config=dg.RunConfig(
-                loggers={"console": {"config": {"log_level": console_log_level}}}
-            ),
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        with supplier.client() as client:
+            codes = [c.city_code for c in client.list_cities().data.cities]
+        keys = [encode_city_key(c) for c in codes]
+        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+        missing = [k for k in keys if k not in existing]
+        if missing:
+            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        # A range covers the keys between its ends in the partition set's order.
+        ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
+        db = SyncDatabase.open(sync_db.db_url)
+        stop = threading.Event()
+        reporter = threading.Thread(
+            target=_report_progress,
+            args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
+            daemon=True,
         )
-    finally:
-        stop.set()
-        reporter.join(timeout=5)
-    seconds = time.perf_counter() - started
-    summary = summarize(db, supplier.task_code, trigger_id, seconds)
-    summary.run_success = result.success
-    summary.dagster_run_id = result.run_id
-    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
-    db.dispose()
-    return summary
+        started = time.perf_counter()
+        reporter.start()
+        try:
+            result = dg.materialize(
+                [city_sync],
+                instance=instance,
+                resources={
+                    "sync_db": sync_db,
+                    "payloads": payloads,
+                    "supplier": supplier,
+                    "governance": GovernanceResource(),
+                },
+                tags={
+                    "dagster/asset_partition_range_start": ordered[0],
+                    "dagster/asset_partition_range_end": ordered[-1],
+                    TRIGGER_TAG: trigger_id,
+                    SOURCE_TAG: "MANUAL",
+                    # The run executes in this process: run monitoring can tell when it dies.
+                    WORKER_HOST_TAG: this_host(),
+                },
+                raise_on_error=False,
+                run_config=dg.RunConfig(
+                    loggers={"console": {"config": {"log_level": console_log_level}}}
+                ),
+            )
+        finally:
+            stop.set()
+            reporter.join(timeout=5)
+        seconds = time.perf_counter() - started
+        summary = summarize(db, supplier.task_code, trigger_id, seconds)
+        summary.run_success = result.success
+        summary.run_error = "" if result.success else run_failure(result)
+        summary.dagster_run_id = result.run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        db.dispose()
+        return summary
+
+
+def run_failure(result: dg.ExecuteInProcessResult) -> str:
+    """Why a run failed, in one line: its first step failure, else the run failure."""
+    for event in result.get_step_failure_events():
+        data = event.step_failure_data
+        if data.user_failure_data is not None and data.user_failure_data.description:
+            return _first_line(data.user_failure_data.description)
+        if data.error is not None:
+            # An exception raised in the asset is the cause of Dagster's wrapper error.
+            error = data.error.cause or data.error
+            return _first_line(error.message)
+    failure = result.get_run_failure_event()
+    if failure is not None:
+        return _first_line(failure.message or "")
+    return ""
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None:
@@ -255,9 +361,39 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
     """The summary of the batch of a trigger, read back from the sync database."""
     batch = _batch_of(db, task_code, trigger_id)
     if batch is None:
+        log = t.trigger_log.c
+        with db.engine.connect() as conn:
+            reason = conn.execute(
+                sa.select(log.reason).where(
+                    log.task_code == task_code,
+                    log.trigger_id == trigger_id,
+                    log.outcome == "SKIPPED",
+                )
+            ).scalar()
         return SyncSummary(
-            "", trigger_id, "NOT_CREATED", False, 0, 0, 0, 0, 0, 0, True, seconds=seconds
+            "",
+            trigger_id,
+            "NOT_CREATED",
+            False,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            True,
+            seconds=seconds,
+            skip_reason=reason or "",
         )
+    gated: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for shard in list_shards(db, batch.batch_id):
+        if shard.status == "FAILED":
+            message = shard.error_message or "no error recorded"
+            if message.startswith(GATED_PREFIX):
+                gated[shard.shard_key] = message[len(GATED_PREFIX) :]
+            else:
+                failed[shard.shard_key] = message
     with db.engine.connect() as conn:
         by_code = count_dead_letters(conn, batch.batch_id)
         d = t.diff_log.c
@@ -293,6 +429,8 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         diffs_by_action={str(k): int(v) for k, v in by_action.items()},
         seconds=seconds,
         hotels_per_second=batch.total_count / seconds if seconds else 0.0,
+        gated_cities=gated,
+        failed_cities=failed,
     )
 
 
@@ -327,44 +465,50 @@ def run_replay(
     """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
-    instance = dagster_instance()
-    trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-    keys = [encode_city_key(c) for c in cities]
-    existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-    missing = [k for k in keys if k not in existing]
-    if missing:
-        instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
-    started = time.perf_counter()
-    success = True
-    run_id = ""
-    for key in keys:
-        result = dg.materialize(
-            [city_sync],
-            selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
-            instance=instance,
-            partition_key=key,
-            resources={
-                "sync_db": sync_db,
-                "payloads": payloads,
-                "supplier": supplier,
-                "governance": GovernanceResource(),
-            },
-            tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
-            raise_on_error=False,
-            run_config=dg.RunConfig(
-                loggers={"console": {"config": {"log_level": console_log_level}}}
-            ),
-        )
-        success = success and result.success
-        run_id = result.run_id
-    db = SyncDatabase.open(sync_db.db_url)
-    try:
-        summary = summarize(
-            db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
-        )
-    finally:
-        db.dispose()
-    summary.run_success = success
-    summary.dagster_run_id = run_id
-    summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
-    return summary
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        keys = [encode_city_key(c) for c in cities]
+        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+        missing = [k for k in keys if k not in existing]
+        if missing:
+            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        started = time.perf_counter()
+        success = True
+        run_id = run_error = ""
+        for key in keys:
+            result = dg.materialize(
+                [city_sync],
+                selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
+                instance=instance,
+                partition_key=key,
+                resources={
+                    "sync_db": sync_db,
+                    "payloads": payloads,
+                    "supplier": supplier,
+                    "governance": GovernanceResource(),
+                },
+                tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
+                raise_on_error=False,
+                run_config=dg.RunConfig(
+                    loggers={"console": {"config": {"log_level": console_log_level}}}
+                ),
+            )
+            success = success and result.success
+            run_id = result.run_id
+            if not (result.success or run_error):
+                run_error = run_failure(result)
+        db = SyncDatabase.open(sync_db.db_url)
+        try:
+            summary = summarize(
+                db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
+            )
+        finally:
+            db.dispose()
+        summary.trigger_id = trigger_id  # what the caller passes to continue it, unprefixed
+        summary.run_success = success
+        summary.run_error = run_error
+        summary.dagster_run_id = run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        return summary

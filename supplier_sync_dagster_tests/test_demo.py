@@ -1,4 +1,5 @@
-"""The README's main command (a full sync through Dagster), the lease demonstration, the CLI."""
+"""The README's main command (a full sync through Dagster) and the lease demonstration, as a
+user runs them; every other subcommand is in test_cli.py."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from supplier_sync_dagster import cli
 from supplier_sync_dagster.demo import run_demo
 
 
@@ -104,88 +102,3 @@ def test_demo_on_mariadb_resumes_the_killed_workers_city(fresh_mysql_db: str):
     assert killed_city.claim_count == 2  # claimed by A, reclaimed by B after expiry
     assert killed_city.pages_done == report.expected_pages[killed_city.shard_key]
     assert report.snapshot_rows == sum(report.expected_pages.values())
-
-
-def test_cli_reports_bad_input_clearly(tmp_path: Path):
-    cli = Path(sys.executable).parent / "supplier-sync"
-    proc = subprocess.run(
-        [str(cli), "--db-url", "postgresql://x@y/z", "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2
-    assert "supplier-sync: error:" in proc.stderr and "SUPPLIER_SYNC_DB_URL" in proc.stderr
-    proc = subprocess.run(
-        [str(cli), "--db-url", f"sqlite:///{tmp_path}/x.db", "lease-demo", "--lease-seconds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2 and "out of range" in proc.stderr
-
-
-def test_simulate_command_serves_the_contract_over_http(tmp_path: Path):
-    import socket
-    import time
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = Path(sys.executable).parent / "supplier-sync"
-    proc = subprocess.Popen(
-        [
-            str(cli),
-            "simulate",
-            "--port",
-            str(port),
-            "--cities",
-            "4",
-            "--hotels",
-            "200",
-            "--hostile-city-codes",
-            "--api-key",
-            "k1",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                resp = httpx.get(f"http://127.0.0.1:{port}/v1/cities", headers={"X-Api-Key": "k1"})
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                assert time.monotonic() < deadline, "simulator did not start"
-                time.sleep(0.2)
-        assert resp.status_code == 200
-        codes = {c["city_code"] for c in resp.json()["cities"]}
-        assert "../../etc" in codes and len(codes) >= 4
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/cities").status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.CaptureFixture[str]):
-    parser = cli.build_parser()
-    args = parser.parse_args(["sync", "--full"])
-    assert cli._supplier_from_env(args).city_threads == cli.CLI_CITY_THREADS == 2
-    args = parser.parse_args(["sync", "--full", "--city-threads", "1"])
-    assert cli._supplier_from_env(args).city_threads == 1
-    assert parser.parse_args(["demo", "--city-threads", "3"]).city_threads == 3
-    with pytest.raises(SystemExit) as exited:
-        parser.parse_args(["demo", "--city-threads", "0"])
-    assert exited.value.code == 2
-    assert "--city-threads: must be at least 1, not 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parser.parse_args(["sync", "--full", "--city-threads", "two"])
-    assert "--city-threads: must be a whole number, not 'two'" in capsys.readouterr().err

@@ -298,14 +298,14 @@ def sync_city(
                     )
                     report.status, report.error = "GATED", drift
                     report.gate_failures = ["schema_drift"]
-                    lease.finish("FAILED", f"quality gate: {drift}", counts=_gated_counts(report))
+                    lease.finish("FAILED", GATED_PREFIX + drift, counts=_gated_counts(report))
                     return report
             normalizer.finish()
             reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
             if reason is not None:
                 report.status, report.error = "GATED", reason
-                report.gate_failures = [part.split(":")[0].strip() for part in reason.split(" | ")]
-                lease.finish("FAILED", f"quality gate: {reason}", counts=_gated_counts(report))
+                report.gate_failures = gate_check_names(reason)
+                lease.finish("FAILED", GATED_PREFIX + reason, counts=_gated_counts(report))
                 return report
             _publish(lease, store, heartbeat, settings, report, normalizer.candidates)
             heartbeat.check()
@@ -326,6 +326,14 @@ def sync_city(
 
 
 DRIFT_SAMPLE_PAGES = 2
+# A gated city's shard is FAILED (a re-run after an override continues it) with this
+# prefix on its error message, which tells it from a city that failed (the CLI summary).
+GATED_PREFIX = "quality gate: "
+
+
+def gate_check_names(reason: str) -> list[str]:
+    """The checks a gate's reason names: ``"check: why | check: why"`` -> ``[check, ...]``."""
+    return [part.split(":")[0].strip() for part in reason.split(" | ")]
 
 
 def _drift_precheck(
