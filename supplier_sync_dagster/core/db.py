@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import os
+import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -115,7 +117,7 @@ def _configure_sqlite(engine: Engine) -> None:
         # The driver must not open transactions on its own: we emit BEGIN IMMEDIATE below.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        _enable_wal(cur)
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
@@ -124,6 +126,22 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_begin(conn: Connection) -> None:
         write = conn.get_execution_options().get(WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _enable_wal(cur: sqlite3.Cursor) -> None:
+    # A file not yet in WAL mode is switched under its write lock, taken from a read lock.
+    # SQLite fails that upgrade at once ("database is locked") while another connection
+    # holds the write lock, without calling the busy handler (it could deadlock), so
+    # processes opening a new database together would fail: retry for the busy timeout.
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err).lower() or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 class db_now(FunctionElement[datetime]):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.db import SyncDatabase, resolve_db_url
+from supplier_sync_dagster.core.db import SyncDatabase, make_engine, resolve_db_url
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
 
 
@@ -57,6 +59,40 @@ def test_unopenable_sqlite_path(tmp_path: Path):
     blocker.write_text("x")
     with pytest.raises((DatabaseUnavailable, ConfigError, OSError)):
         SyncDatabase.open(f"sqlite:///{blocker}/sub/sync.sqlite3")
+
+
+def test_a_new_sqlite_file_opens_in_wal_mode_while_another_process_writes_it(tmp_path: Path):
+    """Switching to WAL fails at once on a write lock (no busy handler): opening waits."""
+    path = tmp_path / "sync.sqlite3"
+    writer = sqlite3.connect(path, isolation_level=None)  # another process, rollback journal
+    writer.execute("CREATE TABLE t (x INT)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO t VALUES (1)")
+    engine = make_engine(f"sqlite:///{path}")
+    modes: list[str] = []
+    errors: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            with engine.connect() as conn:
+                modes.append(conn.exec_driver_sql("PRAGMA journal_mode").scalar_one())
+        except BaseException as err:
+            errors.append(err)
+
+    opener = threading.Thread(target=open_it)
+    try:
+        opener.start()
+        opener.join(timeout=0.5)
+        assert not errors, errors
+        assert opener.is_alive()  # waiting for the write lock, not failed
+        writer.execute("COMMIT")
+        opener.join()
+        assert not errors, errors
+        assert modes == ["wal"]
+    finally:
+        writer.close()
+        opener.join()
+        engine.dispose()
 
 
 def test_clock_is_the_database_clock_and_shifts_without_sleeping(db_url: str):
