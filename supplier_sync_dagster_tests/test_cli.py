@@ -34,6 +34,7 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import claim_shard, make_worker_id
+from supplier_sync_dagster.core.migrations import load_migrations
 from supplier_sync_dagster.deployment import ROOT
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
 
@@ -150,8 +151,17 @@ def test_db_init_then_sync_full_then_status_stalls_and_exports(
     db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
     init = run(capsys, "--db-url", db_url, "db", "init")
-    assert init.code == 0 and init.out.startswith("schema ready in ")
+    assert init.code == 0, init
     db = SyncDatabase.open(db_url)
+    # What it did to the empty database (every version, as `db migrate` says it), then that
+    # the schema is ready.
+    head = load_migrations(db.dialect)
+    assert init.lines[0] == f"{db.safe_url} has none of the sync tables: every version applies"
+    assert [ln.split(" (")[0] for ln in init.lines[1:-2]] == [f"applied {m.label}" for m in head]
+    assert init.lines[-2:] == [
+        f"{db.safe_url} is at version {head[-1].version:03d}",
+        f"schema ready in {db.safe_url}",
+    ]
     assert {t.batch.name, t.shard.name, t.platform_hotel.name} <= set(
         sa.inspect(db.engine).get_table_names()
     )
@@ -467,17 +477,16 @@ def test_a_skipped_sync_says_why_in_one_line(
             db, task_code=TASK, trigger_id="ui-launch", trigger_source="MANUAL", shard_keys=[city]
         ).batch
         assert running is not None
-        claim_shard(db, running.batch_id, city, worker_id=make_worker_id("other"))
+        other = make_worker_id("other")
+        claim_shard(db, running.batch_id, city, worker_id=other)
         db.dispose()
         skipped = sync(capsys, db_url, "--trigger-id", "night-2")
         verbose = run(capsys, "-v", "--db-url", db_url, "sync", "--full", "--trigger-id", "night-2")
+    # The blocking batch, and what keeps it alive: its city's lease, whose and until when.
+    reason = f"SKIP_IF_RUNNING: batch {running.batch_id} is RUNNING (shard {city!r} is leased to {other} until "
     line = assert_one_line_error(skipped)
-    assert (
-        line == f"supplier-sync: sync skipped: SKIP_IF_RUNNING: batch {running.batch_id} is RUNNING"
-    )
-    assert skipped.lines[0] == (
-        f"trigger night-2: no batch (skipped: SKIP_IF_RUNNING: batch {running.batch_id} is RUNNING)"
-    )
+    assert line.startswith(f"supplier-sync: sync skipped: {reason}") and line.endswith(")"), line
+    assert skipped.lines[0].startswith(f"trigger night-2: no batch (skipped: {reason}")
     b = t.batch.c
     assert query(db_url, sa.select(b.trigger_id).order_by(b.id)) == [("night-1",), ("ui-launch",)]
     # -v shows the run's own log (the step failure among it) for debugging, then the line.

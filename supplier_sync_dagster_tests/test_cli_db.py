@@ -11,7 +11,7 @@ from supplier_sync_dagster import cli
 from supplier_sync_dagster.core import migrations
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.migrations import HISTORY_TABLE, migration_status
-from supplier_sync_dagster_tests.core.test_migrations import apply_by_hand, row_counts
+from supplier_sync_dagster_tests.core.test_migrations import HEAD, NEXT, apply_by_hand, row_counts
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -24,11 +24,18 @@ def test_db_migrate_brings_a_database_at_007_to_head_and_says_what_it_did(
     db_url: str, capsys: pytest.CaptureFixture[str]
 ):
     apply_by_hand(db_url, 7)
+    after_007 = [m.label for m in migrations.load_migrations("mysql")[7:]]
+    assert after_007[0] == "008 outbox event key"
 
     code, out, _ = _run(capsys, "--db-url", db_url, "db", "migrate", "--dry-run")
     assert code == 0, out
     assert "would record" in out and "at version 007" in out
-    assert "would apply 008 outbox event key" in out and "nothing changed" in out
+    assert [ln for ln in out.splitlines() if ln.startswith("would apply ")] == [
+        f"would apply {label}" for label in after_007
+    ]
+    last = out.splitlines()[-1]
+    assert last.startswith("dry run: nothing changed; ")
+    assert last.endswith(f"would be at version {HEAD:03d}")
     db = SyncDatabase.open(db_url, create_schema=False)
     assert HISTORY_TABLE not in row_counts(db) and not migration_status(db).versioned
     db.dispose()
@@ -44,13 +51,17 @@ def test_db_migrate_brings_a_database_at_007_to_head_and_says_what_it_did(
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0].startswith("recorded ") and "at version 007 (baseline" in lines[0]
-    assert lines[1].startswith("applied 008 outbox event key (")
-    assert lines[2].endswith("is at version 008")
+    assert [ln.split(" (")[0] for ln in lines[1:-1]] == [f"applied {lb}" for lb in after_007]
+    assert lines[-1].endswith(f"is at version {HEAD:03d}")
 
     code, out, _ = _run(capsys, "--db-url", db_url, "db", "status")
     assert code == 0, out
-    assert out.count("baseline, recorded") == 7 and "008  outbox event key" in out
-    assert out.splitlines()[-1].endswith("version 008 of 008, up to date")
+    states = {int(ln[:3]): ln for ln in out.splitlines() if ln[:3].isdigit()}
+    assert sorted(states) == list(range(1, HEAD + 1))
+    assert all("baseline, recorded" in states[v] for v in range(1, 8))
+    assert all(" applied " in states[v] for v in range(8, HEAD + 1))
+    assert states[8].startswith("008  outbox event key")
+    assert out.splitlines()[-1].endswith(f"version {HEAD:03d} of {HEAD:03d}, up to date")
 
     code, out, _ = _run(capsys, "--db-url", db_url, "db", "migrate")
     assert code == 0 and out.strip().endswith("nothing to apply")
@@ -115,8 +126,9 @@ def test_db_repair_after_a_half_applied_mysql_migration(
     monkeypatch.setattr(migrations, "SQL_DIR", copy)
     assert _run(capsys, "--db-url", fresh_mysql_db, "db", "migrate")[0] == 0
     bad = "CREATE TABLE probe (id INT NOT NULL, PRIMARY KEY (id));\nALTER TABLE nope ADD x INT;\n"
+    probe = f"{NEXT:03d}_probe.sql"
     for folder in (copy, copy / "sqlite"):
-        (folder / "009_probe.sql").write_text(bad)
+        (folder / probe).write_text(bad)
 
     code, _, err = _run(capsys, "--db-url", fresh_mysql_db, "db", "migrate")
     assert code == 2 and err.count("\n") == 1 and "statement 2 of 2" in err
@@ -128,13 +140,13 @@ def test_db_repair_after_a_half_applied_mysql_migration(
     # The operator corrects the file and completes it by hand, then records it as applied.
     fixed = bad.replace("ALTER TABLE nope", "ALTER TABLE probe")
     for folder in (copy, copy / "sqlite"):
-        (folder / "009_probe.sql").write_text(fixed)
+        (folder / probe).write_text(fixed)
     db = SyncDatabase.open(fresh_mysql_db, create_schema=False)
     with db.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE probe ADD x INT")
     db.dispose()
     code, out, _ = _run(capsys, "--db-url", fresh_mysql_db, "db", "repair", "--mark-applied")
-    assert code == 0 and out.strip() == "009 probe: recorded as applied"
+    assert code == 0 and out.strip() == f"{NEXT:03d} probe: recorded as applied"
     code, out, _ = _run(capsys, "--db-url", fresh_mysql_db, "db", "status")
     assert code == 0, out
     assert _run(capsys, "--db-url", fresh_mysql_db, "status")[0] == 0

@@ -34,6 +34,7 @@ from supplier_sync_dagster.core.migrations import (
     migrations_dir,
     repair,
     split_statements,
+    tables_at,
 )
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
@@ -42,6 +43,8 @@ from supplier_sync_dagster_tests.core.conftest import run_concurrently
 from supplier_sync_dagster_tests.core.test_pipeline import KEY, full_sync, published
 
 HEAD = load_migrations("mysql")[-1].version
+# The number a test's own migration takes in a copy of sql/: the one after the real files.
+NEXT = HEAD + 1
 
 
 def apply_by_hand(url: str, upto: int) -> None:
@@ -65,6 +68,14 @@ def row_counts(db: SyncDatabase) -> dict[str, int]:
             name: conn.execute(sa.select(sa.func.count()).select_from(sa.table(name))).scalar_one()
             for name in names
         }
+
+
+def kept_tables(counts: dict[str, int], dialect: str, since: int) -> dict[str, int]:
+    """The row counts of the tables that existed at version ``since``: those the later
+    versions created are left out (a migration may add a table, never lose a row)."""
+    migrations = load_migrations(dialect)
+    added = tables_at(migrations, HEAD) - tables_at(migrations, since)
+    return {name: n for name, n in counts.items() if name not in added}
 
 
 def history_rows(db: SyncDatabase) -> list[dict[str, Any]]:
@@ -166,8 +177,10 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
 
         result = migrate(old)
         assert result.baseline == 7
-        assert [a.label for a in result.applied] == ["008 outbox event key"]
-        assert row_counts(old) == before
+        # 008 first, then whatever came after it, in order.
+        assert result.applied[0].label == "008 outbox event key"
+        assert [a.version for a in result.applied] == list(range(8, HEAD + 1))
+        assert kept_tables(row_counts(old), old.dialect, 7) == before
         with old.engine.connect() as conn:
             outbox_after = conn.execute(
                 sa.select(t.outbox.c.id, t.outbox.c.event_id).order_by(t.outbox.c.id)
@@ -175,9 +188,9 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
         assert outbox_after == outbox_before
         keys = unique_keys(old, "supplier_sync_outbox")
         assert "uk_outbox_event" in keys and "uk_event_id" not in keys
-        assert [(r["version"], r["kind"]) for r in history_rows(old)] == [
-            *((v, "BASELINE") for v in range(1, 8)),
-            (8, "SQL"),
+        assert [(r["version"], r["kind"], r["success"]) for r in history_rows(old)] == [
+            *((v, "BASELINE", True) for v in range(1, 8)),
+            *((v, "SQL", True) for v in range(8, HEAD + 1)),
         ]
         old.dispose()
 
@@ -226,7 +239,7 @@ def _offer(offer_id: int | None, resource_id: int, room: str) -> dict[str, Any]:
     return row
 
 
-def test_a_database_at_006_keeps_every_offer_id_through_007_and_008(db_url: str):
+def test_a_database_at_006_keeps_every_offer_id_through_007_and_later(db_url: str):
     """007 rebuilds the offer table on SQLite and alters it on MySQL: ids and rows survive."""
     apply_by_hand(db_url, 6)
     db = SyncDatabase.open(db_url, create_schema=False)
@@ -282,11 +295,11 @@ def test_a_database_at_006_keeps_every_offer_id_through_007_and_008(db_url: str)
 
         result = migrate(db)
         assert result.baseline == 6
-        assert [a.version for a in result.applied] == [7, 8]
+        assert [a.version for a in result.applied] == list(range(7, HEAD + 1))
         after = row_counts(db)
         assert "supplier_sync_offer_mapping" not in after  # dropped by 007, as on MySQL
         del before["supplier_sync_offer_mapping"]
-        assert after == before
+        assert kept_tables(after, db.dialect, 6) == before
         with db.engine.connect() as conn:
             kept = [
                 dict(r._mapping)
@@ -313,8 +326,26 @@ def test_a_database_made_by_create_all_is_recorded_at_head_and_left_as_it_is(db_
             t.metadata.create_all(conn)
         result = migrate_on_open(db)
         assert result is not None
+        # The newest version's mark is known (core/migrations._MARKERS): nothing re-applied.
         assert result.baseline == HEAD and result.applied == ()
-        assert {r["kind"] for r in history_rows(db)} == {"BASELINE"}
+        assert [(r["version"], r["kind"]) for r in history_rows(db)] == [
+            (v, "BASELINE") for v in range(1, HEAD + 1)
+        ]
+        assert migration_status(db).up_to_date
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize("version", range(1, HEAD + 1), ids=lambda v: f"{v:03d}")
+def test_a_database_applied_by_hand_is_recorded_at_its_version(db_url: str, version: int):
+    """Every version bears a mark (core/migrations._MARKERS) that no earlier one has."""
+    apply_by_hand(db_url, version)
+    db = SyncDatabase.open(db_url, create_schema=False)
+    try:
+        assert migration_status(db).baseline == version
+        result = migrate(db)
+        assert result.baseline == version
+        assert [a.version for a in result.applied] == list(range(version + 1, HEAD + 1))
         assert migration_status(db).up_to_date
     finally:
         db.dispose()
@@ -445,7 +476,7 @@ def test_a_failed_migration_on_sqlite_changes_nothing(tmp_path: Path, sql_copy: 
     db = SyncDatabase.open(f"sqlite:///{tmp_path / 'sync.sqlite3'}", create_schema=False)
     try:
         migrate(db, sql_dir=sql_copy)
-        _add_version(sql_copy, "009_probe.sql", PROBE_FAILS_AT_2)
+        _add_version(sql_copy, f"{NEXT:03d}_probe.sql", PROBE_FAILS_AT_2)
         with pytest.raises(MigrationError, match="statement 2 of 2.*nothing was changed"):
             migrate_on_open(db, sql_dir=sql_copy)
         assert "migration_probe" not in row_counts(db)
@@ -460,53 +491,60 @@ def test_a_half_applied_mysql_migration_is_refused_until_repaired(
     db = SyncDatabase.open(fresh_mysql_db, create_schema=False)
     try:
         migrate(db, sql_dir=sql_copy)
-        _add_version(sql_copy, "009_probe.sql", PROBE_FAILS_AT_2)
+        _add_version(sql_copy, f"{NEXT:03d}_probe.sql", PROBE_FAILS_AT_2)
         with pytest.raises(MigrationFailed, match="statement 2 of 2.*db repair"):
             migrate(db, sql_dir=sql_copy)
         assert "migration_probe" in row_counts(db)  # MySQL committed statement 1
-        assert history_rows(db)[-1]["version"] == 9 and not history_rows(db)[-1]["success"]
+        assert history_rows(db)[-1]["version"] == NEXT and not history_rows(db)[-1]["success"]
         # Every later open says so, and what to do, until an operator repairs it.
-        with pytest.raises(MigrationFailed, match=r"009 \(sql/009_probe.sql\) did not finish"):
+        with pytest.raises(
+            MigrationFailed, match=rf"{NEXT:03d} \(sql/{NEXT:03d}_probe.sql\) did not finish"
+        ):
             migrate_on_open(db, sql_dir=sql_copy)
-        assert migration_status(db, sql_dir=sql_copy).failed[0].version == 9
+        assert migration_status(db, sql_dir=sql_copy).failed[0].version == NEXT
 
         # Undo by hand, correct the file, forget the attempt, migrate.
         with db.begin() as conn:
             conn.exec_driver_sql("DROP TABLE migration_probe")
         _add_version(
-            sql_copy, "009_probe.sql", PROBE_FAILS_AT_2.replace("no_such_table", "migration_probe")
+            sql_copy,
+            f"{NEXT:03d}_probe.sql",
+            PROBE_FAILS_AT_2.replace("no_such_table", "migration_probe"),
         )
-        assert [r.version for r in repair(db)] == [9]
-        assert [a.version for a in migrate(db, sql_dir=sql_copy).applied] == [9]
+        assert [r.version for r in repair(db)] == [NEXT]
+        assert [a.version for a in migrate(db, sql_dir=sql_copy).applied] == [NEXT]
 
         # Or complete it by hand and record it as applied.
         _add_version(
-            sql_copy, "010_probe.sql", PROBE_FAILS_AT_2.replace("migration_probe", "probe_two")
+            sql_copy,
+            f"{NEXT + 1:03d}_probe.sql",
+            PROBE_FAILS_AT_2.replace("migration_probe", "probe_two"),
         )
         with pytest.raises(MigrationFailed):
             migrate(db, sql_dir=sql_copy)
         with db.begin() as conn:
             conn.exec_driver_sql("ALTER TABLE probe_two ADD COLUMN x INT")
-        assert [r.version for r in repair(db, mark_applied=True)] == [10]
+        assert [r.version for r in repair(db, mark_applied=True)] == [NEXT + 1]
         assert migration_status(db, sql_dir=sql_copy).up_to_date
 
         # A file that fails at its first statement changed nothing: it can simply be fixed.
-        _add_version(sql_copy, "011_probe.sql", "ALTER TABLE no_such_table ADD COLUMN y INT;")
+        third = f"{NEXT + 2:03d}_probe.sql"
+        _add_version(sql_copy, third, "ALTER TABLE no_such_table ADD COLUMN y INT;")
         with pytest.raises(MigrationError, match="first statement, nothing was changed"):
             migrate(db, sql_dir=sql_copy)
-        assert history_rows(db)[-1]["version"] == 10
-        _add_version(sql_copy, "011_probe.sql", "ALTER TABLE probe_two ADD COLUMN y INT;")
-        assert [a.version for a in migrate(db, sql_dir=sql_copy).applied] == [11]
+        assert history_rows(db)[-1]["version"] == NEXT + 1
+        _add_version(sql_copy, third, "ALTER TABLE probe_two ADD COLUMN y INT;")
+        assert [a.version for a in migrate(db, sql_dir=sql_copy).applied] == [NEXT + 2]
     finally:
         db.dispose()
 
 
 def test_files_must_exist_for_both_dialects_and_run_without_gaps(sql_copy: Path):
-    _add_version(sql_copy, "009_a.sql", "SELECT 1;")
-    (sql_copy / "sqlite" / "009_a.sql").unlink()
-    with pytest.raises(MigrationError, match="009 are in only one of them"):
+    _add_version(sql_copy, f"{NEXT:03d}_a.sql", "SELECT 1;")
+    (sql_copy / "sqlite" / f"{NEXT:03d}_a.sql").unlink()
+    with pytest.raises(MigrationError, match=f"{NEXT:03d} are in only one of them"):
         load_migrations("mysql", sql_copy)
-    _add_version(sql_copy, "010_b.sql", "SELECT 1;")
+    _add_version(sql_copy, f"{NEXT + 1:03d}_b.sql", "SELECT 1;")
     with pytest.raises(MigrationError, match="without gaps"):
         load_migrations("mysql", sql_copy)
 
