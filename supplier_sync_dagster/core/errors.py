@@ -18,6 +18,7 @@ The tree::
     │   ├── UnknownShard
     │   └── ProfileMissing            no city profile was recorded for this batch and city
     ├── TaskDisabled                  a batch was requested for a DISABLED task
+    ├── TriggerSkipped                the task's concurrency policy skipped a trigger
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
     │   └── ReviewStateError          a review is missing or not in the state a decision needs
@@ -98,6 +99,18 @@ class ProfileMissing(NotFound):
 
 class TaskDisabled(SupplierSyncError):
     """A batch was requested for a task whose status is DISABLED."""
+
+
+class TriggerSkipped(SupplierSyncError):
+    """The task's concurrency policy skipped a trigger (e.g. SKIP_IF_RUNNING with a live batch).
+
+    Attributes:
+        blocking_batch_id: The batch that made the policy skip it, when there is one.
+    """
+
+    def __init__(self, message: str, *, blocking_batch_id: str | None = None) -> None:
+        super().__init__(message)
+        self.blocking_batch_id = blocking_batch_id
 
 
 class InvalidCheckpoint(SupplierSyncError):

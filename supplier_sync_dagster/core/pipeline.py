@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -175,6 +175,11 @@ class SyncSettings:
     risk_policy: RiskPolicy = default_risk_policy
 
 
+Stage = Literal["fetch", "normalize", "publish"]
+"""A city's stages as a worker completes them: every page fetched and stored; every record
+normalized (or dead-lettered) and checked; mapped, diffed and published."""
+
+
 @dataclass
 class CityReport:
     """What a city's sync did, stage by stage (counts, timings), for metadata and summaries."""
@@ -196,6 +201,7 @@ class CityReport:
     diffs_by_action: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     error: str | None = None
+    stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
 
     @property
     def counts(self) -> PageCounts:
@@ -220,6 +226,7 @@ def sync_city(
     gate: Gate | None = None,
     fetch: bool = True,
     city_countries: Mapping[str, str] | None = None,
+    report: CityReport | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -235,6 +242,8 @@ def sync_city(
         fetch: False replays the stored raw pages of this batch without calling the supplier.
         city_countries: The supplier's city -> country codes (``/v1/cities``), for the rule
             that a hotel's country is its city's; cities missing here skip that rule.
+        report: The report to fill in; a caller passes its own to see what a city that
+            raised had completed (``stages_done``).
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
@@ -244,7 +253,7 @@ def sync_city(
         SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
     """
     prepare_process()
-    report = CityReport(city_code)
+    report = report if report is not None else CityReport(city_code)
     info = get_shard(db, batch.batch_id, city_code)
     if info.status == "SUCCESS":
         report.status = "ALREADY_DONE"
@@ -287,6 +296,7 @@ def sync_city(
                     report,
                     on_page=normalizer.add if fresh else None,
                 )
+            report.stages_done.append("fetch")
             if gate is not None:
                 drift = normalizer.drift_reason()
                 if drift is not None:
@@ -301,6 +311,7 @@ def sync_city(
                     lease.finish("FAILED", GATED_PREFIX + drift, counts=_gated_counts(report))
                     return report
             normalizer.finish()
+            report.stages_done.append("normalize")
             reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
             if reason is not None:
                 report.status, report.error = "GATED", reason
@@ -310,6 +321,7 @@ def sync_city(
             _publish(lease, store, heartbeat, settings, report, normalizer.candidates)
             heartbeat.check()
             lease.finish("SUCCESS", counts=report.counts)
+            report.stages_done.append("publish")
         except Exception as err:
             if lease.lost:
                 report.status, report.error = "LEASE_LOST", str(err)

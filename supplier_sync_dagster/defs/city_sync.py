@@ -2,53 +2,49 @@
 
 One multi-asset step works every city of its run (a backfill groups cities into runs with
 ``BackfillPolicy.multi_run``), so that orchestration is a small share of the wall time: a
-step per stage and city would cost a process start per step. Each city runs its stages
-under its own shard lease (``core.pipeline.sync_city``); the five assets are materialized
-together with metadata for each stage, and lineage shows the chain.
+step per stage and city would cost a process start per step. The run's work is
+``core.run`` (batch, order, held cities, helping); this module turns each city's outcome,
+as the city finishes, into Dagster events **for that city's partition only**:
 
-The batch is the run's trigger: the backfill id for backfill runs (all runs of one backfill
-share one batch), else an explicit ``supplier_sync/trigger_id`` tag (CLI), else the run id.
+- an ``AssetMaterialization`` per stage the run completed for the city, with the city's own
+  metadata (a city that published: all five; one stopped by a quality gate: raw snapshots,
+  and normalized hotels when it was normalized; one that failed or lost its lease: what it
+  completed before). The assets are ``skippable``, so a ranged run marks exactly the
+  partitions it reports (Dagster #17836 and #18123 concern ``MaterializeResult``, which
+  marks the whole range);
+- an ``AssetCheckEvaluation`` per gate and city, on the partitioned (blocking) checks of
+  ``normalized_hotels``;
+- a step failure when a city did not publish, so that a backfill lists exactly those
+  cities' partitions as failed and its "re-execute from failure" (or a run's) re-syncs them.
+
+The batch is the run's trigger: an explicit ``supplier_sync/trigger_id`` tag (CLI), else the
+backfill id (a re-executed backfill's root backfill id), else a re-executed run's original
+run's trigger, else the run id. A re-execution therefore continues its original batch: cities
+already published are not synced again, failed cities resume from their checkpoints, and a
+gate override recorded for the batch applies.
 """
 
 import time
-from collections import Counter
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import nullcontext
 from typing import Any
 
 import dagster as dg
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    # Not exported by Dagster 1.13; what its own AssetCheckResult builds for a partition.
+    AssetCheckEvaluationTargetMaterializationData as TargetMaterialization,
+)
 
-from supplier_sync_dagster.core.batches import (
-    Batch,
-    TaskSpec,
-    TriggerSource,
-    add_shards,
-    create_batch,
-    get_batch,
-    progress_line,
-)
+from supplier_sync_dagster.core.batches import TriggerSource, get_batch, progress_line
 from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.errors import TaskDisabled
-from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
+from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.gates import CHECK_NAMES
 from supplier_sync_dagster.core.leases import make_worker_id
-from supplier_sync_dagster.core.payloads import PayloadStore
-from supplier_sync_dagster.core.pipeline import (
-    CityReport,
-    SyncSettings,
-    help_other_workers,
-    largest_first,
-    sync_cities,
-    sync_city,
-)
-from supplier_sync_dagster.core.replay import (
-    prepare_replay,
-    record_city_list,
-    resolve_replayed_dead_letters,
-    stored_city_countries,
-)
-from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.tasks import ensure_task, require_enabled
-from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key
+from supplier_sync_dagster.core.pipeline import Stage, SyncSettings
+from supplier_sync_dagster.core.run import CityOutcome, RunRequest, not_done, plan_run, run_cities
+from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -58,6 +54,8 @@ from supplier_sync_dagster.defs.resources import (
 
 TRIGGER_TAG = "supplier_sync/trigger_id"
 SOURCE_TAG = "supplier_sync/trigger_source"
+ROOT_BACKFILL_TAG = "dagster/root_backfill_id"
+BACKFILL_TAG = "dagster/backfill"
 GROUP = "supplier_sync"
 
 RAW = dg.AssetKey("raw_hotel_snapshots")
@@ -66,6 +64,13 @@ MAPPINGS = dg.AssetKey("hotel_mappings")
 DIFFS = dg.AssetKey("hotel_diffs")
 PUBLISHED = dg.AssetKey("published_hotels")
 
+STAGE_ASSETS: dict[Stage, tuple[dg.AssetKey, ...]] = {
+    "fetch": (RAW,),
+    "normalize": (NORMALIZED,),
+    "publish": (MAPPINGS, DIFFS, PUBLISHED),
+}
+_SOURCES: tuple[TriggerSource, ...] = ("CRON", "MANUAL", "COMPENSATION", "SENSOR", "BACKFILL")
+
 
 def _specs() -> list[dg.AssetSpec]:
     # Built in a function: the defs loader collects module-level AssetSpecs as assets.
@@ -73,6 +78,7 @@ def _specs() -> list[dg.AssetSpec]:
         dg.AssetSpec(
             RAW,
             group_name=GROUP,
+            skippable=True,
             description=(
                 "Each supplier page's exact bytes, gzip in the payload store, with a RAW "
                 "supplier_sync_snapshot row (sha256, ref); the shard checkpoint advances per page."
@@ -82,6 +88,7 @@ def _specs() -> list[dg.AssetSpec]:
             NORMALIZED,
             deps=[RAW],
             group_name=GROUP,
+            skippable=True,
             description=(
                 "Supplier records turned into the platform model (trimmed text, ISO country and "
                 "currency, E.164 phone, Decimal money); NORMALIZED snapshots; every record that "
@@ -92,6 +99,7 @@ def _specs() -> list[dg.AssetSpec]:
             MAPPINGS,
             deps=[NORMALIZED],
             group_name=GROUP,
+            skippable=True,
             description=(
                 "(supplier, hotel) → platform resource id and (hotel, room, rate plan) → offer id, "
                 "allocated once by unique keys."
@@ -101,12 +109,14 @@ def _specs() -> list[dg.AssetSpec]:
             DIFFS,
             deps=[MAPPINGS],
             group_name=GROUP,
+            skippable=True,
             description="Field-level diffs against the published hotels, with risk and action (supplier_sync_diff_log).",
         ),
         dg.AssetSpec(
             PUBLISHED,
             deps=[DIFFS],
             group_name=GROUP,
+            skippable=True,
             description=(
                 "Platform hotels and offers, version-guarded (an older supplier version never "
                 "overwrites a newer), with outbox events in the same transaction."
@@ -132,28 +142,45 @@ _CHECK_DESCRIPTIONS = {
 
 
 def _check_specs() -> list[dg.AssetCheckSpec]:
-    return [
-        dg.AssetCheckSpec(
-            name, asset=NORMALIZED, blocking=True, description=_CHECK_DESCRIPTIONS[name]
-        )
-        for name in CHECK_NAMES
-    ]
+    with warnings.catch_warnings():
+        # Partitioned checks are a preview in Dagster 1.13; they are what shows a gate's
+        # result on the city it judged.
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return [
+            dg.AssetCheckSpec(
+                name,
+                asset=NORMALIZED,
+                blocking=True,
+                description=_CHECK_DESCRIPTIONS[name],
+                partitions_def=city_partitions,
+            )
+            for name in CHECK_NAMES
+        ]
 
 
-def trigger_of(tags: dict[str, str], run_id: str) -> tuple[str, TriggerSource]:
-    """The batch trigger of a run: (trigger id, trigger source)."""
-    backfill = tags.get("dagster/backfill")
+def trigger_of(
+    tags: Mapping[str, str],
+    run_id: str,
+    *,
+    root: tuple[Mapping[str, str], str] | None = None,
+) -> tuple[str, TriggerSource]:
+    """The batch trigger of a run: (trigger id, trigger source).
+
+    Args:
+        tags: The run's tags.
+        run_id: The run's id.
+        root: For a re-execution, the original (root) run's tags and id: a re-execution
+            continues the batch of its original, whose backfill tags Dagster drops when the
+            backfill has ended.
+    """
     if tags.get(TRIGGER_TAG):
         source = tags.get(SOURCE_TAG, "MANUAL")
-        return tags[TRIGGER_TAG], source if source in (
-            "CRON",
-            "MANUAL",
-            "COMPENSATION",
-            "SENSOR",
-            "BACKFILL",
-        ) else "MANUAL"  # type: ignore[return-value]
+        return tags[TRIGGER_TAG], next((s for s in _SOURCES if s == source), "MANUAL")
+    backfill = tags.get(ROOT_BACKFILL_TAG) or tags.get(BACKFILL_TAG)
     if backfill:
         return backfill, "BACKFILL"
+    if root is not None:
+        return trigger_of(root[0], root[1])
     if tags.get("dagster/schedule_name"):
         return run_id, "CRON"
     if tags.get("dagster/sensor_name"):
@@ -161,60 +188,12 @@ def trigger_of(tags: dict[str, str], run_id: str) -> tuple[str, TriggerSource]:
     return run_id, "MANUAL"
 
 
-def resolve_batch(
-    db: SyncDatabase,
-    supplier: SupplierResource,
-    trigger_id: str,
-    source: TriggerSource,
-    cities: list[str],
-) -> Batch:
-    """The batch of this trigger (created once, or adopted), with a shard per city of the run.
-
-    The run creates its task if it is missing and never changes it: policy, status, cron
-    and thresholds are the operator's (``supplier-sync task set``).
-
-    Raises:
-        dg.Failure: The task is DISABLED, or its concurrency policy skipped this trigger.
-    """
-    ensure_task(
-        db,
-        TaskSpec(task_code=supplier.task_code, supplier_id=supplier.supplier_id),
-        created_by=f"run {trigger_id}"[:64],
-        reason="created by its first run, with the default settings",
-    )
-    try:
-        with db.engine.connect() as conn:
-            require_enabled(conn, supplier.task_code)
-        decision = create_batch(
-            db, task_code=supplier.task_code, trigger_id=trigger_id, trigger_source=source
-        )
-    except TaskDisabled as err:
-        raise dg.Failure(description=f"sync refused: {err}", allow_retries=False) from None
-    if decision.batch is None:
-        raise dg.Failure(
-            description=f"sync skipped: {decision.reason}",
-            metadata={"blocking_batch_id": decision.blocking_batch_id or ""},
-            allow_retries=False,
-        )
-    add_shards(db, decision.batch.batch_id, cities)
-    with db.engine.connect() as conn:
-        return get_batch(conn, decision.batch.batch_id)
-
-
-def _summary(reports: list[CityReport], batch: Batch, seconds: float) -> dict[str, Any]:
-    total: Counter[str] = Counter()
-    for r in reports:
-        total.update(
-            {
-                "pages": r.pages_fetched,
-                "records": r.records,
-                "published": r.published,
-                "dead_letters": r.dead_letters,
-                "skipped": r.skipped,
-                "duplicates": r.duplicates,
-            }
-        )
-    return {"batch_id": batch.batch_id, "seconds": seconds, **total}
+def _root_of(context: dg.AssetExecutionContext) -> tuple[Mapping[str, str], str] | None:
+    run = context.run
+    if not run.root_run_id or run.root_run_id == run.run_id:
+        return None
+    root = context.instance.get_run_by_id(run.root_run_id)
+    return (dict(root.tags), root.run_id) if root is not None else None
 
 
 @dg.multi_asset(
@@ -226,9 +205,10 @@ def _summary(reports: list[CityReport], batch: Batch, seconds: float) -> dict[st
     name="city_sync",
     can_subset=True,
     description=(
-        "Syncs the run's cities from the supplier to the platform catalog, stage by stage. "
-        "Materializing normalized_hotels and downstream without raw_hotel_snapshots replays "
-        "each city's latest stored raw pages without calling the supplier."
+        "Syncs the run's cities from the supplier to the platform catalog, stage by stage; "
+        "each city's partitions are marked with that city's own outcome. Materializing "
+        "normalized_hotels and downstream without raw_hotel_snapshots replays each city's "
+        "latest stored raw pages without calling the supplier."
     ),
 )
 def city_sync(
@@ -237,28 +217,18 @@ def city_sync(
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
     governance: GovernanceResource,
-) -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
     """Claims, fetches, normalizes, gates, maps, diffs and publishes each city of the run."""
     started = time.perf_counter()
-    cities = [decode_city_key(k) for k in context.partition_keys]
-    replay = RAW not in context.selected_asset_keys
-    db = sync_db.open()
-    store = payloads.open()
-    trigger_id, source = trigger_of(dict(context.run.tags), context.run.run_id)
-    sources: dict[str, str] = {}
-    if replay:
-        plan = prepare_replay(
-            db, task_code=supplier.task_code, trigger_id=trigger_id, cities=cities
-        )
-        batch, sources = plan.batch, plan.sources
-        for city in plan.missing:
-            context.log.warning(f"city {city!r} has no stored raw pages: nothing to replay")
-        cities = [c for c in cities if c in sources]
-    else:
-        batch = resolve_batch(db, supplier, trigger_id, source, cities)
-    context.log.info(
-        f"batch {batch.batch_id} (trigger {trigger_id}, {source}"
-        f"{', replay' if replay else ''}): {len(cities)} cities"
+    selected = context.selected_asset_keys
+    trigger_id, source = trigger_of(context.run.tags, context.run.run_id, root=_root_of(context))
+    request = RunRequest(
+        trigger_id=trigger_id,
+        source=source,
+        cities=[decode_city_key(k) for k in context.partition_keys],
+        replay=NORMALIZED in selected and RAW not in selected,
+        threads=supplier.city_threads,
+        help_other_runs=supplier.help_other_runs,
     )
     settings = SyncSettings(
         task_code=supplier.task_code,
@@ -267,149 +237,256 @@ def city_sync(
         lease=sync_db.lease_settings(),
         risk_policy=governance.risk_rules(),
     )
-    worker_id = make_worker_id("supplier-sync")
-    reports: list[CityReport] = []
-    failures: dict[str, str] = {}
-    checks: dict[str, list[GateResult]] = {}
-
-    def on_results(batch_id: str, city: str, results: list[GateResult]) -> None:
-        checks[city] = results
-
-    gate = gate_for_pipeline(on_results=on_results)
-    progress = _Progress()
-    requests = retries = 0
+    db = sync_db.open()
+    store = payloads.open()
+    outcomes: list[CityOutcome] = []
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
-        sizes: dict[str, int] = {}
-        with nullcontext(None) if replay else supplier.client() as client:
-            if client is None:
-                countries = stored_city_countries(db, store, task_code=supplier.task_code)
-            else:
-                countries, sizes = _city_list(client, context, db, store, batch.batch_id, supplier)
-                cities = largest_first(cities, sizes)
-
-            def run_city(city: str, *, wait: bool) -> CityReport:
-                while True:
-                    report = sync_city(
-                        db,
-                        store,
-                        client,
-                        batch=batch,
-                        city_code=city,
-                        worker_id=worker_id,
-                        settings=settings,
-                        gate=gate,
-                        fetch=not replay,
-                        city_countries=countries,
-                    )
-                    if report.status != "HELD_BY_OTHER" or not wait:
-                        return report
-                    # Another run of the batch is syncing this city (it helped out, or
-                    # raced): wait for its lease to end, then take the outcome or resume.
-                    time.sleep(HELD_POLL_SECONDS)
-
-            held: list[str] = []
-
-            def one_city(city: str, *, wait: bool = False) -> CityReport:
-                report = run_city(city, wait=wait)
-                if report.status == "HELD_BY_OTHER":
-                    # Another run is syncing it (it helped out, or raced): go on with the
-                    # other cities and wait for this one's outcome at the end.
-                    held.append(city)
-                    return report
-                progress.show(context, db, batch.batch_id)
-                if replay and report.status == "SUCCESS":
-                    resolved = resolve_replayed_dead_letters(
-                        db,
-                        source_batch_id=sources[city],
-                        replay_batch_id=batch.batch_id,
-                        city_code=city,
-                    )
-                    context.log.info(f"city {city!r}: {resolved} dead letters resolved by replay")
-                log = context.log.error if report.status == "GATED" else context.log.info
-                log(
-                    f"city {city!r}: {report.status}, {report.records} records, "
-                    f"{report.published} published, {report.dead_letters} dead letters"
-                    + (f" ({report.error})" if report.error else "")
-                )
-                return report
-
-            def failed(city: str, err: Exception) -> None:
-                # The city's shard is FAILED and resumable: a re-run continues it.
-                failures[city] = f"{type(err).__name__}: {err}"
-                context.log.error(f"city {city!r} failed: {failures[city]}")
-
-            first = sync_cities(
-                cities, sync_one=one_city, threads=supplier.city_threads, on_error=failed
+        with nullcontext(None) if request.replay else supplier.client() as client:
+            try:
+                plan = plan_run(db, store, client, request, settings)
+            except (TaskDisabled, TriggerSkipped) as err:
+                word = "refused" if isinstance(err, TaskDisabled) else "skipped"
+                blocking = getattr(err, "blocking_batch_id", None) or ""
+                raise dg.Failure(
+                    description=str(err) if word == "skipped" else f"sync {word}: {err}",
+                    metadata={"blocking_batch_id": blocking},
+                    allow_retries=False,
+                ) from None
+            for note in plan.notes:
+                context.log.warning(note)
+            context.log.info(
+                f"batch {plan.batch.batch_id} (trigger {trigger_id}, {source}"
+                f"{', replay' if request.replay else ''}): {len(plan.cities)} cities"
             )
-            reports.extend(r for r in first if r.status != "HELD_BY_OTHER")
-            if held:
-                reports.extend(
-                    sync_cities(
-                        list(held),
-                        sync_one=lambda city: one_city(city, wait=True),
-                        threads=supplier.city_threads,
-                        on_error=failed,
-                    )
+            progress = _Progress()
+            worker_id = make_worker_id("supplier-sync")
+            for outcome in run_cities(
+                db, store, client, plan, request, settings, worker_id=worker_id
+            ):
+                outcomes.append(outcome)
+                _log_city(context, outcome)
+                yield from city_events(
+                    outcome,
+                    plan.batch.batch_id,
+                    selected,
+                    target=lambda partition: _latest(context.instance, NORMALIZED, partition),
+                    reported=lambda key, partition: _reported(
+                        context.instance, key, partition, plan.batch.batch_id
+                    ),
                 )
-            if supplier.help_other_runs and not replay:
-                helped = help_other_workers(
-                    db,
-                    batch.batch_id,
-                    skip=set(cities),
-                    sync_one=lambda city: run_city(city, wait=False),
-                    threads=supplier.city_threads,
-                    hotel_counts=sizes,
-                )
-                if helped:
-                    context.log.info(
-                        f"helped other runs of the batch with {len(helped)} cities: "
-                        + ", ".join(repr(r.city_code) for r in helped[:20])
-                    )
-            progress.show(context, db, batch.batch_id, final=True)
+                progress.show(context, db, plan.batch.batch_id)
+            progress.show(context, db, plan.batch.batch_id, final=True)
             if client is not None:
                 stats = client.stats()
-                requests, retries = stats.requests, stats.retries
-        with db.engine.connect() as conn:
-            batch = get_batch(conn, batch.batch_id)
+                context.log.info(
+                    f"supplier: {stats.requests} requests, {stats.retries} retries in "
+                    f"{time.perf_counter() - started:.1f} s"
+                )
     finally:
         db.dispose()
-    seconds = time.perf_counter() - started
-    selected = context.selected_asset_keys
-    for result in _results(reports, batch, seconds, requests, retries):
-        if result.asset_key in selected:
-            yield result
-    selected_checks = context.selected_asset_check_keys
-    for report in reports:
-        if report.status == "GATED" and report.city_code not in checks:
-            # Stopped by the drift check on its first pages, before a full evaluation.
-            checks[report.city_code] = [
-                GateResult(name, False, "ERROR", report.error or "", {"stopped": "first pages"})
-                for name in CHECK_NAMES
-                if name in report.gate_failures
-            ]
-    for check in _check_results(checks):
-        if (
-            check.asset_key is None
-            or dg.AssetCheckKey(check.asset_key, check.check_name or "") in selected_checks
-        ):
-            yield check
-    gated = [r.city_code for r in reports if r.status == "GATED"]
-    if failures or gated:
+    failed = not_done(outcomes)
+    unreplayed = plan.missing
+    if failed or unreplayed:
+        cities = {
+            status: {o.city_code: o.report.error or "" for o in group}
+            for status, group in failed.items()
+        }
+        parts = [f"{len(group)} {status}" for status, group in sorted(failed.items())]
+        if unreplayed:
+            parts.append(f"{len(unreplayed)} without stored raw pages to replay")
         raise dg.Failure(
             description=(
-                f"{len(failures)} of {len(cities)} cities failed and {len(gated)} were stopped "
-                "by a quality gate; a re-run resumes failed cities, and gated cities publish "
-                "once their gate is overridden (supplier-sync gate override)"
+                f"{len(outcomes) - sum(len(g) for g in failed.values())} of "
+                f"{len(request.cities)} cities published; not published: {', '.join(parts)}. "
+                "Re-executing the run (or the backfill from failure) resumes exactly these "
+                "cities in the same batch; gated cities publish once their gate is "
+                "overridden (supplier-sync gate override)"
             ),
             metadata={
-                "failed_cities": dg.MetadataValue.json(failures),
-                "gated_cities": dg.MetadataValue.json(gated),
+                "batch_id": plan.batch.batch_id,
+                "failed_cities": dg.MetadataValue.json(cities.get("FAILED", {})),
+                "gated_cities": dg.MetadataValue.json(cities.get("GATED", {})),
+                "lease_lost_cities": dg.MetadataValue.json(cities.get("LEASE_LOST", {})),
+                "cities_without_raw_pages": dg.MetadataValue.json(unreplayed),
             },
         )
 
 
-HELD_POLL_SECONDS = 2.0
+def _log_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:
+    r = outcome.report
+    log = context.log.info if outcome.done else context.log.error
+    log(
+        f"city {r.city_code!r}: {r.status}, {r.records} records, "
+        f"{r.published} published, {r.dead_letters} dead letters"
+        + (" (helping another run)" if outcome.helped else "")
+        + (
+            f", {outcome.resolved_dead_letters} dead letters resolved by replay"
+            if outcome.resolved_dead_letters
+            else ""
+        )
+        + (f" ({r.error})" if r.error else "")
+    )
+
+
+def city_events(
+    outcome: CityOutcome,
+    batch_id: str,
+    selected: AbstractSet[dg.AssetKey],
+    *,
+    target: Callable[[str], TargetMaterialization | None] = lambda _: None,
+    reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+    """The Dagster events of one city's outcome, for its partition only.
+
+    One materialization per selected asset of each stage the run completed for the city,
+    each with the city's own metadata, and one evaluation per gate that judged it.
+
+    Args:
+        outcome: The city's outcome.
+        batch_id: The run's batch.
+        selected: The assets the run materializes.
+        target: Partition -> the latest materialization of ``normalized_hotels`` for it,
+            read after this city's materializations are stored. An evaluation that targets
+            it is the partition's current check status in the UI; one without a target is
+            ignored once the partition has any materialization.
+        reported: (asset, partition) -> the partition's latest materialization is of this
+            batch already. A city an earlier run of the batch published (ALREADY_DONE) is
+            reported only for the assets that are not: a backfill may have asked that run
+            for some of its assets and this one for the others.
+    """
+    partition = encode_city_key(outcome.city_code)
+    metadata = city_metadata(outcome, batch_id)
+    earlier = outcome.status == "ALREADY_DONE"
+    for stage in outcome.report.stages_done:
+        for key in STAGE_ASSETS[stage]:
+            if key in selected and not (earlier and reported(key, partition)):
+                yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[key])
+    # The gates run whenever a city is normalized or published, selected or not (a
+    # backfill's re-execution of a gated city asks for its downstream assets only, and its
+    # overridden gate passes then): every result is reported on the city's partition.
+    judged = target(partition) if outcome.checks else None
+    for result in outcome.checks:
+        yield dg.AssetCheckEvaluation(
+            asset_key=NORMALIZED,
+            check_name=result.check_name,
+            passed=result.passed,
+            severity=(
+                dg.AssetCheckSeverity.WARN
+                if result.severity == "WARN"
+                else dg.AssetCheckSeverity.ERROR
+            ),
+            description=result.description,
+            metadata={
+                "batch_id": batch_id,
+                "city": outcome.city_code,
+                "overridden": result.overridden,
+                "measured": dg.MetadataValue.json(result.metadata),
+            },
+            blocking=True,
+            partition=partition,
+            target_materialization_data=judged,
+        )
+
+
+def _latest_record(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str
+) -> dg.EventLogRecord | None:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
+    ).records
+    return records[0] if records else None
+
+
+def _latest(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str
+) -> TargetMaterialization | None:
+    record = _latest_record(instance, key, partition)
+    if record is None:
+        return None
+    return TargetMaterialization(
+        run_id=record.event_log_entry.run_id,
+        storage_id=record.storage_id,
+        timestamp=record.timestamp,
+    )
+
+
+def _reported(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str, batch_id: str
+) -> bool:
+    record = _latest_record(instance, key, partition)
+    mat = record.asset_materialization if record is not None else None
+    found = mat.metadata.get("batch_id") if mat is not None else None
+    return found is not None and found.value == batch_id
+
+
+def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict[str, Any]]:
+    """Each asset's metadata for one city: its own counts, timings and batch."""
+    r = outcome.report
+    common: dict[str, Any] = {
+        "batch_id": batch_id,
+        "city": r.city_code,
+        "city_status": r.status,
+        "seconds": round(outcome.seconds, 3),
+    }
+    if outcome.helped:
+        common["helped_another_run"] = True
+    if r.status == "ALREADY_DONE":
+        common["reported_from"] = "the sync database: an earlier run of the batch published it"
+    normalized_ok = r.records - r.dead_letters
+    return {
+        RAW: {
+            **common,
+            "pages": r.pages_fetched,
+            "records": r.records,
+            "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
+            "fetch_seconds": round(r.seconds.get("fetch", 0.0), 3),
+        },
+        NORMALIZED: {
+            **common,
+            "records": r.records,
+            "dead_letters": r.dead_letters,
+            "dead_letters_by_code": dg.MetadataValue.json(dict(r.dead_letters_by_code)),
+            "bad_record_ratio": round(r.dead_letters / r.records, 4) if r.records else 0.0,
+            "moved_hotels": r.moved,
+            "gate": r.error if r.status == "GATED" and r.error else "passed",
+            "normalize_seconds": round(r.seconds.get("normalize", 0.0), 3),
+            **(
+                {"dead_letters_resolved_by_replay": outcome.resolved_dead_letters}
+                if outcome.resolved_dead_letters
+                else {}
+            ),
+        },
+        MAPPINGS: {
+            **common,
+            "hotels": normalized_ok - r.duplicates,
+            "duplicates": r.duplicates,
+        },
+        DIFFS: {
+            **common,
+            "diffs_by_type": dg.MetadataValue.json(dict(r.diffs_by_type)),
+            "diffs_by_action": dg.MetadataValue.json(dict(r.diffs_by_action)),
+            "held_for_review": r.held_for_review,
+            "review_command": f"supplier-sync review list --batch {batch_id}",
+        },
+        PUBLISHED: {
+            **common,
+            "records": r.records,
+            "published": r.published,
+            "skipped": r.skipped,
+            "dead_letters": r.dead_letters,
+            "dead_letters_by_code": dg.MetadataValue.json(dict(r.dead_letters_by_code)),
+            "bad_record_ratio": round(r.dead_letters / r.records, 4) if r.records else 0.0,
+            "diffs_by_type": dg.MetadataValue.json(dict(r.diffs_by_type)),
+            "diffs_by_action": dg.MetadataValue.json(dict(r.diffs_by_action)),
+            "pages": r.pages_fetched,
+            "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
+            "counts_add_up": r.records == r.published + r.skipped + r.dead_letters,
+            "publish_seconds": round(r.seconds.get("publish", 0.0), 3),
+        },
+    }
+
+
 PROGRESS_TAG = "supplier_sync/progress"
 PROGRESS_INTERVAL_SECONDS = 2.0
 
@@ -443,140 +520,3 @@ class _Progress:
             context.instance.add_run_tags(context.run.run_id, {PROGRESS_TAG: line})
         except Exception as err:  # progress is for people; it never stops a sync
             context.log.debug(f"progress tag not updated: {err}")
-
-
-def _city_list(
-    client: SupplierClient,
-    context: dg.AssetExecutionContext,
-    db: SyncDatabase,
-    store: PayloadStore,
-    batch_id: str,
-    supplier: SupplierResource,
-) -> tuple[dict[str, str], dict[str, int]]:
-    """City -> country and city -> hotel count from the supplier's list (one request).
-
-    The list's bytes are kept with the batch, for replays (which never call the supplier).
-    """
-    try:
-        fetched = client.list_cities()
-    except Exception as err:  # the rule is skipped, the sync is not
-        context.log.warning(f"city list unavailable, country rule skipped: {err}")
-        return {}, {}
-    record_city_list(
-        db, store, batch_id=batch_id, supplier_id=supplier.supplier_id, raw=fetched.raw
-    )
-    cities = fetched.data.cities
-    return (
-        {c.city_code: c.country_code for c in cities if c.country_code},
-        {c.city_code: c.hotel_count for c in cities if c.hotel_count is not None},
-    )
-
-
-def _check_results(checks: dict[str, list[GateResult]]) -> Iterator[dg.AssetCheckResult]:
-    """One result per gate over the run's cities: passed when every city passed (or was overridden)."""
-    for name in CHECK_NAMES:
-        per_city = {
-            city: r for city, results in checks.items() for r in results if r.check_name == name
-        }
-        failed = {c: r.metadata for c, r in per_city.items() if not r.passed}
-        overridden = {c: r.metadata for c, r in per_city.items() if r.passed and r.overridden}
-        yield dg.AssetCheckResult(
-            asset_key=NORMALIZED,
-            check_name=name,
-            passed=not failed,
-            severity=dg.AssetCheckSeverity.ERROR,
-            description=(
-                f"{len(failed)} of {len(per_city)} cities failed"
-                if failed
-                else f"{len(per_city)} cities passed"
-            ),
-            metadata={
-                "cities_checked": len(per_city),
-                "failed_cities": dg.MetadataValue.json(failed),
-                "overridden_cities": dg.MetadataValue.json(overridden),
-                "measured": dg.MetadataValue.json(
-                    {c: r.metadata for c, r in list(per_city.items())[:20]}
-                ),
-            },
-        )
-
-
-def _results(
-    reports: list[CityReport], batch: Batch, seconds: float, requests: int, retries: int
-) -> Iterator[dg.MaterializeResult]:
-    s = _summary(reports, batch, seconds)
-    by_code: Counter[str] = Counter()
-    by_type: Counter[str] = Counter()
-    by_action: Counter[str] = Counter()
-    timing: dict[str, float] = {"fetch": 0.0, "normalize": 0.0, "publish": 0.0}
-    for r in reports:
-        by_code.update(r.dead_letters_by_code)
-        by_type.update(r.diffs_by_type)
-        by_action.update(r.diffs_by_action)
-        for stage, secs in r.seconds.items():
-            timing[stage] = timing.get(stage, 0.0) + secs
-    statuses = Counter(r.status for r in reports)
-    common: dict[str, Any] = {
-        "batch_id": batch.batch_id,
-        "cities": len(reports),
-        "city_status": dg.MetadataValue.json(dict(statuses)),
-    }
-    yield dg.MaterializeResult(
-        asset_key=RAW,
-        metadata={
-            **common,
-            "pages": s["pages"],
-            "records": s["records"],
-            "supplier_requests": requests,
-            "supplier_retries": retries,
-            "fetch_seconds": round(timing["fetch"], 3),
-            "resumed_cities": sum(1 for r in reports if r.resumed_from_page is not None),
-        },
-    )
-    yield dg.MaterializeResult(
-        asset_key=NORMALIZED,
-        metadata={
-            **common,
-            "records": s["records"],
-            "dead_letters": s["dead_letters"],
-            "dead_letters_by_code": dg.MetadataValue.json(dict(by_code)),
-            "moved_hotels": sum(r.moved for r in reports),
-            "gated_cities": dg.MetadataValue.json(
-                {r.city_code: r.error for r in reports if r.status == "GATED"}
-            ),
-            "bad_record_ratio": round(s["dead_letters"] / s["records"], 4) if s["records"] else 0.0,
-            "normalize_seconds": round(timing["normalize"], 3),
-        },
-    )
-    yield dg.MaterializeResult(
-        asset_key=MAPPINGS,
-        metadata={
-            **common,
-            "hotels": s["records"] - s["dead_letters"] - s["duplicates"],
-            "duplicates": s["duplicates"],
-        },
-    )
-    yield dg.MaterializeResult(
-        asset_key=DIFFS,
-        metadata={
-            **common,
-            "diffs_by_type": dg.MetadataValue.json(dict(by_type)),
-            "diffs_by_action": dg.MetadataValue.json(dict(by_action)),
-            "held_for_review": sum(r.held_for_review for r in reports),
-            "review_command": "supplier-sync review list --batch " + batch.batch_id,
-        },
-    )
-    yield dg.MaterializeResult(
-        asset_key=PUBLISHED,
-        metadata={
-            **common,
-            "published": s["published"],
-            "skipped": s["skipped"],
-            "dead_letters": s["dead_letters"],
-            "records": s["records"],
-            "counts_add_up": s["records"] == s["published"] + s["skipped"] + s["dead_letters"],
-            "publish_seconds": round(timing["publish"], 3),
-            "hotels_per_second": round(s["records"] / seconds, 1) if seconds else 0.0,
-            "batch_status": batch.status,
-        },
-    )

@@ -39,6 +39,9 @@ class FaultProfile:
             ``geo`` (schema drift); ``None`` disables it.
         hostile_city_codes: add cities whose codes are hostile strings (``../../etc``, SQL,
             ``|``, ``...``, 64 non-ASCII characters), each with a few hotels.
+        unlisted_hotels_city_codes: cities that ``/v1/cities`` lists but whose hotel pages
+            answer ``404 CITY_NOT_FOUND``: a supplier whose city list and data disagree
+            (a sync of such a city fails; the others go on).
     """
 
     rate_429: float = 0.0
@@ -59,6 +62,7 @@ class FaultProfile:
     bad_record_rate: float = 0.0
     location_rename_from_day: int | None = None
     hostile_city_codes: bool = False
+    unlisted_hotels_city_codes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):

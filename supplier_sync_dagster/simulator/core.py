@@ -406,7 +406,10 @@ class Simulator:
         if endpoint == "cities":
             return SimResponse(200, body=self._cities(day))
         if endpoint == "city_hotels":
-            return self._city_hotels(self._city(args[0]), params, day)
+            city = self._city(args[0])
+            if city.code in self.config.faults.unlisted_hotels_city_codes:
+                raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
+            return self._city_hotels(city, params, day)
         if endpoint == "city_summary":
             return self._summary(self._city(args[0]), day)
         if endpoint == "hotel":

@@ -18,7 +18,8 @@ from moto.server import ThreadedMotoServer
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, resolve_batch
+from supplier_sync_dagster.core.run import resolve_batch
+from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, trigger_of
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -51,6 +52,26 @@ def test_malformed_partition_keys_are_clear_errors(bad: str):
         decode_city_key(bad)
 
 
+def test_the_trigger_of_a_run_and_of_its_reexecutions():
+    assert trigger_of({TRIGGER_TAG: "night-1", "supplier_sync/trigger_source": "CRON"}, "r1") == (
+        "night-1",
+        "CRON",
+    )
+    assert trigger_of({"dagster/backfill": "bf2"}, "r2") == ("bf2", "BACKFILL")
+    # A re-executed backfill continues the batch of the backfill it re-executes.
+    tags = {"dagster/backfill": "bf2", "dagster/root_backfill_id": "bf1"}
+    assert trigger_of(tags, "r3") == ("bf1", "BACKFILL")
+    # A re-executed run continues its original's batch, whose backfill tags Dagster drops
+    # when the backfill has ended.
+    assert trigger_of({}, "r4", root=({"dagster/backfill": "bf1"}, "r0")) == ("bf1", "BACKFILL")
+    assert trigger_of({}, "r5", root=({}, "r0")) == ("r0", "MANUAL")
+    assert trigger_of({"dagster/schedule_name": "nightly"}, "r6") == ("r6", "CRON")
+    assert trigger_of({TRIGGER_TAG: "x", "supplier_sync/trigger_source": "BOGUS"}, "r7") == (
+        "x",
+        "MANUAL",
+    )
+
+
 def _setup(tmp_path: Path, **sim: Any) -> tuple[dg.DagsterInstance, SupplierResource, list[str]]:
     supplier = SupplierResource(
         sim_cities=sim.get("cities", 4),
@@ -76,14 +97,21 @@ def _resources(db_url: str, tmp_path: Path, supplier: SupplierResource) -> dict[
     }
 
 
+def _per_city(result: dg.ExecuteInJobResult, asset: str) -> dict[str, dict[str, Any]]:
+    """Partition key -> metadata of the run's materializations of ``asset`` (one per city)."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in result.asset_materializations_for_node("city_sync"):
+        if m.asset_key.to_user_string() == asset:
+            assert m.partition is not None and m.partition not in out, m
+            out[m.partition] = {k: v.value for k, v in m.metadata.items()}
+    return out
+
+
 def _metadata(result: dg.ExecuteInJobResult, asset: str) -> dict[str, Any]:
-    mats = [
-        m
-        for m in result.asset_materializations_for_node("city_sync")
-        if m.asset_key.to_user_string() == asset
-    ]
-    assert mats, asset
-    return {k: v.value for k, v in mats[0].metadata.items()}
+    """The metadata of the one city the run materialized ``asset`` for."""
+    per_city = _per_city(result, asset)
+    assert len(per_city) == 1, per_city
+    return next(iter(per_city.values()))
 
 
 def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, tmp_path: Path):
@@ -94,9 +122,9 @@ def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, t
     )
     assert result.success
     meta = _metadata(result, "published_hotels")
-    assert (
-        meta["counts_add_up"] is True and meta["cities"] == 1 and meta["batch_status"] == "SUCCESS"
-    )
+    assert meta["counts_add_up"] is True and meta["city_status"] == "SUCCESS"
+    assert meta["city"] == decode_city_key(keys[1])
+    assert set(_per_city(result, "published_hotels")) == {keys[1]}
     assert {
         m.asset_key.to_user_string() for m in result.asset_materializations_for_node("city_sync")
     } == {
@@ -127,11 +155,17 @@ def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, t
         [city_sync], instance=instance, resources=resources, partition_key=keys[2], tags=tags
     )
     assert r1.success and r2.success
-    assert (
-        _metadata(r1, "published_hotels")["batch_id"]
-        == _metadata(r2, "published_hotels")["batch_id"]
-    )
-    assert _metadata(r2, "published_hotels")["city_status"] == {"ALREADY_DONE": 1}
+    assert _metadata(r1, "published_hotels")["city_status"] == "SUCCESS"
+    # The city was published by the first launch: the second syncs nothing and reports
+    # nothing new for it.
+    assert r2.asset_materializations_for_node("city_sync") == []
+    db = SyncDatabase.open(db_url)
+    with db.engine.connect() as conn:
+        batches = conn.execute(
+            sa.select(t.batch.c.batch_id).where(t.batch.c.trigger_id == "fixed-trigger")
+        ).all()
+    db.dispose()
+    assert [b.batch_id for b in batches] == [_metadata(r1, "published_hotels")["batch_id"]]
 
 
 @pytest.fixture
@@ -179,7 +213,9 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
         },
     )
     assert result.success
-    assert _metadata(result, "published_hotels")["cities"] == len(keys)
+    per_city = _per_city(result, "published_hotels")
+    assert set(per_city) == set(keys)
+    assert all(m["counts_add_up"] and m["city_status"] == "SUCCESS" for m in per_city.values())
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
         refs = conn.execute(sa.select(t.snapshot.c.payload_ref)).scalars().all()
@@ -205,7 +241,7 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
     resources = _resources(db_url, tmp_path, supplier)
     half = len(keys) // 2
-    batches = set()
+    batches: set[str] = set()
     for first, last in ((keys[0], keys[half - 1]), (keys[half], keys[-1])):
         result = dg.materialize(
             [city_sync],
@@ -218,7 +254,7 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
             },
         )
         assert result.success
-        batches.add(_metadata(result, "published_hotels")["batch_id"])
+        batches.update(m["batch_id"] for m in _per_city(result, "published_hotels").values())
     assert len(batches) == 1
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
@@ -238,7 +274,14 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
     mine, theirs = keys[0], keys[3]
     # Another run of the same backfill has registered its city but not started it yet.
     db = SyncDatabase.open(db_url)
-    batch = resolve_batch(db, supplier, "bf-1", "BACKFILL", [decode_city_key(theirs)])
+    batch = resolve_batch(
+        db,
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        trigger_id="bf-1",
+        source="BACKFILL",
+        cities=[decode_city_key(theirs)],
+    )
 
     tags = {TRIGGER_TAG: "bf-1", "supplier_sync/trigger_source": "BACKFILL"}
     first = dg.materialize(
@@ -252,12 +295,17 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
     assert shards[decode_city_key(theirs)].status == "SUCCESS"  # helped
     assert shards[decode_city_key(theirs)].claim_count == 1
     assert shards[decode_city_key(mine)].worker_id == shards[decode_city_key(theirs)].worker_id
+    # The helper reported the city it synced on that city's own partition.
+    helped = _per_city(first, "published_hotels")
+    assert set(helped) == {mine, theirs}
+    assert helped[theirs]["helped_another_run"] is True
+    assert helped[theirs]["city"] == decode_city_key(theirs) and helped[theirs]["published"] > 0
 
     second = dg.materialize(
         [city_sync], instance=instance, resources=resources, partition_key=theirs, tags=tags
     )
     assert second.success
-    assert _metadata(second, "published_hotels")["city_status"] == {"ALREADY_DONE": 1}
+    assert second.asset_materializations_for_node("city_sync") == []  # already published
     db.dispose()
 
 
@@ -273,7 +321,14 @@ def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Pat
         listing = client.list_cities().data.cities
     held = max(listing, key=lambda c: c.hotel_count or 0).city_code
     db = SyncDatabase.open(db_url)
-    batch = resolve_batch(db, supplier, "bf-held", "BACKFILL", [held])
+    batch = resolve_batch(
+        db,
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        trigger_id="bf-held",
+        source="BACKFILL",
+        cities=[held],
+    )
     # A worker that then stops renewing: its 5 s lease must run out before anyone else syncs.
     claim_shard(
         db,
@@ -324,8 +379,9 @@ def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
         },
     )
     assert result.success
-    meta = _metadata(result, "published_hotels")
-    assert meta["cities"] == len(keys) and meta["counts_add_up"] is True
+    per_city = _per_city(result, "published_hotels")
+    assert set(per_city) == set(keys)
+    assert all(m["counts_add_up"] is True for m in per_city.values())
     truth = Simulator(
         SimulatorConfig(n_cities=6, total_hotels=900, faults=FaultProfile.named("flaky"))
     ).ground_truth()
@@ -339,3 +395,76 @@ def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
         db.dispose()
     assert published == truth.valid
     assert dead == set(truth.bad)
+
+
+def full_sync_job() -> dg.JobDefinition:
+    """The project's full-sync job, resources from the SUPPLIER_SYNC_* environment
+    (module level: re-execution needs a reconstructable job)."""
+    from supplier_sync_dagster.definitions import defs
+
+    return defs().resolve_job_def("full_sync_job")
+
+
+def test_reexecuting_a_failed_range_run_from_failure_resyncs_only_the_failed_city(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """What "Re-execute from failure" on a run in the UI does: the same batch continues,
+    the cities it published are not synced again, the failed one resumes."""
+    from dataclasses import replace
+
+    from supplier_sync_dagster.simulator import running_server
+
+    sim = Simulator(SimulatorConfig(seed=7, n_cities=4, total_hotels=400, api_key="reexec-key"))
+    broken = sim.city_codes()[1]
+    sim.config = replace(
+        sim.config, faults=sim.config.faults.with_(unlisted_hotels_city_codes=(broken,))
+    )
+    keys = [encode_city_key(c) for c in sim.city_codes()]
+    with running_server(sim) as url:
+        for name, value in {
+            "SUPPLIER_SYNC_DB_URL": db_url,
+            "SUPPLIER_SYNC_SUPPLIER_URL": url,
+            "SUPPLIER_SYNC_SUPPLIER_API_KEY": "reexec-key",
+            "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path}/payloads",
+        }.items():
+            monkeypatch.setenv(name, value)
+        job = dg.reconstructable(full_sync_job)
+        with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+            instance.add_dynamic_partitions("supplier_city", keys)
+            tags = {
+                "dagster/asset_partition_range_start": keys[0],
+                "dagster/asset_partition_range_end": keys[-1],
+            }
+            with dg.execute_job(job, instance, tags=tags, raise_on_error=False) as first:
+                assert not first.success
+                done = set(_per_city(first, "published_hotels"))
+                failure = [
+                    e for e in first.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE
+                ]
+            assert done == set(keys) - {encode_city_key(broken)}
+            assert "1 FAILED" in str(failure[0].step_failure_data.user_failure_data.description)  # type: ignore[union-attr]
+
+            sim.config = replace(sim.config, faults=FaultProfile.clean())
+            options = dg.ReexecutionOptions.from_failure(first.run_id, instance)
+            # The UI's re-execution carries the parent run's tags (its range); the Python
+            # API takes them explicitly.
+            with dg.execute_job(job, instance, tags=tags, reexecution_options=options) as again:
+                assert again.success
+                assert set(_per_city(again, "published_hotels")) == {encode_city_key(broken)}
+    db = SyncDatabase.open(db_url)
+    try:
+        with db.engine.connect() as conn:
+            batches = conn.execute(sa.select(t.batch.c.trigger_id, t.batch.c.status)).all()
+            claims = dict(conn.execute(sa.select(t.shard.c.shard_key, t.shard.c.claim_count)).all())
+            published = dict(
+                conn.execute(
+                    sa.select(
+                        t.platform_hotel.c.supplier_hotel_id, t.platform_hotel.c.supplier_version
+                    )
+                ).all()
+            )
+    finally:
+        db.dispose()
+    assert [(b.trigger_id, b.status) for b in batches] == [(first.run_id, "SUCCESS")]
+    assert claims == {c: (2 if c == broken else 1) for c in sim.city_codes()}
+    assert published == dict(sim.ground_truth().valid)

@@ -16,6 +16,7 @@ from supplier_sync_dagster.defs.city_sync import (
     MAPPINGS,
     NORMALIZED,
     PUBLISHED,
+    RAW,
     TRIGGER_TAG,
     city_sync,
 )
@@ -95,9 +96,14 @@ def test_a_failed_gate_is_a_failed_blocking_check_and_an_override_lets_the_city_
         checks = _checks(gated)
         assert not checks["bad_record_ratio"].passed
         assert checks["bad_record_ratio"].severity == dg.AssetCheckSeverity.ERROR
-        failed = checks["bad_record_ratio"].metadata["failed_cities"].value
-        assert isinstance(failed, dict) and failed[city]["ratio"] > 0.2
+        assert {c.partition for c in checks.values()} == {key}  # the city's own result
+        measured = checks["bad_record_ratio"].metadata["measured"].value
+        assert isinstance(measured, dict) and measured["ratio"] > 0.2
         assert _published(db) == before  # the gate published nothing
+        # Fetched and normalized, but nothing downstream: only those partitions are marked.
+        assert {
+            (m.asset_key, m.partition) for m in gated.asset_materializations_for_node("city_sync")
+        } == {(RAW, key), (NORMALIZED, key)}
 
         batch_id = _batch_of(db, gated.run_id)
         with db.begin() as conn:
@@ -120,8 +126,16 @@ def test_a_failed_gate_is_a_failed_blocking_check_and_an_override_lets_the_city_
         )
     assert again.success
     assert _checks(again)["bad_record_ratio"].passed
-    overridden = _checks(again)["bad_record_ratio"].metadata["overridden_cities"].value
-    assert isinstance(overridden, dict) and overridden[city]["overridden_by"] == "dana"
+    assert _checks(again)["bad_record_ratio"].metadata["overridden"].value is True
+    overridden = _checks(again)["bad_record_ratio"].metadata["measured"].value
+    assert isinstance(overridden, dict) and overridden["overridden_by"] == "dana"
+    assert {m.asset_key for m in again.asset_materializations_for_node("city_sync")} == {
+        RAW,
+        NORMALIZED,
+        MAPPINGS,
+        DIFFS,
+        PUBLISHED,
+    }
     truth = day1.ground_truth()
     now = _published(db)
     assert {h: now[h] for h in truth.valid_by_city[city]} == dict(truth.valid_by_city[city])

@@ -81,6 +81,18 @@ def test_truncated_body_has_valid_headers_and_cut_json() -> None:
     assert sim.stats["faults"]["truncated"] == 2
 
 
+def test_a_listed_city_whose_hotels_answer_404() -> None:
+    codes = make_sim().city_codes()
+    sim = make_sim(FaultProfile(unlisted_hotels_city_codes=(codes[0],)))
+    with sim.client() as c:
+        listed = [x["city_code"] for x in c.get("/v1/cities").json()["cities"]]
+        missing = c.get(hotels_url(codes[0]))
+        other = c.get(hotels_url(codes[1]))
+    assert codes[0] in listed
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "CITY_NOT_FOUND"
+    assert other.status_code == 200 and other.json()["hotels"]
+
+
 def test_slow_response_sleeps() -> None:
     sim = make_sim(FaultProfile(rate_slow=1.0, slow_seconds=0.3))
     started = time.monotonic()
