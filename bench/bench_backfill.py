@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                 first_step = min(a for a, _ in steps) - launched
                 tail = max(ends) - max(b for _, b in steps)
                 ok_runs = sum(1 for r in runs if r.status == dg.DagsterRunStatus.SUCCESS)
+                # The UI's truth: every city is materialized on its own for every asset.
+                view = dagster.partitions("published_hotels", keys)
+                shown = len(view.statuses["materialized"])
+                own = sum(1 for k in keys if view.latest.get(k, {}).get("city") is not None)
         share = (wall - busy) / wall
         profile = "MySQL" if args.mysql else "embedded (SQLite)"
         print(
@@ -189,8 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             f"-> first step {first_step:.1f}s; gaps between steps "
             f"{wall - busy - first_step - tail:.1f}s; last step -> last run ended {tail:.1f}s"
         )
+        print(
+            f"  published_hotels partitions materialized in the UI: {shown} of {len(keys)}, "
+            f"{own} with their own city's metadata"
+        )
         print(f"  {args.hotels / wall:,.0f} hotels/s end to end")
-        return 0 if share <= 0.10 and ok_runs == len(runs) else 1
+        ok = ok_runs == len(runs) and shown == own == len(keys)
+        return 0 if share <= 0.10 and ok else 1
     finally:
         with admin.begin() as conn:
             for name in made:
