@@ -282,7 +282,17 @@ def run_demo(
         ),
     }
     workers["A"].start()
-    time.sleep(0.3)  # let A claim first, so the crash lands on the city it holds
+    # B starts once A holds its first city, so that the crash lands on the city A holds
+    # (a spawned worker's start-up takes seconds on a loaded machine).
+    deadline = time.monotonic() + 120
+    while workers["A"].is_alive() and time.monotonic() < deadline:
+        try:
+            name, kind, text = events.get(timeout=0.2)
+        except Exception:
+            continue
+        say(f"[{name}] {kind} {text}".rstrip())
+        if kind == "claimed":
+            break
     workers["B"].start()
     reclaimed: list[str] = []
     while any(p.is_alive() for p in workers.values()) or not events.empty():
