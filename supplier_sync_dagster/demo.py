@@ -42,14 +42,17 @@ from supplier_sync_dagster.core.batches import (
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
+    FetchedPage,
     LeaseSettings,
     PageCounts,
+    PageHandler,
+    PageSource,
     ShardInfo,
     claim_next_shard,
     list_shards,
     make_worker_id,
+    run_shard,
 )
-from supplier_sync_dagster.core.worker import FetchedPage, PageHandler, PageSource, run_shard
 
 DEMO_TASK = "demo_hotel_full_resource"
 DEMO_SUPPLIER_ID = 1001

@@ -50,6 +50,7 @@ from supplier_sync_dagster.core.processes import (
     holder_is_dead_here,
     make_worker_id,
 )
+from supplier_sync_dagster.core.shards import move_shards
 
 TaskStatus = Literal["ENABLED", "DISABLED"]
 ConcurrencyPolicy = Literal["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"]
@@ -545,12 +546,15 @@ def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> Non
         .values(status="CANCELLED", finished_at=now, updated_at=now, error_message=reason[:1024]),
         lambda: InvalidTransition(f"batch {batch_id} is not PENDING or RUNNING; cannot cancel"),
     )
-    # Shards leave RUNNING too: every fenced write requires status RUNNING, so the batch's
-    # workers fail their next heartbeat or checkpoint with LeaseLost.
-    conn.execute(
-        sa.update(t.shard)
-        .where(t.shard.c.batch_id == batch_id, t.shard.c.status.in_(("PENDING", "RUNNING")))
-        .values(status="CANCELLED", finished_at=now, updated_at=now, lease_until=None)
+    # Shards leave RUNNING too (one bulk move): every fenced write requires status RUNNING,
+    # so the batch's workers fail their next heartbeat or checkpoint with LeaseLost.
+    move_shards(
+        conn,
+        "CANCELLED",
+        [t.shard.c.batch_id == batch_id],
+        finished_at=now,
+        updated_at=now,
+        lease_until=None,
     )
 
 

@@ -12,13 +12,11 @@ A shard is one city of one batch. A worker owns it through a lease (invariant 1)
 - :meth:`ShardLease.advance` moves the checkpoint only after (or in the same transaction
   as) the page's data (invariant 3).
 
-Shard state machine::
+Every status change is one guarded move of the shard state machine, whose table of
+allowed moves is :data:`~supplier_sync_dagster.core.shards.SHARD_MOVES`.
 
-    PENDING ──claim──> RUNNING ──finish──> SUCCESS | FAILED
-       ^                │  ^
-       └────release─────┘  └──reclaim (lease_until < now)
-    FAILED ──reopen──> PENDING (checkpoint kept)
-    PENDING | RUNNING ──batch cancelled──> CANCELLED
+:class:`ShardWork` owns a claimed shard's lifecycle: it runs the heartbeat while the work
+runs, and decides how the work ends (lease lost, failed, interrupted).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -38,7 +36,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, lock_batch, refresh_batch
-from supplier_sync_dagster.core.db import SyncDatabase, guarded_update
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     InvalidCheckpoint,
@@ -53,10 +51,10 @@ from supplier_sync_dagster.core.processes import (
     holder_is_dead_here,
     make_worker_id,
 )
+from supplier_sync_dagster.core.shards import ShardStatus, move_shards
 
 log = logging.getLogger(__name__)
 
-ShardStatus = Literal["PENDING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED"]
 FinishStatus = Literal["SUCCESS", "FAILED"]
 
 MIN_LEASE_SECONDS = 5.0
@@ -376,31 +374,25 @@ class ShardLease:
         """
         if status not in ("SUCCESS", "FAILED"):
             raise ConfigError(f"a shard finishes as SUCCESS or FAILED, not {status!r}")
-        self.ensure_held()
-        clock = self.db.clock
-        with self.db.begin() as conn:
-            lock_batch(conn, self.batch_id)
-            self._fenced(
-                conn,
-                status=status,
-                finished_at=clock.now(),
-                lease_until=None,
-                last_heartbeat_stage="FINISHED",
-                last_heartbeat_message=f"finished {status}",
-                error_message=(error_message or None) and error_message[:1024],
-                updated_at=clock.now(),
-                **(
-                    {
-                        "total_count": counts.total,
-                        "success_count": counts.success,
-                        "failed_count": counts.failed,
-                        "skipped_count": counts.skipped,
-                    }
-                    if counts is not None
-                    else {}
-                ),
-            )
-            batch = refresh_batch(conn, clock, self.batch_id)
+        totals: dict[str, Any] = (
+            {
+                "total_count": counts.total,
+                "success_count": counts.success,
+                "failed_count": counts.failed,
+                "skipped_count": counts.skipped,
+            }
+            if counts is not None
+            else {}
+        )
+        batch = self._end(
+            status,
+            "FINISHED",
+            f"finished {status}",
+            finished_at=self.db.clock.now(),
+            error_message=(error_message or None) and error_message[:1024],
+            **totals,
+        )
+        assert batch is not None  # _end re-derives the batch unless told not to
         self.mark_lost(f"shard {self.shard_key!r} already finished", expected=True)
         return batch
 
@@ -410,18 +402,7 @@ class ShardLease:
         Raises:
             LeaseLost: Another worker already owns the shard.
         """
-        self.ensure_held()
-        clock = self.db.clock
-        with self.db.begin() as conn:
-            lock_batch(conn, self.batch_id)
-            self._fenced(
-                conn,
-                status="PENDING",
-                lease_until=None,
-                last_heartbeat_stage="RELEASED",
-                last_heartbeat_message=reason[:512],
-                updated_at=clock.now(),
-            )
+        self._end("PENDING", "RELEASED", reason, refresh=False)
         self.mark_lost(f"shard {self.shard_key!r} was released: {reason}", expected=True)
 
     def refresh_batch(self) -> Batch:
@@ -429,19 +410,32 @@ class ShardLease:
         with self.db.begin() as conn:
             return refresh_batch(conn, self.db.clock, self.batch_id)
 
-    def _fenced(self, conn: Connection, **values: Any) -> None:
+    def _end(
+        self,
+        target: ShardStatus,
+        stage: str,
+        message: str,
+        *,
+        refresh: bool = True,
+        **values: Any,
+    ) -> Batch | None:
+        """Moves the shard out of RUNNING under the batch lock; re-derives the batch if asked."""
         self.ensure_held()
-        c = t.shard.c
-        stmt = (
-            sa.update(t.shard)
-            .where(
-                c.id == self.shard_id,
-                c.worker_id == self.worker_id,
-                c.lease_token == self.lease_token,
-                c.status == "RUNNING",
+        with self.db.begin() as conn:
+            lock_batch(conn, self.batch_id)
+            self._fenced(
+                conn,
+                target,
+                lease_until=None,
+                last_heartbeat_stage=stage,
+                last_heartbeat_message=message[:512],
+                updated_at=self.db.clock.now(),
+                **values,
             )
-            .values(**values)
-        )
+            return refresh_batch(conn, self.db.clock, self.batch_id) if refresh else None
+
+    def _fenced(self, conn: Connection, target: ShardStatus = "RUNNING", **values: Any) -> None:
+        self.ensure_held()
 
         def lost() -> LeaseLost:
             reason = (
@@ -452,7 +446,15 @@ class ShardLease:
             self.mark_lost(reason)
             return LeaseLost(reason)
 
-        guarded_update(conn, stmt, lost)
+        move_shards(
+            conn,
+            target,
+            [t.shard.c.id == self.shard_id],
+            sources=["RUNNING"],
+            holder=(self.worker_id, self.lease_token),
+            on_miss=lost,
+            **values,
+        )
 
 
 def claim_shard(
@@ -485,29 +487,21 @@ def claim_shard(
     c = t.shard.c
     with db.begin() as conn:
         lock_batch(conn, batch_id)
-        claimed = conn.execute(
-            sa.update(t.shard)
-            .where(
-                c.batch_id == batch_id,
-                c.shard_key == shard_key,
-                sa.or_(
-                    c.status == "PENDING",
-                    sa.and_(c.status == "RUNNING", c.lease_until < clock.now()),
-                ),
-            )
-            .values(
-                status="RUNNING",
-                worker_id=worker_id,
-                lease_token=token,
-                lease_until=clock.now(settings.lease_seconds),
-                heartbeat_at=clock.now(),
-                started_at=sa.func.coalesce(c.started_at, clock.now()),
-                claim_count=c.claim_count + 1,
-                last_heartbeat_stage="CLAIMED",
-                last_heartbeat_message=f"claimed by {worker_id}"[:512],
-                updated_at=clock.now(),
-            )
-        ).rowcount
+        claimed = move_shards(
+            conn,
+            "RUNNING",
+            [c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)],
+            sources=("PENDING", "RUNNING"),
+            worker_id=worker_id,
+            lease_token=token,
+            lease_until=clock.now(settings.lease_seconds),
+            heartbeat_at=clock.now(),
+            started_at=sa.func.coalesce(c.started_at, clock.now()),
+            claim_count=c.claim_count + 1,
+            last_heartbeat_stage="CLAIMED",
+            last_heartbeat_message=f"claimed by {worker_id}"[:512],
+            updated_at=clock.now(),
+        )
         info = _read_shard(conn, batch_id, shard_key)
         if (
             not claimed
@@ -519,25 +513,21 @@ def claim_shard(
             old_token = conn.execute(
                 sa.select(c.lease_token).where(c.id == info.shard_id)
             ).scalar_one()
-            claimed = conn.execute(
-                sa.update(t.shard)
-                .where(
-                    c.id == info.shard_id,
-                    c.status == "RUNNING",
-                    c.worker_id == info.worker_id,
-                    c.lease_token == old_token,
-                )
-                .values(
-                    worker_id=worker_id,
-                    lease_token=token,
-                    lease_until=clock.now(settings.lease_seconds),
-                    heartbeat_at=clock.now(),
-                    claim_count=c.claim_count + 1,
-                    last_heartbeat_stage="CLAIMED",
-                    last_heartbeat_message=f"taken from dead {info.worker_id}"[:512],
-                    updated_at=clock.now(),
-                )
-            ).rowcount
+            claimed = move_shards(
+                conn,
+                "RUNNING",
+                [c.id == info.shard_id],
+                sources=["RUNNING"],
+                holder=(info.worker_id, old_token),
+                worker_id=worker_id,
+                lease_token=token,
+                lease_until=clock.now(settings.lease_seconds),
+                heartbeat_at=clock.now(),
+                claim_count=c.claim_count + 1,
+                last_heartbeat_stage="CLAIMED",
+                last_heartbeat_message=f"taken from dead {info.worker_id}"[:512],
+                updated_at=clock.now(),
+            )
             if claimed:
                 log.warning("took shard %r from dead local worker %s", shard_key, info.worker_id)
                 info = _read_shard(conn, batch_id, shard_key)
@@ -584,13 +574,7 @@ def claim_next_shard(
             row.shard_key
             for row in conn.execute(
                 sa.select(c.shard_key)
-                .where(
-                    c.batch_id == batch_id,
-                    sa.or_(
-                        c.status == "PENDING",
-                        sa.and_(c.status == "RUNNING", c.lease_until < db.clock.now()),
-                    ),
-                )
+                .where(c.batch_id == batch_id, _claimable(db.clock))
                 .order_by(sa.case((c.status == "PENDING", 0), else_=1), c.id)
                 .limit(50)
             )
@@ -614,20 +598,18 @@ def reopen_shard(db: SyncDatabase, batch_id: str, shard_key: str, reason: str) -
     with db.begin() as conn:
         lock_batch(conn, batch_id)
         info = _read_shard(conn, batch_id, shard_key)
-        guarded_update(
+        move_shards(
             conn,
-            sa.update(t.shard)
-            .where(t.shard.c.id == info.shard_id, t.shard.c.status == "FAILED")
-            .values(
-                status="PENDING",
-                finished_at=None,
-                last_heartbeat_stage="REOPENED",
-                last_heartbeat_message=reason[:512],
-                updated_at=clock.now(),
-            ),
-            lambda: InvalidTransition(
+            "PENDING",
+            [t.shard.c.id == info.shard_id],
+            sources=["FAILED"],
+            on_miss=lambda: InvalidTransition(
                 f"shard {shard_key!r} of batch {batch_id} is {info.status}; only FAILED reopens"
             ),
+            finished_at=None,
+            last_heartbeat_stage="REOPENED",
+            last_heartbeat_message=reason[:512],
+            updated_at=clock.now(),
         )
         return refresh_batch(conn, clock, batch_id)
 
@@ -822,6 +804,179 @@ class HeartbeatRunner:
             self._on_lost(err)
 
 
+class ShardWork:
+    """The lease lifecycle of a claimed shard's work: the one place that decides how it ends.
+
+    Use as ``with ShardWork(lease) as heartbeat:`` around the work; the heartbeat thread
+    renews the lease meanwhile, and the work reports its stage and checks the lease through
+    it. The work finishes the shard itself (its counts, or a gate's FAILED). How the block
+    ends decides what is written and what the caller sees:
+
+    - it completes: nothing more is written;
+    - the lease is lost (:class:`LeaseLost`, or any exception once the lease is lost, which
+      the loss caused or made moot): nothing more is written; the exception is suppressed
+      and kept in :attr:`lost`, and the caller reports the city as LEASE_LOST;
+    - any other exception: the shard finishes FAILED with ``"Type: message"`` (also kept in
+      :attr:`error`) and the exception propagates; if the lease is lost by then, another
+      worker owns the shard and its outcome stands (that LeaseLost is dropped);
+    - an interruption (KeyboardInterrupt, SystemExit, a closed generator; a run terminated
+      from the Dagster UI): the lease is released (RUNNING -> PENDING, checkpoint kept) so
+      another worker can resume at once; if the release fails the lease expires on its own;
+      the interruption propagates.
+
+    In every case the heartbeat stops.
+
+    Attributes:
+        lease: The lease worked under.
+        heartbeat: Its heartbeat runner (the value of the ``with``).
+        lost: The exception that stopped the work once the lease was lost, else None.
+        error: ``"Type: message"`` of the exception that failed the shard, else None.
+    """
+
+    def __init__(self, lease: ShardLease) -> None:
+        self.lease = lease
+        self.heartbeat = HeartbeatRunner(lease)
+        self.lost: Exception | None = None
+        self.error: str | None = None
+
+    def __enter__(self) -> HeartbeatRunner:
+        return self.heartbeat.__enter__()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        try:
+            return exc is not None and self._end(exc)
+        finally:
+            self.heartbeat.stop()
+
+    def _end(self, exc: BaseException) -> bool:
+        """Writes how the work ended; True suppresses ``exc`` (only a lost lease)."""
+        lease = self.lease
+        if isinstance(exc, Exception):
+            if isinstance(exc, LeaseLost) or lease.lost:
+                self.lost = exc
+                log.warning("shard %r stopped: %s", lease.shard_key, exc)
+                return True
+            self.error = f"{type(exc).__name__}: {exc}"
+            try:
+                lease.finish("FAILED", self.error)
+            except LeaseLost as err:
+                log.warning("shard %r failed after its lease was lost: %s", lease.shard_key, err)
+            return False
+        if not lease.lost:
+            try:
+                lease.release("worker interrupted")
+            except Exception as err:  # the lease will expire on its own instead
+                log.warning("could not release shard %r: %s", lease.shard_key, err)
+        return False
+
+
+@dataclass(frozen=True)
+class FetchedPage:
+    """One page as fetched, and the checkpoint that follows it once it is committed.
+
+    Attributes:
+        number: The page number fetched (1-based).
+        next_checkpoint: Where to resume after this page.
+        total_pages: The supplier's page count for the city, when known.
+        payload: The exact bytes received.
+        records: The page's records, for the handler.
+    """
+
+    number: int
+    next_checkpoint: Checkpoint
+    total_pages: int | None
+    payload: bytes
+    records: list[Any] = field(default_factory=list)
+
+
+PageSource = Callable[[Checkpoint], Iterator[FetchedPage]]
+"""Yields the pages of a city starting at a checkpoint (page number and/or cursor)."""
+
+PageHandler = Callable[[Connection, FetchedPage], PageCounts]
+"""Writes one page's data in the given transaction and says what became of its records."""
+
+OutcomeStatus = Literal["SUCCESS", "FAILED", "LEASE_LOST", "RELEASED"]
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """How one run of :func:`run_shard` ended."""
+
+    shard_key: str
+    status: OutcomeStatus
+    pages: int
+    counts: PageCounts
+    resumed_from: Checkpoint | None
+    batch: Batch | None = None
+    error: str | None = None
+
+
+def run_shard(
+    lease: ShardLease,
+    source: PageSource,
+    handle: PageHandler,
+    *,
+    on_page: Callable[[FetchedPage, PageCounts], None] | None = None,
+) -> ShardOutcome:
+    """Works a claimed shard page by page to its end, resuming from the lease's checkpoint.
+
+    Each page's data and the checkpoint past it commit in one fenced transaction
+    (invariant 3), so a crash re-processes at most the page in flight and a lost lease
+    writes nothing. The lease demonstration runs it over synthetic pages; the pipeline's
+    fetch stage follows the same order with the supplier's pages.
+
+    Returns:
+        SUCCESS once every page is done, or LEASE_LOST (see :class:`ShardWork`).
+
+    Raises:
+        Exception: From the source or the handler, after the shard finished FAILED.
+        BaseException: An interruption, after the lease was released.
+    """
+    resumed_from = lease.checkpoint
+    pages = 0
+    total = PageCounts()
+    work = ShardWork(lease)
+    with work as heartbeat:
+        for page in source(lease.checkpoint or Checkpoint(lease.shard_key)):
+            heartbeat.check()
+            heartbeat.report("PROCESSING", f"city={lease.shard_key} page={page.number}")
+            with lease.db.begin() as conn:
+                counts = handle(conn, page)
+                lease.advance(
+                    page.next_checkpoint,
+                    counts,
+                    total_pages=page.total_pages,
+                    fetched=len(page.records),
+                    message=f"city={lease.shard_key} page={page.number} committed",
+                    conn=conn,
+                )
+            pages += 1
+            total = PageCounts(
+                total.success + counts.success,
+                total.failed + counts.failed,
+                total.skipped + counts.skipped,
+            )
+            if on_page is not None:
+                on_page(page, counts)
+            heartbeat.report("FETCHING", f"city={lease.shard_key} page={page.number + 1}")
+        heartbeat.check()
+        batch = lease.finish("SUCCESS")
+        return ShardOutcome(lease.shard_key, "SUCCESS", pages, total, resumed_from, batch)
+    return ShardOutcome(
+        lease.shard_key, "LEASE_LOST", pages, total, resumed_from, None, str(work.lost)
+    )
+
+
+def _claimable(clock: DbClock) -> sa.ColumnElement[bool]:
+    """A shard a worker may claim: PENDING, or RUNNING with an expired lease (a reclaim)."""
+    c = t.shard.c
+    return sa.or_(
+        c.status == "PENDING", sa.and_(c.status == "RUNNING", c.lease_until < clock.now())
+    )
+
+
 def _check_worker_id(worker_id: str) -> None:
     if not worker_id or len(worker_id) > MAX_WORKER_ID_LEN:
         raise ConfigError(f"worker_id must be 1-{MAX_WORKER_ID_LEN} characters: {worker_id!r}")
@@ -884,11 +1039,14 @@ def _why_not_claimable(
 
 __all__ = [
     "Checkpoint",
+    "FetchedPage",
     "HeartbeatRunner",
     "LeaseSettings",
     "PageCounts",
     "ShardInfo",
     "ShardLease",
+    "ShardOutcome",
+    "ShardWork",
     "Stall",
     "claim_next_shard",
     "claim_shard",
@@ -898,4 +1056,5 @@ __all__ = [
     "list_shards",
     "make_worker_id",
     "reopen_shard",
+    "run_shard",
 ]

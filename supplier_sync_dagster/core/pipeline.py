@@ -70,6 +70,7 @@ from supplier_sync_dagster.core.leases import (
     LeaseSettings,
     PageCounts,
     ShardLease,
+    ShardWork,
     claim_shard,
     get_shard,
     list_shards,
@@ -269,8 +270,9 @@ def sync_city(
         return report
     if lease.checkpoint is not None:
         report.resumed_from_page = lease.checkpoint.page
-    with HeartbeatRunner(lease) as heartbeat:
-        try:
+    work = ShardWork(lease)
+    try:
+        with work as heartbeat:
             normalizer = _Normalizer(
                 lease,
                 store,
@@ -322,18 +324,11 @@ def sync_city(
             heartbeat.check()
             lease.finish("SUCCESS", counts=report.counts)
             report.stages_done.append("publish")
-        except Exception as err:
-            if lease.lost:
-                report.status, report.error = "LEASE_LOST", str(err)
-                log.warning("city %r stopped: %s", city_code, err)
-                return report
-            report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
-            lease.finish("FAILED", report.error)
-            raise
-        except BaseException:
-            if not lease.lost:
-                lease.release("worker interrupted")
-            raise
+    except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
+        report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
+        raise
+    if work.lost is not None:
+        report.status, report.error = "LEASE_LOST", str(work.lost)
     return report
 
 

@@ -1,29 +1,37 @@
-"""Shard leases: one writer per shard, fencing, reclaim, checkpoints, heartbeats, stalls."""
+"""Shard leases: one writer per shard, fencing, reclaim, checkpoints, heartbeats, stalls; the
+shard state machine's table of moves; the lease lifecycle of a shard's work (resume, failure,
+lost lease and interruption, each with what it leaves behind)."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import threading
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, get_args
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import cancel_batch, get_batch
-from supplier_sync_dagster.core.db import DbClock, SyncDatabase
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     InvalidCheckpoint,
+    InvalidTransition,
     LeaseLost,
     LeaseNotAcquired,
     UnknownShard,
 )
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
+    FetchedPage,
     HeartbeatRunner,
     LeaseSettings,
     PageCounts,
+    ShardWork,
     claim_next_shard,
     claim_shard,
     find_stalls,
@@ -31,7 +39,10 @@ from supplier_sync_dagster.core.leases import (
     holder_is_dead_here,
     list_shards,
     make_worker_id,
+    reopen_shard,
+    run_shard,
 )
+from supplier_sync_dagster.core.shards import SHARD_MOVES, ShardStatus, move_shards, sources_of
 from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch, run_concurrently
 
 FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.05)
@@ -497,3 +508,257 @@ def test_live_lease_of_a_dead_local_process_is_taken_at_once(
         claim_shard(
             db, batch.batch_id, "BKK", worker_id="w3", settings=FAST, reclaim_dead_local=False
         )
+
+
+# ---------------------------------------------------------------- the table of shard moves
+
+
+def _set_status(db: SyncDatabase, shard_id: int, status: str) -> None:
+    with db.begin() as conn:  # test setup: straight to a state, bypassing the state machine
+        conn.execute(sa.update(t.shard).where(t.shard.c.id == shard_id).values(status=status))
+
+
+def test_the_table_of_moves_is_what_the_database_enforces(db: SyncDatabase, make_batch: MakeBatch):
+    states: tuple[ShardStatus, ...] = get_args(ShardStatus)
+    assert set(SHARD_MOVES) == set(states)
+    batch = make_batch(["BKK"])
+    shard_id = get_shard(db, batch.batch_id, "BKK").shard_id
+    for source, target in itertools.product(states, states):
+        _set_status(db, shard_id, source)
+        allowed = target in SHARD_MOVES[source]
+        assert (source in sources_of(target)) == allowed
+        with db.begin() as conn:
+            if allowed:
+                move_shards(
+                    conn, target, [t.shard.c.id == shard_id], on_miss=lambda: AssertionError()
+                )
+            else:
+                with pytest.raises(InvalidTransition, match="refused"):
+                    move_shards(
+                        conn,
+                        target,
+                        [t.shard.c.id == shard_id],
+                        on_miss=lambda: InvalidTransition("refused"),
+                    )
+                # A bulk move (no on_miss) reports the 0 rows instead of raising.
+                assert move_shards(conn, target, [t.shard.c.id == shard_id]) == 0
+        expected = target if allowed else source
+        assert get_shard(db, batch.batch_id, "BKK").status == expected, (source, target)
+
+
+def test_a_move_the_table_does_not_have_is_refused_before_any_write(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    shard_id = get_shard(db, batch.batch_id, "BKK").shard_id
+    _set_status(db, shard_id, "SUCCESS")
+    with db.begin() as conn, pytest.raises(InvalidTransition, match="SUCCESS"):
+        move_shards(conn, "PENDING", [t.shard.c.id == shard_id], sources=["SUCCESS"])
+    assert get_shard(db, batch.batch_id, "BKK").status == "SUCCESS"
+
+
+def test_a_fenced_move_needs_the_holder_and_its_token(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    where = [t.shard.c.id == lease.shard_id]
+    with db.begin() as conn:
+        assert move_shards(conn, "PENDING", where, holder=("w1", "another token")) == 0
+        assert move_shards(conn, "PENDING", where, holder=("w2", lease.lease_token)) == 0
+    assert get_shard(db, batch.batch_id, "BKK").status == "RUNNING"
+    with db.begin() as conn:
+        assert move_shards(conn, "PENDING", where, holder=("w1", lease.lease_token)) == 1
+    assert get_shard(db, batch.batch_id, "BKK").status == "PENDING"
+
+
+# ---------------------------------------------------------------- the shard's work and its end
+
+SETTINGS = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.5)
+PAGES = 6
+
+
+def source_for(city: str, seen: list[int]):
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            seen.append(n)
+            yield FetchedPage(n, Checkpoint(city, page=n + 1), PAGES, f"{city}:{n}".encode(), [n])
+
+    return source
+
+
+def handler(db: SyncDatabase, batch_id: str, fail_on: int | None = None):
+    def handle(conn: Connection, page: FetchedPage) -> PageCounts:
+        insert_ignore(
+            conn,
+            t.snapshot,
+            [
+                {
+                    "snapshot_id": f"{batch_id[:40]}-{page.number}",
+                    "batch_id": batch_id,
+                    "supplier_id": 1,
+                    "category_code": "HOTEL",
+                    "snapshot_type": "RAW",
+                    "snapshot_version": 1,
+                    "payload_hash": "0" * 64,
+                }
+            ],
+            created_at=db.clock.now(),
+        )
+        if page.number == fail_on:
+            raise RuntimeError(f"supplier exploded on page {page.number}")
+        return PageCounts(success=10, failed=1, skipped=2)
+
+    return handle
+
+
+def stored_pages(db: SyncDatabase, batch_id: str) -> int:
+    with db.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count())
+                .select_from(t.snapshot)
+                .where(t.snapshot.c.batch_id == batch_id)
+            ).scalar_one()
+        )
+
+
+def test_failure_marks_shard_failed_and_reopen_resumes_from_checkpoint(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    seen: list[int] = []
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    with pytest.raises(RuntimeError, match="page 4"):
+        run_shard(lease, source_for("BKK", seen), handler(db, batch.batch_id, fail_on=4))
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "FAILED" and "page 4" in (info.error_message or "")
+    assert info.checkpoint == Checkpoint("BKK", page=4) and info.pages_done == 3
+    assert stored_pages(db, batch.batch_id) == 3  # page 4's data rolled back with it
+
+    after = reopen_shard(db, batch.batch_id, "BKK", "supplier fixed")
+    assert after.status == "RUNNING" and after.finished_at is None
+    with pytest.raises(InvalidTransition):
+        reopen_shard(db, batch.batch_id, "BKK", "again")
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+    outcome = run_shard(lease, source_for("BKK", seen), handler(db, batch.batch_id))
+    assert outcome.status == "SUCCESS" and outcome.resumed_from == Checkpoint("BKK", page=4)
+    assert seen == [1, 2, 3, 4, 4, 5, 6]
+    assert outcome.batch is not None and outcome.batch.status == "SUCCESS"
+    assert stored_pages(db, batch.batch_id) == PAGES
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert (
+        info.total_count
+        == PAGES * 13
+        == info.success_count + info.failed_count + info.skipped_count
+    )
+
+
+def test_lost_lease_stops_the_loop_and_writes_nothing_more(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    # The other worker's own clock is past the lease; w1's heartbeat thread keeps its own.
+    other = SyncDatabase(engine=db.engine, clock=DbClock(SETTINGS.lease_seconds + 1))
+
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            if n == 3:  # meanwhile the lease expired and another worker took over
+                claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+            yield FetchedPage(n, Checkpoint("BKK", page=n + 1), PAGES, b"", [])
+
+    outcome = run_shard(lease, source, handler(db, batch.batch_id))
+    assert outcome.status == "LEASE_LOST" and outcome.pages == 2
+    assert stored_pages(db, batch.batch_id) == 2
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.worker_id == "w2" and info.status == "RUNNING" and info.pages_done == 2
+
+
+def test_interrupt_releases_the_lease_for_an_immediate_resume(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            if n == 3:
+                raise KeyboardInterrupt  # the run was terminated
+            yield FetchedPage(n, Checkpoint("BKK", page=n + 1), PAGES, b"", [])
+
+    with pytest.raises(KeyboardInterrupt):
+        run_shard(lease, source, handler(db, batch.batch_id))
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "PENDING" and info.checkpoint == Checkpoint("BKK", page=3)
+    again = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+    assert again.checkpoint == Checkpoint("BKK", page=3)
+
+
+def test_shard_work_suppresses_only_a_lost_lease_and_always_stops_the_heartbeat(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with work as heartbeat:
+        cancel_batch(db, batch.batch_id, "operator cancelled")
+        lease.heartbeat()  # LeaseLost: suppressed, kept
+    assert isinstance(work.lost, LeaseLost) and work.error is None
+    assert not heartbeat._thread.is_alive()
+
+    # Any exception once the lease is lost is the loss's doing: suppressed too.
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with work:
+        lease.mark_lost("taken over")
+        raise ValueError("a write that the loss made moot")
+    assert isinstance(work.lost, ValueError)
+    assert get_shard(db, batch.batch_id, "BKK").status == "RUNNING"  # nothing written
+
+
+def test_shard_work_fails_the_shard_and_raises_the_original_error(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with pytest.raises(RuntimeError, match="boom"), work:
+        raise RuntimeError("boom")
+    assert work.error == "RuntimeError: boom" and work.lost is None
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "FAILED" and info.error_message == "RuntimeError: boom"
+
+    # Failing after another worker took the shard: its outcome stands, the error propagates.
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    other = SyncDatabase(engine=db.engine, clock=DbClock(SETTINGS.lease_seconds + 1))
+    with pytest.raises(RuntimeError, match="late"), ShardWork(lease):
+        claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+        raise RuntimeError("late")
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "RUNNING" and info.worker_id == "w2"
+
+
+def test_shard_work_releases_on_generator_close_and_keeps_the_interrupt_if_release_fails(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+
+    def pages() -> Generator[int, None, None]:
+        with ShardWork(lease):
+            yield 1
+            yield 2
+
+    walk = pages()
+    next(walk)
+    walk.close()  # GeneratorExit inside the block
+    assert get_shard(db, batch.batch_id, "BKK").status == "PENDING"
+
+    lease = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=SETTINGS)
+
+    def unreachable(reason: str) -> None:
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr(lease, "release", unreachable)
+    with pytest.raises(KeyboardInterrupt), ShardWork(lease):
+        raise KeyboardInterrupt
+    assert get_shard(db, batch.batch_id, "SIN").status == "RUNNING"  # it expires instead

@@ -1,0 +1,100 @@
+"""The shard state machine: its states, the one table of allowed moves, and the one guarded move.
+
+A shard is one city of one batch. Every change of a shard's status, and every fenced write
+of its holder, is :func:`move_shards`: one conditional UPDATE whose WHERE clause carries the
+states the table allows to reach the target (and, for a holder's write, its worker id and
+lease token), so a stale writer changes nothing. The table::
+
+    PENDING ──claim──> RUNNING ──finish──> SUCCESS | FAILED
+       ^                │  ^ │
+       └────release─────┘  └─┘ reclaim (lease_until < now), heartbeat, checkpoint
+    FAILED ──reopen──> PENDING (checkpoint kept)
+    PENDING | RUNNING ──batch cancelled──> CANCELLED
+
+The named moves live with their callers: claim, heartbeat, checkpoint, finish, release
+and reopen in :mod:`supplier_sync_dagster.core.leases`, cancel in
+:mod:`supplier_sync_dagster.core.batches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core.db import guarded_update
+from supplier_sync_dagster.core.errors import InvalidTransition
+
+ShardStatus = Literal["PENDING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED"]
+
+SHARD_MOVES: Mapping[ShardStatus, frozenset[ShardStatus]] = MappingProxyType(
+    {
+        "PENDING": frozenset({"RUNNING", "CANCELLED"}),
+        # RUNNING -> RUNNING: a reclaim, or a holder's heartbeat or checkpoint.
+        "RUNNING": frozenset({"RUNNING", "PENDING", "SUCCESS", "FAILED", "CANCELLED"}),
+        "FAILED": frozenset({"PENDING"}),
+        "SUCCESS": frozenset(),
+        "CANCELLED": frozenset(),
+    }
+)
+"""Each shard state and the states it may move to; nothing else is ever written."""
+
+
+def sources_of(target: ShardStatus) -> frozenset[ShardStatus]:
+    """The states from which :data:`SHARD_MOVES` allows a move to ``target``."""
+    return frozenset(s for s, targets in SHARD_MOVES.items() if target in targets)
+
+
+def move_shards(
+    conn: Connection,
+    target: ShardStatus,
+    where: Sequence[sa.ColumnElement[bool]],
+    *,
+    sources: Collection[ShardStatus] | None = None,
+    holder: tuple[str, str] | None = None,
+    on_miss: Callable[[], Exception] | None = None,
+    **values: Any,
+) -> int:
+    """The one guarded move of the shard state machine: one conditional UPDATE.
+
+    Args:
+        conn: Connection in the caller's transaction.
+        target: The status the shards move to.
+        where: Which shards (e.g. ``id == ...``, or every shard of a batch), plus any
+            condition the move needs besides the status (a claim's expired lease).
+        sources: The states to move from; by default every state that may reach ``target``.
+        holder: ``(worker_id, lease_token)`` that the row must still carry: a fenced write.
+        on_miss: For a one-shard move, the error to raise unless exactly one row matched.
+            Without it the move is a bulk one and its row count is returned, unchecked.
+        **values: The other columns to set.
+
+    Returns:
+        How many shards moved.
+
+    Raises:
+        InvalidTransition: ``sources`` names a state the table does not allow to reach
+            ``target`` (a bug: nothing is written).
+    """
+    allowed = sources_of(target)
+    chosen = allowed if sources is None else frozenset(sources)
+    if not chosen or not chosen <= allowed:
+        raise InvalidTransition(
+            f"no shard moves from {sorted(chosen - allowed) or 'nowhere'} to {target}; "
+            f"only from {sorted(allowed) or 'nowhere'}"
+        )
+    c = t.shard.c
+    stmt = sa.update(t.shard).where(*where, c.status.in_(sorted(chosen)))
+    if holder is not None:
+        stmt = stmt.where(c.worker_id == holder[0], c.lease_token == holder[1])
+    stmt = stmt.values(status=target, **values)
+    if on_miss is None:
+        return int(conn.execute(stmt).rowcount)
+    guarded_update(conn, stmt, on_miss)
+    return 1
+
+
+__all__ = ["SHARD_MOVES", "ShardStatus", "move_shards", "sources_of"]
