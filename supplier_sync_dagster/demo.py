@@ -5,14 +5,15 @@
 1. a task and an idempotent batch with one shard per city of a small simulated supplier
    (hostile city codes included), in the sync database (the embedded SQLite file unless
    ``SUPPLIER_SYNC_DB_URL`` says otherwise);
-2. two worker processes sync cities with the pipeline's own stages (``sync_city``: fetch,
-   normalize, map, diff, publish, each under the city's shard lease); each page's raw
-   snapshot row and the checkpoint past it commit in one fenced transaction;
+2. two worker processes each run the cities as a sync run does (``run.run_cities``, which
+   calls ``pipeline.sync_city``: fetch, normalize, gate, map, diff, publish, under the
+   city's shard lease); each page's raw snapshot row and the checkpoint past it commit in
+   one fenced transaction;
 3. worker A is killed (``os._exit``, like ``kill -9``) halfway through the largest city,
    in the middle of a page's transaction; its heartbeat stops;
-4. worker B finishes the other cities, reclaims the city (at once when A's process is
-   provably dead on this host, else once its lease expires by the database clock) and
-   resumes from A's last checkpoint;
+4. worker B finishes the other cities, waits for the city A held, reclaims it (at once
+   when A's process is provably dead on this host, else once its lease expires by the
+   database clock) and resumes from A's last checkpoint;
 5. the report shows every shard, the derived batch, and checks that each page was
    stored exactly once and that the counts add up.
 """
@@ -41,8 +42,9 @@ from supplier_sync_dagster.core.batches import (
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.payloads import PayloadStore, open_payload_store
-from supplier_sync_dagster.core.pipeline import RAW, SyncSettings, largest_first, sync_city
+from supplier_sync_dagster.core.pipeline import RAW, SyncSettings, largest_first
 from supplier_sync_dagster.core.processes import make_worker_id
+from supplier_sync_dagster.core.run import RunPlan, RunRequest, run_cities
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
@@ -57,7 +59,6 @@ DEMO_SUPPLIER = SimulatorConfig(
     total_hotels=900,
     faults=FaultProfile.clean().with_(hostile_city_codes=True),
 )
-_TODO = ("PENDING", "RUNNING", "FAILED")
 
 
 class _SlowTransport(httpx.BaseTransport):
@@ -79,33 +80,28 @@ def _demo_client(delay: float) -> SupplierClient:
     return SupplierClient(http, api_key=DEMO_SUPPLIER.api_key, supplier_id=str(DEMO_SUPPLIER_ID))
 
 
-def _kill_mid_page(db: SyncDatabase, store: PayloadStore, city: str, page: int) -> list[str]:
-    """Arms this process to die inside the transaction that stores ``page`` of ``city``.
+def _kill_mid_page(db: SyncDatabase, store: PayloadStore, page: int) -> None:
+    """Arms this process to die inside the transaction that stores its ``page``-th page.
 
     The fetch stage stores a page's bytes, then inserts its RAW snapshot row and advances
     the checkpoint in one transaction: the process exits right after that INSERT, so the
-    page never commits. Returns a list into which the caller puts the city it syncs.
+    page never commits.
     """
-    syncing: list[str] = []
     raw_pages = 0
-    armed = False
     put = store.put
 
     def counting_put(body: bytes, **kwargs: Any) -> Any:
-        nonlocal raw_pages, armed
+        nonlocal raw_pages
         stored = put(body, **kwargs)
-        if kwargs.get("kind") == "raw" and syncing and syncing[-1] == city:
-            raw_pages += 1
-            armed = raw_pages == page
+        raw_pages += kwargs.get("kind") == "raw"
         return stored
 
     def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if armed and statement.lstrip().upper().startswith("INSERT"):
+        if raw_pages == page and statement.lstrip().upper().startswith("INSERT"):
             os._exit(CRASH_EXIT_CODE)  # killed mid-transaction: this page never commits
 
     setattr(store, "put", counting_put)  # noqa: B010 (an instance's method, replaced)
     sa.event.listen(db.engine, "after_cursor_execute", after)
-    return syncing
 
 
 def _worker_main(
@@ -116,56 +112,42 @@ def _worker_main(
     settings: SyncSettings,
     cities: list[str],
     countries: dict[str, str],
-    crash_at: tuple[str, int] | None,
+    crash_at_page: int | None,
     delay: float,
     events: mp.Queue[tuple[str, str, str]],
 ) -> None:
     db = SyncDatabase.open(url, create_schema=False)
     store = open_payload_store(payload_url)
-    syncing = _kill_mid_page(db, store, *crash_at) if crash_at is not None else []
+    if crash_at_page is not None:
+        _kill_mid_page(db, store, crash_at_page)
     client = _demo_client(delay)
     worker_id = make_worker_id(f"demo-{name}")
     events.put((name, "started", worker_id))
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
-    waiting = False
-    while True:
-        todo = {s.shard_key for s in list_shards(db, batch_id) if s.status in _TODO}
-        if not todo:
-            break
-        progressed = False
-        for city in (c for c in cities if c in todo):
-            events.put((name, "syncing", repr(city)))
-            syncing.append(city)
-            report = sync_city(
-                db,
-                store,
-                client,
-                batch=batch,
-                city_code=city,
-                worker_id=worker_id,
-                settings=settings,
-                city_countries=countries,
+    # The run's own loop: its cities in order, a city another worker holds waited for
+    # after the others (and resumed once that worker's lease is gone).
+    request = RunRequest(
+        trigger_id=batch.trigger_id or batch_id,
+        source="MANUAL",
+        cities=cities,
+        help_other_runs=False,
+    )
+    plan = RunPlan(batch=batch, cities=cities, countries=countries)
+    for outcome in run_cities(db, store, client, plan, request, settings, worker_id=worker_id):
+        r = outcome.report
+        resumed = r.resumed_from_page
+        events.put(
+            (
+                name,
+                "finished",
+                f"{r.city_code!r} {r.status}: {r.pages_fetched} pages"
+                + (f" fetched after resuming at page {resumed}" if resumed else "")
+                + f", {r.records} records = {r.published} published + "
+                f"{r.dead_letters} dead letters + {r.skipped} skipped"
+                + (f" ({r.error})" if r.error else ""),
             )
-            if report.status in ("HELD_BY_OTHER", "ALREADY_DONE"):
-                continue
-            progressed, waiting = True, False
-            resumed = report.resumed_from_page
-            events.put(
-                (
-                    name,
-                    "finished",
-                    f"{city!r} {report.status}: {report.pages_fetched} pages"
-                    + (f" fetched after resuming at page {resumed}" if resumed else "")
-                    + f", {report.records} records = {report.published} published + "
-                    f"{report.dead_letters} dead letters + {report.skipped} skipped",
-                )
-            )
-        if not progressed:
-            if not waiting:
-                waiting = True
-                events.put((name, "waiting", "another worker's lease holds the rest"))
-            time.sleep(settings.lease.heartbeat_seconds)
+        )
     db.dispose()
     events.put((name, "exit", ""))
 
@@ -268,7 +250,7 @@ def run_demo(
     events: mp.Queue[tuple[str, str, str]] = ctx.Queue()
     killed_reported: set[str] = set()
 
-    def worker(name: str, order: list[str], crash_here: tuple[str, int] | None) -> Any:
+    def worker(name: str, order: list[str], crash_here: int | None) -> Any:
         return ctx.Process(
             target=_worker_main,
             args=(
@@ -286,12 +268,15 @@ def run_demo(
         )
 
     # A starts with the largest city, B with the smallest: A holds the city it is killed in.
-    workers = {"A": worker("A", cities, crash_at), "B": worker("B", cities[::-1], None)}
+    workers = {
+        "A": worker("A", cities, crash_at[1] if crash_at else None),
+        "B": worker("B", cities[::-1], None),
+    }
     workers["A"].start()
     time.sleep(0.3)  # let A claim first, so the crash lands on the city it holds
     workers["B"].start()
     reclaimed: list[str] = []
-    shown: set[tuple[str, str]] = set()
+
     while any(p.is_alive() for p in workers.values()) or not events.empty():
         try:
             name, kind, text = events.get(timeout=0.2)
@@ -304,10 +289,6 @@ def run_demo(
                         f"{lease_seconds:g} s, or as soon as a worker of this host sees it dead"
                     )
             continue
-        if kind == "syncing":
-            if (name, text) in shown:
-                continue  # a retry of a city another worker holds
-            shown.add((name, text))
         if kind == "finished" and "resuming at page" in text:
             reclaimed.append(text)
         say(f"[{name}] {kind} {text}".rstrip())
