@@ -17,6 +17,11 @@ and report what they return.
   mappings, diffs against what is published, builds every row, then writes the diff log
   and publishes AUTO_PUBLISH diffs with their outbox events in one transaction per chunk.
 
+A dry run (:func:`dry_run_stages`, used by ``replay.dry_run_city``) runs the same normalize
+and publish stages over stored raw pages without a lease: no writer, and a publisher
+(:class:`DiffCollector`) that diffs each validated chunk through read-only connections, so
+it writes nothing and its memory stays bounded by a chunk.
+
 Every record fetched ends in exactly one bucket (invariant 4): published (success), dead
 letter (failed), or skipped: unchanged, stale, a duplicate of a record on another page, or
 held for review. The shard finishes with those counts, and ``total = success + failed +
@@ -541,7 +546,7 @@ def _fetch(
     lease: ShardLease,
     store: PayloadStore,
     client: SupplierClient,
-    heartbeat: HeartbeatRunner,
+    heartbeat: Progress,
     settings: SyncSettings,
     report: CityReport,
     *,
