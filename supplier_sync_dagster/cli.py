@@ -523,25 +523,28 @@ def _stopped_early(
         ProfileMissing: The city was not stopped by a gate (it is not normalized yet).
     """
     from supplier_sync_dagster.core.errors import ProfileMissing
-    from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, list_overrides
+    from supplier_sync_dagster.core.gates import (
+        CHECK_NAMES,
+        GateResult,
+        gated_checks,
+        list_overrides,
+    )
     from supplier_sync_dagster.core.leases import get_shard
-    from supplier_sync_dagster.core.pipeline import GATED_PREFIX
 
     shard = get_shard(db, batch_id, city)
-    message = shard.error_message or ""
-    if not message.startswith(GATED_PREFIX):
+    stopped = gated_checks(shard.error_message)
+    if stopped is None:
         raise ProfileMissing(
             f"city {city!r} of batch {batch_id} is {shard.status} and has no gate results yet"
         )
     overrides = {o.check_name for o in list_overrides(conn, batch_id=batch_id, shard_key=city)}
     meta = {"stopped": "on its first pages; the other checks run once it passes"}
     results = []
-    for part in message[len(GATED_PREFIX) :].split(" | "):
-        name, _, why = part.partition(":")
-        check = next((c for c in CHECK_NAMES if c == name.strip()), None)
+    for name, why in stopped:
+        check = next((c for c in CHECK_NAMES if c == name), None)
         if check is not None:
             overridden = check in overrides
-            results.append(GateResult(check, overridden, "ERROR", why.strip(), meta, overridden))
+            results.append(GateResult(check, overridden, "ERROR", why, meta, overridden))
     return results
 
 
@@ -672,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "lease-demo",
         help="the lease/checkpoint demonstration: two worker processes, one killed mid-city, "
-        "the other reclaims its city after the lease expires and resumes from the checkpoint",
+        "the other reclaims its city and resumes from the checkpoint",
     )
     run.add_argument("--lease-seconds", type=float, default=6.0, help="lease duration (5-1800)")
     run.add_argument("--no-crash", action="store_true", help="do not kill worker A")

@@ -1,35 +1,35 @@
-"""An end-to-end demonstration of the lease/checkpoint engine on real processes.
+"""The lease demonstration: the real sync, two worker processes, one killed mid-city.
 
-``supplier-sync run`` runs this until the supplier pipeline takes over as the main job:
+``supplier-sync lease-demo`` runs it:
 
-1. a task and an idempotent batch with one shard per city, in the sync database
-   (the embedded SQLite file unless ``SUPPLIER_SYNC_DB_URL`` says otherwise);
-2. two worker processes claim cities by lease and walk their pages; each page's raw
-   snapshot row and the checkpoint past it commit in one fenced transaction;
-3. worker A is killed (``os._exit``, like ``kill -9``) halfway through a city, in the middle
-   of a page's transaction; its heartbeat stops;
-4. worker B finishes the other cities, waits for A's lease to expire by the database
-   clock, reclaims the city and resumes from A's last checkpoint;
+1. a task and an idempotent batch with one shard per city of a small simulated supplier
+   (hostile city codes included), in the sync database (the embedded SQLite file unless
+   ``SUPPLIER_SYNC_DB_URL`` says otherwise);
+2. two worker processes each run the cities as a sync run does (``run.run_cities``, which
+   calls ``pipeline.sync_city``: fetch, normalize, gate, map, diff, publish, under the
+   city's shard lease); each page's raw snapshot row and the checkpoint past it commit in
+   one fenced transaction;
+3. worker A is killed (``os._exit``, like ``kill -9``) halfway through the largest city,
+   in the middle of a page's transaction; its heartbeat stops;
+4. worker B finishes the other cities, waits for the city A held, reclaims it (at once
+   when A's process is provably dead on this host, else once its lease expires by the
+   database clock) and resumes from A's last checkpoint;
 5. the report shows every shard, the derived batch, and checks that each page was
    stored exactly once and that the counts add up.
-
-The pages are synthetic (deterministic per city and page), not a supplier's: the
-supplier client and the pipeline arrive with their own issues.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
 import multiprocessing as mp
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import httpx
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import (
@@ -39,148 +39,113 @@ from supplier_sync_dagster.core.batches import (
     get_batch,
     upsert_task,
 )
-from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
-from supplier_sync_dagster.core.leases import (
-    Checkpoint,
-    FetchedPage,
-    LeaseSettings,
-    PageCounts,
-    PageHandler,
-    PageSource,
-    ShardInfo,
-    claim_next_shard,
-    list_shards,
-    make_worker_id,
-    run_shard,
-)
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.leases import LeaseSettings, ShardInfo, list_shards
+from supplier_sync_dagster.core.payloads import PayloadStore, open_payload_store
+from supplier_sync_dagster.core.pipeline import RAW, SyncSettings, largest_first
+from supplier_sync_dagster.core.processes import make_worker_id
+from supplier_sync_dagster.core.run import RunPlan, RunRequest, run_cities
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 DEMO_TASK = "demo_hotel_full_resource"
 DEMO_SUPPLIER_ID = 1001
-DEMO_CITIES = ("BKK", "SIN", "JKT", "../../etc", "x'; DROP TABLE t;--", "東京")
 PAGE_SIZE = 50
 CRASH_EXIT_CODE = 137
+# A small world: three real cities (the largest has ten pages) and the hostile codes.
+DEMO_SUPPLIER = SimulatorConfig(
+    seed=7,
+    n_cities=3,
+    total_hotels=900,
+    faults=FaultProfile.clean().with_(hostile_city_codes=True),
+)
 
 
-def pages_for(city: str, index: int) -> int:
-    """How many pages the synthetic supplier has for a city (deterministic, 4-11)."""
-    return 4 + int(hashlib.sha256(city.encode()).hexdigest(), 16) % 8 + index % 2
+class _SlowTransport(httpx.BaseTransport):
+    """The simulator's transport, with the latency of a remote supplier."""
+
+    def __init__(self, inner: httpx.BaseTransport, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        time.sleep(self.delay)
+        return self.inner.handle_request(request)
 
 
-def synthetic_pages(city: str, total_pages: int, delay: float) -> PageSource:
-    """A page source over deterministic synthetic hotels, starting at any checkpoint."""
-
-    def source(start: Checkpoint) -> Iterator[FetchedPage]:
-        for number in range(start.page, total_pages + 1):
-            time.sleep(delay)  # stands in for the supplier's latency
-            hotels = [
-                {"hotel_id": f"H{number:04d}{i:03d}", "city_code": city, "version": 1}
-                for i in range(PAGE_SIZE)
-            ]
-            payload = json.dumps(
-                {"city_code": city, "page": number, "total_pages": total_pages, "hotels": hotels},
-                ensure_ascii=False,
-                sort_keys=True,
-            ).encode()
-            nxt = Checkpoint(
-                city,
-                page=number + 1,
-                cursor=None,
-                last_supplier_hotel_id=str(hotels[-1]["hotel_id"]) if hotels else None,
-            )
-            yield FetchedPage(number, nxt, total_pages, payload, hotels)
-
-    return source
+def _demo_client(delay: float) -> SupplierClient:
+    sim = Simulator(DEMO_SUPPLIER)
+    http = httpx.Client(
+        base_url="http://simulator.local", transport=_SlowTransport(sim.transport(), delay)
+    )
+    return SupplierClient(http, api_key=DEMO_SUPPLIER.api_key, supplier_id=str(DEMO_SUPPLIER_ID))
 
 
-def store_page(clock: DbClock, batch_id: str, crash_at: tuple[str, int] | None) -> PageHandler:
-    """A page handler: one RAW snapshot row per page, keyed by hash so a redo is a no-op."""
+def _kill_mid_page(db: SyncDatabase, store: PayloadStore, page: int) -> None:
+    """Arms this process to die inside the transaction that stores its ``page``-th page.
 
-    def handle(conn: Connection, page: FetchedPage) -> PageCounts:
-        city = page.next_checkpoint.city_code
-        key = hashlib.sha256(f"{batch_id}\0{city}\0{page.number}".encode()).hexdigest()
-        insert_ignore(
-            conn,
-            t.snapshot,
-            [
-                {
-                    "snapshot_id": f"rs_{key[:60]}",
-                    "batch_id": batch_id,
-                    "supplier_id": DEMO_SUPPLIER_ID,
-                    "category_code": "HOTEL",
-                    "snapshot_type": "RAW",
-                    "snapshot_version": 1,
-                    "payload_ref": f"sha256:{hashlib.sha256(page.payload).hexdigest()}",
-                    "payload_hash": hashlib.sha256(page.payload).hexdigest(),
-                }
-            ],
-            created_at=clock.now(),
-        )
-        if crash_at == (city, page.number):
+    The fetch stage stores a page's bytes, then inserts its RAW snapshot row and advances
+    the checkpoint in one transaction: the process exits right after that INSERT, so the
+    page never commits.
+    """
+    raw_pages = 0
+    put = store.put
+
+    def counting_put(body: bytes, **kwargs: Any) -> Any:
+        nonlocal raw_pages
+        stored = put(body, **kwargs)
+        raw_pages += kwargs.get("kind") == "raw"
+        return stored
+
+    def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if raw_pages == page and statement.lstrip().upper().startswith("INSERT"):
             os._exit(CRASH_EXIT_CODE)  # killed mid-transaction: this page never commits
-        # Synthetic outcome mix, so the counts have something to add up.
-        failed = sum(1 for i in range(len(page.records)) if (i + page.number) % 17 == 0)
-        skipped = sum(1 for i in range(len(page.records)) if (i + page.number) % 23 == 0)
-        return PageCounts(len(page.records) - failed - skipped, failed, skipped)
 
-    return handle
+    setattr(store, "put", counting_put)  # noqa: B010 (an instance's method, replaced)
+    sa.event.listen(db.engine, "after_cursor_execute", after)
 
 
 def _worker_main(
     url: str,
+    payload_url: str | None,
     batch_id: str,
     name: str,
-    settings: LeaseSettings,
-    cities: dict[str, int],
-    crash_at: tuple[str, int] | None,
+    settings: SyncSettings,
+    cities: list[str],
+    countries: dict[str, str],
+    crash_at_page: int | None,
     delay: float,
     events: mp.Queue[tuple[str, str, str]],
 ) -> None:
     db = SyncDatabase.open(url, create_schema=False)
+    store = open_payload_store(payload_url)
+    if crash_at_page is not None:
+        _kill_mid_page(db, store, crash_at_page)
+    client = _demo_client(delay)
     worker_id = make_worker_id(f"demo-{name}")
     events.put((name, "started", worker_id))
-    idle_since: float | None = None
-    while True:
-        lease = claim_next_shard(db, batch_id, worker_id=worker_id, settings=settings)
-        if lease is None:
-            with db.engine.connect() as conn:
-                if get_batch(conn, batch_id).is_terminal:
-                    break
-                running = conn.execute(
-                    sa.select(sa.func.count())
-                    .select_from(t.shard)
-                    .where(
-                        t.shard.c.batch_id == batch_id, t.shard.c.status.in_(("PENDING", "RUNNING"))
-                    )
-                ).scalar_one()
-            if not running:
-                break
-            if idle_since is None:
-                idle_since = time.monotonic()
-                events.put((name, "waiting", "no city claimable: waiting for a lease to expire"))
-            time.sleep(settings.heartbeat_seconds)
-            continue
-        idle_since = None
-        cp = lease.checkpoint
-        events.put(
-            (
-                name,
-                "claimed",
-                f"{lease.shard_key!r} " + (f"resuming at page {cp.page}" if cp else "from page 1"),
-            )
-        )
-        outcome = run_shard(
-            lease,
-            synthetic_pages(lease.shard_key, cities[lease.shard_key], delay),
-            store_page(db.clock, batch_id, crash_at),
-            on_page=lambda page, counts: events.put(
-                (name, "page", f"{page.next_checkpoint.city_code!r} page {page.number}")
-            ),
-        )
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, batch_id)
+    # The run's own loop: its cities in order, a city another worker holds waited for
+    # after the others (and resumed once that worker's lease is gone).
+    request = RunRequest(
+        trigger_id=batch.trigger_id or batch_id,
+        source="MANUAL",
+        cities=cities,
+        help_other_runs=False,
+    )
+    plan = RunPlan(batch=batch, cities=cities, countries=countries)
+    for outcome in run_cities(db, store, client, plan, request, settings, worker_id=worker_id):
+        r = outcome.report
+        resumed = r.resumed_from_page
         events.put(
             (
                 name,
                 "finished",
-                f"{outcome.shard_key!r} {outcome.status} after {outcome.pages} pages",
+                f"{r.city_code!r} {r.status}: {r.pages_fetched} pages"
+                + (f" fetched after resuming at page {resumed}" if resumed else "")
+                + f", {r.records} records = {r.published} published + "
+                f"{r.dead_letters} dead letters + {r.skipped} skipped"
+                + (f" ({r.error})" if r.error else ""),
             )
         )
     db.dispose()
@@ -195,7 +160,7 @@ class DemoReport:
     batch: Batch
     shards: list[ShardInfo]
     expected_pages: dict[str, int]
-    snapshot_rows: int
+    snapshot_rows: int  # RAW page snapshots stored
     crashed_worker_exit: int | None
     reclaimed: list[str]
     seconds: float
@@ -228,7 +193,7 @@ class DemoReport:
 def run_demo(
     *,
     db_url: str | None = None,
-    cities: tuple[str, ...] = DEMO_CITIES,
+    payload_url: str | None = None,
     lease_seconds: float = 6.0,
     page_delay: float = 0.12,
     crash: bool = True,
@@ -239,20 +204,30 @@ def run_demo(
     started = time.monotonic()
     db = SyncDatabase.open(db_url)
     url = db.engine.url.render_as_string(hide_password=False)
-    settings = LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6)
+    settings = SyncSettings(
+        task_code=DEMO_TASK,
+        supplier_id=DEMO_SUPPLIER_ID,
+        page_size=PAGE_SIZE,
+        lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
+    )
     upsert_task(
         db,
         TaskSpec(
             task_code=DEMO_TASK, supplier_id=DEMO_SUPPLIER_ID, concurrency_policy="ALLOW_PARALLEL"
         ),
     )
-    plan = {city: pages_for(city, i) for i, city in enumerate(cities)}
+    client = _demo_client(0.0)
+    listed = client.list_cities().data.cities
+    sizes = {c.city_code: c.hotel_count or 0 for c in listed}
+    countries = {c.city_code: c.country_code for c in listed if c.country_code}
+    cities = largest_first(list(sizes), sizes)
+    plan = {city: max(1, math.ceil(sizes[city] / PAGE_SIZE)) for city in cities}
     decision = create_batch(
         db,
         task_code=DEMO_TASK,
         trigger_id=trigger_id or f"demo-{uuid.uuid4().hex[:12]}",
         trigger_source="MANUAL",
-        shard_keys=list(cities),
+        shard_keys=cities,
     )
     if decision.batch is None:
         raise RuntimeError(f"the demo batch was not created: {decision.reason}")
@@ -274,30 +249,40 @@ def run_demo(
     ctx = mp.get_context("spawn")
     events: mp.Queue[tuple[str, str, str]] = ctx.Queue()
     killed_reported: set[str] = set()
+
+    def worker(name: str, order: list[str], crash_here: int | None) -> Any:
+        return ctx.Process(
+            target=_worker_main,
+            args=(
+                url,
+                payload_url,
+                batch_id,
+                name,
+                settings,
+                order,
+                countries,
+                crash_here,
+                page_delay,
+                events,
+            ),
+        )
+
+    # A starts with the largest city, B with the smallest: A holds the city it is killed in.
     workers = {
-        "A": ctx.Process(
-            target=_worker_main,
-            args=(url, batch_id, "A", settings, plan, crash_at, page_delay, events),
-        ),
-        "B": ctx.Process(
-            target=_worker_main,
-            args=(url, batch_id, "B", settings, plan, None, page_delay, events),
-        ),
+        "A": worker("A", cities, crash_at[1] if crash_at else None),
+        "B": worker("B", cities[::-1], None),
     }
     workers["A"].start()
-    # B starts once A holds its first city, so that the crash lands on the city A holds
-    # (a spawned worker's start-up takes seconds on a loaded machine).
+    # B starts once A holds a city, so that the crash lands on the city A holds (a spawned
+    # worker's start-up takes seconds on a loaded machine).
     deadline = time.monotonic() + 120
     while workers["A"].is_alive() and time.monotonic() < deadline:
-        try:
-            name, kind, text = events.get(timeout=0.2)
-        except Exception:
-            continue
-        say(f"[{name}] {kind} {text}".rstrip())
-        if kind == "claimed":
+        if any(s.status == "RUNNING" for s in list_shards(db, batch_id)):
             break
+        time.sleep(0.05)
     workers["B"].start()
     reclaimed: list[str] = []
+
     while any(p.is_alive() for p in workers.values()) or not events.empty():
         try:
             name, kind, text = events.get(timeout=0.2)
@@ -306,22 +291,22 @@ def run_demo(
                 if proc.exitcode == CRASH_EXIT_CODE and name not in killed_reported:
                     killed_reported.add(name)
                     say(
-                        f"[{name}] KILLED (exit {proc.exitcode}): its lease will expire in {lease_seconds:g} s"
+                        f"[{name}] KILLED (exit {proc.exitcode}): its lease ends in "
+                        f"{lease_seconds:g} s, or as soon as a worker of this host sees it dead"
                     )
             continue
-        if kind == "page":
-            continue
-        if kind == "claimed" and "resuming" in text:
+        if kind == "finished" and "resuming at page" in text:
             reclaimed.append(text)
         say(f"[{name}] {kind} {text}".rstrip())
     for proc in workers.values():
         proc.join()
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
+        s = t.snapshot.c
         rows = conn.execute(
             sa.select(sa.func.count())
             .select_from(t.snapshot)
-            .where(t.snapshot.c.batch_id == batch_id)
+            .where(s.batch_id == batch_id, s.snapshot_type == RAW)
         ).scalar_one()
     report = DemoReport(
         db_url=db.safe_url,

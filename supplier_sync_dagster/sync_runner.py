@@ -28,8 +28,8 @@ from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
+from supplier_sync_dagster.core.gates import GATED_PREFIX, gate_check_names
 from supplier_sync_dagster.core.leases import list_shards
-from supplier_sync_dagster.core.pipeline import GATED_PREFIX, gate_check_names
 from supplier_sync_dagster.core.processes import this_host
 from supplier_sync_dagster.core.tasks import require_enabled
 from supplier_sync_dagster.defs.city_sync import (

@@ -634,6 +634,53 @@ def evaluate_gates(
     return [_with_override(r, overrides.get(r.check_name)) for r in results]
 
 
+def check_first_pages(
+    db: SyncDatabase, *, batch_id: str, task_code: str, shard_key: str, pages: Sequence[Any]
+) -> GateResult | None:
+    """Schema drift judged on a city's first pages, before anything is normalized.
+
+    A renamed field changes every record, so the first pages show it; the full check after
+    normalization still judges every record.
+
+    Args:
+        db: The sync database.
+        batch_id: The batch being synced.
+        task_code: The task (its previous batch of the city is the reference).
+        shard_key: The city.
+        pages: The records of the city's first pages, one sequence per page.
+
+    Returns:
+        The failed ``schema_drift`` result that stops the city, or None (no drift, no
+        baseline, nothing to judge, or the check is overridden).
+    """
+    sample = FieldCounts()
+    for records in pages:
+        sample.add(records)
+    if sample.records == 0:
+        return None
+    with db.engine.connect() as conn:
+        previous = previous_profile(
+            conn, task_code=task_code, shard_key=shard_key, before_batch_id=batch_id
+        )
+        if previous is None or previous.field_counts is None:
+            return None
+        overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
+        if any(o.check_name == "schema_drift" for o in overrides):
+            return None
+        thresholds = get_gate_thresholds(conn, task_code)
+    current = CityProfile(batch_id, task_code, shard_key, sample.records, 0, sample)
+    result = check_schema_drift(current, previous, thresholds)
+    if result.passed:
+        return None
+    return GateResult(
+        "schema_drift",
+        False,
+        result.severity,
+        f"{result.description} (first {len(pages)} pages)",
+        {**result.metadata, "stopped": "first pages"},
+    )
+
+
 def _check_text(name: str, value: Any, max_len: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidGateOverride(f"a gate override needs a non-empty {name}; got {value!r}")
@@ -778,13 +825,42 @@ def get_gate_thresholds(conn: Connection, task_code: str) -> GateThresholds:
         raise ConfigError(f"gate thresholds of task {task_code!r}: {err}") from None
 
 
+# A gated city's shard is FAILED (a re-run after an override continues it) with this
+# prefix on its error message, which tells it from a city that failed (the CLI summary).
+GATED_PREFIX = "quality gate: "
+
+
 def failure_reason(results: Iterable[GateResult]) -> str | None:
-    """One line naming every failed check and why, or None when all passed."""
+    """One line naming every failed check and why, or None when all passed.
+
+    The one place that turns results into text: a city report's error, and after
+    :data:`GATED_PREFIX` the gated shard's error message (:func:`gated_checks` reads it).
+    """
     failed = [f"{r.check_name}: {r.description}" for r in results if not r.passed]
     return " | ".join(failed) if failed else None
 
 
-PipelineGate = Callable[[SyncDatabase, str, str, "CityReport"], "str | None"]
+def gated_checks(message: str | None) -> list[tuple[str, str]] | None:
+    """The failed checks a shard's error message names, as (check name, description).
+
+    A shard's error message is all that another process (the CLI, a summary) has of the
+    gate that stopped a city before it had a profile; this reads what
+    :func:`failure_reason` wrote. Returns None when the message is not a gate's.
+    """
+    if message is None or not message.startswith(GATED_PREFIX):
+        return None
+    parts = (part.partition(":") for part in message[len(GATED_PREFIX) :].split(" | "))
+    return [(name.strip(), why.strip()) for name, _, why in parts]
+
+
+def gate_check_names(reason: str) -> list[str]:
+    """The checks a gate's reason names: ``"check: why | check: why"`` -> ``[check, ...]``."""
+    return [name for name, _ in gated_checks(GATED_PREFIX + reason) or ()]
+
+
+PipelineGate = Callable[[SyncDatabase, str, str, "CityReport"], list[GateResult]]
+"""Called after normalization with (db, batch_id, city_code, report); any result that did
+not pass stops the city before anything is published."""
 
 
 def gate_for_pipeline(
@@ -800,15 +876,16 @@ def gate_for_pipeline(
 
     Args:
         thresholds_for_task: Task code -> thresholds; None reads the task's stored ones.
-        on_results: Called with (batch_id, city_code, results) after every evaluation, e.g.
-            to report asset check results without evaluating twice.
+        on_results: Called with (batch_id, city_code, results) after every evaluation.
 
     Returns:
-        ``gate(db, batch_id, city_code, report)``: None when every check passed (or was
-        overridden), else a reason naming each failed check with its measurement.
+        ``gate(db, batch_id, city_code, report)``: one result per check (a failed check
+        that was overridden counts as passed).
     """
 
-    def gate(db: SyncDatabase, batch_id: str, city_code: str, report: CityReport) -> str | None:
+    def gate(
+        db: SyncDatabase, batch_id: str, city_code: str, report: CityReport
+    ) -> list[GateResult]:
         with db.engine.connect() as conn:
             task_code = get_batch(conn, batch_id).task_code
             thresholds = (
@@ -839,6 +916,6 @@ def gate_for_pipeline(
         reason = failure_reason(results)
         if reason is not None:
             log.warning("quality gate stopped city %r of batch %s: %s", city_code, batch_id, reason)
-        return reason
+        return results
 
     return gate

@@ -26,8 +26,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -872,103 +872,6 @@ class ShardWork:
         return False
 
 
-@dataclass(frozen=True)
-class FetchedPage:
-    """One page as fetched, and the checkpoint that follows it once it is committed.
-
-    Attributes:
-        number: The page number fetched (1-based).
-        next_checkpoint: Where to resume after this page.
-        total_pages: The supplier's page count for the city, when known.
-        payload: The exact bytes received.
-        records: The page's records, for the handler.
-    """
-
-    number: int
-    next_checkpoint: Checkpoint
-    total_pages: int | None
-    payload: bytes
-    records: list[Any] = field(default_factory=list)
-
-
-PageSource = Callable[[Checkpoint], Iterator[FetchedPage]]
-"""Yields the pages of a city starting at a checkpoint (page number and/or cursor)."""
-
-PageHandler = Callable[[Connection, FetchedPage], PageCounts]
-"""Writes one page's data in the given transaction and says what became of its records."""
-
-OutcomeStatus = Literal["SUCCESS", "FAILED", "LEASE_LOST", "RELEASED"]
-
-
-@dataclass(frozen=True)
-class ShardOutcome:
-    """How one run of :func:`run_shard` ended."""
-
-    shard_key: str
-    status: OutcomeStatus
-    pages: int
-    counts: PageCounts
-    resumed_from: Checkpoint | None
-    batch: Batch | None = None
-    error: str | None = None
-
-
-def run_shard(
-    lease: ShardLease,
-    source: PageSource,
-    handle: PageHandler,
-    *,
-    on_page: Callable[[FetchedPage, PageCounts], None] | None = None,
-) -> ShardOutcome:
-    """Works a claimed shard page by page to its end, resuming from the lease's checkpoint.
-
-    Each page's data and the checkpoint past it commit in one fenced transaction
-    (invariant 3), so a crash re-processes at most the page in flight and a lost lease
-    writes nothing. The lease demonstration runs it over synthetic pages; the pipeline's
-    fetch stage follows the same order with the supplier's pages.
-
-    Returns:
-        SUCCESS once every page is done, or LEASE_LOST (see :class:`ShardWork`).
-
-    Raises:
-        Exception: From the source or the handler, after the shard finished FAILED.
-        BaseException: An interruption, after the lease was released.
-    """
-    resumed_from = lease.checkpoint
-    pages = 0
-    total = PageCounts()
-    work = ShardWork(lease)
-    with work as heartbeat:
-        for page in source(lease.checkpoint or Checkpoint(lease.shard_key)):
-            heartbeat.check()
-            heartbeat.report("PROCESSING", f"city={lease.shard_key} page={page.number}")
-            with lease.db.begin() as conn:
-                counts = handle(conn, page)
-                lease.advance(
-                    page.next_checkpoint,
-                    counts,
-                    total_pages=page.total_pages,
-                    fetched=len(page.records),
-                    message=f"city={lease.shard_key} page={page.number} committed",
-                    conn=conn,
-                )
-            pages += 1
-            total = PageCounts(
-                total.success + counts.success,
-                total.failed + counts.failed,
-                total.skipped + counts.skipped,
-            )
-            if on_page is not None:
-                on_page(page, counts)
-            heartbeat.report("FETCHING", f"city={lease.shard_key} page={page.number + 1}")
-        heartbeat.check()
-        batch = lease.finish("SUCCESS")
-        return ShardOutcome(lease.shard_key, "SUCCESS", pages, total, resumed_from, batch)
-    return ShardOutcome(
-        lease.shard_key, "LEASE_LOST", pages, total, resumed_from, None, str(work.lost)
-    )
-
-
 def _claimable(clock: DbClock) -> sa.ColumnElement[bool]:
     """A shard a worker may claim: PENDING, or RUNNING with an expired lease (a reclaim)."""
     c = t.shard.c
@@ -1039,13 +942,11 @@ def _why_not_claimable(
 
 __all__ = [
     "Checkpoint",
-    "FetchedPage",
     "HeartbeatRunner",
     "LeaseSettings",
     "PageCounts",
     "ShardInfo",
     "ShardLease",
-    "ShardOutcome",
     "ShardWork",
     "Stall",
     "claim_next_shard",
@@ -1056,5 +957,4 @@ __all__ = [
     "list_shards",
     "make_worker_id",
     "reopen_shard",
-    "run_shard",
 ]

@@ -17,6 +17,11 @@ and report what they return.
   mappings, diffs against what is published, builds every row, then writes the diff log
   and publishes AUTO_PUBLISH diffs with their outbox events in one transaction per chunk.
 
+A dry run (:func:`dry_run_stages`, used by ``replay.dry_run_city``) runs the same normalize
+and publish stages over stored raw pages without a lease: no writer, and a publisher
+(:class:`DiffCollector`) that diffs each validated chunk through read-only connections, so
+it writes nothing and its memory stays bounded by a chunk.
+
 Every record fetched ends in exactly one bucket (invariant 4): published (success), dead
 letter (failed), or skipped: unchanged, stale, a duplicate of a record on another page, or
 held for review. The shard finishes with those counts, and ``total = success + failed +
@@ -37,7 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -48,6 +53,7 @@ from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
 from supplier_sync_dagster.core.diff import (
     Candidate,
+    HotelDiff,
     RiskPolicy,
     collapse_duplicates,
     compute_diffs,
@@ -56,17 +62,16 @@ from supplier_sync_dagster.core.diff import (
 )
 from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseNotAcquired
 from supplier_sync_dagster.core.gates import (
-    CityProfile,
+    GATED_PREFIX,
     FieldCounts,
-    check_schema_drift,
-    get_gate_thresholds,
-    list_overrides,
-    previous_profile,
+    GateResult,
+    PipelineGate,
+    check_first_pages,
+    failure_reason,
     record_city_profile,
 )
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
-    HeartbeatRunner,
     LeaseSettings,
     PageCounts,
     ShardLease,
@@ -196,7 +201,7 @@ class CityReport:
     duplicates: int = 0
     moved: int = 0  # listed in this city but located in another: published under their own
     held_for_review: int = 0
-    gate_failures: list[str] = field(default_factory=list)  # checks that stopped the city
+    checks: list[GateResult] = field(default_factory=list)  # the gate's, when it ran
     dead_letters_by_code: Counter[str] = field(default_factory=Counter)
     diffs_by_type: Counter[str] = field(default_factory=Counter)
     diffs_by_action: Counter[str] = field(default_factory=Counter)
@@ -205,14 +210,17 @@ class CityReport:
     stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
 
     @property
+    def gate_failures(self) -> list[str]:
+        """The checks that stopped the city (failed and not overridden)."""
+        return [r.check_name for r in self.checks if not r.passed]
+
+    @property
     def counts(self) -> PageCounts:
         """The shard's outcome counts: published, dead letters, everything else."""
         return PageCounts(success=self.published, failed=self.dead_letters, skipped=self.skipped)
 
 
-Gate = Callable[[SyncDatabase, str, str, "CityReport"], str | None]
-"""Called after normalization with (db, batch_id, city_code, report); a non-None return
-stops the city before anything is published (the reason is reported)."""
+Gate = PipelineGate
 
 
 def sync_city(
@@ -274,12 +282,15 @@ def sync_city(
     try:
         with work as heartbeat:
             normalizer = _Normalizer(
-                lease,
+                db,
+                batch.batch_id,
+                city_code,
                 store,
                 heartbeat,
                 settings,
                 report,
                 city_countries or {},
+                writer=_NormalizedWriter(lease, store, settings),
                 drift_check=gate is not None,
             )
             if fetch:
@@ -300,7 +311,7 @@ def sync_city(
                 )
             report.stages_done.append("fetch")
             if gate is not None:
-                drift = normalizer.drift_reason()
+                drift = normalizer.drift()
                 if drift is not None:
                     # Stop before normalizing: a renamed field would otherwise turn every
                     # record of the city into a dead letter.
@@ -308,18 +319,15 @@ def sync_city(
                         int(r.record_count or 0)
                         for r in _snapshots(db, batch.batch_id, city_code, RAW)
                     )
-                    report.status, report.error = "GATED", drift
-                    report.gate_failures = ["schema_drift"]
-                    lease.finish("FAILED", GATED_PREFIX + drift, counts=_gated_counts(report))
+                    _stop_gated(lease, report, [drift])
                     return report
             normalizer.finish()
             report.stages_done.append("normalize")
-            reason = gate(db, batch.batch_id, city_code, report) if gate is not None else None
-            if reason is not None:
-                report.status, report.error = "GATED", reason
-                report.gate_failures = gate_check_names(reason)
-                lease.finish("FAILED", GATED_PREFIX + reason, counts=_gated_counts(report))
-                return report
+            if gate is not None:
+                report.checks = gate(db, batch.batch_id, city_code, report)
+                if report.gate_failures:
+                    _stop_gated(lease, report, report.checks)
+                    return report
             _publish(lease, store, heartbeat, settings, report, normalizer.candidates)
             heartbeat.check()
             lease.finish("SUCCESS", counts=report.counts)
@@ -333,51 +341,13 @@ def sync_city(
 
 
 DRIFT_SAMPLE_PAGES = 2
-# A gated city's shard is FAILED (a re-run after an override continues it) with this
-# prefix on its error message, which tells it from a city that failed (the CLI summary).
-GATED_PREFIX = "quality gate: "
 
 
-def gate_check_names(reason: str) -> list[str]:
-    """The checks a gate's reason names: ``"check: why | check: why"`` -> ``[check, ...]``."""
-    return [part.split(":")[0].strip() for part in reason.split(" | ")]
-
-
-def _drift_precheck(
-    db: SyncDatabase, batch_id: str, city: str, task_code: str, pages: Sequence[Sequence[Any]]
-) -> str | None:
-    """Schema drift judged on the city's first pages, before anything is normalized.
-
-    A renamed field changes every record, so the first pages show it; the full check after
-    normalization still judges every record. Returns the reason to stop, or None.
-
-    Args:
-        db: The sync database.
-        batch_id: The batch being synced.
-        city: The city.
-        task_code: The task (its previous batch of the city is the reference).
-        pages: The records of the city's first pages (at most ``DRIFT_SAMPLE_PAGES``).
-    """
-    sample = FieldCounts()
-    for records in pages:
-        sample.add(records)
-    if sample.records == 0:
-        return None
-    with db.engine.connect() as conn:
-        previous = previous_profile(
-            conn, task_code=task_code, shard_key=city, before_batch_id=batch_id
-        )
-        if previous is None or previous.field_counts is None:
-            return None
-        overrides = list_overrides(conn, batch_id=batch_id, shard_key=city)
-        if any(o.check_name == "schema_drift" for o in overrides):
-            return None
-        thresholds = get_gate_thresholds(conn, task_code)
-    current = CityProfile(batch_id, task_code, city, sample.records, 0, sample)
-    result = check_schema_drift(current, previous, thresholds)
-    if result.passed:
-        return None
-    return f"schema_drift: {result.description} (first {len(pages)} pages)"
+def _stop_gated(lease: ShardLease, report: CityReport, checks: list[GateResult]) -> None:
+    """Ends a city that a gate stopped: nothing is published, the shard is FAILED."""
+    reason = failure_reason(checks) or ""
+    report.status, report.error, report.checks = "GATED", reason, checks
+    lease.finish("FAILED", GATED_PREFIX + reason, counts=_gated_counts(report))
 
 
 def largest_first(cities: Sequence[str], hotel_counts: Mapping[str, int]) -> list[str]:
@@ -570,7 +540,7 @@ def _fetch(
     lease: ShardLease,
     store: PayloadStore,
     client: SupplierClient,
-    heartbeat: HeartbeatRunner,
+    heartbeat: Progress,
     settings: SyncSettings,
     report: CityReport,
     *,
@@ -665,6 +635,31 @@ def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[_R
         ]
 
 
+class Progress(Protocol):
+    """Where a stage says what it is doing and learns whether it may go on.
+
+    A :class:`HeartbeatRunner` for a sync under a lease; :data:`NO_PROGRESS` for a dry run,
+    which holds no lease.
+    """
+
+    def check(self) -> None:
+        """Raises when the work must stop (the lease is lost)."""
+
+    def report(self, stage: str, message: str = "") -> None:
+        """Says what the work is doing now."""
+
+
+class _NoProgress:
+    def check(self) -> None:
+        return None
+
+    def report(self, stage: str, message: str = "") -> None:
+        return None
+
+
+NO_PROGRESS: Progress = _NoProgress()
+
+
 @dataclass
 class _Page:
     """A raw page being normalized: its snapshot, outcomes and canonical documents."""
@@ -673,63 +668,146 @@ class _Page:
     result: NormalizedDocuments
 
 
-class _Normalizer:
-    """Normalizes a city's raw pages, page by page, validating them a chunk at a time.
+class _NormalizedWriter:
+    """Writes what normalization produced under the lease: NORMALIZED pages, dead letters
+    and the city's profile. A dry run has none and writes nothing."""
 
-    Pages come from the fetch as they are committed (:meth:`add`) and, in :meth:`finish`,
-    from the store for every stored RAW page not seen yet (a resumed walk, a replay). Each
-    page's kept documents are stored as a NORMALIZED page and its rejected records become
-    dead letters. With ``drift_check``, the first ``DRIFT_SAMPLE_PAGES`` pages wait until
-    schema drift has been judged on them: a drifted city is not normalized at all.
-
-    While the city stays within ``settings.memory_hotels`` kept documents, they are also kept
-    as publish candidates (:attr:`candidates`), so publishing does not read them back.
-    """
-
-    def __init__(
-        self,
-        lease: ShardLease,
-        store: PayloadStore,
-        heartbeat: HeartbeatRunner,
-        settings: SyncSettings,
-        report: CityReport,
-        city_countries: Mapping[str, str],
-        *,
-        drift_check: bool,
-    ) -> None:
-        self.lease, self.store, self.heartbeat = lease, store, heartbeat
-        self.settings, self.report, self.city_countries = settings, report, city_countries
+    def __init__(self, lease: ShardLease, store: PayloadStore, settings: SyncSettings) -> None:
+        self.lease, self.store, self.settings = lease, store, settings
         self.city = lease.shard_key
         self.done = {
             row.payload_hash for row in _snapshots(lease.db, lease.batch_id, self.city, NORMALIZED)
         }
+        self.rows: list[dict[str, Any]] = []
+        self.letters: list[DeadLetter] = []
+
+    def page(self, raw: _RawPage, lines: list[bytes], letters: list[DeadLetter]) -> None:
+        """Stores a page's kept documents (JSON lines) and keeps its rows for :meth:`flush`."""
+        body = b"\n".join(lines)
+        if hashlib.sha256(body).hexdigest() in self.done and not letters:
+            return
+        stored = self.store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
+        self.rows.append(
+            _snapshot_row(
+                self.lease,
+                kind=NORMALIZED,
+                key_hash=raw.payload_hash,
+                stored=stored,
+                page_number=raw.page_number,
+                record_count=len(lines),
+                source_hash=raw.payload_hash,
+            )
+        )
+        self.letters.extend(letters)
+
+    def flush(self) -> None:
+        """Writes the kept rows in one fenced transaction."""
+        # Normalizing is a pure function of the stored raw pages, so its rows are written
+        # every few pages rather than per page: a crash only repeats that work, and a
+        # concurrent worker waits for the write lock (SQLite) less often.
+        if not self.rows and not self.letters:
+            return
+        lease, settings = self.lease, self.settings
+        with lease.db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={self.city}")
+            _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
+            record_dead_letters(
+                conn,
+                lease.db.clock,
+                batch_id=lease.batch_id,
+                task_code=settings.task_code,
+                sync_mode=settings.sync_mode,
+                supplier_id=settings.supplier_id,
+                letters=self.letters,
+            )
+        self.rows.clear()
+        self.letters.clear()
+
+    def profile(self, report: CityReport, fields: FieldCounts) -> None:
+        """Records the city's profile, which the batch gates judge."""
+        lease = self.lease
+        with lease.db.begin() as conn:
+            lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
+            record_city_profile(
+                conn,
+                lease.db.clock,
+                batch_id=lease.batch_id,
+                task_code=self.settings.task_code,
+                shard_key=self.city,
+                record_count=report.records,
+                bad_count=report.dead_letters,
+                field_counts=fields,
+            )
+
+
+KeptSink = Callable[[list[Candidate]], None]
+"""Takes each validated chunk's kept documents as publish candidates."""
+
+
+class _Normalizer:
+    """Normalizes a city's raw pages, page by page, validating them a chunk at a time.
+
+    Pages come from the fetch as they are committed (:meth:`add`) and, in :meth:`finish`,
+    from the store for every stored RAW page of ``batch_id`` not seen yet (a resumed walk, a
+    replay, a dry run). With a ``writer``, each page's kept documents are stored as a
+    NORMALIZED page and its rejected records become dead letters; without one nothing is
+    written. With ``drift_check``, the first ``DRIFT_SAMPLE_PAGES`` pages wait until schema
+    drift has been judged on them: a drifted city is not normalized at all.
+
+    Each validated chunk's kept documents go to ``on_kept`` when given (a dry run diffs
+    them at once: memory stays bounded by a chunk); otherwise, while the city stays within
+    ``settings.memory_hotels`` kept documents, they are kept as publish candidates
+    (:attr:`candidates`), so publishing does not read them back.
+    """
+
+    def __init__(
+        self,
+        db: SyncDatabase,
+        batch_id: str,
+        city: str,
+        store: PayloadStore,
+        progress: Progress,
+        settings: SyncSettings,
+        report: CityReport,
+        city_countries: Mapping[str, str],
+        *,
+        writer: _NormalizedWriter | None,
+        drift_check: bool,
+        on_kept: KeptSink | None = None,
+    ) -> None:
+        self.db, self.batch_id, self.city = db, batch_id, city
+        self.store, self.progress, self.writer = store, progress, writer
+        self.settings, self.report, self.city_countries = settings, report, city_countries
+        self.on_kept = on_kept
         report.records = 0
         report.dead_letters = 0
         report.moved = 0
         report.dead_letters_by_code.clear()
         self.fields = FieldCounts()
         self.seen: set[str] = set()
-        self.rows: list[dict[str, Any]] = []
-        self.letters: list[DeadLetter] = []
         self.pages: list[_Page] = []
         self.buffered = 0
-        self.candidates: list[Candidate] | None = []
+        self.candidates: list[Candidate] | None = None if on_kept is not None else []
         # Pages waiting for the drift judgement; None once judged (or with no drift check).
         self._pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
-        self._drift: str | None = None
+        self._drift: GateResult | None = None
 
-    def drift_reason(self) -> str | None:
-        """Judges schema drift (once) on the first pages; the reason to stop, or None."""
+    def drift(self) -> GateResult | None:
+        """Judges schema drift (once) on the first pages; the failed check, or None."""
         pending, self._pending = self._pending, None
         if pending is None:
             return self._drift
         if pending:
             sample = [records for _, records in pending]
         else:  # nothing arrived from a fetch: the stored pages (resumed walk, replay)
-            raws = _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW)
+            raws = _snapshots(self.db, self.batch_id, self.city, RAW)
             sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
-        self._drift = _drift_precheck(
-            self.lease.db, self.lease.batch_id, self.city, self.settings.task_code, sample
+        self._drift = check_first_pages(
+            self.db,
+            batch_id=self.batch_id,
+            task_code=self.settings.task_code,
+            shard_key=self.city,
+            pages=sample,
         )
         if self._drift is None:
             for raw, records in pending:
@@ -741,33 +819,22 @@ class _Normalizer:
         if self._pending is not None:
             self._pending.append((raw, records))
             if len(self._pending) >= DRIFT_SAMPLE_PAGES:
-                self.drift_reason()
+                self.drift()
         elif self._drift is None:
             self._normalize(raw, records)
 
     def finish(self) -> None:
         """Normalizes the stored pages not seen yet, validates the rest, records the profile."""
-        if self.drift_reason() is not None:
+        if self.drift() is not None:
             raise RuntimeError("a city with schema drift is not normalized")
-        for raw in _snapshots(self.lease.db, self.lease.batch_id, self.city, RAW):
+        for raw in _snapshots(self.db, self.batch_id, self.city, RAW):
             if raw.payload_hash not in self.seen:
                 self._normalize(raw, self._load(raw))
         began = time.perf_counter()
         self._validate()
-        report, lease = self.report, self.lease
-        with lease.db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
-            record_city_profile(
-                conn,
-                lease.db.clock,
-                batch_id=lease.batch_id,
-                task_code=self.settings.task_code,
-                shard_key=self.city,
-                record_count=report.records,
-                bad_count=report.dead_letters,
-                field_counts=self.fields,
-            )
-        report.seconds["normalize"] += time.perf_counter() - began
+        if self.writer is not None:
+            self.writer.profile(self.report, self.fields)
+        self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: _RawPage) -> list[Any]:
         return list(decode_json(self.store.get(raw.payload_ref)).get("hotels") or [])
@@ -777,8 +844,8 @@ class _Normalizer:
             return  # the same page bytes again (a walk re-reads overlapping pages)
         began = time.perf_counter()
         self.seen.add(raw.payload_hash)
-        self.heartbeat.check()
-        self.heartbeat.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
+        self.progress.check()
+        self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
         self.fields.add(records)
         result = normalize_documents(records)
@@ -808,6 +875,7 @@ class _Normalizer:
                     supplier_product_code=f"record#{pos}",
                 )
         offset = 0
+        kept_chunk: list[Candidate] = []
         for page in pages:
             raw, result = page.raw, page.result
             page_letters = [
@@ -838,59 +906,27 @@ class _Normalizer:
             report.dead_letters += len(page_letters)
             report.dead_letters_by_code.update(d.error_code for d in page_letters)
             lines = [canonical_dumps(d) for d in kept]
-            self._keep(kept, lines, raw)
-            body = b"\n".join(lines)
-            if hashlib.sha256(body).hexdigest() in self.done and not page_letters:
-                continue
-            stored = self.store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
-            self.rows.append(
-                _snapshot_row(
-                    self.lease,
-                    kind=NORMALIZED,
-                    key_hash=raw.payload_hash,
-                    stored=stored,
-                    page_number=raw.page_number,
-                    record_count=len(kept),
-                    source_hash=raw.payload_hash,
+            if self.on_kept is not None or self.candidates is not None:
+                kept_chunk.extend(
+                    Candidate(
+                        doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash
+                    )
+                    for doc, line in zip(kept, lines, strict=True)
                 )
-            )
-            self.letters.extend(page_letters)
+            if self.writer is not None:
+                self.writer.page(raw, lines, page_letters)
         pages.clear()
         self.buffered = 0
-        self._write()
-
-    def _keep(self, docs: list[dict[str, Any]], lines: list[bytes], raw: _RawPage) -> None:
-        if self.candidates is None:
-            return
-        if len(self.candidates) + len(docs) > self.settings.memory_hotels:
-            self.candidates = None  # a large city: publishing reads its pages back
-            return
-        self.candidates.extend(
-            Candidate(doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash)
-            for doc, line in zip(docs, lines, strict=True)
-        )
-
-    def _write(self) -> None:
-        # Normalizing is a pure function of the stored raw pages, so its rows are written
-        # every few pages rather than per page: a crash only repeats that work, and a
-        # concurrent worker waits for the write lock (SQLite) less often.
-        if not self.rows and not self.letters:
-            return
-        lease, settings = self.lease, self.settings
-        with lease.db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={self.city}")
-            _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
-            record_dead_letters(
-                conn,
-                lease.db.clock,
-                batch_id=lease.batch_id,
-                task_code=settings.task_code,
-                sync_mode=settings.sync_mode,
-                supplier_id=settings.supplier_id,
-                letters=self.letters,
-            )
-        self.rows.clear()
-        self.letters.clear()
+        if self.writer is not None:
+            self.writer.flush()
+        if self.on_kept is not None:
+            if kept_chunk:
+                self.on_kept(kept_chunk)
+        elif self.candidates is not None:
+            if len(self.candidates) + len(kept_chunk) > self.settings.memory_hotels:
+                self.candidates = None  # a large city: publishing reads its pages back
+            else:
+                self.candidates.extend(kept_chunk)
 
 
 def _normalized_chunks(
@@ -930,35 +966,36 @@ def _normalized_chunks(
         yield chunk
 
 
-def _publish(
-    lease: ShardLease,
-    store: PayloadStore,
-    heartbeat: HeartbeatRunner,
-    settings: SyncSettings,
-    report: CityReport,
-    candidates: Sequence[Candidate] | None = None,
-) -> None:
-    """Maps, diffs and publishes the city chunk by chunk.
+class ChunkPublished(NamedTuple):
+    """What publishing one chunk did (or, for a dry run, would do).
 
-    ``candidates`` are the city's normalized documents when normalization kept them all in
-    memory; otherwise they are read back from the city's NORMALIZED pages.
+    Attributes:
+        diffs: One diff per distinct hotel of the chunk.
+        published: Hotels published.
+        not_newer: Publishes the version guard refused (a newer version was published).
+        held: Diffs held for review.
     """
-    db, city = lease.db, lease.shard_key
-    began = time.perf_counter()
-    report.published = 0
-    report.skipped = 0
-    report.duplicates = 0
-    report.held_for_review = 0
-    size = settings.chunk_hotels
-    for chunk in (
-        _normalized_chunks(db, store, lease.batch_id, city, size)
-        if candidates is None
-        else chunks(candidates, size)
-    ):
-        heartbeat.check()
-        heartbeat.report("PUBLISHING", f"city={city} chunk of {len(chunk)}")
-        cands = collapse_duplicates(chunk)
-        report.duplicates += len(chunk) - len(cands)
+
+    diffs: list[HotelDiff]
+    published: int
+    not_newer: int
+    held: int
+
+
+Publisher = Callable[[list[Candidate]], ChunkPublished]
+"""The last stage for one chunk of distinct candidates: maps, diffs and publishes them
+(:class:`_LeasePublisher`), or only diffs them (:class:`DiffCollector`, a dry run)."""
+
+
+class _LeasePublisher:
+    """Maps, diffs and publishes chunks under the city's lease."""
+
+    def __init__(self, lease: ShardLease, settings: SyncSettings) -> None:
+        self.lease, self.settings = lease, settings
+
+    def __call__(self, cands: list[Candidate]) -> ChunkPublished:
+        lease, settings = self.lease, self.settings
+        db, city = lease.db, lease.shard_key
         # Resource ids are allocated in a short transaction of their own (idempotent: after
         # a crash the re-run reuses them; offer ids come with the offers' upsert), diffs
         # are computed from a read snapshot and every row is built before the transaction
@@ -993,7 +1030,7 @@ def _publish(
                 supplier_id=settings.supplier_id,
                 diffs=diffs,
             )
-            report.held_for_review += hold_for_review(
+            held = hold_for_review(
                 conn,
                 db.clock,
                 batch_id=lease.batch_id,
@@ -1009,22 +1046,170 @@ def _publish(
                 items=items,
                 plan=plan,
             )
-        # No collection per chunk: publishing makes little cyclic garbage, and a full
-        # collection would re-scan the city's candidates held in memory each time.
-        report.diffs_by_type.update(d.diff_type for d in diffs)
-        report.diffs_by_action.update(d.action for d in diffs)
-        report.published += len(result.published)
-        # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
-        # stale, held for review), and publishes the version guard refused.
-        report.skipped += (
-            len(chunk)
-            - len(cands)
-            + sum(1 for d in diffs if d.action != "AUTO_PUBLISH")
-            + len(result.not_newer)
-        )
+        return ChunkPublished(diffs, len(result.published), len(result.not_newer), held)
+
+
+class DiffCollector:
+    """A dry run's publisher: diffs each chunk against what is published, through read-only
+    connections, and keeps a sample of the changes; it allocates and writes nothing.
+
+    Hotels without a mapping yet get ids that match nothing published (so: NEW), never a
+    real one.
+
+    Args:
+        db: The sync database (read only).
+        settings: The supplier and the risk policy.
+        sample: How many changes (not NO_CHANGE or NEW) to keep, for people.
+    """
+
+    def __init__(self, db: SyncDatabase, settings: SyncSettings, *, sample: int = 20) -> None:
+        self.db, self.settings, self.sample = db, settings, sample
+        self.changes: list[dict[str, Any]] = []
+        self._unmapped = 0
+
+    def __call__(self, cands: list[Candidate]) -> ChunkPublished:
+        m = t.hotel_mapping.c
+        ids = sorted({c.supplier_hotel_id for c in cands})
+        resource_ids: dict[str, int] = {}
+        with self.db.engine.connect() as conn:
+            for part in chunks(ids):
+                for hid, rid in conn.execute(
+                    sa.select(m.supplier_hotel_id, m.id).where(
+                        m.supplier_id == self.settings.supplier_id, m.supplier_hotel_id.in_(part)
+                    )
+                ):
+                    resource_ids[str(hid)] = int(rid)
+            for hid in ids:
+                if hid not in resource_ids:
+                    self._unmapped += 1
+                    resource_ids[hid] = -self._unmapped
+            diffs = compute_diffs(conn, cands, resource_ids, policy=self.settings.risk_policy)
+        for d in diffs:
+            if len(self.changes) < self.sample and d.diff_type not in ("NO_CHANGE", "NEW"):
+                self.changes.append(
+                    {
+                        "supplier_hotel_id": d.supplier_hotel_id,
+                        "diff_type": d.diff_type,
+                        "action": d.action,
+                        "changed_fields": d.changed_fields[:10],
+                    }
+                )
+        would_publish = sum(1 for d in diffs if d.action == "AUTO_PUBLISH")
+        held = sum(1 for d in diffs if d.action == "REVIEW")
+        return ChunkPublished(diffs, would_publish, 0, held)
+
+
+def _start_publish(report: CityReport) -> None:
+    report.published = 0
+    report.skipped = 0
+    report.duplicates = 0
+    report.held_for_review = 0
+
+
+def _publish_chunk(
+    publisher: Publisher, chunk: Sequence[Candidate], progress: Progress, report: CityReport
+) -> None:
+    """Publishes one chunk of a city's candidates and counts what became of each."""
+    progress.check()
+    progress.report("PUBLISHING", f"city={report.city_code} chunk of {len(chunk)}")
+    cands = collapse_duplicates(chunk)
+    report.duplicates += len(chunk) - len(cands)
+    done = publisher(cands)
+    # No collection per chunk: publishing makes little cyclic garbage, and a full
+    # collection would re-scan the city's candidates held in memory each time.
+    report.held_for_review += done.held
+    report.diffs_by_type.update(d.diff_type for d in done.diffs)
+    report.diffs_by_action.update(d.action for d in done.diffs)
+    report.published += done.published
+    # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
+    # stale, held for review), and publishes the version guard refused.
+    report.skipped += (
+        len(chunk)
+        - len(cands)
+        + sum(1 for d in done.diffs if d.action != "AUTO_PUBLISH")
+        + done.not_newer
+    )
+
+
+def _check_counts(report: CityReport) -> None:
     if report.published + report.dead_letters + report.skipped != report.records:
         raise CountsDoNotAddUp(
-            f"city {city!r}: {report.records} records but {report.published} published + "
-            f"{report.dead_letters} dead letters + {report.skipped} skipped"
+            f"city {report.city_code!r}: {report.records} records but {report.published} "
+            f"published + {report.dead_letters} dead letters + {report.skipped} skipped"
         )
+
+
+def _publish(
+    lease: ShardLease,
+    store: PayloadStore,
+    progress: Progress,
+    settings: SyncSettings,
+    report: CityReport,
+    candidates: Sequence[Candidate] | None = None,
+) -> None:
+    """Maps, diffs and publishes the city chunk by chunk.
+
+    ``candidates`` are the city's normalized documents when normalization kept them all in
+    memory; otherwise they are read back from the city's NORMALIZED pages.
+    """
+    began = time.perf_counter()
+    size = settings.chunk_hotels
+    publisher = _LeasePublisher(lease, settings)
+    _start_publish(report)
+    for chunk in (
+        _normalized_chunks(lease.db, store, lease.batch_id, lease.shard_key, size)
+        if candidates is None
+        else chunks(candidates, size)
+    ):
+        _publish_chunk(publisher, chunk, progress, report)
+    _check_counts(report)
     report.seconds["publish"] += time.perf_counter() - began
+
+
+def dry_run_stages(
+    db: SyncDatabase,
+    store: PayloadStore,
+    *,
+    batch_id: str,
+    city_code: str,
+    settings: SyncSettings,
+    publisher: Publisher,
+    city_countries: Mapping[str, str] | None = None,
+) -> CityReport:
+    """The normalize and publish stages over a batch's stored raw pages, writing nothing.
+
+    The same stages as :func:`sync_city` without a lease: no normalized page, dead letter,
+    profile or diff is written; each validated chunk goes straight to ``publisher`` (a
+    :class:`DiffCollector`), so memory stays bounded by a chunk whatever the city's size.
+    The report's ``published`` counts what a replay would publish.
+
+    Args:
+        db: The sync database (read only).
+        store: The payload store (read only).
+        batch_id: The batch whose RAW pages of the city are read.
+        city_code: The city.
+        settings: Task and tuning settings (``chunk_hotels`` bounds memory).
+        publisher: Takes each chunk; it must not write.
+        city_countries: City -> country code, for the country rule.
+
+    Raises:
+        CountsDoNotAddUp: A record ended in no bucket, or in two.
+    """
+    report = CityReport(city_code)
+    _start_publish(report)
+    normalizer = _Normalizer(
+        db,
+        batch_id,
+        city_code,
+        store,
+        NO_PROGRESS,
+        settings,
+        report,
+        city_countries or {},
+        writer=None,
+        drift_check=False,
+        on_kept=lambda kept: _publish_chunk(publisher, kept, NO_PROGRESS, report),
+    )
+    normalizer.finish()
+    _check_counts(report)
+    return report

@@ -7,8 +7,9 @@ each city's latest batch; ``pipeline.sync_city(fetch=False)`` then normalizes, g
 diffs and publishes them without a single supplier request. Dead letters of the source
 batch whose records now pass are RESOLVED.
 
-A dry run (:func:`dry_run_city`) reads the same pages, normalizes and checks them, and
-diffs them against what is published, writing nothing: it reports what a replay would do.
+A dry run (:func:`dry_run_city`) runs the same stages over the same pages, chunk by chunk,
+with a publisher that only diffs against what is published: it writes nothing and reports
+what a replay would do.
 """
 
 from __future__ import annotations
@@ -25,24 +26,19 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.batches import Batch, add_shards, create_batch, get_batch
 from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
-from supplier_sync_dagster.core.diff import (
-    Candidate,
-    RiskPolicy,
-    collapse_duplicates,
-    compute_diffs,
-    default_risk_policy,
-)
+from supplier_sync_dagster.core.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.mapping import chunks
-from supplier_sync_dagster.core.normalize import (
-    canonical_dumps,
-    loads_canonical,
-    normalize_documents,
-)
 from supplier_sync_dagster.core.payloads import PayloadStore
-from supplier_sync_dagster.core.pipeline import RAW, snapshot_id
-from supplier_sync_dagster.core.quality import check_quality
-from supplier_sync_dagster.core.supplier.models import decode_json
+from supplier_sync_dagster.core.pipeline import (
+    RAW,
+    DiffCollector,
+    SyncSettings,
+    dry_run_stages,
+    snapshot_id,
+)
+
+DEFAULT_CHUNK_HOTELS = SyncSettings.chunk_hotels
 
 
 def latest_raw_batch(db: SyncDatabase, *, task_code: str, city_code: str) -> str | None:
@@ -242,75 +238,40 @@ def dry_run_city(
     city_countries: Mapping[str, str] | None = None,
     risk_policy: RiskPolicy = default_risk_policy,
     sample: int = 20,
+    chunk_hotels: int = DEFAULT_CHUNK_HOTELS,
 ) -> DryRunReport:
     """Normalizes, checks and diffs the city's latest stored raw pages; writes nothing.
 
+    It runs the sync's own normalize and publish stages (``pipeline.dry_run_stages``) with
+    a publisher that only diffs: a chunk of ``chunk_hotels`` hotels at a time, as a sync.
     Hotels without a mapping yet are reported as NEW.
     """
     source = latest_raw_batch(db, task_code=task_code, city_code=city_code)
     report = DryRunReport(city_code, source)
     if source is None:
         return report
-    s, m = t.snapshot.c, t.hotel_mapping.c
-    with db.engine.connect() as conn:
-        pages = conn.execute(
-            sa.select(s.payload_ref, s.payload_hash, s.record_count)
-            .where(s.batch_id == source, s.shard_key == city_code, s.snapshot_type == RAW)
-            .order_by(s.id)
-        ).all()
-        candidates: list[Candidate] = []
-        for page in pages:
-            records = decode_json(store.get(page.payload_ref)).get("hotels") or []
-            report.records += len(records)
-            result = normalize_documents(records)
-            report.dead_letters += len(result.rejections)
-            report.dead_letters_by_code.update(r.error_code for r in result.rejections)
-            for doc in result.docs:
-                body = canonical_dumps(doc)
-                candidates.append(
-                    Candidate(
-                        loads_canonical(body),
-                        hashlib.sha256(body).hexdigest(),
-                        page.payload_ref,
-                        page.payload_hash,
-                    )
-                )
-        if candidates:
-            quality = check_quality(
-                [c.doc for c in candidates],
-                city_code=city_code,
-                city_countries=city_countries or {},
-            )
-            bad = {f.index for f in quality.failures}
-            report.dead_letters += len(bad)
-            report.dead_letters_by_code.update(f.error_code for f in quality.failures)
-            candidates = collapse_duplicates([c for i, c in enumerate(candidates) if i not in bad])
-        ids = sorted({c.supplier_hotel_id for c in candidates})
-        resource_ids: dict[str, int] = {}
-        for part in chunks(ids):
-            for hid, rid in conn.execute(
-                sa.select(m.supplier_hotel_id, m.id).where(
-                    m.supplier_id == supplier_id, m.supplier_hotel_id.in_(part)
-                )
-            ):
-                resource_ids[str(hid)] = int(rid)
-        # Unmapped hotels get ids that match nothing published (so: NEW), never a real one.
-        for n, hid in enumerate(h for h in ids if h not in resource_ids):
-            resource_ids[hid] = -1 - n
-        for batch_part in chunks(candidates):
-            diffs = compute_diffs(conn, batch_part, resource_ids, policy=risk_policy)
-            report.diffs_by_type.update(d.diff_type for d in diffs)
-            report.diffs_by_action.update(d.action for d in diffs)
-            for d in diffs:
-                if len(report.changes) < sample and d.diff_type not in ("NO_CHANGE", "NEW"):
-                    report.changes.append(
-                        {
-                            "supplier_hotel_id": d.supplier_hotel_id,
-                            "diff_type": d.diff_type,
-                            "action": d.action,
-                            "changed_fields": d.changed_fields[:10],
-                        }
-                    )
+    settings = SyncSettings(
+        task_code=task_code,
+        supplier_id=supplier_id,
+        chunk_hotels=chunk_hotels,
+        risk_policy=risk_policy,
+    )
+    collector = DiffCollector(db, settings, sample=sample)
+    done = dry_run_stages(
+        db,
+        store,
+        batch_id=source,
+        city_code=city_code,
+        settings=settings,
+        publisher=collector,
+        city_countries=city_countries,
+    )
+    report.records = done.records
+    report.dead_letters = done.dead_letters
+    report.dead_letters_by_code = done.dead_letters_by_code
+    report.diffs_by_type = done.diffs_by_type
+    report.diffs_by_action = done.diffs_by_action
+    report.changes = collector.changes
     return report
 
 

@@ -44,7 +44,7 @@ from supplier_sync_dagster.core.batches import (
 )
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import TriggerSkipped
-from supplier_sync_dagster.core.gates import CHECK_NAMES, GateResult, gate_for_pipeline
+from supplier_sync_dagster.core.gates import GateResult, gate_for_pipeline
 from supplier_sync_dagster.core.leases import get_shard
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import (
@@ -163,15 +163,12 @@ class CityOutcome:
             LEASE_LOST or ALREADY_DONE (an earlier run of the batch published it: the report
             is that run's, as the database recorded it), and ``report.stages_done`` lists
             the stages completed for it.
-        checks: The batch gate's results for the city (empty when no gate ran); a city
-            stopped on its first pages by schema drift has that check only.
         helped: The city belongs to another run of the batch that had not started it.
         resolved_dead_letters: For a replayed city: dead letters that now pass.
         seconds: Wall time this run spent on the city.
     """
 
     report: CityReport
-    checks: list[GateResult] = field(default_factory=list)
     helped: bool = False
     resolved_dead_letters: int = 0
     seconds: float = 0.0
@@ -180,6 +177,12 @@ class CityOutcome:
     def city_code(self) -> str:
         """The supplier's city code."""
         return self.report.city_code
+
+    @property
+    def checks(self) -> list[GateResult]:
+        """The batch gate's results for the city (empty when no gate ran); a city stopped
+        on its first pages by schema drift has that check only."""
+        return self.report.checks
 
     @property
     def status(self) -> str:
@@ -285,10 +288,7 @@ def run_cities(
         settings: The task and tuning settings.
         worker_id: This worker's id (one per run).
     """
-    checks: dict[str, list[GateResult]] = {}
-    gate = gate_for_pipeline(
-        on_results=lambda _batch, city, results: checks.__setitem__(city, results)
-    )
+    gate = gate_for_pipeline()
     batch = plan.batch
 
     def one(city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
@@ -320,16 +320,7 @@ def run_cities(
             log.warning("city %r failed: %s", city, report.error)
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
-        outcome = CityOutcome(
-            report, checks.pop(city, []), helped, seconds=time.perf_counter() - started
-        )
-        if report.status == "GATED" and not outcome.checks:
-            # Stopped by the drift check on its first pages, before a full evaluation.
-            outcome.checks = [
-                GateResult(name, False, "ERROR", report.error or "", {"stopped": "first pages"})
-                for name in CHECK_NAMES
-                if name in report.gate_failures
-            ]
+        outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
         if request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
                 db,

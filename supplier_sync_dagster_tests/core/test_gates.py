@@ -24,11 +24,14 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.gates import (
     CHECK_NAMES,
+    GATED_PREFIX,
     FieldCounts,
     GateResult,
     GateThresholds,
     evaluate_gates,
+    failure_reason,
     gate_for_pipeline,
+    gated_checks,
     get_city_profile,
     get_gate_thresholds,
     list_overrides,
@@ -585,7 +588,7 @@ def test_pipeline_gate_names_failed_checks_and_respects_overrides(db: SyncDataba
     cities.batch(100)
     now = cities.batch([hotel(i, coords="location") for i in range(40)], bad=30, status=None)
     report = CityReport(CITY, records=40, dead_letters=30)
-    reason = gate(db, now.batch_id, CITY, report)
+    reason = failure_reason(gate(db, now.batch_id, CITY, report))
     assert reason is not None
     assert "bad_record_ratio" in reason and "record_count" in reason
     assert "schema_drift" in reason and "geo" in reason and "location" in reason
@@ -601,7 +604,7 @@ def test_pipeline_gate_names_failed_checks_and_respects_overrides(db: SyncDataba
                 who="alice",
                 reason="checked with the supplier",
             )
-    assert gate(db, now.batch_id, CITY, report) is None
+    assert failure_reason(gate(db, now.batch_id, CITY, report)) is None
     assert all(r.overridden for r in seen[1][2])
     # Metadata is plain JSON (what Dagster check metadata and alerts carry).
     for _, _, results in seen:
@@ -609,10 +612,27 @@ def test_pipeline_gate_names_failed_checks_and_respects_overrides(db: SyncDataba
             assert json.loads(json.dumps(r.metadata)) == r.metadata
 
 
+def test_gate_message_is_built_and_read_in_one_place():
+    results = [
+        GateResult("bad_record_ratio", False, "ERROR", "30% bad: over 10%", {}),
+        GateResult("record_count", True, "ERROR", "40 records", {}),
+        GateResult("schema_drift", False, "ERROR", "geo: gone | odd", {}),
+    ]
+    reason = failure_reason(results)
+    assert reason == "bad_record_ratio: 30% bad: over 10% | schema_drift: geo: gone | odd"
+    assert gated_checks(GATED_PREFIX + (failure_reason(results[:1]) or "")) == [
+        ("bad_record_ratio", "30% bad: over 10%")
+    ]
+    assert gated_checks("SupplierError: boom") is None and gated_checks(None) is None
+    assert failure_reason(results[1:2]) is None
+    report = CityReport(CITY, checks=results)
+    assert report.gate_failures == ["bad_record_ratio", "schema_drift"]
+
+
 def test_pipeline_gate_uses_task_thresholds(db: SyncDatabase, cities: Cities):
     now = cities.batch(100, bad=10, status=None)
     report = CityReport(CITY, records=100, dead_letters=10)
-    assert gate_for_pipeline()(db, now.batch_id, CITY, report) is None
+    assert failure_reason(gate_for_pipeline()(db, now.batch_id, CITY, report)) is None
     with db.begin() as conn:
         set_gate_thresholds(
             conn,
@@ -620,10 +640,10 @@ def test_pipeline_gate_uses_task_thresholds(db: SyncDatabase, cities: Cities):
             task_code=cities.task_code,
             thresholds=GateThresholds(max_bad_ratio=0.05),
         )
-    reason = gate_for_pipeline()(db, now.batch_id, CITY, report)
+    reason = failure_reason(gate_for_pipeline()(db, now.batch_id, CITY, report))
     assert reason is not None and reason.startswith("bad_record_ratio:")
     fixed = gate_for_pipeline(lambda task: GateThresholds(max_bad_ratio=0.5))
-    assert fixed(db, now.batch_id, CITY, report) is None
+    assert failure_reason(fixed(db, now.batch_id, CITY, report)) is None
 
 
 def test_pipeline_gate_without_profile_judges_the_report(
@@ -633,11 +653,16 @@ def test_pipeline_gate_without_profile_judges_the_report(
     now = make_batch((CITY,), task_code=cities.task_code, policy="CANCEL_PREVIOUS")
     seen: list[list[GateResult]] = []
     gate = gate_for_pipeline(on_results=lambda b, c, r: seen.append(r))
-    reason = gate(db, now.batch_id, CITY, CityReport(CITY, records=0, dead_letters=0))
+    reason = failure_reason(
+        gate(db, now.batch_id, CITY, CityReport(CITY, records=0, dead_letters=0))
+    )
     assert reason is not None and reason.startswith("record_count: 0 records")
     drift = {r.check_name: r for r in seen[0]}["schema_drift"]
     assert drift.passed and drift.metadata["baseline"] == "not measurable"
-    assert gate(db, now.batch_id, CITY, CityReport(CITY, records=90, dead_letters=1)) is None
+    assert (
+        failure_reason(gate(db, now.batch_id, CITY, CityReport(CITY, records=90, dead_letters=1)))
+        is None
+    )
 
 
 def test_gated_city_publishes_nothing_until_overridden_then_publishes(

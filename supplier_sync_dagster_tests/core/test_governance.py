@@ -533,3 +533,58 @@ def test_many_hotels_turning_inactive_at_once_all_go_to_review():
     assert all(d.action == "AUTO_PUBLISH" for d in out[6:])
     few = rules.escalate(decided[:4] + decided[6:])  # 4 of 18: under both limits
     assert all(d.action == "AUTO_PUBLISH" for d in few)
+
+
+def test_dry_run_streams_chunks_through_the_sync_stages_and_writes_nothing(
+    db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import supplier_sync_dagster.core.pipeline as pipeline
+
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with served(_day(62, 0, bad_record_rate=0.05)) as client:
+        _, synced = sync_all(db, store, client, "day-0")
+    city = max(synced, key=lambda c: synced[c].records)
+    # The next day's pages, fetched and stored but not the ones published: changes to find.
+    with served(_day(62, 1, bad_record_rate=0.05)) as client:
+        source, _ = sync_all(db, store, client, "day-1", cities=[city])
+    whole = dry_run_city(db, store, task_code=TASK, supplier_id=SUPPLIER, city_code=city)
+
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement.lstrip().split(None, 1)[0].upper())
+
+    def no_put(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a dry run stored a payload")
+
+    monkeypatch.setattr(store, "put", no_put)
+    sizes: list[int] = []
+    collector = pipeline.DiffCollector(db, settings(), sample=20)
+
+    def publisher(chunk: list[Any]) -> Any:
+        sizes.append(len(chunk))
+        return collector(chunk)
+
+    sa.event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        chunked = dry_run_city(
+            db, store, task_code=TASK, supplier_id=SUPPLIER, city_code=city, chunk_hotels=40
+        )
+        report = pipeline.dry_run_stages(
+            db,
+            store,
+            batch_id=source,
+            city_code=city,
+            settings=dataclasses.replace(settings(), chunk_hotels=40),
+            publisher=publisher,
+        )
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", record)
+    # Only reads (SQLite opens each read with a deferred BEGIN): no INSERT, UPDATE or DELETE.
+    assert statements and set(statements) <= {"SELECT", "BEGIN", "PRAGMA"}, set(statements)
+    assert len(sizes) > 2 and max(sizes) < 40 + settings().page_size  # a chunk, not the city
+    assert report.records == whole.records > 40
+    assert report.published + report.dead_letters + report.skipped == report.records
+    # Streaming in chunks reports what one pass over the whole city reports.
+    assert chunked.to_json() == whole.to_json()
+    assert whole.dead_letters and sum(whole.diffs_by_type.values()) > 0

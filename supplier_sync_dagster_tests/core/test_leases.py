@@ -27,7 +27,6 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.leases import (
     Checkpoint,
-    FetchedPage,
     HeartbeatRunner,
     LeaseSettings,
     PageCounts,
@@ -40,10 +39,10 @@ from supplier_sync_dagster.core.leases import (
     list_shards,
     make_worker_id,
     reopen_shard,
-    run_shard,
 )
 from supplier_sync_dagster.core.shards import SHARD_MOVES, ShardStatus, move_shards, sources_of
 from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch, run_concurrently
+from supplier_sync_dagster_tests.core.page_loop import FetchedPage, run_shard
 
 FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.05)
 RACES = 50
