@@ -532,7 +532,7 @@ def _snapshot_row(
         "page_number": page_number,
         "record_count": record_count,
         # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
-        "supplier_product_code": source_hash,
+        "derived_from": source_hash,
     }
 
 
@@ -810,7 +810,7 @@ class _Normalizer:
                 failed[f.index] = f.dead_letter(
                     page.raw.payload_ref,
                     page.raw.payload_hash,
-                    supplier_product_code=f"record#{pos}",
+                    record_position=f"record#{pos}",
                 )
         offset = 0
         for page in pages:
@@ -826,7 +826,7 @@ class _Normalizer:
                     raw.payload_hash,
                     # The record's place on its page: two unreadable records of one page
                     # stay two dead letters, and a re-run finds the same key.
-                    supplier_product_code=f"record#{index}",
+                    record_position=f"record#{index}",
                 )
                 for r, index in zip(result.rejections, result.rejection_index, strict=True)
             ]
@@ -906,7 +906,7 @@ def _normalized_chunks(
     with db.engine.connect() as conn:
         rows = list(
             conn.execute(
-                sa.select(s.payload_ref, s.supplier_product_code)
+                sa.select(s.payload_ref, s.derived_from)
                 .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == NORMALIZED)
                 .order_by(s.id)
             )
@@ -920,7 +920,7 @@ def _normalized_chunks(
         )
     chunk: list[Candidate] = []
     for row in rows:
-        raw_hash = row.supplier_product_code
+        raw_hash = row.derived_from
         raw_ref = raw_refs.get(raw_hash)
         # A NORMALIZED page is JSON lines of canonical documents: a line's sha256 is the
         # hotel's fingerprint (normalize.fingerprint), no re-encoding needed.
