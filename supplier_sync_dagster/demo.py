@@ -1,6 +1,7 @@
-"""An end-to-end demonstration of the lease/checkpoint engine on real processes.
+"""The lease demo (``supplier-sync lease-demo``): the lease/checkpoint engine on real processes.
 
-``supplier-sync run`` runs this until the supplier pipeline takes over as the main job:
+The main demo is ``supplier-sync demo`` (:mod:`supplier_sync_dagster.sync_runner`). This one
+shows the leases alone:
 
 1. a task and an idempotent batch with one shard per city, in the sync database
    (the embedded SQLite file unless ``SUPPLIER_SYNC_DB_URL`` says otherwise);
@@ -13,8 +14,8 @@
 5. the report shows every shard, the derived batch, and checks that each page was
    stored exactly once and that the counts add up.
 
-The pages are synthetic (deterministic per city and page), not a supplier's: the
-supplier client and the pipeline arrive with their own issues.
+The pages are synthetic (deterministic per city and page), not a supplier's: what is shown
+is the leases and checkpoints, not the pipeline.
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ log = logging.getLogger(__name__)
 
 RAW = "RAW"
 NORMALIZED = "NORMALIZED"
-# gzip level of stored RAW and NORMALIZED pages: ~4x cheaper than the store's default of 6
-# for somewhat larger objects (a 500-hotel page: ~2 ms instead of ~7 ms). Any level reads
+# gzip level of stored RAW and NORMALIZED pages: much cheaper than the store's default of 6
+# for somewhat larger objects. Any level reads
 # back the same bytes and hashes, so replay and traceability do not depend on it.
 PAGE_COMPRESSLEVEL = 1
 # Young-generation GC threshold set by prepare_process (CPython's default is 700).
@@ -138,9 +138,9 @@ def collect_garbage() -> None:
     With the young generation's threshold raised (:func:`prepare_process`), cyclic garbage
     (HTTP responses, parsed pages) that survives into the oldest generation would wait for
     a rare full collection, and a large city's peak memory would grow with its size. After
-    ``gc.freeze()`` a full collection only scans what the sync itself holds, a few ms, so
-    doing it on a clock bounds memory by what two seconds of work leave behind (at 0.5 s it
-    cost 4 % of a sync's CPU, at 2 s 1 %, with the same peak: bench_scale.py memory).
+    ``gc.freeze()`` a full collection only scans what the sync itself holds, so doing it on
+    a clock bounds memory by what two seconds of work leave behind (a shorter interval costs
+    more CPU for the same peak: ``bench_scale.py memory``).
     """
     global _last_collect
     now = time.monotonic()
