@@ -43,7 +43,8 @@ from supplier_sync_dagster.core.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
-from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch
+from supplier_sync_dagster_tests.core.conftest import MakeBatch
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES
 
 CITY = "BKK"
 
@@ -255,7 +256,7 @@ def test_previous_profile_is_the_latest_earlier_success_of_the_same_task(
 
 def test_city_codes_are_compared_byte_for_byte(db: SyncDatabase, make_batch: MakeBatch):
     cities = Cities(db, make_batch)
-    for code in HOSTILE_CODES:
+    for code in HOSTILE_CITY_CODES:
         cities.batch(10, city=code)
     current = cities.batch(0, city="bkk", status=None)
     results = cities.evaluate(current, city="bkk")
