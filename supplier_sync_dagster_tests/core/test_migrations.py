@@ -37,10 +37,10 @@ from supplier_sync_dagster.core.migrations import (
     tables_at,
 )
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
+from supplier_sync_dagster.simulator import FaultProfile
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
-from supplier_sync_dagster_tests.core.test_pipeline import KEY, full_sync, published
+from supplier_sync_dagster_tests.core.test_pipeline import full_sync, published
+from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 HEAD = load_migrations("mysql")[-1].version
 # The number a test's own migration takes in a copy of sql/: the one after the real files.
@@ -159,19 +159,13 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
 ):
     """As a DBA built it (sql/001-007, no history), synced by the release of that time."""
     apply_by_hand(db_url, 7)
-    sim = Simulator(
-        SimulatorConfig(
-            seed=5,
-            n_cities=4,
-            total_hotels=300,
-            api_key=KEY,
-            faults=FaultProfile.clean().with_(bad_record_rate=0.05),
-        )
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.05), seed=5, n_cities=4, total_hotels=300
     )
     store = LocalPayloadStore(tmp_path / "payloads")
     old = SyncDatabase.open(db_url, create_schema=False)  # the 007 release did not migrate
     with sim.client() as http:
-        client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+        client = supplier_client(http)
         _rename_010_columns(old, forward=True)
         _, reports = full_sync(old, store, client, "before-upgrade")
         _rename_010_columns(old, forward=False)
