@@ -611,9 +611,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 # The task of `sync --full` (SupplierResource.task_code's default).
 DEFAULT_TASK = "hotel_supplier_full_resource"
-# Cities in flight in the CLI's run. It is the only run, so a second city can use the
-# time one city waits on the database server: 2 measured +31-42 % hotels/s on MariaDB and
-# no change on SQLite (100k hotels, 2 cores). A backfill's runs keep the default of 1.
+# Cities in flight in the CLI's run. It is the only run, so a second city can use the time
+# one city waits on the database server. A backfill's runs keep the default of 1.
 CLI_CITY_THREADS = 2
 _THREADS = "cities in flight at once in the run"
 

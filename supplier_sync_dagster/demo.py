@@ -1,6 +1,7 @@
-"""The lease demonstration: the real sync, two worker processes, one killed mid-city.
+"""The lease demo (``supplier-sync lease-demo``): the real sync, two worker processes, one killed mid-city.
 
-``supplier-sync lease-demo`` runs it:
+The main demo is ``supplier-sync demo`` (:mod:`supplier_sync_dagster.sync_runner`). This one
+shows the leases and checkpoints under the pipeline's own stages:
 
 1. a task and an idempotent batch with one shard per city of a small simulated supplier
    (hostile city codes included), in the sync database (the embedded SQLite file unless

@@ -1,10 +1,11 @@
-"""Running a full sync through Dagster from the command line, with progress and a summary.
+"""The main demo and the CLI's sync: a full sync through Dagster, with progress and a summary.
 
-The CLI (``supplier-sync demo`` and ``supplier-sync sync --full``) discovers the supplier's
-cities as dynamic partitions, then materializes the city-sync assets over the whole range
-in one run on the local Dagster instance (``$DAGSTER_HOME``, default
-``$SUPPLIER_SYNC_HOME/dagster_home``), so the run, its metadata and lineage show in the UI.
-A thread renders the batch's progress from the sync database while the run works.
+``supplier-sync demo`` (the embedded simulator) and ``supplier-sync sync --full`` (the
+configured supplier) run this. It discovers the supplier's cities as dynamic partitions,
+then materializes the city-sync assets over the whole range in one run on the local Dagster
+instance (``$DAGSTER_HOME``, default ``$SUPPLIER_SYNC_HOME/dagster_home``), so the run, its
+metadata and lineage show in the UI. A thread renders the batch's progress from the sync
+database while the run works.
 """
 
 from __future__ import annotations

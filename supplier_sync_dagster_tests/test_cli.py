@@ -36,9 +36,9 @@ from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import claim_shard, make_worker_id
 from supplier_sync_dagster.core.migrations import load_migrations
 from supplier_sync_dagster.deployment import ROOT
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 
-KEY = "cli-key"
 TASK = "hotel_supplier_full_resource"
 CONSOLE_SCRIPT = Path(sys.executable).parent / "supplier-sync"
 
@@ -101,22 +101,13 @@ def supplier(sim: Simulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The simulator over HTTP, configured as ``_supplier_from_env`` reads it."""
     with running_server(sim) as url:
         monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", url)
-        monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", KEY)
+        monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", SIM_API_KEY)
         yield url
 
 
 def simulator(**config: Any) -> Simulator:
     faults = FaultProfile.clean().with_(**config.pop("faults", {}))
-    return Simulator(
-        SimulatorConfig(
-            seed=config.pop("seed", 51),
-            n_cities=config.pop("n_cities", 3),
-            total_hotels=config.pop("total_hotels", 300),
-            api_key=KEY,
-            faults=faults,
-            **config,
-        )
-    )
+    return make_simulator(faults, **{"seed": 51, "n_cities": 3, "total_hotels": 300, **config})
 
 
 def sync(capsys: pytest.CaptureFixture[str], db_url: str, *extra: str) -> Outcome:

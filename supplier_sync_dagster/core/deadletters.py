@@ -3,8 +3,8 @@
 A dead letter names the stage that refused the record, a precise error code, the message
 (with the offending value, truncated) and the raw payload it came from (ref and hash), so
 that one record can be replayed later. Writing is idempotent: the seed's dedup key
-``(batch, supplier, hotel, product, stage, raw hash)`` and a dead_letter_id derived from it
-mean a re-run adds no second row for the same failure.
+``(batch, supplier, hotel, record position, stage, raw hash)`` and a dead_letter_id derived
+from it mean a re-run adds no second row for the same failure.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from supplier_sync_dagster.core.db import DbClock, insert_ignore
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
 ErrorType = Literal["RETRYABLE", "NON_RETRYABLE", "MAPPING_REQUIRED", "RISK_BLOCKED"]
 # The dedup key cannot rely on NULLs (a UNIQUE key lets NULLs repeat): unreadable ids and
-# products are stored as this marker.
+# positions are stored as this marker.
 UNKNOWN = "-"
 
 
@@ -38,7 +38,8 @@ class DeadLetter:
     error_message: str
     raw_payload_ref: str | None
     raw_payload_hash: str | None
-    supplier_product_code: str | None = None
+    # The record's place on its raw page ('record#N'), part of the dedup key.
+    record_position: str | None = None
     normalized_payload_ref: str | None = None
 
 
@@ -49,7 +50,7 @@ def dead_letter_id(batch_id: str, supplier_id: int, letter: DeadLetter) -> str:
             batch_id,
             str(supplier_id),
             letter.supplier_hotel_id or UNKNOWN,
-            letter.supplier_product_code or UNKNOWN,
+            letter.record_position or UNKNOWN,
             letter.error_stage,
             letter.raw_payload_hash or UNKNOWN,
         )
@@ -73,7 +74,7 @@ def record_dead_letters(
         {
             "dead_letter_id": dead_letter_id(batch_id, supplier_id, d),
             "supplier_resource_code": (d.supplier_hotel_id or UNKNOWN)[:128],
-            "supplier_product_code": (d.supplier_product_code or UNKNOWN)[:128],
+            "record_position": (d.record_position or UNKNOWN)[:128],
             "error_stage": d.error_stage,
             "error_type": d.error_type,
             "error_code": d.error_code[:128],

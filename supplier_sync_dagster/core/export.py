@@ -73,7 +73,7 @@ def export_jsonl(
     - published: a hotel with ``supplier_id``, ``supplier_hotel_id``, ``supplier_version``,
       ``platform_resource_id``, ``publish_version``, its published fields and its offers.
     - dead-letters: ``supplier_hotel_id``, ``error_stage``, ``error_type``, ``error_code``,
-      ``error_message``, ``status``, the raw payload ref and hash.
+      ``error_message``, ``status``, the record's position and the raw payload ref and hash.
     - diffs: the diff log.
     """
     n = 0
@@ -86,7 +86,7 @@ def export_jsonl(
             d.batch_id,
             d.supplier_id,
             d.supplier_resource_code.label("supplier_hotel_id"),
-            d.supplier_product_code,
+            d.record_position,
             d.error_stage,
             d.error_type,
             d.error_code,

@@ -132,8 +132,7 @@ class FieldCounts:
 def profile_records(records: Iterable[Any]) -> FieldCounts:
     """Counts the top-level field names of raw supplier records (one page, typically).
 
-    Cheap enough to run on every page of a sync: about 0.5-1 µs per simulator record, 2 µs
-    when no two records list their keys in the same order (``bench/bench_gates.py``).
+    Cheap enough to run on every page of a sync (``bench/bench_gates.py``).
     Pages are combined with :meth:`FieldCounts.merge`.
 
     Args:

@@ -123,7 +123,7 @@ class PayloadStore(abc.ABC):
             data: The exact bytes to keep (a supplier page, a normalized snapshot).
             kind: A short internal token (``^[a-z][a-z0-9_]{0,31}$``), e.g. ``"raw"``.
             compresslevel: gzip level (0-9) for this object; None uses the store's level.
-                Any level reads back the same bytes (e.g. 1 for bulk pages: ~4x cheaper
+                Any level reads back the same bytes (e.g. 1 for bulk pages: much cheaper
                 than 6, somewhat larger objects).
 
         Returns:

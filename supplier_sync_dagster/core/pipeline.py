@@ -99,8 +99,8 @@ log = logging.getLogger(__name__)
 
 RAW = "RAW"
 NORMALIZED = "NORMALIZED"
-# gzip level of stored RAW and NORMALIZED pages: ~4x cheaper than the store's default of 6
-# for somewhat larger objects (a 500-hotel page: ~2 ms instead of ~7 ms). Any level reads
+# gzip level of stored RAW and NORMALIZED pages: much cheaper than the store's default of 6
+# for somewhat larger objects. Any level reads
 # back the same bytes and hashes, so replay and traceability do not depend on it.
 PAGE_COMPRESSLEVEL = 1
 # Young-generation GC threshold set by prepare_process (CPython's default is 700).
@@ -144,9 +144,9 @@ def collect_garbage() -> None:
     With the young generation's threshold raised (:func:`prepare_process`), cyclic garbage
     (HTTP responses, parsed pages) that survives into the oldest generation would wait for
     a rare full collection, and a large city's peak memory would grow with its size. After
-    ``gc.freeze()`` a full collection only scans what the sync itself holds, a few ms, so
-    doing it on a clock bounds memory by what two seconds of work leave behind (at 0.5 s it
-    cost 4 % of a sync's CPU, at 2 s 1 %, with the same peak: bench_scale.py memory).
+    ``gc.freeze()`` a full collection only scans what the sync itself holds, so doing it on
+    a clock bounds memory by what two seconds of work leave behind (a shorter interval costs
+    more CPU for the same peak: ``bench_scale.py memory``).
     """
     global _last_collect
     now = time.monotonic()
@@ -497,7 +497,7 @@ def _snapshot_row(
         "page_number": page_number,
         "record_count": record_count,
         # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
-        "supplier_product_code": source_hash,
+        "derived_from": source_hash,
     }
 
 
@@ -872,7 +872,7 @@ class _Normalizer:
                 failed[f.index] = f.dead_letter(
                     page.raw.payload_ref,
                     page.raw.payload_hash,
-                    supplier_product_code=f"record#{pos}",
+                    record_position=f"record#{pos}",
                 )
         offset = 0
         kept_chunk: list[Candidate] = []
@@ -889,7 +889,7 @@ class _Normalizer:
                     raw.payload_hash,
                     # The record's place on its page: two unreadable records of one page
                     # stay two dead letters, and a re-run finds the same key.
-                    supplier_product_code=f"record#{index}",
+                    record_position=f"record#{index}",
                 )
                 for r, index in zip(result.rejections, result.rejection_index, strict=True)
             ]
@@ -937,7 +937,7 @@ def _normalized_chunks(
     with db.engine.connect() as conn:
         rows = list(
             conn.execute(
-                sa.select(s.payload_ref, s.supplier_product_code)
+                sa.select(s.payload_ref, s.derived_from)
                 .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == NORMALIZED)
                 .order_by(s.id)
             )
@@ -951,7 +951,7 @@ def _normalized_chunks(
         )
     chunk: list[Candidate] = []
     for row in rows:
-        raw_hash = row.supplier_product_code
+        raw_hash = row.derived_from
         raw_ref = raw_refs.get(raw_hash)
         # A NORMALIZED page is JSON lines of canonical documents: a line's sha256 is the
         # hotel's fingerprint (normalize.fingerprint), no re-encoding needed.

@@ -213,14 +213,14 @@ class QualityFailure:
         raw_payload_ref: str | None,
         raw_payload_hash: str | None,
         *,
-        supplier_product_code: str | None = None,
+        record_position: str | None = None,
     ) -> DeadLetter:
         """This failure as a dead letter of stage VALIDATION.
 
         Args:
             raw_payload_ref: the raw page the record came from.
             raw_payload_hash: sha256 of that page.
-            supplier_product_code: optional product code (part of the dead letter's key).
+            record_position: the record's place on its page (part of the dead letter's key).
 
         Returns:
             The dead letter to record.
@@ -233,7 +233,7 @@ class QualityFailure:
             self.message,
             raw_payload_ref,
             raw_payload_hash,
-            supplier_product_code=supplier_product_code,
+            record_position=record_position,
         )
 
 

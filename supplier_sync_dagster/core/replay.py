@@ -128,7 +128,7 @@ def prepare_replay(
                         "record_count": p.record_count,
                         "snapshot_version": p.snapshot_version,
                         # The batch whose fetch stored these bytes (the trace to the supplier).
-                        "supplier_product_code": f"replay-of:{source}"[:128],
+                        "derived_from": f"replay-of:{source}"[:128],
                     }
                     for p in pages
                 ],
@@ -167,24 +167,22 @@ def resolve_replayed_dead_letters(
             s.batch_id == source_batch_id, s.shard_key == city_code, s.snapshot_type == RAW
         )
         still = {
-            (r.raw_payload_hash, r.supplier_product_code)
+            (r.raw_payload_hash, r.record_position)
             for r in conn.execute(
-                sa.select(d.raw_payload_hash, d.supplier_product_code).where(
+                sa.select(d.raw_payload_hash, d.record_position).where(
                     d.batch_id == replay_batch_id, d.raw_payload_hash.in_(pages)
                 )
             )
         }
         candidates = conn.execute(
-            sa.select(d.id, d.raw_payload_hash, d.supplier_product_code).where(
+            sa.select(d.id, d.raw_payload_hash, d.record_position).where(
                 d.batch_id == source_batch_id,
                 d.raw_payload_hash.in_(pages),
                 d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")),
             )
         ).all()
         fixed = [
-            int(r.id)
-            for r in candidates
-            if (r.raw_payload_hash, r.supplier_product_code) not in still
+            int(r.id) for r in candidates if (r.raw_payload_hash, r.record_position) not in still
         ]
         now = db.clock.now()
         for part in chunks(fixed):

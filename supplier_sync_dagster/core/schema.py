@@ -178,7 +178,8 @@ snapshot = _table(
     sa.Column("supplier_id", sa.BigInteger, nullable=False),
     sa.Column("category_code", sa.String(32), nullable=False),
     sa.Column("supplier_resource_code", _code(128)),
-    sa.Column("supplier_product_code", _code(128)),
+    # NORMALIZED: the sha256 of its raw page; a replayed RAW page: 'replay-of:<batch>'.
+    sa.Column("derived_from", _code(128)),
     sa.Column("shard_key", _code(128)),
     sa.Column("page_number", sa.Integer),
     sa.Column("record_count", sa.Integer),
@@ -189,9 +190,7 @@ snapshot = _table(
     sa.Column("created_at", _ts(), nullable=False),
     sa.UniqueConstraint("snapshot_id", name="uk_snapshot_id"),
     sa.Index("idx_snapshot_batch", "batch_id", "shard_key", "snapshot_type"),
-    sa.Index(
-        "idx_supplier_object", "supplier_id", "supplier_resource_code", "supplier_product_code"
-    ),
+    sa.Index("idx_snapshot_derived_from", "supplier_id", "supplier_resource_code", "derived_from"),
     comment="raw and normalized supplier payload snapshots",
 )
 
@@ -230,7 +229,8 @@ dead_letter = _table(
     sa.Column("category_code", sa.String(32), nullable=False),
     sa.Column("supplier_id", sa.BigInteger, nullable=False),
     sa.Column("supplier_resource_code", _code(128)),
-    sa.Column("supplier_product_code", _code(128)),
+    # The record's place on its raw page ('record#N'): two bad records of a page stay two.
+    sa.Column("record_position", _code(128)),
     sa.Column("platform_resource_id", sa.BigInteger),
     sa.Column("spu_id", sa.BigInteger),
     sa.Column("sku_id", sa.BigInteger),
@@ -258,7 +258,7 @@ dead_letter = _table(
         "batch_id",
         "supplier_id",
         "supplier_resource_code",
-        "supplier_product_code",
+        "record_position",
         "error_stage",
         "raw_payload_hash",
         name="uk_dedup",

@@ -1,7 +1,7 @@
 """The executor: steps run in the run's own process.
 
 A city_sync run is one step, so a step subprocess (the multiprocess executor's default)
-would only add its start-up (~1 s, more on a loaded machine) to every run of a backfill.
+would only add its start-up (a new interpreter importing Dagster) to every run of a backfill.
 """
 
 import dagster as dg

@@ -115,8 +115,8 @@ class SupplierResource(dg.ConfigurableResource):
         default=1,
         description=(
             "Cities in flight at once in a run (2: one fetches while another is published). "
-            "Measured on 2 cores with 4 runs, 2 used the request budget less well (0.92 R "
-            "instead of 0.95 R: the threads share one interpreter lock), so 1 is the default."
+            "With several runs, 2 use the request budget less well (the threads share one "
+            "interpreter lock), so 1 is the default."
         ),
     )
     help_other_runs: bool = Field(

@@ -12,17 +12,6 @@ import pytest
 from supplier_sync_dagster.core.batches import Batch, TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.db import SyncDatabase
 
-HOSTILE_CODES = (
-    "../../etc",
-    "x'; DROP TABLE t;--",
-    "a|b",
-    "a...b",
-    "東京都" * 21 + "京",  # 64 characters of non-ASCII
-    "%2e%2e%2f",
-    "BKK",
-    "bkk",  # differs from BKK only by case: must stay a distinct city
-)
-
 
 @pytest.fixture
 def db(db_url: str) -> Iterator[SyncDatabase]:

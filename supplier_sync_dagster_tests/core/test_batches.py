@@ -42,7 +42,8 @@ from supplier_sync_dagster.core.leases import (
     list_shards,
 )
 from supplier_sync_dagster.core.processes import make_worker_id
-from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, run_concurrently
+from supplier_sync_dagster_tests.core.conftest import run_concurrently
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES
 
 FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=1)
 
@@ -232,22 +233,22 @@ def test_malformed_task_spec(bad: dict[str, object]):
 
 
 def test_hostile_codes_as_task_trigger_and_shards_round_trip(db: SyncDatabase):
-    for i, code in enumerate(HOSTILE_CODES):
+    for i, code in enumerate(HOSTILE_CITY_CODES):
         upsert_task(db, TaskSpec(task_code=code, supplier_id=1001 + i))
         decision = create_batch(
             db,
             task_code=code,
             trigger_id=code,
             trigger_source="MANUAL",
-            shard_keys=list(HOSTILE_CODES),
+            shard_keys=list(HOSTILE_CITY_CODES),
         )
         assert decision.batch is not None
         assert decision.batch.task_code == code and decision.batch.trigger_id == code
-        assert decision.batch.city_scope == HOSTILE_CODES
+        assert decision.batch.city_scope == HOSTILE_CITY_CODES
         again = create_batch(db, task_code=code, trigger_id=code, trigger_source="MANUAL")
         assert again.batch is not None and again.batch.batch_id == decision.batch.batch_id
-    assert _count(db, t.task) == len(HOSTILE_CODES)
-    assert _count(db, t.batch) == len(HOSTILE_CODES)
+    assert _count(db, t.task) == len(HOSTILE_CITY_CODES)
+    assert _count(db, t.batch) == len(HOSTILE_CITY_CODES)
 
 
 def test_add_shards_is_idempotent_reopens_finished_and_refused_on_cancelled(db: SyncDatabase):

@@ -44,9 +44,9 @@ from supplier_sync_dagster.core.gates import (
 from supplier_sync_dagster.core.leases import claim_shard
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
-from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
-from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch
+from supplier_sync_dagster.simulator import FaultProfile, running_server
+from supplier_sync_dagster_tests.core.conftest import MakeBatch
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES, make_simulator, supplier_client
 
 CITY = "BKK"
 
@@ -258,7 +258,7 @@ def test_previous_profile_is_the_latest_earlier_success_of_the_same_task(
 
 def test_city_codes_are_compared_byte_for_byte(db: SyncDatabase, make_batch: MakeBatch):
     cities = Cities(db, make_batch)
-    for code in HOSTILE_CODES:
+    for code in HOSTILE_CITY_CODES:
         cities.batch(10, city=code)
     current = cities.batch(0, city="bkk", status=None)
     results = cities.evaluate(current, city="bkk")
@@ -668,18 +668,12 @@ def test_pipeline_gate_without_profile_judges_the_report(
 def test_gated_city_publishes_nothing_until_overridden_then_publishes(
     db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
 ):
-    sim = Simulator(
-        SimulatorConfig(
-            seed=11,
-            n_cities=1,
-            total_hotels=120,
-            api_key="sim-key",
-            faults=FaultProfile.clean().with_(bad_record_rate=0.5),
-        )
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.5), seed=11, n_cities=1, total_hotels=120
     )
     store = LocalPayloadStore(tmp_path / "payloads")
     with running_server(sim) as url, httpx.Client(base_url=url) as http:
-        client = SupplierClient(http, api_key="sim-key", supplier_id="sim")
+        client = supplier_client(http)
         (city,) = [c.city_code for c in client.list_cities().data.cities]
         batch = make_batch((city,))
         settings = SyncSettings(task_code=batch.task_code, supplier_id=1001, page_size=50)

@@ -38,13 +38,13 @@ from supplier_sync_dagster.core.replay import (
 )
 from supplier_sync_dagster.core.review import approve_reviews, list_reviews, reject_reviews
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.core.test_pipeline import (
-    KEY,
     SUPPLIER,
     published,
     settings,
 )
+from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 TASK = "hotel_full"
 
@@ -52,7 +52,7 @@ TASK = "hotel_full"
 @contextmanager
 def served(sim: Simulator) -> Iterator[SupplierClient]:
     with running_server(sim) as url, httpx.Client(base_url=url) as http:
-        yield SupplierClient(http, api_key=KEY, supplier_id="sim")
+        yield supplier_client(http)
 
 
 def sync_all(
@@ -121,16 +121,13 @@ def letter_rows(db: SyncDatabase, batch_id: str) -> list[Any]:
 def test_full_sync_dead_letters_carry_expected_codes_and_moved_hotels_are_routed(
     db: SyncDatabase, tmp_path: Path
 ):
-    sim = Simulator(
-        SimulatorConfig(
-            seed=11,
-            n_cities=8,
-            total_hotels=1200,
-            api_key=KEY,
-            faults=FaultProfile.flaky().with_(
-                rate_slow=0.0, bad_record_rate=0.06, moved_hotel_rate=0.05, hostile_city_codes=True
-            ),
-        )
+    sim = make_simulator(
+        FaultProfile.flaky().with_(
+            rate_slow=0.0, bad_record_rate=0.06, moved_hotel_rate=0.05, hostile_city_codes=True
+        ),
+        seed=11,
+        n_cities=8,
+        total_hotels=1200,
     )
     truth = sim.ground_truth()
     assert truth.moved and truth.bad
@@ -161,7 +158,7 @@ def test_full_sync_dead_letters_carry_expected_codes_and_moved_hotels_are_routed
 def test_a_wrong_country_mapping_is_a_mapping_required_dead_letter(
     db: SyncDatabase, tmp_path: Path
 ):
-    sim = Simulator(SimulatorConfig(seed=5, n_cities=4, total_hotels=300, api_key=KEY))
+    sim = make_simulator(seed=5, n_cities=4, total_hotels=300)
     store = LocalPayloadStore(tmp_path / "payloads")
     with served(sim) as client:
         listing = client.list_cities().data.cities
@@ -178,15 +175,8 @@ def test_a_wrong_country_mapping_is_a_mapping_required_dead_letter(
 
 
 def _day(seed: int, day: int, **faults: Any) -> Simulator:
-    return Simulator(
-        SimulatorConfig(
-            seed=seed,
-            n_cities=5,
-            total_hotels=600,
-            api_key=KEY,
-            day=day,
-            faults=FaultProfile.clean().with_(**faults),
-        )
+    return make_simulator(
+        FaultProfile.clean().with_(**faults), seed=seed, n_cities=5, total_hotels=600, day=day
     )
 
 
@@ -270,7 +260,7 @@ def test_a_city_that_suddenly_returns_nothing_fails_record_count(db: SyncDatabas
     with running_server(sim) as url:
         transport = _EmptyCity(url, city)
         with httpx.Client(base_url="http://supplier.test", transport=transport) as http:
-            client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+            client = supplier_client(http)
             _, day1 = sync_all(db, store, client, "day-1", gate=gate)
     assert day1[city].status == "GATED", day1[city]
     assert day1[city].records == 0
@@ -320,15 +310,9 @@ def test_large_price_moves_wait_for_review_and_approval_publishes_them(
     db: SyncDatabase, tmp_path: Path
 ):
     store = LocalPayloadStore(tmp_path / "payloads")
-    config = SimulatorConfig(
-        seed=51,
-        n_cities=5,
-        total_hotels=800,
-        api_key=KEY,
-        daily_price_change_rate=0.3,
-        price_shock_rate=0.4,
+    sim = make_simulator(
+        seed=51, n_cities=5, total_hotels=800, daily_price_change_rate=0.3, price_shock_rate=0.4
     )
-    sim = Simulator(config)
     with served(sim) as client:
         sync_all(db, store, client, "day-0")
         sim.advance_day()
@@ -370,7 +354,7 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
     import supplier_sync_dagster.core.pipeline as pipeline
 
     store = LocalPayloadStore(tmp_path / "payloads")
-    sim = Simulator(SimulatorConfig(seed=61, n_cities=4, total_hotels=400, api_key=KEY))
+    sim = make_simulator(seed=61, n_cities=4, total_hotels=400)
     fixed_rule = pipeline.normalize_documents
 
     def buggy_rule(records: Any) -> Any:

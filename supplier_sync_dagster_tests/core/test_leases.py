@@ -41,8 +41,9 @@ from supplier_sync_dagster.core.leases import (
     reopen_shard,
 )
 from supplier_sync_dagster.core.shards import SHARD_MOVES, ShardStatus, move_shards, sources_of
-from supplier_sync_dagster_tests.core.conftest import HOSTILE_CODES, MakeBatch, run_concurrently
+from supplier_sync_dagster_tests.core.conftest import MakeBatch, run_concurrently
 from supplier_sync_dagster_tests.core.page_loop import FetchedPage, run_shard
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES
 
 FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.05)
 RACES = 50
@@ -403,9 +404,9 @@ def test_stall_query_finds_fresh_heartbeat_with_frozen_checkpoint(
 
 
 def test_hostile_city_codes_stored_and_read_back_verbatim(db: SyncDatabase, make_batch: MakeBatch):
-    batch = make_batch(HOSTILE_CODES)
-    assert {s.shard_key for s in list_shards(db, batch.batch_id)} == set(HOSTILE_CODES)
-    for code in HOSTILE_CODES:
+    batch = make_batch(HOSTILE_CITY_CODES)
+    assert {s.shard_key for s in list_shards(db, batch.batch_id)} == set(HOSTILE_CITY_CODES)
+    for code in HOSTILE_CITY_CODES:
         lease = claim_shard(db, batch.batch_id, code, worker_id="w", settings=FAST)
         cp = Checkpoint(code, page=3, cursor=code, last_supplier_hotel_id=code)
         lease.advance(cp, PageCounts(success=1))

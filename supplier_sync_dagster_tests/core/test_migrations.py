@@ -37,10 +37,10 @@ from supplier_sync_dagster.core.migrations import (
     tables_at,
 )
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
+from supplier_sync_dagster.simulator import FaultProfile
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
-from supplier_sync_dagster_tests.core.test_pipeline import KEY, full_sync, published
+from supplier_sync_dagster_tests.core.test_pipeline import full_sync, published
+from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 HEAD = load_migrations("mysql")[-1].version
 # The number a test's own migration takes in a copy of sql/: the one after the real files.
@@ -58,6 +58,22 @@ def apply_by_hand(url: str, upto: int) -> None:
                 conn.commit()
     finally:
         engine.dispose()
+
+
+# The columns that 010 renamed: (table, name before 010, name since).
+_RENAMED_BY_010 = (
+    ("supplier_sync_snapshot", "supplier_product_code", "derived_from"),
+    ("supplier_sync_dead_letter", "supplier_product_code", "record_position"),
+)
+
+
+def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
+    """Gives a database older than 010 the column names today's code writes, or takes them back:
+    the release of that time wrote the same values under the old name."""
+    with db.begin() as conn:
+        for table, old, new in _RENAMED_BY_010:
+            src, dst = (old, new) if forward else (new, old)
+            conn.exec_driver_sql(f"ALTER TABLE {table} RENAME COLUMN {src} TO {dst}")
 
 
 def row_counts(db: SyncDatabase) -> dict[str, int]:
@@ -143,20 +159,16 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
 ):
     """As a DBA built it (sql/001-007, no history), synced by the release of that time."""
     apply_by_hand(db_url, 7)
-    sim = Simulator(
-        SimulatorConfig(
-            seed=5,
-            n_cities=4,
-            total_hotels=300,
-            api_key=KEY,
-            faults=FaultProfile.clean().with_(bad_record_rate=0.05),
-        )
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.05), seed=5, n_cities=4, total_hotels=300
     )
     store = LocalPayloadStore(tmp_path / "payloads")
     old = SyncDatabase.open(db_url, create_schema=False)  # the 007 release did not migrate
     with sim.client() as http:
-        client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+        client = supplier_client(http)
+        _rename_010_columns(old, forward=True)
         _, reports = full_sync(old, store, client, "before-upgrade")
+        _rename_010_columns(old, forward=False)
         assert all(r.status == "SUCCESS" for r in reports)
         before = row_counts(old)
         with old.engine.connect() as conn:
@@ -314,6 +326,58 @@ def test_a_database_at_006_keeps_every_offer_id_through_007_and_later(db_url: st
             assert new_id is not None and new_id[0] == 136  # after the largest (135)
         with pytest.raises(sa.exc.IntegrityError), db.begin() as conn:
             conn.execute(sa.insert(t.platform_offer), _offer(None, 1, "R0"))  # same identity
+    finally:
+        db.dispose()
+
+
+def test_a_database_at_009_keeps_its_snapshot_and_dead_letter_traces_through_010(db_url: str):
+    """010 renames supplier_product_code (derived_from, record_position): values survive."""
+    apply_by_hand(db_url, 9)
+    db = SyncDatabase.open(db_url, create_schema=False)
+    try:
+        now = datetime(2026, 11, 1)
+        common = {"batch_id": "b1", "supplier_id": 1, "category_code": "HOTEL", "created_at": now}
+        snapshots = [
+            {**common, "snapshot_id": f"s{i}", "supplier_product_code": code}
+            | {"snapshot_type": "NORMALIZED", "snapshot_version": 1, "payload_hash": f"h{i}"}
+            for i, code in enumerate(("a" * 64, "replay-of:b0", None))
+        ]
+        letters = [
+            {**common, "dead_letter_id": f"d{i}", "supplier_product_code": code}
+            | {"task_code": "t", "sync_mode": "FULL", "error_stage": "VALIDATION"}
+            | {"error_type": "NON_RETRYABLE", "error_code": "E", "error_message": "m"}
+            | {"supplier_resource_code": "H1", "raw_payload_hash": "r", "updated_at": now}
+            for i, code in enumerate(("record#0", "record#7", "-"))
+        ]
+        old = {
+            name: sa.table(name, *(sa.column(c) for c in rows[0]))
+            for name, rows in (
+                ("supplier_sync_snapshot", snapshots),
+                ("supplier_sync_dead_letter", letters),
+            )
+        }
+        with db.begin() as conn:
+            conn.execute(sa.insert(old["supplier_sync_snapshot"]), snapshots)
+            conn.execute(sa.insert(old["supplier_sync_dead_letter"]), letters)
+
+        result = migrate(db)
+        assert result.baseline == 9
+        assert [a.version for a in result.applied] == list(range(10, HEAD + 1))
+        with db.engine.connect() as conn:
+            s, d = t.snapshot.c, t.dead_letter.c
+            derived = conn.execute(sa.select(s.derived_from).order_by(s.snapshot_id)).scalars()
+            positions = conn.execute(
+                sa.select(d.record_position).order_by(d.dead_letter_id)
+            ).scalars()
+            assert list(derived) == ["a" * 64, "replay-of:b0", None]
+            assert list(positions) == ["record#0", "record#7", "-"]
+        # The dedup key now names the position: the same record again is refused.
+        with pytest.raises(sa.exc.IntegrityError), db.begin() as conn:
+            row = {k: v for k, v in letters[0].items() if k != "supplier_product_code"}
+            conn.execute(
+                sa.insert(t.dead_letter),
+                {**row, "dead_letter_id": "d9", "record_position": "record#0"},
+            )
     finally:
         db.dispose()
 

@@ -38,9 +38,9 @@ from supplier_sync_dagster.simulator import (
     GEO_RENAMED_LOCATION,
     FaultProfile,
     Simulator,
-    SimulatorConfig,
     encode_city_code,
 )
+from supplier_sync_dagster_tests.helpers import make_simulator
 
 # Ground-truth reason (simulator) -> (stage, error code, field) the normalizer must give.
 EXPECTED_FOR_REASON: dict[str, tuple[str, str, str]] = {
@@ -182,12 +182,10 @@ def walk(sim: Simulator, page_size: int = 200) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def bad_world() -> tuple[Simulator, list[dict[str, Any]]]:
-    sim = Simulator(
-        SimulatorConfig(
-            n_cities=12,
-            total_hotels=3000,
-            faults=FaultProfile.clean().with_(bad_record_rate=0.2, hostile_city_codes=True),
-        )
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.2, hostile_city_codes=True),
+        n_cities=12,
+        total_hotels=3000,
     )
     return sim, walk(sim)
 
@@ -271,12 +269,10 @@ def test_documents_are_the_primitive_form_of_the_outcomes(
 
 
 def test_location_rename_rejects_every_record() -> None:
-    sim = Simulator(
-        SimulatorConfig(
-            n_cities=5,
-            total_hotels=300,
-            faults=FaultProfile.clean().with_(location_rename_from_day=0, bad_record_rate=0.2),
-        )
+    sim = make_simulator(
+        FaultProfile.clean().with_(location_rename_from_day=0, bad_record_rate=0.2),
+        n_cities=5,
+        total_hotels=300,
     )
     records = walk(sim)
     assert records

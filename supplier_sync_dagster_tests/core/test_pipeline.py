@@ -24,10 +24,15 @@ from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
 from supplier_sync_dagster.core.payloads import LocalPayloadStore, PayloadStore
 from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
+from supplier_sync_dagster_tests.helpers import (
+    SIM_API_KEY,
+    make_simulator,
+    serve_simulator,
+    supplier_client,
+)
 
-KEY = "sim-key"
 SUPPLIER = 1001
 
 
@@ -100,17 +105,9 @@ def dead_letters(db: SyncDatabase, batch_id: str) -> dict[str, str]:
 @pytest.fixture
 def flaky_sim() -> Iterator[tuple[Simulator, str]]:
     # Slow responses would only slow the test down; every other fault stays on.
-    sim = Simulator(
-        SimulatorConfig(
-            seed=7,
-            n_cities=10,
-            total_hotels=1500,
-            api_key=KEY,
-            faults=FaultProfile.flaky().with_(rate_slow=0.0, bad_record_rate=0.03),
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    faults = FaultProfile.flaky().with_(rate_slow=0.0, bad_record_rate=0.03)
+    with serve_simulator(faults, seed=7, n_cities=10, total_hotels=1500) as served:
+        yield served
 
 
 def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
@@ -120,7 +117,7 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
     store = LocalPayloadStore(tmp_path / "payloads")
     truth = sim.ground_truth()
     with httpx.Client(base_url=url) as http:
-        client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+        client = supplier_client(http)
         batch_id, reports = full_sync(db, store, client, "day-0")
         assert client.stats().retries > 0  # the faults happened and were absorbed
 
@@ -161,9 +158,7 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
     before = published(db)
     after_truth = sim.ground_truth()
     with httpx.Client(base_url=url) as http:
-        batch2, reports2 = full_sync(
-            db, store, SupplierClient(http, api_key=KEY, supplier_id="sim"), "day-1"
-        )
+        batch2, reports2 = full_sync(db, store, supplier_client(http), "day-1")
     now = published(db)
     for hid, version in after_truth.valid.items():
         assert now[hid] == version
@@ -191,14 +186,14 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
 def test_two_syncs_at_once_publish_each_hotel_once(
     db: SyncDatabase, tmp_path: Path, same_batch: bool
 ):
-    sim = Simulator(SimulatorConfig(seed=3, n_cities=6, total_hotels=600, api_key=KEY))
+    sim = make_simulator(seed=3, n_cities=6, total_hotels=600)
     store = LocalPayloadStore(tmp_path / "payloads")
 
     def run(i: int) -> list[CityReport]:
         # One batch raced by two workers (the shard leases decide), or two tasks whose
         # scopes the policy lets run in parallel (only the publish guard stands between them).
         with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
-            client = SupplierClient(http, api_key=KEY, supplier_id="sim")
+            client = supplier_client(http)
             if same_batch:
                 return full_sync(db, store, client, "shared", worker=f"w{i}")[1]
             return full_sync(
@@ -234,12 +229,10 @@ def test_two_syncs_at_once_publish_each_hotel_once(
 
 
 def test_replay_from_stored_raw_pages_never_calls_the_supplier(db: SyncDatabase, tmp_path: Path):
-    sim = Simulator(SimulatorConfig(seed=5, n_cities=4, total_hotels=300, api_key=KEY))
+    sim = make_simulator(seed=5, n_cities=4, total_hotels=300)
     store = LocalPayloadStore(tmp_path / "payloads")
     with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
-        batch_id, _ = full_sync(
-            db, store, SupplierClient(http, api_key=KEY, supplier_id="sim"), "first"
-        )
+        batch_id, _ = full_sync(db, store, supplier_client(http), "first")
     served = sim.stats["requests_total"]
     with db.begin() as conn:  # forget what was published: replay must rebuild it
         for table in (t.platform_offer, t.platform_hotel, t.outbox):
@@ -272,14 +265,14 @@ def _expected_page_requests(sim: Simulator, page_size: int) -> int:
 
 @pytest.mark.timeout(600)
 def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_path: Path):
-    sim = Simulator(SimulatorConfig(seed=11, n_cities=12, total_hotels=3000, api_key=KEY))
+    sim = make_simulator(seed=11, n_cities=12, total_hotels=3000)
     page_size = 25
     env = dict(
         os.environ,
         SUPPLIER_SYNC_HOME=str(tmp_path / "home"),
         DAGSTER_HOME=str(tmp_path / "dagster_home"),
         SUPPLIER_SYNC_DB_URL=db_url,
-        SUPPLIER_SYNC_SUPPLIER_API_KEY=KEY,
+        SUPPLIER_SYNC_SUPPLIER_API_KEY=SIM_API_KEY,
     )
     env.pop("SUPPLIER_SYNC_PAYLOAD_URL", None)
     (tmp_path / "dagster_home").mkdir()

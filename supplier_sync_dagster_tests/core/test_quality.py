@@ -19,12 +19,10 @@ from supplier_sync_dagster.core.normalize import (
     normalize_records,
 )
 from supplier_sync_dagster.simulator import (
-    FaultProfile,
-    Simulator,
-    SimulatorConfig,
     encode_city_code,
 )
 from supplier_sync_dagster_tests.core.test_normalize import EXAMPLE
+from supplier_sync_dagster_tests.helpers import make_simulator
 
 CITY = "BKK"
 COUNTRIES = {"BKK": "TH", "CNX": "TH", "PAR": "FR"}
@@ -361,7 +359,7 @@ def test_does_not_import_dagster() -> None:
 
 
 def _simulator_docs(total: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    sim = Simulator(SimulatorConfig(n_cities=4, total_hotels=total, faults=FaultProfile.clean()))
+    sim = make_simulator(n_cities=4, total_hotels=total)
     client = sim.client()
     cities = client.get("/v1/cities").json()["cities"]
     records: list[Any] = []

@@ -27,21 +27,13 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
-
-KEY = "sim-key"
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 
 
 def _sim(day: int, **faults: Any) -> Simulator:
-    return Simulator(
-        SimulatorConfig(
-            seed=81,
-            n_cities=3,
-            total_hotels=300,
-            api_key=KEY,
-            day=day,
-            faults=FaultProfile.clean().with_(**faults),
-        )
+    return make_simulator(
+        FaultProfile.clean().with_(**faults), seed=81, n_cities=3, total_hotels=300, day=day
     )
 
 
@@ -49,7 +41,7 @@ def _resources(db_url: str, tmp_path: Path, url: str) -> dict[str, Any]:
     return {
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": SupplierResource(base_url=url, api_key=KEY, rate_limit_rps=10_000),
+        "supplier": SupplierResource(base_url=url, api_key=SIM_API_KEY, rate_limit_rps=10_000),
         "governance": GovernanceResource(),
     }
 

@@ -39,26 +39,19 @@ from supplier_sync_dagster.deployment import (
     DagsterProcesses,
     profile_env,
 )
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import FaultProfile, Simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
-KEY = "truth-key"
 TASK = "hotel_supplier_full_resource"
 
 
 @pytest.fixture
 def simulator() -> Iterator[tuple[Simulator, str]]:
-    sim = Simulator(
-        SimulatorConfig(
-            seed=23,
-            n_cities=6,
-            total_hotels=900,
-            api_key=KEY,
-            empty_city_share=0.0,
-            faults=FaultProfile.clean().with_(bad_record_rate=0.04),
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    faults = FaultProfile.clean().with_(bad_record_rate=0.04)
+    with serve_simulator(
+        faults, seed=23, n_cities=6, total_hotels=900, empty_city_share=0.0
+    ) as served:
+        yield served
 
 
 def _bad_ratios(sim: Simulator) -> dict[str, float]:
@@ -123,7 +116,7 @@ def test_each_city_partition_shows_its_own_outcome_and_reexecution_heals_exactly
         extra={
             "SUPPLIER_SYNC_DB_URL": db_url,
             "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-            "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+            "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
             "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
         },
     )

@@ -26,9 +26,9 @@ from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.deployment import ROOT, DagsterProcesses, profile_env
 from supplier_sync_dagster.run_launcher import WORKER_HOST_TAG, LocalRunLauncher, worker_pid
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import FaultProfile, Simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
-KEY = "monitor-key"
 POOL = "supplier_api"
 # poll_interval_seconds (5) plus the daemon's own loop and a slow machine's slack.
 FAILURE_WITHIN_SECONDS = 30.0
@@ -37,18 +37,11 @@ FAILURE_WITHIN_SECONDS = 30.0
 @pytest.fixture
 def simulator() -> Iterator[tuple[Simulator, str]]:
     # Every request takes 0.3 s: a city of 20 pages keeps its run busy long enough to kill.
-    sim = Simulator(
-        SimulatorConfig(
-            seed=7,
-            n_cities=3,
-            total_hotels=6000,
-            api_key=KEY,
-            faults=FaultProfile.clean().with_(rate_slow=1.0, slow_seconds=0.3),
-            empty_city_share=0.0,
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    faults = FaultProfile.clean().with_(rate_slow=1.0, slow_seconds=0.3)
+    with serve_simulator(
+        faults, seed=7, n_cities=3, total_hotels=6000, empty_city_share=0.0
+    ) as served:
+        yield served
 
 
 def _parent(pid: int) -> tuple[int, str]:
@@ -100,7 +93,7 @@ def test_runs_whose_worker_died_are_marked_failed_under_the_daemon(
             "SUPPLIER_SYNC_HOME": str(tmp_path / "state"),
             "SUPPLIER_SYNC_DB_URL": f"sqlite:///{tmp_path / 'sync.sqlite3'}",
             "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-            "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+            "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
             "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
         },
     )

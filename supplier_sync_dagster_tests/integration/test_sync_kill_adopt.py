@@ -23,9 +23,9 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema as t
 from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
+from supplier_sync_dagster.simulator import Simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
-KEY = "kill-key"
 KILLS = 3
 PAGE_SIZE = 100
 CITY_THREADS = 2  # the CLI's default: a kill interrupts at most this many cities
@@ -33,18 +33,8 @@ CITY_THREADS = 2  # the CLI's default: a kill interrupts at most this many citie
 
 @pytest.fixture
 def simulator() -> Iterator[tuple[Simulator, str]]:
-    sim = Simulator(
-        SimulatorConfig(
-            seed=23,
-            n_cities=40,
-            total_hotels=16_000,
-            api_key=KEY,
-            faults=FaultProfile.clean(),
-            empty_city_share=0.0,
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    with serve_simulator(seed=23, n_cities=40, total_hotels=16_000, empty_city_share=0.0) as served:
+        yield served
 
 
 def _progress(db: SyncDatabase, trigger_id: str) -> int | None:
@@ -69,7 +59,7 @@ def test_sync_killed_three_times_is_adopted_and_ends_at_the_ground_truth(
         "SUPPLIER_SYNC_HOME": str(tmp_path / "home"),
         "SUPPLIER_SYNC_DB_URL": db_url,
         "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-        "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+        "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
         "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
     }
     command = [str(Path(sys.executable).parent / "supplier-sync"), "sync", "--full", "--json"]

@@ -29,9 +29,8 @@ from supplier_sync_dagster.deployment import (
     migrate_instance,
     profile_env,
 )
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig, running_server
-
-KEY = "it-key"
+from supplier_sync_dagster.simulator import Simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
 
 @pytest.fixture
@@ -59,18 +58,8 @@ def mysql_databases(mysql_server_url: str) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 def simulator() -> Iterator[tuple[Simulator, str]]:
-    sim = Simulator(
-        SimulatorConfig(
-            seed=91,
-            n_cities=60,
-            total_hotels=1800,
-            api_key=KEY,
-            faults=FaultProfile.clean(),
-            empty_city_share=0.0,
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    with serve_simulator(seed=91, n_cities=60, total_hotels=1800, empty_city_share=0.0) as served:
+        yield served
 
 
 def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
@@ -91,7 +80,7 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
             "DAGSTER_MYSQL_URL": dagster_url,
             "SUPPLIER_SYNC_DB_URL": sync_url,
             "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-            "SUPPLIER_SYNC_SUPPLIER_API_KEY": KEY,
+            "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
             "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
             "SUPPLIER_SYNC_REDIS_URL": redis_url,
         },

@@ -6,20 +6,15 @@ from typing import Any
 
 import httpx
 
-from supplier_sync_dagster.simulator import (
-    FaultProfile,
-    Simulator,
-    SimulatorConfig,
-    encode_city_code,
-)
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, encode_city_code
+from supplier_sync_dagster_tests.helpers import make_simulator
 
 SMALL: dict[str, Any] = {"n_cities": 6, "total_hotels": 600}
 
 
 def make_sim(faults: FaultProfile | None = None, **overrides: Any) -> Simulator:
     """A small simulator (6 cities, 600 hotels) with the given faults and settings."""
-    settings: dict[str, Any] = {**SMALL, **overrides}
-    return Simulator(SimulatorConfig(faults=faults or FaultProfile.clean(), **settings))
+    return make_simulator(faults, **{**SMALL, **overrides})
 
 
 def hotels_url(code: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, encode_city_code
 from supplier_sync_dagster.simulator.data import rfc3339
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY
 from supplier_sync_dagster_tests.simulator.helpers import (
     hotels_url,
     make_sim,
@@ -36,13 +37,13 @@ def test_cities(client: httpx.Client, clean_sim: Simulator) -> None:
 def test_auth_is_required_everywhere(clean_sim: Simulator) -> None:
     code = clean_sim.city_codes()[0]
     with httpx.Client(transport=clean_sim.transport(), base_url="http://sim") as c:
-        for headers in ({}, {"X-Api-Key": "wrong"}, {"X-Api-Key": "sim-key "}):
+        for headers in ({}, {"X-Api-Key": "wrong"}, {"X-Api-Key": f"{SIM_API_KEY} "}):
             for path in ("/v1/cities", hotels_url(code), "/v1/hotels/H0000000000016"):
                 r = c.get(path, headers=headers)
                 assert r.status_code == 401
                 assert r.json()["error"]["code"] == "UNAUTHORIZED"
                 assert all(h in r.headers for h in RATE_HEADERS)
-        assert c.get("/v1/cities", headers={"X-Api-Key": "sim-key"}).status_code == 200
+        assert c.get("/v1/cities", headers={"X-Api-Key": SIM_API_KEY}).status_code == 200
 
 
 @pytest.mark.parametrize("page_size", [1, 7, 100, 500])
@@ -171,7 +172,7 @@ def test_gzip_when_asked(client: httpx.Client, clean_sim: Simulator) -> None:
         httpx.Request(
             "GET",
             f"http://sim{hotels_url(code)}?page_size=50",
-            headers={"X-Api-Key": "sim-key", "Accept-Encoding": "gzip"},
+            headers={"X-Api-Key": SIM_API_KEY, "Accept-Encoding": "gzip"},
         )
     )
     # The wire bytes really are gzip and smaller than the JSON they carry.

@@ -16,6 +16,7 @@ from supplier_sync_dagster.simulator import (
     encode_city_code,
     running_server,
 )
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY
 from supplier_sync_dagster_tests.simulator.helpers import hotels_url, make_sim, walk_cursor
 
 
@@ -32,7 +33,7 @@ def base_url(hostile_sim: Simulator) -> Iterator[str]:
 
 @pytest.fixture
 def http(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, headers={"X-Api-Key": "sim-key"}, timeout=10) as c:
+    with httpx.Client(base_url=base_url, headers={"X-Api-Key": SIM_API_KEY}, timeout=10) as c:
         yield c
 
 
@@ -76,7 +77,7 @@ def test_ambiguous_or_malformed_segments(base_url: str) -> None:
     def raw_get(target: str) -> tuple[int, bytes]:
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(
-                f"GET {target} HTTP/1.1\r\nHost: x\r\nX-Api-Key: sim-key\r\nConnection: close\r\n\r\n".encode()
+                f"GET {target} HTTP/1.1\r\nHost: x\r\nX-Api-Key: {SIM_API_KEY}\r\nConnection: close\r\n\r\n".encode()
             )
             data = b""
             while chunk := s.recv(65536):
@@ -109,7 +110,7 @@ def test_slow_fault_trips_a_client_read_timeout_then_a_retry_succeeds() -> None:
     with (
         running_server(sim) as url,
         httpx.Client(
-            base_url=url, headers={"X-Api-Key": "sim-key"}, timeout=httpx.Timeout(5.0, read=0.3)
+            base_url=url, headers={"X-Api-Key": SIM_API_KEY}, timeout=httpx.Timeout(5.0, read=0.3)
         ) as c,
     ):
         for _ in range(8):
@@ -124,7 +125,7 @@ def test_truncated_body_over_http() -> None:
     sim = make_sim(FaultProfile(rate_truncated=1.0))
     with (
         running_server(sim) as url,
-        httpx.Client(base_url=url, headers={"X-Api-Key": "sim-key"}) as c,
+        httpx.Client(base_url=url, headers={"X-Api-Key": SIM_API_KEY}) as c,
     ):
         r = c.get(hotels_url(sim.city_codes()[0]), params={"page_size": 20})
         assert r.status_code == 200
@@ -135,6 +136,6 @@ def test_truncated_body_over_http() -> None:
 def test_server_shuts_down_cleanly() -> None:
     sim = make_sim()
     with running_server(sim) as url:
-        assert httpx.get(f"{url}/v1/cities", headers={"X-Api-Key": "sim-key"}).status_code == 200
+        assert httpx.get(f"{url}/v1/cities", headers={"X-Api-Key": SIM_API_KEY}).status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/v1/cities", timeout=2)

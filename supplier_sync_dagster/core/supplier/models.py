@@ -51,7 +51,7 @@ def decode_json(raw: bytes) -> Any:
         ValueError: They are not JSON.
     """
     # A run of 19 digits, found by mapping every digit to "0" and searching for 19 of them:
-    # ten times cheaper than a regular expression over a page.
+    # much cheaper than a regular expression over a page.
     if raw.translate(_DIGITS_AS_ZERO).find(_LONG_RUN) < 0:
         try:
             return orjson.loads(raw)

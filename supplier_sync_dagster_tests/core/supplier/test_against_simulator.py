@@ -17,18 +17,16 @@ from supplier_sync_dagster.simulator import (
     HOSTILE_CITY_CODES,
     FaultProfile,
     Simulator,
-    SimulatorConfig,
     running_server,
 )
 from supplier_sync_dagster_tests.core.supplier.workers import hammer
-
-KEY = "sim-key-integration"
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator, serve_simulator
 
 
 def sim_client(http: httpx.Client) -> SupplierClient:
     return SupplierClient(
         http,
-        api_key=KEY,
+        api_key=SIM_API_KEY,
         supplier_id="sim",
         connect_timeout=2.0,
         read_timeout=0.75,  # the simulator's slow fault sleeps 2 s: it must time out
@@ -39,17 +37,9 @@ def sim_client(http: httpx.Client) -> SupplierClient:
 
 @pytest.fixture
 def flaky_server() -> Iterator[tuple[Simulator, str]]:
-    sim = Simulator(
-        SimulatorConfig(
-            seed=7,
-            n_cities=12,
-            total_hotels=2500,
-            api_key=KEY,
-            faults=FaultProfile.flaky().with_(rate_cursor_expired=0.15),
-        )
-    )
-    with running_server(sim) as url:
-        yield sim, url
+    faults = FaultProfile.flaky().with_(rate_cursor_expired=0.15)
+    with serve_simulator(faults, seed=7, n_cities=12, total_hotels=2500) as served:
+        yield served
 
 
 def walk_everything(client: SupplierClient, page_size: int) -> dict[str, set[str]]:
@@ -96,7 +86,7 @@ def test_hostile_city_codes_round_trip(flaky_server: tuple[Simulator, str]) -> N
 
 
 def test_wrong_key_stops_at_once() -> None:
-    sim = Simulator(SimulatorConfig(n_cities=2, total_hotels=10, api_key=KEY))
+    sim = make_simulator(n_cities=2, total_hotels=10)
     with running_server(sim) as url, httpx.Client(base_url=url) as http:
         client = SupplierClient(http, api_key="wrong-key-123", supplier_id="sim")
         with pytest.raises(SupplierAuthError) as info:
@@ -117,7 +107,7 @@ def run_workers(url: str, redis_url: str | None, duration: float) -> tuple[float
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=4, mp_context=ctx) as pool:
         futures = [
-            pool.submit(hammer, url, KEY, RATE, redis_url, key, start_at, duration)
+            pool.submit(hammer, url, SIM_API_KEY, RATE, redis_url, key, start_at, duration)
             for _ in range(4)
         ]
         results = [f.result(timeout=duration + 60) for f in futures]
@@ -135,7 +125,7 @@ def run_workers(url: str, redis_url: str | None, duration: float) -> tuple[float
     ("shared", "duration"), [(True, 20.0), (False, 6.0)], ids=["shared-redis", "unshared"]
 )
 def test_four_processes_share_one_budget(redis_url: str, shared: bool, duration: float) -> None:
-    sim = Simulator(SimulatorConfig(n_cities=3, total_hotels=30, api_key=KEY, rate_limit_rps=RATE))
+    sim = make_simulator(n_cities=3, total_hotels=30, rate_limit_rps=RATE)
     with running_server(sim) as url:
         rate, seen_429, requests = run_workers(url, redis_url if shared else None, duration)
         server_429 = sim.stats["responses_429"]

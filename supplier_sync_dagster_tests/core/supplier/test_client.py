@@ -45,6 +45,7 @@ from supplier_sync_dagster_tests.core.supplier.fakes import (
     json_response,
     make_client,
 )
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES
 
 HTML_502 = b"<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>"
 
@@ -135,10 +136,7 @@ def test_broken_gzip_is_retried_as_a_bad_body() -> None:
     assert client.stats().retries_by_reason == {"bad_body": 1}
 
 
-@pytest.mark.parametrize(
-    "code",
-    ["../../etc/passwd", "..", ".", "a/b", "x'; DROP TABLE hotel;--", "a|b", "東京都 ?#%", "..."],
-)
+@pytest.mark.parametrize("code", HOSTILE_CITY_CODES)
 def test_hostile_city_codes_are_one_encoded_path_segment(code: str) -> None:
     seen: list[httpx.Request] = []
 
