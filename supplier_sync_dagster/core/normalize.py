@@ -56,6 +56,7 @@ from supplier_sync_dagster.core.rules import (
     CODE_MAX,
     COUNTRY_CODES,
     EMAIL_MAX,
+    EMAIL_RE,
     FACILITIES_MAX,
     FACILITY_MAX,
     HOTEL_ID_MAX,
@@ -79,8 +80,8 @@ from supplier_sync_dagster.core.rules import (
     STAR_BY_VALUE,
     STATUSES,
     URL_MAX,
+    URL_RE,
     WS_RE,
-    all_printable,
     code_problem,
     collapse,
     email_ok,
@@ -819,7 +820,7 @@ def _normalize(rec: object) -> NormalizedHotel:
     email_raw = get("email")
     if email_raw is not None:
         email = _text(email_raw, "email", EMAIL_MAX, errs) or None
-        if email is not None and not email_ok(email):
+        if email is not None and EMAIL_RE.fullmatch(email) is None:
             errs.append(("INVALID_EMAIL", "email", f"is not an email address: {show(email_raw)}"))
 
     facilities = _facilities(get("facilities"), errs)
@@ -905,11 +906,10 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     integer amount or a tab in a name) returns None and goes through :func:`_normalize`. The
     tests compare both paths on simulator records and on fuzzed ones.
 
-    Types and lengths are tested inline, field by field; every string kept goes into
-    ``texts`` (names also into ``names``), and the rules that look at characters run once per
-    record over all of them at the end (:func:`rules.all_printable`,
-    :func:`rules.might_hold_html`). Until then the output is provisional: free text is only
-    stripped and squeezed, which is all collapsing does to a printable string.
+    Each value's shape is tested inline (type, length from :mod:`rules`, ``isprintable``: a
+    call per value would cost more than the test), and a name's markup through
+    :func:`rules.might_hold_html`. A printable string holds no tab/CR/LF, so collapsing free
+    text here is stripping and squeezing spaces.
     """
     get = rec.get
     hotel_id = get("hotel_id")
@@ -920,27 +920,31 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     if not (
         type(hotel_id) is str
         and 0 < len(hotel_id) <= HOTEL_ID_MAX
+        and hotel_id.isprintable()
         and type(name) is str
         and len(name) <= NAME_MAX
+        and name.isprintable()
+        and not might_hold_html(name)
         and type(city_code) is str
         and 0 < len(city_code) <= CITY_CODE_MAX
+        and city_code.isprintable()
         and type(country) is str
         and country in COUNTRY_CODES
     ):
         return None
-    texts = [hotel_id, name, city_code]
-    names = [name]
-    keep = texts.append
     name = name.strip(" ")
     if "  " in name:
         name = WS_RE.sub(" ", name)
     if not name:
         return None
     if name_local is not None:
-        if not (type(name_local) is str and len(name_local) <= NAME_MAX):
+        if not (
+            type(name_local) is str
+            and len(name_local) <= NAME_MAX
+            and name_local.isprintable()
+            and not might_hold_html(name_local)
+        ):
             return None
-        keep(name_local)
-        names.append(name_local)
         name_local = collapse(name_local) or None
 
     line1 = postal = None
@@ -950,15 +954,15 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
             return None
         line1 = address.get("line1")
         if line1 is not None:
-            if not (type(line1) is str and len(line1) <= ADDRESS_MAX):
+            if not (type(line1) is str and len(line1) <= ADDRESS_MAX and line1.isprintable()):
                 return None
-            keep(line1)
             line1 = collapse(line1) or None
         postal = address.get("postal_code")
         if postal is not None:
-            if not (type(postal) is str and len(postal) <= POSTAL_CODE_MAX):
+            if not (
+                type(postal) is str and len(postal) <= POSTAL_CODE_MAX and postal.isprintable()
+            ):
                 return None
-            keep(postal)
             postal = collapse(postal) or None
 
     geo = get("geo")
@@ -985,7 +989,7 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     phone = get("phone")
     if phone is not None:
         if not (type(phone) is str and len(phone) <= PHONE_MAX and phone.isprintable()):
-            return None  # checked now: a number is parsed only if it can be the hotel's
+            return None
         text = collapse(phone)
         phone = phone_e164(text, country) if text else None
         if text and phone is None:
@@ -993,11 +997,10 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
 
     email = get("email")
     if email is not None:
-        if not (type(email) is str and len(email) <= EMAIL_MAX):
+        if not (type(email) is str and len(email) <= EMAIL_MAX and email.isprintable()):
             return None
-        keep(email)
         email = collapse(email) or None
-        if email is not None and not email_ok(email):
+        if email is not None and EMAIL_RE.fullmatch(email) is None:
             return None
 
     facilities: dict[str, None] = {}
@@ -1006,9 +1009,8 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         if type(raw_facilities) is not list or len(raw_facilities) > FACILITIES_MAX:
             return None
         for item in raw_facilities:
-            if not (type(item) is str and len(item) <= FACILITY_MAX):
+            if not (type(item) is str and len(item) <= FACILITY_MAX and item.isprintable()):
                 return None
-            keep(item)
             item = item.strip(" ")
             if "  " in item:
                 item = WS_RE.sub(" ", item)
@@ -1025,12 +1027,18 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 return None
             url = img.get("url")
             caption = img.get("caption")
-            if not (type(url) is str and url_ok(url)):
+            if not (
+                type(url) is str
+                and len(url) <= URL_MAX
+                and url.isprintable()
+                and URL_RE.fullmatch(url) is not None
+            ):
                 return None
             if caption is not None:
-                if not (type(caption) is str and len(caption) <= CAPTION_MAX):
+                if not (
+                    type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable()
+                ):
                     return None
-                keep(caption)
                 caption = caption.strip(" ")
                 if "  " in caption:
                     caption = WS_RE.sub(" ", caption)
@@ -1055,10 +1063,16 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
             if not (
                 type(room_code) is str
                 and 0 < len(room_code) <= CODE_MAX
+                and room_code.isprintable()
                 and room_code not in room_codes
                 and type(room_name) is str
                 and len(room_name) <= NAME_MAX
-                and (bed is None or (type(bed) is str and 0 < len(bed) <= CODE_MAX))
+                and room_name.isprintable()
+                and not might_hold_html(room_name)
+                and (
+                    bed is None
+                    or (type(bed) is str and 0 < len(bed) <= CODE_MAX and bed.isprintable())
+                )
                 and type(occupancy) is int
                 and 1 <= occupancy <= OCCUPANCY_MAX
                 and (
@@ -1067,10 +1081,6 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 )
             ):
                 return None
-            texts += (room_code, room_name)
-            names.append(room_name)
-            if bed is not None:
-                keep(bed)
             room_codes.add(room_code)
             room_name = room_name.strip(" ")
             if "  " in room_name:
@@ -1091,8 +1101,16 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 if not (
                     type(code) is str
                     and 0 < len(code) <= CODE_MAX
+                    and code.isprintable()
                     and code not in plan_codes
-                    and (board is None or (type(board) is str and 0 < len(board) <= CODE_MAX))
+                    and (
+                        board is None
+                        or (
+                            type(board) is str
+                            and 0 < len(board) <= CODE_MAX
+                            and board.isprintable()
+                        )
+                    )
                     and (refundable is True or refundable is False)
                     and (available is True or available is False)
                     and type(price) is dict
@@ -1109,9 +1127,6 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                     and currency in MONEY_CODES
                 ):
                     return None
-                keep(code)
-                if board is not None:
-                    keep(board)
                 plan_codes.add(code)
                 plans.append(
                     {
@@ -1143,8 +1158,6 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         and type(version) is int
         and 0 <= version <= MAX_VERSION
     ):
-        return None
-    if not all_printable(texts) or might_hold_html("".join(names)):
         return None
     updated_at = parse_timestamp(ts)
     if updated_at is None:

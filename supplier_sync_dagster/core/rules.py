@@ -19,9 +19,9 @@ What is here:
   :func:`parse_timestamp`, :func:`might_hold_html`;
 - :func:`show`, how an offending value appears in an error message.
 
-Predicates are plain functions on plain values with no model or frame in sight, so that the
-per-record hot path can call them; the fast path inlines only the cheapest shape tests
-(``type``, ``len``) and states everything else through this module.
+Predicates are plain functions on plain values, with no model or frame in sight. The fast path
+of normalization inlines only the cheapest shape tests (``type``, a length from here,
+``isprintable``), where a call per value would cost more than the test.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ __all__ = [
     "STARS",
     "STAR_BY_VALUE",
     "STATUSES",
-    "all_printable",
     "code_problem",
     "collapse",
     "country",
@@ -176,9 +175,10 @@ _TS_RE: Final = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?"
     r"(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))"
 )
-_EMAIL_RE: Final = re.compile(r"[^@\s]+@[^@\s.]+(?:\.[^@\s.]+)+")
+EMAIL_RE: Final = re.compile(r"[^@\s]+@[^@\s.]+(?:\.[^@\s.]+)+")
 """One local part, one @ and a dotted domain, without spaces."""
-_URL_RE: Final = re.compile(r"https?://[^\s/?#@]+(?:[/?#]\S*)?", re.IGNORECASE)
+URL_RE: Final = re.compile(r"https?://[^\s/?#@]+(?:[/?#]\S*)?", re.IGNORECASE)
+"""An absolute http(s) URL without spaces (see :func:`url_ok`)."""
 E164_SHAPE: Final = (
     r"\+(?=[0-9]{7,15}\Z)(?:"
     + "|".join(str(c) for c in sorted(phonenumbers.COUNTRY_CODE_TO_REGION_CODE, reverse=True))
@@ -268,14 +268,6 @@ def might_hold_html(value: str) -> bool:
     return "<" in value or "=" in value or ":" in value
 
 
-def all_printable(values: list[str]) -> bool:
-    """Whether every string is printable: no control character, surrogate, tab/CR/LF or NBSP.
-
-    One C pass over the strings joined, instead of a call per string.
-    """
-    return "".join(values).isprintable()
-
-
 def text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | None:
     """Why free text ``value`` is unacceptable, as ``(error code, reason)``, or None.
 
@@ -319,12 +311,12 @@ def collapse(value: str) -> str:
 
 def email_ok(value: str) -> bool:
     """Whether ``value`` (collapsed) is an email address within its limit."""
-    return len(value) <= EMAIL_MAX and _EMAIL_RE.fullmatch(value) is not None
+    return len(value) <= EMAIL_MAX and EMAIL_RE.fullmatch(value) is not None
 
 
 def url_ok(value: str) -> bool:
     """Whether ``value`` is an absolute http(s) URL within its limit, without spaces."""
-    return len(value) <= URL_MAX and value.isprintable() and _URL_RE.fullmatch(value) is not None
+    return len(value) <= URL_MAX and value.isprintable() and URL_RE.fullmatch(value) is not None
 
 
 # -- showing a value in a message -----------------------------------------------------------
