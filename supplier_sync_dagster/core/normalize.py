@@ -25,7 +25,9 @@ Lone surrogates (not encodable as UTF-8) are ``INVALID_UNICODE``. Identifiers an
 (``hotel_id``, ``city_code``, room/rate/board/bed codes) are kept verbatim, and any control
 character in them (tab and newline included) is rejected. HTML markup in a name
 (``name``, ``name_local``, room names) is ``HTML_IN_NAME``. Length limits (in characters,
-checked on the value as sent) are in :data:`LIMITS`; over them is ``OVERSIZED_STRING``.
+checked on the value as sent) are in :data:`rules.LIMITS`; over them is ``OVERSIZED_STRING``.
+Every limit, code list and check is stated once in :mod:`~supplier_sync_dagster.core.rules`;
+this module applies them to a record and reports the first problem.
 
 Speed: this runs on the hot path of a sync, so values are checked in plain Python with
 fast paths for the usual clean values, phone and ISO code lookups are cached, and models are

@@ -36,14 +36,13 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost (``.venv/bin/python bench/bench_quality.py``, clean simulator hotels with 2.5 rooms and
-5.7 rate plans each, on a shared 2-CPU machine, so figures are noisy): about 35-40 µs per hotel
-(35-40 ms per 1,000) for chunks of 500 and 2,000 hotels with a warm phone cache, of which
-~20 µs is flattening the documents into frames and ~13-19 µs is pandera (a fixed ~1 ms per
-frame plus a pass per check); ~57 µs for 10,000-hotel chunks (flattening slows down as the
-documents outgrow the CPU caches). Each distinct phone number not seen before adds ~30 µs of
-libphonenumber parsing (``parse_phones=False`` skips it). Pandera's fixed cost per
-``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Flattening the
+documents into frames and pandera's passes dominate; each distinct phone number not seen
+before costs a libphonenumber parse (``parse_phones=False`` skips it). Pandera's fixed cost
+per ``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+
+Every limit, code list and value check here comes from
+:mod:`~supplier_sync_dagster.core.rules`, as normalization's do.
 """
 
 from __future__ import annotations
@@ -332,7 +331,15 @@ def _column() -> Any:
     return pa.Field(nullable=True)
 
 
-class _Hotels(pa.DataFrameModel):
+class _Frame(pa.DataFrameModel):
+    """Base of the three frames: columns exactly as declared, never coerced."""
+
+    class Config:
+        coerce = False
+        strict = True
+
+
+class _Hotels(_Frame):
     """One row per hotel; the index is the document's position in the input."""
 
     city_code: Series[object] = _column()
@@ -345,10 +352,6 @@ class _Hotels(pa.DataFrameModel):
     status: Series[object] = _column()
     phone_e164: Series[object] = _column()
     version: Series[int] = _column()
-
-    class Config:
-        coerce = False
-        strict = True
 
     @pa.check("lat", name="LAT_OUT_OF_RANGE", ignore_na=False)
     def _lat(cls, s: Series[float]) -> Series[bool]:
@@ -376,7 +379,7 @@ class _Hotels(pa.DataFrameModel):
     def _phone(cls, s: Series[Any]) -> Series[bool]:
         ok = s.isna() | s.str.fullmatch(E164_SHAPE).fillna(False).astype(bool)
         if _PARSE_PHONES.get():
-            # Full parsing costs ~30 µs per number: once per distinct number, cached.
+            # Full parsing is costly: once per distinct number, cached.
             bad = [v for v in s[ok].dropna().unique() if not _phone_ok(v)]
             if bad:
                 ok &= ~s.isin(bad)
@@ -392,7 +395,7 @@ class _Hotels(pa.DataFrameModel):
         return expected.isna() | (df["country_code"] == expected)
 
 
-class _Strings(pa.DataFrameModel):
+class _Strings(_Frame):
     """One row per string value: its hotel's position, field id (into _STRING_FIELDS), k, j."""
 
     hotel: Series[int] = _column()
@@ -400,10 +403,6 @@ class _Strings(pa.DataFrameModel):
     k: Series[int] = _column()
     j: Series[int] = _column()
     value: Series[object] = _column()
-
-    class Config:
-        coerce = False
-        strict = True
 
     @pa.check("value", name="CONTROL_CHARACTERS", ignore_na=False)
     def _control(cls, s: Series[Any]) -> Series[bool]:
@@ -426,7 +425,7 @@ class _Strings(pa.DataFrameModel):
         return pd.Series(lengths <= _LIMITS[df["fid"].to_numpy()], index=df.index)
 
 
-class _Plans(pa.DataFrameModel):
+class _Plans(_Frame):
     """One row per rate plan, in document order: hotel position, room k, plan j."""
 
     hotel: Series[int] = _column()
@@ -435,10 +434,6 @@ class _Plans(pa.DataFrameModel):
     currency: Series[object] = _column()
     price: Series[object] = _column()
     amount: Series[float] = _column()
-
-    class Config:
-        coerce = False
-        strict = True
 
     @pa.check("currency", name="UNKNOWN_CURRENCY", ignore_na=False)
     def _currency(cls, s: Series[Any]) -> Series[bool]:
@@ -848,7 +843,7 @@ def check_quality(
         city_countries: city code -> ISO 3166-1 alpha-2 country, from the supplier's city
             list; a city missing here skips the country rule for its hotels.
         parse_phones: also parse every phone number with libphonenumber (cached per number;
-            ~30 µs for each number not seen before). False keeps only the vectorised E.164
+            a libphonenumber parse for each number not seen before). False keeps only the vectorised E.164
             shape check (``+``, a real calling code, 7-15 digits), for callers whose
             documents come straight from normalization, which parsed each number already.
 

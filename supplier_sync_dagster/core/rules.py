@@ -152,7 +152,7 @@ MONEY_CODES: Final = frozenset(c.alpha_3 for c in pycountry.currencies) - _NOT_M
 
 STARS: Final = tuple(Decimal(f"{k / 2:.1f}") for k in range(11))
 """Every star rating, 0 to 5 in half steps, in its one spelling."""
-STAR_BY_VALUE: Final[dict[float, Decimal]] = {k / 2: s for k, s in enumerate(STARS)}
+STAR_BY_VALUE: Final[dict[float | Decimal, Decimal]] = {k / 2: s for k, s in enumerate(STARS)}
 """A star rating as a JSON number (int or float) -> its :data:`STARS` entry."""
 
 # -- patterns -------------------------------------------------------------------------------
@@ -222,8 +222,12 @@ def phone_e164(raw: str, region: str) -> str | None:
         return None
 
 
-def star(value: float) -> Decimal | None:
-    """The star rating of a JSON number: 0 to 5 in half steps, else None (NaN included)."""
+def star(value: float | Decimal) -> Decimal | None:
+    """The star rating of a number: 0 to 5 in half steps, else None (NaN included).
+
+    A ``Decimal`` compares and hashes equal to the float of the same value, so ``4.50`` is
+    ``4.5`` and ``4.500001`` is no rating, whichever type it comes in.
+    """
     return STAR_BY_VALUE.get(value)
 
 
@@ -268,18 +272,13 @@ def might_hold_html(value: str) -> bool:
     return "<" in value or "=" in value or ":" in value
 
 
-def text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | None:
-    """Why free text ``value`` is unacceptable, as ``(error code, reason)``, or None.
-
-    Args:
-        value: the text as sent.
-        limit: its length limit (see :data:`LIMITS`).
-        html: it is a name, where HTML markup is not allowed.
-    """
+def _string_problem(
+    value: str, limit: int, control: re.Pattern[str], html: bool
+) -> tuple[str, str] | None:
     if len(value) > limit:
         return "OVERSIZED_STRING", f"is {len(value)} characters long, over the limit of {limit}"
     if not value.isprintable():
-        if _TEXT_CONTROL_RE.search(value):
+        if control.search(value):
             return "CONTROL_CHARACTERS", "holds control characters"
         if _SURROGATE_RE.search(value):
             return "INVALID_UNICODE", "holds lone surrogates"
@@ -288,16 +287,23 @@ def text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | Non
     return None
 
 
+def text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | None:
+    """Why free text ``value`` is unacceptable, as ``(error code, reason)``, or None.
+
+    Args:
+        value: the text as sent (tab/CR/LF are allowed: collapsing turns them into spaces).
+        limit: its length limit (see :data:`LIMITS`).
+        html: it is a name, where HTML markup is not allowed.
+    """
+    return _string_problem(value, limit, _TEXT_CONTROL_RE, html)
+
+
 def code_problem(value: str, limit: int) -> tuple[str, str] | None:
-    """Why identifier ``value`` is unacceptable, as ``(error code, reason)``, or None."""
-    if len(value) > limit:
-        return "OVERSIZED_STRING", f"is {len(value)} characters long, over the limit of {limit}"
-    if not value.isprintable():
-        if CODE_CONTROL_RE.search(value):
-            return "CONTROL_CHARACTERS", "holds control characters"
-        if _SURROGATE_RE.search(value):
-            return "INVALID_UNICODE", "holds lone surrogates"
-    return None
+    """Why identifier ``value`` is unacceptable, as ``(error code, reason)``, or None.
+
+    Identifiers are kept verbatim, so no control character at all is allowed in them.
+    """
+    return _string_problem(value, limit, CODE_CONTROL_RE, False)
 
 
 def collapse(value: str) -> str:
