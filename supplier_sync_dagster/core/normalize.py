@@ -84,14 +84,13 @@ from supplier_sync_dagster.core.rules import (
     URL_MAX,
     URL_RE,
     WS_RE,
-    code_problem,
     collapse,
     email_ok,
     might_hold_html,
     parse_timestamp,
     phone_e164,
     show,
-    text_problem,
+    string_problem,
     url_ok,
 )
 
@@ -184,7 +183,7 @@ def _text_validator(
     def check(value: str | None) -> str | None:
         if value is None:
             return None
-        problem = text_problem(value, limit, html=html)
+        problem = string_problem(value, limit, html=html)
         if problem is not None:
             raise ValueError(f"{problem[0]}: {problem[1]}")
         value = collapse(value)
@@ -203,7 +202,7 @@ def _code_validator(limit: int) -> Callable[[Any], Any]:
             return None
         if not value:
             raise ValueError("MISSING_REQUIRED_FIELD: empty")
-        problem = code_problem(value, limit)
+        problem = string_problem(value, limit, verbatim=True)
         if problem is not None:
             raise ValueError(f"{problem[0]}: {problem[1]}")
         return value
@@ -478,10 +477,12 @@ def _text(
     """Normalized free text; None when a VALIDATION problem was recorded."""
     if not isinstance(value, str):
         raise _wrong_type(path, "a string", value)
-    problem = text_problem(value, limit, html=html)
-    if problem is not None:
-        errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
-        return None
+    if len(value) > limit or not value.isprintable() or html:
+        # Only then can string_problem find anything (names always need its HTML check).
+        problem = string_problem(value, limit, html=html)
+        if problem is not None:
+            errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
+            return None
     return collapse(value)
 
 
@@ -500,17 +501,13 @@ def _code(value: object, path: Path, limit: int, errs: _Errors) -> str | None:
         raise _wrong_type(path, "a string", value)
     if not value:
         raise _missing(path, "is empty")
-    problem = code_problem(value, limit)
+    if len(value) <= limit and value.isprintable():
+        return value  # string_problem finds nothing in a short printable code
+    problem = string_problem(value, limit, verbatim=True)
     if problem is not None:
         errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
         return None
     return value
-
-
-def _opt_code(value: object, path: Path, limit: int, errs: _Errors) -> str | None:
-    if value is None or value == "":
-        return None
-    return _code(value, path, limit, errs)
 
 
 def _number(value: object, path: Path) -> int | float:
@@ -612,7 +609,11 @@ def _rate_plan(raw: object, ri: int, pi: int, errs: _Errors) -> RatePlan | None:
     if code is None:
         raise _missing(("rooms", ri, "rate_plans", pi, "code"))
     code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), CODE_MAX, errs)
-    board = _opt_code(get("board"), ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
+    board = get("board")
+    if board is not None and board != "":  # an optional code: absent, null or empty
+        board = _code(board, ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
+    else:
+        board = None
     refundable = _boolean(get("refundable"), ("rooms", ri, "rate_plans", pi, "refundable"))
     available = _boolean(get("available"), ("rooms", ri, "rate_plans", pi, "available"))
     price_raw = get("price")
@@ -651,7 +652,11 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
     name = _text(name, ("rooms", ri, "name"), NAME_MAX, errs, html=True)
     if name == "":
         raise _missing(("rooms", ri, "name"), "is blank")
-    bed = _opt_code(get("bed_type"), ("rooms", ri, "bed_type"), CODE_MAX, errs)
+    bed = get("bed_type")
+    if bed is not None and bed != "":
+        bed = _code(bed, ("rooms", ri, "bed_type"), CODE_MAX, errs)
+    else:
+        bed = None
     occupancy = get("max_occupancy")
     if occupancy is None:
         raise _missing(("rooms", ri, "max_occupancy"))
@@ -715,7 +720,7 @@ def _images(value: object, errs: _Errors) -> tuple[Image, ...]:
         if not isinstance(url, str):
             raise _wrong_type(("images", i, "url"), "a string", url)
         if not url_ok(url):
-            problem = code_problem(url, URL_MAX)
+            problem = string_problem(url, URL_MAX, verbatim=True)
             code, why = problem or ("INVALID_URL", "is not an absolute http(s) URL")
             errs.append((code, ("images", i, "url"), f"{why}: {show(url)}"))
             continue

@@ -13,8 +13,8 @@ What is here:
   :data:`MAX_AMOUNT_INT`, the coordinate bounds and :data:`STATUSES`;
 - the code lists: :data:`COUNTRY_CODES` (ISO 3166-1 alpha-2 plus Kosovo) and
   :data:`MONEY_CODES` (ISO 4217 minus what is not money), and the half-step star ratings;
-- predicates on one value: :func:`text_problem` / :func:`code_problem` (length, control
-  characters, lone surrogates, HTML in names), :func:`collapse`, :func:`country`,
+- predicates on one value: :func:`string_problem` (length, control characters, lone
+  surrogates, HTML in names), :func:`collapse`, :func:`country`,
   :func:`currency`, :func:`phone_e164`, :func:`star`, :func:`email_ok`, :func:`url_ok`,
   :func:`parse_timestamp`, :func:`might_hold_html`;
 - :func:`show`, how an offending value appears in an error message.
@@ -51,7 +51,6 @@ __all__ = [
     "STARS",
     "STAR_BY_VALUE",
     "STATUSES",
-    "code_problem",
     "collapse",
     "country",
     "currency",
@@ -61,7 +60,7 @@ __all__ = [
     "phone_e164",
     "show",
     "star",
-    "text_problem",
+    "string_problem",
     "url_ok",
 ]
 
@@ -272,38 +271,29 @@ def might_hold_html(value: str) -> bool:
     return "<" in value or "=" in value or ":" in value
 
 
-def _string_problem(
-    value: str, limit: int, control: re.Pattern[str], html: bool
+def string_problem(
+    value: str, limit: int, *, verbatim: bool = False, html: bool = False
 ) -> tuple[str, str] | None:
+    """Why string ``value`` is unacceptable, as ``(error code, reason)``, or None.
+
+    Args:
+        value: the string as sent.
+        limit: its length limit (see :data:`LIMITS`).
+        verbatim: it is an identifier or a code, kept as sent, so no control character at
+            all is allowed; free text (False) may hold tab/CR/LF, which collapsing turns
+            into spaces.
+        html: it is a name, where HTML markup is not allowed.
+    """
     if len(value) > limit:
         return "OVERSIZED_STRING", f"is {len(value)} characters long, over the limit of {limit}"
     if not value.isprintable():
-        if control.search(value):
+        if (CODE_CONTROL_RE if verbatim else _TEXT_CONTROL_RE).search(value):
             return "CONTROL_CHARACTERS", "holds control characters"
         if _SURROGATE_RE.search(value):
             return "INVALID_UNICODE", "holds lone surrogates"
     if html and might_hold_html(value) and _HTML_RE.search(value):
         return "HTML_IN_NAME", "holds HTML markup"
     return None
-
-
-def text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | None:
-    """Why free text ``value`` is unacceptable, as ``(error code, reason)``, or None.
-
-    Args:
-        value: the text as sent (tab/CR/LF are allowed: collapsing turns them into spaces).
-        limit: its length limit (see :data:`LIMITS`).
-        html: it is a name, where HTML markup is not allowed.
-    """
-    return _string_problem(value, limit, _TEXT_CONTROL_RE, html)
-
-
-def code_problem(value: str, limit: int) -> tuple[str, str] | None:
-    """Why identifier ``value`` is unacceptable, as ``(error code, reason)``, or None.
-
-    Identifiers are kept verbatim, so no control character at all is allowed in them.
-    """
-    return _string_problem(value, limit, CODE_CONTROL_RE, False)
 
 
 def collapse(value: str) -> str:
