@@ -605,15 +605,19 @@ def _currency_field(value: object, path: Path, errs: _Errors) -> str | None:
 def _rate_plan(raw: object, ri: int, pi: int, errs: _Errors) -> RatePlan | None:
     p = _obj(raw, ("rooms", ri, "rate_plans", pi))
     get = p.get
+    # The many codes of a record's rooms and plans: a clean one skips the call (as in _code).
     code = get("code")
-    if code is None:
-        raise _missing(("rooms", ri, "rate_plans", pi, "code"))
-    code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), CODE_MAX, errs)
+    if not (type(code) is str and 0 < len(code) <= CODE_MAX and code.isprintable()):
+        if code is None:
+            raise _missing(("rooms", ri, "rate_plans", pi, "code"))
+        code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), CODE_MAX, errs)
     board = get("board")
-    if board is not None and board != "":  # an optional code: absent, null or empty
-        board = _code(board, ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
-    else:
+    if board == "":  # an optional code: absent, null or empty
         board = None
+    elif not (
+        board is None or (type(board) is str and len(board) <= CODE_MAX and board.isprintable())
+    ):
+        board = _code(board, ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
     refundable = _boolean(get("refundable"), ("rooms", ri, "rate_plans", pi, "refundable"))
     available = _boolean(get("available"), ("rooms", ri, "rate_plans", pi, "available"))
     price_raw = get("price")
@@ -643,9 +647,10 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
     r = _obj(raw, ("rooms", ri))
     get = r.get
     room_code = get("room_code")
-    if room_code is None:
-        raise _missing(("rooms", ri, "room_code"))
-    room_code = _code(room_code, ("rooms", ri, "room_code"), CODE_MAX, errs)
+    if not (type(room_code) is str and 0 < len(room_code) <= CODE_MAX and room_code.isprintable()):
+        if room_code is None:
+            raise _missing(("rooms", ri, "room_code"))
+        room_code = _code(room_code, ("rooms", ri, "room_code"), CODE_MAX, errs)
     name = get("name")
     if name is None:
         raise _missing(("rooms", ri, "name"))
@@ -653,10 +658,10 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
     if name == "":
         raise _missing(("rooms", ri, "name"), "is blank")
     bed = get("bed_type")
-    if bed is not None and bed != "":
-        bed = _code(bed, ("rooms", ri, "bed_type"), CODE_MAX, errs)
-    else:
+    if bed == "":
         bed = None
+    elif not (bed is None or (type(bed) is str and len(bed) <= CODE_MAX and bed.isprintable())):
+        bed = _code(bed, ("rooms", ri, "bed_type"), CODE_MAX, errs)
     occupancy = get("max_occupancy")
     if occupancy is None:
         raise _missing(("rooms", ri, "max_occupancy"))
@@ -703,7 +708,10 @@ def _facilities(value: object, errs: _Errors) -> tuple[str, ...]:
     items = _array(value, "facilities", "facilities", errs)
     out: dict[str, None] = {}
     for i, item in enumerate(items):
-        text = _text(item, ("facilities", i), FACILITY_MAX, errs)
+        if type(item) is str and len(item) <= FACILITY_MAX and item.isprintable():
+            text: str | None = collapse(item)  # clean: _text would only collapse it
+        else:
+            text = _text(item, ("facilities", i), FACILITY_MAX, errs)
         if text:
             out[text.lower()] = None
     return tuple(out)
@@ -724,7 +732,11 @@ def _images(value: object, errs: _Errors) -> tuple[Image, ...]:
             code, why = problem or ("INVALID_URL", "is not an absolute http(s) URL")
             errs.append((code, ("images", i, "url"), f"{why}: {show(url)}"))
             continue
-        caption = _opt_text(img.get("caption"), ("images", i, "caption"), CAPTION_MAX, errs)
+        caption = img.get("caption")
+        if type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable():
+            caption = collapse(caption) or None
+        else:
+            caption = _opt_text(caption, ("images", i, "caption"), CAPTION_MAX, errs)
         out.append(_assemble(Image, {"url": url, "caption": caption}))
     return tuple(out)
 
