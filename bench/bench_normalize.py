@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from supplier_sync_dagster.core import normalize as n
+from supplier_sync_dagster.core import rules
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,
@@ -120,8 +121,8 @@ def main() -> None:
     del records
 
     del big
-    n._phone_e164.cache_clear()
-    n._offset.cache_clear()
+    rules.phone_e164.cache_clear()
+    rules._offset.cache_clear()
     _report("per page, cold caches (first round)", *_paged(pages, gc_timer))
     _report("per page, warm (best round)", *_best_paged(pages, args.rounds, gc_timer))
     # A long-running worker freezes its start-up heap (modules, caches) so that the cyclic

@@ -19,8 +19,9 @@ from collections import Counter
 from typing import Any
 
 from supplier_sync_dagster.core import quality
-from supplier_sync_dagster.core.normalize import _phone_e164, canonical_json, normalize_records
+from supplier_sync_dagster.core.normalize import canonical_json, normalize_records
 from supplier_sync_dagster.core.pipeline import prepare_process
+from supplier_sync_dagster.core.rules import phone_e164
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,
@@ -85,7 +86,7 @@ def main() -> None:
     for size in sizes:
         chunk = docs[:size]
         city = Counter(d["city_code"] for d in chunk).most_common(1)[0][0]
-        _phone_e164.cache_clear()
+        phone_e164.cache_clear()
         quality._phone_ok.cache_clear()
         _line(f"{size:>6} hotels, cold phone cache", size, *_run(chunk, city, countries, True))
         best = min(

@@ -25,7 +25,9 @@ Lone surrogates (not encodable as UTF-8) are ``INVALID_UNICODE``. Identifiers an
 (``hotel_id``, ``city_code``, room/rate/board/bed codes) are kept verbatim, and any control
 character in them (tab and newline included) is rejected. HTML markup in a name
 (``name``, ``name_local``, room names) is ``HTML_IN_NAME``. Length limits (in characters,
-checked on the value as sent) are in :data:`LIMITS`; over them is ``OVERSIZED_STRING``.
+checked on the value as sent) are in :data:`rules.LIMITS`; over them is ``OVERSIZED_STRING``.
+Every limit, code list and check is stated once in :mod:`~supplier_sync_dagster.core.rules`;
+this module applies them to a record and reports the first problem.
 
 Speed: this runs on the hot path of a sync, so values are checked in plain Python with
 fast paths for the usual clean values, phone and ISO code lookups are cached, and models are
@@ -37,19 +39,60 @@ check that every normalized hotel survives a full re-validation unchanged.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import hashlib
-import math
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import orjson
-import phonenumbers
-import pycountry
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from supplier_sync_dagster.core import rules
+from supplier_sync_dagster.core.rules import (
+    ADDRESS_MAX,
+    AMOUNT_MAX,
+    AMOUNT_RE,
+    CAPTION_MAX,
+    CITY_CODE_MAX,
+    CODE_MAX,
+    COUNTRY_CODES,
+    EMAIL_MAX,
+    EMAIL_RE,
+    FACILITIES_MAX,
+    FACILITY_MAX,
+    HOTEL_ID_MAX,
+    IMAGES_MAX,
+    LAT_MAX,
+    LAT_MIN,
+    LIMITS,
+    LNG_MAX,
+    LNG_MIN,
+    MAX_AMOUNT_INT,
+    MAX_VERSION,
+    MESSAGE_MAX,
+    MONEY_CODES,
+    NAME_MAX,
+    OCCUPANCY_MAX,
+    PHONE_MAX,
+    POSTAL_CODE_MAX,
+    RATE_PLANS_MAX,
+    REQUIRED_FIELDS,
+    ROOMS_MAX,
+    STAR_BY_VALUE,
+    STATUSES,
+    URL_MAX,
+    URL_RE,
+    WS_RE,
+    collapse,
+    email_ok,
+    might_hold_html,
+    parse_timestamp,
+    phone_e164,
+    show,
+    string_problem,
+    url_ok,
+)
 
 __all__ = [
     "ERROR_CODES",
@@ -128,212 +171,22 @@ ERROR_STAGES: Final[dict[str, Stage]] = {
 }
 """The stage each error code belongs to."""
 
-REQUIRED_FIELDS: Final = (
-    "hotel_id",
-    "name",
-    "city_code",
-    "country_code",
-    "geo",
-    "status",
-    "updated_at",
-    "version",
-)
-"""Top-level fields the contract requires, in the order they are checked."""
-
 # Known renames of required fields seen in real feeds (schema drift): name -> new names.
 _RENAMES: Final[dict[str, tuple[str, ...]]] = {"geo": ("location",)}
-
-LIMITS: Final[dict[str, int]] = {
-    "hotel_id": 128,
-    "city_code": 64,
-    "code": 64,  # room_code, rate plan code, board, bed_type
-    "name": 255,  # name, name_local, room name
-    "address_line1": 512,
-    "postal_code": 32,
-    "phone": 64,
-    "email": 254,
-    "facility": 64,
-    "caption": 512,
-    "url": 2048,
-    "timestamp": 64,
-    "amount": 40,
-    "facilities": 256,  # items
-    "images": 256,
-    "rooms": 256,
-    "rate_plans": 64,  # per room
-    "max_occupancy": 100,
-}
-"""Length limits in characters (strings) or items (lists), and the max room occupancy."""
-
-_L_ID = LIMITS["hotel_id"]
-_L_CITY = LIMITS["city_code"]
-_L_CODE = LIMITS["code"]
-_L_NAME = LIMITS["name"]
-_L_ADDR = LIMITS["address_line1"]
-_L_POSTAL = LIMITS["postal_code"]
-_L_PHONE = LIMITS["phone"]
-_L_EMAIL = LIMITS["email"]
-_L_FACILITY = LIMITS["facility"]
-_L_CAPTION = LIMITS["caption"]
-_L_URL = LIMITS["url"]
-_L_TS = LIMITS["timestamp"]
-_L_AMOUNT = LIMITS["amount"]
-_MAX_VERSION = 2**63 - 1  # a signed BIGINT
-_MAX_AMOUNT_INT = 10**15
-_SHOW_MAX = 200
-_MESSAGE_MAX = 1024
-
-# Free text may carry \t \n \r (collapsed); every other C0/C1 control character is rejected.
-_TEXT_CONTROL_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
-# Codes are verbatim identifiers: no control character at all.
-_CODE_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
-_SURROGATE_RE = re.compile("[\ud800-\udfff]")
-_WS_RE = re.compile("[ \t\n\r]+")
-# A tag needs a letter right after "<" (as HTML parsers do), so "Hotel <3" is not markup.
-_HTML_RE = re.compile(
-    r"</?[a-z][a-z0-9-]*(?:[\s/][^>]*)?>|<!--|<\s*script|\bon[a-z]+\s*=|javascript\s*:",
-    re.IGNORECASE,
-)
-_AMOUNT_RE = re.compile(r"-?[0-9]{1,15}(?:\.[0-9]{1,6})?")
-_TS_RE = re.compile(
-    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?"
-    r"(?:[Zz]|([+-])([0-9]{2}):([0-9]{2}))"
-)
-_EMAIL_RE = re.compile(r"[^@\s]+@[^@\s.]+(?:\.[^@\s.]+)+")
-_URL_RE = re.compile(r"https?://[^\s/?#@]+(?:[/?#]\S*)?", re.IGNORECASE)
-
-# Codes that pycountry lists but that are not money a hotel can be priced in.
-_NOT_MONEY: Final = frozenset(
-    {"XXX", "XTS", "XAU", "XAG", "XPD", "XPT", "XBA", "XBB", "XBC", "XBD", "XDR", "XSU", "XUA"}
-)
-# User-assigned country codes in wide use that pycountry does not list (Kosovo).
-_EXTRA_COUNTRIES: Final = frozenset({"XK"})
-_STARS: Final = tuple(Decimal(f"{k / 2:.1f}") for k in range(11))
-
-
-# -- shared checks (used by the normalizer and by the models' validators) -------------------
-
-
-# Loaded once at import: membership tests are far cheaper than pycountry look-ups.
-_COUNTRY_CODES: Final = frozenset(c.alpha_2 for c in pycountry.countries) | _EXTRA_COUNTRIES
-_MONEY_CODES: Final = frozenset(c.alpha_3 for c in pycountry.currencies) - _NOT_MONEY
-
-
-def _country(raw: str) -> str | None:
-    """The upper-case ISO 3166-1 alpha-2 code for ``raw`` (any case), else None."""
-    if len(raw) != 2 or not raw.isascii():
-        return None
-    code = raw.upper()
-    return code if code in _COUNTRY_CODES else None
-
-
-def _currency(raw: str) -> str | None:
-    """The upper-case ISO 4217 code for ``raw`` (any case) if it is money, else None."""
-    if len(raw) != 3 or not raw.isascii():
-        return None
-    code = raw.upper()
-    return code if code in _MONEY_CODES else None
-
-
-@functools.lru_cache(maxsize=65536)
-def _phone_e164(raw: str, country: str) -> str | None:
-    """``raw`` parsed with ``country`` as the default region, in E.164, if it is valid."""
-    try:
-        number = phonenumbers.parse(raw, country)
-        if not phonenumbers.is_valid_number(number):
-            return None
-        return phonenumbers.format_number(number, phonenumbers.PhoneNumberFormat.E164)
-    except Exception:  # libphonenumber rejects junk with exceptions; junk is just "invalid"
-        return None
-
-
-@functools.lru_cache(maxsize=64)
-def _offset(sign: str, hours: str, minutes: str) -> dt.timezone:
-    if hours > "23" or minutes > "59":
-        raise ValueError(f"offset out of range: {sign}{hours}:{minutes}")
-    delta = dt.timedelta(hours=int(hours), minutes=int(minutes))
-    return dt.timezone(-delta if sign == "-" else delta)
-
-
-def _parse_timestamp(raw: str) -> dt.datetime | None:
-    """An RFC 3339 timestamp as an aware UTC datetime, else None."""
-    if len(raw) > _L_TS:
-        return None
-    m = _TS_RE.fullmatch(raw)
-    if m is None:
-        return None
-    year, month, day, hour, minute, second, frac, sign, oh, om = m.groups()
-    try:
-        tz = dt.UTC if sign is None or (oh == "00" and om == "00") else _offset(sign, oh, om)
-        value = dt.datetime(
-            int(year),
-            int(month),
-            int(day),
-            int(hour),
-            int(minute),
-            int(second),
-            int(frac[:6].ljust(6, "0")) if frac else 0,
-            tzinfo=tz,
-        )
-        return value if tz is dt.UTC else value.astimezone(dt.UTC)
-    except (ValueError, OverflowError):
-        return None
-
-
-def _text_problem(value: str, limit: int, *, html: bool) -> tuple[str, str] | None:
-    """Why free text ``value`` is unacceptable as ``(code, reason)``, or None."""
-    if len(value) > limit:
-        return "OVERSIZED_STRING", f"is {len(value)} characters long, over the limit of {limit}"
-    if not value.isprintable():
-        if _TEXT_CONTROL_RE.search(value):
-            return "CONTROL_CHARACTERS", "holds control characters"
-        if _SURROGATE_RE.search(value):
-            return "INVALID_UNICODE", "holds lone surrogates"
-    if html and ("<" in value or "=" in value or ":" in value) and _HTML_RE.search(value):
-        return "HTML_IN_NAME", "holds HTML markup"
-    return None
-
-
-def _code_problem(value: str, limit: int) -> tuple[str, str] | None:
-    """Why identifier ``value`` is unacceptable as ``(code, reason)``, or None."""
-    if len(value) > limit:
-        return "OVERSIZED_STRING", f"is {len(value)} characters long, over the limit of {limit}"
-    if not value.isprintable():
-        if _CODE_CONTROL_RE.search(value):
-            return "CONTROL_CHARACTERS", "holds control characters"
-        if _SURROGATE_RE.search(value):
-            return "INVALID_UNICODE", "holds lone surrogates"
-    return None
-
-
-def _collapse(value: str) -> str:
-    """Strip, and collapse runs of space/tab/CR/LF into one space."""
-    if "  " in value or "\t" in value or "\n" in value or "\r" in value:
-        value = _WS_RE.sub(" ", value)
-    if value[:1] == " " or value[-1:] == " ":
-        value = value.strip(" ")
-    return value
-
-
-def _email_ok(value: str) -> bool:
-    return len(value) <= _L_EMAIL and _EMAIL_RE.fullmatch(value) is not None
-
-
-def _url_ok(value: str) -> bool:
-    return len(value) <= _L_URL and value.isprintable() and _URL_RE.fullmatch(value) is not None
-
 
 # -- model validators (full validation when a model is built directly) ----------------------
 
 
-def _v_text(limit: int, *, html: bool = False, required: bool = True) -> Callable[[Any], Any]:
+def _text_validator(
+    limit: int, *, html: bool = False, required: bool = True
+) -> Callable[[Any], Any]:
     def check(value: str | None) -> str | None:
         if value is None:
             return None
-        problem = _text_problem(value, limit, html=html)
+        problem = string_problem(value, limit, html=html)
         if problem is not None:
             raise ValueError(f"{problem[0]}: {problem[1]}")
-        value = _collapse(value)
+        value = collapse(value)
         if not value:
             if required:
                 raise ValueError("MISSING_REQUIRED_FIELD: blank")
@@ -343,13 +196,13 @@ def _v_text(limit: int, *, html: bool = False, required: bool = True) -> Callabl
     return check
 
 
-def _v_code(limit: int) -> Callable[[Any], Any]:
+def _code_validator(limit: int) -> Callable[[Any], Any]:
     def check(value: str | None) -> str | None:
         if value is None:
             return None
         if not value:
             raise ValueError("MISSING_REQUIRED_FIELD: empty")
-        problem = _code_problem(value, limit)
+        problem = string_problem(value, limit, verbatim=True)
         if problem is not None:
             raise ValueError(f"{problem[0]}: {problem[1]}")
         return value
@@ -357,62 +210,62 @@ def _v_code(limit: int) -> Callable[[Any], Any]:
     return check
 
 
-def _v_country(value: str) -> str:
-    code = _country(value)
+def _validate_country(value: str) -> str:
+    code = rules.country(value)
     if code is None:
         raise ValueError("INVALID_COUNTRY: not an ISO 3166-1 alpha-2 code")
     return code
 
 
-def _v_currency(value: str) -> str:
-    code = _currency(value)
+def _validate_currency(value: str) -> str:
+    code = rules.currency(value)
     if code is None:
         raise ValueError("UNKNOWN_CURRENCY: not an ISO 4217 code of money")
     return code
 
 
-def _v_star(value: Decimal | None) -> Decimal | None:
+def _validate_star(value: Decimal | None) -> Decimal | None:
     if value is None:
         return None
-    doubled = value * 2
-    if not 0 <= value <= 5 or doubled != doubled.to_integral_value():
+    star = rules.star(value)
+    if star is None:
         raise ValueError("STAR_RATING_OUT_OF_RANGE: not within [0, 5] in half steps")
-    return _STARS[int(doubled)]
+    return star
 
 
-def _v_phone(value: str | None) -> str | None:
+def _validate_phone(value: str | None) -> str | None:
     if value is None:
         return None
-    if not value.startswith("+") or _phone_e164(value, "ZZ") != value:
+    if not value.startswith("+") or phone_e164(value, "ZZ") != value:
         raise ValueError("INVALID_PHONE: not a valid E.164 number")
     return value
 
 
-def _v_email(value: str | None) -> str | None:
-    if value is not None and not _email_ok(value):
+def _validate_email(value: str | None) -> str | None:
+    if value is not None and not email_ok(value):
         raise ValueError("INVALID_EMAIL: not an email address")
     return value
 
 
-def _v_url(value: str) -> str:
-    if not _url_ok(value):
+def _validate_url(value: str) -> str:
+    if not url_ok(value):
         raise ValueError("INVALID_URL: not an absolute http(s) URL")
     return value
 
 
-def _v_utc(value: dt.datetime) -> dt.datetime:
+def _validate_utc(value: dt.datetime) -> dt.datetime:
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError("INVALID_TIMESTAMP: naive datetime")
     return value if value.tzinfo is dt.UTC else value.astimezone(dt.UTC)
 
 
-def _v_facilities(value: tuple[str, ...]) -> tuple[str, ...]:
-    check = _v_text(_L_FACILITY, required=False)
+def _validate_facilities(value: tuple[str, ...]) -> tuple[str, ...]:
+    check = _text_validator(FACILITY_MAX, required=False)
     out = (check(f) for f in value)
     return tuple(dict.fromkeys(f.lower() for f in out if f))
 
 
-def _v_money(value: Decimal) -> Decimal:
+def _validate_money(value: Decimal) -> Decimal:
     if value.is_signed() and value == 0:
         return value.copy_abs()
     return value
@@ -427,8 +280,10 @@ class Image(BaseModel):
 
     model_config = _FROZEN
 
-    url: Annotated[str, AfterValidator(_v_url)]
-    caption: Annotated[str | None, AfterValidator(_v_text(_L_CAPTION, required=False))] = None
+    url: Annotated[str, AfterValidator(_validate_url)]
+    caption: Annotated[str | None, AfterValidator(_text_validator(CAPTION_MAX, required=False))] = (
+        None
+    )
 
 
 class RatePlan(BaseModel):
@@ -436,12 +291,12 @@ class RatePlan(BaseModel):
 
     model_config = _FROZEN
 
-    code: Annotated[str, AfterValidator(_v_code(_L_CODE))]
-    board: Annotated[str | None, AfterValidator(_v_code(_L_CODE))] = None
+    code: Annotated[str, AfterValidator(_code_validator(CODE_MAX))]
+    board: Annotated[str | None, AfterValidator(_code_validator(CODE_MAX))] = None
     refundable: _StrictBool
     available: _StrictBool
-    price: Annotated[Decimal, Field(ge=0), AfterValidator(_v_money)]
-    currency: Annotated[str, AfterValidator(_v_currency)]
+    price: Annotated[Decimal, Field(ge=0), AfterValidator(_validate_money)]
+    currency: Annotated[str, AfterValidator(_validate_currency)]
 
 
 class Room(BaseModel):
@@ -449,10 +304,10 @@ class Room(BaseModel):
 
     model_config = _FROZEN
 
-    room_code: Annotated[str, AfterValidator(_v_code(_L_CODE))]
-    name: Annotated[str, AfterValidator(_v_text(_L_NAME, html=True))]
-    bed_type: Annotated[str | None, AfterValidator(_v_code(_L_CODE))] = None
-    max_occupancy: Annotated[int, Field(strict=True, ge=1, le=LIMITS["max_occupancy"])]
+    room_code: Annotated[str, AfterValidator(_code_validator(CODE_MAX))]
+    name: Annotated[str, AfterValidator(_text_validator(NAME_MAX, html=True))]
+    bed_type: Annotated[str | None, AfterValidator(_code_validator(CODE_MAX))] = None
+    max_occupancy: Annotated[int, Field(strict=True, ge=1, le=OCCUPANCY_MAX)]
     rate_plans: tuple[RatePlan, ...] = ()
 
 
@@ -465,26 +320,30 @@ class NormalizedHotel(BaseModel):
 
     model_config = _FROZEN
 
-    supplier_hotel_id: Annotated[str, AfterValidator(_v_code(_L_ID))]
-    name: Annotated[str, AfterValidator(_v_text(_L_NAME, html=True))]
+    supplier_hotel_id: Annotated[str, AfterValidator(_code_validator(HOTEL_ID_MAX))]
+    name: Annotated[str, AfterValidator(_text_validator(NAME_MAX, html=True))]
     name_local: Annotated[
-        str | None, AfterValidator(_v_text(_L_NAME, html=True, required=False))
+        str | None, AfterValidator(_text_validator(NAME_MAX, html=True, required=False))
     ] = None
-    city_code: Annotated[str, AfterValidator(_v_code(_L_CITY))]
-    country_code: Annotated[str, AfterValidator(_v_country)]
-    address_line1: Annotated[str | None, AfterValidator(_v_text(_L_ADDR, required=False))] = None
-    postal_code: Annotated[str | None, AfterValidator(_v_text(_L_POSTAL, required=False))] = None
-    lat: Annotated[float, Field(ge=-90, le=90)]
-    lng: Annotated[float, Field(ge=-180, le=180)]
-    star_rating: Annotated[Decimal | None, AfterValidator(_v_star)] = None
-    phone_e164: Annotated[str | None, AfterValidator(_v_phone)] = None
-    email: Annotated[str | None, AfterValidator(_v_email)] = None
-    facilities: Annotated[tuple[str, ...], AfterValidator(_v_facilities)] = ()
+    city_code: Annotated[str, AfterValidator(_code_validator(CITY_CODE_MAX))]
+    country_code: Annotated[str, AfterValidator(_validate_country)]
+    address_line1: Annotated[
+        str | None, AfterValidator(_text_validator(ADDRESS_MAX, required=False))
+    ] = None
+    postal_code: Annotated[
+        str | None, AfterValidator(_text_validator(POSTAL_CODE_MAX, required=False))
+    ] = None
+    lat: Annotated[float, Field(ge=LAT_MIN, le=LAT_MAX)]
+    lng: Annotated[float, Field(ge=LNG_MIN, le=LNG_MAX)]
+    star_rating: Annotated[Decimal | None, AfterValidator(_validate_star)] = None
+    phone_e164: Annotated[str | None, AfterValidator(_validate_phone)] = None
+    email: Annotated[str | None, AfterValidator(_validate_email)] = None
+    facilities: Annotated[tuple[str, ...], AfterValidator(_validate_facilities)] = ()
     images: tuple[Image, ...] = ()
     rooms: tuple[Room, ...] = ()
     status: HotelStatus
-    updated_at: Annotated[dt.datetime, AfterValidator(_v_utc)]
-    version: Annotated[int, Field(strict=True, ge=0, le=_MAX_VERSION)]
+    updated_at: Annotated[dt.datetime, AfterValidator(_validate_utc)]
+    version: Annotated[int, Field(strict=True, ge=0, le=MAX_VERSION)]
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -546,29 +405,6 @@ class _Reject(Exception):
         self.message = message
 
 
-def _show(value: object) -> str:
-    """``value`` for a log line: never longer than 200 characters, never raw control bytes."""
-    if isinstance(value, str):
-        shown = repr(value[:_SHOW_MAX])
-        if len(value) > _SHOW_MAX or len(shown) > _SHOW_MAX:
-            tail = f"...<{len(value)} chars>"
-            shown = shown[: _SHOW_MAX - len(tail)] + tail
-        return shown
-    if value is None or value is True or value is False:
-        return repr(value)
-    if isinstance(value, float):
-        return float.__repr__(value)
-    if isinstance(value, int):
-        if value.bit_length() > 256:
-            return f"<integer of {value.bit_length()} bits>"
-        return int.__repr__(value)
-    if isinstance(value, dict):
-        return f"<object with {len(value)} keys>"
-    if isinstance(value, list):
-        return f"<array of {len(value)} items>"
-    return f"<{type(value).__name__[:50]}>"
-
-
 _JSON_TYPES: Final = {
     dict: "an object",
     list: "an array",
@@ -606,7 +442,7 @@ def _wrong_type(path: Path, expected: str, value: object) -> _Reject:
         ADAPTER,
         "WRONG_TYPE",
         _path(path),
-        f"{_path(path)} must be {expected}, got {_kind(value)}: {_show(value)}",
+        f"{_path(path)} must be {expected}, got {_kind(value)}: {show(value)}",
     )
 
 
@@ -618,7 +454,7 @@ def _readable_id(record: object) -> str | None:
     if not isinstance(record, dict):
         return None
     hid = record.get("hotel_id")
-    if isinstance(hid, str) and 0 < len(hid) <= _L_ID and hid.isprintable():
+    if isinstance(hid, str) and 0 < len(hid) <= HOTEL_ID_MAX and hid.isprintable():
         return hid
     return None
 
@@ -627,7 +463,7 @@ def _readable_version(record: object) -> int | None:
     if not isinstance(record, dict):
         return None
     version = record.get("version")
-    if type(version) is int and 0 <= version <= _MAX_VERSION:
+    if type(version) is int and 0 <= version <= MAX_VERSION:
         return version
     return None
 
@@ -641,11 +477,13 @@ def _text(
     """Normalized free text; None when a VALIDATION problem was recorded."""
     if not isinstance(value, str):
         raise _wrong_type(path, "a string", value)
-    problem = _text_problem(value, limit, html=html)
-    if problem is not None:
-        errs.append((problem[0], path, f"{problem[1]}: {_show(value)}"))
-        return None
-    return _collapse(value)
+    if len(value) > limit or not value.isprintable() or html:
+        # Only then can string_problem find anything (names always need its HTML check).
+        problem = string_problem(value, limit, html=html)
+        if problem is not None:
+            errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
+            return None
+    return collapse(value)
 
 
 def _opt_text(
@@ -663,17 +501,13 @@ def _code(value: object, path: Path, limit: int, errs: _Errors) -> str | None:
         raise _wrong_type(path, "a string", value)
     if not value:
         raise _missing(path, "is empty")
-    problem = _code_problem(value, limit)
+    if len(value) <= limit and value.isprintable():
+        return value  # string_problem finds nothing in a short printable code
+    problem = string_problem(value, limit, verbatim=True)
     if problem is not None:
-        errs.append((problem[0], path, f"{problem[1]}: {_show(value)}"))
+        errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
         return None
     return value
-
-
-def _opt_code(value: object, path: Path, limit: int, errs: _Errors) -> str | None:
-    if value is None or value == "":
-        return None
-    return _code(value, path, limit, errs)
 
 
 def _number(value: object, path: Path) -> int | float:
@@ -719,22 +553,22 @@ def _amount(value: object, path: Path, errs: _Errors) -> Decimal | None:
     kind = type(value)
     if kind is str:
         raw: str = value  # type: ignore[assignment]
-        if len(raw) > _L_AMOUNT or _AMOUNT_RE.fullmatch(raw) is None:
+        if len(raw) > AMOUNT_MAX or AMOUNT_RE.fullmatch(raw) is None:
             raise _Reject(
                 ADAPTER,
                 "INVALID_AMOUNT",
                 _path(path),
-                f"{_path(path)} is not a plain decimal number: {_show(raw)}",
+                f"{_path(path)} is not a plain decimal number: {show(raw)}",
             )
         amount = Decimal(raw)
     elif kind is int:
         number: int = value  # type: ignore[assignment]
-        if not -_MAX_AMOUNT_INT < number < _MAX_AMOUNT_INT:
+        if not -MAX_AMOUNT_INT < number < MAX_AMOUNT_INT:
             raise _Reject(
                 ADAPTER,
                 "INVALID_AMOUNT",
                 _path(path),
-                f"{_path(path)} is too large: {_show(number)}",
+                f"{_path(path)} is too large: {show(number)}",
             )
         amount = Decimal(number)
     elif kind is float:
@@ -743,14 +577,14 @@ def _amount(value: object, path: Path, errs: _Errors) -> Decimal | None:
             "WRONG_TYPE",
             _path(path),
             f"{_path(path)} must be a decimal string, got a float (money is never a float): "
-            f"{_show(value)}",
+            f"{show(value)}",
         )
     elif value is None:
         raise _missing(path)
     else:
         raise _wrong_type(path, "a decimal string", value)
     if amount < 0:
-        errs.append(("NEGATIVE_PRICE", path, f"is negative: {_show(value)}"))
+        errs.append(("NEGATIVE_PRICE", path, f"is negative: {show(value)}"))
         return None
     if amount == 0 and amount.is_signed():
         amount = amount.copy_abs()
@@ -762,25 +596,28 @@ def _currency_field(value: object, path: Path, errs: _Errors) -> str | None:
         raise _missing(path)
     if not isinstance(value, str):
         raise _wrong_type(path, "a string", value)
-    code = _currency(value) if len(value) == 3 else None
+    code = rules.currency(value) if len(value) == 3 else None
     if code is None:
-        errs.append(("UNKNOWN_CURRENCY", path, f"is not an ISO 4217 currency: {_show(value)}"))
+        errs.append(("UNKNOWN_CURRENCY", path, f"is not an ISO 4217 currency: {show(value)}"))
     return code
 
 
 def _rate_plan(raw: object, ri: int, pi: int, errs: _Errors) -> RatePlan | None:
     p = _obj(raw, ("rooms", ri, "rate_plans", pi))
     get = p.get
+    # The many codes of a record's rooms and plans: a clean one skips the call (as in _code).
     code = get("code")
-    if type(code) is str and 0 < len(code) <= _L_CODE and code.isprintable():
-        pass  # the usual clean code
-    elif code is None:
-        raise _missing(("rooms", ri, "rate_plans", pi, "code"))
-    else:
-        code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), _L_CODE, errs)
+    if not (type(code) is str and 0 < len(code) <= CODE_MAX and code.isprintable()):
+        if code is None:
+            raise _missing(("rooms", ri, "rate_plans", pi, "code"))
+        code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), CODE_MAX, errs)
     board = get("board")
-    if not (type(board) is str and 0 < len(board) <= _L_CODE and board.isprintable()):
-        board = _opt_code(board, ("rooms", ri, "rate_plans", pi, "board"), _L_CODE, errs)
+    if board == "":  # an optional code: absent, null or empty
+        board = None
+    elif not (
+        board is None or (type(board) is str and len(board) <= CODE_MAX and board.isprintable())
+    ):
+        board = _code(board, ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
     refundable = _boolean(get("refundable"), ("rooms", ri, "rate_plans", pi, "refundable"))
     available = _boolean(get("available"), ("rooms", ri, "rate_plans", pi, "available"))
     price_raw = get("price")
@@ -810,29 +647,31 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
     r = _obj(raw, ("rooms", ri))
     get = r.get
     room_code = get("room_code")
-    if not (type(room_code) is str and 0 < len(room_code) <= _L_CODE and room_code.isprintable()):
+    if not (type(room_code) is str and 0 < len(room_code) <= CODE_MAX and room_code.isprintable()):
         if room_code is None:
             raise _missing(("rooms", ri, "room_code"))
-        room_code = _code(room_code, ("rooms", ri, "room_code"), _L_CODE, errs)
+        room_code = _code(room_code, ("rooms", ri, "room_code"), CODE_MAX, errs)
     name = get("name")
     if name is None:
         raise _missing(("rooms", ri, "name"))
-    name = _text(name, ("rooms", ri, "name"), _L_NAME, errs, html=True)
+    name = _text(name, ("rooms", ri, "name"), NAME_MAX, errs, html=True)
     if name == "":
         raise _missing(("rooms", ri, "name"), "is blank")
     bed = get("bed_type")
-    if not (type(bed) is str and 0 < len(bed) <= _L_CODE and bed.isprintable()):
-        bed = _opt_code(bed, ("rooms", ri, "bed_type"), _L_CODE, errs)
+    if bed == "":
+        bed = None
+    elif not (bed is None or (type(bed) is str and len(bed) <= CODE_MAX and bed.isprintable())):
+        bed = _code(bed, ("rooms", ri, "bed_type"), CODE_MAX, errs)
     occupancy = get("max_occupancy")
     if occupancy is None:
         raise _missing(("rooms", ri, "max_occupancy"))
     occupancy = _integer(occupancy, ("rooms", ri, "max_occupancy"))
-    if not 1 <= occupancy <= LIMITS["max_occupancy"]:
+    if not 1 <= occupancy <= OCCUPANCY_MAX:
         errs.append(
             (
                 "VALUE_OUT_OF_RANGE",
                 ("rooms", ri, "max_occupancy"),
-                f"must be within 1..{LIMITS['max_occupancy']}: {_show(occupancy)}",
+                f"must be within 1..{OCCUPANCY_MAX}: {show(occupancy)}",
             )
         )
     plans_raw = _array(get("rate_plans"), ("rooms", ri, "rate_plans"), "rate_plans", errs)
@@ -846,7 +685,7 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
                     (
                         "DUPLICATE_CODE",
                         ("rooms", ri, "rate_plans", pi, "code"),
-                        f"repeats an earlier rate plan code: {_show(plan.code)}",
+                        f"repeats an earlier rate plan code: {show(plan.code)}",
                     )
                 )
             seen.add(plan.code)
@@ -869,10 +708,10 @@ def _facilities(value: object, errs: _Errors) -> tuple[str, ...]:
     items = _array(value, "facilities", "facilities", errs)
     out: dict[str, None] = {}
     for i, item in enumerate(items):
-        if type(item) is str and len(item) <= _L_FACILITY and item.isprintable():
-            text: str | None = _collapse(item)
+        if type(item) is str and len(item) <= FACILITY_MAX and item.isprintable():
+            text: str | None = collapse(item)  # clean: _text would only collapse it
         else:
-            text = _text(item, ("facilities", i), _L_FACILITY, errs)
+            text = _text(item, ("facilities", i), FACILITY_MAX, errs)
         if text:
             out[text.lower()] = None
     return tuple(out)
@@ -888,17 +727,16 @@ def _images(value: object, errs: _Errors) -> tuple[Image, ...]:
             raise _missing(("images", i, "url"))
         if not isinstance(url, str):
             raise _wrong_type(("images", i, "url"), "a string", url)
-        if not _url_ok(url):
-            problem = _code_problem(url, _L_URL)
+        if not url_ok(url):
+            problem = string_problem(url, URL_MAX, verbatim=True)
             code, why = problem or ("INVALID_URL", "is not an absolute http(s) URL")
-            errs.append((code, ("images", i, "url"), f"{why}: {_show(url)}"))
+            errs.append((code, ("images", i, "url"), f"{why}: {show(url)}"))
             continue
         caption = img.get("caption")
-        if caption is not None:
-            if type(caption) is str and len(caption) <= _L_CAPTION and caption.isprintable():
-                caption = _collapse(caption) or None
-            else:
-                caption = _opt_text(caption, ("images", i, "caption"), _L_CAPTION, errs)
+        if type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable():
+            caption = collapse(caption) or None
+        else:
+            caption = _opt_text(caption, ("images", i, "caption"), CAPTION_MAX, errs)
         out.append(_assemble(Image, {"url": url, "caption": caption}))
     return tuple(out)
 
@@ -922,29 +760,25 @@ def _normalize(rec: object) -> NormalizedHotel:
             raise _missing(required)
     errs: _Errors = []
 
-    hotel_id: str | None = rec["hotel_id"]
-    if not (type(hotel_id) is str and 0 < len(hotel_id) <= _L_ID and hotel_id.isprintable()):
-        hotel_id = _code(hotel_id, "hotel_id", _L_ID, errs)
+    hotel_id = _code(rec["hotel_id"], "hotel_id", HOTEL_ID_MAX, errs)
 
-    name = _text(rec["name"], "name", _L_NAME, errs, html=True)
+    name = _text(rec["name"], "name", NAME_MAX, errs, html=True)
     if name == "":
         raise _missing("name", "is blank")
-    name_local = _opt_text(get("name_local"), "name_local", _L_NAME, errs, html=True)
+    name_local = _opt_text(get("name_local"), "name_local", NAME_MAX, errs, html=True)
 
-    city_code = rec["city_code"]
-    if not (type(city_code) is str and 0 < len(city_code) <= _L_CITY and city_code.isprintable()):
-        city_code = _code(city_code, "city_code", _L_CITY, errs)
+    city_code = _code(rec["city_code"], "city_code", CITY_CODE_MAX, errs)
 
     country_raw = rec["country_code"]
     if not isinstance(country_raw, str):
         raise _wrong_type("country_code", "a string", country_raw)
-    country = _country(country_raw) if len(country_raw) == 2 else None
+    country = rules.country(country_raw) if len(country_raw) == 2 else None
     if country is None:
         errs.append(
             (
                 "INVALID_COUNTRY",
                 "country_code",
-                f"is not an ISO 3166-1 alpha-2 code: {_show(country_raw)}",
+                f"is not an ISO 3166-1 alpha-2 code: {show(country_raw)}",
             )
         )
 
@@ -952,8 +786,8 @@ def _normalize(rec: object) -> NormalizedHotel:
     address = get("address")
     if address is not None:
         address = _obj(address, "address")
-        line1 = _opt_text(address.get("line1"), "address.line1", _L_ADDR, errs)
-        postal = _opt_text(address.get("postal_code"), "address.postal_code", _L_POSTAL, errs)
+        line1 = _opt_text(address.get("line1"), "address.line1", ADDRESS_MAX, errs)
+        postal = _opt_text(address.get("postal_code"), "address.postal_code", POSTAL_CODE_MAX, errs)
 
     geo = _obj(rec["geo"], "geo")
     lat = geo.get("lat")
@@ -964,47 +798,49 @@ def _normalize(rec: object) -> NormalizedHotel:
     if lng is None:
         raise _missing("geo.lng")
     lng = _number(lng, "geo.lng")
-    if not -90 <= lat <= 90:  # NaN fails this too
-        errs.append(("LAT_OUT_OF_RANGE", "geo.lat", f"must be within [-90, 90]: {_show(lat)}"))
-    if not -180 <= lng <= 180:
-        errs.append(("LNG_OUT_OF_RANGE", "geo.lng", f"must be within [-180, 180]: {_show(lng)}"))
+    if not LAT_MIN <= lat <= LAT_MAX:  # NaN fails this too
+        errs.append(
+            ("LAT_OUT_OF_RANGE", "geo.lat", f"must be within [{LAT_MIN}, {LAT_MAX}]: {show(lat)}")
+        )
+    if not LNG_MIN <= lng <= LNG_MAX:
+        errs.append(
+            ("LNG_OUT_OF_RANGE", "geo.lng", f"must be within [{LNG_MIN}, {LNG_MAX}]: {show(lng)}")
+        )
 
     star: Decimal | None = None
     star_raw = get("star_rating")
     if star_raw is not None:
-        value = _number(star_raw, "star_rating")
-        if 0 <= value <= 5 and (value * 2) == math.floor(value * 2):
-            star = _STARS[int(value * 2)]
-        else:
+        star = rules.star(_number(star_raw, "star_rating"))
+        if star is None:
             errs.append(
                 (
                     "STAR_RATING_OUT_OF_RANGE",
                     "star_rating",
-                    f"must be within [0, 5] in half steps: {_show(star_raw)}",
+                    f"must be within [0, 5] in half steps: {show(star_raw)}",
                 )
             )
 
     phone: str | None = None
     phone_raw = get("phone")
     if phone_raw is not None:
-        text = _text(phone_raw, "phone", _L_PHONE, errs)
+        text = _text(phone_raw, "phone", PHONE_MAX, errs)
         if text and country is not None:
-            phone = _phone_e164(text, country)
+            phone = phone_e164(text, country)
             if phone is None:
                 errs.append(
                     (
                         "INVALID_PHONE",
                         "phone",
-                        f"is not a valid phone number in {country}: {_show(phone_raw)}",
+                        f"is not a valid phone number in {country}: {show(phone_raw)}",
                     )
                 )
 
     email: str | None = None
     email_raw = get("email")
     if email_raw is not None:
-        email = _text(email_raw, "email", _L_EMAIL, errs) or None
-        if email is not None and not _email_ok(email):
-            errs.append(("INVALID_EMAIL", "email", f"is not an email address: {_show(email_raw)}"))
+        email = _text(email_raw, "email", EMAIL_MAX, errs) or None
+        if email is not None and EMAIL_RE.fullmatch(email) is None:
+            errs.append(("INVALID_EMAIL", "email", f"is not an email address: {show(email_raw)}"))
 
     facilities = _facilities(get("facilities"), errs)
     images = _images(get("images"), errs)
@@ -1019,7 +855,7 @@ def _normalize(rec: object) -> NormalizedHotel:
                     (
                         "DUPLICATE_CODE",
                         ("rooms", ri, "room_code"),
-                        f"repeats an earlier room code: {_show(room.room_code)}",
+                        f"repeats an earlier room code: {show(room.room_code)}",
                     )
                 )
             seen.add(room.room_code)
@@ -1028,25 +864,25 @@ def _normalize(rec: object) -> NormalizedHotel:
     status = rec["status"]
     if not isinstance(status, str):
         raise _wrong_type("status", "a string", status)
-    if status != "ACTIVE" and status != "INACTIVE":
-        errs.append(("UNKNOWN_STATUS", "status", f"must be ACTIVE or INACTIVE: {_show(status)}"))
+    if status not in STATUSES:
+        errs.append(("UNKNOWN_STATUS", "status", f"must be ACTIVE or INACTIVE: {show(status)}"))
 
     ts_raw = rec["updated_at"]
     if not isinstance(ts_raw, str):
         raise _wrong_type("updated_at", "a string", ts_raw)
-    updated_at = _parse_timestamp(ts_raw)
+    updated_at = parse_timestamp(ts_raw)
     if updated_at is None:
         raise _Reject(
             ADAPTER,
             "INVALID_TIMESTAMP",
             "updated_at",
-            f"updated_at is not an RFC 3339 timestamp with a time zone: {_show(ts_raw)}",
+            f"updated_at is not an RFC 3339 timestamp with a time zone: {show(ts_raw)}",
         )
 
     version = _integer(rec["version"], "version")
-    if not 0 <= version <= _MAX_VERSION:
+    if not 0 <= version <= MAX_VERSION:
         errs.append(
-            ("VALUE_OUT_OF_RANGE", "version", f"must be within 0..2**63-1: {_show(version)}")
+            ("VALUE_OUT_OF_RANGE", "version", f"must be within 0..2**63-1: {show(version)}")
         )
 
     if errs:
@@ -1079,8 +915,6 @@ def _normalize(rec: object) -> NormalizedHotel:
 
 # -- fast path ------------------------------------------------------------------------------
 
-_STAR_BY_VALUE: Final[dict[float, Decimal]] = {k / 2: star for k, star in enumerate(_STARS)}
-
 
 def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     """The usual clean record, normalized with as few calls as possible; None if unusual.
@@ -1090,6 +924,11 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     anything else (a problem, or merely an unusual spelling such as a lower-case country, an
     integer amount or a tab in a name) returns None and goes through :func:`_normalize`. The
     tests compare both paths on simulator records and on fuzzed ones.
+
+    Each value's shape is tested inline (type, length from :mod:`rules`, ``isprintable``: a
+    call per value would cost more than the test), and a name's markup through
+    :func:`rules.might_hold_html`. A printable string holds no tab/CR/LF, so collapsing free
+    text here is stripping and squeezing spaces.
     """
     get = rec.get
     hotel_id = get("hotel_id")
@@ -1099,38 +938,33 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     country = get("country_code")
     if not (
         type(hotel_id) is str
-        and 0 < len(hotel_id) <= _L_ID
+        and 0 < len(hotel_id) <= HOTEL_ID_MAX
         and hotel_id.isprintable()
         and type(name) is str
-        and len(name) <= _L_NAME
+        and len(name) <= NAME_MAX
         and name.isprintable()
-        and "<" not in name
-        and "=" not in name
-        and ":" not in name
+        and not might_hold_html(name)
         and type(city_code) is str
-        and 0 < len(city_code) <= _L_CITY
+        and 0 < len(city_code) <= CITY_CODE_MAX
         and city_code.isprintable()
         and type(country) is str
-        and country in _COUNTRY_CODES
+        and country in COUNTRY_CODES
     ):
         return None
-    # Printable strings hold no tab/CR/LF: collapsing is stripping and squeezing spaces.
     name = name.strip(" ")
     if "  " in name:
-        name = _WS_RE.sub(" ", name)
+        name = WS_RE.sub(" ", name)
     if not name:
         return None
     if name_local is not None:
         if not (
             type(name_local) is str
-            and len(name_local) <= _L_NAME
+            and len(name_local) <= NAME_MAX
             and name_local.isprintable()
-            and "<" not in name_local
-            and "=" not in name_local
-            and ":" not in name_local
+            and not might_hold_html(name_local)
         ):
             return None
-        name_local = _collapse(name_local) or None
+        name_local = collapse(name_local) or None
 
     line1 = postal = None
     address = get("address")
@@ -1139,14 +973,16 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
             return None
         line1 = address.get("line1")
         if line1 is not None:
-            if not (type(line1) is str and len(line1) <= _L_ADDR and line1.isprintable()):
+            if not (type(line1) is str and len(line1) <= ADDRESS_MAX and line1.isprintable()):
                 return None
-            line1 = _collapse(line1) or None
+            line1 = collapse(line1) or None
         postal = address.get("postal_code")
         if postal is not None:
-            if not (type(postal) is str and len(postal) <= _L_POSTAL and postal.isprintable()):
+            if not (
+                type(postal) is str and len(postal) <= POSTAL_CODE_MAX and postal.isprintable()
+            ):
                 return None
-            postal = _collapse(postal) or None
+            postal = collapse(postal) or None
 
     geo = get("geo")
     if type(geo) is not dict:
@@ -1155,9 +991,9 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     lng = geo.get("lng")
     if not (
         (type(lat) is float or type(lat) is int)
-        and -90 <= lat <= 90
+        and LAT_MIN <= lat <= LAT_MAX
         and (type(lng) is float or type(lng) is int)
-        and -180 <= lng <= 180
+        and LNG_MIN <= lng <= LNG_MAX
     ):
         return None
 
@@ -1165,45 +1001,45 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     if star is not None:
         if type(star) is not float and type(star) is not int:
             return None
-        star = _STAR_BY_VALUE.get(star)
+        star = STAR_BY_VALUE.get(star)
         if star is None:
             return None
 
     phone = get("phone")
     if phone is not None:
-        if not (type(phone) is str and len(phone) <= _L_PHONE and phone.isprintable()):
+        if not (type(phone) is str and len(phone) <= PHONE_MAX and phone.isprintable()):
             return None
-        text = _collapse(phone)
-        phone = _phone_e164(text, country) if text else None
+        text = collapse(phone)
+        phone = phone_e164(text, country) if text else None
         if text and phone is None:
             return None
 
     email = get("email")
     if email is not None:
-        if not (type(email) is str and len(email) <= _L_EMAIL and email.isprintable()):
+        if not (type(email) is str and len(email) <= EMAIL_MAX and email.isprintable()):
             return None
-        email = _collapse(email) or None
-        if email is not None and _EMAIL_RE.fullmatch(email) is None:
+        email = collapse(email) or None
+        if email is not None and EMAIL_RE.fullmatch(email) is None:
             return None
 
     facilities: dict[str, None] = {}
     raw_facilities = get("facilities")
     if raw_facilities is not None:
-        if type(raw_facilities) is not list or len(raw_facilities) > LIMITS["facilities"]:
+        if type(raw_facilities) is not list or len(raw_facilities) > FACILITIES_MAX:
             return None
         for item in raw_facilities:
-            if not (type(item) is str and len(item) <= _L_FACILITY and item.isprintable()):
+            if not (type(item) is str and len(item) <= FACILITY_MAX and item.isprintable()):
                 return None
             item = item.strip(" ")
             if "  " in item:
-                item = _WS_RE.sub(" ", item)
+                item = WS_RE.sub(" ", item)
             if item:
                 facilities[item.lower()] = None
 
     images: list[dict[str, Any]] = []
     raw_images = get("images")
     if raw_images is not None:
-        if type(raw_images) is not list or len(raw_images) > LIMITS["images"]:
+        if type(raw_images) is not list or len(raw_images) > IMAGES_MAX:
             return None
         for img in raw_images:
             if type(img) is not dict:
@@ -1212,26 +1048,26 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
             caption = img.get("caption")
             if not (
                 type(url) is str
-                and len(url) <= _L_URL
+                and len(url) <= URL_MAX
                 and url.isprintable()
-                and _URL_RE.fullmatch(url) is not None
+                and URL_RE.fullmatch(url) is not None
             ):
                 return None
             if caption is not None:
                 if not (
-                    type(caption) is str and len(caption) <= _L_CAPTION and caption.isprintable()
+                    type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable()
                 ):
                     return None
                 caption = caption.strip(" ")
                 if "  " in caption:
-                    caption = _WS_RE.sub(" ", caption)
+                    caption = WS_RE.sub(" ", caption)
                 caption = caption or None
             images.append({"url": url, "caption": caption})
 
     rooms: list[dict[str, Any]] = []
     raw_rooms = get("rooms")
     if raw_rooms is not None:
-        if type(raw_rooms) is not list or len(raw_rooms) > LIMITS["rooms"]:
+        if type(raw_rooms) is not list or len(raw_rooms) > ROOMS_MAX:
             return None
         room_codes: set[str] = set()
         for room in raw_rooms:
@@ -1245,31 +1081,29 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
             raw_plans = rget("rate_plans")
             if not (
                 type(room_code) is str
-                and 0 < len(room_code) <= _L_CODE
+                and 0 < len(room_code) <= CODE_MAX
                 and room_code.isprintable()
                 and room_code not in room_codes
                 and type(room_name) is str
-                and len(room_name) <= _L_NAME
+                and len(room_name) <= NAME_MAX
                 and room_name.isprintable()
-                and "<" not in room_name
-                and "=" not in room_name
-                and ":" not in room_name
+                and not might_hold_html(room_name)
                 and (
                     bed is None
-                    or (type(bed) is str and 0 < len(bed) <= _L_CODE and bed.isprintable())
+                    or (type(bed) is str and 0 < len(bed) <= CODE_MAX and bed.isprintable())
                 )
                 and type(occupancy) is int
-                and 1 <= occupancy <= LIMITS["max_occupancy"]
+                and 1 <= occupancy <= OCCUPANCY_MAX
                 and (
                     raw_plans is None
-                    or (type(raw_plans) is list and len(raw_plans) <= LIMITS["rate_plans"])
+                    or (type(raw_plans) is list and len(raw_plans) <= RATE_PLANS_MAX)
                 )
             ):
                 return None
             room_codes.add(room_code)
             room_name = room_name.strip(" ")
             if "  " in room_name:
-                room_name = _WS_RE.sub(" ", room_name)
+                room_name = WS_RE.sub(" ", room_name)
             if not room_name:
                 return None
             plans: list[dict[str, Any]] = []
@@ -1285,13 +1119,15 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 price = pget("price")
                 if not (
                     type(code) is str
-                    and 0 < len(code) <= _L_CODE
+                    and 0 < len(code) <= CODE_MAX
                     and code.isprintable()
                     and code not in plan_codes
                     and (
                         board is None
                         or (
-                            type(board) is str and 0 < len(board) <= _L_CODE and board.isprintable()
+                            type(board) is str
+                            and 0 < len(board) <= CODE_MAX
+                            and board.isprintable()
                         )
                     )
                     and (refundable is True or refundable is False)
@@ -1303,11 +1139,11 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 currency = price.get("currency")
                 if not (
                     type(amount) is str
-                    and len(amount) <= _L_AMOUNT
+                    and len(amount) <= AMOUNT_MAX
                     and amount[:1] != "-"
-                    and _AMOUNT_RE.fullmatch(amount) is not None
+                    and AMOUNT_RE.fullmatch(amount) is not None
                     and type(currency) is str
-                    and currency in _MONEY_CODES
+                    and currency in MONEY_CODES
                 ):
                     return None
                 plan_codes.add(code)
@@ -1336,13 +1172,13 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     version = get("version")
     if not (
         type(status) is str
-        and (status == "ACTIVE" or status == "INACTIVE")
+        and status in STATUSES
         and type(ts) is str
         and type(version) is int
-        and 0 <= version <= _MAX_VERSION
+        and 0 <= version <= MAX_VERSION
     ):
         return None
-    updated_at = _parse_timestamp(ts)
+    updated_at = parse_timestamp(ts)
     if updated_at is None:
         return None
 
@@ -1391,7 +1227,7 @@ def normalize_record(record: object) -> NormalizedHotel | Rejection:
             r.stage,
             r.code,
             r.path,
-            r.message[:_MESSAGE_MAX],
+            r.message[:MESSAGE_MAX],
             _readable_version(record),
         )
     except Exception as exc:  # a bug must cost one record, never the page
@@ -1400,7 +1236,7 @@ def normalize_record(record: object) -> NormalizedHotel | Rejection:
             "ADAPTER",
             "INTERNAL_ERROR",
             None,
-            f"normalizer failed: {type(exc).__name__}: {_show(str(exc))}"[:_MESSAGE_MAX],
+            f"normalizer failed: {type(exc).__name__}: {show(str(exc))}"[:MESSAGE_MAX],
             _readable_version(record),
         )
 

@@ -36,21 +36,19 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost (``.venv/bin/python bench/bench_quality.py``, clean simulator hotels with 2.5 rooms and
-5.7 rate plans each, on a shared 2-CPU machine, so figures are noisy): about 35-40 µs per hotel
-(35-40 ms per 1,000) for chunks of 500 and 2,000 hotels with a warm phone cache, of which
-~20 µs is flattening the documents into frames and ~13-19 µs is pandera (a fixed ~1 ms per
-frame plus a pass per check); ~57 µs for 10,000-hotel chunks (flattening slows down as the
-documents outgrow the CPU caches). Each distinct phone number not seen before adds ~30 µs of
-libphonenumber parsing (``parse_phones=False`` skips it). Pandera's fixed cost per
-``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Flattening the
+documents into frames and pandera's passes dominate; each distinct phone number not seen
+before costs a libphonenumber parse (``parse_phones=False`` skips it). Pandera's fixed cost
+per ``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+
+Every limit, code list and value check here comes from
+:mod:`~supplier_sync_dagster.core.rules`, as normalization's do.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,19 +57,26 @@ from typing import Any, Final
 import numpy as np
 import pandas as pd
 import pandera.pandas as pa
-import phonenumbers
 from pandera.config import ValidationDepth, config_context
 from pandera.typing import Series
 
 from supplier_sync_dagster.core.deadletters import DeadLetter, ErrorType
 from supplier_sync_dagster.core.diff import highest_versions
-from supplier_sync_dagster.core.normalize import (
-    _COUNTRY_CODES,
-    _MONEY_CODES,
-    ERROR_CODES,
+from supplier_sync_dagster.core.normalize import ERROR_CODES
+from supplier_sync_dagster.core.rules import (
+    CODE_CONTROL_RE,
+    COUNTRY_CODES,
+    E164_SHAPE,
+    LAT_MAX,
+    LAT_MIN,
     LIMITS,
-    _phone_e164,
-    _show,
+    LNG_MAX,
+    LNG_MIN,
+    MESSAGE_MAX,
+    MONEY_CODES,
+    STATUSES,
+    phone_e164,
+    show,
 )
 
 __all__ = [
@@ -126,7 +131,6 @@ ERROR_TYPES: Final[dict[str, ErrorType]] = {
 """The dead-letter error type of each code."""
 
 _RANK: Final = {code: rank for rank, code in enumerate(QUALITY_CODES)}
-_MESSAGE_MAX = 1024
 
 # -- what a failure says ---------------------------------------------------------------------
 
@@ -307,25 +311,14 @@ _F_FACILITY, _F_URL, _F_CAPTION, _F_ROOM, _F_ROOM_NAME, _F_BED, _F_PLAN, _F_BOAR
 )
 _LIMITS: Final = np.array([limit for _, limit in _STRING_FIELDS], dtype=np.int64)
 
-# After normalization no string holds any C0/C1 control character: free text had its
-# tab/CR/LF collapsed, and identifiers never allow one.
-_CONTROL_RE: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-# E.164 shape with a calling code that exists: the vectorised half of the phone check.
-_E164_RE: Final = (
-    r"\+(?=[0-9]{7,15}\Z)(?:"
-    + "|".join(str(c) for c in sorted(phonenumbers.COUNTRY_CODE_TO_REGION_CODE, reverse=True))
-    + r")[0-9]+"
-)
-_STATUSES: Final = ("ACTIVE", "INACTIVE")
-_COUNTRIES: Final = sorted(_COUNTRY_CODES)
-_CURRENCIES: Final = sorted(_MONEY_CODES)
+_COUNTRIES: Final = sorted(COUNTRY_CODES)
+_CURRENCIES: Final = sorted(MONEY_CODES)
 
 
 @functools.lru_cache(maxsize=65536)
 def _phone_ok(value: str) -> bool:
     """``value`` is a valid number written in E.164 (libphonenumber, the normalizer's rule)."""
-    return _phone_e164(value, "ZZ") == value
+    return phone_e164(value, "ZZ") == value
 
 
 # Every column is declared nullable, which only skips pandera's own not-null scan (a full
@@ -338,7 +331,15 @@ def _column() -> Any:
     return pa.Field(nullable=True)
 
 
-class _Hotels(pa.DataFrameModel):
+class _Frame(pa.DataFrameModel):
+    """Base of the three frames: columns exactly as declared, never coerced."""
+
+    class Config:
+        coerce = False
+        strict = True
+
+
+class _Hotels(_Frame):
     """One row per hotel; the index is the document's position in the input."""
 
     city_code: Series[object] = _column()
@@ -352,17 +353,13 @@ class _Hotels(pa.DataFrameModel):
     phone_e164: Series[object] = _column()
     version: Series[int] = _column()
 
-    class Config:
-        coerce = False
-        strict = True
-
     @pa.check("lat", name="LAT_OUT_OF_RANGE", ignore_na=False)
     def _lat(cls, s: Series[float]) -> Series[bool]:
-        return s.between(-90.0, 90.0)
+        return s.between(float(LAT_MIN), float(LAT_MAX))
 
     @pa.check("lng", name="LNG_OUT_OF_RANGE", ignore_na=False)
     def _lng(cls, s: Series[float]) -> Series[bool]:
-        return s.between(-180.0, 180.0)
+        return s.between(float(LNG_MIN), float(LNG_MAX))
 
     @pa.dataframe_check(name="STAR_RATING_OUT_OF_RANGE", ignore_na=False)
     def _stars(cls, df: pd.DataFrame) -> Series[bool]:
@@ -372,7 +369,7 @@ class _Hotels(pa.DataFrameModel):
 
     @pa.check("status", name="UNKNOWN_STATUS", ignore_na=False)
     def _status(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(_STATUSES)
+        return s.isin(STATUSES)
 
     @pa.check("country_code", name="INVALID_COUNTRY", ignore_na=False)
     def _country(cls, s: Series[Any]) -> Series[bool]:
@@ -380,9 +377,9 @@ class _Hotels(pa.DataFrameModel):
 
     @pa.check("phone_e164", name="INVALID_PHONE", ignore_na=False)
     def _phone(cls, s: Series[Any]) -> Series[bool]:
-        ok = s.isna() | s.str.fullmatch(_E164_RE).fillna(False).astype(bool)
+        ok = s.isna() | s.str.fullmatch(E164_SHAPE).fillna(False).astype(bool)
         if _PARSE_PHONES.get():
-            # Full parsing costs ~30 µs per number: once per distinct number, cached.
+            # Full parsing is costly: once per distinct number, cached.
             bad = [v for v in s[ok].dropna().unique() if not _phone_ok(v)]
             if bad:
                 ok &= ~s.isin(bad)
@@ -398,7 +395,7 @@ class _Hotels(pa.DataFrameModel):
         return expected.isna() | (df["country_code"] == expected)
 
 
-class _Strings(pa.DataFrameModel):
+class _Strings(_Frame):
     """One row per string value: its hotel's position, field id (into _STRING_FIELDS), k, j."""
 
     hotel: Series[int] = _column()
@@ -406,10 +403,6 @@ class _Strings(pa.DataFrameModel):
     k: Series[int] = _column()
     j: Series[int] = _column()
     value: Series[object] = _column()
-
-    class Config:
-        coerce = False
-        strict = True
 
     @pa.check("value", name="CONTROL_CHARACTERS", ignore_na=False)
     def _control(cls, s: Series[Any]) -> Series[bool]:
@@ -421,7 +414,8 @@ class _Strings(pa.DataFrameModel):
             return pd.Series(np.ones(len(values), dtype=bool), index=s.index)
         ok = np.fromiter(map(str.isprintable, values), dtype=bool, count=len(values))
         for i in np.flatnonzero(~ok):
-            ok[i] = _CONTROL_RE.search(values[i]) is None
+            # Normalized text keeps no tab/CR/LF either: the identifiers' rule holds for all.
+            ok[i] = CODE_CONTROL_RE.search(values[i]) is None
         return pd.Series(ok, index=s.index)
 
     @pa.dataframe_check(name="OVERSIZED_STRING", ignore_na=False)
@@ -431,7 +425,7 @@ class _Strings(pa.DataFrameModel):
         return pd.Series(lengths <= _LIMITS[df["fid"].to_numpy()], index=df.index)
 
 
-class _Plans(pa.DataFrameModel):
+class _Plans(_Frame):
     """One row per rate plan, in document order: hotel position, room k, plan j."""
 
     hotel: Series[int] = _column()
@@ -440,10 +434,6 @@ class _Plans(pa.DataFrameModel):
     currency: Series[object] = _column()
     price: Series[object] = _column()
     amount: Series[float] = _column()
-
-    class Config:
-        coerce = False
-        strict = True
 
     @pa.check("currency", name="UNKNOWN_CURRENCY", ignore_na=False)
     def _currency(cls, s: Series[Any]) -> Series[bool]:
@@ -611,7 +601,7 @@ def _flatten(
             problems[pos] = ("", f"has an unexpected shape ({type(err).__name__})")
             continue
         if type(fac) is not list:
-            problems[pos] = ("facilities", f"has the wrong type: {_show(fac)}")
+            problems[pos] = ("facilities", f"has the wrong type: {show(fac)}")
             continue
         tops.append(top)
         hpos.append(pos)
@@ -663,7 +653,7 @@ def _flatten(
         if values and pd.api.types.infer_dtype(values, skipna=skipna) not in accepted:
             for pos, value in zip(hpos, values, strict=True):
                 if not test(value) and pos not in problems:
-                    problems[pos] = (key, f"has the wrong type: {_show(value)}")
+                    problems[pos] = (key, f"has the wrong type: {show(value)}")
     for fid, values, hotel, k, j in blocks[_N_TOP:]:
         required = fid not in (_F_CAPTION, _F_BED, _F_BOARD)
         if values and pd.api.types.infer_dtype(values, skipna=not required) not in (
@@ -674,14 +664,14 @@ def _flatten(
                 pos = int(hotel[i])
                 if not test(value) and pos not in problems:
                     path = _field(fid, int(k[i]), int(j[i]))
-                    problems[pos] = (path, f"has the wrong type: {_show(value)}")
+                    problems[pos] = (path, f"has the wrong type: {show(value)}")
     for values, what in ((currencies, "currency"), (prices, "price")):
         if values and pd.api.types.infer_dtype(values, skipna=False) != "string":
             for i, value in enumerate(values):
                 pos = int(plan_hotel[i])
                 if type(value) is not str and pos not in problems:
                     path = f"rooms[{plan_k[i]}].rate_plans[{plan_j[i]}].{what}"
-                    problems[pos] = (path, f"has the wrong type: {_show(value)}")
+                    problems[pos] = (path, f"has the wrong type: {show(value)}")
     if problems:
         raise _Malformed(problems)
 
@@ -766,7 +756,7 @@ def _readable(doc: Mapping[str, Any]) -> tuple[str | None, int | None]:
     hotel_id = doc.get("supplier_hotel_id") if isinstance(doc, Mapping) else None
     version = doc.get("version") if isinstance(doc, Mapping) else None
     return (
-        hotel_id[:128] if type(hotel_id) is str else None,
+        hotel_id[: LIMITS["hotel_id"]] if type(hotel_id) is str else None,
         version if type(version) is int else None,
     )
 
@@ -781,7 +771,7 @@ def _failure(
         version,
         code,
         field_path,
-        message[:_MESSAGE_MAX],
+        message[:MESSAGE_MAX],
         ERROR_TYPES[code],
     )
 
@@ -796,12 +786,12 @@ def _describe(frames: _Frames, code: str, row: Any) -> tuple[int, str, str]:
         if code == "COUNTRY_CITY_MISMATCH":
             message = template.format(
                 field=rule.column,
-                value=_show(value),
-                city=_show(h.at[row, "city_code"]),
-                expected=_show(h.at[row, "city_country"]),
+                value=show(value),
+                city=show(h.at[row, "city_code"]),
+                expected=show(h.at[row, "city_country"]),
             )
         else:
-            message = template.format(field=rule.column, value=_show(_plain(value)))
+            message = template.format(field=rule.column, value=show(_plain(value)))
         return int(row), rule.column, message
     if rule.frame == "strings":
         s = frames.strings
@@ -809,7 +799,7 @@ def _describe(frames: _Frames, code: str, row: Any) -> tuple[int, str, str]:
         value = s.at[row, "value"]
         path = _field(fid, k, j)
         message = template.format(
-            field=path, value=_show(value), length=len(value), limit=_STRING_FIELDS[fid][1]
+            field=path, value=show(value), length=len(value), limit=_STRING_FIELDS[fid][1]
         )
         return int(s.at[row, "hotel"]), path, message
     p = frames.plans
@@ -819,8 +809,8 @@ def _describe(frames: _Frames, code: str, row: Any) -> tuple[int, str, str]:
     expected = ""
     if code == "MIXED_ROOM_CURRENCY":
         same_room = p[(p["hotel"] == p.at[row, "hotel"]) & (p["k"] == k)]
-        expected = _show(same_room["currency"].iloc[0])
-    message = template.format(field=path, value=_show(value), expected=expected)
+        expected = show(same_room["currency"].iloc[0])
+    message = template.format(field=path, value=show(value), expected=expected)
     return int(p.at[row, "hotel"]), path, message
 
 
@@ -853,7 +843,7 @@ def check_quality(
         city_countries: city code -> ISO 3166-1 alpha-2 country, from the supplier's city
             list; a city missing here skips the country rule for its hotels.
         parse_phones: also parse every phone number with libphonenumber (cached per number;
-            ~30 µs for each number not seen before). False keeps only the vectorised E.164
+            a libphonenumber parse for each number not seen before). False keeps only the vectorised E.164
             shape check (``+``, a real calling code, 7-15 digits), for callers whose
             documents come straight from normalization, which parsed each number already.
 

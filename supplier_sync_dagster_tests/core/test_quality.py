@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from supplier_sync_dagster.core import quality as q
+from supplier_sync_dagster.core import rules
 from supplier_sync_dagster.core.deadletters import DeadLetter
 from supplier_sync_dagster.core.normalize import (
     ERROR_CODES,
@@ -402,3 +403,12 @@ def test_a_large_clean_chunk_passes_completely() -> None:
         (10, "LAT_OUT_OF_RANGE"),
         (20, "COUNTRY_CITY_MISMATCH"),
     ]
+
+
+@pytest.mark.parametrize("key", ["supplier_hotel_id", "name", "city_code", "postal_code"])
+def test_string_limits_are_the_rules_limits(key: str) -> None:
+    limit = rules.LIMITS[{"supplier_hotel_id": "hotel_id"}.get(key, key)]
+    assert check([doc(**{key: "1" * limit})], city_countries={}).failures == ()
+    (failure,) = check([doc(**{key: "1" * (limit + 1)})], city_countries={}).failures
+    assert (failure.error_code, failure.field) == ("OVERSIZED_STRING", key)
+    assert dict(q._STRING_FIELDS)[key] == limit

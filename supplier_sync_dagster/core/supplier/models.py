@@ -6,8 +6,9 @@ Two kinds of model live here:
   client validates every response against. Hotel records inside pages and change feeds are
   kept as raw dicts: real feeds contain bad records, and judging them is the normalization
   stage's job. One bad hotel never fails its page.
-* :class:`Hotel` and its parts: the strict shape of a good hotel record, for normalization.
-  The client never applies it.
+* :class:`Hotel` and its parts: the shape of a good hotel record as the contract describes
+  it, with the platform's limits from :mod:`~supplier_sync_dagster.core.rules`. Nothing in a
+  sync applies it: the client keeps records raw, and normalization walks them itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ from pydantic import (
     ConfigDict,
     Field,
     field_validator,
+)
+
+from supplier_sync_dagster.core.rules import (
+    LAT_MAX,
+    LAT_MIN,
+    LIMITS,
+    LNG_MAX,
+    LNG_MIN,
+    MAX_VERSION,
+    NO_CURRENCY,
+    STARS,
 )
 
 #: Key under which a non-object entry of a ``hotels``/``changes`` array is wrapped, so that the
@@ -60,7 +72,7 @@ def decode_json(raw: bytes) -> Any:
     return json.loads(raw.decode("utf-8"))
 
 
-CityCode = Annotated[str, Field(min_length=1, max_length=64)]
+CityCode = Annotated[str, Field(min_length=1, max_length=LIMITS["city_code"])]
 
 
 def _wrap_records(value: Any) -> Any:
@@ -173,8 +185,9 @@ class Money(BaseModel):
     @field_validator("currency")
     @classmethod
     def _real_currency(cls, value: str) -> str:
-        # X-codes for "no currency" and testing are valid ISO 4217 but never a real price.
-        if value in {"XXX", "XTS"}:
+        # X-codes for "no currency" and testing are valid ISO 4217 but never a real price;
+        # other codes the platform cannot price in are normalization's call, not the client's.
+        if value in NO_CURRENCY:
             raise ValueError(f"currency {value} is not a real currency")
         return value
 
@@ -201,7 +214,7 @@ class OfferConfirmation(_Envelope):
     valid_for_seconds: int
 
 
-# --- the strict hotel record, for normalization ------------------------------------------
+# --- the shape of a hotel record ----------------------------------------------------------
 
 
 class HotelStatus(enum.StrEnum):
@@ -211,13 +224,16 @@ class HotelStatus(enum.StrEnum):
     INACTIVE = "INACTIVE"
 
 
+_Code = Annotated[str, Field(min_length=1, max_length=LIMITS["code"])]
+
+
 class Geo(BaseModel):
     """WGS 84 coordinates."""
 
     model_config = ConfigDict(frozen=True)
 
-    lat: Annotated[float, Field(ge=-90, le=90)]
-    lng: Annotated[float, Field(ge=-180, le=180)]
+    lat: Annotated[float, Field(ge=LAT_MIN, le=LAT_MAX)]
+    lng: Annotated[float, Field(ge=LNG_MIN, le=LNG_MAX)]
 
 
 class Address(BaseModel):
@@ -225,8 +241,8 @@ class Address(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    line1: str | None = None
-    postal_code: str | None = None
+    line1: Annotated[str, Field(max_length=LIMITS["address_line1"])] | None = None
+    postal_code: Annotated[str, Field(max_length=LIMITS["postal_code"])] | None = None
 
 
 class Image(BaseModel):
@@ -234,8 +250,8 @@ class Image(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    url: str
-    caption: str | None = None
+    url: Annotated[str, Field(max_length=LIMITS["url"])]
+    caption: Annotated[str, Field(max_length=LIMITS["caption"])] | None = None
 
 
 class RatePlan(BaseModel):
@@ -243,8 +259,8 @@ class RatePlan(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    code: str
-    board: str | None = None
+    code: _Code
+    board: Annotated[str, Field(max_length=LIMITS["code"])] | None = None
     refundable: bool | None = None
     available: bool | None = None
     price: Money | None = None
@@ -255,37 +271,48 @@ class Room(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    room_code: str
-    name: str | None = None
-    bed_type: str | None = None
-    max_occupancy: Annotated[int, Field(ge=1)] | None = None
-    rate_plans: list[RatePlan] = Field(default_factory=list)
+    room_code: _Code
+    name: Annotated[str, Field(max_length=LIMITS["name"])] | None = None
+    bed_type: Annotated[str, Field(max_length=LIMITS["code"])] | None = None
+    max_occupancy: Annotated[int, Field(ge=1, le=LIMITS["max_occupancy"])] | None = None
+    rate_plans: Annotated[list[RatePlan], Field(max_length=LIMITS["rate_plans"])] = Field(
+        default_factory=list
+    )
 
 
 class Hotel(BaseModel):
-    """A hotel record that follows the contract. Normalization validates raw records with it.
+    """A hotel record in the contract's shape: types, required fields, and the platform's limits.
 
-    The client never applies this model to pages: see :class:`HotelsPage`.
+    For callers that want one record typed. Nothing in a sync applies it: the client keeps the
+    records of a page raw (:class:`HotelsPage`), and normalization
+    (:mod:`~supplier_sync_dagster.core.normalize`) walks them itself, to report the first
+    problem precisely. Its lengths and ranges are :mod:`~supplier_sync_dagster.core.rules`,
+    so a record it accepts is never one normalization rejects for a length or a range; the
+    rules it leaves to normalization are the value checks (code lists, phone, control
+    characters, HTML).
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    hotel_id: Annotated[str, Field(min_length=1, max_length=64)]
-    name: Annotated[str, Field(min_length=1, max_length=512)]
-    name_local: str | None = None
+    hotel_id: Annotated[str, Field(min_length=1, max_length=LIMITS["hotel_id"])]
+    name: Annotated[str, Field(min_length=1, max_length=LIMITS["name"])]
+    name_local: Annotated[str, Field(max_length=LIMITS["name"])] | None = None
     city_code: CityCode
     country_code: Annotated[str, Field(pattern=r"^[A-Z]{2}$")]
     address: Address | None = None
     geo: Geo
-    star_rating: Annotated[float, Field(ge=0, le=5)] | None = None
-    phone: str | None = None
-    email: str | None = None
-    facilities: list[str] = Field(default_factory=list)
-    images: list[Image] = Field(default_factory=list)
-    rooms: list[Room] = Field(default_factory=list)
+    star_rating: Annotated[float, Field(ge=0, le=float(STARS[-1]))] | None = None
+    phone: Annotated[str, Field(max_length=LIMITS["phone"])] | None = None
+    email: Annotated[str, Field(max_length=LIMITS["email"])] | None = None
+    facilities: Annotated[
+        list[Annotated[str, Field(max_length=LIMITS["facility"])]],
+        Field(max_length=LIMITS["facilities"]),
+    ] = Field(default_factory=list)
+    images: Annotated[list[Image], Field(max_length=LIMITS["images"])] = Field(default_factory=list)
+    rooms: Annotated[list[Room], Field(max_length=LIMITS["rooms"])] = Field(default_factory=list)
     status: HotelStatus
     updated_at: AwareDatetime
-    version: Annotated[int, Field(ge=0)]
+    version: Annotated[int, Field(ge=0, le=MAX_VERSION)]
 
 
 # --- what the client hands back ------------------------------------------------------------
