@@ -1,8 +1,9 @@
 """Opening the sync database, and the database clock.
 
-One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL). Unset, the
-embedded default is a SQLite file in the local state folder (``SUPPLIER_SYNC_HOME``, default
-``./.supplier_sync``), created on first use. MySQL 8 and MariaDB are reached through
+One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL; see
+:mod:`~supplier_sync_dagster.core.settings`). Unset, the embedded default is a SQLite file in
+the local state folder (``SUPPLIER_SYNC_HOME``, default ``./.supplier_sync``), created on first
+use. MySQL 8 and MariaDB are reached through
 ``mysql+pymysql://user:password@host:port/db``.
 
 Time has one seam: :class:`DbClock`. Lease expiry and "now" are SQL expressions evaluated by
@@ -13,7 +14,6 @@ disagree with itself); tests shift the clock by an offset instead of sleeping.
 from __future__ import annotations
 
 import copy
-import os
 import sqlite3
 import threading
 import time
@@ -34,9 +34,9 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
+from supplier_sync_dagster.core.settings import env_name, load_settings
 
-DB_URL_ENV = "SUPPLIER_SYNC_DB_URL"
-HOME_ENV = "SUPPLIER_SYNC_HOME"
+DB_URL_ENV = env_name("db_url")
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "supplier_sync_write"
@@ -44,7 +44,7 @@ WRITE_OPTION = "supplier_sync_write"
 
 def state_dir() -> Path:
     """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
-    return Path(os.environ.get(HOME_ENV) or ".supplier_sync").resolve()
+    return load_settings().state_dir
 
 
 def resolve_db_url(url: str | None = None) -> str:
@@ -53,12 +53,7 @@ def resolve_db_url(url: str | None = None) -> str:
     Args:
         url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
     """
-    if url:
-        return url
-    env = os.environ.get(DB_URL_ENV)
-    if env:
-        return env
-    return f"sqlite:///{state_dir() / 'sync.sqlite3'}"
+    return url or load_settings().sync_db_url()
 
 
 def _parse_url(url: str) -> URL:

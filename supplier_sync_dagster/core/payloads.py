@@ -2,8 +2,8 @@
 content-addressed, so that later stages can be replayed without calling the supplier
 (invariant 6) and every published field can be traced to the bytes it came from.
 
-One setting selects the store: ``SUPPLIER_SYNC_PAYLOAD_URL``, read when
-:func:`open_payload_store` is called. ``file:///abs/path`` is a local folder (the embedded
+One setting selects the store: ``SUPPLIER_SYNC_PAYLOAD_URL`` (see
+:mod:`~supplier_sync_dagster.core.settings`), read when :func:`open_payload_store` is called. ``file:///abs/path`` is a local folder (the embedded
 default is ``$SUPPLIER_SYNC_HOME/payloads``); ``s3://bucket/prefix`` is an S3 bucket, reached
 at ``AWS_ENDPOINT_URL`` when that is set (MinIO or any S3-compatible server).
 
@@ -43,15 +43,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from supplier_sync_dagster.core.db import state_dir
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     PayloadCorrupt,
     PayloadError,
     PayloadNotFound,
 )
+from supplier_sync_dagster.core.settings import env_name, load_settings
 
-PAYLOAD_URL_ENV = "SUPPLIER_SYNC_PAYLOAD_URL"
+PAYLOAD_URL_ENV = env_name("payload_url")
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
 MAX_REF_LENGTH = 512  # supplier_sync_snapshot.payload_ref is VARCHAR(512)
 DEFAULT_COMPRESSLEVEL = 6
@@ -616,9 +616,12 @@ def open_payload_store(
     Raises:
         ConfigError: The URL is not one of the accepted forms, or boto3 is missing.
     """
-    raw = url or os.environ.get(PAYLOAD_URL_ENV) or None
-    if raw is None:
-        return LocalPayloadStore(state_dir() / "payloads")
+    if not url:
+        settings = load_settings()
+        if settings.payload_url is None:
+            return LocalPayloadStore(settings.state_dir / "payloads")
+        url = settings.payload_url
+    raw = url
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
