@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.gates import GateResult
-    from supplier_sync_dagster.core.settings import Settings
+    from supplier_sync_dagster.core.settings import StorageSettings
     from supplier_sync_dagster.sync_runner import SyncSummary
 
 
@@ -54,7 +54,7 @@ def _finish_sync(summary: SyncSummary, *, as_json: bool) -> int:
     return 1
 
 
-def _resources(args: argparse.Namespace, settings: Settings) -> tuple[Any, Any]:
+def _resources(args: argparse.Namespace, settings: StorageSettings) -> tuple[Any, Any]:
     """The database and payload store resources: ``--db-url``, else the settings."""
     from supplier_sync_dagster.defs.resources import PayloadStoreResource, SyncDatabaseResource
 
@@ -65,7 +65,7 @@ def _resources(args: argparse.Namespace, settings: Settings) -> tuple[Any, Any]:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.core.settings import load_storage_settings
     from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
     from supplier_sync_dagster.sync_runner import demo_day, run_full_sync
 
@@ -78,7 +78,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         rate_limit_rps=args.rate_limit,
         city_threads=args.city_threads,
     )
-    sync_db, payloads = _resources(args, load_settings())
+    sync_db, payloads = _resources(args, load_storage_settings())
     print(
         f"demo: a full sync through Dagster of the simulated supplier (day {day}, "
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
@@ -532,10 +532,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         latest_raw_batch,
         stored_city_countries,
     )
-    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.core.settings import load_storage_settings
     from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
 
-    sync_db, payloads = _resources(args, load_settings())
+    sync_db, payloads = _resources(args, load_storage_settings())
     db = SyncDatabase.open(sync_db.db_url)
     try:
         # A replay reads stored pages only: it needs the task and its supplier, no URL.

@@ -34,7 +34,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.settings import env_name, load_settings
+from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 DB_URL_ENV = env_name("db_url")
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
@@ -44,7 +44,7 @@ WRITE_OPTION = "supplier_sync_write"
 
 def state_dir() -> Path:
     """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
-    return load_settings().state_dir
+    return load_storage_settings().state_dir
 
 
 def resolve_db_url(url: str | None = None) -> str:
@@ -53,7 +53,7 @@ def resolve_db_url(url: str | None = None) -> str:
     Args:
         url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
     """
-    return url or load_settings().sync_db_url()
+    return url or load_storage_settings().sync_db_url()
 
 
 def _parse_url(url: str) -> URL:

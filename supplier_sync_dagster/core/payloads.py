@@ -49,7 +49,7 @@ from supplier_sync_dagster.core.errors import (
     PayloadError,
     PayloadNotFound,
 )
-from supplier_sync_dagster.core.settings import env_name, load_settings
+from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 PAYLOAD_URL_ENV = env_name("payload_url")
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
@@ -617,7 +617,7 @@ def open_payload_store(
         ConfigError: The URL is not one of the accepted forms, or boto3 is missing.
     """
     if not url:
-        settings = load_settings()
+        settings = load_storage_settings()
         if settings.payload_url is None:
             return LocalPayloadStore(settings.state_dir / "payloads")
         url = settings.payload_url

@@ -8,7 +8,7 @@ folder, the in-process supplier simulator, an in-process rate limiter.
 The environment is read when :func:`load_settings` is called, never at import: an entry point
 (the command line, the Dagster definitions) reads it once and passes the values on; the core
 functions that fall back to it (``SyncDatabase.open(None)``, ``open_payload_store(None)``,
-``state_dir()``) read it when they are called.
+``state_dir()``) read their part, :class:`StorageSettings`, when they are called.
 
 Example:
     >>> settings = load_settings()
@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -32,10 +33,12 @@ DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
 
 _SUPPLIER_SCHEMES = ("http", "https")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+S = TypeVar("S", bound="StorageSettings")
 
 
-class Settings(BaseSettings):
-    """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
+class StorageSettings(BaseSettings):
+    """Where state is kept: the part of :class:`Settings` that the core's fallbacks read, so
+    that a malformed supplier setting does not stop commands that never call the supplier."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
@@ -54,6 +57,20 @@ class Settings(BaseSettings):
         default=None,
         description="s3://bucket/prefix or file:///path; unset: the state folder's payloads/",
     )
+
+    @property
+    def state_dir(self) -> Path:
+        """The state folder, absolute."""
+        return self.home.resolve()
+
+    def sync_db_url(self) -> str:
+        """The sync database URL: ``db_url``, else the SQLite file in the state folder."""
+        return self.db_url or f"sqlite:///{self.state_dir / 'sync.sqlite3'}"
+
+
+class Settings(StorageSettings):
+    """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
+
     supplier_url: str | None = Field(
         default=None,
         description="the supplier's API base URL; unset: the in-process simulator",
@@ -75,15 +92,6 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         return _with_scheme(value, _REDIS_SCHEMES)
-
-    @property
-    def state_dir(self) -> Path:
-        """The state folder, absolute."""
-        return self.home.resolve()
-
-    def sync_db_url(self) -> str:
-        """The sync database URL: ``db_url``, else the SQLite file in the state folder."""
-        return self.db_url or f"sqlite:///{self.state_dir / 'sync.sqlite3'}"
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""
@@ -107,8 +115,21 @@ def load_settings() -> Settings:
     Raises:
         ConfigError: A variable is malformed; one line names each bad variable.
     """
+    return _read(Settings)
+
+
+def load_storage_settings() -> StorageSettings:
+    """Reads only where state is kept (the core's fallbacks), now.
+
+    Raises:
+        ConfigError: One of these variables is malformed.
+    """
+    return _read(StorageSettings)
+
+
+def _read(part: type[S]) -> S:
     try:
-        return Settings()
+        return part()
     except ValidationError as err:
         problems = [
             f"{env_name(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"

@@ -11,8 +11,10 @@ from supplier_sync_dagster.core.settings import (
     DEFAULT_TASK_CODE,
     ENV_PREFIX,
     Settings,
+    StorageSettings,
     env_name,
     load_settings,
+    load_storage_settings,
 )
 
 ALL = [env_name(field) for field in Settings.model_fields]
@@ -121,3 +123,17 @@ def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_p
     store = open_payload_store()
     assert isinstance(store, LocalPayloadStore)
     assert store.root == (tmp_path / "home" / "payloads").resolve()
+
+
+def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    from supplier_sync_dagster.core.db import resolve_db_url
+
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test")
+    assert load_storage_settings().state_dir == tmp_path / "home"
+    assert resolve_db_url() == f"sqlite:///{tmp_path / 'home' / 'sync.sqlite3'}"
+    assert set(StorageSettings.model_fields) < set(Settings.model_fields)
+    with pytest.raises(ConfigError, match="SUPPLIER_SYNC_SUPPLIER_URL"):
+        load_settings()
