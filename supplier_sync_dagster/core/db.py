@@ -34,9 +34,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
-DB_URL_ENV = env_name("db_url")
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "supplier_sync_write"
@@ -44,6 +42,10 @@ WRITE_OPTION = "supplier_sync_write"
 
 def state_dir() -> Path:
     """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
+    # Imported when read: pydantic-settings is slow to import, and a process given explicit
+    # URLs (the lease demo's spawned workers) never needs it.
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
     return load_storage_settings().state_dir
 
 
@@ -53,7 +55,17 @@ def resolve_db_url(url: str | None = None) -> str:
     Args:
         url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
     """
-    return url or load_storage_settings().sync_db_url()
+    if url:
+        return url
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
+    return load_storage_settings().sync_db_url()
+
+
+def _db_url_setting() -> str:
+    from supplier_sync_dagster.core.settings import env_name  # when read, as in state_dir
+
+    return env_name("db_url")
 
 
 def _parse_url(url: str) -> URL:
@@ -61,12 +73,12 @@ def _parse_url(url: str) -> URL:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as err:
         raise ConfigError(
-            f"{DB_URL_ENV} is not a valid SQLAlchemy URL ({err}); "
+            f"{_db_url_setting()} is not a valid SQLAlchemy URL ({err}); "
             "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
         ) from None
     if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
         raise ConfigError(
-            f"{DB_URL_ENV} uses backend {parsed.get_backend_name()!r}; "
+            f"{_db_url_setting()} uses backend {parsed.get_backend_name()!r}; "
             f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
         )
     return parsed

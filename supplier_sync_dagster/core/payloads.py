@@ -49,9 +49,7 @@ from supplier_sync_dagster.core.errors import (
     PayloadError,
     PayloadNotFound,
 )
-from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
-PAYLOAD_URL_ENV = env_name("payload_url")
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
 MAX_REF_LENGTH = 512  # supplier_sync_snapshot.payload_ref is VARCHAR(512)
 DEFAULT_COMPRESSLEVEL = 6
@@ -258,7 +256,7 @@ def _foreign(ref: object, store: PayloadStore) -> ConfigError:
     return ConfigError(
         f"{_show(ref)} is not a payload reference of the store at {store.url} "
         f"(expected {store.url}/<kind>/<xx>/<sha256>{SUFFIX}); "
-        f"check {PAYLOAD_URL_ENV} points at the store that wrote it"
+        f"check {_payload_url_setting()} points at the store that wrote it"
     )
 
 
@@ -597,6 +595,12 @@ def _server_message(err: BaseException) -> str:
 # -- opening ----------------------------------------------------------------------------------
 
 
+def _payload_url_setting() -> str:
+    from supplier_sync_dagster.core.settings import env_name  # when read, as in core.db
+
+    return env_name("payload_url")
+
+
 def open_payload_store(
     url: str | None = None, *, s3_client_factory: Callable[[], Any] | None = None
 ) -> PayloadStore:
@@ -617,6 +621,9 @@ def open_payload_store(
         ConfigError: The URL is not one of the accepted forms, or boto3 is missing.
     """
     if not url:
+        # Imported when read, as in core.db.state_dir.
+        from supplier_sync_dagster.core.settings import load_storage_settings
+
         settings = load_storage_settings()
         if settings.payload_url is None:
             return LocalPayloadStore(settings.state_dir / "payloads")
@@ -625,7 +632,7 @@ def open_payload_store(
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
-            f"{PAYLOAD_URL_ENV} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
+            f"{_payload_url_setting()} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
         )
 
     try:
@@ -661,7 +668,7 @@ def _default_s3_client() -> Any:
         import boto3  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
-            f"{PAYLOAD_URL_ENV} names an s3:// store but boto3 is not installed "
+            f"{_payload_url_setting()} names an s3:// store but boto3 is not installed "
             "(it comes with dagster-aws)"
         ) from None
     return boto3.client("s3", endpoint_url=os.environ.get(ENDPOINT_URL_ENV) or None)
