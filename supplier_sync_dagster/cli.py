@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import os
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.gates import GateResult
+    from supplier_sync_dagster.core.settings import StorageSettings
     from supplier_sync_dagster.sync_runner import SyncSummary
 
 
@@ -34,20 +36,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     print(format_report(report))
     return 0 if not report.problems else 1
-
-
-def _supplier_from_env(*, page_size: int, rate_limit: float, city_threads: int) -> Any:
-    """The supplier resource from the SUPPLIER_SYNC_* environment (read now, at run time)."""
-    from supplier_sync_dagster.defs.resources import SupplierResource
-
-    return SupplierResource(
-        base_url=os.environ.get("SUPPLIER_SYNC_SUPPLIER_URL") or None,
-        api_key=os.environ.get("SUPPLIER_SYNC_SUPPLIER_API_KEY") or None,
-        redis_url=os.environ.get("SUPPLIER_SYNC_REDIS_URL") or None,
-        page_size=page_size,
-        rate_limit_rps=rate_limit,
-        city_threads=city_threads,
-    )
 
 
 def _console_log_level(args: argparse.Namespace) -> str:
@@ -66,21 +54,23 @@ def _finish_sync(summary: SyncSummary, *, as_json: bool) -> int:
     return 1
 
 
-def _resources(args: argparse.Namespace) -> tuple[Any, Any]:
+def _resources(args: argparse.Namespace, settings: StorageSettings) -> tuple[Any, Any]:
+    """The database and payload store resources: ``--db-url``, else the settings."""
     from supplier_sync_dagster.defs.resources import PayloadStoreResource, SyncDatabaseResource
 
     return (
-        SyncDatabaseResource(db_url=args.db_url or os.environ.get("SUPPLIER_SYNC_DB_URL") or None),
-        PayloadStoreResource(url=os.environ.get("SUPPLIER_SYNC_PAYLOAD_URL") or None),
+        SyncDatabaseResource(db_url=args.db_url or settings.db_url),
+        PayloadStoreResource(url=settings.payload_url),
     )
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from supplier_sync_dagster.defs.resources import SupplierResource
+    from supplier_sync_dagster.core.settings import load_storage_settings
+    from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
     from supplier_sync_dagster.sync_runner import demo_day, run_full_sync
 
     day = demo_day(advance=False)
-    supplier = SupplierResource(
+    supplier = SimulatedSupplierResource(
         sim_cities=args.cities,
         sim_hotels=args.hotels,
         sim_profile=args.profile,
@@ -88,7 +78,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         rate_limit_rps=args.rate_limit,
         city_threads=args.city_threads,
     )
-    sync_db, payloads = _resources(args)
+    sync_db, payloads = _resources(args, load_storage_settings())
     print(
         f"demo: a full sync through Dagster of the simulated supplier (day {day}, "
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
@@ -111,12 +101,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sync(args: argparse.Namespace) -> int:
+    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.defs.resources import supplier_resource
     from supplier_sync_dagster.sync_runner import run_full_sync
 
-    sync_db, payloads = _resources(args)
+    settings = load_settings()
+    sync_db, payloads = _resources(args, settings)
     summary = run_full_sync(
-        supplier=_supplier_from_env(
-            page_size=args.page_size, rate_limit=args.rate_limit, city_threads=args.city_threads
+        supplier=supplier_resource(
+            base_url=settings.supplier_url,
+            api_key=settings.api_key(),
+            redis_url=settings.redis_url,
+            page_size=args.page_size,
+            rate_limit_rps=args.rate_limit,
+            city_threads=args.city_threads,
         ),
         sync_db=sync_db,
         payloads=payloads,
@@ -419,17 +417,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
                 print(f"    {json.dumps(r.metadata, default=str, ensure_ascii=False)}")
             return 0
         # thresholds
-        changes = {
-            k: v
-            for k, v in {
-                "max_bad_ratio": args.max_bad_ratio,
-                "max_count_drop": args.max_count_drop,
-                "min_previous_records": args.min_previous_records,
-                "drift_present_ratio": args.drift_present_ratio,
-                "drift_absent_ratio": args.drift_absent_ratio,
-            }.items()
-            if v is not None
-        }
+        changes = _threshold_changes(args)
         with db.begin() as conn:
             current = get_gate_thresholds(conn, args.task)
             if changes:
@@ -455,17 +443,6 @@ def _cmd_task(args: argparse.Namespace) -> int:
     db = SyncDatabase.open(args.db_url)
     try:
         if args.task_command == "set":
-            thresholds = {
-                k: v
-                for k, v in {
-                    "max_bad_ratio": args.max_bad_ratio,
-                    "max_count_drop": args.max_count_drop,
-                    "min_previous_records": args.min_previous_records,
-                    "drift_present_ratio": args.drift_present_ratio,
-                    "drift_absent_ratio": args.drift_absent_ratio,
-                }.items()
-                if v is not None
-            }
             changes = change_task(
                 db,
                 args.task,
@@ -474,7 +451,7 @@ def _cmd_task(args: argparse.Namespace) -> int:
                 policy=args.policy,
                 status=args.status,
                 cron=args.cron,
-                thresholds=thresholds,
+                thresholds=_threshold_changes(args),
             )
             for c in changes:
                 print(f"{c.field_name}: {c.old_value} -> {c.new_value}")
@@ -558,9 +535,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         latest_raw_batch,
         stored_city_countries,
     )
-    from supplier_sync_dagster.defs.resources import SupplierResource
+    from supplier_sync_dagster.core.settings import load_storage_settings
+    from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
 
-    sync_db, payloads = _resources(args)
+    sync_db, payloads = _resources(args, load_storage_settings())
     db = SyncDatabase.open(sync_db.db_url)
     try:
         # A replay reads stored pages only: it needs the task and its supplier, no URL.
@@ -598,7 +576,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.sync_runner import run_replay
 
     summary = run_replay(
-        supplier=SupplierResource(task_code=task.task_code, supplier_id=task.supplier_id),
+        # A replay never calls the supplier: the simulator stands in, never started.
+        supplier=SimulatedSupplierResource(task_code=task.task_code, supplier_id=task.supplier_id),
         cities=cities,
         sync_db=sync_db,
         payloads=payloads,
@@ -609,8 +588,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return status or (1 if missing else 0)
 
 
-# The task of `sync --full` (SupplierResource.task_code's default).
-DEFAULT_TASK = "hotel_supplier_full_resource"
 # Cities in flight in the CLI's run. It is the only run, so a second city can use the time
 # one city waits on the database server. A backfill's runs keep the default of 1.
 CLI_CITY_THREADS = 2
@@ -627,14 +604,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_threshold_options(parser: argparse.ArgumentParser) -> None:
+    """One option per gate threshold (``--max-bad-ratio``...), each unset by default."""
+    from supplier_sync_dagster.core.gates import GateThresholds
+
+    for f in dataclasses.fields(GateThresholds):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+
+
+def _threshold_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The gate thresholds given on the command line, by field name."""
+    from supplier_sync_dagster.core.gates import GateThresholds
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GateThresholds)}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``supplier-sync``."""
+    from supplier_sync_dagster.core.gates import CHECK_NAMES
+    from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, env_name
+
     parser = argparse.ArgumentParser(prog="supplier-sync", description=__doc__)
     parser.add_argument(
         "--db-url",
         default=None,
-        help="sync database URL (default: $SUPPLIER_SYNC_DB_URL, else a SQLite file in "
-        "$SUPPLIER_SYNC_HOME or ./.supplier_sync)",
+        help=f"sync database URL (default: ${env_name('db_url')}, else a SQLite file in "
+        f"${env_name('home')} or ./.supplier_sync)",
     )
     parser.add_argument(
         "-v",
@@ -756,19 +752,13 @@ def build_parser() -> argparse.ArgumentParser:
     override = gate_sub.add_parser("override", help="let a city pass a failed check (recorded)")
     override.add_argument("--batch", required=True)
     override.add_argument("--city", required=True, help="the supplier's city code, verbatim")
-    override.add_argument(
-        "--check", required=True, choices=["bad_record_ratio", "record_count", "schema_drift"]
-    )
+    override.add_argument("--check", required=True, choices=CHECK_NAMES)
     override.add_argument("--by", required=True, help="who overrides (recorded)")
     override.add_argument("--reason", required=True, help="why (recorded)")
     override.set_defaults(func=_cmd_gate)
     thresholds = gate_sub.add_parser("thresholds", help="show or set a task's gate thresholds")
-    thresholds.add_argument("--task", default=DEFAULT_TASK)
-    thresholds.add_argument("--max-bad-ratio", type=float, default=None)
-    thresholds.add_argument("--max-count-drop", type=float, default=None)
-    thresholds.add_argument("--min-previous-records", type=int, default=None)
-    thresholds.add_argument("--drift-present-ratio", type=float, default=None)
-    thresholds.add_argument("--drift-absent-ratio", type=float, default=None)
+    thresholds.add_argument("--task", default=DEFAULT_TASK_CODE)
+    _add_threshold_options(thresholds)
     thresholds.add_argument("--by", default=None, help="who changes them (recorded)")
     thresholds.set_defaults(func=_cmd_gate)
 
@@ -782,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         "set", help="change policy, status, cron or gate thresholds (recorded with who and why)"
     )
     for p in (task_show, task_set):
-        p.add_argument("--task", default="hotel_supplier_full_resource", help="the task code")
+        p.add_argument("--task", default=DEFAULT_TASK_CODE, help="the task code")
         p.set_defaults(func=_cmd_task)
     task_show.add_argument("--history", type=int, default=10, help="change-log rows to show")
     task_show.add_argument("--json", action="store_true")
@@ -793,11 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     task_set.add_argument(
         "--cron", default=None, help="a cron expression ('0 2 * * *', @daily), or none to clear"
     )
-    task_set.add_argument("--max-bad-ratio", type=float, default=None)
-    task_set.add_argument("--max-count-drop", type=float, default=None)
-    task_set.add_argument("--min-previous-records", type=int, default=None)
-    task_set.add_argument("--drift-present-ratio", type=float, default=None)
-    task_set.add_argument("--drift-absent-ratio", type=float, default=None)
+    _add_threshold_options(task_set)
     task_set.add_argument("--by", required=True, help="who changes it (recorded)")
     task_set.add_argument("--reason", required=True, help="why (recorded)")
 
@@ -810,7 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--dry-run", action="store_true", help="report the diffs, publish nothing")
     replay.add_argument("--json", action="store_true")
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
-    replay.add_argument("--task", default=DEFAULT_TASK, help="the task whose pages are replayed")
+    replay.add_argument(
+        "--task", default=DEFAULT_TASK_CODE, help="the task whose pages are replayed"
+    )
     replay.set_defaults(func=_cmd_replay)
 
     db = sub.add_parser(

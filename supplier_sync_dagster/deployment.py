@@ -33,16 +33,29 @@ ASSETS = (
     "published_hotels",
 )
 
-_LAUNCH_BACKFILL = """
-mutation($params: LaunchBackfillParams!) {
-  launchPartitionBackfill(backfillParams: $params) {
-    __typename
-    ... on LaunchBackfillSuccess { backfillId }
-    ... on PythonError { message stack }
-    ... on PartitionKeysNotFoundError { message }
-  }
-}
-"""
+
+def _backfill_mutation(field: str, argument: str, params_type: str, *errors: str) -> str:
+    """A mutation that launches a backfill: it answers the backfill's id, or an error."""
+    cases = "".join(f"    ... on {error} {{ message }}\n" for error in errors)
+    return (
+        f"mutation($params: {params_type}!) {{\n"
+        f"  {field}({argument}: $params) {{\n"
+        "    __typename\n"
+        "    ... on LaunchBackfillSuccess { backfillId }\n"
+        "    ... on PythonError { message stack }\n"
+        f"{cases}  }}\n}}\n"
+    )
+
+
+_LAUNCH_BACKFILL = _backfill_mutation(
+    "launchPartitionBackfill",
+    "backfillParams",
+    "LaunchBackfillParams",
+    "PartitionKeysNotFoundError",
+)
+_REEXECUTE_BACKFILL = _backfill_mutation(
+    "reexecutePartitionBackfill", "reexecutionParams", "ReexecutionParams"
+)
 
 _BACKFILL_STATUS = """
 query($id: String!) {
@@ -53,15 +66,6 @@ query($id: String!) {
 }
 """
 
-_REEXECUTE_BACKFILL = """
-mutation($params: ReexecutionParams!) {
-  reexecutePartitionBackfill(reexecutionParams: $params) {
-    __typename
-    ... on LaunchBackfillSuccess { backfillId }
-    ... on PythonError { message stack }
-  }
-}
-"""
 
 _PARTITION_STATUSES = """
 query($key: AssetKeyInput!, $partitions: [String!]) {
@@ -249,19 +253,12 @@ class DagsterProcesses:
         self, partition_keys: Sequence[str], *, title: str = "", assets: Sequence[str] = ASSETS
     ) -> str:
         """Launches a backfill of ``assets`` over ``partition_keys``; returns its id."""
-        data = self.graphql(
-            _LAUNCH_BACKFILL,
-            {
-                "params": {
-                    "partitionNames": list(partition_keys),
-                    "assetSelection": [{"path": [name]} for name in assets],
-                    "title": title,
-                }
-            },
-        )["launchPartitionBackfill"]
-        if data["__typename"] != "LaunchBackfillSuccess":
-            raise RuntimeError(f"backfill not launched: {data}")
-        return str(data["backfillId"])
+        params = {
+            "partitionNames": list(partition_keys),
+            "assetSelection": [{"path": [name]} for name in assets],
+            "title": title,
+        }
+        return self._launched(_LAUNCH_BACKFILL, "launchPartitionBackfill", params, "launched")
 
     def reexecute_backfill(self, backfill_id: str, *, from_failure: bool = True) -> str:
         """Re-executes a finished backfill, as the UI's "Re-execute" does; returns the new id.
@@ -269,17 +266,19 @@ class DagsterProcesses:
         From failure, the new backfill targets the partitions the first one did not
         materialize.
         """
-        data = self.graphql(
-            _REEXECUTE_BACKFILL,
-            {
-                "params": {
-                    "parentRunId": backfill_id,
-                    "strategy": "FROM_FAILURE" if from_failure else "ALL_STEPS",
-                }
-            },
-        )["reexecutePartitionBackfill"]
+        params = {
+            "parentRunId": backfill_id,
+            "strategy": "FROM_FAILURE" if from_failure else "ALL_STEPS",
+        }
+        return self._launched(
+            _REEXECUTE_BACKFILL, "reexecutePartitionBackfill", params, "re-executed"
+        )
+
+    def _launched(self, mutation: str, field: str, params: dict[str, Any], what: str) -> str:
+        """Runs a backfill mutation; returns the new backfill's id."""
+        data = self.graphql(mutation, {"params": params})[field]
         if data["__typename"] != "LaunchBackfillSuccess":
-            raise RuntimeError(f"backfill not re-executed: {data}")
+            raise RuntimeError(f"backfill not {what}: {data}")
         return str(data["backfillId"])
 
     def partitions(self, asset: str, partition_keys: Sequence[str]) -> PartitionView:
@@ -292,15 +291,13 @@ class DagsterProcesses:
         if node["__typename"] != "AssetNode":
             raise RuntimeError(f"no asset {asset!r}: {node}")
         raw = node["assetPartitionStatuses"]
-        statuses = {
-            name.removesuffix("Partitions"): set(raw.get(name) or ())
-            for name in (
-                "materializedPartitions",
-                "failedPartitions",
-                "materializingPartitions",
-                "unmaterializedPartitions",
-            )
-        }
+        statuses = _by_status(
+            raw,
+            "materializedPartitions",
+            "failedPartitions",
+            "materializingPartitions",
+            "unmaterializedPartitions",
+        )
         latest: dict[str, dict[str, Any]] = {}
         latest_run: dict[str, str] = {}
         for event in node["latestMaterializationByPartition"]:
@@ -320,22 +317,25 @@ class DagsterProcesses:
         if node["assetChecksOrError"]["__typename"] == "AssetChecks":
             for check in node["assetChecksOrError"]["checks"]:
                 found = check.get("partitionStatuses") or {}
-                checks[check["name"]] = {
-                    name.removesuffix("Partitions"): set(found.get(name) or ())
-                    for name in (
-                        "succeededPartitions",
-                        "failedPartitions",
-                        "inProgressPartitions",
-                        "skippedPartitions",
-                        "executionFailedPartitions",
-                    )
-                }
+                checks[check["name"]] = _by_status(
+                    found,
+                    "succeededPartitions",
+                    "failedPartitions",
+                    "inProgressPartitions",
+                    "skippedPartitions",
+                    "executionFailedPartitions",
+                )
         return PartitionView(statuses, latest, latest_run, checks)
 
     def backfill_status(self, backfill_id: str) -> str:
         """The backfill's status (REQUESTED, COMPLETED_SUCCESS, ...)."""
         data = self.graphql(_BACKFILL_STATUS, {"id": backfill_id})["partitionBackfillOrError"]
         return str(data.get("status", data["__typename"]))
+
+
+def _by_status(found: Mapping[str, Any], *fields: str) -> dict[str, set[str]]:
+    """GraphQL's ``<status>Partitions`` lists as sets of keys by status (``failed``...)."""
+    return {name.removesuffix("Partitions"): set(found.get(name) or ()) for name in fields}
 
 
 def set_backfill_daemon_interval(seconds: float) -> float:

@@ -42,7 +42,7 @@ from supplier_sync_dagster.defs.city_sync import (
     TRIGGER_TAG,
     city_sync,
 )
-from supplier_sync_dagster.defs.partitions import city_partitions, encode_city_key
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -92,13 +92,14 @@ class SyncSummary:
     trigger_id: str
     status: str
     run_success: bool
-    cities: int
-    cities_done: int
-    records: int
-    published: int
-    dead_letters: int
-    skipped: int
-    counts_add_up: bool
+    # A trigger that made no batch (skipped, or failed before it) keeps these defaults.
+    cities: int = 0
+    cities_done: int = 0
+    records: int = 0
+    published: int = 0
+    dead_letters: int = 0
+    skipped: int = 0
+    counts_add_up: bool = True
     dead_letters_by_code: dict[str, int] = field(default_factory=dict)
     diffs_by_type: dict[str, int] = field(default_factory=dict)
     diffs_by_action: dict[str, int] = field(default_factory=dict)
@@ -241,13 +242,9 @@ def run_full_sync(
         trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
         with supplier.client() as client:
             codes = [c.city_code for c in client.list_cities().data.cities]
-        keys = [encode_city_key(c) for c in codes]
-        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-        missing = [k for k in keys if k not in existing]
-        if missing:
-            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        keys = _add_city_partitions(instance, codes)
         # A range covers the keys between its ends in the partition set's order.
-        ordered = [k for k in instance.get_dynamic_partitions("supplier_city") if k in set(keys)]
+        ordered = [k for k in instance.get_dynamic_partitions(CITY_PARTITIONS) if k in set(keys)]
         db = SyncDatabase.open(sync_db.db_url)
         stop = threading.Event()
         reporter = threading.Thread(
@@ -261,12 +258,7 @@ def run_full_sync(
             result = dg.materialize(
                 [city_sync],
                 instance=instance,
-                resources={
-                    "sync_db": sync_db,
-                    "payloads": payloads,
-                    "supplier": supplier,
-                    "governance": GovernanceResource(),
-                },
+                resources=_run_resources(sync_db, payloads, supplier),
                 tags={
                     "dagster/asset_partition_range_start": ordered[0],
                     "dagster/asset_partition_range_end": ordered[-1],
@@ -276,9 +268,7 @@ def run_full_sync(
                     WORKER_HOST_TAG: this_host(),
                 },
                 raise_on_error=False,
-                run_config=dg.RunConfig(
-                    loggers={"console": {"config": {"log_level": console_log_level}}}
-                ),
+                run_config=_console_config(console_log_level),
             )
         finally:
             stop.set()
@@ -291,6 +281,32 @@ def run_full_sync(
         summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
         db.dispose()
         return summary
+
+
+def _add_city_partitions(instance: dg.DagsterInstance, cities: Sequence[str]) -> list[str]:
+    """Adds the partitions of ``cities`` the instance does not have; returns their keys."""
+    keys = [encode_city_key(c) for c in cities]
+    existing = set(instance.get_dynamic_partitions(CITY_PARTITIONS))
+    missing = [k for k in keys if k not in existing]
+    if missing:
+        instance.add_dynamic_partitions(CITY_PARTITIONS, missing)
+    return keys
+
+
+def _run_resources(
+    sync_db: SyncDatabaseResource, payloads: PayloadStoreResource, supplier: SupplierResource
+) -> dict[str, Any]:
+    """The resources of a command-line run (the definitions bind the same keys)."""
+    return {
+        "sync_db": sync_db,
+        "payloads": payloads,
+        "supplier": supplier,
+        "governance": GovernanceResource(),
+    }
+
+
+def _console_config(log_level: str) -> dg.RunConfig:
+    return dg.RunConfig(loggers={"console": {"config": {"log_level": log_level}}})
 
 
 def run_failure(result: dg.ExecuteInProcessResult) -> str:
@@ -372,19 +388,7 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
                 )
             ).scalar()
         return SyncSummary(
-            "",
-            trigger_id,
-            "NOT_CREATED",
-            False,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            True,
-            seconds=seconds,
-            skip_reason=reason or "",
+            "", trigger_id, "NOT_CREATED", False, seconds=seconds, skip_reason=reason or ""
         )
     gated: dict[str, str] = {}
     failed: dict[str, str] = {}
@@ -397,21 +401,8 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
                 failed[shard.shard_key] = message
     with db.engine.connect() as conn:
         by_code = count_dead_letters(conn, batch.batch_id)
-        d = t.diff_log.c
-        by_type: dict[Any, Any] = dict(
-            conn.execute(
-                sa.select(d.diff_type, sa.func.count())
-                .where(d.batch_id == batch.batch_id)
-                .group_by(d.diff_type)
-            ).all()
-        )
-        by_action: dict[Any, Any] = dict(
-            conn.execute(
-                sa.select(d.action, sa.func.count())
-                .where(d.batch_id == batch.batch_id)
-                .group_by(d.action)
-            ).all()
-        )
+        by_type = _count_diffs(conn, batch.batch_id, t.diff_log.c.diff_type)
+        by_action = _count_diffs(conn, batch.batch_id, t.diff_log.c.action)
     return SyncSummary(
         batch_id=batch.batch_id,
         trigger_id=trigger_id,
@@ -426,13 +417,22 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         counts_add_up=batch.total_count
         == batch.success_count + batch.failed_count + batch.skipped_count,
         dead_letters_by_code=by_code,
-        diffs_by_type={str(k): int(v) for k, v in by_type.items()},
-        diffs_by_action={str(k): int(v) for k, v in by_action.items()},
+        diffs_by_type=by_type,
+        diffs_by_action=by_action,
         seconds=seconds,
         hotels_per_second=batch.total_count / seconds if seconds else 0.0,
         gated_cities=gated,
         failed_cities=failed,
     )
+
+
+def _count_diffs(conn: sa.Connection, batch_id: str, column: sa.Column[Any]) -> dict[str, int]:
+    """A batch's diffs counted by ``column`` (their type, or the action taken)."""
+    d = t.diff_log.c
+    rows = conn.execute(
+        sa.select(column, sa.func.count()).where(d.batch_id == batch_id).group_by(column)
+    ).all()
+    return {str(value): int(n) for value, n in rows}
 
 
 DEMO_STATE = "demo_state.json"
@@ -470,11 +470,7 @@ def run_replay(
     # whatever another instance of this process left behind.
     with dagster_instance() as instance:
         trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-        keys = [encode_city_key(c) for c in cities]
-        existing = set(instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
-        missing = [k for k in keys if k not in existing]
-        if missing:
-            instance.add_dynamic_partitions(city_partitions.name or "supplier_city", missing)
+        keys = _add_city_partitions(instance, cities)
         started = time.perf_counter()
         success = True
         run_id = run_error = ""
@@ -484,17 +480,10 @@ def run_replay(
                 selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
                 instance=instance,
                 partition_key=key,
-                resources={
-                    "sync_db": sync_db,
-                    "payloads": payloads,
-                    "supplier": supplier,
-                    "governance": GovernanceResource(),
-                },
+                resources=_run_resources(sync_db, payloads, supplier),
                 tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
                 raise_on_error=False,
-                run_config=dg.RunConfig(
-                    loggers={"console": {"config": {"log_level": console_log_level}}}
-                ),
+                run_config=_console_config(console_log_level),
             )
             success = success and result.success
             run_id = result.run_id

@@ -105,7 +105,7 @@ def assert_one_line_error(outcome: Outcome, *, code: int = 1) -> str:
 
 @contextmanager
 def supplier(sim: Simulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The simulator over HTTP, configured as ``_supplier_from_env`` reads it."""
+    """The simulator over HTTP, configured through the SUPPLIER_SYNC_* settings."""
     with running_server(sim) as url:
         monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", url)
         monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", SIM_API_KEY)

@@ -1,8 +1,9 @@
 """Opening the sync database, and the database clock.
 
-One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL). Unset, the
-embedded default is a SQLite file in the local state folder (``SUPPLIER_SYNC_HOME``, default
-``./.supplier_sync``), created on first use. MySQL 8 and MariaDB are reached through
+One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL; see
+:mod:`~supplier_sync_dagster.core.settings`). Unset, the embedded default is a SQLite file in
+the local state folder (``SUPPLIER_SYNC_HOME``, default ``./.supplier_sync``), created on first
+use. MySQL 8 and MariaDB are reached through
 ``mysql+pymysql://user:password@host:port/db``.
 
 Time has one seam: :class:`DbClock`. Lease expiry and "now" are SQL expressions evaluated by
@@ -13,7 +14,6 @@ disagree with itself); tests shift the clock by an offset instead of sleeping.
 from __future__ import annotations
 
 import copy
-import os
 import sqlite3
 import threading
 import time
@@ -35,8 +35,6 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
 
-DB_URL_ENV = "SUPPLIER_SYNC_DB_URL"
-HOME_ENV = "SUPPLIER_SYNC_HOME"
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "supplier_sync_write"
@@ -44,7 +42,11 @@ WRITE_OPTION = "supplier_sync_write"
 
 def state_dir() -> Path:
     """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
-    return Path(os.environ.get(HOME_ENV) or ".supplier_sync").resolve()
+    # Imported when read: pydantic-settings is slow to import, and a process given explicit
+    # URLs (the lease demo's spawned workers) never needs it.
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
+    return load_storage_settings().state_dir
 
 
 def resolve_db_url(url: str | None = None) -> str:
@@ -55,10 +57,15 @@ def resolve_db_url(url: str | None = None) -> str:
     """
     if url:
         return url
-    env = os.environ.get(DB_URL_ENV)
-    if env:
-        return env
-    return f"sqlite:///{state_dir() / 'sync.sqlite3'}"
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
+    return load_storage_settings().sync_db_url()
+
+
+def _db_url_setting() -> str:
+    from supplier_sync_dagster.core.settings import env_name  # when read, as in state_dir
+
+    return env_name("db_url")
 
 
 def _parse_url(url: str) -> URL:
@@ -66,12 +73,12 @@ def _parse_url(url: str) -> URL:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as err:
         raise ConfigError(
-            f"{DB_URL_ENV} is not a valid SQLAlchemy URL ({err}); "
+            f"{_db_url_setting()} is not a valid SQLAlchemy URL ({err}); "
             "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
         ) from None
     if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
         raise ConfigError(
-            f"{DB_URL_ENV} uses backend {parsed.get_backend_name()!r}; "
+            f"{_db_url_setting()} uses backend {parsed.get_backend_name()!r}; "
             f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
         )
     return parsed

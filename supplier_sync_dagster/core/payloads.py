@@ -2,8 +2,8 @@
 content-addressed, so that later stages can be replayed without calling the supplier
 (invariant 6) and every published field can be traced to the bytes it came from.
 
-One setting selects the store: ``SUPPLIER_SYNC_PAYLOAD_URL``, read when
-:func:`open_payload_store` is called. ``file:///abs/path`` is a local folder (the embedded
+One setting selects the store: ``SUPPLIER_SYNC_PAYLOAD_URL`` (see
+:mod:`~supplier_sync_dagster.core.settings`), read when :func:`open_payload_store` is called. ``file:///abs/path`` is a local folder (the embedded
 default is ``$SUPPLIER_SYNC_HOME/payloads``); ``s3://bucket/prefix`` is an S3 bucket, reached
 at ``AWS_ENDPOINT_URL`` when that is set (MinIO or any S3-compatible server).
 
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from supplier_sync_dagster.core.db import state_dir
 from supplier_sync_dagster.core.errors import (
     ConfigError,
     PayloadCorrupt,
@@ -51,7 +50,6 @@ from supplier_sync_dagster.core.errors import (
     PayloadNotFound,
 )
 
-PAYLOAD_URL_ENV = "SUPPLIER_SYNC_PAYLOAD_URL"
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
 MAX_REF_LENGTH = 512  # supplier_sync_snapshot.payload_ref is VARCHAR(512)
 DEFAULT_COMPRESSLEVEL = 6
@@ -258,7 +256,7 @@ def _foreign(ref: object, store: PayloadStore) -> ConfigError:
     return ConfigError(
         f"{_show(ref)} is not a payload reference of the store at {store.url} "
         f"(expected {store.url}/<kind>/<xx>/<sha256>{SUFFIX}); "
-        f"check {PAYLOAD_URL_ENV} points at the store that wrote it"
+        f"check {_payload_url_setting()} points at the store that wrote it"
     )
 
 
@@ -597,6 +595,12 @@ def _server_message(err: BaseException) -> str:
 # -- opening ----------------------------------------------------------------------------------
 
 
+def _payload_url_setting() -> str:
+    from supplier_sync_dagster.core.settings import env_name  # when read, as in core.db
+
+    return env_name("payload_url")
+
+
 def open_payload_store(
     url: str | None = None, *, s3_client_factory: Callable[[], Any] | None = None
 ) -> PayloadStore:
@@ -616,13 +620,19 @@ def open_payload_store(
     Raises:
         ConfigError: The URL is not one of the accepted forms, or boto3 is missing.
     """
-    raw = url or os.environ.get(PAYLOAD_URL_ENV) or None
-    if raw is None:
-        return LocalPayloadStore(state_dir() / "payloads")
+    if not url:
+        # Imported when read, as in core.db.state_dir.
+        from supplier_sync_dagster.core.settings import load_storage_settings
+
+        settings = load_storage_settings()
+        if settings.payload_url is None:
+            return LocalPayloadStore(settings.state_dir / "payloads")
+        url = settings.payload_url
+    raw = url
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
-            f"{PAYLOAD_URL_ENV} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
+            f"{_payload_url_setting()} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
         )
 
     try:
@@ -658,7 +668,7 @@ def _default_s3_client() -> Any:
         import boto3  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
-            f"{PAYLOAD_URL_ENV} names an s3:// store but boto3 is not installed "
+            f"{_payload_url_setting()} names an s3:// store but boto3 is not installed "
             "(it comes with dagster-aws)"
         ) from None
     return boto3.client("s3", endpoint_url=os.environ.get(ENDPOINT_URL_ENV) or None)

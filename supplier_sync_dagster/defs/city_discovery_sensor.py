@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from supplier_sync_dagster.defs.partitions import city_partitions, encode_city_key
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
 from supplier_sync_dagster.defs.resources import SupplierResource
 
 
@@ -18,7 +18,7 @@ def city_discovery_sensor(
     """One call to the supplier's city list; new cities become partitions (keys encoded safely)."""
     with supplier.client() as client:
         codes = [c.city_code for c in client.list_cities().data.cities]
-    known = set(context.instance.get_dynamic_partitions(city_partitions.name or "supplier_city"))
+    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
     new = [key for key in (encode_city_key(c) for c in codes) if key not in known]
     context.log.info(f"supplier serves {len(codes)} cities, {len(new)} new")
     return dg.SensorResult(

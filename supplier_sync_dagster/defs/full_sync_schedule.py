@@ -3,7 +3,7 @@
 import dagster as dg
 
 from supplier_sync_dagster.defs.city_sync import SOURCE_TAG, TRIGGER_TAG, city_sync
-from supplier_sync_dagster.defs.partitions import city_partitions
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions
 
 full_sync_job = dg.define_asset_job(
     "full_sync_job",
@@ -22,7 +22,7 @@ full_sync_job = dg.define_asset_job(
 )
 def nightly_full_sync(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
     """Requests one run over all city partitions; the scheduled time makes it idempotent."""
-    keys = context.instance.get_dynamic_partitions(city_partitions.name or "supplier_city")
+    keys = context.instance.get_dynamic_partitions(CITY_PARTITIONS)
     if not keys:
         return dg.SkipReason("no city partitions yet: the city discovery sensor adds them")
     fired = (

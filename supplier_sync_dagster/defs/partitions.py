@@ -15,7 +15,9 @@ import dagster as dg
 
 from supplier_sync_dagster.core.errors import ConfigError
 
-city_partitions = dg.DynamicPartitionsDefinition(name="supplier_city")
+# The name of the city partitions, for the instance calls that take a name.
+CITY_PARTITIONS = "supplier_city"
+city_partitions = dg.DynamicPartitionsDefinition(name=CITY_PARTITIONS)
 
 _ESCAPE = re.compile(r"~([0-9A-F]{2})")
 

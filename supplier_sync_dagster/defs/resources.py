@@ -1,16 +1,18 @@
 """Resources: the sync database, the payload store, the supplier and the risk policy.
 
-Each setting has an embedded default, so the project runs with no set-up: a SQLite file,
-a local payload folder, the in-process supplier simulator, an in-process rate limiter.
-Deployments set the environment variables below; ``definitions`` passes each one that is
-set as ``dg.EnvVar`` (secrets never land in run config or the UI).
+The settings (:mod:`supplier_sync_dagster.core.settings`) are read when the definitions
+load; each one that is set reaches its resource as ``dg.EnvVar`` (secrets never land in run
+config or the UI). The supplier is its HTTP API or the in-process simulator, chosen then
+(:func:`supplier_resource`).
 """
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import dagster as dg
 import httpx
@@ -21,19 +23,17 @@ from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.diff import RiskRules
 from supplier_sync_dagster.core.leases import LeaseSettings
 from supplier_sync_dagster.core.payloads import PayloadStore, open_payload_store
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_TASK_CODE,
+    Settings,
+    env_name,
+    load_settings,
+)
 from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
     SupplierClient,
     make_rate_limiter,
 )
-
-ENV_VARS = {
-    "db_url": "SUPPLIER_SYNC_DB_URL",
-    "payload_url": "SUPPLIER_SYNC_PAYLOAD_URL",
-    "supplier_url": "SUPPLIER_SYNC_SUPPLIER_URL",
-    "api_key": "SUPPLIER_SYNC_SUPPLIER_API_KEY",
-    "redis_url": "SUPPLIER_SYNC_REDIS_URL",
-}
 
 
 class SyncDatabaseResource(dg.ConfigurableResource):
@@ -43,7 +43,7 @@ class SyncDatabaseResource(dg.ConfigurableResource):
         default=None,
         description=(
             "SQLAlchemy URL of the sync database, e.g. mysql+pymysql://user:pw@host:3306/sync "
-            "(SUPPLIER_SYNC_DB_URL). Unset: a SQLite file in $SUPPLIER_SYNC_HOME."
+            f"({env_name('db_url')}). Unset: a SQLite file in ${env_name('home')}."
         ),
     )
     lease_seconds: float = Field(
@@ -72,8 +72,8 @@ class PayloadStoreResource(dg.ConfigurableResource):
     url: str | None = Field(
         default=None,
         description=(
-            "s3://bucket/prefix or file:///path (SUPPLIER_SYNC_PAYLOAD_URL). Unset: a local "
-            "folder in $SUPPLIER_SYNC_HOME/payloads."
+            f"s3://bucket/prefix or file:///path ({env_name('payload_url')}). Unset: a local "
+            f"folder in ${env_name('home')}/payloads."
         ),
     )
     s3: S3Resource = Field(
@@ -91,22 +91,20 @@ class PayloadStoreResource(dg.ConfigurableResource):
         return open_payload_store(self.url, s3_client_factory=s3_client)
 
 
-class SupplierResource(dg.ConfigurableResource):
-    """The supplier's HTTP API, or the in-process simulator when no URL is set."""
+class SupplierResource(dg.ConfigurableResource, abc.ABC):
+    """The supplier: what every run needs of it, whichever implementation serves it.
 
-    base_url: str | None = Field(
-        default=None,
-        description="Supplier API base URL (SUPPLIER_SYNC_SUPPLIER_URL). Unset: the in-process simulator.",
-    )
-    api_key: str | None = Field(
-        default=None, description="Supplier API key (SUPPLIER_SYNC_SUPPLIER_API_KEY); never logged."
-    )
+    :meth:`client` yields a :class:`SupplierClient`; an implementation only says how to
+    reach the supplier (:meth:`_connection`). The definitions pick one at load time
+    (:func:`supplier_resource`).
+    """
+
     redis_url: str | None = Field(
         default=None,
-        description="Redis for the shared rate limit (SUPPLIER_SYNC_REDIS_URL). Unset: in-process bucket.",
+        description=f"Redis for the shared rate limit ({env_name('redis_url')}). Unset: in-process bucket.",
     )
     supplier_id: int = Field(default=1001, description="The platform's id of this supplier.")
-    task_code: str = Field(default="hotel_supplier_full_resource", description="The sync task.")
+    task_code: str = Field(default=DEFAULT_TASK_CODE, description="The sync task.")
     rate_limit_rps: float = Field(
         default=50.0, description="Requests per second allowed by the supplier."
     )
@@ -115,8 +113,8 @@ class SupplierResource(dg.ConfigurableResource):
         default=1,
         description=(
             "Cities in flight at once in a run (2: one fetches while another is published). "
-            "With several runs, 2 use the request budget less well (the threads share one "
-            "interpreter lock), so 1 is the default."
+            "With several runs on a small machine the threads share one interpreter lock and "
+            "use the request budget less well, so 1 is the default."
         ),
     )
     help_other_runs: bool = Field(
@@ -128,41 +126,23 @@ class SupplierResource(dg.ConfigurableResource):
     )
     connect_timeout: float = Field(default=5.0, description="Connect timeout in seconds.")
     read_timeout: float = Field(default=30.0, description="Read timeout in seconds.")
-    sim_seed: int = Field(default=42, description="Embedded simulator: world seed.")
-    sim_cities: int = Field(default=50, description="Embedded simulator: number of cities.")
-    sim_hotels: int = Field(default=20_000, description="Embedded simulator: number of hotels.")
-    sim_profile: str = Field(
-        default="flaky", description="Embedded simulator: fault profile (clean, flaky)."
-    )
-    sim_day: int = Field(default=0, description="Embedded simulator: the supplier's day.")
+
+    @abc.abstractmethod
+    def _connection(self) -> tuple[httpx.Client, str]:
+        """An HTTP client bound to the supplier, and the API key it accepts."""
 
     @contextmanager
     def client(self) -> Iterator[SupplierClient]:
         """A supplier client for the duration of the block."""
-        if self.base_url:
-            http = httpx.Client(base_url=self.base_url)
-            key = self.api_key or ""
-        else:
-            from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
-
-            config = SimulatorConfig(
-                seed=self.sim_seed,
-                n_cities=self.sim_cities,
-                total_hotels=self.sim_hotels,
-                day=self.sim_day,
-                faults=FaultProfile.named(self.sim_profile),
-            )
-            sim = Simulator(config)
-            http = httpx.Client(base_url="http://simulator.local", transport=sim.transport())
-            key = config.api_key
-        limiter = make_rate_limiter(
-            redis_url=self.redis_url,
-            supplier_id=str(self.supplier_id),
-            api_key=key,
-            rate=self.rate_limit_rps,
-            burst=1,
-        )
+        http, key = self._connection()
         try:
+            limiter = make_rate_limiter(
+                redis_url=self.redis_url,
+                supplier_id=str(self.supplier_id),
+                api_key=key,
+                rate=self.rate_limit_rps,
+                burst=1,
+            )
             yield SupplierClient(
                 http,
                 api_key=key,
@@ -174,6 +154,61 @@ class SupplierResource(dg.ConfigurableResource):
             )
         finally:
             http.close()
+
+
+class HttpSupplierResource(SupplierResource):
+    """The supplier's HTTP API."""
+
+    base_url: str = Field(description=f"Supplier API base URL ({env_name('supplier_url')}).")
+    api_key: str | None = Field(
+        default=None,
+        description=f"Supplier API key ({env_name('supplier_api_key')}); never logged.",
+    )
+
+    def _connection(self) -> tuple[httpx.Client, str]:
+        return httpx.Client(base_url=self.base_url), self.api_key or ""
+
+
+class SimulatedSupplierResource(SupplierResource):
+    """The in-process supplier simulator (the embedded default; needs the simulator extra)."""
+
+    sim_seed: int = Field(default=42, description="World seed.")
+    sim_cities: int = Field(default=50, description="Number of cities.")
+    sim_hotels: int = Field(default=20_000, description="Number of hotels.")
+    sim_profile: str = Field(default="flaky", description="Fault profile (clean, flaky).")
+    sim_day: int = Field(default=0, description="The supplier's day.")
+
+    def _connection(self) -> tuple[httpx.Client, str]:
+        from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
+
+        config = SimulatorConfig(
+            seed=self.sim_seed,
+            n_cities=self.sim_cities,
+            total_hotels=self.sim_hotels,
+            day=self.sim_day,
+            faults=FaultProfile.named(self.sim_profile),
+        )
+        sim = Simulator(config)
+        http = httpx.Client(base_url="http://simulator.local", transport=sim.transport())
+        return http, config.api_key
+
+
+def supplier_resource(
+    *,
+    base_url: str | dg.EnvVar | None,
+    api_key: str | dg.EnvVar | None = None,
+    **fields: Any,
+) -> SupplierResource:
+    """The supplier at ``base_url``, else the simulator: the one place that chooses.
+
+    Args:
+        base_url: The supplier API base URL (or its ``dg.EnvVar``); None for the simulator.
+        api_key: The supplier API key (or its ``dg.EnvVar``), for the HTTP API only.
+        **fields: Further :class:`SupplierResource` fields (``redis_url``, ``page_size``...).
+    """
+    if base_url is None:
+        return SimulatedSupplierResource(**fields)
+    return HttpSupplierResource(base_url=base_url, api_key=api_key, **fields)
 
 
 class GovernanceResource(dg.ConfigurableResource):
@@ -212,20 +247,23 @@ class GovernanceResource(dg.ConfigurableResource):
         )
 
 
-def _env(name: str) -> dg.EnvVar | None:
-    # Read when Definitions are built (load time), never at import.
-    return dg.EnvVar(ENV_VARS[name]) if os.environ.get(ENV_VARS[name]) else None
+def _env(settings: Settings, name: str) -> dg.EnvVar | None:
+    # The variable itself, not its value: secrets never land in run config or the UI.
+    return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
 
 
 @dg.definitions
 def resources() -> dg.Definitions:
-    """Binds the resources; each environment variable that is set is passed as dg.EnvVar."""
+    """Binds the resources from the settings, read now (load time); set ones as dg.EnvVar."""
+    settings = load_settings()
     return dg.Definitions(
         resources={
-            "sync_db": SyncDatabaseResource(db_url=_env("db_url")),
-            "payloads": PayloadStoreResource(url=_env("payload_url")),
-            "supplier": SupplierResource(
-                base_url=_env("supplier_url"), api_key=_env("api_key"), redis_url=_env("redis_url")
+            "sync_db": SyncDatabaseResource(db_url=_env(settings, "db_url")),
+            "payloads": PayloadStoreResource(url=_env(settings, "payload_url")),
+            "supplier": supplier_resource(
+                base_url=_env(settings, "supplier_url"),
+                api_key=_env(settings, "supplier_api_key"),
+                redis_url=_env(settings, "redis_url"),
             ),
             "governance": GovernanceResource(),
         }

@@ -26,14 +26,16 @@ from supplier_sync_dagster.core.errors import (
     PayloadNotFound,
 )
 from supplier_sync_dagster.core.payloads import (
-    PAYLOAD_URL_ENV,
     LocalPayloadStore,
     PayloadStore,
     S3PayloadStore,
     StoredPayload,
     open_payload_store,
 )
+from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.simulator import HOSTILE_CITY_CODES
+
+PAYLOAD_URL_ENV = env_name("payload_url")
 
 REF_TAIL = r"(raw|normalized)/([0-9a-f]{2})/([0-9a-f]{64})\.json\.gz"
 _AWS_ENV = {

@@ -24,6 +24,7 @@ from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_k
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
+    SimulatedSupplierResource,
     SupplierResource,
     SyncDatabaseResource,
 )
@@ -69,7 +70,7 @@ def test_the_trigger_of_a_run_and_of_its_reexecutions():
 
 
 def _setup(tmp_path: Path, **sim: Any) -> tuple[dg.DagsterInstance, SupplierResource, list[str]]:
-    supplier = SupplierResource(
+    supplier = SimulatedSupplierResource(
         sim_cities=sim.get("cities", 4),
         sim_hotels=sim.get("hotels", 400),
         sim_profile="flaky",
@@ -360,7 +361,7 @@ def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
 ):
     """``city_threads=2`` (the CLI's single run): same end state as one city at a time."""
     instance, _, keys = _setup(tmp_path, cities=6, hotels=900)
-    supplier = SupplierResource(
+    supplier = SimulatedSupplierResource(
         sim_cities=6, sim_hotels=900, sim_profile="flaky", rate_limit_rps=10_000, city_threads=2
     )
     result = dg.materialize(

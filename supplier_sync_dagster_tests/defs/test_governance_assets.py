@@ -23,8 +23,8 @@ from supplier_sync_dagster.defs.city_sync import (
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
+    HttpSupplierResource,
     PayloadStoreResource,
-    SupplierResource,
     SyncDatabaseResource,
 )
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
@@ -41,7 +41,7 @@ def _resources(db_url: str, tmp_path: Path, url: str) -> dict[str, Any]:
     return {
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
-        "supplier": SupplierResource(base_url=url, api_key=SIM_API_KEY, rate_limit_rps=10_000),
+        "supplier": HttpSupplierResource(base_url=url, api_key=SIM_API_KEY, rate_limit_rps=10_000),
         "governance": GovernanceResource(),
     }
 

@@ -10,7 +10,7 @@ from supplier_sync_dagster.defs.city_discovery_sensor import city_discovery_sens
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.full_sync_schedule import nightly_full_sync
 from supplier_sync_dagster.defs.partitions import decode_city_key
-from supplier_sync_dagster.defs.resources import SupplierResource
+from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
 from supplier_sync_dagster.simulator import HOSTILE_CITY_CODES
 
 
@@ -20,7 +20,7 @@ def test_discovery_then_nightly_schedule():
 
 
 def _discover_then_schedule(instance: dg.DagsterInstance) -> None:
-    supplier = SupplierResource(sim_cities=6, sim_hotels=300)
+    supplier = SimulatedSupplierResource(sim_cities=6, sim_hotels=300)
     with dg.build_sensor_context(instance=instance, resources={"supplier": supplier}) as ctx:
         result = city_discovery_sensor(ctx)
     assert isinstance(result, dg.SensorResult)

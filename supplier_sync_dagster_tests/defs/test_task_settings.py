@@ -16,6 +16,7 @@ from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
+    SimulatedSupplierResource,
     SupplierResource,
     SyncDatabaseResource,
 )
@@ -30,7 +31,7 @@ def _step_failure(result: dg.ExecuteInJobResult) -> str:
 
 
 def test_runs_keep_the_task_settings_and_a_disabled_task_refuses_them(db_url: str, tmp_path: Path):
-    supplier = SupplierResource(
+    supplier = SimulatedSupplierResource(
         sim_cities=3, sim_hotels=150, sim_profile="clean", rate_limit_rps=10_000
     )
     with supplier.client() as client:

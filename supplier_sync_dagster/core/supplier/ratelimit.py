@@ -278,7 +278,7 @@ def make_rate_limiter(
     """Build the request limiter of one supplier API key.
 
     Args:
-        redis_url: Redis URL (the app passes ``SUPPLIER_SYNC_REDIS_URL``); None for an
+        redis_url: Redis URL (the ``redis_url`` setting); None for an
             in-process bucket, which only paces the threads of this process.
         supplier_id: The supplier's id.
         api_key: The supplier API key (hashed into the Redis key).

@@ -1,0 +1,153 @@
+"""The deployment's settings: every ``SUPPLIER_SYNC_*`` environment variable, in one place.
+
+Each field of :class:`Settings` is one variable, named ``SUPPLIER_SYNC_`` + the field name in
+capitals (:func:`env_name`); an empty variable counts as unset. Every setting has an embedded
+default, so the project runs with no set-up: a SQLite file and a payload folder in the state
+folder, the in-process supplier simulator, an in-process rate limiter.
+
+The environment is read when :func:`load_settings` is called, never at import: an entry point
+(the command line, the Dagster definitions) reads it once and passes the values on; the core
+functions that fall back to it (``SyncDatabase.open(None)``, ``open_payload_store(None)``,
+``state_dir()``) read their part, :class:`StorageSettings`, when they are called.
+
+Example:
+    >>> settings = load_settings()
+    >>> settings.sync_db_url()  # doctest: +SKIP
+    'sqlite:////abs/.supplier_sync/sync.sqlite3'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from supplier_sync_dagster.core.errors import ConfigError
+
+ENV_PREFIX = "SUPPLIER_SYNC_"
+# The task that `sync --full`, the Dagster resources and the task commands mean unless told.
+DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
+
+_SUPPLIER_SCHEMES = ("http", "https")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+S = TypeVar("S", bound="StorageSettings")
+
+
+class StorageSettings(BaseSettings):
+    """Where state is kept: the part of :class:`Settings` that the core's fallbacks read, so
+    that a malformed supplier setting does not stop commands that never call the supplier."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    home: Path = Field(
+        default=Path(".supplier_sync"),
+        description="local state folder of the embedded defaults",
+    )
+    db_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the sync database, e.g. "
+        "mysql+pymysql://user:pw@host:3306/sync; unset: a SQLite file in the state folder",
+    )
+    payload_url: str | None = Field(
+        default=None,
+        description="s3://bucket/prefix or file:///path; unset: the state folder's payloads/",
+    )
+
+    @property
+    def state_dir(self) -> Path:
+        """The state folder, absolute."""
+        return self.home.resolve()
+
+    def sync_db_url(self) -> str:
+        """The sync database URL: ``db_url``, else the SQLite file in the state folder."""
+        return self.db_url or f"sqlite:///{self.state_dir / 'sync.sqlite3'}"
+
+
+class Settings(StorageSettings):
+    """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
+
+    supplier_url: str | None = Field(
+        default=None,
+        description="the supplier's API base URL; unset: the in-process simulator",
+    )
+    supplier_api_key: SecretStr | None = Field(
+        default=None, description="the supplier API key (never logged); unset: none"
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis for the rate limit shared by every worker; unset: in-process",
+    )
+
+    @field_validator("supplier_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _SUPPLIER_SCHEMES)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _REDIS_SCHEMES)
+
+    def api_key(self) -> str | None:
+        """The supplier API key in clear (for the client's header only), or None."""
+        return self.supplier_api_key.get_secret_value() if self.supplier_api_key else None
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a :class:`Settings` field (``db_url`` -> ``SUPPLIER_SYNC_DB_URL``).
+
+    Raises:
+        KeyError: ``field`` is not a setting.
+    """
+    if field not in Settings.model_fields:
+        raise KeyError(f"no setting {field!r}; known: {', '.join(Settings.model_fields)}")
+    return ENV_PREFIX + field.upper()
+
+
+def load_settings() -> Settings:
+    """Reads the ``SUPPLIER_SYNC_*`` environment now.
+
+    Raises:
+        ConfigError: A variable is malformed; one line names each bad variable.
+    """
+    return _read(Settings)
+
+
+def load_storage_settings() -> StorageSettings:
+    """Reads only where state is kept (the core's fallbacks), now.
+
+    Raises:
+        ConfigError: One of these variables is malformed.
+    """
+    return _read(StorageSettings)
+
+
+def _read(part: type[S]) -> S:
+    try:
+        return part()
+    except ValidationError as err:
+        problems = [
+            f"{env_name(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
+            if e["loc"]
+            else e["msg"]
+            for e in err.errors(include_url=False, include_input=False)
+        ]
+        raise ConfigError("; ".join(problems)) from None
+
+
+def _with_scheme(value: str | None, schemes: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value.strip())
+    except ValueError as err:
+        raise ValueError(f"not a URL ({err})") from None
+    if parts.scheme.lower() not in schemes or not (parts.netloc or parts.path):
+        # The value is not echoed: a URL may carry a password.
+        raise ValueError(f"expected a {' or '.join(s + '://' for s in schemes)} URL")
+    return value

