@@ -143,7 +143,7 @@ def _sync_day(
     """One batch over every city, timed, then checked against the day's ground truth."""
     import sqlalchemy as sa
 
-    from supplier_sync_dagster.core import schema as t
+    from supplier_sync_dagster.core import schema
     from supplier_sync_dagster.core.batches import create_batch
     from supplier_sync_dagster.core.pipeline import sync_city
 
@@ -213,7 +213,7 @@ def _sync_day(
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler.dump_stats(out)
     with db.engine.connect() as conn:
-        h, d = t.platform_hotel.c, t.dead_letter.c
+        h, d = schema.platform_hotel.c, schema.dead_letter.c
         published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
         dead = dict(
             conn.execute(

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import (
     Batch,
     TaskSpec,
@@ -303,10 +303,10 @@ def run_demo(
         proc.join()
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
-        s = t.snapshot.c
+        s = schema.snapshot.c
         rows = conn.execute(
             sa.select(sa.func.count())
-            .select_from(t.snapshot)
+            .select_from(schema.snapshot)
             .where(s.batch_id == batch_id, s.snapshot_type == RAW)
         ).scalar_one()
     report = DemoReport(

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import dagster as dg
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
@@ -378,7 +378,7 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
     """The summary of the batch of a trigger, read back from the sync database."""
     batch = _batch_of(db, task_code, trigger_id)
     if batch is None:
-        log = t.trigger_log.c
+        log = schema.trigger_log.c
         with db.engine.connect() as conn:
             reason = conn.execute(
                 sa.select(log.reason).where(
@@ -401,8 +401,8 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
                 failed[shard.shard_key] = message
     with db.engine.connect() as conn:
         by_code = count_dead_letters(conn, batch.batch_id)
-        by_type = _count_diffs(conn, batch.batch_id, t.diff_log.c.diff_type)
-        by_action = _count_diffs(conn, batch.batch_id, t.diff_log.c.action)
+        by_type = _count_diffs(conn, batch.batch_id, schema.diff_log.c.diff_type)
+        by_action = _count_diffs(conn, batch.batch_id, schema.diff_log.c.action)
     return SyncSummary(
         batch_id=batch.batch_id,
         trigger_id=trigger_id,
@@ -428,7 +428,7 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
 
 def _count_diffs(conn: sa.Connection, batch_id: str, column: sa.Column[Any]) -> dict[str, int]:
     """A batch's diffs counted by ``column`` (their type, or the action taken)."""
-    d = t.diff_log.c
+    d = schema.diff_log.c
     rows = conn.execute(
         sa.select(column, sa.func.count()).where(d.batch_id == batch_id).group_by(column)
     ).all()

@@ -30,7 +30,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster import cli
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import claim_shard, make_worker_id
@@ -131,13 +131,13 @@ def query(db_url: str, stmt: Any) -> list[Any]:
 
 
 def published(db_url: str) -> dict[str, int]:
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     return dict(query(db_url, sa.select(h.supplier_hotel_id, h.supplier_version)))
 
 
 def batch_of(db_url: str, trigger_id: str) -> Any:
-    b = t.batch.c
-    rows = query(db_url, sa.select(t.batch).where(b.trigger_id == trigger_id))
+    b = schema.batch.c
+    rows = query(db_url, sa.select(schema.batch).where(b.trigger_id == trigger_id))
     assert len(rows) == 1, rows
     return rows[0]
 
@@ -160,7 +160,7 @@ def test_db_init_then_sync_full_then_status_stalls_and_exports(
         f"{db.safe_url} is at version {head[-1].version:03d}",
         f"schema ready in {db.safe_url}",
     ]
-    assert {t.batch.name, t.shard.name, t.platform_hotel.name} <= set(
+    assert {schema.batch.name, schema.shard.name, schema.platform_hotel.name} <= set(
         sa.inspect(db.engine).get_table_names()
     )
     db.dispose()
@@ -405,7 +405,7 @@ def test_a_gated_sync_says_so_in_one_line_and_an_override_lets_the_city_publish(
         rerun = sync(capsys, db_url, "--trigger-id", "day-1")
     line = assert_one_line_error(rerun)
     assert "2 cities stopped by a quality gate" in line and repr(city) not in line
-    s = t.shard.c
+    s = schema.shard.c
     statuses = dict(
         query(db_url, sa.select(s.shard_key, s.status).where(s.batch_id == batch.batch_id))
     )
@@ -451,7 +451,7 @@ def test_gate_thresholds_show_and_set(
     assert json.loads(run(capsys, "--db-url", db_url, "gate", "thresholds").out) == json.loads(
         changed.out
     )
-    g = t.gate_threshold.c
+    g = schema.gate_threshold.c
     assert query(db_url, sa.select(g.task_code, g.updated_by)) == [(TASK, "dana")]
     other = run(capsys, "--db-url", db_url, "gate", "thresholds", "--task", "other_task")
     assert json.loads(other.out) == defaults  # thresholds are per task
@@ -485,7 +485,7 @@ def test_a_skipped_sync_says_why_in_one_line(
     line = assert_one_line_error(skipped)
     assert line.startswith(f"supplier-sync: sync skipped: {reason}") and line.endswith(")"), line
     assert skipped.lines[0].startswith(f"trigger night-2: no batch (skipped: {reason}")
-    b = t.batch.c
+    b = schema.batch.c
     assert query(db_url, sa.select(b.trigger_id).order_by(b.id)) == [("night-1",), ("ui-launch",)]
     # -v shows the run's own log (the step failure among it) for debugging, then the line.
     assert verbose.code == 1 and "STEP_FAILURE" in verbose.err
@@ -521,7 +521,9 @@ def test_replay_with_and_without_dry_run_reads_stored_pages_only(
     assert report["records"] == len(truth.valid_by_city[city]) + len(letters)
     assert report["dead_letters"] == len(letters)
     assert report["diffs_by_type"] == {"NO_CHANGE": len(truth.valid_by_city[city])}
-    assert [b.trigger_id for b in query(db_url, sa.select(t.batch))] == ["night-1"]  # no writes
+    assert [b.trigger_id for b in query(db_url, sa.select(schema.batch))] == [
+        "night-1"
+    ]  # no writes
 
     replayed = run(
         capsys, "--db-url", db_url, "replay", "--city", city, "--trigger-id", "fix-1", "--json"
@@ -556,7 +558,7 @@ def test_a_city_whose_stored_pages_are_lost_fails_the_replay_in_one_line(
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url, "--trigger-id", "night-1").code == 0
     lost, kept = sorted(sim.ground_truth().valid_by_city)[:2]
-    s = t.snapshot.c
+    s = schema.snapshot.c
     refs = query(
         db_url,
         sa.select(s.payload_ref).where(s.shard_key == lost, s.snapshot_type == "RAW"),
@@ -585,7 +587,7 @@ def test_a_city_whose_stored_pages_are_lost_fails_the_replay_in_one_line(
     assert line.startswith(f"supplier-sync: 1 city of 2 failed ({lost!r}: ")
     assert line.endswith("; run again with --trigger-id fix-1 to resume")
     assert any(ln.startswith("failed cities: ") for ln in replay.lines)
-    sh = t.shard.c
+    sh = schema.shard.c
     batch = batch_of(db_url, "replay:fix-1")
     statuses = dict(
         query(db_url, sa.select(sh.shard_key, sh.status).where(sh.batch_id == batch.batch_id))
@@ -622,7 +624,7 @@ def test_lease_demo_kills_a_worker_and_the_other_resumes_its_city(
     assert demo.code == 0, demo.out + demo.err
     assert "KILLED (exit 137)" in demo.out and "resuming at page" in demo.out
     assert demo.lines[-1] == "ALL CHECKS PASSED"
-    b = t.batch.c
+    b = schema.batch.c
     assert [r.status for r in query(db_url, sa.select(b.status))] == ["SUCCESS"]
     out_of_range = run(capsys, "--db-url", db_url, "lease-demo", "--lease-seconds", "1")
     assert "out of range" in assert_one_line_error(out_of_range, code=2)

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster import cli
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import TaskSpec
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.tasks import ensure_task
@@ -38,7 +38,7 @@ def _show(url: str, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
 
 def _audit_rows(url: str) -> list[tuple[str, str | None, str | None, str, str]]:
     db = SyncDatabase.open(url)
-    a = t.task_audit.c
+    a = schema.task_audit.c
     with db.engine.connect() as conn:
         rows = conn.execute(
             sa.select(a.field_name, a.old_value, a.new_value, a.changed_by, a.reason).order_by(a.id)
@@ -160,7 +160,7 @@ def test_a_disabled_task_refuses_the_cli_sync_in_one_line(
     _one_line_error(capsys, "is DISABLED by alice", "supplier outage INC-7", "--status ENABLED")
     db = SyncDatabase.open(task_db)
     with db.engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(t.batch)).scalar_one() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(schema.batch)).scalar_one() == 0
     db.dispose()
 
 

@@ -35,7 +35,7 @@ from typing import Any, Literal, get_args
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 from supplier_sync_dagster.core.errors import (
     ConfigError,
@@ -181,12 +181,12 @@ def upsert_task(db: SyncDatabase, spec: TaskSpec) -> None:
     values = {f.name: getattr(spec, f.name) for f in fields(spec)}
     with db.begin() as conn:
         updated = conn.execute(
-            sa.update(t.task)
-            .where(t.task.c.task_code == spec.task_code)
+            sa.update(schema.task)
+            .where(schema.task.c.task_code == spec.task_code)
             .values(**values, updated_at=now)
         ).rowcount
         if not updated:
-            insert_ignore(conn, t.task, [values], created_at=now, updated_at=now)
+            insert_ignore(conn, schema.task, [values], created_at=now, updated_at=now)
 
 
 def get_task(conn: Connection, task_code: str, *, for_update: bool = False) -> TaskSpec:
@@ -195,8 +195,8 @@ def get_task(conn: Connection, task_code: str, *, for_update: bool = False) -> T
     Raises:
         UnknownTask: No task has this code.
     """
-    stmt = sa.select(*(t.task.c[f.name] for f in fields(TaskSpec))).where(
-        t.task.c.task_code == task_code
+    stmt = sa.select(*(schema.task.c[f.name] for f in fields(TaskSpec))).where(
+        schema.task.c.task_code == task_code
     )
     row = conn.execute(stmt.with_for_update() if for_update else stmt).first()
     if row is None:
@@ -215,8 +215,8 @@ def set_task_status(db: SyncDatabase, task_code: str, status: TaskStatus) -> Non
     with db.begin() as conn:
         guarded_update(
             conn,
-            sa.update(t.task)
-            .where(t.task.c.task_code == task_code)
+            sa.update(schema.task)
+            .where(schema.task.c.task_code == task_code)
             .values(status=status, updated_at=db.clock.now()),
             lambda: UnknownTask(f"unknown task {task_code!r}"),
         )
@@ -288,10 +288,10 @@ def create_batch(
                 "EXISTING", adopted, f"this trigger adopted batch {adopted.batch_id}"
             )
         skipped = conn.execute(
-            sa.select(t.trigger_log.c.blocking_batch_id, t.trigger_log.c.reason).where(
-                t.trigger_log.c.task_code == task_code,
-                t.trigger_log.c.trigger_id == trigger_id,
-                t.trigger_log.c.outcome == "SKIPPED",
+            sa.select(schema.trigger_log.c.blocking_batch_id, schema.trigger_log.c.reason).where(
+                schema.trigger_log.c.task_code == task_code,
+                schema.trigger_log.c.trigger_id == trigger_id,
+                schema.trigger_log.c.outcome == "SKIPPED",
             )
         ).first()
         if skipped is not None:
@@ -314,7 +314,7 @@ def create_batch(
             return BatchDecision("SKIPPED", None, reason, blocking_batch_id)
 
         cancelled: tuple[str, ...] = ()
-        active = _active_batches(conn, t.batch.c.task_code == task.task_code)
+        active = _active_batches(conn, schema.batch.c.task_code == task.task_code)
         if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
             states = [(b, batch_liveness(conn, clock, b.batch_id)) for b in active]
             for candidate, state in states:
@@ -346,9 +346,9 @@ def create_batch(
             # Any task syncing the same supplier, category and data scope can overlap.
             in_scope = _active_batches(
                 conn,
-                t.batch.c.supplier_id == task.supplier_id,
-                t.batch.c.category_code == task.category_code,
-                t.batch.c.data_scope == task.data_scope,
+                schema.batch.c.supplier_id == task.supplier_id,
+                schema.batch.c.category_code == task.category_code,
+                schema.batch.c.data_scope == task.data_scope,
             )
             # ...while it runs: an abandoned batch blocks nobody (nor does it get adopted:
             # it may be another task's).
@@ -365,13 +365,13 @@ def create_batch(
 
         batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
         version = conn.execute(
-            sa.select(sa.func.coalesce(sa.func.max(t.batch.c.sync_batch_version), 0) + 1).where(
-                t.batch.c.task_code == task_code
-            )
+            sa.select(
+                sa.func.coalesce(sa.func.max(schema.batch.c.sync_batch_version), 0) + 1
+            ).where(schema.batch.c.task_code == task_code)
         ).scalar_one()
         now = clock.now()
         conn.execute(
-            sa.insert(t.batch).values(
+            sa.insert(schema.batch).values(
                 batch_id=batch_id,
                 task_code=task_code,
                 trigger_source=trigger_source,
@@ -394,8 +394,8 @@ def create_batch(
         if keys:
             _insert_shards(conn, clock, batch_id, keys)
         conn.execute(
-            sa.update(t.task)
-            .where(t.task.c.task_code == task_code)
+            sa.update(schema.task)
+            .where(schema.task.c.task_code == task_code)
             .values(last_batch_id=batch_id, updated_at=now)
         )
         _log_trigger(
@@ -431,7 +431,7 @@ def batch_liveness(conn: Connection, clock: DbClock, batch_id: str) -> Liveness:
     expired leases, leases and grace held by processes of this host that no longer run, or
     no lease at all. A holder on another host is presumed alive until its lease expires.
     """
-    s = t.shard.c
+    s = schema.shard.c
     now = clock.read(conn)
     held = conn.execute(
         sa.select(s.shard_key, s.worker_id, s.lease_until)
@@ -446,7 +446,7 @@ def batch_liveness(conn: Connection, clock: DbClock, batch_id: str) -> Liveness:
         return Liveness(
             True, f"shard {row.shard_key!r} is leased to {row.worker_id} until {row.lease_until}"
         )
-    b = t.batch.c
+    b = schema.batch.c
     creator, grace_until = conn.execute(
         sa.select(b.worker_id, b.lease_until).where(b.batch_id == batch_id)
     ).one()
@@ -496,7 +496,7 @@ def get_batch(conn: Connection, batch_id: str) -> Batch:
     Raises:
         UnknownBatch: No batch has this id.
     """
-    row = conn.execute(sa.select(t.batch).where(t.batch.c.batch_id == batch_id)).first()
+    row = conn.execute(sa.select(schema.batch).where(schema.batch.c.batch_id == batch_id)).first()
     if row is None:
         raise UnknownBatch(f"unknown batch {batch_id!r}")
     return Batch.from_row(row)
@@ -509,7 +509,7 @@ def lock_batch(conn: Connection, batch_id: str) -> Batch:
     all lock in the same order (batch, then shard) and cannot deadlock.
     """
     row = conn.execute(
-        sa.select(t.batch).where(t.batch.c.batch_id == batch_id).with_for_update()
+        sa.select(schema.batch).where(schema.batch.c.batch_id == batch_id).with_for_update()
     ).first()
     if row is None:
         raise UnknownBatch(f"unknown batch {batch_id!r}")
@@ -518,9 +518,9 @@ def lock_batch(conn: Connection, batch_id: str) -> Batch:
 
 def list_batches(db: SyncDatabase, *, task_code: str | None = None, limit: int = 20) -> list[Batch]:
     """The most recent batches, newest first."""
-    stmt = sa.select(t.batch).order_by(t.batch.c.id.desc()).limit(limit)
+    stmt = sa.select(schema.batch).order_by(schema.batch.c.id.desc()).limit(limit)
     if task_code is not None:
-        stmt = stmt.where(t.batch.c.task_code == task_code)
+        stmt = stmt.where(schema.batch.c.task_code == task_code)
     with db.engine.connect() as conn:
         return [Batch.from_row(r) for r in conn.execute(stmt)]
 
@@ -541,8 +541,10 @@ def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> Non
     now = clock.now()
     guarded_update(
         conn,
-        sa.update(t.batch)
-        .where(t.batch.c.batch_id == batch_id, t.batch.c.status.in_(ACTIVE_BATCH_STATUSES))
+        sa.update(schema.batch)
+        .where(
+            schema.batch.c.batch_id == batch_id, schema.batch.c.status.in_(ACTIVE_BATCH_STATUSES)
+        )
         .values(status="CANCELLED", finished_at=now, updated_at=now, error_message=reason[:1024]),
         lambda: InvalidTransition(f"batch {batch_id} is not PENDING or RUNNING; cannot cancel"),
     )
@@ -551,7 +553,7 @@ def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> Non
     move_shards(
         conn,
         "CANCELLED",
-        [t.shard.c.batch_id == batch_id],
+        [schema.shard.c.batch_id == batch_id],
         finished_at=now,
         updated_at=now,
         lease_until=None,
@@ -568,7 +570,7 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
     started); all finished make it SUCCESS, FAILED, or PARTIAL_FAILED for a mix.
     """
     current = lock_batch(conn, batch_id)
-    s = t.shard.c
+    s = schema.shard.c
     agg = conn.execute(
         sa.select(
             sa.func.count().label("n"),
@@ -644,8 +646,8 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
         values["finished_at"] = None  # a reopened shard makes a finished batch run again
     guarded_update(
         conn,
-        sa.update(t.batch)
-        .where(t.batch.c.batch_id == batch_id, t.batch.c.status == current.status)
+        sa.update(schema.batch)
+        .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == current.status)
         .values(**values),
         lambda: InvalidTransition(f"batch {batch_id} changed status while locked"),
     )
@@ -673,7 +675,7 @@ def _insert_shards(conn: Connection, clock: DbClock, batch_id: str, keys: Sequen
     # Bulk insert: one statement for the whole city list, never a row at a time.
     insert_ignore(
         conn,
-        t.shard,
+        schema.shard,
         [{"shard_key": key} for key in keys],
         batch_id=batch_id,
         shard_type="CITY",
@@ -685,8 +687,8 @@ def _insert_shards(conn: Connection, clock: DbClock, batch_id: str, keys: Sequen
 
 def _batch_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batch | None:
     row = conn.execute(
-        sa.select(t.batch).where(
-            t.batch.c.task_code == task_code, t.batch.c.trigger_id == trigger_id
+        sa.select(schema.batch).where(
+            schema.batch.c.task_code == task_code, schema.batch.c.trigger_id == trigger_id
         )
     ).first()
     return Batch.from_row(row) if row is not None else None
@@ -694,10 +696,10 @@ def _batch_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batc
 
 def _adopted_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Batch | None:
     batch_id = conn.execute(
-        sa.select(t.trigger_log.c.batch_id).where(
-            t.trigger_log.c.task_code == task_code,
-            t.trigger_log.c.trigger_id == trigger_id,
-            t.trigger_log.c.outcome == "ADOPTED",
+        sa.select(schema.trigger_log.c.batch_id).where(
+            schema.trigger_log.c.task_code == task_code,
+            schema.trigger_log.c.trigger_id == trigger_id,
+            schema.trigger_log.c.outcome == "ADOPTED",
         )
     ).scalar()
     return get_batch(conn, batch_id) if batch_id else None
@@ -734,8 +736,8 @@ def _adopt(
         )
     guarded_update(
         conn,
-        sa.update(t.batch)
-        .where(t.batch.c.batch_id == batch.batch_id, t.batch.c.status == current.status)
+        sa.update(schema.batch)
+        .where(schema.batch.c.batch_id == batch.batch_id, schema.batch.c.status == current.status)
         .values(**values),
         lambda: InvalidTransition(f"batch {batch.batch_id} changed status while locked"),
     )
@@ -760,9 +762,9 @@ def _adopt(
 def _active_batches(conn: Connection, *where: sa.ColumnElement[bool]) -> list[Batch]:
     """Unfinished batches matching ``where``, newest first."""
     rows = conn.execute(
-        sa.select(t.batch)
-        .where(t.batch.c.status.in_(ACTIVE_BATCH_STATUSES), *where)
-        .order_by(t.batch.c.id.desc())
+        sa.select(schema.batch)
+        .where(schema.batch.c.status.in_(ACTIVE_BATCH_STATUSES), *where)
+        .order_by(schema.batch.c.id.desc())
     )
     return [Batch.from_row(r) for r in rows]
 
@@ -787,7 +789,7 @@ def _log_trigger(
 ) -> None:
     insert_ignore(
         conn,
-        t.trigger_log,
+        schema.trigger_log,
         [
             {
                 "task_code": task_code,

@@ -17,7 +17,7 @@ from typing import Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import DbClock, insert_ignore
 
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
@@ -88,7 +88,7 @@ def record_dead_letters(
     ]
     insert_ignore(
         conn,
-        t.dead_letter,
+        schema.dead_letter,
         rows,
         batch_id=batch_id,
         task_code=task_code,
@@ -104,8 +104,8 @@ def record_dead_letters(
 def count_dead_letters(conn: Connection, batch_id: str) -> dict[str, int]:
     """Dead letters of a batch by error code."""
     rows = conn.execute(
-        sa.select(t.dead_letter.c.error_code, sa.func.count())
-        .where(t.dead_letter.c.batch_id == batch_id)
-        .group_by(t.dead_letter.c.error_code)
+        sa.select(schema.dead_letter.c.error_code, sa.func.count())
+        .where(schema.dead_letter.c.batch_id == batch_id)
+        .group_by(schema.dead_letter.c.error_code)
     )
     return {code: int(n) for code, n in rows}

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import DbClock, insert_ignore, use_index
 from supplier_sync_dagster.core.mapping import chunks
 
@@ -261,18 +261,22 @@ def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 def active_offers(resource_ids: Sequence[int]) -> sa.Select[Any]:
     """SELECT of the active offers of these hotels, read through the offer identity index."""
-    o = t.platform_offer.c
-    query = sa.select(t.platform_offer).where(o.resource_id.in_(resource_ids), o.active.is_(True))
-    return use_index(query, t.platform_offer, t.OFFER_IDENTITY)
+    o = schema.platform_offer.c
+    query = sa.select(schema.platform_offer).where(
+        o.resource_id.in_(resource_ids), o.active.is_(True)
+    )
+    return use_index(query, schema.platform_offer, schema.OFFER_IDENTITY)
 
 
 def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
     """The published hotels (canonical form plus versions and fingerprint) by resource id."""
     out: dict[int, dict[str, Any]] = {}
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     ids = sorted(set(resource_ids))
     for part in chunks(ids):
-        for row in conn.execute(sa.select(t.platform_hotel).where(h.resource_id.in_(part))).all():
+        for row in conn.execute(
+            sa.select(schema.platform_hotel).where(h.resource_id.in_(part))
+        ).all():
             m = row._mapping
             out[m["resource_id"]] = {
                 "supplier_version": m["supplier_version"],
@@ -405,7 +409,7 @@ def record_diffs(
     """Writes diff log rows in one statement; a re-run of the same batch adds nothing."""
     insert_ignore(
         conn,
-        t.diff_log,
+        schema.diff_log,
         [
             {
                 "diff_id": diff_id(batch_id, supplier_id, d.platform_resource_id, d.new_version),

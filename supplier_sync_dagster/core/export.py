@@ -9,7 +9,7 @@ from typing import Any, Literal, TextIO
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.diff import active_offers
 from supplier_sync_dagster.core.mapping import CHUNK
@@ -35,8 +35,8 @@ def _rows(db: SyncDatabase, stmt: sa.Select[Any]) -> Iterator[dict[str, Any]]:
 def _export_published(db: SyncDatabase, out: TextIO, page: int = CHUNK) -> int:
     """Hotels with their active offers, a page at a time by resource id, on one connection
     (a second connection inside a read would wait on SQLite's lock held by the first)."""
-    h, o = t.platform_hotel.c, t.platform_offer.c
-    cols = [c for c in t.platform_hotel.c if c.name not in ("resource_id", "publish_token")]
+    h, o = schema.platform_hotel.c, schema.platform_offer.c
+    cols = [c for c in schema.platform_hotel.c if c.name not in ("resource_id", "publish_token")]
     n, last = 0, -1
     with db.engine.connect() as conn:
         while True:
@@ -80,7 +80,7 @@ def export_jsonl(
     if what == "published":
         return _export_published(db, out)
     if what == "dead-letters":
-        d = t.dead_letter.c
+        d = schema.dead_letter.c
         stmt = sa.select(
             d.dead_letter_id,
             d.batch_id,
@@ -100,7 +100,7 @@ def export_jsonl(
         if batch_id:
             stmt = stmt.where(d.batch_id == batch_id)
     else:
-        f = t.diff_log.c
+        f = schema.diff_log.c
         stmt = sa.select(
             f.diff_id,
             f.batch_id,

@@ -38,7 +38,7 @@ from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import get_batch, get_task
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
@@ -315,7 +315,7 @@ def record_city_profile(
         )
     _upsert(
         conn,
-        t.city_profile,
+        schema.city_profile,
         {
             "batch_id": batch_id,
             "shard_key": shard_key,
@@ -344,19 +344,19 @@ def _profile(row: sa.Row[*tuple[Any, ...]]) -> CityProfile:
 
 
 _PROFILE_COLUMNS = (
-    t.city_profile.c.batch_id,
-    t.city_profile.c.task_code,
-    t.city_profile.c.shard_key,
-    t.city_profile.c.record_count,
-    t.city_profile.c.bad_count,
-    t.city_profile.c.field_counts,
-    t.city_profile.c.updated_at,
+    schema.city_profile.c.batch_id,
+    schema.city_profile.c.task_code,
+    schema.city_profile.c.shard_key,
+    schema.city_profile.c.record_count,
+    schema.city_profile.c.bad_count,
+    schema.city_profile.c.field_counts,
+    schema.city_profile.c.updated_at,
 )
 
 
 def get_city_profile(conn: Connection, *, batch_id: str, shard_key: str) -> CityProfile | None:
     """The recorded profile of a city of a batch, or None when there is none yet."""
-    p = t.city_profile.c
+    p = schema.city_profile.c
     row = conn.execute(
         sa.select(*_PROFILE_COLUMNS).where(p.batch_id == batch_id, p.shard_key == shard_key)
     ).first()
@@ -375,15 +375,15 @@ def previous_profile(
     Raises:
         UnknownBatch: ``before_batch_id`` does not exist.
     """
-    b, s, p = t.batch.c, t.shard.c, t.city_profile.c
+    b, s, p = schema.batch.c, schema.shard.c, schema.city_profile.c
     current_id = conn.execute(sa.select(b.id).where(b.batch_id == before_batch_id)).scalar()
     if current_id is None:
         raise UnknownBatch(f"unknown batch {before_batch_id!r}")
     row = conn.execute(
         sa.select(*_PROFILE_COLUMNS)
         .select_from(
-            t.city_profile.join(t.batch, b.batch_id == p.batch_id).join(
-                t.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
+            schema.city_profile.join(schema.batch, b.batch_id == p.batch_id).join(
+                schema.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
             )
         )
         .where(
@@ -728,7 +728,7 @@ def override_gate(
         )
     who = _check_text("who", who, 64)
     reason = _check_text("reason", reason, 1024)
-    s = t.shard.c
+    s = schema.shard.c
     found = conn.execute(
         sa.select(s.id).where(s.batch_id == batch_id, s.shard_key == shard_key)
     ).first()
@@ -736,7 +736,7 @@ def override_gate(
         raise UnknownShard(f"batch {batch_id!r} has no shard {shard_key!r}")
     insert_ignore(
         conn,
-        t.gate_override,
+        schema.gate_override,
         [
             {
                 "batch_id": batch_id,
@@ -768,7 +768,7 @@ def list_overrides(
     conn: Connection, *, batch_id: str, shard_key: str | None = None
 ) -> list[GateOverride]:
     """The overrides of a batch (of one city when ``shard_key`` is given), by city and check."""
-    o = t.gate_override.c
+    o = schema.gate_override.c
     stmt = sa.select(
         o.batch_id, o.shard_key, o.check_name, o.overridden_by, o.reason, o.created_at
     ).where(o.batch_id == batch_id)
@@ -794,7 +794,7 @@ def set_gate_thresholds(
     get_task(conn, task_code)
     _upsert(
         conn,
-        t.gate_threshold,
+        schema.gate_threshold,
         {
             "task_code": task_code,
             "thresholds": thresholds.to_dict(),
@@ -812,7 +812,7 @@ def get_gate_thresholds(conn: Connection, task_code: str) -> GateThresholds:
     Raises:
         ConfigError: The stored thresholds are malformed or out of range.
     """
-    g = t.gate_threshold.c
+    g = schema.gate_threshold.c
     stored = conn.execute(sa.select(g.thresholds).where(g.task_code == task_code)).scalar()
     if stored is None:
         return GateThresholds()

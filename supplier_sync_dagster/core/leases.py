@@ -34,7 +34,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch, lock_batch, refresh_batch
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase
 from supplier_sync_dagster.core.errors import (
@@ -314,12 +314,12 @@ class ShardLease:
         clock = self.db.clock
         values: dict[str, Any] = {
             "checkpoint": checkpoint.to_json(),
-            "total_count": t.shard.c.total_count + counts.total,
-            "success_count": t.shard.c.success_count + counts.success,
-            "failed_count": t.shard.c.failed_count + counts.failed,
-            "skipped_count": t.shard.c.skipped_count + counts.skipped,
-            "pages_done": t.shard.c.pages_done + 1,
-            "fetched_count": t.shard.c.fetched_count + fetched,
+            "total_count": schema.shard.c.total_count + counts.total,
+            "success_count": schema.shard.c.success_count + counts.success,
+            "failed_count": schema.shard.c.failed_count + counts.failed,
+            "skipped_count": schema.shard.c.skipped_count + counts.skipped,
+            "pages_done": schema.shard.c.pages_done + 1,
+            "fetched_count": schema.shard.c.fetched_count + fetched,
             "heartbeat_at": clock.now(),
             "lease_until": clock.now(self.settings.lease_seconds),
             "last_checkpoint_at": clock.now(),
@@ -449,7 +449,7 @@ class ShardLease:
         move_shards(
             conn,
             target,
-            [t.shard.c.id == self.shard_id],
+            [schema.shard.c.id == self.shard_id],
             sources=["RUNNING"],
             holder=(self.worker_id, self.lease_token),
             on_miss=lost,
@@ -484,7 +484,7 @@ def claim_shard(
     _check_worker_id(worker_id)
     token = str(uuid.uuid4())
     clock = db.clock
-    c = t.shard.c
+    c = schema.shard.c
     with db.begin() as conn:
         lock_batch(conn, batch_id)
         claimed = move_shards(
@@ -534,8 +534,8 @@ def claim_shard(
         if not claimed:
             raise LeaseNotAcquired(_why_not_claimable(conn, db, batch_id, shard_key, info))
         conn.execute(
-            sa.update(t.batch)
-            .where(t.batch.c.batch_id == batch_id, t.batch.c.status == "PENDING")
+            sa.update(schema.batch)
+            .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == "PENDING")
             .values(status="RUNNING", started_at=clock.now(), updated_at=clock.now())
         )
     lease = ShardLease(
@@ -568,7 +568,7 @@ def claim_next_shard(
     settings: LeaseSettings | None = None,
 ) -> ShardLease | None:
     """Claims any claimable shard of a batch (PENDING first, then expired); None if none is."""
-    c = t.shard.c
+    c = schema.shard.c
     with db.engine.connect() as conn:
         candidates = [
             row.shard_key
@@ -601,7 +601,7 @@ def reopen_shard(db: SyncDatabase, batch_id: str, shard_key: str, reason: str) -
         move_shards(
             conn,
             "PENDING",
-            [t.shard.c.id == info.shard_id],
+            [schema.shard.c.id == info.shard_id],
             sources=["FAILED"],
             on_miss=lambda: InvalidTransition(
                 f"shard {shard_key!r} of batch {batch_id} is {info.status}; only FAILED reopens"
@@ -629,7 +629,9 @@ def list_shards(db: SyncDatabase, batch_id: str) -> list[ShardInfo]:
     """All shards of a batch, in creation order."""
     with db.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(t.shard).where(t.shard.c.batch_id == batch_id).order_by(t.shard.c.id)
+            sa.select(schema.shard)
+            .where(schema.shard.c.batch_id == batch_id)
+            .order_by(schema.shard.c.id)
         )
         return [_shard_info(row) for row in rows]
 
@@ -668,7 +670,7 @@ def find_stalls(
     """
     if checkpoint_stall_seconds <= 0 or heartbeat_fresh_seconds <= 0:
         raise ConfigError("stall thresholds must be positive numbers of seconds")
-    c = t.shard.c
+    c = schema.shard.c
     clock = db.clock
     progress_at = sa.func.coalesce(c.last_checkpoint_at, c.started_at)
     expired = c.lease_until < clock.now()
@@ -680,7 +682,7 @@ def find_stalls(
     with db.engine.connect() as conn:
         now = clock.read(conn)
         rows = conn.execute(
-            sa.select(t.shard)
+            sa.select(schema.shard)
             .where(c.status == "RUNNING", sa.or_(expired, stalled))
             .order_by(progress_at)
             .limit(limit)
@@ -874,7 +876,7 @@ class ShardWork:
 
 def _claimable(clock: DbClock) -> sa.ColumnElement[bool]:
     """A shard a worker may claim: PENDING, or RUNNING with an expired lease (a reclaim)."""
-    c = t.shard.c
+    c = schema.shard.c
     return sa.or_(
         c.status == "PENDING", sa.and_(c.status == "RUNNING", c.lease_until < clock.now())
     )
@@ -887,7 +889,9 @@ def _check_worker_id(worker_id: str) -> None:
 
 def _read_shard(conn: Connection, batch_id: str, shard_key: str) -> ShardInfo:
     row = conn.execute(
-        sa.select(t.shard).where(t.shard.c.batch_id == batch_id, t.shard.c.shard_key == shard_key)
+        sa.select(schema.shard).where(
+            schema.shard.c.batch_id == batch_id, schema.shard.c.shard_key == shard_key
+        )
     ).first()
     if row is None:
         raise UnknownShard(f"batch {batch_id!r} has no shard for city {shard_key!r}")

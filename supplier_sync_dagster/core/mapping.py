@@ -20,7 +20,7 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import DbClock, insert_ignore
 
 # Ids per IN (...) list: far below every driver's parameter limit, and below MariaDB's
@@ -59,10 +59,10 @@ def ensure_hotel_mappings(
     earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
     """
     ids = sorted(set(hotel_ids))
-    c = t.hotel_mapping.c
+    c = schema.hotel_mapping.c
     insert_ignore(
         conn,
-        t.hotel_mapping,
+        schema.hotel_mapping,
         [{"supplier_hotel_id": h} for h in ids],
         supplier_id=supplier_id,
         created_batch_id=batch_id,

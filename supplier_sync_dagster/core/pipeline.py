@@ -47,7 +47,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch
 from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
@@ -511,7 +511,7 @@ def _record_snapshots(
     """Snapshot rows for stored pages (idempotent: their ids derive from their content)."""
     insert_ignore(
         conn,
-        t.snapshot,
+        schema.snapshot,
         rows,
         batch_id=lease.batch_id,
         supplier_id=settings.supplier_id,
@@ -623,7 +623,7 @@ def _unwrap(records: list[dict[str, Any]]) -> list[Any]:
 
 
 def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[_RawPage]:
-    s = t.snapshot.c
+    s = schema.snapshot.c
     with db.engine.connect() as conn:
         return [
             _RawPage(*row)
@@ -933,7 +933,7 @@ def _normalized_chunks(
     db: SyncDatabase, store: PayloadStore, batch_id: str, city: str, chunk_hotels: int
 ) -> Iterator[list[Candidate]]:
     """Candidates of the city, chunk by chunk, each traced to its raw page."""
-    s = t.snapshot.c
+    s = schema.snapshot.c
     with db.engine.connect() as conn:
         rows = list(
             conn.execute(
@@ -1068,7 +1068,7 @@ class DiffCollector:
         self._unmapped = 0
 
     def __call__(self, cands: list[Candidate]) -> ChunkPublished:
-        m = t.hotel_mapping.c
+        m = schema.hotel_mapping.c
         ids = sorted({c.supplier_hotel_id for c in cands})
         resource_ids: dict[str, int] = {}
         with self.db.engine.connect() as conn:

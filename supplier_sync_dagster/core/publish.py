@@ -24,7 +24,7 @@ from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import (
     DbClock,
     bind_values,
@@ -170,7 +170,7 @@ def publish_hotels(
     )
     rids = [d.platform_resource_id for d, _ in todo]
     written: dict[int, tuple[int, int]] = {}
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     for part in chunks(rids):
         for rid, pv, sv in conn.execute(
             sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
@@ -192,7 +192,7 @@ def publish_hotels(
     # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
     # are only written with their hotel row, which stays locked by this call until commit.
     _replace_offers(conn, clock, [rid for rid in written if written[rid][0] > 1], offers)
-    insert_ignore(conn, t.outbox, events, batch_id=batch_id, created_at=clock.now())
+    insert_ignore(conn, schema.outbox, events, batch_id=batch_id, created_at=clock.now())
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
         for d, _ in done
@@ -236,9 +236,9 @@ def _hotel_row(diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str
 def _hotel_upsert(conn: Connection) -> Any:
     """The version-guarded upsert of platform hotels, in the connection's dialect."""
     if conn.dialect.name == "sqlite":
-        ins = sqlite_insert(t.platform_hotel)
+        ins = sqlite_insert(schema.platform_hotel)
         ex = ins.excluded
-        cur = t.platform_hotel.c
+        cur = schema.platform_hotel.c
         newer = sa.or_(
             ex.supplier_version > cur.supplier_version,
             sa.and_(ex.supplier_version == cur.supplier_version, ex.fingerprint != cur.fingerprint),
@@ -253,9 +253,9 @@ def _hotel_upsert(conn: Connection) -> Any:
             },
             where=newer,
         )
-    ins_m = mysql_insert(t.platform_hotel)
+    ins_m = mysql_insert(schema.platform_hotel)
     new = ins_m.inserted
-    cur = t.platform_hotel.c
+    cur = schema.platform_hotel.c
     newer = sa.or_(
         new.supplier_version > cur.supplier_version,
         sa.and_(new.supplier_version == cur.supplier_version, new.fingerprint != cur.fingerprint),
@@ -309,9 +309,11 @@ def _offer_rows(
 
 def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
     """UPDATE deactivating every offer of these hotels, through the offer identity index."""
-    o = t.platform_offer.c
-    stmt = sa.update(t.platform_offer).where(o.resource_id.in_(resource_ids))
-    return use_index(stmt.values(active=False, updated_at=at), t.platform_offer, t.OFFER_IDENTITY)
+    o = schema.platform_offer.c
+    stmt = sa.update(schema.platform_offer).where(o.resource_id.in_(resource_ids))
+    return use_index(
+        stmt.values(active=False, updated_at=at), schema.platform_offer, schema.OFFER_IDENTITY
+    )
 
 
 def _replace_offers(
@@ -330,7 +332,7 @@ def _replace_offers(
         rids: The hotels that may already have offers (deactivated first, then upserted).
         rows: Every offer of the hotels this call wrote.
     """
-    o = t.platform_offer.c
+    o = schema.platform_offer.c
     for part in chunks(rids):
         conn.execute(offer_deactivation(part, clock.now()))
     if not rows:
@@ -341,12 +343,12 @@ def _replace_offers(
 
     def build() -> Any:
         if conn.dialect.name == "sqlite":
-            ins = sqlite_insert(t.platform_offer)
+            ins = sqlite_insert(schema.platform_offer)
             return ins.on_conflict_do_update(
                 index_elements=[o[name] for name in identity],
                 set_={name: ins.excluded[name] for name in columns},
             )
-        ins_m = mysql_insert(t.platform_offer)
+        ins_m = mysql_insert(schema.platform_offer)
         return ins_m.on_duplicate_key_update({name: ins_m.inserted[name] for name in columns})
 
     execute_many(conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": now})

@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch, add_shards, create_batch, get_batch
 from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.diff import RiskPolicy, default_risk_policy
@@ -43,11 +43,11 @@ DEFAULT_CHUNK_HOTELS = SyncSettings.chunk_hotels
 
 def latest_raw_batch(db: SyncDatabase, *, task_code: str, city_code: str) -> str | None:
     """The latest batch of the task that stored raw pages for the city (None: never synced)."""
-    s, b = t.snapshot.c, t.batch.c
+    s, b = schema.snapshot.c, schema.batch.c
     with db.engine.connect() as conn:
         row = conn.execute(
             sa.select(s.batch_id)
-            .join(t.batch, b.batch_id == s.batch_id)
+            .join(schema.batch, b.batch_id == s.batch_id)
             .where(b.task_code == task_code, s.shard_key == city_code, s.snapshot_type == RAW)
             .order_by(s.id.desc())
             .limit(1)
@@ -98,7 +98,7 @@ def prepare_replay(
     batch_id = decision.batch.batch_id
     if sources:
         add_shards(db, batch_id, list(sources))
-    s = t.snapshot.c
+    s = schema.snapshot.c
     with db.begin() as conn:
         for city, source in sources.items():
             pages = conn.execute(
@@ -116,7 +116,7 @@ def prepare_replay(
             ).all()
             insert_ignore(
                 conn,
-                t.snapshot,
+                schema.snapshot,
                 [
                     {
                         "snapshot_id": snapshot_id(batch_id, city, RAW, p.payload_hash),
@@ -142,7 +142,7 @@ def prepare_replay(
 
 
 def _replay_batch_id(db: SyncDatabase, task_code: str, trigger_id: str) -> str | None:
-    b = t.batch.c
+    b = schema.batch.c
     with db.engine.connect() as conn:
         row = conn.execute(
             sa.select(b.batch_id).where(
@@ -161,7 +161,7 @@ def resolve_replayed_dead_letters(
     stage: when the replay of that page produced no dead letter for the record at that
     stage, the rule that rejected it has been fixed. Returns how many were resolved.
     """
-    d, s = t.dead_letter.c, t.snapshot.c
+    d, s = schema.dead_letter.c, schema.snapshot.c
     with db.begin() as conn:
         pages = sa.select(s.payload_hash).where(
             s.batch_id == source_batch_id, s.shard_key == city_code, s.snapshot_type == RAW
@@ -187,7 +187,7 @@ def resolve_replayed_dead_letters(
         now = db.clock.now()
         for part in chunks(fixed):
             conn.execute(
-                sa.update(t.dead_letter)
+                sa.update(schema.dead_letter)
                 .where(d.id.in_(part), d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")))
                 .values(
                     status="RESOLVED",
@@ -290,7 +290,7 @@ def record_city_list(
     with db.begin() as conn:
         insert_ignore(
             conn,
-            t.snapshot,
+            schema.snapshot,
             [
                 {
                     "snapshot_id": "cl_" + hashlib.sha256(key.encode()).hexdigest()[:61],
@@ -312,11 +312,11 @@ def stored_city_countries(
     db: SyncDatabase, store: PayloadStore, *, task_code: str
 ) -> dict[str, str]:
     """City -> country from the latest city list a batch of the task stored ({} if none)."""
-    s, b = t.snapshot.c, t.batch.c
+    s, b = schema.snapshot.c, schema.batch.c
     with db.engine.connect() as conn:
         ref = conn.execute(
             sa.select(s.payload_ref)
-            .join(t.batch, b.batch_id == s.batch_id)
+            .join(schema.batch, b.batch_id == s.batch_id)
             .where(b.task_code == task_code, s.snapshot_type == CITIES)
             .order_by(s.id.desc())
             .limit(1)

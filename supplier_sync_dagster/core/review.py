@@ -27,7 +27,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff, diff_id
 from supplier_sync_dagster.core.errors import ReviewStateError
@@ -103,7 +103,7 @@ def hold_for_review(
     now = clock.now()
     insert_ignore(
         conn,
-        t.review,
+        schema.review,
         rows,
         batch_id=batch_id,
         shard_key=shard_key,
@@ -123,8 +123,8 @@ def list_reviews(
     limit: int | None = None,
 ) -> list[Review]:
     """Reviews, oldest first, filtered by status (None: all) and batch."""
-    r = t.review.c
-    query = sa.select(t.review).order_by(r.id)
+    r = schema.review.c
+    query = sa.select(schema.review).order_by(r.id)
     if status is not None:
         query = query.where(r.status == status)
     if batch_id is not None:
@@ -136,7 +136,7 @@ def list_reviews(
 
 def count_reviews(conn: Connection, *, batch_id: str | None = None) -> dict[str, int]:
     """Reviews by status."""
-    r = t.review.c
+    r = schema.review.c
     query = sa.select(r.status, sa.func.count()).group_by(r.status)
     if batch_id is not None:
         query = query.where(r.batch_id == batch_id)
@@ -217,8 +217,8 @@ def _targets(
 
 
 def _load(conn: Connection, ids: Sequence[str]) -> list[Review]:
-    r = t.review.c
-    rows = conn.execute(sa.select(t.review).where(r.review_id.in_(ids))).all()
+    r = schema.review.c
+    rows = conn.execute(sa.select(schema.review).where(r.review_id.in_(ids))).all()
     found = {row.review_id for row in rows}
     missing = sorted(set(ids) - found)
     if missing:
@@ -236,11 +236,11 @@ def _move(
     reason: str,
 ) -> None:
     """The one guarded move of the review state machine (for a set of reviews)."""
-    r = t.review.c
+    r = schema.review.c
     now = clock.now()
     guarded_update(
         conn,
-        sa.update(t.review)
+        sa.update(schema.review)
         .where(r.review_id.in_(ids), r.status == source)
         .values(
             status=target,
@@ -292,7 +292,7 @@ def _publish(
             items=group,
         )
         versions = {p.supplier_hotel_id: p.publish_version for p in result.published}
-        r = t.review.c
+        r = schema.review.c
         stale = []
         for pos in positions:
             rv = reviews[pos]
@@ -300,7 +300,7 @@ def _publish(
                 stale.append(rv.review_id)
                 continue
             conn.execute(
-                sa.update(t.review)
+                sa.update(schema.review)
                 .where(r.review_id == rv.review_id)
                 .values(publish_version=versions[rv.supplier_hotel_id])
             )
@@ -314,7 +314,7 @@ def _publish(
 def _candidates(
     conn: Connection, ids: Sequence[str]
 ) -> dict[str, tuple[dict[str, Any], str, str | None, str | None]]:
-    r = t.review.c
+    r = schema.review.c
     out: dict[str, tuple[dict[str, Any], str, str | None, str | None]] = {}
     for row in conn.execute(
         sa.select(

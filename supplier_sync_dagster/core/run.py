@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import (
     Batch,
     TaskSpec,
@@ -367,7 +367,7 @@ def published_report(db: SyncDatabase, batch_id: str, city: str) -> CityReport:
     shard, diffs from the diff log (the dead letters' codes are not broken down per city).
     """
     shard = get_shard(db, batch_id, city)
-    d = t.diff_log.c
+    d = schema.diff_log.c
     where = (d.batch_id == batch_id, d.shard_key == city)
     with db.engine.connect() as conn:
         diffs = conn.execute(

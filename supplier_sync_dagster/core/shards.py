@@ -25,7 +25,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import guarded_update
 from supplier_sync_dagster.core.errors import InvalidTransition
 
@@ -86,8 +86,8 @@ def move_shards(
             f"no shard moves from {sorted(chosen - allowed) or 'nowhere'} to {target}; "
             f"only from {sorted(allowed) or 'nowhere'}"
         )
-    c = t.shard.c
-    stmt = sa.update(t.shard).where(*where, c.status.in_(sorted(chosen)))
+    c = schema.shard.c
+    stmt = sa.update(schema.shard).where(*where, c.status.in_(sorted(chosen)))
     if holder is not None:
         stmt = stmt.where(c.worker_id == holder[0], c.lease_token == holder[1])
     stmt = stmt.values(status=target, **values)

@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import (
     ConcurrencyPolicy,
     TaskSpec,
@@ -67,10 +67,12 @@ def ensure_task(db: SyncDatabase, spec: TaskSpec, *, created_by: str, reason: st
         return existing
     values = {f.name: getattr(spec, f.name) for f in fields(spec)}
     with db.begin() as conn:
-        insert_ignore(conn, t.task, [values], created_at=db.clock.now(), updated_at=db.clock.now())
+        insert_ignore(
+            conn, schema.task, [values], created_at=db.clock.now(), updated_at=db.clock.now()
+        )
         # Concurrent first runs serialize on the row lock: one of them records the creation.
         stored = get_task(conn, spec.task_code, for_update=True)
-        a = t.task_audit.c
+        a = schema.task_audit.c
         recorded = conn.execute(
             sa.select(a.id)
             .where(a.task_code == spec.task_code, a.field_name == CREATED_FIELD)
@@ -101,7 +103,7 @@ def require_enabled(conn: Connection, task_code: str) -> None:
     task = _find_task(conn, task_code)
     if task is None or task.status == "ENABLED":
         return
-    a = t.task_audit.c
+    a = schema.task_audit.c
     last = conn.execute(
         sa.select(a.changed_by, a.reason, a.created_at)
         .where(a.task_code == task_code, a.field_name == "status")
@@ -181,8 +183,8 @@ def change_task(
         if entries:
             guarded_update(
                 conn,
-                sa.update(t.task)
-                .where(t.task.c.task_code == task_code, t.task.c.status == current.status)
+                sa.update(schema.task)
+                .where(schema.task.c.task_code == task_code, schema.task.c.status == current.status)
                 .values(
                     **{e.field_name: getattr(wanted, e.field_name) for e in entries},
                     updated_at=db.clock.now(),
@@ -209,7 +211,7 @@ def change_task(
 
 def task_audit(conn: Connection, task_code: str, *, limit: int = 20) -> list[AuditEntry]:
     """A task's most recent audit rows, newest first."""
-    a = t.task_audit.c
+    a = schema.task_audit.c
     rows = conn.execute(
         sa.select(
             a.task_code,
@@ -229,8 +231,8 @@ def task_audit(conn: Connection, task_code: str, *, limit: int = 20) -> list[Aud
 
 def _find_task(conn: Connection, task_code: str) -> TaskSpec | None:
     row = conn.execute(
-        sa.select(*(t.task.c[f.name] for f in fields(TaskSpec))).where(
-            t.task.c.task_code == task_code
+        sa.select(*(schema.task.c[f.name] for f in fields(TaskSpec))).where(
+            schema.task.c.task_code == task_code
         )
     ).first()
     return TaskSpec(**row._mapping) if row is not None else None
@@ -238,7 +240,7 @@ def _find_task(conn: Connection, task_code: str) -> TaskSpec | None:
 
 def _audit(conn: Connection, clock: DbClock, entry: AuditEntry) -> None:
     conn.execute(
-        sa.insert(t.task_audit).values(
+        sa.insert(schema.task_audit).values(
             task_code=entry.task_code,
             field_name=entry.field_name[:64],
             old_value=entry.old_value[:1024] if entry.old_value is not None else None,

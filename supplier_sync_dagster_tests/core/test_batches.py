@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import (
     TaskSpec,
     add_shards,
@@ -71,7 +71,7 @@ def test_same_trigger_returns_the_same_batch(db: SyncDatabase):
     assert first.batch is not None and again.batch is not None
     assert first.batch.batch_id == again.batch.batch_id
     assert first.batch.status == "PENDING" and first.batch.shard_count == 2
-    assert _count(db, t.batch) == 1 and _count(db, t.shard) == 2
+    assert _count(db, schema.batch) == 1 and _count(db, schema.shard) == 2
     with db.engine.connect() as conn:
         assert get_task(conn, code).task_code == code
 
@@ -91,7 +91,7 @@ def test_concurrent_callers_with_one_trigger_get_one_batch(db: SyncDatabase):
         ids = {d.batch.batch_id for d in decisions if d.batch is not None}
         assert len(ids) == 1, decisions
         assert sorted(d.outcome for d in decisions) == ["CREATED"] + ["EXISTING"] * (n - 1)
-    assert _count(db, t.batch) == 10
+    assert _count(db, schema.batch) == 10
 
 
 def test_skip_if_running_records_the_skip_and_is_idempotent(db: SyncDatabase):
@@ -103,7 +103,9 @@ def test_skip_if_running_records_the_skip_and_is_idempotent(db: SyncDatabase):
     assert skipped.blocking_batch_id == running.batch.batch_id
     assert "SKIP_IF_RUNNING" in skipped.reason
     with db.engine.connect() as conn:
-        log = conn.execute(sa.select(t.trigger_log).where(t.trigger_log.c.trigger_id == "t2")).one()
+        log = conn.execute(
+            sa.select(schema.trigger_log).where(schema.trigger_log.c.trigger_id == "t2")
+        ).one()
     assert log.outcome == "SKIPPED" and log.blocking_batch_id == running.batch.batch_id
     # The same skipped trigger gets the same answer, even after the blocker finished.
     cancel_batch(db, running.batch.batch_id, "done for the test")
@@ -115,7 +117,7 @@ def test_skip_if_running_records_the_skip_and_is_idempotent(db: SyncDatabase):
         create_batch(db, task_code=code, trigger_id="t3", trigger_source="CRON").outcome
         == "CREATED"
     )
-    assert _count(db, t.batch) == 2
+    assert _count(db, schema.batch) == 2
 
 
 def test_concurrent_distinct_triggers_under_skip_if_running_create_one_batch(db: SyncDatabase):
@@ -127,7 +129,7 @@ def test_concurrent_distinct_triggers_under_skip_if_running_create_one_batch(db:
     )
     assert not errors, errors
     assert sorted(d.outcome for d in decisions) == ["CREATED"] + ["SKIPPED"] * (n - 1)
-    assert _count(db, t.batch) == 1
+    assert _count(db, schema.batch) == 1
 
 
 def test_cancel_previous_cancels_old_batch_and_its_workers_lose_the_lease(db: SyncDatabase):
@@ -191,7 +193,7 @@ def test_disabled_and_unknown_tasks_are_refused_without_writing(db: SyncDatabase
         create_batch(db, task_code="no_such_task", trigger_id="t", trigger_source="MANUAL")
     with pytest.raises(UnknownTask):
         set_task_status(db, "no_such_task", "ENABLED")
-    assert _count(db, t.batch) == 0 and _count(db, t.trigger_log) == 0
+    assert _count(db, schema.batch) == 0 and _count(db, schema.trigger_log) == 0
     set_task_status(db, code, "ENABLED")
     assert (
         create_batch(db, task_code=code, trigger_id="t", trigger_source="MANUAL").outcome
@@ -213,7 +215,7 @@ def test_malformed_trigger_is_a_clear_error(db: SyncDatabase, kwargs: dict[str, 
     code = _task(db)
     with pytest.raises(ConfigError):
         create_batch(db, task_code=code, **kwargs)  # type: ignore[arg-type]
-    assert _count(db, t.batch) == 0
+    assert _count(db, schema.batch) == 0
 
 
 @pytest.mark.parametrize(
@@ -247,8 +249,8 @@ def test_hostile_codes_as_task_trigger_and_shards_round_trip(db: SyncDatabase):
         assert decision.batch.city_scope == HOSTILE_CITY_CODES
         again = create_batch(db, task_code=code, trigger_id=code, trigger_source="MANUAL")
         assert again.batch is not None and again.batch.batch_id == decision.batch.batch_id
-    assert _count(db, t.task) == len(HOSTILE_CITY_CODES)
-    assert _count(db, t.batch) == len(HOSTILE_CITY_CODES)
+    assert _count(db, schema.task) == len(HOSTILE_CITY_CODES)
+    assert _count(db, schema.batch) == len(HOSTILE_CITY_CODES)
 
 
 def test_add_shards_is_idempotent_reopens_finished_and_refused_on_cancelled(db: SyncDatabase):
@@ -313,8 +315,8 @@ def local_process() -> Iterator[LocalProcess]:
 def _log_row(db: SyncDatabase, code: str, trigger: str) -> sa.Row[tuple[object, ...]]:
     with db.engine.connect() as conn:
         return conn.execute(
-            sa.select(t.trigger_log).where(
-                t.trigger_log.c.task_code == code, t.trigger_log.c.trigger_id == trigger
+            sa.select(schema.trigger_log).where(
+                schema.trigger_log.c.task_code == code, schema.trigger_log.c.trigger_id == trigger
             )
         ).one()
 
@@ -376,7 +378,7 @@ def test_a_batch_whose_leases_expired_is_adopted_and_resumes_from_its_checkpoint
         assert (
             claim_shard(db, batch_id, key, worker_id="w-adopter", settings=FAST).checkpoint is None
         )
-    assert _count(db, t.batch) == 1
+    assert _count(db, schema.batch) == 1
 
 
 def test_a_run_killed_in_its_first_seconds_is_adopted_at_once(
@@ -454,7 +456,7 @@ def test_concurrent_triggers_on_an_abandoned_batch_adopt_it_once(db: SyncDatabas
     assert {d.blocking_batch_id for d in decisions if d.outcome == "SKIPPED"} == {
         first.batch.batch_id
     }
-    assert _count(db, t.batch) == 1
+    assert _count(db, schema.batch) == 1
 
 
 def test_other_policies_keep_their_meaning_with_abandoned_batches(db: SyncDatabase):
@@ -504,8 +506,8 @@ def test_a_batch_from_before_the_grace_existed_is_abandoned_without_leases(db: S
     assert first.batch is not None
     with db.begin() as conn:  # as stored before this version: no creator, no grace
         conn.execute(
-            sa.update(t.batch)
-            .where(t.batch.c.batch_id == first.batch.batch_id)
+            sa.update(schema.batch)
+            .where(schema.batch.c.batch_id == first.batch.batch_id)
             .values(worker_id=None, lease_until=None)
         )
     adopted = create_batch(db, task_code=code, trigger_id="t2", trigger_source="CRON")

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.deadletters import (
     DeadLetter,
@@ -143,7 +143,7 @@ def test_mappings_are_allocated_once_even_under_concurrent_batches(db: SyncDatab
     assert not errors, errors
     assert all(r == results[0] for r in results)
     assert len(set(results[0].values())) == len(ids)  # 'H0001' and 'h0001' are two hotels
-    assert len(rows(db, t.hotel_mapping)) == len(ids)
+    assert len(rows(db, schema.hotel_mapping)) == len(ids)
     with db.begin() as conn:
         again = ensure_hotel_mappings(
             conn, db.clock, supplier_id=SUPPLIER, batch_id="later", hotel_ids=ids[:5]
@@ -182,7 +182,7 @@ def test_new_then_no_change_then_each_kind_of_change(db: SyncDatabase):
     assert by["H5"].diff_type == "NO_CHANGE"
     assert {p.supplier_hotel_id for p in res.published} == {"H1", "H2", "H3", "H4"}
     assert {p.publish_version for p in res.published} == {2}
-    logged = rows(db, t.diff_log, t.diff_log.c.batch_id == "b3")
+    logged = rows(db, schema.diff_log, schema.diff_log.c.batch_id == "b3")
     assert {r["supplier_resource_code"]: r["diff_type"] for r in logged} == {
         k: v.diff_type for k, v in by.items()
     }
@@ -199,7 +199,7 @@ def test_older_version_never_overwrites_newer(db: SyncDatabase):
     with db.begin() as conn:
         _, res = sync_in(conn, db, "b3", [stale], policy=lambda d: ("LOW", "AUTO_PUBLISH"))
     assert res.published == [] and res.not_newer == ["H1"] and res.events == 0
-    (row,) = rows(db, t.platform_hotel)
+    (row,) = rows(db, schema.platform_hotel)
     assert (row["name"], row["supplier_version"], row["publish_version"]) == ("Newest name", 5, 1)
 
 
@@ -208,22 +208,22 @@ def test_duplicates_in_one_batch_collapse_to_highest_version(db: SyncDatabase):
         db, "b1", [hotel("H1", 2, name="v2"), hotel("H1", 3, name="v3"), hotel("H1", 1)]
     )
     assert len(diffs) == 1 and diffs[0].new_version == 3
-    (row,) = rows(db, t.platform_hotel)
+    (row,) = rows(db, schema.platform_hotel)
     assert row["name"] == "v3" and row["supplier_version"] == 3
 
 
 def test_offers_follow_the_published_version_and_events_are_one_transaction(db: SyncDatabase):
     sync(db, "b1", [hotel("H1")])
-    first = {r["rate_plan_code"]: r["offer_id"] for r in rows(db, t.platform_offer)}
+    first = {r["rate_plan_code"]: r["offer_id"] for r in rows(db, schema.platform_offer)}
     v2 = hotel("H1", 2)
     v2["rooms"][0]["rate_plans"] = [v2["rooms"][0]["rate_plans"][0] | {"price": "130.00"}]
     sync(db, "b2", [v2])
-    offers = {r["rate_plan_code"]: r for r in rows(db, t.platform_offer)}
+    offers = {r["rate_plan_code"]: r for r in rows(db, schema.platform_offer)}
     assert offers["BAR"]["active"] and str(offers["BAR"]["price_amount"]).startswith("130")
     assert not offers["NRF"]["active"]  # the supplier stopped offering it
     assert offers["BAR"]["publish_version"] == 2
     assert {k: r["offer_id"] for k, r in offers.items()} == first
-    events = rows(db, t.outbox)
+    events = rows(db, schema.outbox)
     kinds = sorted((e["aggregate_version"], e["event_type"]) for e in events)
     assert kinds == [
         (1, "HotelContentChanged"),
@@ -242,22 +242,23 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
             raise RuntimeError("crash before commit")
     except RuntimeError:
         pass
-    assert len(rows(db, t.outbox)) == len(events)
-    assert rows(db, t.platform_hotel)[0]["supplier_version"] == 2
+    assert len(rows(db, schema.outbox)) == len(events)
+    assert rows(db, schema.platform_hotel)[0]["supplier_version"] == 2
 
 
 def test_an_offer_keeps_its_id_for_good(db: SyncDatabase):
     """The offer table allocates an offer's id once, under (hotel, room, rate plan)."""
     sync(db, "b1", [hotel("H1"), hotel("H2")])
     first = {
-        (r["resource_id"], r["rate_plan_code"]): r["offer_id"] for r in rows(db, t.platform_offer)
+        (r["resource_id"], r["rate_plan_code"]): r["offer_id"]
+        for r in rows(db, schema.platform_offer)
     }
     assert len(first) == len(set(first.values())) == 4
     paused = hotel("H1", 2)
     paused["rooms"][0]["rate_plans"] = paused["rooms"][0]["rate_plans"][:1]
     sync(db, "b2", [paused])
     sync(db, "b3", [hotel("H1", 3, name="Hotel H1 again")])
-    now = {(r["resource_id"], r["rate_plan_code"]): r for r in rows(db, t.platform_offer)}
+    now = {(r["resource_id"], r["rate_plan_code"]): r for r in rows(db, schema.platform_offer)}
     assert {k: r["offer_id"] for k, r in now.items()} == first
     h1 = {r["rate_plan_code"]: r for r in now.values() if r["publish_version"] == 3}
     assert set(h1) == {"BAR", "NRF"} and all(r["active"] for r in h1.values())
@@ -271,7 +272,7 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
     statements force the index, so the plan does not depend on statistics at all.
     """
     sync(db, "b1", [hotel(f"H{i}") for i in range(30)])
-    ids = sorted({r["resource_id"] for r in rows(db, t.platform_offer)})
+    ids = sorted({r["resource_id"] for r in rows(db, schema.platform_offer)})
     # Past eq_range_index_dive_limit (200); a chunk stays below 1000 (see mapping.CHUNK).
     for extra in (300, CHUNK - len(ids)):
         many = ids + list(range(10**9, 10**9 + extra))
@@ -293,7 +294,7 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
                     if r["table"] == "platform_hotel_offer"
                 ]
                 assert [(r["type"] in ("range", "ref"), r["key"]) for r in plan] == [
-                    (True, t.OFFER_IDENTITY)
+                    (True, schema.OFFER_IDENTITY)
                 ], plan
             assert len(conn.execute(active_offers(many)).all()) == 60
 
@@ -327,11 +328,11 @@ def test_rows_prepared_before_a_concurrent_publish_carry_the_versions_written(db
             plan=plan,
         )
     assert [(p.publish_version, p.supplier_version) for p in res.published] == [(3, 3)]
-    (row,) = rows(db, t.platform_hotel)
+    (row,) = rows(db, schema.platform_hotel)
     assert (json.loads(row["facilities"]), row["publish_version"]) == (["wifi", "pool", "spa"], 3)
-    live = rows(db, t.platform_offer, t.platform_offer.c.active.is_(True))
+    live = rows(db, schema.platform_offer, schema.platform_offer.c.active.is_(True))
     assert {o["publish_version"] for o in live} == {3}
-    events = rows(db, t.outbox, t.outbox.c.batch_id == "b3")
+    events = rows(db, schema.outbox, schema.outbox.c.batch_id == "b3")
     assert events and {e["aggregate_version"] for e in events} == {3}
     assert all(json.loads(e["payload"])["publish_version"] == 3 for e in events)
 
@@ -345,10 +346,10 @@ def test_concurrent_publishes_of_the_same_data_publish_once(db: SyncDatabase):
     counts, errors = run_concurrently(4, run)
     assert not errors, errors
     assert sum(counts) == 50  # each hotel published by exactly one of the runs
-    assert len(rows(db, t.platform_hotel)) == 50
-    assert {r["publish_version"] for r in rows(db, t.platform_hotel)} == {1}
-    assert len(rows(db, t.outbox, t.outbox.c.event_type == "HotelResourceUpdated")) == 50
-    assert len(rows(db, t.hotel_mapping)) == 50
+    assert len(rows(db, schema.platform_hotel)) == 50
+    assert {r["publish_version"] for r in rows(db, schema.platform_hotel)} == {1}
+    assert len(rows(db, schema.outbox, schema.outbox.c.event_type == "HotelResourceUpdated")) == 50
+    assert len(rows(db, schema.hotel_mapping)) == 50
 
 
 def test_dead_letters_are_idempotent_and_counted(db: SyncDatabase):
@@ -398,6 +399,6 @@ def test_dead_letters_are_idempotent_and_counted(db: SyncDatabase):
             "NOT_AN_OBJECT": 1,
             "LAT_OUT_OF_RANGE": 1,
         }
-    stored = rows(db, t.dead_letter)
+    stored = rows(db, schema.dead_letter)
     assert {r["status"] for r in stored} == {"PENDING"}
     assert all(r["raw_payload_ref"] == "file:///raw/p1.json.gz" for r in stored)

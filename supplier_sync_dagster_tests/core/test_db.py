@@ -115,7 +115,7 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(
     from decimal import Decimal
 
     import supplier_sync_dagster.core.db as db_module
-    from supplier_sync_dagster.core import schema as t
+    from supplier_sync_dagster.core import schema
     from supplier_sync_dagster.core.db import execute_many
 
     # Small statements: the rows of one call are split over several of them on MySQL.
@@ -152,21 +152,23 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(
     fixed = {"active": True}
     with db.begin() as conn:
         ours = [row(100 + i, i) for i in range(12)]
-        execute_many(conn, ("test_offers",), lambda: sa.insert(t.platform_offer), ours, fixed=fixed)
+        execute_many(
+            conn, ("test_offers",), lambda: sa.insert(schema.platform_offer), ours, fixed=fixed
+        )
         if db.dialect != "sqlite":  # sent as SQL text, in statements of at most 1000 characters
             assert len(inserts) > 1 and max(len(s) for s in inserts) <= 1000
         theirs = [{**row(200 + i, i), **fixed} for i in range(12)]
-        conn.execute(sa.insert(t.platform_offer), theirs)
+        conn.execute(sa.insert(schema.platform_offer), theirs)
         aware = [{**row(300, 1), "updated_at": datetime(2026, 11, 30, 5, 6, 7, 1, tzinfo=UTC)}]
         execute_many(
-            conn, ("test_offers",), lambda: sa.insert(t.platform_offer), aware, fixed=fixed
+            conn, ("test_offers",), lambda: sa.insert(schema.platform_offer), aware, fixed=fixed
         )
     with db.engine.connect() as conn:
         got = {
             r.offer_id: {
                 k: v for k, v in r._mapping.items() if k not in ("offer_id", "resource_id")
             }
-            for r in conn.execute(sa.select(t.platform_offer))
+            for r in conn.execute(sa.select(schema.platform_offer))
         }
     for i in range(12):
         assert got[100 + i] == got[200 + i]

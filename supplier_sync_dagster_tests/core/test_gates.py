@@ -11,7 +11,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import (
@@ -174,7 +174,7 @@ def test_profile_upsert_is_idempotent(db: SyncDatabase, cities: Cities):
             )
     with db.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(sa.func.count()).where(t.city_profile.c.batch_id == batch.batch_id)
+            sa.select(sa.func.count()).where(schema.city_profile.c.batch_id == batch.batch_id)
         ).scalar_one()
         profile = get_city_profile(conn, batch_id=batch.batch_id, shard_key=CITY)
     assert rows == 1
@@ -229,8 +229,8 @@ def test_previous_profile_is_the_latest_earlier_success_of_the_same_task(
     with db.engine.connect() as conn:
         statuses = dict(
             conn.execute(
-                sa.select(t.shard.c.batch_id, t.shard.c.status).where(
-                    t.shard.c.batch_id.in_([unfinished.batch_id, current.batch_id])
+                sa.select(schema.shard.c.batch_id, schema.shard.c.status).where(
+                    schema.shard.c.batch_id.in_([unfinished.batch_id, current.batch_id])
                 )
             ).all()
         )
@@ -526,7 +526,9 @@ def test_thresholds_per_task_stored_and_read_back(db: SyncDatabase, make_batch: 
         assert get_gate_thresholds(conn, a) == custom
         assert get_gate_thresholds(conn, b) == GateThresholds()
         rows = conn.execute(
-            sa.select(t.gate_threshold.c.updated_by).where(t.gate_threshold.c.task_code == a)
+            sa.select(schema.gate_threshold.c.updated_by).where(
+                schema.gate_threshold.c.task_code == a
+            )
         ).all()
     assert [r.updated_by for r in rows] == ["ops"]
     with pytest.raises(UnknownTask), db.begin() as conn:
@@ -538,16 +540,16 @@ def test_partial_and_malformed_stored_thresholds(db: SyncDatabase, make_batch: M
     with db.begin() as conn:
         set_gate_thresholds(conn, db.clock, task_code=task, thresholds=GateThresholds())
         conn.execute(
-            sa.update(t.gate_threshold)
-            .where(t.gate_threshold.c.task_code == task)
+            sa.update(schema.gate_threshold)
+            .where(schema.gate_threshold.c.task_code == task)
             .values(thresholds={"max_bad_ratio": 0.1})
         )
     with db.engine.connect() as conn:
         assert get_gate_thresholds(conn, task) == GateThresholds(max_bad_ratio=0.1)
     with db.begin() as conn:
         conn.execute(
-            sa.update(t.gate_threshold)
-            .where(t.gate_threshold.c.task_code == task)
+            sa.update(schema.gate_threshold)
+            .where(schema.gate_threshold.c.task_code == task)
             .values(thresholds={"max_bad_ratoi": 0.1})
         )
     with pytest.raises(ConfigError, match="max_bad_ratoi"), db.engine.connect() as conn:
@@ -694,11 +696,11 @@ def test_gated_city_publishes_nothing_until_overridden_then_publishes(
         assert gated.status == "GATED"
         assert gated.error is not None and gated.error.startswith("bad_record_ratio:")
         with db.engine.connect() as conn:
-            published = sa.select(sa.func.count()).select_from(t.platform_hotel)
+            published = sa.select(sa.func.count()).select_from(schema.platform_hotel)
             assert conn.execute(published).scalar() == 0
             shard = conn.execute(
-                sa.select(t.shard.c.status, t.shard.c.error_message).where(
-                    t.shard.c.batch_id == batch.batch_id
+                sa.select(schema.shard.c.status, schema.shard.c.error_message).where(
+                    schema.shard.c.batch_id == batch.batch_id
                 )
             ).one()
         assert shard.status == "FAILED" and "bad_record_ratio" in shard.error_message

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.diff import HotelDiff, RiskRules
@@ -94,13 +94,13 @@ def sync_all(
 
 
 def published_cities(db: SyncDatabase) -> dict[str, str]:
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     with db.engine.connect() as conn:
         return dict(conn.execute(sa.select(h.supplier_hotel_id, h.city_code)).all())
 
 
 def letter_rows(db: SyncDatabase, batch_id: str) -> list[Any]:
-    d = t.dead_letter.c
+    d = schema.dead_letter.c
     with db.engine.connect() as conn:
         return list(
             conn.execute(
@@ -417,7 +417,7 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
 
 
 def _names(db: SyncDatabase) -> dict[str, str]:
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     with db.engine.connect() as conn:
         return dict(conn.execute(sa.select(h.supplier_hotel_id, h.name)).all())
 

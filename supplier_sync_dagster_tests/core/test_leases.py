@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import cancel_batch, get_batch
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
@@ -52,7 +52,9 @@ RACES = 50
 def _shard_row(db: SyncDatabase, batch_id: str, key: str) -> dict[str, Any]:
     with db.engine.connect() as conn:
         row = conn.execute(
-            sa.select(t.shard).where(t.shard.c.batch_id == batch_id, t.shard.c.shard_key == key)
+            sa.select(schema.shard).where(
+                schema.shard.c.batch_id == batch_id, schema.shard.c.shard_key == key
+            )
         ).one()
     return dict(row._mapping)
 
@@ -178,7 +180,7 @@ def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
 
     with pytest.raises(LeaseLost), db.begin() as conn:
         conn.execute(
-            sa.insert(t.snapshot).values(
+            sa.insert(schema.snapshot).values(
                 snapshot_id="page-2",
                 batch_id=batch.batch_id,
                 supplier_id=1001,
@@ -191,7 +193,7 @@ def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
         )
         old.advance(Checkpoint("BKK", page=2), PageCounts(success=1), conn=conn)
     with db.engine.connect() as conn:
-        assert conn.execute(sa.select(sa.func.count()).select_from(t.snapshot)).scalar() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(schema.snapshot)).scalar() == 0
 
 
 def test_heartbeat_runner_renews_then_detects_loss_and_signals_stop(
@@ -415,7 +417,7 @@ def test_hostile_city_codes_stored_and_read_back_verbatim(db: SyncDatabase, make
     with db.engine.connect() as conn:
         assert get_batch(conn, batch.batch_id).status == "SUCCESS"
         # The hostile SQL did nothing: every table is still there.
-        assert set(sa.inspect(conn).get_table_names()) >= set(t.metadata.tables)
+        assert set(sa.inspect(conn).get_table_names()) >= set(schema.metadata.tables)
 
 
 @pytest.mark.parametrize(
@@ -435,7 +437,9 @@ def test_malformed_stored_checkpoint_is_a_clear_error(
     batch = make_batch(["BKK"])
     with db.begin() as conn:
         conn.execute(
-            sa.update(t.shard).where(t.shard.c.batch_id == batch.batch_id).values(checkpoint=stored)
+            sa.update(schema.shard)
+            .where(schema.shard.c.batch_id == batch.batch_id)
+            .values(checkpoint=stored)
         )
     with pytest.raises(InvalidCheckpoint, match="BKK"):
         claim_shard(db, batch.batch_id, "BKK", worker_id="w", settings=FAST)
@@ -515,7 +519,9 @@ def test_live_lease_of_a_dead_local_process_is_taken_at_once(
 
 def _set_status(db: SyncDatabase, shard_id: int, status: str) -> None:
     with db.begin() as conn:  # test setup: straight to a state, bypassing the state machine
-        conn.execute(sa.update(t.shard).where(t.shard.c.id == shard_id).values(status=status))
+        conn.execute(
+            sa.update(schema.shard).where(schema.shard.c.id == shard_id).values(status=status)
+        )
 
 
 def test_the_table_of_moves_is_what_the_database_enforces(db: SyncDatabase, make_batch: MakeBatch):
@@ -530,18 +536,18 @@ def test_the_table_of_moves_is_what_the_database_enforces(db: SyncDatabase, make
         with db.begin() as conn:
             if allowed:
                 move_shards(
-                    conn, target, [t.shard.c.id == shard_id], on_miss=lambda: AssertionError()
+                    conn, target, [schema.shard.c.id == shard_id], on_miss=lambda: AssertionError()
                 )
             else:
                 with pytest.raises(InvalidTransition, match="refused"):
                     move_shards(
                         conn,
                         target,
-                        [t.shard.c.id == shard_id],
+                        [schema.shard.c.id == shard_id],
                         on_miss=lambda: InvalidTransition("refused"),
                     )
                 # A bulk move (no on_miss) reports the 0 rows instead of raising.
-                assert move_shards(conn, target, [t.shard.c.id == shard_id]) == 0
+                assert move_shards(conn, target, [schema.shard.c.id == shard_id]) == 0
         expected = target if allowed else source
         assert get_shard(db, batch.batch_id, "BKK").status == expected, (source, target)
 
@@ -553,14 +559,14 @@ def test_a_move_the_table_does_not_have_is_refused_before_any_write(
     shard_id = get_shard(db, batch.batch_id, "BKK").shard_id
     _set_status(db, shard_id, "SUCCESS")
     with db.begin() as conn, pytest.raises(InvalidTransition, match="SUCCESS"):
-        move_shards(conn, "PENDING", [t.shard.c.id == shard_id], sources=["SUCCESS"])
+        move_shards(conn, "PENDING", [schema.shard.c.id == shard_id], sources=["SUCCESS"])
     assert get_shard(db, batch.batch_id, "BKK").status == "SUCCESS"
 
 
 def test_a_fenced_move_needs_the_holder_and_its_token(db: SyncDatabase, make_batch: MakeBatch):
     batch = make_batch(["BKK"])
     lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
-    where = [t.shard.c.id == lease.shard_id]
+    where = [schema.shard.c.id == lease.shard_id]
     with db.begin() as conn:
         assert move_shards(conn, "PENDING", where, holder=("w1", "another token")) == 0
         assert move_shards(conn, "PENDING", where, holder=("w2", lease.lease_token)) == 0
@@ -589,7 +595,7 @@ def handler(db: SyncDatabase, batch_id: str, fail_on: int | None = None):
     def handle(conn: Connection, page: FetchedPage) -> PageCounts:
         insert_ignore(
             conn,
-            t.snapshot,
+            schema.snapshot,
             [
                 {
                     "snapshot_id": f"{batch_id[:40]}-{page.number}",
@@ -615,8 +621,8 @@ def stored_pages(db: SyncDatabase, batch_id: str) -> int:
         return int(
             conn.execute(
                 sa.select(sa.func.count())
-                .select_from(t.snapshot)
-                .where(t.snapshot.c.batch_id == batch_id)
+                .select_from(schema.snapshot)
+                .where(schema.snapshot.c.batch_id == batch_id)
             ).scalar_one()
         )
 

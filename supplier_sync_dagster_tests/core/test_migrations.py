@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import WRITE_OPTION, SyncDatabase, make_engine
 from supplier_sync_dagster.core.errors import (
     ConfigError,
@@ -173,7 +173,7 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
         before = row_counts(old)
         with old.engine.connect() as conn:
             outbox_before = conn.execute(
-                sa.select(t.outbox.c.id, t.outbox.c.event_id).order_by(t.outbox.c.id)
+                sa.select(schema.outbox.c.id, schema.outbox.c.event_id).order_by(schema.outbox.c.id)
             ).all()
         assert "uk_event_id" in unique_keys(old, "supplier_sync_outbox")
         # Real data in the tables that matter: published hotels, offers, events, dead letters.
@@ -195,7 +195,7 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
         assert kept_tables(row_counts(old), old.dialect, 7) == before
         with old.engine.connect() as conn:
             outbox_after = conn.execute(
-                sa.select(t.outbox.c.id, t.outbox.c.event_id).order_by(t.outbox.c.id)
+                sa.select(schema.outbox.c.id, schema.outbox.c.event_id).order_by(schema.outbox.c.id)
             ).all()
         assert outbox_after == outbox_before
         keys = unique_keys(old, "supplier_sync_outbox")
@@ -218,7 +218,7 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
             assert {h: now.get(h) for h in truth.valid} == truth.valid  # day 1 is published
             with db.engine.connect() as conn:
                 republished = conn.execute(
-                    sa.select(sa.func.count()).where(t.platform_hotel.c.publish_version > 1)
+                    sa.select(sa.func.count()).where(schema.platform_hotel.c.publish_version > 1)
                 ).scalar_one()
             assert republished > 0  # hotels published before the upgrade changed after it
             after = row_counts(db)
@@ -282,7 +282,7 @@ def test_a_database_at_006_keeps_every_offer_id_through_007_and_later(db_url: st
             "created_at": now,
         }
         with db.begin() as conn:
-            conn.execute(sa.insert(t.platform_offer), offers)
+            conn.execute(sa.insert(schema.platform_offer), offers)
             conn.execute(
                 sa.insert(offer_mapping),
                 [
@@ -299,7 +299,7 @@ def test_a_database_at_006_keeps_every_offer_id_through_007_and_later(db_url: st
                 ],
             )
             conn.execute(
-                sa.insert(t.outbox),
+                sa.insert(schema.outbox),
                 [{**event, "event_id": f"e{i}", "aggregate_id": i} for i in range(1, 4)],
             )
         before = row_counts(db)
@@ -315,17 +315,17 @@ def test_a_database_at_006_keeps_every_offer_id_through_007_and_later(db_url: st
         with db.engine.connect() as conn:
             kept = [
                 dict(r._mapping)
-                for r in conn.execute(sa.select(t.platform_offer).order_by("offer_id"))
+                for r in conn.execute(sa.select(schema.platform_offer).order_by("offer_id"))
             ]
         assert kept == offers
         assert "uk_offer_identity" in unique_keys(db, "platform_hotel_offer")
         with db.begin() as conn:
             new_id = conn.execute(
-                sa.insert(t.platform_offer), _offer(None, 99, "R0")
+                sa.insert(schema.platform_offer), _offer(None, 99, "R0")
             ).inserted_primary_key
             assert new_id is not None and new_id[0] == 136  # after the largest (135)
         with pytest.raises(sa.exc.IntegrityError), db.begin() as conn:
-            conn.execute(sa.insert(t.platform_offer), _offer(None, 1, "R0"))  # same identity
+            conn.execute(sa.insert(schema.platform_offer), _offer(None, 1, "R0"))  # same identity
     finally:
         db.dispose()
 
@@ -364,7 +364,7 @@ def test_a_database_at_009_keeps_its_snapshot_and_dead_letter_traces_through_010
         assert result.baseline == 9
         assert [a.version for a in result.applied] == list(range(10, HEAD + 1))
         with db.engine.connect() as conn:
-            s, d = t.snapshot.c, t.dead_letter.c
+            s, d = schema.snapshot.c, schema.dead_letter.c
             derived = conn.execute(sa.select(s.derived_from).order_by(s.snapshot_id)).scalars()
             positions = conn.execute(
                 sa.select(d.record_position).order_by(d.dead_letter_id)
@@ -375,7 +375,7 @@ def test_a_database_at_009_keeps_its_snapshot_and_dead_letter_traces_through_010
         with pytest.raises(sa.exc.IntegrityError), db.begin() as conn:
             row = {k: v for k, v in letters[0].items() if k != "supplier_product_code"}
             conn.execute(
-                sa.insert(t.dead_letter),
+                sa.insert(schema.dead_letter),
                 {**row, "dead_letter_id": "d9", "record_position": "record#0"},
             )
     finally:
@@ -387,7 +387,7 @@ def test_a_database_made_by_create_all_is_recorded_at_head_and_left_as_it_is(db_
     db = SyncDatabase.open(db_url, create_schema=False)
     try:
         with db.begin() as conn:
-            t.metadata.create_all(conn)
+            schema.metadata.create_all(conn)
         result = migrate_on_open(db)
         assert result is not None
         # The newest version's mark is known (core/migrations._MARKERS): nothing re-applied.

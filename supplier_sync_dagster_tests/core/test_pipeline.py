@@ -17,7 +17,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import TaskSpec, create_batch, get_batch, upsert_task
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
@@ -88,13 +88,13 @@ def full_sync(
 
 def published(db: SyncDatabase) -> dict[str, int]:
     with db.engine.connect() as conn:
-        h = t.platform_hotel.c
+        h = schema.platform_hotel.c
         return dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
 
 
 def dead_letters(db: SyncDatabase, batch_id: str) -> dict[str, str]:
     with db.engine.connect() as conn:
-        d = t.dead_letter.c
+        d = schema.dead_letter.c
         return dict(
             conn.execute(
                 sa.select(d.supplier_resource_code, d.error_code).where(d.batch_id == batch_id)
@@ -137,8 +137,8 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
     with db.engine.connect() as conn:
         rows = conn.execute(
             sa.select(sa.func.count())
-            .select_from(t.dead_letter)
-            .where(t.dead_letter.c.batch_id == batch_id)
+            .select_from(schema.dead_letter)
+            .where(schema.dead_letter.c.batch_id == batch_id)
         ).scalar_one()
     assert batch.failed_count == rows >= len(truth.bad)
     assert batch.success_count == len(truth.valid)
@@ -149,7 +149,7 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
     with db.engine.connect() as conn:
         ref, hid = conn.execute(
             sa.select(
-                t.platform_hotel.c.raw_payload_ref, t.platform_hotel.c.supplier_hotel_id
+                schema.platform_hotel.c.raw_payload_ref, schema.platform_hotel.c.supplier_hotel_id
             ).limit(1)
         ).one()
     assert hid.encode() in store.get(ref)
@@ -164,7 +164,7 @@ def test_flaky_full_sync_matches_ground_truth_then_next_day_publishes_changes(
         assert now[hid] == version
     changed = {h for h, v in after_truth.valid.items() if before.get(h) != v}
     with db.engine.connect() as conn:
-        d = t.diff_log.c
+        d = schema.diff_log.c
         diffs = dict(
             conn.execute(
                 sa.select(d.supplier_resource_code, d.diff_type).where(d.batch_id == batch2)
@@ -211,15 +211,15 @@ def test_two_syncs_at_once_publish_each_hotel_once(
     truth = sim.ground_truth()
     assert published(db) == truth.valid
     with db.engine.connect() as conn:
-        h, o = t.platform_hotel.c, t.outbox.c
+        h, o = schema.platform_hotel.c, schema.outbox.c
         assert set(conn.execute(sa.select(h.publish_version).distinct()).scalars()) == {1}
         events = conn.execute(
             sa.select(sa.func.count())
-            .select_from(t.outbox)
+            .select_from(schema.outbox)
             .where(o.event_type == "HotelResourceUpdated")
         ).scalar_one()
         mappings = conn.execute(
-            sa.select(sa.func.count()).select_from(t.hotel_mapping)
+            sa.select(sa.func.count()).select_from(schema.hotel_mapping)
         ).scalar_one()
     assert events == len(truth.valid) and mappings == len(truth.valid)
     assert sum(r.published for rs in results for r in rs) == len(truth.valid)
@@ -235,10 +235,12 @@ def test_replay_from_stored_raw_pages_never_calls_the_supplier(db: SyncDatabase,
         batch_id, _ = full_sync(db, store, supplier_client(http), "first")
     served = sim.stats["requests_total"]
     with db.begin() as conn:  # forget what was published: replay must rebuild it
-        for table in (t.platform_offer, t.platform_hotel, t.outbox):
+        for table in (schema.platform_offer, schema.platform_hotel, schema.outbox):
             conn.execute(sa.delete(table))
         conn.execute(
-            sa.update(t.shard).where(t.shard.c.batch_id == batch_id).values(status="FAILED")
+            sa.update(schema.shard)
+            .where(schema.shard.c.batch_id == batch_id)
+            .values(status="FAILED")
         )
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
@@ -302,12 +304,12 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 240
-        sh = t.shard.c
+        sh = schema.shard.c
         while True:  # kill in the middle of a city: a shard with pages behind and ahead
             with db.engine.connect() as conn:
                 mid_city = conn.execute(
                     sa.select(sa.func.count())
-                    .select_from(t.shard)
+                    .select_from(schema.shard)
                     .where(
                         sh.status == "RUNNING",
                         sh.pages_done >= 2,
@@ -323,7 +325,9 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
         proc.wait()
         with db.engine.connect() as conn:
             running = conn.execute(
-                sa.select(sa.func.count()).select_from(t.shard).where(t.shard.c.status == "RUNNING")
+                sa.select(sa.func.count())
+                .select_from(schema.shard)
+                .where(schema.shard.c.status == "RUNNING")
             ).scalar_one()
         # Normally 1 (killed mid-city, its lease still live); the bound below uses the count.
 
@@ -336,7 +340,9 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
     assert published(db) == truth.valid
     assert served - _expected_page_requests(sim, page_size) <= running
     with db.engine.connect() as conn:
-        batches = conn.execute(sa.select(t.batch).where(t.batch.c.trigger_id == trigger)).all()
+        batches = conn.execute(
+            sa.select(schema.batch).where(schema.batch.c.trigger_id == trigger)
+        ).all()
     assert len(batches) == 1 and batches[0].status == "SUCCESS"  # the re-run continued it
     b = batches[0]
     assert b.total_count == b.success_count + b.failed_count + b.skipped_count
@@ -353,10 +359,10 @@ def test_helpers_take_the_largest_pending_city_first(db: SyncDatabase):
         db, task_code="help", trigger_id="h", trigger_source="BACKFILL", shard_keys=cities
     ).batch
     assert batch is not None
-    sh = t.shard.c
+    sh = schema.shard.c
     with db.begin() as conn:
         conn.execute(
-            sa.update(t.shard)
+            sa.update(schema.shard)
             .where(sh.batch_id == batch.batch_id, sh.shard_key == "started")
             .values(status="RUNNING")
         )
@@ -366,7 +372,7 @@ def test_helpers_take_the_largest_pending_city_first(db: SyncDatabase):
         order.append(city)
         with db.begin() as conn:
             conn.execute(
-                sa.update(t.shard)
+                sa.update(schema.shard)
                 .where(sh.batch_id == batch.batch_id, sh.shard_key == city)
                 .values(status="SUCCESS")
             )

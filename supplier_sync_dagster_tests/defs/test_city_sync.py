@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from dagster_aws.s3 import S3Resource
 from moto.server import ThreadedMotoServer
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.run import resolve_batch
@@ -159,7 +159,7 @@ def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, t
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
         batches = conn.execute(
-            sa.select(t.batch.c.batch_id).where(t.batch.c.trigger_id == "fixed-trigger")
+            sa.select(schema.batch.c.batch_id).where(schema.batch.c.trigger_id == "fixed-trigger")
         ).all()
     db.dispose()
     assert [b.batch_id for b in batches] == [_metadata(r1, "published_hotels")["batch_id"]]
@@ -215,10 +215,13 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
     assert all(m["counts_add_up"] and m["city_status"] == "SUCCESS" for m in per_city.values())
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
-        refs = conn.execute(sa.select(t.snapshot.c.payload_ref)).scalars().all()
+        refs = conn.execute(sa.select(schema.snapshot.c.payload_ref)).scalars().all()
         published = dict(
             conn.execute(
-                sa.select(t.platform_hotel.c.supplier_hotel_id, t.platform_hotel.c.supplier_version)
+                sa.select(
+                    schema.platform_hotel.c.supplier_hotel_id,
+                    schema.platform_hotel.c.supplier_version,
+                )
             ).all()
         )
     db.dispose()
@@ -253,7 +256,7 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
     assert len(batches) == 1
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
-        row = conn.execute(sa.select(t.batch)).one()
+        row = conn.execute(sa.select(schema.batch)).one()
     db.dispose()
     assert (row.trigger_id, row.trigger_source, row.status) == ("bf-123", "BACKFILL", "SUCCESS")
     assert row.shard_count == row.shards_done == len(keys)
@@ -381,7 +384,7 @@ def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
     db = SyncDatabase.open(db_url)
     try:
         with db.engine.connect() as conn:
-            h, d = t.platform_hotel.c, t.dead_letter.c
+            h, d = schema.platform_hotel.c, schema.dead_letter.c
             published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
             dead = set(conn.execute(sa.select(d.supplier_resource_code)).scalars())
     finally:
@@ -447,12 +450,17 @@ def test_reexecuting_a_failed_range_run_from_failure_resyncs_only_the_failed_cit
     db = SyncDatabase.open(db_url)
     try:
         with db.engine.connect() as conn:
-            batches = conn.execute(sa.select(t.batch.c.trigger_id, t.batch.c.status)).all()
-            claims = dict(conn.execute(sa.select(t.shard.c.shard_key, t.shard.c.claim_count)).all())
+            batches = conn.execute(
+                sa.select(schema.batch.c.trigger_id, schema.batch.c.status)
+            ).all()
+            claims = dict(
+                conn.execute(sa.select(schema.shard.c.shard_key, schema.shard.c.claim_count)).all()
+            )
             published = dict(
                 conn.execute(
                     sa.select(
-                        t.platform_hotel.c.supplier_hotel_id, t.platform_hotel.c.supplier_version
+                        schema.platform_hotel.c.supplier_hotel_id,
+                        schema.platform_hotel.c.supplier_version,
                     )
                 ).all()
             )

@@ -8,7 +8,7 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.gates import override_gate
 from supplier_sync_dagster.defs.city_sync import (
@@ -168,12 +168,12 @@ def test_materializing_normalized_and_downstream_replays_without_the_supplier(
 
 
 def _published(db: SyncDatabase) -> dict[str, int]:
-    h = t.platform_hotel.c
+    h = schema.platform_hotel.c
     with db.engine.connect() as conn:
         return dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
 
 
 def _batch_of(db: SyncDatabase, trigger_id: str) -> str:
-    b = t.batch.c
+    b = schema.batch.c
     with db.engine.connect() as conn:
         return str(conn.execute(sa.select(b.batch_id).where(b.trigger_id == trigger_id)).scalar())

@@ -7,7 +7,7 @@ from pathlib import Path
 import dagster as dg
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import get_task
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.tasks import change_task, task_audit
@@ -90,7 +90,9 @@ def _run_and_check(
             task = get_task(conn, code)
             assert (task.concurrency_policy, task.status) == ("CANCEL_PREVIOUS", "DISABLED")
             assert len(task_audit(conn, code)) == 3
-            batches = conn.execute(sa.select(sa.func.count()).select_from(t.batch)).scalar_one()
+            batches = conn.execute(
+                sa.select(sa.func.count()).select_from(schema.batch)
+            ).scalar_one()
         assert batches == 2  # the refused run made none
     finally:
         db.dispose()

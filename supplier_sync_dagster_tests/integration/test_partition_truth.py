@@ -27,7 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import main
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import TaskSpec
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.tasks import change_task, ensure_task
@@ -204,7 +204,7 @@ def test_each_city_partition_shows_its_own_outcome_and_reexecution_heals_exactly
 
     db = SyncDatabase.open(db_url)
     try:
-        h, s, b = t.platform_hotel.c, t.shard.c, t.batch.c
+        h, s, b = schema.platform_hotel.c, schema.shard.c, schema.batch.c
         with db.engine.connect() as conn:
             hotels = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
             batches = conn.execute(sa.select(b.batch_id, b.status, b.trigger_id)).all()
@@ -222,7 +222,7 @@ def test_each_city_partition_shows_its_own_outcome_and_reexecution_heals_exactly
 
 
 def _batch_id(db: SyncDatabase, trigger_id: str) -> str:
-    b = t.batch.c
+    b = schema.batch.c
     with db.engine.connect() as conn:
         return str(conn.execute(sa.select(b.batch_id).where(b.trigger_id == trigger_id)).scalar())
 

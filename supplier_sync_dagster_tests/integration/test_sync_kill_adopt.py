@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.simulator import Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
@@ -39,7 +39,7 @@ def simulator() -> Iterator[tuple[Simulator, str]]:
 
 def _progress(db: SyncDatabase, trigger_id: str) -> int | None:
     """Pages done by the batch this trigger works on, once the trigger has one; else None."""
-    g, s = t.trigger_log.c, t.shard.c
+    g, s = schema.trigger_log.c, schema.shard.c
     with db.engine.connect() as conn:
         batch_id = conn.execute(sa.select(g.batch_id).where(g.trigger_id == trigger_id)).scalar()
         if batch_id is None:
@@ -95,7 +95,7 @@ def test_sync_killed_three_times_is_adopted_and_ends_at_the_ground_truth(
         assert final.returncode == 0, (seed, final.stdout[-3000:], final.stderr[-3000:], logs)
         summary = json.loads(final.stdout)
 
-        g, h, s = t.trigger_log.c, t.platform_hotel.c, t.shard.c
+        g, h, s = schema.trigger_log.c, schema.platform_hotel.c, schema.shard.c
         with db.engine.connect() as conn:
             log_rows = {
                 r.trigger_id: (r.outcome, r.batch_id)

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema as t
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.deployment import (
@@ -127,7 +127,7 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
 
     db = SyncDatabase.open(sync_url)
     try:
-        h, s, b = t.platform_hotel.c, t.shard.c, t.batch.c
+        h, s, b = schema.platform_hotel.c, schema.shard.c, schema.batch.c
         with db.engine.connect() as conn:
             published = dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
             batches = conn.execute(sa.select(b.batch_id, b.status, b.trigger_id)).all()
