@@ -32,7 +32,7 @@ from supplier_sync_dagster.core.db import (
     insert_ignore,
     use_index,
 )
-from supplier_sync_dagster.core.diff import Candidate, HotelDiff
+from supplier_sync_dagster.core.diff import CONTENT_FIELDS, Candidate, HotelDiff
 from supplier_sync_dagster.core.mapping import chunks
 
 # PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
@@ -42,20 +42,10 @@ _ONE: Any = sa.literal_column("1")
 HOTEL_EVENTS = ("HotelResourceUpdated", "HotelSearchIndexRefreshRequired")
 CONTENT_DIFFS = ("NEW", "CONTENT_CHANGED", "STATUS_CHANGED")
 
+# The published hotel's columns: its content fields (as the diff compares them; the
+# document's phone_e164 is the column phone), then what the publish itself records.
 _HOTEL_COLUMNS = (
-    "name",
-    "name_local",
-    "city_code",
-    "country_code",
-    "address_line1",
-    "postal_code",
-    "lat",
-    "lng",
-    "star_rating",
-    "phone",
-    "email",
-    "facilities",
-    "images",
+    *("phone" if name == "phone_e164" else name for name in CONTENT_FIELDS),
     "status",
     "supplier_updated_at",
     "raw_payload_ref",
