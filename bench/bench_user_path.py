@@ -174,8 +174,8 @@ def run_sync(
         notes=[
             f"outside the step: {wall - summary['seconds']:.1f}s in the command around the run "
             f"(interpreter start, imports, instance, city list and partitions, summary) + "
-            f"{summary['seconds'] - steps.busy:.1f}s in the run around its step (run start, "
-            "resources, run end)"
+            f"{summary['seconds'] - steps.busy:.1f}s in the run around its step (run start "
+            "with its planned events per partition, resources, run end)"
         ],
     )
 
@@ -230,7 +230,7 @@ def run_daemon_backfill(
         steps=done.steps.steps,
         problems=problems,
         notes=[
-            f"{len(done.run_ids)} runs; launch -> first run {done.first_run:.1f}s, "
+            f"{len(done.run_ids)} run(s); launch -> first run {done.first_run:.1f}s, "
             f"-> first step {first_step:.1f}s"
         ],
     )
@@ -277,7 +277,7 @@ def report_run(m: Measured, args: argparse.Namespace, world: World) -> bool:
         between = m.step - in_flight - before - after
         edges = (
             f": {before:.1f}s before the first city, {between:.1f}s between cities (each "
-            f"city's Dagster events, progress), {after:.1f}s after the last"
+            f"city's Dagster events and instance look-ups, progress), {after:.1f}s after the last"
         )
     outside = m.wall - m.step
     print(
