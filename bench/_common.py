@@ -284,22 +284,13 @@ def run_backfill(
     """
     import dagster as dg
 
-    from supplier_sync_dagster.deployment import FINAL_BACKFILL_STATES
+    from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS
 
-    instance.add_dynamic_partitions("supplier_city", list(keys))
+    instance.add_dynamic_partitions(CITY_PARTITIONS, list(keys))
     launched = time.time()
     backfill_id = dagster.launch_backfill(keys, title=title)
-    deadline = time.monotonic() + timeout
+    status, runs = dagster.wait_for_backfill(instance, backfill_id, timeout=timeout, poll=2)
     by_backfill = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
-    while True:
-        status = dagster.backfill_status(backfill_id)
-        runs = instance.get_runs(filters=by_backfill)
-        if status in FINAL_BACKFILL_STATES and runs and all(r.is_finished for r in runs):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"backfill {backfill_id} not finished: {status}")
-        dagster.check()
-        time.sleep(2)
     records = instance.get_run_records(filters=by_backfill)
     # The UI's truth: every city is materialized on its own for every asset.
     view = dagster.partitions("published_hotels", keys)

@@ -332,6 +332,39 @@ class DagsterProcesses:
         data = self.graphql(_BACKFILL_STATUS, {"id": backfill_id})["partitionBackfillOrError"]
         return str(data.get("status", data["__typename"]))
 
+    def wait_for_backfill(
+        self, instance: Any, backfill_id: str, *, timeout: float, poll: float = 1.0
+    ) -> tuple[str, list[Any]]:
+        """Waits until the backfill is final and each of its runs has finished.
+
+        Args:
+            instance: The Dagster instance the daemon works on.
+            backfill_id: The backfill.
+            timeout: Seconds to wait at most.
+            poll: Seconds between looks.
+
+        Returns:
+            The backfill's final status and its runs.
+
+        Raises:
+            TimeoutError: Not finished in time (with the end of the daemon's log).
+        """
+        import dagster as dg
+
+        by_backfill = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
+        deadline = time.monotonic() + timeout
+        status = ""
+        while time.monotonic() < deadline:
+            status = self.backfill_status(backfill_id)
+            runs = instance.get_runs(filters=by_backfill)
+            if status in FINAL_BACKFILL_STATES and runs and all(r.is_finished for r in runs):
+                return status, list(runs)
+            self.check()
+            time.sleep(poll)
+        raise TimeoutError(
+            f"backfill {backfill_id} not finished ({status}): {self.tail('daemon.log')}"
+        )
+
 
 def _by_status(found: Mapping[str, Any], *fields: str) -> dict[str, set[str]]:
     """GraphQL's ``<status>Partitions`` lists as sets of keys by status (``failed``...)."""

@@ -17,7 +17,6 @@ webserver's GraphQL API:
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +33,6 @@ from supplier_sync_dagster.core.tasks import change_task, ensure_task
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.deployment import (
     ASSETS,
-    FINAL_BACKFILL_STATES,
     ROOT,
     DagsterProcesses,
     profile_env,
@@ -64,16 +62,7 @@ def _bad_ratios(sim: Simulator) -> dict[str, float]:
 
 
 def _wait(dagster: DagsterProcesses, instance: dg.DagsterInstance, backfill_id: str) -> str:
-    deadline = time.monotonic() + 300
-    status = ""
-    while time.monotonic() < deadline:
-        status = dagster.backfill_status(backfill_id)
-        runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-        if status in FINAL_BACKFILL_STATES and runs and all(r.is_finished for r in runs):
-            return status
-        dagster.check()
-        time.sleep(1)
-    raise AssertionError(f"backfill {backfill_id} still {status}: {dagster.tail('daemon.log')}")
+    return dagster.wait_for_backfill(instance, backfill_id, timeout=300)[0]
 
 
 def test_each_city_partition_shows_its_own_outcome_and_reexecution_heals_exactly_the_rest(

@@ -10,7 +10,6 @@ and no city may have been processed by two runs.
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,6 @@ from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.deployment import (
-    FINAL_BACKFILL_STATES,
     ROOT,
     DagsterProcesses,
     migrate_instance,
@@ -96,15 +94,7 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
         instance = dg.DagsterInstance.get()
         instance.add_dynamic_partitions("supplier_city", keys)
         backfill_id = dagster.launch_backfill(keys, title="integration: every city")
-        deadline = time.monotonic() + 420
-        status = ""
-        while time.monotonic() < deadline:
-            status = dagster.backfill_status(backfill_id)
-            runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-            if status in FINAL_BACKFILL_STATES and runs and all(r.is_finished for r in runs):
-                break
-            dagster.check()
-            time.sleep(2)
+        status, _ = dagster.wait_for_backfill(instance, backfill_id, timeout=420, poll=2)
         assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (status, dagster.tail("daemon.log"))
         runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
         assert len(runs) >= 2  # the backfill policy grouped the cities into several runs
