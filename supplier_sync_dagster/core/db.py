@@ -562,7 +562,7 @@ def _sql_text(conn: Connection, expr: sa.ClauseElement) -> str:
     if isinstance(expr, db_now):
         offset = next(iter(expr.clauses))
         assert isinstance(offset, sa.BindParameter)
-        key = (dialect.name, dialect.driver, int(offset.value))
+        key = (dialect.name, dialect.driver, int(offset.value or 0))
         text = _sql_texts.get(key)
         if text is not None:
             return text
