@@ -406,13 +406,11 @@ class BatchBaselines:
 
     Attributes:
         task_code: The batch's task.
-        thresholds: The task's thresholds when the batch was first gated here.
         previous: City -> its profile in the latest earlier batch of the task whose shard
             for the city finished SUCCESS (:func:`previous_profile`, for every city at once).
     """
 
     task_code: str
-    thresholds: GateThresholds
     previous: Mapping[str, CityProfile]
 
 
@@ -422,12 +420,11 @@ _baselines_lock = threading.Lock()
 
 
 def batch_baselines(db: SyncDatabase, batch_id: str) -> BatchBaselines:
-    """The batch's task, thresholds and every city's baseline; read on first use, then
-    kept in this process (for the few latest batches; batch ids are never reused).
+    """The batch's task and every city's baseline; read on first use, then kept in this
+    process (for the few latest batches; batch ids are never reused).
 
     A batch's baselines are earlier batches' finished shards, and its cities are gated
-    within minutes of each other: they are read once per batch, not once per city. A
-    threshold changed while the batch runs applies from the next batch (or process).
+    within minutes of each other: they are read once per batch, not once per city.
 
     Raises:
         UnknownBatch: The batch does not exist.
@@ -466,8 +463,7 @@ def batch_baselines(db: SyncDatabase, batch_id: str) -> BatchBaselines:
                 )
             )
         ).all()
-        thresholds = get_gate_thresholds(conn, task_code)
-    made = BatchBaselines(task_code, thresholds, {r.shard_key: _profile(r) for r in rows})
+    made = BatchBaselines(task_code, {r.shard_key: _profile(r) for r in rows})
     with _baselines_lock:
         while len(_baselines) >= _BASELINES_KEPT:
             del _baselines[next(iter(_baselines))]
@@ -745,11 +741,11 @@ def check_first_pages(
     previous = baselines.previous.get(shard_key)
     if previous is None or previous.field_counts is None:
         return None
-    thresholds = baselines.thresholds
     with db.engine.connect() as conn:
         overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
-    if any(o.check_name == "schema_drift" for o in overrides):
-        return None
+        if any(o.check_name == "schema_drift" for o in overrides):
+            return None
+        thresholds = get_gate_thresholds(conn, task_code)
     current = CityProfile(batch_id, task_code, shard_key, sample.records, 0, sample)
     result = check_schema_drift(current, previous, thresholds)
     if result.passed:
@@ -955,9 +951,10 @@ def gate_for_pipeline(
     It judges the profile that normalization recorded for the city (``report.profile``,
     as recorded, or else read back). Without one (the normalize stage does not record
     profiles) it judges the report's counts and cannot measure schema drift; it says so in
-    the log and in the check's metadata. The batch's task, thresholds and baselines are
-    read once per batch (:func:`batch_baselines`); the city's overrides are read unless
-    ``report.gate_overrides`` says it had none when it was claimed.
+    the log and in the check's metadata. The batch's task and baselines are read once per
+    batch in a process (:func:`batch_baselines`), the task's stored thresholds once per
+    gate (one gate per run); the city's overrides are read unless ``report.gate_overrides``
+    says it had none when it was claimed.
 
     Args:
         thresholds_for_task: Task code -> thresholds; None reads the task's stored ones.
@@ -967,17 +964,20 @@ def gate_for_pipeline(
         ``gate(db, batch_id, city_code, report)``: one result per check (a failed check
         that was overridden counts as passed).
     """
+    stored: dict[str, GateThresholds] = {}
 
     def gate(
         db: SyncDatabase, batch_id: str, city_code: str, report: CityReport
     ) -> list[GateResult]:
         baselines = batch_baselines(db, batch_id)
         task_code = baselines.task_code
-        thresholds = (
-            thresholds_for_task(task_code)
-            if thresholds_for_task is not None
-            else baselines.thresholds
-        )
+        if thresholds_for_task is not None:
+            thresholds = thresholds_for_task(task_code)
+        elif task_code in stored:
+            thresholds = stored[task_code]
+        else:
+            with db.engine.connect() as conn:
+                thresholds = stored[task_code] = get_gate_thresholds(conn, task_code)
         current = report.profile
         overrides: list[GateOverride] = []
         if current is None or report.gate_overrides is not False:
