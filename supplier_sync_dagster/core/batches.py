@@ -568,9 +568,30 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
 
     Status: CANCELLED stays; shards PENDING/RUNNING make it RUNNING (PENDING while none
     started); all finished make it SUCCESS, FAILED, or PARTIAL_FAILED for a mix.
+
+    Returns:
+        The batch as it now stands.
     """
-    current = lock_batch(conn, batch_id)
+    derive_batch(conn, clock, lock_batch(conn, batch_id))
+    return get_batch(conn, batch_id)
+
+
+def derive_batch(conn: Connection, clock: DbClock, current: Batch) -> None:
+    """:func:`refresh_batch` for a caller that locked the batch already (``current`` is what
+    :func:`lock_batch` returned in this transaction) and needs no read-back."""
+    batch_id = current.batch_id
     s = schema.shard.c
+    # The shard whose checkpoint moved last (ties: the later shard), read in the same
+    # statement as the counts.
+    latest = (
+        sa.select(s.id)
+        .where(s.batch_id == batch_id, s.last_checkpoint_at.is_not(None))
+        .order_by(s.last_checkpoint_at.desc(), s.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    latest_shard = schema.shard.alias("latest_shard")
+    l_ = latest_shard.c
     agg = conn.execute(
         sa.select(
             sa.func.count().label("n"),
@@ -596,14 +617,13 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
             ).label("progress"),
             sa.func.max(s.heartbeat_at).label("heartbeat_at"),
             sa.func.max(s.last_checkpoint_at).label("last_checkpoint_at"),
+            sa.select(l_.shard_key).where(l_.id == latest).scalar_subquery().label("latest_key"),
+            sa.select(l_.checkpoint)
+            .where(l_.id == latest)
+            .scalar_subquery()
+            .label("latest_checkpoint"),
         ).where(s.batch_id == batch_id)
     ).one()
-    latest = conn.execute(
-        sa.select(s.shard_key, s.checkpoint)
-        .where(s.batch_id == batch_id, s.last_checkpoint_at.is_not(None))
-        .order_by(s.last_checkpoint_at.desc())
-        .limit(1)
-    ).first()
 
     n = int(agg.n)
     done = int(agg.success or 0) + int(agg.failed or 0)
@@ -634,10 +654,10 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
         "last_checkpoint_at": agg.last_checkpoint_at,
         "updated_at": clock.now(),
     }
-    if latest is not None:
-        values["current_city_code"] = latest.shard_key
-        values["current_page"] = _page_of(latest.checkpoint)
-        values["end_checkpoint"] = (latest.checkpoint or "")[:512] or None
+    if agg.latest_key is not None:
+        values["current_city_code"] = agg.latest_key
+        values["current_page"] = _page_of(agg.latest_checkpoint)
+        values["end_checkpoint"] = (agg.latest_checkpoint or "")[:512] or None
     if status == "RUNNING" and current.started_at is None:
         values["started_at"] = clock.now()
     if status in TERMINAL_BATCH_STATUSES and current.status not in TERMINAL_BATCH_STATUSES:
@@ -651,7 +671,6 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
         .values(**values),
         lambda: InvalidTransition(f"batch {batch_id} changed status while locked"),
     )
-    return get_batch(conn, batch_id)
 
 
 def _page_of(checkpoint: str | None) -> int | None:

@@ -367,7 +367,6 @@ def insert_ignore(
     """
     if not rows:
         return
-    fixed = bind_values(conn, fixed)
 
     def build() -> sa.ClauseElement:
         if conn.dialect.name == "sqlite":
@@ -421,8 +420,11 @@ def execute_many(
         key: Names the statement that ``build`` returns; equal keys must build equal SQL.
         build: Builds the statement (called once per key and column set).
         rows: Column values, one mapping per row; every row has the keys of the first.
-        fixed: Plain values shared by every row (evaluate SQL expressions with
-            :func:`bind_values` first).
+        fixed: Values shared by every row. A SQL expression (``clock.now()``) is written
+            into the statement, so the database evaluates it, as it would in a plain
+            ``INSERT ... VALUES``: on SQLite in the compiled SQL, through PyMySQL as SQL text
+            in the multi-row statement; with a driver that takes only bound rows it is
+            evaluated once first (:func:`bind_values`).
 
     Raises:
         ValueError: The statement has a bound parameter that neither the rows nor ``fixed``
@@ -432,20 +434,46 @@ def execute_many(
         return
     fixed = fixed or {}
     dialect = conn.dialect
-    plan_key = (dialect.name, dialect.driver, key, tuple(rows[0]), tuple(fixed))
+    # SQL expressions among the fixed values, as SQL text: evaluating them in a SELECT of
+    # their own would cost a statement per insert.
+    inline = {k: _sql_text(conn, v) for k, v in fixed.items() if isinstance(v, sa.ClauseElement)}
+    in_sql = bool(inline) and dialect.name == "sqlite"
+    if in_sql:
+        fixed = {k: v for k, v in fixed.items() if k not in inline}
+    plan_key = (
+        dialect.name,
+        dialect.driver,
+        key,
+        tuple(rows[0]),
+        tuple(fixed),
+        tuple(inline.items()) if in_sql else (),
+    )
     plan = _plans.get(plan_key)
     if plan is None:
-        plan = _compile_plan(conn, build(), list(rows[0]), list(fixed))
+        stmt = build()
+        if in_sql:
+            assert isinstance(stmt, sa.Insert)
+            stmt = stmt.values({k: sa.literal_column(text) for k, text in inline.items()})
+        plan = _compile_plan(conn, stmt, list(rows[0]), list(fixed))
         with _plans_lock:
             _plans[plan_key] = plan
-    if plan.fixed_processors:
-        procs = plan.fixed_processors
-        fixed = {k: v if v is None or k not in procs else procs[k](v) for k, v in fixed.items()}
+    literal = None
     if plan.literal_row is not None and plan.literal_parts is not None:
         literal = _pymysql_literal(conn)
-        if literal is not None:
-            _execute_literal_rows(conn, plan.literal_parts, plan.literal_row, literal, rows, fixed)
-            return
+    if inline and not in_sql and literal is None:
+        fixed = bind_values(conn, fixed)
+        inline = {}
+    if plan.fixed_processors:
+        procs = plan.fixed_processors
+        fixed = {
+            k: v if v is None or k not in procs or k in inline else procs[k](v)
+            for k, v in fixed.items()
+        }
+    if literal is not None and plan.literal_row is not None and plan.literal_parts is not None:
+        _execute_literal_rows(
+            conn, plan.literal_parts, plan.literal_row, literal, rows, fixed, inline
+        )
+        return
     values = plan.values
     params = [values(row, fixed) for row in rows]
     conn.exec_driver_sql(plan.sql, params)
@@ -499,12 +527,14 @@ def _execute_literal_rows(
     literal: Callable[[Any], str],
     rows: Sequence[Mapping[str, Any]],
     fixed: Mapping[str, Any],
+    inline: Mapping[str, str],
 ) -> None:
     """What PyMySQL's ``executemany`` does for an INSERT (multi-row statements of at most
     about 1 MB), with the rows turned into SQL text by one generated function each instead
-    of a driver call per value: that escaping was most of a MariaDB publish's CPU."""
+    of a driver call per value: that escaping was most of a MariaDB publish's CPU.
+    ``inline`` holds fixed values that are SQL expressions, as SQL text."""
     head, _, tail = parts
-    fixed_sql = {k: literal(v) for k, v in fixed.items()}
+    fixed_sql = {k: inline[k] if k in inline else literal(v) for k, v in fixed.items()}
     batch: list[str] = []
     size = len(head) + len(tail)
     for row in rows:
@@ -520,6 +550,29 @@ def _execute_literal_rows(
 def _execute_text(conn: Connection, sql: str) -> None:
     # no_parameters: the driver gets the text as it is (no %-formatting of the literals).
     conn.exec_driver_sql(sql, execution_options={"no_parameters": True})
+
+
+_sql_texts: dict[tuple[str, str, int], str] = {}
+
+
+def _sql_text(conn: Connection, expr: sa.ClauseElement) -> str:
+    """A SQL expression as SQL text of the connection's dialect, its bound values inlined."""
+    dialect = conn.dialect
+    key = None
+    if isinstance(expr, db_now):
+        offset = next(iter(expr.clauses))
+        assert isinstance(offset, sa.BindParameter)
+        key = (dialect.name, dialect.driver, int(offset.value or 0))
+        text = _sql_texts.get(key)
+        if text is not None:
+            return text
+    text = str(expr.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+    if key is not None:
+        with _plans_lock:
+            if len(_sql_texts) > 10_000:  # tests shift the clock by many offsets
+                _sql_texts.clear()
+            _sql_texts[key] = text
+    return text
 
 
 def _compile_plan(

@@ -17,7 +17,7 @@ import difflib
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
@@ -330,9 +330,17 @@ def compute_diffs(
     resource_ids: Mapping[str, int],
     *,
     policy: RiskPolicy = default_risk_policy,
+    published_ids: Collection[int] | None = None,
 ) -> list[HotelDiff]:
-    """Compares each candidate with its published version; one HotelDiff per candidate."""
-    published = load_published(conn, [resource_ids[c.supplier_hotel_id] for c in candidates])
+    """Compares each candidate with its published version; one HotelDiff per candidate.
+
+    ``published_ids``, when known (read in the same transaction), bounds the read of the
+    published versions to these resource ids; None reads every candidate's.
+    """
+    rids = [resource_ids[c.supplier_hotel_id] for c in candidates]
+    if published_ids is not None:
+        rids = [rid for rid in rids if rid in published_ids]
+    published = load_published(conn, rids)
     out = []
     for cand in candidates:
         rid = resource_ids[cand.supplier_hotel_id]

@@ -45,6 +45,8 @@ The tree::
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SupplierSyncError(Exception):
     """Base class of every error raised on purpose by supplier-sync."""
@@ -150,7 +152,15 @@ class LeaseError(SupplierSyncError):
 
 
 class LeaseNotAcquired(LeaseError):
-    """A claim matched no row: a live lease holds the shard, it is finished, or another won."""
+    """A claim matched no row: a live lease holds the shard, it is finished, or another won.
+
+    Attributes:
+        shard: The shard as the claim read it (a ``leases.ShardInfo``), when it did.
+    """
+
+    def __init__(self, message: str, shard: Any = None) -> None:
+        super().__init__(message)
+        self.shard = shard
 
 
 class LeaseLost(LeaseError):

@@ -27,6 +27,7 @@ Plain Python over SQLAlchemy Core; the Dagster asset checks and the pipeline's g
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -39,7 +40,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.batches import get_batch, get_task
+from supplier_sync_dagster.core.batches import get_task
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
     ConfigError,
@@ -399,6 +400,77 @@ def previous_profile(
     return _profile(row) if row is not None else None
 
 
+@dataclass(frozen=True)
+class BatchBaselines:
+    """What every city of a batch is gated against, read once per batch in a process.
+
+    Attributes:
+        task_code: The batch's task.
+        previous: City -> its profile in the latest earlier batch of the task whose shard
+            for the city finished SUCCESS (:func:`previous_profile`, for every city at once).
+    """
+
+    task_code: str
+    previous: Mapping[str, CityProfile]
+
+
+_BASELINES_KEPT = 8
+_baselines: dict[str, BatchBaselines] = {}
+_baselines_lock = threading.Lock()
+
+
+def batch_baselines(db: SyncDatabase, batch_id: str) -> BatchBaselines:
+    """The batch's task and every city's baseline; read on first use, then kept in this
+    process (for the few latest batches; batch ids are never reused).
+
+    A batch's baselines are earlier batches' finished shards, and its cities are gated
+    within minutes of each other: they are read once per batch, not once per city.
+
+    Raises:
+        UnknownBatch: The batch does not exist.
+    """
+    found = _baselines.get(batch_id)
+    if found is not None:
+        return found
+    b, s, p = schema.batch.c, schema.shard.c, schema.city_profile.c
+    with db.engine.connect() as conn:
+        row = conn.execute(sa.select(b.id, b.task_code).where(b.batch_id == batch_id)).first()
+        if row is None:
+            raise UnknownBatch(f"unknown batch {batch_id!r}")
+        current_id, task_code = int(row.id), str(row.task_code)
+        latest = (
+            sa.select(p.shard_key, sa.func.max(b.id).label("batch_row"))
+            .select_from(
+                schema.city_profile.join(schema.batch, b.batch_id == p.batch_id).join(
+                    schema.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
+                )
+            )
+            .where(
+                p.task_code == task_code,
+                b.task_code == task_code,
+                b.id < current_id,
+                s.status == "SUCCESS",
+            )
+            .group_by(p.shard_key)
+            .subquery()
+        )
+        earlier = schema.batch.alias("earlier")
+        rows = conn.execute(
+            sa.select(*_PROFILE_COLUMNS).select_from(
+                latest.join(earlier, earlier.c.id == latest.c.batch_row).join(
+                    schema.city_profile,
+                    sa.and_(p.batch_id == earlier.c.batch_id, p.shard_key == latest.c.shard_key),
+                )
+            )
+        ).all()
+    made = BatchBaselines(task_code, {r.shard_key: _profile(r) for r in rows})
+    with _baselines_lock:
+        while len(_baselines) >= _BASELINES_KEPT:
+            del _baselines[next(iter(_baselines))]
+        _baselines[batch_id] = made
+    return made
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -622,15 +694,23 @@ def evaluate_gates(
     previous = previous_profile(
         conn, task_code=task_code, shard_key=shard_key, before_batch_id=batch_id
     )
-    overrides = {
-        o.check_name: o for o in list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
-    }
+    overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
+    return _judge(current, previous, thresholds, overrides)
+
+
+def _judge(
+    current: CityProfile,
+    previous: CityProfile | None,
+    thresholds: GateThresholds,
+    overrides: Iterable[GateOverride],
+) -> list[GateResult]:
+    by_check = {o.check_name: o for o in overrides}
     results = [
         check_bad_record_ratio(current, thresholds),
         check_record_count(current, previous, thresholds),
         check_schema_drift(current, previous, thresholds),
     ]
-    return [_with_override(r, overrides.get(r.check_name)) for r in results]
+    return [_with_override(r, by_check.get(r.check_name)) for r in results]
 
 
 def check_first_pages(
@@ -657,12 +737,11 @@ def check_first_pages(
         sample.add(records)
     if sample.records == 0:
         return None
+    baselines = batch_baselines(db, batch_id)
+    previous = baselines.previous.get(shard_key)
+    if previous is None or previous.field_counts is None:
+        return None
     with db.engine.connect() as conn:
-        previous = previous_profile(
-            conn, task_code=task_code, shard_key=shard_key, before_batch_id=batch_id
-        )
-        if previous is None or previous.field_counts is None:
-            return None
         overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
         if any(o.check_name == "schema_drift" for o in overrides):
             return None
@@ -869,9 +948,13 @@ def gate_for_pipeline(
 ) -> PipelineGate:
     """A gate for ``pipeline.sync_city(gate=...)`` that runs :func:`evaluate_gates`.
 
-    It judges the profile that normalization recorded for the city. Without one (the
-    normalize stage does not record profiles) it judges the report's counts and cannot
-    measure schema drift; it says so in the log and in the check's metadata.
+    It judges the profile that normalization recorded for the city (``report.profile``,
+    as recorded, or else read back). Without one (the normalize stage does not record
+    profiles) it judges the report's counts and cannot measure schema drift; it says so in
+    the log and in the check's metadata. The batch's task and baselines are read once per
+    batch in a process (:func:`batch_baselines`), the task's stored thresholds once per
+    gate (one gate per run); the city's overrides are read unless ``report.gate_overrides``
+    says it had none when it was claimed.
 
     Args:
         thresholds_for_task: Task code -> thresholds; None reads the task's stored ones.
@@ -881,35 +964,38 @@ def gate_for_pipeline(
         ``gate(db, batch_id, city_code, report)``: one result per check (a failed check
         that was overridden counts as passed).
     """
+    stored: dict[str, GateThresholds] = {}
 
     def gate(
         db: SyncDatabase, batch_id: str, city_code: str, report: CityReport
     ) -> list[GateResult]:
-        with db.engine.connect() as conn:
-            task_code = get_batch(conn, batch_id).task_code
-            thresholds = (
-                thresholds_for_task(task_code)
-                if thresholds_for_task is not None
-                else get_gate_thresholds(conn, task_code)
+        baselines = batch_baselines(db, batch_id)
+        task_code = baselines.task_code
+        if thresholds_for_task is not None:
+            thresholds = thresholds_for_task(task_code)
+        elif task_code in stored:
+            thresholds = stored[task_code]
+        else:
+            with db.engine.connect() as conn:
+                thresholds = stored[task_code] = get_gate_thresholds(conn, task_code)
+        current = report.profile
+        overrides: list[GateOverride] = []
+        if current is None or report.gate_overrides is not False:
+            with db.engine.connect() as conn:
+                if current is None:
+                    current = get_city_profile(conn, batch_id=batch_id, shard_key=city_code)
+                if report.gate_overrides is not False:
+                    overrides = list_overrides(conn, batch_id=batch_id, shard_key=city_code)
+        if current is None:
+            log.warning(
+                "no city profile for %r in batch %s: gating on the report's counts only",
+                city_code,
+                batch_id,
             )
-            current = get_city_profile(conn, batch_id=batch_id, shard_key=city_code)
-            if current is None:
-                log.warning(
-                    "no city profile for %r in batch %s: gating on the report's counts only",
-                    city_code,
-                    batch_id,
-                )
-                current = CityProfile(
-                    batch_id, task_code, city_code, report.records, report.dead_letters, None
-                )
-            results = evaluate_gates(
-                conn,
-                batch_id=batch_id,
-                task_code=task_code,
-                shard_key=city_code,
-                thresholds=thresholds,
-                current=current,
+            current = CityProfile(
+                batch_id, task_code, city_code, report.records, report.dead_letters, None
             )
+        results = _judge(current, baselines.previous.get(city_code), thresholds, overrides)
         if on_results is not None:
             on_results(batch_id, city_code, results)
         reason = failure_reason(results)

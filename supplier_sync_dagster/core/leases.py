@@ -35,7 +35,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.batches import Batch, lock_batch, refresh_batch
+from supplier_sync_dagster.core.batches import (
+    Batch,
+    derive_batch,
+    get_batch,
+    lock_batch,
+    refresh_batch,
+)
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase
 from supplier_sync_dagster.core.errors import (
     ConfigError,
@@ -238,6 +244,8 @@ class ShardLease:
         self.settings = settings
         self.checkpoint = checkpoint
         self.claim_count = claim_count
+        # Whether the city had quality gate overrides when claimed (None: not known).
+        self.gate_overrides: bool | None = None
         self._lost = threading.Event()
         self._lost_reason = ""
 
@@ -396,6 +404,47 @@ class ShardLease:
         self.mark_lost(f"shard {self.shard_key!r} already finished", expected=True)
         return batch
 
+    def finish_in(
+        self,
+        conn: Connection,
+        status: FinishStatus,
+        error_message: str | None = None,
+        *,
+        counts: PageCounts,
+    ) -> None:
+        """:meth:`finish` inside the caller's transaction, which then holds the shard's
+        last writes (a city's last publish, or a gated city's profile) with its end.
+
+        The fenced UPDATE comes after the batch lock and after the caller's writes: a lost
+        lease fails it and rolls the whole transaction back. The caller writes nothing
+        fenced before it (a fence takes the shard's row lock before the batch's, the
+        reverse of every other order) and calls :meth:`mark_lost` (``expected=True``) once
+        the transaction has committed; the batch is not read back.
+
+        Raises:
+            ConfigError: ``status`` is not SUCCESS or FAILED.
+            LeaseLost: Another worker owns the shard or the batch was cancelled.
+        """
+        if status not in ("SUCCESS", "FAILED"):
+            raise ConfigError(f"a shard finishes as SUCCESS or FAILED, not {status!r}")
+        self.ensure_held()
+        batch = lock_batch(conn, self.batch_id)
+        self._fenced(
+            conn,
+            status,
+            lease_until=None,
+            last_heartbeat_stage="FINISHED",
+            last_heartbeat_message=f"finished {status}",
+            updated_at=self.db.clock.now(),
+            finished_at=self.db.clock.now(),
+            error_message=(error_message or None) and error_message[:1024],
+            total_count=counts.total,
+            success_count=counts.success,
+            failed_count=counts.failed,
+            skipped_count=counts.skipped,
+        )
+        derive_batch(conn, self.db.clock, batch)
+
     def release(self, reason: str = "released") -> None:
         """Gives the shard back (RUNNING → PENDING), keeping its checkpoint, for a quick resume.
 
@@ -422,7 +471,7 @@ class ShardLease:
         """Moves the shard out of RUNNING under the batch lock; re-derives the batch if asked."""
         self.ensure_held()
         with self.db.begin() as conn:
-            lock_batch(conn, self.batch_id)
+            batch = lock_batch(conn, self.batch_id)
             self._fenced(
                 conn,
                 target,
@@ -432,7 +481,10 @@ class ShardLease:
                 updated_at=self.db.clock.now(),
                 **values,
             )
-            return refresh_batch(conn, self.db.clock, self.batch_id) if refresh else None
+            if not refresh:
+                return None
+            derive_batch(conn, self.db.clock, batch)
+            return get_batch(conn, self.batch_id)
 
     def _fenced(self, conn: Connection, target: ShardStatus = "RUNNING", **values: Any) -> None:
         self.ensure_held()
@@ -486,7 +538,7 @@ def claim_shard(
     clock = db.clock
     c = schema.shard.c
     with db.begin() as conn:
-        lock_batch(conn, batch_id)
+        batch = lock_batch(conn, batch_id)
         claimed = move_shards(
             conn,
             "RUNNING",
@@ -502,7 +554,7 @@ def claim_shard(
             last_heartbeat_message=f"claimed by {worker_id}"[:512],
             updated_at=clock.now(),
         )
-        info = _read_shard(conn, batch_id, shard_key)
+        info, overridden = _read_claimed(conn, batch_id, shard_key)
         if (
             not claimed
             and reclaim_dead_local
@@ -530,14 +582,17 @@ def claim_shard(
             )
             if claimed:
                 log.warning("took shard %r from dead local worker %s", shard_key, info.worker_id)
-                info = _read_shard(conn, batch_id, shard_key)
+                info, overridden = _read_claimed(conn, batch_id, shard_key)
         if not claimed:
-            raise LeaseNotAcquired(_why_not_claimable(conn, db, batch_id, shard_key, info))
-        conn.execute(
-            sa.update(schema.batch)
-            .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == "PENDING")
-            .values(status="RUNNING", started_at=clock.now(), updated_at=clock.now())
-        )
+            raise LeaseNotAcquired(
+                _why_not_claimable(conn, db, batch_id, shard_key, info), shard=info
+            )
+        if batch.status == "PENDING":  # read under the batch lock: it cannot change meanwhile
+            conn.execute(
+                sa.update(schema.batch)
+                .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == "PENDING")
+                .values(status="RUNNING", started_at=clock.now(), updated_at=clock.now())
+            )
     lease = ShardLease(
         db,
         shard_id=info.shard_id,
@@ -549,6 +604,7 @@ def claim_shard(
         checkpoint=info.checkpoint,
         claim_count=info.claim_count,
     )
+    lease.gate_overrides = overridden
     log.info(
         "claimed shard %r of batch %s as %s (claim #%d, resume from %s)",
         shard_key,
@@ -896,6 +952,26 @@ def _read_shard(conn: Connection, batch_id: str, shard_key: str) -> ShardInfo:
     if row is None:
         raise UnknownShard(f"batch {batch_id!r} has no shard for city {shard_key!r}")
     return _shard_info(row)
+
+
+def _read_claimed(conn: Connection, batch_id: str, shard_key: str) -> tuple[ShardInfo, bool]:
+    """:func:`_read_shard` for a claim, and in the same statement whether the city has
+    quality gate overrides in the batch (the gate then need not read them)."""
+    s, o = schema.shard.c, schema.gate_override.c
+    has_overrides = (
+        sa.select(o.batch_id)
+        .where(o.batch_id == s.batch_id, o.shard_key == s.shard_key)
+        .exists()
+        .label("has_gate_overrides")
+    )
+    row = conn.execute(
+        sa.select(schema.shard, has_overrides).where(
+            s.batch_id == batch_id, s.shard_key == shard_key
+        )
+    ).first()
+    if row is None:
+        raise UnknownShard(f"batch {batch_id!r} has no shard for city {shard_key!r}")
+    return _shard_info(row), bool(row.has_gate_overrides)
 
 
 def _shard_info(row: sa.Row[Any]) -> ShardInfo:

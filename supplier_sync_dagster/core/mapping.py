@@ -39,10 +39,12 @@ def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
 
 @dataclass(frozen=True)
 class HotelMappings:
-    """Resource ids of a set of supplier hotels, and which of them this call created."""
+    """Resource ids of a set of supplier hotels, which of them this call created, and the
+    resource ids that had a published hotel row when they were read."""
 
     resource_ids: dict[str, int]
     created: frozenset[str]
+    published: frozenset[int] = frozenset()
 
 
 def ensure_hotel_mappings(
@@ -70,13 +72,20 @@ def ensure_hotel_mappings(
     )
     resource_ids: dict[str, int] = {}
     created: set[str] = set()
+    published: set[int] = set()
+    h = schema.platform_hotel.c
+    # Whether each hotel is published, in the same statement: a diff of new hotels then
+    # reads nothing more.
+    is_published = sa.select(h.resource_id).where(h.resource_id == c.id).exists()
     for part in chunks(ids):
-        for hotel_id, rid, made_by in conn.execute(
-            sa.select(c.supplier_hotel_id, c.id, c.created_batch_id).where(
+        for hotel_id, rid, made_by, pub in conn.execute(
+            sa.select(c.supplier_hotel_id, c.id, c.created_batch_id, is_published).where(
                 c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
             )
         ).all():
             resource_ids[hotel_id] = int(rid)
             if made_by == batch_id:
                 created.add(hotel_id)
-    return HotelMappings(resource_ids, frozenset(created))
+            if pub:
+                published.add(int(rid))
+    return HotelMappings(resource_ids, frozenset(created), frozenset(published))

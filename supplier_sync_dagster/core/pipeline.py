@@ -63,6 +63,7 @@ from supplier_sync_dagster.core.diff import (
 from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseNotAcquired
 from supplier_sync_dagster.core.gates import (
     GATED_PREFIX,
+    CityProfile,
     FieldCounts,
     GateResult,
     PipelineGate,
@@ -74,14 +75,14 @@ from supplier_sync_dagster.core.leases import (
     Checkpoint,
     LeaseSettings,
     PageCounts,
+    ShardInfo,
     ShardLease,
     ShardWork,
     claim_shard,
-    get_shard,
     list_shards,
     reopen_shard,
 )
-from supplier_sync_dagster.core.mapping import chunks, ensure_hotel_mappings
+from supplier_sync_dagster.core.mapping import HotelMappings, chunks, ensure_hotel_mappings
 from supplier_sync_dagster.core.normalize import (
     NormalizedDocuments,
     canonical_dumps,
@@ -208,6 +209,10 @@ class CityReport:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     error: str | None = None
     stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
+    # For the gate: the profile normalization recorded, and whether the city had gate
+    # overrides when claimed (None: unknown, read them).
+    profile: CityProfile | None = None
+    gate_overrides: bool | None = None
 
     @property
     def gate_failures(self) -> list[str]:
@@ -263,21 +268,17 @@ def sync_city(
     """
     prepare_process()
     report = report if report is not None else CityReport(city_code)
-    info = get_shard(db, batch.batch_id, city_code)
-    if info.status == "SUCCESS":
-        report.status = "ALREADY_DONE"
-        return report
-    if info.status == "FAILED":
-        reopen_shard(db, batch.batch_id, city_code, f"retried by {worker_id}")
     try:
-        lease = claim_shard(
-            db, batch.batch_id, city_code, worker_id=worker_id, settings=settings.lease
-        )
+        lease = _claim(db, batch.batch_id, city_code, worker_id, settings)
     except LeaseNotAcquired as err:
         report.status, report.error = "HELD_BY_OTHER", str(err)
         return report
+    if lease is None:
+        report.status = "ALREADY_DONE"
+        return report
     if lease.checkpoint is not None:
         report.resumed_from_page = lease.checkpoint.page
+    report.gate_overrides = lease.gate_overrides
     work = ShardWork(lease)
     try:
         with work as heartbeat:
@@ -300,6 +301,9 @@ def sync_city(
                 # re-read of what was just fetched); a resumed walk normalizes afterwards,
                 # in page order, with the pages stored by the earlier attempt.
                 fresh = lease.checkpoint is None
+                # Every stored page of a fresh walk reaches the normalizer as it is fetched:
+                # it has none to read back.
+                normalizer.stored_pages_seen = fresh
                 _fetch(
                     lease,
                     store,
@@ -328,9 +332,19 @@ def sync_city(
                 if report.gate_failures:
                     _stop_gated(lease, report, report.checks)
                     return report
-            _publish(lease, store, heartbeat, settings, report, normalizer.candidates)
-            heartbeat.check()
-            lease.finish("SUCCESS", counts=report.counts)
+
+            def finish(conn: Connection) -> None:
+                _check_counts(report)
+                heartbeat.check()
+                lease.finish_in(conn, "SUCCESS", counts=report.counts)
+
+            if _publish(
+                lease, store, heartbeat, settings, report, normalizer.candidates, finish=finish
+            ):
+                lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
+            else:
+                heartbeat.check()
+                lease.finish("SUCCESS", counts=report.counts)
             report.stages_done.append("publish")
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
         report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
@@ -341,6 +355,27 @@ def sync_city(
 
 
 DRIFT_SAMPLE_PAGES = 2
+
+
+def _claim(
+    db: SyncDatabase, batch_id: str, city: str, worker_id: str, settings: SyncSettings
+) -> ShardLease | None:
+    """Claims the city's shard; None when it finished SUCCESS. A FAILED shard is reopened
+    and claimed (a retry resumes it from its checkpoint).
+
+    Raises:
+        LeaseNotAcquired: A live lease holds it (or it was cancelled).
+    """
+    try:
+        return claim_shard(db, batch_id, city, worker_id=worker_id, settings=settings.lease)
+    except LeaseNotAcquired as err:
+        # The claim read the shard: no read of its own before claiming.
+        if not isinstance(err.shard, ShardInfo) or err.shard.status not in ("SUCCESS", "FAILED"):
+            raise
+        if err.shard.status == "SUCCESS":
+            return None
+    reopen_shard(db, batch_id, city, f"retried by {worker_id}")
+    return claim_shard(db, batch_id, city, worker_id=worker_id, settings=settings.lease)
 
 
 def _stop_gated(lease: ShardLease, report: CityReport, checks: list[GateResult]) -> None:
@@ -675,9 +710,15 @@ class _NormalizedWriter:
     def __init__(self, lease: ShardLease, store: PayloadStore, settings: SyncSettings) -> None:
         self.lease, self.store, self.settings = lease, store, settings
         self.city = lease.shard_key
-        self.done = {
-            row.payload_hash for row in _snapshots(lease.db, lease.batch_id, self.city, NORMALIZED)
-        }
+        # Only an earlier claim of the shard can have stored its NORMALIZED pages.
+        self.done = (
+            {
+                row.payload_hash
+                for row in _snapshots(lease.db, lease.batch_id, self.city, NORMALIZED)
+            }
+            if lease.resumed
+            else set()
+        )
         self.rows: list[dict[str, Any]] = []
         self.letters: list[DeadLetter] = []
 
@@ -707,10 +748,14 @@ class _NormalizedWriter:
         # concurrent worker waits for the write lock (SQLite) less often.
         if not self.rows and not self.letters:
             return
+        with self.lease.db.begin() as conn:
+            self.lease.fence(conn, "NORMALIZING", f"city={self.city}")
+            self._write(conn)
+
+    def _write(self, conn: Connection) -> None:
         lease, settings = self.lease, self.settings
-        with lease.db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={self.city}")
-            _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
+        _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
+        if self.letters:
             record_dead_letters(
                 conn,
                 lease.db.clock,
@@ -724,10 +769,12 @@ class _NormalizedWriter:
         self.letters.clear()
 
     def profile(self, report: CityReport, fields: FieldCounts) -> None:
-        """Records the city's profile, which the batch gates judge."""
+        """Records the city's profile, which the batch gates judge, with the rows not
+        flushed yet (the last pages): one fenced transaction."""
         lease = self.lease
         with lease.db.begin() as conn:
             lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
+            self._write(conn)
             record_city_profile(
                 conn,
                 lease.db.clock,
@@ -738,6 +785,15 @@ class _NormalizedWriter:
                 bad_count=report.dead_letters,
                 field_counts=fields,
             )
+        # As stored (the stored field counts are capped), for the gate to judge.
+        report.profile = CityProfile(
+            lease.batch_id,
+            self.settings.task_code,
+            self.city,
+            report.records,
+            report.dead_letters,
+            FieldCounts.from_json(fields.to_json()),
+        )
 
 
 KeptSink = Callable[[list[Candidate]], None]
@@ -791,6 +847,8 @@ class _Normalizer:
         # Pages waiting for the drift judgement; None once judged (or with no drift check).
         self._pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
         self._drift: GateResult | None = None
+        # True when every stored RAW page was given to add(): finish() reads none back.
+        self.stored_pages_seen = False
 
     def drift(self) -> GateResult | None:
         """Judges schema drift (once) on the first pages; the failed check, or None."""
@@ -827,13 +885,14 @@ class _Normalizer:
         """Normalizes the stored pages not seen yet, validates the rest, records the profile."""
         if self.drift() is not None:
             raise RuntimeError("a city with schema drift is not normalized")
-        for raw in _snapshots(self.db, self.batch_id, self.city, RAW):
-            if raw.payload_hash not in self.seen:
-                self._normalize(raw, self._load(raw))
+        if not self.stored_pages_seen:
+            for raw in _snapshots(self.db, self.batch_id, self.city, RAW):
+                if raw.payload_hash not in self.seen:
+                    self._normalize(raw, self._load(raw))
         began = time.perf_counter()
-        self._validate()
+        self._validate(flush=False)
         if self.writer is not None:
-            self.writer.profile(self.report, self.fields)
+            self.writer.profile(self.report, self.fields)  # with the rows not flushed
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: _RawPage) -> list[Any]:
@@ -856,7 +915,7 @@ class _Normalizer:
         collect_garbage()
         self.report.seconds["normalize"] += time.perf_counter() - began
 
-    def _validate(self) -> None:
+    def _validate(self, *, flush: bool = True) -> None:
         # Row-level quality runs over many pages at once: its cost is mostly per call.
         pages, report = self.pages, self.report
         docs = [d for page in pages for d in page.result.docs]
@@ -917,7 +976,7 @@ class _Normalizer:
                 self.writer.page(raw, lines, page_letters)
         pages.clear()
         self.buffered = 0
-        if self.writer is not None:
+        if self.writer is not None and flush:
             self.writer.flush()
         if self.on_kept is not None:
             if kept_chunk:
@@ -987,6 +1046,15 @@ Publisher = Callable[[list[Candidate]], ChunkPublished]
 (:class:`_LeasePublisher`), or only diffs them (:class:`DiffCollector`, a dry run)."""
 
 
+ChunkSink = Callable[[Connection, ChunkPublished], None]
+"""Runs in the transaction that published a city's last chunk, with what it published."""
+
+# A last chunk of at most this many hotels is mapped, diffed and published in the one
+# transaction that also finishes the shard: the write lock is held a few milliseconds
+# longer, and a small city commits two transactions fewer.
+ONE_TRANSACTION_HOTELS = 250
+
+
 class _LeasePublisher:
     """Maps, diffs and publishes chunks under the city's lease."""
 
@@ -994,59 +1062,91 @@ class _LeasePublisher:
         self.lease, self.settings = lease, settings
 
     def __call__(self, cands: list[Candidate]) -> ChunkPublished:
+        return self.publish(cands)
+
+    def publish(self, cands: list[Candidate], then: ChunkSink | None = None) -> ChunkPublished:
+        """Publishes a chunk; ``then`` runs in the publishing transaction (the last chunk's,
+        which finishes the shard with :meth:`ShardLease.finish_in`: that fenced write, not
+        a fence first, guards the transaction)."""
         lease, settings = self.lease, self.settings
-        db, city = lease.db, lease.shard_key
-        # Resource ids are allocated in a short transaction of their own (idempotent: after
-        # a crash the re-run reuses them; offer ids come with the offers' upsert), diffs
-        # are computed from a read snapshot and every row is built before the transaction
-        # that publishes: a concurrent worker waits for the SQLite write lock only while
-        # statements run. The version guard in that transaction keeps a concurrent publish
-        # of the same hotel correct.
+        db = lease.db
+        if then is not None and len(cands) <= ONE_TRANSACTION_HOTELS:
+            with db.begin() as conn:
+                lease.ensure_held()
+                maps = self._mappings(conn, cands)
+                diffs = compute_diffs(
+                    conn,
+                    cands,
+                    maps.resource_ids,
+                    policy=settings.risk_policy,
+                    published_ids=maps.published,
+                )
+                done = self._write(conn, diffs, cands, then)
+            return done
         with db.begin() as conn:
-            lease.fence(conn, "PUBLISHING", f"city={city} mappings")
-            maps = ensure_hotel_mappings(
-                conn,
-                db.clock,
-                supplier_id=settings.supplier_id,
-                batch_id=lease.batch_id,
-                hotel_ids=[c.supplier_hotel_id for c in cands],
-            )
+            lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
+            maps = self._mappings(conn, cands)
         with db.engine.connect() as conn:
             diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
+        with db.begin() as conn:
+            if then is None:
+                lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
+            else:
+                lease.ensure_held()
+            return self._write(conn, diffs, cands, then)
+
+    def _mappings(self, conn: Connection, cands: list[Candidate]) -> HotelMappings:
+        return ensure_hotel_mappings(
+            conn,
+            self.lease.db.clock,
+            supplier_id=self.settings.supplier_id,
+            batch_id=self.lease.batch_id,
+            hotel_ids=[c.supplier_hotel_id for c in cands],
+        )
+
+    def _write(
+        self,
+        conn: Connection,
+        diffs: list[HotelDiff],
+        cands: list[Candidate],
+        then: ChunkSink | None,
+    ) -> ChunkPublished:
+        """Writes the diff log, the reviews and the publish of a chunk in ``conn``."""
+        lease, settings = self.lease, self.settings
+        db, city = lease.db, lease.shard_key
         by_id = {c.supplier_hotel_id: c for c in cands}
         items = [(d, by_id[d.supplier_hotel_id]) for d in diffs]
         plan = prepare_publish(
+            supplier_id=settings.supplier_id, batch_id=lease.batch_id, items=items
+        )
+        record_diffs(
+            conn,
+            db.clock,
+            batch_id=lease.batch_id,
+            shard_key=city,
+            supplier_id=settings.supplier_id,
+            diffs=diffs,
+        )
+        held = hold_for_review(
+            conn,
+            db.clock,
+            batch_id=lease.batch_id,
+            shard_key=city,
+            supplier_id=settings.supplier_id,
+            items=[(d, c) for d, c in items if d.action == "REVIEW"],
+        )
+        result = publish_hotels(
+            conn,
+            db.clock,
             supplier_id=settings.supplier_id,
             batch_id=lease.batch_id,
             items=items,
+            plan=plan,
         )
-        with db.begin() as conn:
-            lease.fence(conn, "PUBLISHING", f"city={city}")
-            record_diffs(
-                conn,
-                db.clock,
-                batch_id=lease.batch_id,
-                shard_key=city,
-                supplier_id=settings.supplier_id,
-                diffs=diffs,
-            )
-            held = hold_for_review(
-                conn,
-                db.clock,
-                batch_id=lease.batch_id,
-                shard_key=city,
-                supplier_id=settings.supplier_id,
-                items=[(d, c) for d, c in items if d.action == "REVIEW"],
-            )
-            result = publish_hotels(
-                conn,
-                db.clock,
-                supplier_id=settings.supplier_id,
-                batch_id=lease.batch_id,
-                items=items,
-                plan=plan,
-            )
-        return ChunkPublished(diffs, len(result.published), len(result.not_newer), held)
+        done = ChunkPublished(diffs, len(result.published), len(result.not_newer), held)
+        if then is not None:
+            then(conn, done)
+        return done
 
 
 class DiffCollector:
@@ -1107,14 +1207,35 @@ def _start_publish(report: CityReport) -> None:
 
 
 def _publish_chunk(
-    publisher: Publisher, chunk: Sequence[Candidate], progress: Progress, report: CityReport
+    publisher: Publisher,
+    chunk: Sequence[Candidate],
+    progress: Progress,
+    report: CityReport,
+    then: Callable[[Connection], None] | None = None,
 ) -> None:
-    """Publishes one chunk of a city's candidates and counts what became of each."""
+    """Publishes one chunk of a city's candidates and counts what became of each.
+
+    ``then`` (a lease publisher's last chunk) runs in the publishing transaction, after
+    the chunk is counted.
+    """
     progress.check()
     progress.report("PUBLISHING", f"city={report.city_code} chunk of {len(chunk)}")
     cands = collapse_duplicates(chunk)
     report.duplicates += len(chunk) - len(cands)
-    done = publisher(cands)
+    if then is None:
+        _count_chunk(report, len(chunk), publisher(cands))
+        return
+    assert isinstance(publisher, _LeasePublisher)
+
+    def last(conn: Connection, done: ChunkPublished) -> None:
+        _count_chunk(report, len(chunk), done)
+        then(conn)
+
+    publisher.publish(cands, last)
+
+
+def _count_chunk(report: CityReport, size: int, done: ChunkPublished) -> None:
+    """Counts what became of a chunk of ``size`` candidates (one diff per distinct hotel)."""
     # No collection per chunk: publishing makes little cyclic garbage, and a full
     # collection would re-scan the city's candidates held in memory each time.
     report.held_for_review += done.held
@@ -1124,8 +1245,8 @@ def _publish_chunk(
     # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
     # stale, held for review), and publishes the version guard refused.
     report.skipped += (
-        len(chunk)
-        - len(cands)
+        size
+        - len(done.diffs)
         + sum(1 for d in done.diffs if d.action != "AUTO_PUBLISH")
         + done.not_newer
     )
@@ -1146,24 +1267,35 @@ def _publish(
     settings: SyncSettings,
     report: CityReport,
     candidates: Sequence[Candidate] | None = None,
-) -> None:
+    *,
+    finish: Callable[[Connection], None] | None = None,
+) -> bool:
     """Maps, diffs and publishes the city chunk by chunk.
 
     ``candidates`` are the city's normalized documents when normalization kept them all in
-    memory; otherwise they are read back from the city's NORMALIZED pages.
+    memory; otherwise they are read back from the city's NORMALIZED pages. With them,
+    ``finish`` runs in the transaction that publishes the last chunk.
+
+    Returns:
+        Whether ``finish`` ran (it did not when the city is read back or has no candidate).
     """
     began = time.perf_counter()
     size = settings.chunk_hotels
     publisher = _LeasePublisher(lease, settings)
     _start_publish(report)
-    for chunk in (
-        _normalized_chunks(lease.db, store, lease.batch_id, lease.shard_key, size)
-        if candidates is None
-        else chunks(candidates, size)
-    ):
-        _publish_chunk(publisher, chunk, progress, report)
+    finished = False
+    if candidates is None:
+        for chunk in _normalized_chunks(lease.db, store, lease.batch_id, lease.shard_key, size):
+            _publish_chunk(publisher, chunk, progress, report)
+    else:
+        last = (len(candidates) - 1) // size
+        for i, part in enumerate(chunks(candidates, size)):
+            then = finish if i == last else None
+            _publish_chunk(publisher, part, progress, report, then)
+            finished = then is not None
     _check_counts(report)
     report.seconds["publish"] += time.perf_counter() - began
+    return finished
 
 
 def dry_run_stages(

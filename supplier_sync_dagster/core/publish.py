@@ -27,7 +27,6 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import (
     DbClock,
-    bind_values,
     execute_many,
     insert_ignore,
     use_index,
@@ -150,13 +149,12 @@ def publish_hotels(
     if not todo:
         return PublishResult([], [], 0)
     token = uuid.uuid4().hex
-    now = bind_values(conn, {"now": clock.now()})["now"]
     execute_many(
         conn,
         ("publish_hotels",),
         lambda: _hotel_upsert(conn),
         plan.hotel_rows,
-        fixed={"publish_token": token, "published_at": now},
+        fixed={"publish_token": token, "published_at": clock.now()},
     )
     rids = [d.platform_resource_id for d, _ in todo]
     written: dict[int, tuple[int, int]] = {}
@@ -327,7 +325,6 @@ def _replace_offers(
         conn.execute(offer_deactivation(part, clock.now()))
     if not rows:
         return
-    now = bind_values(conn, {"now": clock.now()})["now"]
     identity = ("resource_id", "room_code", "rate_plan_code")
     columns = [name for name in rows[0] if name not in identity] + ["active", "updated_at"]
 
@@ -341,7 +338,9 @@ def _replace_offers(
         ins_m = mysql_insert(schema.platform_offer)
         return ins_m.on_duplicate_key_update({name: ins_m.inserted[name] for name in columns})
 
-    execute_many(conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": now})
+    execute_many(
+        conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": clock.now()}
+    )
 
 
 def _hotel_events(
