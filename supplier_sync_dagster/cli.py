@@ -11,7 +11,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
@@ -114,9 +114,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             api_key=settings.api_key(),
             redis_url=settings.redis_url,
             page_size=args.page_size,
-            rate_limit_rps=args.rate_limit,
             city_threads=args.city_threads,
-            worker_processes=args.processes,
+            # The option, else the setting, else the resource's default.
+            **{
+                field: value
+                for field, value in (
+                    ("rate_limit_rps", _first(args.rate_limit, settings.supplier_rate_limit)),
+                    ("worker_processes", _first(args.processes, settings.worker_processes)),
+                )
+                if value is not None
+            },
         ),
         sync_db=sync_db,
         payloads=payloads,
@@ -606,6 +613,13 @@ def _positive_int(text: str, least: int = 1) -> int:
     return value
 
 
+T = TypeVar("T")
+
+
+def _first(*values: T | None) -> T | None:
+    return next((v for v in values if v is not None), None)
+
+
 def _processes(text: str) -> int:
     return _positive_int(text, least=0)
 
@@ -670,7 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--json", action="store_true", help="print the summary as JSON")
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
     sync.add_argument("--page-size", type=int, default=100)
-    sync.add_argument("--rate-limit", type=float, default=50.0, help="requests/s allowed")
+    sync.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        help="requests/s allowed (default: SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT, else 50)",
+    )
     sync.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     sync.add_argument("--processes", type=_processes, default=None, help=_PROCESSES)
     sync.set_defaults(func=_cmd_sync)

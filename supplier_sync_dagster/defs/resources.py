@@ -267,6 +267,11 @@ def _env(settings: Settings, name: str) -> dg.EnvVar | None:
     return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
 
 
+def _set(**fields: Any) -> dict[str, Any]:
+    # Unset settings leave the resource's own defaults.
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 @dg.definitions
 def resources() -> dg.Definitions:
     """Binds the resources from the settings, read now (load time); set ones as dg.EnvVar."""
@@ -279,6 +284,11 @@ def resources() -> dg.Definitions:
                 base_url=_env(settings, "supplier_url"),
                 api_key=_env(settings, "supplier_api_key"),
                 redis_url=_env(settings, "redis_url"),
+                # Numbers, not secrets: their values show in the resource's config.
+                **_set(
+                    rate_limit_rps=settings.supplier_rate_limit,
+                    worker_processes=settings.worker_processes,
+                ),
             ),
             "governance": GovernanceResource(),
         }
