@@ -11,7 +11,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
@@ -77,6 +77,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sim_day=day,
         rate_limit_rps=args.rate_limit,
         city_threads=args.city_threads,
+        worker_processes=args.processes,
     )
     sync_db, payloads = _resources(args, load_storage_settings())
     print(
@@ -113,8 +114,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             api_key=settings.api_key(),
             redis_url=settings.redis_url,
             page_size=args.page_size,
-            rate_limit_rps=args.rate_limit,
             city_threads=args.city_threads,
+            # The option, else the setting, else the resource's default.
+            **{
+                field: value
+                for field, value in (
+                    ("rate_limit_rps", _first(args.rate_limit, settings.supplier_rate_limit)),
+                    ("worker_processes", _first(args.processes, settings.worker_processes)),
+                )
+                if value is not None
+            },
         ),
         sync_db=sync_db,
         payloads=payloads,
@@ -594,14 +603,31 @@ CLI_CITY_THREADS = 2
 _THREADS = "cities in flight at once in the run"
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
     return value
+
+
+T = TypeVar("T")
+
+
+def _first(*values: T | None) -> T | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _processes(text: str) -> int:
+    return _positive_int(text, least=0)
+
+
+_PROCESSES = (
+    "worker processes that sync the cities (0: the run's own process; default: one per CPU, "
+    "at most 4, when the cities hold at least 5,000 hotels)"
+)
 
 
 def _add_threshold_options(parser: argparse.ArgumentParser) -> None:
@@ -650,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--profile", default="flaky", help="simulator fault profile: clean or flaky")
     demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
     demo.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
+    demo.add_argument("--processes", type=_processes, default=None, help=_PROCESSES)
     demo.set_defaults(func=_cmd_demo)
 
     sync = sub.add_parser("sync", help="a sync against the configured supplier (SUPPLIER_SYNC_*)")
@@ -657,8 +684,14 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--json", action="store_true", help="print the summary as JSON")
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
     sync.add_argument("--page-size", type=int, default=100)
-    sync.add_argument("--rate-limit", type=float, default=50.0, help="requests/s allowed")
+    sync.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        help="requests/s allowed (default: SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT, else 50)",
+    )
     sync.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
+    sync.add_argument("--processes", type=_processes, default=None, help=_PROCESSES)
     sync.set_defaults(func=_cmd_sync)
 
     export = sub.add_parser("export", help="JSON lines of published hotels, dead letters or diffs")

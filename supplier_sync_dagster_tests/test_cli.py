@@ -770,3 +770,31 @@ def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.Captu
     with pytest.raises(SystemExit):
         parser.parse_args(["sync", "--full", "--city-threads", "two"])
     assert "--city-threads: must be a whole number, not 'two'" in capsys.readouterr().err
+
+
+def test_sync_full_in_worker_processes_publishes_the_ground_truth(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    sim = simulator(n_cities=5, total_hotels=600, faults={"bad_record_rate": 0.05})
+    with supplier(sim, monkeypatch):
+        done = sync(capsys, db_url, "--processes", "2", "--json", "--trigger-id", "procs-1")
+    assert done.code == 0, done
+    summary = json.loads(done.out)
+    truth = sim.ground_truth()
+    assert summary["status"] == "SUCCESS" and summary["counts_add_up"]
+    assert summary["published"] == len(truth.valid)
+    assert published(db_url) == truth.valid
+    # The cities were synced by the worker processes, under their own leases.
+    s = schema.shard.c
+    holders = {w for (w,) in query(db_url, sa.select(s.worker_id))}
+    assert holders and all(w and f"-{os.getpid()}-" not in w for w in holders)
+
+
+def test_processes_option(capsys: pytest.CaptureFixture[str]):
+    parser = cli.build_parser()
+    assert parser.parse_args(["sync", "--full"]).processes is None
+    assert parser.parse_args(["sync", "--full", "--processes", "0"]).processes == 0
+    assert parser.parse_args(["demo", "--processes", "3"]).processes == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sync", "--full", "--processes", "-1"])
+    assert "--processes: must be at least 0, not -1" in capsys.readouterr().err

@@ -71,6 +71,42 @@ def test_sync_reads_the_settings_once(monkeypatch: pytest.MonkeyPatch):
     assert seen["sync_db"].db_url == "sqlite:///elsewhere.sqlite3"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({}, [], (50.0, None)),
+        (
+            {"SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT": "40", "SUPPLIER_SYNC_WORKER_PROCESSES": "0"},
+            [],
+            (40.0, 0),
+        ),
+        (
+            {"SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT": "40", "SUPPLIER_SYNC_WORKER_PROCESSES": "0"},
+            ["--rate-limit", "7", "--processes", "3"],
+            (7.0, 3),
+        ),
+    ],
+)
+def test_sync_rate_limit_and_processes_option_then_setting_then_default(
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    argv: list[str],
+    expected: tuple[float, int | None],
+):
+    seen = {}
+
+    def fake_run_full_sync(**kwargs: object) -> None:
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("supplier_sync_dagster.sync_runner.run_full_sync", fake_run_full_sync)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["sync", "--full", *argv]) == 130
+    supplier = seen["supplier"]
+    assert (supplier.rate_limit_rps, supplier.worker_processes) == expected  # type: ignore[attr-defined]
+
+
 def test_parser_defaults_and_choices_come_from_their_one_place():
     from supplier_sync_dagster.core.gates import CHECK_NAMES, GateThresholds
 

@@ -25,9 +25,19 @@ as done for anything it did not complete.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,8 +62,10 @@ from supplier_sync_dagster.core.pipeline import (
     SyncSettings,
     help_other_workers,
     largest_first,
+    prepare_process,
     sync_city,
 )
+from supplier_sync_dagster.core.processes import make_worker_id
 from supplier_sync_dagster.core.replay import (
     prepare_replay,
     record_city_list,
@@ -118,7 +130,9 @@ class RunRequest:
         cities: The run's cities (supplier codes, verbatim).
         replay: Normalize and publish the cities' stored raw pages again, in a replay batch,
             without calling the supplier.
-        threads: Cities in flight at once.
+        threads: Cities in flight at once in the run's process.
+        processes: Worker processes to sync the cities in (0: the run's process); None
+            decides from the run's size (:func:`auto_processes`).
         help_other_runs: Once its cities are done, sync cities of the batch that no run
             has started.
     """
@@ -128,6 +142,7 @@ class RunRequest:
     cities: Sequence[str]
     replay: bool = False
     threads: int = 1
+    processes: int | None = None
     help_other_runs: bool = True
 
 
@@ -166,12 +181,15 @@ class CityOutcome:
         helped: The city belongs to another run of the batch that had not started it.
         resolved_dead_letters: For a replayed city: dead letters that now pass.
         seconds: Wall time this run spent on the city.
+        requests: Supplier requests the city cost (retries included); exact when the
+            process synced one city at a time.
     """
 
     report: CityReport
     helped: bool = False
     resolved_dead_letters: int = 0
     seconds: float = 0.0
+    requests: int = 0
 
     @property
     def city_code(self) -> str:
@@ -262,36 +280,84 @@ def plan_run(
     return plan
 
 
-def run_cities(
-    db: SyncDatabase,
-    store: PayloadStore,
-    client: SupplierClient | None,
-    plan: RunPlan,
-    request: RunRequest,
-    settings: SyncSettings,
-    *,
-    worker_id: str,
-) -> Iterator[CityOutcome]:
-    """Syncs the plan's cities (then helps other runs of the batch); yields each city's
-    outcome as it finishes.
+@dataclass(frozen=True)
+class WorkerIO:
+    """What a process needs to sync cities: its own connections.
 
-    A city that raises is yielded as FAILED (its shard is FAILED and resumable); the other
-    cities go on. A city another worker holds is waited for after the others, and yielded
-    once this run has synced it or seen it finished.
-
-    Args:
+    Attributes:
         db: The sync database.
         store: The payload store.
         client: The supplier client; None for a replay.
-        plan: From :func:`plan_run`.
-        request: What the run was asked to do.
-        settings: The task and tuning settings.
-        worker_id: This worker's id (one per run).
     """
-    gate = gate_for_pipeline()
-    batch = plan.batch
 
-    def one(city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+    db: SyncDatabase
+    store: PayloadStore
+    client: SupplierClient | None
+
+
+@dataclass(frozen=True)
+class WorkerProcesses:
+    """Sync a run's cities in worker processes (see :func:`run_cities`).
+
+    Attributes:
+        count: Worker processes; each syncs one city at a time.
+        open_io: Called once in each worker process: opens that process's own database,
+            payload store and supplier client (connections are never shared across a
+            fork), kept open until the process ends. The client should share the run's
+            rate limiter (an :class:`InProcessTokenBucket` made before the fork is shared).
+    """
+
+    count: int
+    open_io: Callable[[], AbstractContextManager[WorkerIO]]
+
+
+# Worker processes start one per CPU, at most this many, for a run with at least this many
+# hotels: below it, the start of the processes costs more than the second core gives.
+MAX_AUTO_PROCESSES = 4
+AUTO_PROCESSES_MIN_HOTELS = 5000
+
+
+def auto_processes(request: RunRequest, plan: RunPlan) -> int:
+    """How many worker processes a run uses (0: it syncs its cities itself).
+
+    ``request.processes`` when set; otherwise one per CPU (at most ``MAX_AUTO_PROCESSES``,
+    never more than the run's cities) when the supplier's hotel count of the run's cities
+    reaches ``AUTO_PROCESSES_MIN_HOTELS``. A replay stays in the run's process.
+    """
+    if request.replay:
+        return 0
+    if request.processes is not None:
+        return max(0, request.processes)
+    hotels = sum(plan.sizes.get(c, 0) for c in plan.cities)
+    if hotels < AUTO_PROCESSES_MIN_HOTELS or len(plan.cities) < 2:
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(cpus or 1, MAX_AUTO_PROCESSES, len(plan.cities)))
+
+
+class _CityWorker:
+    """Syncs one city at a time of a run's batch, in whichever process it lives in."""
+
+    def __init__(
+        self,
+        io: WorkerIO,
+        plan: RunPlan,
+        request: RunRequest,
+        settings: SyncSettings,
+        worker_id: str,
+    ) -> None:
+        self.io = io
+        self.plan = plan
+        self.request = request
+        self.settings = settings
+        self.worker_id = worker_id
+        self.gate = gate_for_pipeline()
+
+    def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+        """Syncs ``city``; never raises (a city that raises is FAILED, resumable)."""
+        db, batch = self.io.db, self.plan.batch
+        client = self.io.client
+        requests_before = client.stats().requests if client is not None else 0
         started = time.perf_counter()
         report = CityReport(city)
         try:
@@ -299,15 +365,15 @@ def run_cities(
                 report = CityReport(city)
                 sync_city(
                     db,
-                    store,
+                    self.io.store,
                     client,
                     batch=batch,
                     city_code=city,
-                    worker_id=worker_id,
-                    settings=settings,
-                    gate=gate,
-                    fetch=not request.replay,
-                    city_countries=plan.countries,
+                    worker_id=self.worker_id,
+                    settings=self.settings,
+                    gate=self.gate,
+                    fetch=not self.request.replay,
+                    city_countries=self.plan.countries,
                     report=report,
                 )
                 if report.status != "HELD_BY_OTHER" or not wait_if_held:
@@ -321,27 +387,83 @@ def run_cities(
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
-        if request.replay and report.status == "SUCCESS":
+        if client is not None:
+            outcome.requests = client.stats().requests - requests_before
+        if self.request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
                 db,
-                source_batch_id=plan.sources[city],
+                source_batch_id=self.plan.sources[city],
                 replay_batch_id=batch.batch_id,
                 city_code=city,
             )
         return outcome
 
+
+def run_cities(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    plan: RunPlan,
+    request: RunRequest,
+    settings: SyncSettings,
+    *,
+    worker_id: str,
+    processes: WorkerProcesses | None = None,
+) -> Iterator[CityOutcome]:
+    """Syncs the plan's cities (then helps other runs of the batch); yields each city's
+    outcome as it finishes.
+
+    A city that raises is yielded as FAILED (its shard is FAILED and resumable); the other
+    cities go on. A city another worker holds is waited for after the others, and yielded
+    once this run has synced it or seen it finished.
+
+    With ``processes`` (and a count above 0), the cities are synced in that many worker
+    processes forked now, each with its own connections and worker id (its shard leases
+    are its own), one city at a time each; this process only hands out cities and yields
+    their outcomes, so whoever iterates (a Dagster step writing each city's events) works
+    while the workers sync. A sync is CPU-bound (parsing, normalizing, SQL): threads of
+    one process share one core. A worker that dies leaves its city FAILED here and its
+    lease to expire (a re-run resumes it); the processes end with the iteration.
+
+    Args:
+        db: The sync database.
+        store: The payload store.
+        client: The supplier client; None for a replay.
+        plan: From :func:`plan_run`.
+        request: What the run was asked to do.
+        settings: The task and tuning settings.
+        worker_id: This worker's id (one per run).
+        processes: Worker processes to sync in, or None to sync in this process
+            (``request.threads`` cities at once).
+    """
+    if processes is not None and processes.count > 0:
+        with _ProcessPool(processes, plan, request, settings) as pool:
+            yield from _run(db, pool.sync, plan, request, processes.count)
+        return
+    worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
+    yield from _run(db, worker.sync, plan, request, request.threads)
+
+
+def _run(
+    db: SyncDatabase,
+    sync: Callable[..., CityOutcome],
+    plan: RunPlan,
+    request: RunRequest,
+    threads: int,
+) -> Iterator[CityOutcome]:
+    """The run's cities through ``sync``, ``threads`` at once: own, held, then helping."""
     held: list[str] = []
-    for outcome in in_flight(plan.cities, lambda c: one(c, wait_if_held=False), request.threads):
+    for outcome in in_flight(plan.cities, lambda c: sync(c, wait_if_held=False), threads):
         if outcome.status == "HELD_BY_OTHER":
             held.append(outcome.city_code)
         else:
             yield outcome
-    yield from in_flight(held, lambda c: one(c, wait_if_held=True), request.threads)
+    yield from in_flight(held, lambda c: sync(c, wait_if_held=True), threads)
     if request.help_other_runs and not request.replay:
         helped: list[CityOutcome] = []
 
         def help_one(city: str) -> CityReport:
-            outcome = one(city, wait_if_held=False, helped=True)
+            outcome = sync(city, wait_if_held=False, helped=True)
             if outcome.status == "FAILED":
                 # Left to its owner, which resumes it; help_other_workers goes on.
                 raise RuntimeError(outcome.report.error)
@@ -351,13 +473,93 @@ def run_cities(
 
         help_other_workers(
             db,
-            batch.batch_id,
+            plan.batch.batch_id,
             skip=set(request.cities),
             sync_one=help_one,
-            threads=request.threads,
+            threads=threads,
             hotel_counts=plan.sizes,
         )
         yield from helped
+
+
+# The worker of this process, when it is a worker process of a run (set at its start).
+_process_worker: _CityWorker | None = None
+PARENT_POLL_SECONDS = 1.0
+
+
+class _ProcessPool:
+    """A run's worker processes: forked, each with its own connections, one city each."""
+
+    def __init__(
+        self,
+        processes: WorkerProcesses,
+        plan: RunPlan,
+        request: RunRequest,
+        settings: SyncSettings,
+    ) -> None:
+        # Fork: the workers start at once with this process's modules and the run's rate
+        # limiter (a spawned process would import the project again, seconds of CPU).
+        # They never touch this process's connections: open_io opens their own.
+        self._pool = ProcessPoolExecutor(
+            max_workers=processes.count,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_start_worker,
+            initargs=(processes.open_io, plan, request, settings, os.getpid()),
+        )
+
+    def __enter__(self) -> _ProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+        """Syncs ``city`` in a worker process; a worker that died makes it FAILED."""
+        started = time.perf_counter()
+        try:
+            return self._pool.submit(_sync_in_worker, city, wait_if_held, helped).result()
+        except Exception as err:  # BrokenProcessPool: a worker was killed (OOM, signal)
+            report = CityReport(city, status="FAILED", error=f"worker process died: {err}")
+            log.warning("city %r failed: %s", city, report.error)
+            return CityOutcome(report, helped, seconds=time.perf_counter() - started)
+
+
+def _start_worker(
+    open_io: Callable[[], AbstractContextManager[WorkerIO]],
+    plan: RunPlan,
+    request: RunRequest,
+    settings: SyncSettings,
+    parent_pid: int,
+) -> None:
+    """A worker process's start: its own connections and worker id, kept until it ends."""
+    global _process_worker
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch"
+    ).start()
+    stack = ExitStack()
+    io = stack.enter_context(open_io())
+    # Never closed: the process ends with its pool, and its connections with it.
+    _open_stacks.append(stack)
+    _process_worker = _CityWorker(io, plan, request, settings, make_worker_id("supplier-sync"))
+    prepare_process()
+
+
+_open_stacks: list[ExitStack] = []
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # A worker whose run's process was killed stops too: its city's lease then expires
+    # and the next run resumes the city from its checkpoint.
+    while True:
+        time.sleep(PARENT_POLL_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _sync_in_worker(city: str, wait_if_held: bool, helped: bool) -> CityOutcome:
+    if _process_worker is None:  # pragma: no cover - only a worker process calls this
+        raise RuntimeError("not a worker process of a run")
+    return _process_worker.sync(city, wait_if_held=wait_if_held, helped=helped)
 
 
 def published_report(db: SyncDatabase, batch_id: str, city: str) -> CityReport:

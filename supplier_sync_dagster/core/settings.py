@@ -82,6 +82,18 @@ class Settings(StorageSettings):
         default=None,
         description="Redis for the rate limit shared by every worker; unset: in-process",
     )
+    supplier_rate_limit: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="requests/s the supplier allows this API key, all workers together; unset: 50",
+    )
+    worker_processes: int | None = Field(
+        default=None,
+        ge=0,
+        description="processes that sync a run's cities (0: the run's own process); unset: "
+        "one per CPU, at most 4, for runs of at least 5,000 hotels",
+    )
 
     @field_validator("supplier_url")
     @classmethod

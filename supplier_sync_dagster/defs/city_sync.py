@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import dagster as dg
@@ -43,7 +43,17 @@ from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
 from supplier_sync_dagster.core.gates import CHECK_NAMES
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import Stage, SyncSettings
-from supplier_sync_dagster.core.run import CityOutcome, RunRequest, not_done, plan_run, run_cities
+from supplier_sync_dagster.core.run import (
+    CityOutcome,
+    RunRequest,
+    WorkerIO,
+    WorkerProcesses,
+    auto_processes,
+    not_done,
+    plan_run,
+    run_cities,
+)
+from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -228,6 +238,7 @@ def city_sync(
         cities=[decode_city_key(k) for k in context.partition_keys],
         replay=NORMALIZED in selected and RAW not in selected,
         threads=supplier.city_threads,
+        processes=supplier.worker_processes,
         help_other_runs=supplier.help_other_runs,
     )
     settings = SyncSettings(
@@ -261,9 +272,23 @@ def city_sync(
             )
             progress = _Progress()
             worker_id = make_worker_id("supplier-sync")
+            processes = auto_processes(request, plan)
+            if processes:
+                context.log.info(f"syncing the cities in {processes} worker processes")
+            requests = 0
             for outcome in run_cities(
-                db, store, client, plan, request, settings, worker_id=worker_id
+                db,
+                store,
+                client,
+                plan,
+                request,
+                settings,
+                worker_id=worker_id,
+                processes=WorkerProcesses(
+                    processes, _worker_io(sync_db, payloads, supplier, client)
+                ),
             ):
+                requests += outcome.requests if processes else 0
                 outcomes.append(outcome)
                 _log_city(context, outcome)
                 yield from city_events(
@@ -278,10 +303,10 @@ def city_sync(
                 progress.show(context, db, plan.batch.batch_id)
             progress.show(context, db, plan.batch.batch_id, final=True)
             if client is not None:
-                stats = client.stats()
+                # The worker processes' requests come with their cities' outcomes.
+                requests += client.stats().requests
                 context.log.info(
-                    f"supplier: {stats.requests} requests, {stats.retries} retries in "
-                    f"{time.perf_counter() - started:.1f} s"
+                    f"supplier: {requests} requests in {time.perf_counter() - started:.1f} s"
                 )
     finally:
         db.dispose()
@@ -311,6 +336,27 @@ def city_sync(
                 "cities_without_raw_pages": dg.MetadataValue.json(unreplayed),
             },
         )
+
+
+def _worker_io(
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+    client: SupplierClient | None,
+) -> Callable[[], AbstractContextManager[WorkerIO]]:
+    """What a worker process of the run opens: its own connections, the run's rate limit."""
+    limiter = client.rate_limiter if client is not None else None
+
+    @contextmanager
+    def open_io() -> Iterator[WorkerIO]:
+        db = sync_db.open()
+        try:
+            with supplier.client(rate_limiter=limiter) as own:
+                yield WorkerIO(db, payloads.open(), own)
+        finally:
+            db.dispose()
+
+    return open_io
 
 
 def _log_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:

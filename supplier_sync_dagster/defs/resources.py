@@ -31,6 +31,7 @@ from supplier_sync_dagster.core.settings import (
 )
 from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
+    RateLimiter,
     SupplierClient,
     make_rate_limiter,
 )
@@ -117,6 +118,15 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
             "use the request budget less well, so 1 is the default."
         ),
     )
+    worker_processes: int | None = Field(
+        default=None,
+        description=(
+            "Processes that sync a run's cities, each one city at a time, while the run's own "
+            "process reports them to Dagster (a sync is CPU-bound: one per core). 0: the run's "
+            "own process syncs them (city_threads at once). Unset: one per CPU, at most 4, "
+            "when the run's cities hold at least 5,000 hotels, else 0."
+        ),
+    )
     help_other_runs: bool = Field(
         default=True,
         description=(
@@ -132,11 +142,16 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         """An HTTP client bound to the supplier, and the API key it accepts."""
 
     @contextmanager
-    def client(self) -> Iterator[SupplierClient]:
-        """A supplier client for the duration of the block."""
+    def client(self, *, rate_limiter: RateLimiter | None = None) -> Iterator[SupplierClient]:
+        """A supplier client for the duration of the block.
+
+        Args:
+            rate_limiter: The bucket to pace requests with, shared with another client
+                (a worker process's client shares its run's); None makes the key's own.
+        """
         http, key = self._connection()
         try:
-            limiter = make_rate_limiter(
+            limiter = rate_limiter or make_rate_limiter(
                 redis_url=self.redis_url,
                 supplier_id=str(self.supplier_id),
                 api_key=key,
@@ -252,6 +267,11 @@ def _env(settings: Settings, name: str) -> dg.EnvVar | None:
     return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
 
 
+def _set(**fields: Any) -> dict[str, Any]:
+    # Unset settings leave the resource's own defaults.
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 @dg.definitions
 def resources() -> dg.Definitions:
     """Binds the resources from the settings, read now (load time); set ones as dg.EnvVar."""
@@ -264,6 +284,11 @@ def resources() -> dg.Definitions:
                 base_url=_env(settings, "supplier_url"),
                 api_key=_env(settings, "supplier_api_key"),
                 redis_url=_env(settings, "redis_url"),
+                # Numbers, not secrets: their values show in the resource's config.
+                **_set(
+                    rate_limit_rps=settings.supplier_rate_limit,
+                    worker_processes=settings.worker_processes,
+                ),
             ),
             "governance": GovernanceResource(),
         }

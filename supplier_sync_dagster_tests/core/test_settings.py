@@ -34,6 +34,8 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
         "SUPPLIER_SYNC_REDIS_URL",
+        "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
+        "SUPPLIER_SYNC_WORKER_PROCESSES",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -66,6 +68,24 @@ def test_values_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert s.api_key() == "s3cret"
     assert s.redis_url == "redis://127.0.0.1:6379/2"
     assert "s3cret" not in repr(s)  # the key never shows in a log line
+
+
+def test_rate_limit_and_worker_processes(monkeypatch: pytest.MonkeyPatch):
+    assert (load_settings().supplier_rate_limit, load_settings().worker_processes) == (None, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "12.5")
+    monkeypatch.setenv("SUPPLIER_SYNC_WORKER_PROCESSES", "0")
+    s = load_settings()
+    assert (s.supplier_rate_limit, s.worker_processes) == (12.5, 0)
+    for name, bad in [
+        ("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "0"),
+        ("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "inf"),
+        ("SUPPLIER_SYNC_WORKER_PROCESSES", "-1"),
+        ("SUPPLIER_SYNC_WORKER_PROCESSES", "two"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            message = str(pytest.raises(ConfigError, load_settings).value)
+        assert message.startswith(f"{name}: ") and "\n" not in message
 
 
 def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch):

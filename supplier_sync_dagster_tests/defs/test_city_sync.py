@@ -189,7 +189,11 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[s
 
 def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str]):
     endpoint, bucket = moto_s3
-    instance, supplier, keys = _setup(tmp_path, cities=5, hotels=500)
+    instance, _, keys = _setup(tmp_path, cities=5, hotels=500)
+    # Worker processes open the store from the resource too.
+    supplier = SimulatedSupplierResource(
+        sim_cities=5, sim_hotels=500, sim_profile="flaky", rate_limit_rps=10_000, worker_processes=2
+    )
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
     resources = {
         "sync_db": SyncDatabaseResource(db_url=db_url),
@@ -359,13 +363,21 @@ def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Pat
     db.dispose()
 
 
+@pytest.mark.parametrize("mode", ["threads", "processes"])
 def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
-    db_url: str, tmp_path: Path
+    db_url: str, tmp_path: Path, mode: str
 ):
-    """``city_threads=2`` (the CLI's single run): same end state as one city at a time."""
+    """Two cities at once, as threads of the run (``city_threads=2``) or in two worker
+    processes (``worker_processes=2``, the CLI's default on two cores): the same end state
+    as one city at a time, and each city's events on its own partition."""
     instance, _, keys = _setup(tmp_path, cities=6, hotels=900)
     supplier = SimulatedSupplierResource(
-        sim_cities=6, sim_hotels=900, sim_profile="flaky", rate_limit_rps=10_000, city_threads=2
+        sim_cities=6,
+        sim_hotels=900,
+        sim_profile="flaky",
+        rate_limit_rps=10_000,
+        city_threads=2 if mode == "threads" else 1,
+        worker_processes=2 if mode == "processes" else 0,
     )
     result = dg.materialize(
         [city_sync],

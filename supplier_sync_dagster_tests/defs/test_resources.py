@@ -29,6 +29,7 @@ SHARED = {
     "rate_limit_rps",
     "page_size",
     "city_threads",
+    "worker_processes",
     "help_other_runs",
     "connect_timeout",
     "read_timeout",
@@ -83,6 +84,15 @@ def test_supplier_url_binds_the_http_api_with_env_vars(monkeypatch: pytest.Monke
     assert supplier.base_url == dg.EnvVar("SUPPLIER_SYNC_SUPPLIER_URL")
     assert supplier.api_key == dg.EnvVar("SUPPLIER_SYNC_SUPPLIER_API_KEY")
     assert supplier.redis_url == dg.EnvVar("SUPPLIER_SYNC_REDIS_URL")
+
+
+def test_rate_limit_and_worker_processes_reach_the_supplier(monkeypatch: pytest.MonkeyPatch):
+    # The daemon's runs take them from the environment, as the command line does.
+    assert (_supplier().rate_limit_rps, _supplier().worker_processes) == (50.0, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "40")
+    monkeypatch.setenv("SUPPLIER_SYNC_WORKER_PROCESSES", "2")
+    supplier = _supplier()
+    assert (supplier.rate_limit_rps, supplier.worker_processes) == (40.0, 2)
 
 
 def test_the_choice_is_made_in_one_place():

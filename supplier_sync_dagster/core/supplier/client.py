@@ -598,6 +598,11 @@ class SupplierClient:
 
     # --- stats ------------------------------------------------------------------------------
 
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        """The bucket that paces this client's requests (another client may share it)."""
+        return self._limiter
+
     def stats(self) -> ClientStats:
         """Return a snapshot of the client's counters."""
         breaker = self.breaker.stats()

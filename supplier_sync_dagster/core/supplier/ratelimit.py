@@ -1,6 +1,8 @@
 """Token buckets that pace requests before they are sent.
 
-* :class:`InProcessTokenBucket` paces the threads of one process.
+* :class:`InProcessTokenBucket` paces the threads of one process and of the worker
+  processes forked from it after it was made (its state is in shared memory): a run that
+  syncs its cities in worker processes keeps one budget without Redis.
 * :class:`RedisTokenBucket` paces every process that shares one Redis key: the supplier's
   limit is per API key, and several workers share a key. The refill and the take happen in
   one Lua script on Redis' own clock (``TIME``), so worker clocks never matter.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +51,12 @@ def _check_rate(rate: float, burst: float) -> None:
 
 
 class InProcessTokenBucket:
-    """A thread-safe token bucket: ``rate`` tokens per second, holding at most ``burst``."""
+    """A token bucket: ``rate`` tokens per second, holding at most ``burst``.
+
+    Safe for threads and for processes forked after it was made: its two numbers live in
+    shared memory under a process-shared lock (the monotonic clock is system-wide on
+    Linux, so every process reads the same time).
+    """
 
     def __init__(
         self,
@@ -71,9 +79,11 @@ class InProcessTokenBucket:
         self.burst = float(burst)
         self._clock = monotonic
         self._sleep = sleep
-        self._lock = threading.Lock()
-        self._tokens = self.burst
-        self._stamp = monotonic()
+        # Forked worker processes see the same memory and lock ("fork" context: the
+        # default one may be another start method, whose children would not share them).
+        ctx = multiprocessing.get_context("fork")
+        self._lock = ctx.Lock()
+        self._state = ctx.RawArray("d", [self.burst, monotonic()])  # tokens, stamp
 
     def __repr__(self) -> str:
         return f"InProcessTokenBucket(rate={self.rate}, burst={self.burst})"
@@ -84,17 +94,20 @@ class InProcessTokenBucket:
         Returns:
             0.0 if a token was taken, otherwise the seconds until one will be available.
         """
+        state = self._state
         with self._lock:
             now = self._clock()
-            elapsed = now - self._stamp
+            tokens, stamp = state[0], state[1]
+            elapsed = now - stamp
             if elapsed > 0:
-                self._tokens = min(self.burst, self._tokens + elapsed * self.rate)
-                self._stamp = now
+                tokens = min(self.burst, tokens + elapsed * self.rate)
+                state[1] = now
             # Float rounding can leave 0.99999...; waiting that out would never end.
-            if self._tokens >= 1.0 - _EPSILON:
-                self._tokens = max(0.0, self._tokens - 1.0)
+            if tokens >= 1.0 - _EPSILON:
+                state[0] = max(0.0, tokens - 1.0)
                 return 0.0
-            return (1.0 - self._tokens) / self.rate
+            state[0] = tokens
+            return (1.0 - tokens) / self.rate
 
     def acquire(self) -> float:
         """Block until a token is available and take it.
