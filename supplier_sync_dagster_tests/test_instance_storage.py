@@ -241,3 +241,51 @@ def test_engines_are_bounded_and_disposed(home: Path) -> None:
         assert instance.all_logs(storage.get_all_run_ids()[0])
     assert storage.cached_shards() == []
     assert engines[-1].pool.checkedin() == 0  # type: ignore[attr-defined]
+
+
+@dg.multi_asset(
+    specs=[dg.AssetSpec(ASSET, skippable=True)],
+    partitions_def=PARTITIONS,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    can_subset=True,
+    name="half_cities",
+)
+def half_cities(context: dg.AssetExecutionContext) -> Iterator[dg.AssetMaterialization]:
+    """Reports the first half of its range, then fails: city_sync with failed cities."""
+    keys = context.partition_keys
+    for key in keys[: len(keys) // 2]:
+        yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": 1})
+    raise dg.Failure("the other cities failed")
+
+
+@pytest.mark.parametrize("subset_in_planned_events", [False, True])
+def test_failed_cities_of_a_ranged_run_show_failed_only_with_a_planned_event_each(
+    home: Path, monkeypatch: pytest.MonkeyPatch, subset_in_planned_events: bool
+) -> None:
+    # Why the storage keeps Dagster's default (False) for
+    # supports_partition_subset_in_asset_materialization_planned_events: the UI's failed
+    # partitions are those with a planned event and no materialization in a FAILURE run,
+    # matched on the event's partition column; one planned event for the whole range has none.
+    if subset_in_planned_events:
+        monkeypatch.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "1")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = instance.event_log_storage
+        assert storage.supports_partition_subset_in_asset_materialization_planned_events is (
+            subset_in_planned_events
+        )
+        result = dg.materialize(
+            [half_cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+            raise_on_error=False,
+        )
+        assert not result.success
+        planned = instance.get_records_for_run(
+            result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+        ).records
+        assert len(planned) == (1 if subset_in_planned_events else 4)
+        status = instance.get_status_by_partition(ASSET, ["a", "b", "c", "d"], PARTITIONS)
+        assert status is not None
+        assert status["a"] == status["b"] == dg.AssetPartitionStatus.MATERIALIZED
+        failed = None if subset_in_planned_events else dg.AssetPartitionStatus.FAILED
+        assert status["c"] == status["d"] == failed
