@@ -30,7 +30,11 @@ from supplier_sync_dagster.instance_storage import (
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
 )
-from supplier_sync_dagster.sync_runner import EMBEDDED_DAGSTER_YAML
+from supplier_sync_dagster.sync_runner import (
+    _OLD_EMBEDDED_DAGSTER_YAMLS,
+    EMBEDDED_DAGSTER_YAML,
+    dagster_instance,
+)
 
 PARTITIONS = dg.StaticPartitionsDefinition(["a", "b", "c", "d"])
 ASSET = dg.AssetKey("cities")
@@ -92,6 +96,24 @@ def test_the_embedded_yaml_makes_the_pooled_storages(home: Path) -> None:
         assert (home / "history" / "runs.db").exists()
         # The reference a run worker rebuilds its instance from names the same class.
         assert instance.get_ref().custom_instance_class_data is not None
+
+
+@pytest.mark.parametrize("earlier", [*_OLD_EMBEDDED_DAGSTER_YAMLS, None, "edited"])
+def test_the_state_folder_s_instance_is_the_embedded_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: str | None
+) -> None:
+    monkeypatch.setenv("DAGSTER_HOME", "")  # unset for dagster_instance; restored after
+    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path))
+    config = tmp_path / "dagster_home" / "dagster.yaml"
+    config.parent.mkdir()
+    edited = EMBEDDED_DAGSTER_YAML.replace("poll_interval_seconds: 5", "poll_interval_seconds: 7")
+    if earlier is not None:
+        # What an earlier version wrote is replaced; a file someone edited is kept.
+        config.write_text(edited if earlier == "edited" else earlier)
+    with dagster_instance() as instance:
+        assert isinstance(instance, EmbeddedDagsterInstance)
+        _pooled(instance)
+    assert config.read_text() == (edited if earlier == "edited" else EMBEDDED_DAGSTER_YAML)
 
 
 def test_the_repository_profile_loads_the_pooled_storages(tmp_path: Path) -> None:
