@@ -51,12 +51,16 @@ from supplier_sync_dagster.defs.resources import (
 )
 from supplier_sync_dagster.run_launcher import WORKER_HOST_TAG
 
-# The state folder's instance: SQLite storage (Dagster's default), no telemetry, and run
+# The state folder's instance: Dagster's SQLite layout with pooled connections
+# (instance_storage.py: an event costs a fraction of Dagster's default), no telemetry, and run
 # monitoring as in the repository's dagster.yaml, so that `dagster dev` on it marks a run of
 # a killed `sync --full` FAILURE (see run_launcher.py).
 EMBEDDED_DAGSTER_YAML = """\
 telemetry:
   enabled: false
+instance_class:
+  module: supplier_sync_dagster.instance_storage
+  class: EmbeddedDagsterInstance
 run_launcher:
   module: supplier_sync_dagster.run_launcher
   class: LocalRunLauncher
@@ -69,7 +73,23 @@ run_monitoring:
   free_slots_after_run_end_seconds: 10
 """
 # What earlier versions wrote: replaced, since nobody edited it.
-_OLD_EMBEDDED_DAGSTER_YAML = "telemetry:\n  enabled: false\n"
+_OLD_EMBEDDED_DAGSTER_YAMLS = (
+    "telemetry:\n  enabled: false\n",
+    """\
+telemetry:
+  enabled: false
+run_launcher:
+  module: supplier_sync_dagster.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+""",
+)
 
 
 def dagster_instance() -> dg.DagsterInstance:
@@ -78,7 +98,7 @@ def dagster_instance() -> dg.DagsterInstance:
         home = state_dir() / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
         config = home / "dagster.yaml"
-        if not config.exists() or config.read_text() == _OLD_EMBEDDED_DAGSTER_YAML:
+        if not config.exists() or config.read_text() in _OLD_EMBEDDED_DAGSTER_YAMLS:
             config.write_text(EMBEDDED_DAGSTER_YAML)
         os.environ["DAGSTER_HOME"] = str(home)
     return dg.DagsterInstance.get()
