@@ -29,7 +29,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +62,8 @@ from watchdog.observers import Observer
 # Run shards whose engine stays open besides the index shard's. A run writes its own shard
 # and the index; a webserver reads the shards of the runs people look at: a few at a time.
 DEFAULT_MAX_CACHED_SHARDS = 8
+# Events Dagster hands over in one batch at most (a run of 1,000 cities plans 8,000).
+PLANNED_EVENT_BATCH = 20_000
 
 # One idle connection per file. Overflow only for a caller that opens a second connection
 # to the same file before closing the first (Dagster's code does not, under ``_db_lock``).
@@ -133,6 +135,8 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         self._engines: OrderedDict[str, Engine] = OrderedDict()
         self._engines_pid = os.getpid()
         self._asset_key_columns: set[str] = set()
+        self._batch: dict[str, Connection] | None = None
+        self._batch_thread: int | None = None
         super().__init__(base_dir, inst_data)
 
     @classmethod
@@ -180,10 +184,43 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
 
     @contextmanager
     def _connect(self, shard: str) -> Iterator[Connection]:
+        batch = self._batch
+        if batch is not None and self._batch_thread == threading.get_ident():
+            # Inside store_event_batch, which holds _db_lock: one transaction per shard.
+            conn = batch.get(shard)
+            if conn is None:
+                conn = batch[shard] = self._engine(shard).connect()
+                conn.begin()
+            yield conn
+            return
         with self._db_lock:
             engine = self._engine(shard)
             with engine.connect() as conn, conn.begin():
                 yield conn
+
+    def store_event_batch(self, events: Sequence[EventLogEntry]) -> None:
+        """Stores ``events`` in one transaction per shard: all of them or none.
+
+        Dagster batches a run's planned events (five per city and asset of a ``sync
+        --full``, written before its step starts; see :class:`EmbeddedDagsterInstance`);
+        one by one, each would pay its own transactions on the run shard and the index.
+        """
+        with self._db_lock:
+            batch: dict[str, Connection] = {}
+            self._batch, self._batch_thread = batch, threading.get_ident()
+            try:
+                for event in events:
+                    self.store_event(event)
+                for conn in batch.values():
+                    conn.commit()
+            except BaseException:
+                for conn in batch.values():
+                    conn.rollback()
+                raise
+            finally:
+                self._batch, self._batch_thread = None, None
+                for conn in batch.values():
+                    conn.close()
 
     def _has_asset_key_col_on_connection(self, conn: Connection, column_name: str) -> bool:
         # Dagster inspects the table's columns for every asset event (~0.6 ms). A migration
@@ -374,6 +411,15 @@ class EmbeddedDagsterInstance(DagsterInstance):
     def config_schema(cls) -> dict[str, Any]:
         """No settings of its own."""
         return {}
+
+    def _get_event_batch_size(self) -> int:
+        # Dagster writes batched events (a run's planned events) one by one unless
+        # DAGSTER_EVENT_BATCH_SIZE is set; the pooled event log stores a batch in one
+        # transaction per shard, so the batch is the run's whole set of planned events.
+        configured = super()._get_event_batch_size()
+        if configured or not isinstance(self._event_storage, PooledSqliteEventLogStorage):
+            return configured
+        return PLANNED_EVENT_BATCH
 
     @staticmethod
     def config_defaults(base_dir: str) -> Mapping[str, ConfigurableClassData | None]:

@@ -162,6 +162,51 @@ def test_a_ranged_run_stores_and_reads_back_every_partition(home: Path) -> None:
         )
 
 
+def test_a_run_s_planned_events_are_stored_in_one_batch_all_or_none(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = _pooled(instance)
+        batches: list[int] = []
+        real_batch = storage.store_event_batch
+        monkeypatch.setattr(
+            storage,
+            "store_event_batch",
+            lambda events: (batches.append(len(events)), real_batch(events)),
+        )
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+        assert batches == [5]  # 4 partitions' planned materializations + the check's plan
+        planned = instance.get_records_for_run(
+            result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+        ).records
+        events = [r.event_log_entry for r in planned]
+        # A batch that fails half-way leaves nothing behind (Dagster then stores the
+        # events one by one, which must not make duplicates).
+        real_store = storage.store_event
+        calls: list[int] = []
+
+        def failing(event: object) -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("disk full")
+            real_store(event)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(storage, "store_event", failing)
+        copies = [e._replace(run_id=result.run_id) for e in events]
+        with pytest.raises(RuntimeError, match="disk full"):
+            real_batch(copies)
+        monkeypatch.setattr(storage, "store_event", real_store)
+        again = instance.get_records_for_run(
+            result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+        ).records
+        assert len(again) == len(planned) == 4
+
+
 def test_dagster_s_default_storage_reads_what_it_wrote_and_back(home: Path) -> None:
     with dg.DagsterInstance.from_config(str(home)) as instance:
         first = dg.materialize([cities], instance=instance, partition_key="a")
