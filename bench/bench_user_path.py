@@ -40,7 +40,7 @@ missed (that is what issue #16 is about): a non-zero exit is expected until it i
 Usage:
     .venv/bin/python bench/bench_user_path.py [--path sync|backfill]
         [--backend sqlite|mariadb] [--hotels 5000] [--cities 50] [--zipf 1.0]
-        [--page-size 100] [--rate R] [--count-statements 20] [--no-run]
+        [--page-size 100] [--rate R] [--processes N] [--count-statements 20] [--no-run]
         [--mysql-instance] [--mysql-url mysql+pymysql://root@127.0.0.1:3306]
 
     # the issue's figures:
@@ -122,6 +122,8 @@ def _env(tmp: Path, db_url: str, supplier_url: str, args: argparse.Namespace) ->
         SUPPLIER_SYNC_PAYLOAD_URL=f"file://{tmp / 'payloads'}",
         SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT=str(args.rate or UNLIMITED_RATE),
     )
+    if args.processes is not None:
+        env["SUPPLIER_SYNC_WORKER_PROCESSES"] = str(args.processes)
     if args.rate and args.path == "backfill":  # several runs at once: one budget
         env["SUPPLIER_SYNC_REDIS_URL"] = args.redis_url
     return env
@@ -447,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zipf", type=float, default=1.0, help="skew of city sizes")
     parser.add_argument("--page-size", type=int, default=100)
     parser.add_argument("--rate", type=float, default=None, help="supplier limit, requests/s")
+    parser.add_argument(
+        "--processes", type=int, default=None, help="worker processes per run (default: auto)"
+    )
     parser.add_argument(
         "--redis-url", default="redis://127.0.0.1:6379/0", help="backfill --rate: shared bucket"
     )
