@@ -376,28 +376,33 @@ def previous_profile(
     Raises:
         UnknownBatch: ``before_batch_id`` does not exist.
     """
-    b, s, p = schema.batch.c, schema.shard.c, schema.city_profile.c
+    b, p = schema.batch.c, schema.city_profile.c
     current_id = conn.execute(sa.select(b.id).where(b.batch_id == before_batch_id)).scalar()
     if current_id is None:
         raise UnknownBatch(f"unknown batch {before_batch_id!r}")
     row = conn.execute(
-        sa.select(*_PROFILE_COLUMNS)
-        .select_from(
-            schema.city_profile.join(schema.batch, b.batch_id == p.batch_id).join(
-                schema.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
-            )
-        )
-        .where(
-            p.task_code == task_code,
-            p.shard_key == shard_key,
-            b.task_code == task_code,
-            b.id < current_id,
-            s.status == "SUCCESS",
-        )
+        _finished_earlier(sa.select(*_PROFILE_COLUMNS), task_code, current_id)
+        .where(p.shard_key == shard_key)
         .order_by(b.id.desc())
         .limit(1)
     ).first()
     return _profile(row) if row is not None else None
+
+
+def _finished_earlier(query: sa.Select[Any], task_code: str, current_id: int) -> sa.Select[Any]:
+    """``query`` over the task's city profiles in batches before ``current_id`` whose shard
+    for the city finished SUCCESS: the candidates for a city's baseline."""
+    b, s, p = schema.batch.c, schema.shard.c, schema.city_profile.c
+    return query.select_from(
+        schema.city_profile.join(schema.batch, b.batch_id == p.batch_id).join(
+            schema.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
+        )
+    ).where(
+        p.task_code == task_code,
+        b.task_code == task_code,
+        b.id < current_id,
+        s.status == "SUCCESS",
+    )
 
 
 @dataclass(frozen=True)
@@ -432,24 +437,15 @@ def batch_baselines(db: SyncDatabase, batch_id: str) -> BatchBaselines:
     found = _baselines.get(batch_id)
     if found is not None:
         return found
-    b, s, p = schema.batch.c, schema.shard.c, schema.city_profile.c
+    b, p = schema.batch.c, schema.city_profile.c
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(b.id, b.task_code).where(b.batch_id == batch_id)).first()
         if row is None:
             raise UnknownBatch(f"unknown batch {batch_id!r}")
         current_id, task_code = int(row.id), str(row.task_code)
         latest = (
-            sa.select(p.shard_key, sa.func.max(b.id).label("batch_row"))
-            .select_from(
-                schema.city_profile.join(schema.batch, b.batch_id == p.batch_id).join(
-                    schema.shard, sa.and_(s.batch_id == p.batch_id, s.shard_key == p.shard_key)
-                )
-            )
-            .where(
-                p.task_code == task_code,
-                b.task_code == task_code,
-                b.id < current_id,
-                s.status == "SUCCESS",
+            _finished_earlier(
+                sa.select(p.shard_key, sa.func.max(b.id).label("batch_row")), task_code, current_id
             )
             .group_by(p.shard_key)
             .subquery()
