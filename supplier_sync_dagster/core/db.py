@@ -17,7 +17,7 @@ import copy
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -617,7 +617,12 @@ def _compile_plan(
         if m is not None:
             # As PyMySQL splits it; "%%" in the SQL around the values is a literal "%".
             literal_parts = (m.group(1) % (), m.group(2).rstrip(), (m.group(3) or "") % ())
-            literal_row = _literal_function(literal_parts[1], names, row_keys, processors)
+            booleans = {
+                i
+                for i, name in enumerate(names)
+                if isinstance(compiled.binds[name].type, sa.Boolean)
+            }
+            literal_row = _literal_function(literal_parts[1], names, row_keys, processors, booleans)
     return _Plan(
         sql,
         _values_function(names, row_keys, processors),
@@ -684,14 +689,48 @@ def _literal_function(
     names: Sequence[str],
     row_keys: Sequence[str],
     processors: Mapping[int, Callable[[Any], Any]],
+    booleans: Collection[int] = (),
 ) -> Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str]:
     """One generated function that turns a row into its ``(...)`` of SQL literals.
 
     ``template`` is the statement's ``(%s, %s, ...)``; a value goes through its bind
     processor, then through ``L`` (the driver's escaping); fixed values arrive as literals
-    already (escaped once per call).
+    already (escaped once per call). The common values skip both calls, with the text
+    ``L`` would give them: an ``int``, a ``str`` without a character to escape, and a
+    ``bool`` of a Boolean column (whose processor keeps it as it is).
+
+    Args:
+        template: The statement's ``(%s, ...)``.
+        names: The statement's parameters, in SQL order.
+        row_keys: The parameters that the rows hold (the others are fixed values).
+        processors: Bind processors by parameter position.
+        booleans: Positions of the parameters of Boolean columns.
     """
-    parts, env = _row_expressions(names, row_keys, processors, "L")
+    env: dict[str, Any] = {}
+    parts = []
+    in_row = set(row_keys)
+    for i, name in enumerate(names):
+        if name not in in_row:
+            parts.append(f"f[{name!r}]")
+            continue
+        v = f"v{i}"
+        if i in processors:
+            env[f"p{i}"] = processors[i]
+            slow = f"L(None if {v} is None else p{i}({v}))"
+        else:
+            slow = f"L({v})"
+        if i in booleans:
+            parts.append(
+                f"('1' if ({v} := r[{name!r}]) is True else '0' if {v} is False else {slow})"
+            )
+        elif i in processors:
+            parts.append(f"L(None if ({v} := r[{name!r}]) is None else p{i}({v}))")
+        else:
+            parts.append(
+                f'("\'" + {v} + "\'" if ({v} := r[{name!r}]).__class__ is str'
+                f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
+                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int else {slow})"
+            )
     env["T"] = template
     fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
     return cast(Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str], fn)
