@@ -164,7 +164,12 @@ class db_now(FunctionElement[datetime]):
 
 @compiles(db_now, "sqlite")
 def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    offset = compiler.process(next(iter(element.clauses)), **kw)
+    bind = next(iter(element.clauses))
+    if kw.get("literal_binds") and isinstance(bind, sa.BindParameter) and bind.value == 0:
+        # Written into bulk inserts' SQL, evaluated per row: without the zero offset's
+        # printf and modifier it costs half as much, for the same text.
+        return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+    offset = compiler.process(bind, **kw)
     # SQLAlchemy stores SQLite datetimes as 'YYYY-MM-DD HH:MM:SS.ffffff': pad %f's millis.
     return (
         "(strftime('%Y-%m-%d %H:%M:%f', 'now', "
@@ -406,7 +411,7 @@ def execute_many(
     rows: Sequence[Mapping[str, Any]],
     *,
     fixed: Mapping[str, Any] | None = None,
-) -> None:
+) -> int:
     """Runs one INSERT/upsert for many rows through the driver's ``executemany``.
 
     The statement is compiled once per (dialect, ``key``, column set) and the rows go to the
@@ -426,12 +431,16 @@ def execute_many(
             in the multi-row statement; with a driver that takes only bound rows it is
             evaluated once first (:func:`bind_values`).
 
+    Returns:
+        On SQLite, the rows inserted or updated (its change count: an upsert whose guard
+        left a row alone does not count it); -1 on other databases.
+
     Raises:
         ValueError: The statement has a bound parameter that neither the rows nor ``fixed``
             provide (write constants as literal SQL instead).
     """
     if not rows:
-        return
+        return 0
     fixed = fixed or {}
     dialect = conn.dialect
     # SQL expressions among the fixed values, as SQL text: evaluating them in a SELECT of
@@ -473,10 +482,11 @@ def execute_many(
         _execute_literal_rows(
             conn, plan.literal_parts, plan.literal_row, literal, rows, fixed, inline
         )
-        return
+        return -1
     values = plan.values
     params = [values(row, fixed) for row in rows]
-    conn.exec_driver_sql(plan.sql, params)
+    result = conn.exec_driver_sql(plan.sql, params)
+    return int(result.rowcount) if dialect.name == "sqlite" else -1
 
 
 def _pymysql_literal(conn: Connection) -> Callable[[Any], str] | None:

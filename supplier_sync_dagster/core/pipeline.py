@@ -1081,7 +1081,7 @@ class _LeasePublisher:
                     policy=settings.risk_policy,
                     published_ids=maps.published,
                 )
-                done = self._write(conn, diffs, cands, then)
+                done = self._write(conn, diffs, cands, then, diffs_current=True)
             return done
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
@@ -1110,8 +1110,11 @@ class _LeasePublisher:
         diffs: list[HotelDiff],
         cands: list[Candidate],
         then: ChunkSink | None,
+        *,
+        diffs_current: bool = False,
     ) -> ChunkPublished:
-        """Writes the diff log, the reviews and the publish of a chunk in ``conn``."""
+        """Writes the diff log, the reviews and the publish of a chunk in ``conn``
+        (``diffs_current``: the diffs were read in its transaction)."""
         lease, settings = self.lease, self.settings
         db, city = lease.db, lease.shard_key
         by_id = {c.supplier_hotel_id: c for c in cands}
@@ -1142,6 +1145,7 @@ class _LeasePublisher:
             batch_id=lease.batch_id,
             items=items,
             plan=plan,
+            diffs_current=diffs_current,
         )
         done = ChunkPublished(diffs, len(result.published), len(result.not_newer), held)
         if then is not None:

@@ -131,6 +131,7 @@ def publish_hotels(
     batch_id: str,
     items: Sequence[tuple[HotelDiff, Candidate]],
     plan: PublishPlan | None = None,
+    diffs_current: bool = False,
 ) -> PublishResult:
     """Publishes AUTO_PUBLISH diffs with their offers and outbox events, in ``conn``'s transaction.
 
@@ -142,6 +143,9 @@ def publish_hotels(
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are written.
         plan: The rows, built beforehand by :func:`prepare_publish` from the same arguments
             (keeps a SQLite write lock short); built here when None.
+        diffs_current: The diffs were read in ``conn``'s transaction, and it holds the
+            database's write lock since (SQLite): when the upsert wrote every row, it wrote
+            each at the versions the diffs expect, so they are not read back.
     """
     if plan is None:
         plan = prepare_publish(supplier_id=supplier_id, batch_id=batch_id, items=items)
@@ -149,7 +153,7 @@ def publish_hotels(
     if not todo:
         return PublishResult([], [], 0)
     token = uuid.uuid4().hex
-    execute_many(
+    count = execute_many(
         conn,
         ("publish_hotels",),
         lambda: _hotel_upsert(conn),
@@ -158,8 +162,13 @@ def publish_hotels(
     )
     rids = [d.platform_resource_id for d, _ in todo]
     written: dict[int, tuple[int, int]] = {}
+    if diffs_current and conn.dialect.name == "sqlite" and count == len(rids):
+        # Nothing was written between the diffs' read and the upsert (one writer at a
+        # time), so each row now holds the versions its diff expects: one above the
+        # publish version read (1 when none was) and the candidate's supplier version.
+        written = dict(plan.expected)
     h = schema.platform_hotel.c
-    for part in chunks(rids):
+    for part in chunks(rids) if not written else ():
         for rid, pv, sv in conn.execute(
             sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
                 h.resource_id.in_(part), h.publish_token == token
