@@ -576,11 +576,28 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
     return get_batch(conn, batch_id)
 
 
-def derive_batch(conn: Connection, clock: DbClock, current: Batch) -> None:
+def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None:
     """:func:`refresh_batch` for a caller that locked the batch already (``current`` is what
-    :func:`lock_batch` returned in this transaction) and needs no read-back."""
-    batch_id = current.batch_id
+    :func:`lock_batch` returned in this transaction) and needs no read-back.
+
+    On SQLite, whose write lock the transaction holds from its start, ``current`` may be
+    the batch id instead: the batch's status is then read with its shards' counts, in the
+    same statement.
+
+    Raises:
+        UnknownBatch: ``current`` is the id of no batch.
+    """
+    batch_id = current if isinstance(current, str) else current.batch_id
     s = schema.shard.c
+    b = schema.batch.c
+    read_batch = (
+        [
+            sa.select(column).where(b.batch_id == batch_id).scalar_subquery().label(name)
+            for name, column in (("batch_status", b.status), ("batch_started_at", b.started_at))
+        ]
+        if isinstance(current, str)
+        else []
+    )
     # The shard whose checkpoint moved last (ties: the later shard), read in the same
     # statement as the counts.
     latest = (
@@ -622,15 +639,23 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch) -> None:
             .where(l_.id == latest)
             .scalar_subquery()
             .label("latest_checkpoint"),
+            *read_batch,
         ).where(s.batch_id == batch_id)
     ).one()
 
+    if isinstance(current, str):
+        if agg.batch_status is None:
+            raise UnknownBatch(f"unknown batch {batch_id!r}")
+        current_status: BatchStatus = agg.batch_status
+        current_started_at = agg.batch_started_at
+    else:
+        current_status, current_started_at = current.status, current.started_at
     n = int(agg.n)
     done = int(agg.success or 0) + int(agg.failed or 0)
-    status: BatchStatus = current.status
-    if current.status != "CANCELLED" and n:
+    status: BatchStatus = current_status
+    if current_status != "CANCELLED" and n:
         if agg.pending or agg.running:
-            started = bool(agg.running) or done > 0 or current.started_at is not None
+            started = bool(agg.running) or done > 0 or current_started_at is not None
             status = "RUNNING" if started else "PENDING"
         elif not agg.failed:
             status = "SUCCESS"
@@ -658,16 +683,16 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch) -> None:
         values["current_city_code"] = agg.latest_key
         values["current_page"] = _page_of(agg.latest_checkpoint)
         values["end_checkpoint"] = (agg.latest_checkpoint or "")[:512] or None
-    if status == "RUNNING" and current.started_at is None:
+    if status == "RUNNING" and current_started_at is None:
         values["started_at"] = clock.now()
-    if status in TERMINAL_BATCH_STATUSES and current.status not in TERMINAL_BATCH_STATUSES:
+    if status in TERMINAL_BATCH_STATUSES and current_status not in TERMINAL_BATCH_STATUSES:
         values["finished_at"] = clock.now()
     elif status in ACTIVE_BATCH_STATUSES:
         values["finished_at"] = None  # a reopened shard makes a finished batch run again
     guarded_update(
         conn,
         sa.update(schema.batch)
-        .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == current.status)
+        .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == current_status)
         .values(**values),
         lambda: InvalidTransition(f"batch {batch_id} changed status while locked"),
     )

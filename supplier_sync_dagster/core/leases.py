@@ -49,6 +49,7 @@ from supplier_sync_dagster.core.errors import (
     InvalidTransition,
     LeaseLost,
     LeaseNotAcquired,
+    UnknownBatch,
     UnknownShard,
 )
 from supplier_sync_dagster.core.processes import (
@@ -57,7 +58,7 @@ from supplier_sync_dagster.core.processes import (
     holder_is_dead_here,
     make_worker_id,
 )
-from supplier_sync_dagster.core.shards import ShardStatus, move_shards
+from supplier_sync_dagster.core.shards import ShardStatus, move_shard_returning, move_shards
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +429,9 @@ class ShardLease:
         if status not in ("SUCCESS", "FAILED"):
             raise ConfigError(f"a shard finishes as SUCCESS or FAILED, not {status!r}")
         self.ensure_held()
-        batch = lock_batch(conn, self.batch_id)
+        # SQLite: the transaction holds the one write lock from its start; the batch is
+        # read with its shards' counts, after this shard's end.
+        batch = self.batch_id if self.db.dialect == "sqlite" else lock_batch(conn, self.batch_id)
         self._fenced(
             conn,
             status,
@@ -537,57 +540,58 @@ def claim_shard(
     token = str(uuid.uuid4())
     clock = db.clock
     c = schema.shard.c
+    where = [c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)]
+    claim: dict[str, Any] = {
+        "worker_id": worker_id,
+        "lease_token": token,
+        "lease_until": clock.now(settings.lease_seconds),
+        "heartbeat_at": clock.now(),
+        "started_at": sa.func.coalesce(c.started_at, clock.now()),
+        "claim_count": c.claim_count + 1,
+        "last_heartbeat_stage": "CLAIMED",
+        "last_heartbeat_message": f"claimed by {worker_id}"[:512],
+        "updated_at": clock.now(),
+    }
     with db.begin() as conn:
-        batch = lock_batch(conn, batch_id)
-        claimed = move_shards(
-            conn,
-            "RUNNING",
-            [c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)],
-            sources=("PENDING", "RUNNING"),
-            worker_id=worker_id,
-            lease_token=token,
-            lease_until=clock.now(settings.lease_seconds),
-            heartbeat_at=clock.now(),
-            started_at=sa.func.coalesce(c.started_at, clock.now()),
-            claim_count=c.claim_count + 1,
-            last_heartbeat_stage="CLAIMED",
-            last_heartbeat_message=f"claimed by {worker_id}"[:512],
-            updated_at=clock.now(),
-        )
-        info, overridden = _read_claimed(conn, batch_id, shard_key)
-        if (
-            not claimed
-            and reclaim_dead_local
-            and info.status == "RUNNING"
-            and info.worker_id
-            and holder_is_dead_here(info.worker_id)
-        ):
-            old_token = conn.execute(
-                sa.select(c.lease_token).where(c.id == info.shard_id)
-            ).scalar_one()
-            claimed = move_shards(
+        moved = None
+        if db.dialect == "sqlite":
+            # The transaction holds SQLite's one write lock from its start (BEGIN
+            # IMMEDIATE), the batch's too: the claim reads the shard and the batch back in
+            # its own statement. A missed claim reads them as below, to say why.
+            moved = move_shard_returning(
                 conn,
                 "RUNNING",
-                [c.id == info.shard_id],
-                sources=["RUNNING"],
-                holder=(info.worker_id, old_token),
-                worker_id=worker_id,
-                lease_token=token,
-                lease_until=clock.now(settings.lease_seconds),
-                heartbeat_at=clock.now(),
-                claim_count=c.claim_count + 1,
-                last_heartbeat_stage="CLAIMED",
-                last_heartbeat_message=f"taken from dead {info.worker_id}"[:512],
-                updated_at=clock.now(),
+                where,
+                [
+                    *schema.shard.c,
+                    _has_overrides(batch_id, shard_key),
+                    sa.select(schema.batch.c.status)
+                    .where(schema.batch.c.batch_id == batch_id)
+                    .scalar_subquery()
+                    .label("batch_status"),
+                ],
+                sources=("PENDING", "RUNNING"),
+                **claim,
             )
-            if claimed:
-                log.warning("took shard %r from dead local worker %s", shard_key, info.worker_id)
-                info, overridden = _read_claimed(conn, batch_id, shard_key)
-        if not claimed:
-            raise LeaseNotAcquired(
-                _why_not_claimable(conn, db, batch_id, shard_key, info), shard=info
+        if moved is not None:
+            if moved.batch_status is None:
+                raise UnknownBatch(f"unknown batch {batch_id!r}")
+            info, overridden = _shard_info(moved), bool(moved.has_gate_overrides)
+            batch_pending = moved.batch_status == "PENDING"
+        else:
+            info, overridden, batch_pending = _claim_locked(
+                conn,
+                db,
+                batch_id,
+                shard_key,
+                worker_id,
+                token,
+                settings,
+                where,
+                claim,
+                reclaim_dead_local,
             )
-        if batch.status == "PENDING":  # read under the batch lock: it cannot change meanwhile
+        if batch_pending:  # read under the batch lock: it cannot change meanwhile
             conn.execute(
                 sa.update(schema.batch)
                 .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == "PENDING")
@@ -614,6 +618,65 @@ def claim_shard(
         info.checkpoint,
     )
     return lease
+
+
+def _claim_locked(
+    conn: Connection,
+    db: SyncDatabase,
+    batch_id: str,
+    shard_key: str,
+    worker_id: str,
+    token: str,
+    settings: LeaseSettings,
+    where: list[sa.ColumnElement[bool]],
+    claim: dict[str, Any],
+    reclaim_dead_local: bool,
+) -> tuple[ShardInfo, bool, bool]:
+    """A claim under the batch lock: the move (unless SQLite's already missed), the read of
+    the shard, and a dead local holder's reclaim.
+
+    Returns:
+        The claimed shard, whether it has gate overrides, and whether the batch is PENDING.
+
+    Raises:
+        LeaseNotAcquired: The shard cannot be claimed (see :func:`claim_shard`).
+    """
+    clock = db.clock
+    c = schema.shard.c
+    batch = lock_batch(conn, batch_id)
+    claimed = 0
+    if db.dialect != "sqlite":
+        claimed = move_shards(conn, "RUNNING", where, sources=("PENDING", "RUNNING"), **claim)
+    info, overridden = _read_claimed(conn, batch_id, shard_key)
+    if (
+        not claimed
+        and reclaim_dead_local
+        and info.status == "RUNNING"
+        and info.worker_id
+        and holder_is_dead_here(info.worker_id)
+    ):
+        old_token = conn.execute(sa.select(c.lease_token).where(c.id == info.shard_id)).scalar_one()
+        claimed = move_shards(
+            conn,
+            "RUNNING",
+            [c.id == info.shard_id],
+            sources=["RUNNING"],
+            holder=(info.worker_id, old_token),
+            worker_id=worker_id,
+            lease_token=token,
+            lease_until=clock.now(settings.lease_seconds),
+            heartbeat_at=clock.now(),
+            claim_count=c.claim_count + 1,
+            last_heartbeat_stage="CLAIMED",
+            last_heartbeat_message=f"taken from dead {info.worker_id}"[:512],
+            updated_at=clock.now(),
+        )
+        if claimed:
+            log.warning("took shard %r from dead local worker %s", shard_key, info.worker_id)
+            info, overridden = _read_claimed(conn, batch_id, shard_key)
+    if not claimed:
+        raise LeaseNotAcquired(_why_not_claimable(conn, db, batch_id, shard_key, info), shard=info)
+    return info, overridden, batch.status == "PENDING"
 
 
 def claim_next_shard(
@@ -957,21 +1020,26 @@ def _read_shard(conn: Connection, batch_id: str, shard_key: str) -> ShardInfo:
 def _read_claimed(conn: Connection, batch_id: str, shard_key: str) -> tuple[ShardInfo, bool]:
     """:func:`_read_shard` for a claim, and in the same statement whether the city has
     quality gate overrides in the batch (the gate then need not read them)."""
-    s, o = schema.shard.c, schema.gate_override.c
-    has_overrides = (
-        sa.select(o.batch_id)
-        .where(o.batch_id == s.batch_id, o.shard_key == s.shard_key)
-        .exists()
-        .label("has_gate_overrides")
-    )
+    s = schema.shard.c
     row = conn.execute(
-        sa.select(schema.shard, has_overrides).where(
+        sa.select(schema.shard, _has_overrides(batch_id, shard_key)).where(
             s.batch_id == batch_id, s.shard_key == shard_key
         )
     ).first()
     if row is None:
         raise UnknownShard(f"batch {batch_id!r} has no shard for city {shard_key!r}")
     return _shard_info(row), bool(row.has_gate_overrides)
+
+
+def _has_overrides(batch_id: str, shard_key: str) -> sa.Label[bool]:
+    """Whether the city has quality gate overrides in the batch, as a column."""
+    o = schema.gate_override.c
+    return (
+        sa.select(o.batch_id)
+        .where(o.batch_id == batch_id, o.shard_key == shard_key)
+        .exists()
+        .label("has_gate_overrides")
+    )
 
 
 def _shard_info(row: sa.Row[Any]) -> ShardInfo:

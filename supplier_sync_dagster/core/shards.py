@@ -79,6 +79,51 @@ def move_shards(
         InvalidTransition: ``sources`` names a state the table does not allow to reach
             ``target`` (a bug: nothing is written).
     """
+    stmt = _move(target, where, sources, holder, values)
+    if on_miss is None:
+        return int(conn.execute(stmt).rowcount)
+    guarded_update(conn, stmt, on_miss)
+    return 1
+
+
+def move_shard_returning(
+    conn: Connection,
+    target: ShardStatus,
+    where: Sequence[sa.ColumnElement[bool]],
+    returning: Sequence[sa.ColumnElement[Any]],
+    *,
+    sources: Collection[ShardStatus] | None = None,
+    **values: Any,
+) -> sa.Row[Any] | None:
+    """:func:`move_shards` of at most one shard that also reads it back, in one statement
+    (``UPDATE ... RETURNING``: SQLite, from 3.35).
+
+    Args:
+        conn: Connection in the caller's transaction.
+        target: The status the shard moves to.
+        where: Which shard, plus any condition the move needs besides the status.
+        returning: What to return of the moved shard (its columns, as stored after the move).
+        sources: The states to move from; by default every state that may reach ``target``.
+        **values: The other columns to set.
+
+    Returns:
+        The ``returning`` values of the moved shard; None when no shard moved.
+
+    Raises:
+        InvalidTransition: As :func:`move_shards`.
+    """
+    stmt = _move(target, where, sources, None, values).returning(*returning)
+    return conn.execute(stmt).first()
+
+
+def _move(
+    target: ShardStatus,
+    where: Sequence[sa.ColumnElement[bool]],
+    sources: Collection[ShardStatus] | None,
+    holder: tuple[str, str] | None,
+    values: Mapping[str, Any],
+) -> sa.Update:
+    """The guarded UPDATE of a move (see :func:`move_shards`)."""
     allowed = sources_of(target)
     chosen = allowed if sources is None else frozenset(sources)
     if not chosen or not chosen <= allowed:
@@ -90,11 +135,7 @@ def move_shards(
     stmt = sa.update(schema.shard).where(*where, c.status.in_(sorted(chosen)))
     if holder is not None:
         stmt = stmt.where(c.worker_id == holder[0], c.lease_token == holder[1])
-    stmt = stmt.values(status=target, **values)
-    if on_miss is None:
-        return int(conn.execute(stmt).rowcount)
-    guarded_update(conn, stmt, on_miss)
-    return 1
+    return stmt.values(status=target, **values)
 
 
-__all__ = ["SHARD_MOVES", "ShardStatus", "move_shards", "sources_of"]
+__all__ = ["SHARD_MOVES", "ShardStatus", "move_shard_returning", "move_shards", "sources_of"]
