@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import operator
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -311,8 +313,10 @@ _F_FACILITY, _F_URL, _F_CAPTION, _F_ROOM, _F_ROOM_NAME, _F_BED, _F_PLAN, _F_BOAR
 )
 _LIMITS: Final = np.array([limit for _, limit in _STRING_FIELDS], dtype=np.int64)
 
-_COUNTRIES: Final = sorted(COUNTRY_CODES)
-_CURRENCIES: Final = sorted(MONEY_CODES)
+_COUNTRIES: Final = frozenset(COUNTRY_CODES)
+_CURRENCIES: Final = frozenset(MONEY_CODES)
+_STATUSES: Final = frozenset(STATUSES)
+_E164_RE: Final = re.compile(E164_SHAPE)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -321,8 +325,113 @@ def _phone_ok(value: str) -> bool:
     return phone_e164(value, "ZZ") == value
 
 
+# -- the rules, over arrays ------------------------------------------------------------------
+#
+# Each check below is one of these functions, over the values of its frame's columns as
+# numpy arrays: one ``bool`` per row, True when the row passes. check_quality first applies
+# the same functions to the chunk's columns before any frame is built (most of them only to
+# a column's distinct values: every rule is a function of one row's values); only when one
+# of them finds a failing row are the frames built and validated by pandera, which then
+# names the failure cases. A clean chunk, the usual case, costs no frame and no pandera pass.
+
+
+def _lat_ok(lat: np.ndarray) -> np.ndarray:
+    return (lat >= float(LAT_MIN)) & (lat <= float(LAT_MAX))
+
+
+def _lng_ok(lng: np.ndarray) -> np.ndarray:
+    return (lng >= float(LNG_MIN)) & (lng <= float(LNG_MAX))
+
+
+def _stars_of(star_rating: Any) -> np.ndarray:
+    """``star_rating`` (strings or null) as numbers; NaN when absent or not a number."""
+    return np.asarray(pd.to_numeric(star_rating, errors="coerce"), dtype=np.float64)
+
+
+def _stars_ok(star_rating: np.ndarray, stars: np.ndarray) -> np.ndarray:
+    # ``stars`` is ``star_rating`` as a number (_stars_of).
+    in_steps = (stars >= 0.0) & (stars <= 5.0) & ((stars * 2.0) % 1.0 == 0.0)
+    return np.asarray(pd.isna(star_rating) | in_steps, dtype=bool)
+
+
+def _member(values: np.ndarray, allowed: frozenset[str]) -> np.ndarray:
+    return np.fromiter((v in allowed for v in values), dtype=bool, count=len(values))
+
+
+def _phones_ok(values: np.ndarray) -> np.ndarray:
+    """Null, or E.164 in shape and (with phone parsing on) valid to libphonenumber."""
+    parse = _PARSE_PHONES.get()
+    ok = np.empty(len(values), dtype=bool)
+    for i, value in enumerate(values):
+        if type(value) is str:
+            # Full parsing is costly: once per distinct number, cached.
+            ok[i] = _E164_RE.fullmatch(value) is not None and (not parse or _phone_ok(value))
+        else:
+            ok[i] = bool(pd.isna(value))
+    return ok
+
+
+def _version_ok(version: np.ndarray) -> np.ndarray:
+    return version >= 0
+
+
+def _same_country(country: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    # ``expected`` is the country of the hotel's city, null when the city is not listed.
+    return np.asarray(pd.isna(expected) | (country == expected), dtype=bool)
+
+
+def _printable(values: Sequence[str] | np.ndarray) -> np.ndarray:
+    # isprintable() is False for every control character (and for a few harmless characters
+    # such as NBSP): one C pass over all values joined clears the usual chunk at once, and
+    # the regex over the joined values clears it too when only harmless ones are there (a
+    # character class matches the joined values where it matches one of them); otherwise
+    # it decides value by value for the non-printable values only.
+    joined = "".join(values)
+    if joined.isprintable() or CODE_CONTROL_RE.search(joined) is None:
+        return np.ones(len(values), dtype=bool)
+    ok = np.fromiter(map(str.isprintable, values), dtype=bool, count=len(values))
+    for i in np.flatnonzero(~ok):
+        # Normalized text keeps no tab/CR/LF either: the identifiers' rule holds for all.
+        ok[i] = CODE_CONTROL_RE.search(values[int(i)]) is None
+    return ok
+
+
+def _short(values: Sequence[str] | np.ndarray, limits: np.ndarray | int) -> np.ndarray:
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    return np.asarray(lengths <= limits, dtype=bool)
+
+
+def _amounts_of(prices: Any) -> np.ndarray:
+    """Prices (strings) as numbers; NaN when one is not a number."""
+    return np.asarray(pd.to_numeric(prices, errors="coerce"), dtype=np.float64)
+
+
+def _amount_ok(amount: np.ndarray) -> np.ndarray:
+    return ~np.isnan(amount)
+
+
+def _not_negative(amount: np.ndarray) -> np.ndarray:
+    return np.isnan(amount) | (amount >= 0.0)
+
+
+def _room_currency_ok(hotel: np.ndarray, room: np.ndarray, currency: np.ndarray) -> np.ndarray:
+    # Rows are grouped by (hotel, room) in document order: compare each plan's currency
+    # with the first plan of its group, found by a running maximum of group starts.
+    n = len(currency)
+    if n == 0:
+        return np.ones(0, dtype=bool)
+    start = np.ones(n, dtype=bool)
+    start[1:] = (hotel[1:] != hotel[:-1]) | (room[1:] != room[:-1])
+    first = np.maximum.accumulate(np.where(start, np.arange(n), 0))
+    return np.asarray(currency == currency[first], dtype=bool)
+
+
+def _on(s: pd.Series, ok: np.ndarray) -> pd.Series:
+    return pd.Series(ok, index=s.index)
+
+
 # Every column is declared nullable, which only skips pandera's own not-null scan (a full
-# pass per column): _flatten already turned a missing or null required value into
+# pass per column): _collect already turned a missing or null required value into
 # MALFORMED_DOCUMENT, and every check below handles NaN itself (``ignore_na=False`` also saves
 # pandera's per-check dropna). Strings stay ``object``: converting to pandas' string dtype
 # costs a pass over every value and buys nothing here.
@@ -337,6 +446,10 @@ class _Frame(pa.DataFrameModel):
     class Config:
         coerce = False
         strict = True
+
+
+def _objects(s: pd.Series | pd.DataFrame) -> np.ndarray:
+    return np.asarray(s.to_numpy(dtype=object))
 
 
 class _Hotels(_Frame):
@@ -355,44 +468,35 @@ class _Hotels(_Frame):
 
     @pa.check("lat", name="LAT_OUT_OF_RANGE", ignore_na=False)
     def _lat(cls, s: Series[float]) -> Series[bool]:
-        return s.between(float(LAT_MIN), float(LAT_MAX))
+        return _on(s, _lat_ok(s.to_numpy()))
 
     @pa.check("lng", name="LNG_OUT_OF_RANGE", ignore_na=False)
     def _lng(cls, s: Series[float]) -> Series[bool]:
-        return s.between(float(LNG_MIN), float(LNG_MAX))
+        return _on(s, _lng_ok(s.to_numpy()))
 
     @pa.dataframe_check(name="STAR_RATING_OUT_OF_RANGE", ignore_na=False)
     def _stars(cls, df: pd.DataFrame) -> Series[bool]:
-        stars = df["stars"]
-        # ``stars`` is ``star_rating`` as a number (NaN when absent or not a number).
-        return df["star_rating"].isna() | (stars.between(0.0, 5.0) & ((stars * 2.0) % 1.0 == 0.0))
+        return _on(df, _stars_ok(_objects(df["star_rating"]), df["stars"].to_numpy()))
 
     @pa.check("status", name="UNKNOWN_STATUS", ignore_na=False)
     def _status(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(STATUSES)
+        return _on(s, _member(_objects(s), _STATUSES))
 
     @pa.check("country_code", name="INVALID_COUNTRY", ignore_na=False)
     def _country(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(_COUNTRIES)
+        return _on(s, _member(_objects(s), _COUNTRIES))
 
     @pa.check("phone_e164", name="INVALID_PHONE", ignore_na=False)
     def _phone(cls, s: Series[Any]) -> Series[bool]:
-        ok = s.isna() | s.str.fullmatch(E164_SHAPE).fillna(False).astype(bool)
-        if _PARSE_PHONES.get():
-            # Full parsing is costly: once per distinct number, cached.
-            bad = [v for v in s[ok].dropna().unique() if not _phone_ok(v)]
-            if bad:
-                ok &= ~s.isin(bad)
-        return ok
+        return _on(s, _phones_ok(_objects(s)))
 
     @pa.check("version", name="VALUE_OUT_OF_RANGE", ignore_na=False)
     def _version(cls, s: Series[int]) -> Series[bool]:
-        return s.ge(0)
+        return _on(s, _version_ok(s.to_numpy()))
 
     @pa.dataframe_check(name="COUNTRY_CITY_MISMATCH", ignore_na=False)
     def _city_country(cls, df: pd.DataFrame) -> Series[bool]:
-        expected = df["city_country"]
-        return expected.isna() | (df["country_code"] == expected)
+        return _on(df, _same_country(_objects(df["country_code"]), _objects(df["city_country"])))
 
 
 class _Strings(_Frame):
@@ -406,23 +510,11 @@ class _Strings(_Frame):
 
     @pa.check("value", name="CONTROL_CHARACTERS", ignore_na=False)
     def _control(cls, s: Series[Any]) -> Series[bool]:
-        values = s.to_numpy(dtype=object)
-        # isprintable() is False for every control character (and for a few harmless
-        # characters such as NBSP): one C pass over all values joined clears the usual
-        # chunk at once; otherwise the regex decides for the non-printable values only.
-        if "".join(values).isprintable():
-            return pd.Series(np.ones(len(values), dtype=bool), index=s.index)
-        ok = np.fromiter(map(str.isprintable, values), dtype=bool, count=len(values))
-        for i in np.flatnonzero(~ok):
-            # Normalized text keeps no tab/CR/LF either: the identifiers' rule holds for all.
-            ok[i] = CODE_CONTROL_RE.search(values[i]) is None
-        return pd.Series(ok, index=s.index)
+        return _on(s, _printable(_objects(s)))
 
     @pa.dataframe_check(name="OVERSIZED_STRING", ignore_na=False)
     def _length(cls, df: pd.DataFrame) -> Series[bool]:
-        values = df["value"].to_numpy(dtype=object)
-        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        return pd.Series(lengths <= _LIMITS[df["fid"].to_numpy()], index=df.index)
+        return _on(df, _short(_objects(df["value"]), _LIMITS[df["fid"].to_numpy()]))
 
 
 class _Plans(_Frame):
@@ -437,30 +529,21 @@ class _Plans(_Frame):
 
     @pa.check("currency", name="UNKNOWN_CURRENCY", ignore_na=False)
     def _currency(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(_CURRENCIES)
+        return _on(s, _member(_objects(s), _CURRENCIES))
 
     @pa.check("amount", name="INVALID_AMOUNT", ignore_na=False)
     def _amount(cls, s: Series[float]) -> Series[bool]:
-        # ``amount`` is ``price`` as a number, NaN when it is not one.
-        return s.notna()
+        # ``amount`` is ``price`` as a number, NaN when it is not one (_amounts_of).
+        return _on(s, _amount_ok(s.to_numpy()))
 
     @pa.check("amount", name="NEGATIVE_PRICE", ignore_na=False)
     def _negative(cls, s: Series[float]) -> Series[bool]:
-        return s.isna() | (s >= 0.0)
+        return _on(s, _not_negative(s.to_numpy()))
 
     @pa.dataframe_check(name="MIXED_ROOM_CURRENCY", ignore_na=False)
     def _mixed(cls, df: pd.DataFrame) -> Series[bool]:
-        # Rows are grouped by (hotel, room) in document order: compare each plan's currency
-        # with the first plan of its group, found by a running maximum of group starts.
         hotel, room = df["hotel"].to_numpy(), df["k"].to_numpy()
-        currency = df["currency"].to_numpy(dtype=object)
-        n = len(df)
-        if n == 0:
-            return pd.Series(np.ones(0, dtype=bool), index=df.index)
-        start = np.ones(n, dtype=bool)
-        start[1:] = (hotel[1:] != hotel[:-1]) | (room[1:] != room[:-1])
-        first = np.maximum.accumulate(np.where(start, np.arange(n), 0))
-        return pd.Series(currency == currency[first], index=df.index)
+        return _on(df, _room_currency_ok(hotel, room, _objects(df["currency"])))
 
 
 # Full phone parsing on or off for the current call (see check_quality's ``parse_phones``);
@@ -537,6 +620,11 @@ def _expect(key: str) -> tuple[frozenset[str], bool, Any]:
 
 
 _EXPECT: Final = {key: _expect(key) for key in _TOP_KEYS}
+_REQUIRED_FIDS: Final = frozenset(
+    {fid for fid, (name, _) in enumerate(_STRING_FIELDS[:_N_TOP]) if name in _REQUIRED_STR}
+    | {_F_FACILITY, _F_URL, _F_ROOM, _F_ROOM_NAME, _F_PLAN}
+)
+"""String fields whose values must be strings (the others may be null)."""
 
 
 def _groups(owners: np.ndarray, counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -547,16 +635,39 @@ def _groups(owners: np.ndarray, counts: Sequence[int]) -> tuple[np.ndarray, np.n
     return np.repeat(owners, sizes), np.arange(total, dtype=np.int64) - starts
 
 
-def _flatten(
-    docs: Sequence[Mapping[str, Any]],
-    positions: Sequence[int],
-    city_countries: Mapping[str, str],
-) -> _Frames:
-    """The documents at ``positions`` as three frames; raises _Malformed naming bad ones.
+@dataclass
+class _Columns:
+    """The documents' values column by column, before any frame is built.
+
+    Attributes:
+        top: each top-level key of _TOP_KEYS -> one value per hotel.
+        hotel_of: each hotel's position in the input.
+        blocks: (field id, values, hotel, k, j) per string field of _STRING_FIELDS, in
+            document order; the top-level ones share ``top``'s value lists.
+        plan_hotel, plan_k, plan_j: each rate plan's hotel position, room k and plan j.
+        currencies, prices: each rate plan's currency and price.
+    """
+
+    top: dict[str, Sequence[Any]]
+    hotel_of: np.ndarray
+    blocks: list[tuple[int, Sequence[Any], np.ndarray, np.ndarray, np.ndarray]]
+    plan_hotel: np.ndarray
+    plan_k: np.ndarray
+    plan_j: np.ndarray
+    currencies: list[Any]
+    prices: list[Any]
+
+
+_TOP_VALUES: Final = operator.itemgetter(*_TOP_KEYS)
+
+
+def _collect(docs: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> _Columns:
+    """The documents at ``positions`` column by column; raises _Malformed naming bad ones.
 
     Per-hotel Python work is a handful of list extends (no per-string tuples): the row
     coordinates (hotel, room k, plan j) are derived afterwards from the list lengths with
-    numpy, which is what keeps this at a few microseconds per hotel.
+    numpy, which is what keeps this at a few microseconds per hotel. Every value's type is
+    checked here, so the rules and the frames only ever see the types they expect.
     """
     problems: dict[int, tuple[str, str]] = {}
     tops: list[tuple[Any, ...]] = []
@@ -578,7 +689,7 @@ def _flatten(
     for pos in positions:
         d = docs[pos]
         try:
-            top = tuple([d[key] for key in _TOP_KEYS])
+            top = _TOP_VALUES(d)
             fac = d["facilities"]
             images = d["images"]
             rooms = d["rooms"]
@@ -655,7 +766,7 @@ def _flatten(
                 if not test(value) and pos not in problems:
                     problems[pos] = (key, f"has the wrong type: {show(value)}")
     for fid, values, hotel, k, j in blocks[_N_TOP:]:
-        required = fid not in (_F_CAPTION, _F_BED, _F_BOARD)
+        required = fid in _REQUIRED_FIDS
         if values and pd.api.types.infer_dtype(values, skipna=not required) not in (
             _STR if required else _OPT_STR
         ):
@@ -674,7 +785,65 @@ def _flatten(
                     problems[pos] = (path, f"has the wrong type: {show(value)}")
     if problems:
         raise _Malformed(problems)
+    return _Columns(columns, hotel_of, blocks, plan_hotel, plan_k, plan_j, currencies, prices)
 
+
+# Prices as normalization writes them (``str`` of a Decimal): digits with an optional
+# fraction, one per line. Each such price is a number and not negative, whatever parses it;
+# the lines are the prices only when no price holds a line break itself.
+_PLAIN_PRICES: Final = re.compile(
+    r"[0-9]{1,15}(?:\.[0-9]{1,15})?(?:\n[0-9]{1,15}(?:\.[0-9]{1,15})?)*"
+)
+
+
+def _distinct(values: Sequence[Any]) -> np.ndarray:
+    return np.array(list(dict.fromkeys(values)), dtype=object)
+
+
+def _passes(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
+    """True when no row of the frames would fail a check: the checks' own rules, applied
+    to the columns (a rule of a single value only to the column's distinct values)."""
+    top = cols.top
+    with np.errstate(invalid="ignore"):
+        stars = _distinct(top["star_rating"])
+        if not (
+            _lat_ok(np.asarray(top["lat"], dtype=np.float64)).all()
+            and _lng_ok(np.asarray(top["lng"], dtype=np.float64)).all()
+            and _stars_ok(stars, _stars_of(stars)).all()
+            and _member(_distinct(top["status"]), _STATUSES).all()
+            and _member(_distinct(top["country_code"]), _COUNTRIES).all()
+            and _phones_ok(_distinct(top["phone_e164"])).all()
+            and _version_ok(np.asarray(top["version"], dtype=np.int64)).all()
+        ):
+            return False
+    pairs = list(dict.fromkeys(zip(top["city_code"], top["country_code"], strict=True)))
+    country = np.array([c for _, c in pairs], dtype=object)
+    expected = np.array([city_countries.get(city) for city, _ in pairs], dtype=object)
+    if not _same_country(country, expected).all():
+        return False
+    for fid, values, _, _, _ in cols.blocks:
+        # The frame keeps only the values present (optional fields may be null).
+        present = values if fid in _REQUIRED_FIDS else [v for v in values if type(v) is str]
+        limit = int(_LIMITS[fid])
+        if not (_printable(present).all() and _short(present, limit).all()):
+            return False
+    if not _member(_distinct(cols.currencies), _CURRENCIES).all():
+        return False
+    prices = cols.prices
+    lines = "\n".join(prices)
+    if prices and (lines.count("\n") != len(prices) - 1 or _PLAIN_PRICES.fullmatch(lines) is None):
+        amount = _amounts_of(np.array(prices, dtype=object))
+        if not (_amount_ok(amount).all() and _not_negative(amount).all()):
+            return False
+    currencies = np.array(cols.currencies, dtype=object)
+    return bool(_room_currency_ok(cols.plan_hotel, cols.plan_k, currencies).all())
+
+
+def _frames(cols: _Columns, city_countries: Mapping[str, str]) -> _Frames:
+    """The columns as the three frames pandera validates."""
+    columns, hotel_of, blocks = cols.top, cols.hotel_of, cols.blocks
+    plan_hotel, plan_k, plan_j = cols.plan_hotel, cols.plan_k, cols.plan_j
+    currencies, prices = cols.currencies, cols.prices
     index = pd.Index(hotel_of)
     city = columns["city_code"]
     star = pd.Series(columns["star_rating"], index=index, dtype=object)
@@ -688,7 +857,7 @@ def _flatten(
             "lat": pd.Series(np.array(columns["lat"], dtype=np.float64), index=index),
             "lng": pd.Series(np.array(columns["lng"], dtype=np.float64), index=index),
             "star_rating": star,
-            "stars": pd.to_numeric(star, errors="coerce").astype(np.float64),
+            "stars": pd.Series(_stars_of(star), index=index),
             "status": pd.Series(columns["status"], index=index, dtype=object),
             "phone_e164": pd.Series(columns["phone_e164"], index=index, dtype=object),
             "version": pd.Series(np.array(columns["version"], dtype=np.int64), index=index),
@@ -727,7 +896,7 @@ def _flatten(
             "j": plan_j,
             "currency": pd.Series(currencies, dtype=object),
             "price": price,
-            "amount": pd.to_numeric(price, errors="coerce").astype(np.float64),
+            "amount": pd.Series(_amounts_of(price)),
         }
     )
     return _Frames(hotels, strings, plans_frame)
@@ -881,7 +1050,7 @@ def check_quality(
     positions = sorted(kept)
     while True:
         try:
-            frames = _flatten(docs, positions, city_countries)
+            cols = _collect(docs, positions)
             break
         except _Malformed as err:
             for pos, (path, what) in err.problems.items():
@@ -892,21 +1061,25 @@ def check_quality(
     flattened = time.perf_counter()
 
     rows: list[tuple[str, str, Any]] = []
+    frames: _Frames | None = None
     token = _PARSE_PHONES.set(parse_phones)
     try:
-        # Pandera's global settings could turn data checks off: this layer must always run.
-        with config_context(
-            validation_enabled=True, validation_depth=ValidationDepth.SCHEMA_AND_DATA
-        ):
-            for name, schema in _SCHEMAS.items():
-                frame = getattr(frames, name)
-                rows.extend((name, check, row) for check, row in _failure_rows(schema, frame))
+        if not _passes(cols, city_countries):
+            frames = _frames(cols, city_countries)
+            # Pandera's global settings could turn data checks off: this layer must always run.
+            with config_context(
+                validation_enabled=True, validation_depth=ValidationDepth.SCHEMA_AND_DATA
+            ):
+                for name, schema in _SCHEMAS.items():
+                    frame = getattr(frames, name)
+                    rows.extend((name, check, row) for check, row in _failure_rows(schema, frame))
     finally:
         _PARSE_PHONES.reset(token)
     validated = time.perf_counter()
 
     best: dict[int, tuple[tuple[int, int], str, str, str]] = {}
     for _, code, row in rows:
+        assert frames is not None
         pos, path, message = _describe(frames, code, row)
         order = (_RANK[code], int(row))
         if pos not in best or order < best[pos][0]:
