@@ -22,6 +22,11 @@ hotel; one per string value, with its field and limit; one per rate plan), each 
 once per call by a pandera ``DataFrameModel`` with ``lazy=True``. Every check is named after
 the error code it raises, and :data:`RULES` maps ``(frame, check)`` to the field it reports;
 ``SchemaErrors.failure_cases`` (check, row index) is mapped back to the input position.
+Each check is a function over numpy arrays, and the same functions first run over the
+chunk's columns before any frame exists (a rule of one value only over a column's distinct
+values): when no row fails, which is the usual chunk, neither the frames nor pandera's pass
+are needed, and the result is the one pandera would give; when one does, the frames are
+built and pandera validates them and names every failure case.
 
 Every input position ends in exactly one of ``valid``, ``failures``, ``moved`` and
 ``duplicates`` of :class:`QualityResult`. A record fails with exactly one
@@ -36,10 +41,11 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Flattening the
-documents into frames and pandera's passes dominate; each distinct phone number not seen
-before costs a libphonenumber parse (``parse_phones=False`` skips it). Pandera's fixed cost
-per ``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Reading the
+documents into columns and the string rules dominate a clean chunk; each distinct phone
+number not seen before costs a libphonenumber parse (``parse_phones=False`` skips it). A
+chunk with a failing row also pays for the frames and pandera's passes, whose fixed cost per
+``validate`` call is why this runs once per chunk of many hotels, not per page.
 
 Every limit, code list and value check here comes from
 :mod:`~supplier_sync_dagster.core.rules`, as normalization's do.
