@@ -928,8 +928,11 @@ def _failure_rows(schema: pa.DataFrameSchema, frame: pd.DataFrame) -> list[tuple
 
 
 def _readable(doc: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    hotel_id = doc.get("supplier_hotel_id") if isinstance(doc, Mapping) else None
-    version = doc.get("version") if isinstance(doc, Mapping) else None
+    # A dict, the usual document, is a Mapping: the exact type test spares the ABC check.
+    if type(doc) is dict or isinstance(doc, Mapping):
+        hotel_id, version = doc.get("supplier_hotel_id"), doc.get("version")
+    else:
+        hotel_id = version = None
     return (
         hotel_id[: LIMITS["hotel_id"]] if type(hotel_id) is str else None,
         version if type(version) is int else None,
