@@ -25,8 +25,9 @@ the error code it raises, and :data:`RULES` maps ``(frame, check)`` to the field
 Each check is a function over numpy arrays, and the same functions first run over the
 chunk's columns before any frame exists (a rule of one value only over a column's distinct
 values): when no row fails, which is the usual chunk, neither the frames nor pandera's pass
-are needed, and the result is the one pandera would give; when one does, the frames are
-built and pandera validates them and names every failure case.
+are needed, and the result is the one pandera would give; a frame where a row fails is built
+and validated by pandera, which names every failure case (the other frames, whose rules all
+passed, are neither built nor validated).
 
 Every input position ends in exactly one of ``valid``, ``failures``, ``moved`` and
 ``duplicates`` of :class:`QualityResult`. A record fails with exactly one
@@ -278,8 +279,9 @@ class QualityResult:
         failures: failed records, in input order (dead letters).
         moved: valid hotels of another city, in input order (route them).
         duplicates: collapsed lower versions, in input order (skipped).
-        seconds: time spent in ``flatten`` (documents -> frames), ``validate`` (pandera) and
-            ``report`` (failure cases -> failures).
+        seconds: time spent in ``flatten`` (documents -> columns), ``validate`` (the rules
+            over the columns; with a failing row, also the frames and pandera) and ``report``
+            (failure cases -> failures).
     """
 
     total: int
@@ -336,9 +338,9 @@ def _phone_ok(value: str) -> bool:
 # Each check below is one of these functions, over the values of its frame's columns as
 # numpy arrays: one ``bool`` per row, True when the row passes. check_quality first applies
 # the same functions to the chunk's columns before any frame is built (most of them only to
-# a column's distinct values: every rule is a function of one row's values); only when one
-# of them finds a failing row are the frames built and validated by pandera, which then
-# names the failure cases. A clean chunk, the usual case, costs no frame and no pandera pass.
+# a column's distinct values: every rule is a function of one row's values); only a frame
+# where one of them finds a failing row is built and validated by pandera, which then names
+# the failure cases. A clean chunk, the usual case, costs no frame and no pandera pass.
 
 
 def _lat_ok(lat: np.ndarray) -> np.ndarray:
@@ -561,13 +563,6 @@ _SCHEMAS: Final = {
     "strings": _Strings.to_schema(),
     "plans": _Plans.to_schema(),
 }
-
-
-@dataclass
-class _Frames:
-    hotels: pd.DataFrame
-    strings: pd.DataFrame
-    plans: pd.DataFrame
 
 
 class _Malformed(Exception):
@@ -806,9 +801,7 @@ def _distinct(values: Sequence[Any]) -> np.ndarray:
     return np.array(list(dict.fromkeys(values)), dtype=object)
 
 
-def _passes(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
-    """True when no row of the frames would fail a check: the checks' own rules, applied
-    to the columns (a rule of a single value only to the column's distinct values)."""
+def _hotels_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     top = cols.top
     with np.errstate(invalid="ignore"):
         stars = _distinct(top["star_rating"])
@@ -825,14 +818,20 @@ def _passes(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     pairs = list(dict.fromkeys(zip(top["city_code"], top["country_code"], strict=True)))
     country = np.array([c for _, c in pairs], dtype=object)
     expected = np.array([city_countries.get(city) for city, _ in pairs], dtype=object)
-    if not _same_country(country, expected).all():
-        return False
+    return bool(_same_country(country, expected).all())
+
+
+def _strings_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     for fid, values, _, _, _ in cols.blocks:
         # The frame keeps only the values present (optional fields may be null).
         present = values if fid in _REQUIRED_FIDS else [v for v in values if type(v) is str]
         limit = int(_LIMITS[fid])
         if not (_printable(present).all() and _short(present, limit).all()):
             return False
+    return True
+
+
+def _plans_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     if not _member(_distinct(cols.currencies), _CURRENCIES).all():
         return False
     prices = cols.prices
@@ -845,67 +844,90 @@ def _passes(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     return bool(_room_currency_ok(cols.plan_hotel, cols.plan_k, currencies).all())
 
 
-def _frames(cols: _Columns, city_countries: Mapping[str, str]) -> _Frames:
-    """The columns as the three frames pandera validates."""
-    columns, hotel_of, blocks = cols.top, cols.hotel_of, cols.blocks
-    plan_hotel, plan_k, plan_j = cols.plan_hotel, cols.plan_k, cols.plan_j
-    currencies, prices = cols.currencies, cols.prices
-    index = pd.Index(hotel_of)
-    city = columns["city_code"]
-    star = pd.Series(columns["star_rating"], index=index, dtype=object)
-    hotels = pd.DataFrame(
-        {
-            "city_code": pd.Series(city, index=index, dtype=object),
-            "country_code": pd.Series(columns["country_code"], index=index, dtype=object),
-            "city_country": pd.Series(
-                [city_countries.get(c) for c in city], index=index, dtype=object
-            ),
-            "lat": pd.Series(np.array(columns["lat"], dtype=np.float64), index=index),
-            "lng": pd.Series(np.array(columns["lng"], dtype=np.float64), index=index),
-            "star_rating": star,
-            "stars": pd.Series(_stars_of(star), index=index),
-            "status": pd.Series(columns["status"], index=index, dtype=object),
-            "phone_e164": pd.Series(columns["phone_e164"], index=index, dtype=object),
-            "version": pd.Series(np.array(columns["version"], dtype=np.int64), index=index),
-        }
-    )
+_PASSES: Final = {"hotels": _hotels_pass, "strings": _strings_pass, "plans": _plans_pass}
+"""Frame -> True when none of its rows would fail one of its checks: the checks' own rules
+over the columns (a rule of a single value only over the column's distinct values)."""
 
-    # Field by field: for one hotel and one field, a smaller row is an earlier item.
-    all_values: list[Any] = []
-    for _, values, _, _, _ in blocks:
-        all_values += values
-    value_arr = np.array(all_values, dtype=object)
-    fid_arr = np.concatenate([np.full(len(b[1]), b[0], dtype=np.int64) for b in blocks])
-    hotel_arr, k_arr, j_arr = (
-        np.concatenate([b[i] for b in blocks]) if blocks else np.zeros(0, np.int64)
-        for i in (2, 3, 4)
-    )
-    present = pd.notna(value_arr)
-    if not present.all():
-        value_arr, fid_arr, hotel_arr, k_arr, j_arr = (
-            a[present] for a in (value_arr, fid_arr, hotel_arr, k_arr, j_arr)
+
+def _failing(cols: _Columns, city_countries: Mapping[str, str]) -> list[str]:
+    """The frames with a row that fails a check: only these are built and validated."""
+    return [name for name, passes in _PASSES.items() if not passes(cols, city_countries)]
+
+
+class _Frames:
+    """The columns as the three frames pandera validates, each built when first asked for."""
+
+    def __init__(self, cols: _Columns, city_countries: Mapping[str, str]) -> None:
+        self.cols, self.city_countries = cols, city_countries
+
+    @functools.cached_property
+    def hotels(self) -> pd.DataFrame:
+        columns, hotel_of = self.cols.top, self.cols.hotel_of
+        city_countries = self.city_countries
+        index = pd.Index(hotel_of)
+        city = columns["city_code"]
+        star = pd.Series(columns["star_rating"], index=index, dtype=object)
+        return pd.DataFrame(
+            {
+                "city_code": pd.Series(city, index=index, dtype=object),
+                "country_code": pd.Series(columns["country_code"], index=index, dtype=object),
+                "city_country": pd.Series(
+                    [city_countries.get(c) for c in city], index=index, dtype=object
+                ),
+                "lat": pd.Series(np.array(columns["lat"], dtype=np.float64), index=index),
+                "lng": pd.Series(np.array(columns["lng"], dtype=np.float64), index=index),
+                "star_rating": star,
+                "stars": pd.Series(_stars_of(star), index=index),
+                "status": pd.Series(columns["status"], index=index, dtype=object),
+                "phone_e164": pd.Series(columns["phone_e164"], index=index, dtype=object),
+                "version": pd.Series(np.array(columns["version"], dtype=np.int64), index=index),
+            }
         )
-    strings = pd.DataFrame(
-        {
-            "hotel": hotel_arr,
-            "fid": fid_arr,
-            "k": k_arr,
-            "j": j_arr,
-            "value": pd.Series(value_arr, dtype=object),
-        }
-    )
-    price = pd.Series(prices, dtype=object)
-    plans_frame = pd.DataFrame(
-        {
-            "hotel": plan_hotel,
-            "k": plan_k,
-            "j": plan_j,
-            "currency": pd.Series(currencies, dtype=object),
-            "price": price,
-            "amount": pd.Series(_amounts_of(price)),
-        }
-    )
-    return _Frames(hotels, strings, plans_frame)
+
+    @functools.cached_property
+    def strings(self) -> pd.DataFrame:
+        blocks = self.cols.blocks
+        # Field by field: for one hotel and one field, a smaller row is an earlier item.
+        all_values: list[Any] = []
+        for _, values, _, _, _ in blocks:
+            all_values += values
+        value_arr = np.array(all_values, dtype=object)
+        fid_arr = np.concatenate([np.full(len(b[1]), b[0], dtype=np.int64) for b in blocks])
+        hotel_arr, k_arr, j_arr = (
+            np.concatenate([b[i] for b in blocks]) if blocks else np.zeros(0, np.int64)
+            for i in (2, 3, 4)
+        )
+        present = pd.notna(value_arr)
+        if not present.all():
+            value_arr, fid_arr, hotel_arr, k_arr, j_arr = (
+                a[present] for a in (value_arr, fid_arr, hotel_arr, k_arr, j_arr)
+            )
+        return pd.DataFrame(
+            {
+                "hotel": hotel_arr,
+                "fid": fid_arr,
+                "k": k_arr,
+                "j": j_arr,
+                "value": pd.Series(value_arr, dtype=object),
+            }
+        )
+
+    @functools.cached_property
+    def plans(self) -> pd.DataFrame:
+        cols = self.cols
+        plan_hotel, plan_k, plan_j = cols.plan_hotel, cols.plan_k, cols.plan_j
+        currencies, prices = cols.currencies, cols.prices
+        price = pd.Series(prices, dtype=object)
+        return pd.DataFrame(
+            {
+                "hotel": plan_hotel,
+                "k": plan_k,
+                "j": plan_j,
+                "currency": pd.Series(currencies, dtype=object),
+                "price": price,
+                "amount": pd.Series(_amounts_of(price)),
+            }
+        )
 
 
 def _field(fid: int, k: int, j: int) -> str:
@@ -1070,25 +1092,25 @@ def check_quality(
     flattened = time.perf_counter()
 
     rows: list[tuple[str, str, Any]] = []
-    frames: _Frames | None = None
+    frames = _Frames(cols, city_countries)
     token = _PARSE_PHONES.set(parse_phones)
     try:
-        if not _passes(cols, city_countries):
-            frames = _frames(cols, city_countries)
-            # Pandera's global settings could turn data checks off: this layer must always run.
-            with config_context(
-                validation_enabled=True, validation_depth=ValidationDepth.SCHEMA_AND_DATA
-            ):
-                for name, schema in _SCHEMAS.items():
-                    frame = getattr(frames, name)
-                    rows.extend((name, check, row) for check, row in _failure_rows(schema, frame))
+        failing = _failing(cols, city_countries)
+        # Pandera's global settings could turn data checks off: this layer must always run.
+        with config_context(
+            validation_enabled=True, validation_depth=ValidationDepth.SCHEMA_AND_DATA
+        ):
+            for name in failing:
+                frame = getattr(frames, name)
+                rows.extend(
+                    (name, check, row) for check, row in _failure_rows(_SCHEMAS[name], frame)
+                )
     finally:
         _PARSE_PHONES.reset(token)
     validated = time.perf_counter()
 
     best: dict[int, tuple[tuple[int, int], str, str, str]] = {}
     for _, code, row in rows:
-        assert frames is not None
         pos, path, message = _describe(frames, code, row)
         order = (_RANK[code], int(row))
         if pos not in best or order < best[pos][0]:

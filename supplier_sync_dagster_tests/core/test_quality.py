@@ -417,18 +417,19 @@ def test_string_limits_are_the_rules_limits(key: str) -> None:
 # -- the screen: pandera runs only when a rule finds a failing row ----------------------------
 
 
-def _screen_passes(docs: list[dict[str, Any]], countries: dict[str, str] = COUNTRIES) -> bool:
-    return q._passes(q._collect(docs, range(len(docs))), countries)
+def _failing(docs: list[dict[str, Any]], countries: dict[str, str] = COUNTRIES) -> list[str]:
+    return q._failing(q._collect(docs, range(len(docs))), countries)
+
+
+_FAILING_CASES = [c for c in CASES if c[2] != "MALFORMED_DOCUMENT"]
 
 
 @pytest.mark.parametrize(
-    "d",
-    [c[1] for c in CASES if c[2] != "MALFORMED_DOCUMENT"],
-    ids=[c[0] for c in CASES if c[2] != "MALFORMED_DOCUMENT"],
+    ("d", "code"), [c[1:3] for c in _FAILING_CASES], ids=[c[0] for c in _FAILING_CASES]
 )
-def test_the_screen_sends_every_failure_to_pandera(d: dict[str, Any]) -> None:
-    assert _screen_passes([doc("OK")])
-    assert not _screen_passes([doc("OK"), d])
+def test_the_screen_sends_every_failure_to_pandera(d: dict[str, Any], code: str) -> None:
+    assert _failing([doc("OK")]) == []
+    assert _failing([doc("OK"), d]) == [q.RULES[code].frame]
 
 
 @pytest.mark.parametrize(
@@ -450,7 +451,7 @@ def test_the_screen_and_pandera_agree(
     d: dict[str, Any], code: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     screened = check([doc("OK"), d])
-    monkeypatch.setattr(q, "_passes", lambda *_: False)
+    monkeypatch.setattr(q, "_failing", lambda *_: list(q._SCHEMAS))
     validated = check([doc("OK"), d])
     assert screened.failures == validated.failures
     assert [f.error_code for f in screened.failures] == ([code] if code else [])
@@ -468,7 +469,7 @@ def test_a_large_chunk_gives_the_same_result_without_the_screen(
     for chunk in (docs, damaged):
         screened = check(chunk, city_code=city, city_countries=countries)
         with monkeypatch.context() as m:
-            m.setattr(q, "_passes", lambda *_: False)
+            m.setattr(q, "_failing", lambda *_: list(q._SCHEMAS))
             validated = check(chunk, city_code=city, city_countries=countries)
         assert (screened.valid, screened.failures, screened.moved) == (
             validated.valid,
