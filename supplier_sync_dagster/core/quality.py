@@ -357,8 +357,9 @@ def _stars_of(star_rating: Any) -> np.ndarray:
 
 
 def _stars_ok(star_rating: np.ndarray, stars: np.ndarray) -> np.ndarray:
-    # ``stars`` is ``star_rating`` as a number (_stars_of).
-    in_steps = (stars >= 0.0) & (stars <= 5.0) & ((stars * 2.0) % 1.0 == 0.0)
+    # ``stars`` is ``star_rating`` as a number (_stars_of); NaN and infinities fail quietly.
+    with np.errstate(invalid="ignore"):
+        in_steps = (stars >= 0.0) & (stars <= 5.0) & ((stars * 2.0) % 1.0 == 0.0)
     return np.asarray(pd.isna(star_rating) | in_steps, dtype=bool)
 
 
@@ -803,18 +804,17 @@ def _distinct(values: Sequence[Any]) -> np.ndarray:
 
 def _hotels_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
     top = cols.top
-    with np.errstate(invalid="ignore"):
-        stars = _distinct(top["star_rating"])
-        if not (
-            _lat_ok(np.asarray(top["lat"], dtype=np.float64)).all()
-            and _lng_ok(np.asarray(top["lng"], dtype=np.float64)).all()
-            and _stars_ok(stars, _stars_of(stars)).all()
-            and _member(_distinct(top["status"]), _STATUSES).all()
-            and _member(_distinct(top["country_code"]), _COUNTRIES).all()
-            and _phones_ok(_distinct(top["phone_e164"])).all()
-            and _version_ok(np.asarray(top["version"], dtype=np.int64)).all()
-        ):
-            return False
+    stars = _distinct(top["star_rating"])
+    if not (
+        _lat_ok(np.asarray(top["lat"], dtype=np.float64)).all()
+        and _lng_ok(np.asarray(top["lng"], dtype=np.float64)).all()
+        and _stars_ok(stars, _stars_of(stars)).all()
+        and _member(_distinct(top["status"]), _STATUSES).all()
+        and _member(_distinct(top["country_code"]), _COUNTRIES).all()
+        and _phones_ok(_distinct(top["phone_e164"])).all()
+        and _version_ok(np.asarray(top["version"], dtype=np.int64)).all()
+    ):
+        return False
     pairs = list(dict.fromkeys(zip(top["city_code"], top["country_code"], strict=True)))
     country = np.array([c for _, c in pairs], dtype=object)
     expected = np.array([city_countries.get(city) for city, _ in pairs], dtype=object)
