@@ -35,11 +35,12 @@ from supplier_sync_dagster.simulator import (
 )
 
 
-def fetch_pages(sim: Simulator, page_size: int = 500) -> list[bytes]:
-    """The raw body of every page of every city, walked with page numbers."""
+def fetch_pages_by_city(sim: Simulator, page_size: int = 500) -> dict[str, list[bytes]]:
+    """City code -> the raw body of each of its pages, walked with page numbers."""
     client = sim.client()
-    pages: list[bytes] = []
+    pages: dict[str, list[bytes]] = {}
     for city in client.get("/v1/cities").json()["cities"]:
+        bodies = pages.setdefault(city["city_code"], [])
         page = 1
         while True:
             r = client.get(
@@ -49,9 +50,14 @@ def fetch_pages(sim: Simulator, page_size: int = 500) -> list[bytes]:
             r.raise_for_status()
             if not r.json()["hotels"]:
                 break
-            pages.append(r.content)
+            bodies.append(r.content)
             page += 1
     return pages
+
+
+def fetch_pages(sim: Simulator, page_size: int = 500) -> list[bytes]:
+    """The raw body of every page of every city, walked with page numbers."""
+    return [body for bodies in fetch_pages_by_city(sim, page_size).values() for body in bodies]
 
 
 class _GcTimer:

@@ -1147,13 +1147,17 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
                 ):
                     return None
                 plan_codes.add(code)
+                if amount[0] == "0" and amount[:2] != "0." and amount != "0":
+                    # "007.50" is "7.50", as the model says. A plain amount without a
+                    # leading zero (at most 6 fraction digits) is its Decimal's own string.
+                    amount = str(Decimal(amount))
                 plans.append(
                     {
                         "code": code,
                         "board": board,
                         "refundable": refundable,
                         "available": available,
-                        "price": str(Decimal(amount)),  # "007.50" is "7.50", as the model says
+                        "price": amount,
                         "currency": currency,
                     }
                 )

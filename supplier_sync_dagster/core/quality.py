@@ -22,6 +22,12 @@ hotel; one per string value, with its field and limit; one per rate plan), each 
 once per call by a pandera ``DataFrameModel`` with ``lazy=True``. Every check is named after
 the error code it raises, and :data:`RULES` maps ``(frame, check)`` to the field it reports;
 ``SchemaErrors.failure_cases`` (check, row index) is mapped back to the input position.
+Each check is a function over numpy arrays, and the same functions first run over the
+chunk's columns before any frame exists (a rule of one value only over a column's distinct
+values): when no row fails, which is the usual chunk, neither the frames nor pandera's pass
+are needed, and the result is the one pandera would give; a frame where a row fails is built
+and validated by pandera, which names every failure case (the other frames, whose rules all
+passed, are neither built nor validated).
 
 Every input position ends in exactly one of ``valid``, ``failures``, ``moved`` and
 ``duplicates`` of :class:`QualityResult`. A record fails with exactly one
@@ -36,10 +42,11 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Flattening the
-documents into frames and pandera's passes dominate; each distinct phone number not seen
-before costs a libphonenumber parse (``parse_phones=False`` skips it). Pandera's fixed cost
-per ``validate`` call is why this runs once per chunk of thousands of hotels, never per page.
+Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Reading the
+documents into columns and the string rules dominate a clean chunk; each distinct phone
+number not seen before costs a libphonenumber parse (``parse_phones=False`` skips it). A
+chunk with a failing row also pays for the frames and pandera's passes, whose fixed cost per
+``validate`` call is why this runs once per chunk of many hotels, not per page.
 
 Every limit, code list and value check here comes from
 :mod:`~supplier_sync_dagster.core.rules`, as normalization's do.
@@ -49,6 +56,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import operator
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -270,8 +279,9 @@ class QualityResult:
         failures: failed records, in input order (dead letters).
         moved: valid hotels of another city, in input order (route them).
         duplicates: collapsed lower versions, in input order (skipped).
-        seconds: time spent in ``flatten`` (documents -> frames), ``validate`` (pandera) and
-            ``report`` (failure cases -> failures).
+        seconds: time spent in ``flatten`` (documents -> columns), ``validate`` (the rules
+            over the columns; with a failing row, also the frames and pandera) and ``report``
+            (failure cases -> failures).
     """
 
     total: int
@@ -311,8 +321,10 @@ _F_FACILITY, _F_URL, _F_CAPTION, _F_ROOM, _F_ROOM_NAME, _F_BED, _F_PLAN, _F_BOAR
 )
 _LIMITS: Final = np.array([limit for _, limit in _STRING_FIELDS], dtype=np.int64)
 
-_COUNTRIES: Final = sorted(COUNTRY_CODES)
-_CURRENCIES: Final = sorted(MONEY_CODES)
+_COUNTRIES: Final = frozenset(COUNTRY_CODES)
+_CURRENCIES: Final = frozenset(MONEY_CODES)
+_STATUSES: Final = frozenset(STATUSES)
+_E164_RE: Final = re.compile(E164_SHAPE)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -321,8 +333,114 @@ def _phone_ok(value: str) -> bool:
     return phone_e164(value, "ZZ") == value
 
 
+# -- the rules, over arrays ------------------------------------------------------------------
+#
+# Each check below is one of these functions, over the values of its frame's columns as
+# numpy arrays: one ``bool`` per row, True when the row passes. check_quality first applies
+# the same functions to the chunk's columns before any frame is built (most of them only to
+# a column's distinct values: every rule is a function of one row's values); only a frame
+# where one of them finds a failing row is built and validated by pandera, which then names
+# the failure cases. A clean chunk, the usual case, costs no frame and no pandera pass.
+
+
+def _lat_ok(lat: np.ndarray) -> np.ndarray:
+    return (lat >= float(LAT_MIN)) & (lat <= float(LAT_MAX))
+
+
+def _lng_ok(lng: np.ndarray) -> np.ndarray:
+    return (lng >= float(LNG_MIN)) & (lng <= float(LNG_MAX))
+
+
+def _stars_of(star_rating: Any) -> np.ndarray:
+    """``star_rating`` (strings or null) as numbers; NaN when absent or not a number."""
+    return np.asarray(pd.to_numeric(star_rating, errors="coerce"), dtype=np.float64)
+
+
+def _stars_ok(star_rating: np.ndarray, stars: np.ndarray) -> np.ndarray:
+    # ``stars`` is ``star_rating`` as a number (_stars_of); NaN and infinities fail quietly.
+    with np.errstate(invalid="ignore"):
+        in_steps = (stars >= 0.0) & (stars <= 5.0) & ((stars * 2.0) % 1.0 == 0.0)
+    return np.asarray(pd.isna(star_rating) | in_steps, dtype=bool)
+
+
+def _member(values: np.ndarray, allowed: frozenset[str]) -> np.ndarray:
+    return np.fromiter((v in allowed for v in values), dtype=bool, count=len(values))
+
+
+def _phones_ok(values: np.ndarray) -> np.ndarray:
+    """Null, or E.164 in shape and (with phone parsing on) valid to libphonenumber."""
+    parse = _PARSE_PHONES.get()
+    ok = np.empty(len(values), dtype=bool)
+    for i, value in enumerate(values):
+        if type(value) is str:
+            # Full parsing is costly: once per distinct number, cached.
+            ok[i] = _E164_RE.fullmatch(value) is not None and (not parse or _phone_ok(value))
+        else:
+            ok[i] = bool(pd.isna(value))
+    return ok
+
+
+def _version_ok(version: np.ndarray) -> np.ndarray:
+    return version >= 0
+
+
+def _same_country(country: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    # ``expected`` is the country of the hotel's city, null when the city is not listed.
+    return np.asarray(pd.isna(expected) | (country == expected), dtype=bool)
+
+
+def _printable(values: Sequence[str] | np.ndarray) -> np.ndarray:
+    # isprintable() is False for every control character (and for a few harmless characters
+    # such as NBSP): one C pass over all values joined clears the usual chunk at once, and
+    # the regex over the joined values clears it too when only harmless ones are there (a
+    # character class matches the joined values where it matches one of them); otherwise
+    # it decides value by value for the non-printable values only.
+    joined = "".join(values)
+    if joined.isprintable() or CODE_CONTROL_RE.search(joined) is None:
+        return np.ones(len(values), dtype=bool)
+    ok = np.fromiter(map(str.isprintable, values), dtype=bool, count=len(values))
+    for i in np.flatnonzero(~ok):
+        # Normalized text keeps no tab/CR/LF either: the identifiers' rule holds for all.
+        ok[i] = CODE_CONTROL_RE.search(values[int(i)]) is None
+    return ok
+
+
+def _short(values: Sequence[str] | np.ndarray, limits: np.ndarray | int) -> np.ndarray:
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    return np.asarray(lengths <= limits, dtype=bool)
+
+
+def _amounts_of(prices: Any) -> np.ndarray:
+    """Prices (strings) as numbers; NaN when one is not a number."""
+    return np.asarray(pd.to_numeric(prices, errors="coerce"), dtype=np.float64)
+
+
+def _amount_ok(amount: np.ndarray) -> np.ndarray:
+    return ~np.isnan(amount)
+
+
+def _not_negative(amount: np.ndarray) -> np.ndarray:
+    return np.isnan(amount) | (amount >= 0.0)
+
+
+def _room_currency_ok(hotel: np.ndarray, room: np.ndarray, currency: np.ndarray) -> np.ndarray:
+    # Rows are grouped by (hotel, room) in document order: compare each plan's currency
+    # with the first plan of its group, found by a running maximum of group starts.
+    n = len(currency)
+    if n == 0:
+        return np.ones(0, dtype=bool)
+    start = np.ones(n, dtype=bool)
+    start[1:] = (hotel[1:] != hotel[:-1]) | (room[1:] != room[:-1])
+    first = np.maximum.accumulate(np.where(start, np.arange(n), 0))
+    return np.asarray(currency == currency[first], dtype=bool)
+
+
+def _on(s: pd.Series, ok: np.ndarray) -> pd.Series:
+    return pd.Series(ok, index=s.index)
+
+
 # Every column is declared nullable, which only skips pandera's own not-null scan (a full
-# pass per column): _flatten already turned a missing or null required value into
+# pass per column): _collect already turned a missing or null required value into
 # MALFORMED_DOCUMENT, and every check below handles NaN itself (``ignore_na=False`` also saves
 # pandera's per-check dropna). Strings stay ``object``: converting to pandas' string dtype
 # costs a pass over every value and buys nothing here.
@@ -337,6 +455,10 @@ class _Frame(pa.DataFrameModel):
     class Config:
         coerce = False
         strict = True
+
+
+def _objects(s: pd.Series | pd.DataFrame) -> np.ndarray:
+    return np.asarray(s.to_numpy(dtype=object))
 
 
 class _Hotels(_Frame):
@@ -355,44 +477,35 @@ class _Hotels(_Frame):
 
     @pa.check("lat", name="LAT_OUT_OF_RANGE", ignore_na=False)
     def _lat(cls, s: Series[float]) -> Series[bool]:
-        return s.between(float(LAT_MIN), float(LAT_MAX))
+        return _on(s, _lat_ok(s.to_numpy()))
 
     @pa.check("lng", name="LNG_OUT_OF_RANGE", ignore_na=False)
     def _lng(cls, s: Series[float]) -> Series[bool]:
-        return s.between(float(LNG_MIN), float(LNG_MAX))
+        return _on(s, _lng_ok(s.to_numpy()))
 
     @pa.dataframe_check(name="STAR_RATING_OUT_OF_RANGE", ignore_na=False)
     def _stars(cls, df: pd.DataFrame) -> Series[bool]:
-        stars = df["stars"]
-        # ``stars`` is ``star_rating`` as a number (NaN when absent or not a number).
-        return df["star_rating"].isna() | (stars.between(0.0, 5.0) & ((stars * 2.0) % 1.0 == 0.0))
+        return _on(df, _stars_ok(_objects(df["star_rating"]), df["stars"].to_numpy()))
 
     @pa.check("status", name="UNKNOWN_STATUS", ignore_na=False)
     def _status(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(STATUSES)
+        return _on(s, _member(_objects(s), _STATUSES))
 
     @pa.check("country_code", name="INVALID_COUNTRY", ignore_na=False)
     def _country(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(_COUNTRIES)
+        return _on(s, _member(_objects(s), _COUNTRIES))
 
     @pa.check("phone_e164", name="INVALID_PHONE", ignore_na=False)
     def _phone(cls, s: Series[Any]) -> Series[bool]:
-        ok = s.isna() | s.str.fullmatch(E164_SHAPE).fillna(False).astype(bool)
-        if _PARSE_PHONES.get():
-            # Full parsing is costly: once per distinct number, cached.
-            bad = [v for v in s[ok].dropna().unique() if not _phone_ok(v)]
-            if bad:
-                ok &= ~s.isin(bad)
-        return ok
+        return _on(s, _phones_ok(_objects(s)))
 
     @pa.check("version", name="VALUE_OUT_OF_RANGE", ignore_na=False)
     def _version(cls, s: Series[int]) -> Series[bool]:
-        return s.ge(0)
+        return _on(s, _version_ok(s.to_numpy()))
 
     @pa.dataframe_check(name="COUNTRY_CITY_MISMATCH", ignore_na=False)
     def _city_country(cls, df: pd.DataFrame) -> Series[bool]:
-        expected = df["city_country"]
-        return expected.isna() | (df["country_code"] == expected)
+        return _on(df, _same_country(_objects(df["country_code"]), _objects(df["city_country"])))
 
 
 class _Strings(_Frame):
@@ -406,23 +519,11 @@ class _Strings(_Frame):
 
     @pa.check("value", name="CONTROL_CHARACTERS", ignore_na=False)
     def _control(cls, s: Series[Any]) -> Series[bool]:
-        values = s.to_numpy(dtype=object)
-        # isprintable() is False for every control character (and for a few harmless
-        # characters such as NBSP): one C pass over all values joined clears the usual
-        # chunk at once; otherwise the regex decides for the non-printable values only.
-        if "".join(values).isprintable():
-            return pd.Series(np.ones(len(values), dtype=bool), index=s.index)
-        ok = np.fromiter(map(str.isprintable, values), dtype=bool, count=len(values))
-        for i in np.flatnonzero(~ok):
-            # Normalized text keeps no tab/CR/LF either: the identifiers' rule holds for all.
-            ok[i] = CODE_CONTROL_RE.search(values[i]) is None
-        return pd.Series(ok, index=s.index)
+        return _on(s, _printable(_objects(s)))
 
     @pa.dataframe_check(name="OVERSIZED_STRING", ignore_na=False)
     def _length(cls, df: pd.DataFrame) -> Series[bool]:
-        values = df["value"].to_numpy(dtype=object)
-        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        return pd.Series(lengths <= _LIMITS[df["fid"].to_numpy()], index=df.index)
+        return _on(df, _short(_objects(df["value"]), _LIMITS[df["fid"].to_numpy()]))
 
 
 class _Plans(_Frame):
@@ -437,30 +538,21 @@ class _Plans(_Frame):
 
     @pa.check("currency", name="UNKNOWN_CURRENCY", ignore_na=False)
     def _currency(cls, s: Series[Any]) -> Series[bool]:
-        return s.isin(_CURRENCIES)
+        return _on(s, _member(_objects(s), _CURRENCIES))
 
     @pa.check("amount", name="INVALID_AMOUNT", ignore_na=False)
     def _amount(cls, s: Series[float]) -> Series[bool]:
-        # ``amount`` is ``price`` as a number, NaN when it is not one.
-        return s.notna()
+        # ``amount`` is ``price`` as a number, NaN when it is not one (_amounts_of).
+        return _on(s, _amount_ok(s.to_numpy()))
 
     @pa.check("amount", name="NEGATIVE_PRICE", ignore_na=False)
     def _negative(cls, s: Series[float]) -> Series[bool]:
-        return s.isna() | (s >= 0.0)
+        return _on(s, _not_negative(s.to_numpy()))
 
     @pa.dataframe_check(name="MIXED_ROOM_CURRENCY", ignore_na=False)
     def _mixed(cls, df: pd.DataFrame) -> Series[bool]:
-        # Rows are grouped by (hotel, room) in document order: compare each plan's currency
-        # with the first plan of its group, found by a running maximum of group starts.
         hotel, room = df["hotel"].to_numpy(), df["k"].to_numpy()
-        currency = df["currency"].to_numpy(dtype=object)
-        n = len(df)
-        if n == 0:
-            return pd.Series(np.ones(0, dtype=bool), index=df.index)
-        start = np.ones(n, dtype=bool)
-        start[1:] = (hotel[1:] != hotel[:-1]) | (room[1:] != room[:-1])
-        first = np.maximum.accumulate(np.where(start, np.arange(n), 0))
-        return pd.Series(currency == currency[first], index=df.index)
+        return _on(df, _room_currency_ok(hotel, room, _objects(df["currency"])))
 
 
 # Full phone parsing on or off for the current call (see check_quality's ``parse_phones``);
@@ -472,13 +564,6 @@ _SCHEMAS: Final = {
     "strings": _Strings.to_schema(),
     "plans": _Plans.to_schema(),
 }
-
-
-@dataclass
-class _Frames:
-    hotels: pd.DataFrame
-    strings: pd.DataFrame
-    plans: pd.DataFrame
 
 
 class _Malformed(Exception):
@@ -537,6 +622,11 @@ def _expect(key: str) -> tuple[frozenset[str], bool, Any]:
 
 
 _EXPECT: Final = {key: _expect(key) for key in _TOP_KEYS}
+_REQUIRED_FIDS: Final = frozenset(
+    {fid for fid, (name, _) in enumerate(_STRING_FIELDS[:_N_TOP]) if name in _REQUIRED_STR}
+    | {_F_FACILITY, _F_URL, _F_ROOM, _F_ROOM_NAME, _F_PLAN}
+)
+"""String fields whose values must be strings (the others may be null)."""
 
 
 def _groups(owners: np.ndarray, counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -547,16 +637,39 @@ def _groups(owners: np.ndarray, counts: Sequence[int]) -> tuple[np.ndarray, np.n
     return np.repeat(owners, sizes), np.arange(total, dtype=np.int64) - starts
 
 
-def _flatten(
-    docs: Sequence[Mapping[str, Any]],
-    positions: Sequence[int],
-    city_countries: Mapping[str, str],
-) -> _Frames:
-    """The documents at ``positions`` as three frames; raises _Malformed naming bad ones.
+@dataclass
+class _Columns:
+    """The documents' values column by column, before any frame is built.
+
+    Attributes:
+        top: each top-level key of _TOP_KEYS -> one value per hotel.
+        hotel_of: each hotel's position in the input.
+        blocks: (field id, values, hotel, k, j) per string field of _STRING_FIELDS, in
+            document order; the top-level ones share ``top``'s value lists.
+        plan_hotel, plan_k, plan_j: each rate plan's hotel position, room k and plan j.
+        currencies, prices: each rate plan's currency and price.
+    """
+
+    top: dict[str, Sequence[Any]]
+    hotel_of: np.ndarray
+    blocks: list[tuple[int, Sequence[Any], np.ndarray, np.ndarray, np.ndarray]]
+    plan_hotel: np.ndarray
+    plan_k: np.ndarray
+    plan_j: np.ndarray
+    currencies: list[Any]
+    prices: list[Any]
+
+
+_TOP_VALUES: Final = operator.itemgetter(*_TOP_KEYS)
+
+
+def _collect(docs: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> _Columns:
+    """The documents at ``positions`` column by column; raises _Malformed naming bad ones.
 
     Per-hotel Python work is a handful of list extends (no per-string tuples): the row
     coordinates (hotel, room k, plan j) are derived afterwards from the list lengths with
-    numpy, which is what keeps this at a few microseconds per hotel.
+    numpy, which is what keeps this at a few microseconds per hotel. Every value's type is
+    checked here, so the rules and the frames only ever see the types they expect.
     """
     problems: dict[int, tuple[str, str]] = {}
     tops: list[tuple[Any, ...]] = []
@@ -578,7 +691,7 @@ def _flatten(
     for pos in positions:
         d = docs[pos]
         try:
-            top = tuple([d[key] for key in _TOP_KEYS])
+            top = _TOP_VALUES(d)
             fac = d["facilities"]
             images = d["images"]
             rooms = d["rooms"]
@@ -655,7 +768,7 @@ def _flatten(
                 if not test(value) and pos not in problems:
                     problems[pos] = (key, f"has the wrong type: {show(value)}")
     for fid, values, hotel, k, j in blocks[_N_TOP:]:
-        required = fid not in (_F_CAPTION, _F_BED, _F_BOARD)
+        required = fid in _REQUIRED_FIDS
         if values and pd.api.types.infer_dtype(values, skipna=not required) not in (
             _STR if required else _OPT_STR
         ):
@@ -674,63 +787,147 @@ def _flatten(
                     problems[pos] = (path, f"has the wrong type: {show(value)}")
     if problems:
         raise _Malformed(problems)
+    return _Columns(columns, hotel_of, blocks, plan_hotel, plan_k, plan_j, currencies, prices)
 
-    index = pd.Index(hotel_of)
-    city = columns["city_code"]
-    star = pd.Series(columns["star_rating"], index=index, dtype=object)
-    hotels = pd.DataFrame(
-        {
-            "city_code": pd.Series(city, index=index, dtype=object),
-            "country_code": pd.Series(columns["country_code"], index=index, dtype=object),
-            "city_country": pd.Series(
-                [city_countries.get(c) for c in city], index=index, dtype=object
-            ),
-            "lat": pd.Series(np.array(columns["lat"], dtype=np.float64), index=index),
-            "lng": pd.Series(np.array(columns["lng"], dtype=np.float64), index=index),
-            "star_rating": star,
-            "stars": pd.to_numeric(star, errors="coerce").astype(np.float64),
-            "status": pd.Series(columns["status"], index=index, dtype=object),
-            "phone_e164": pd.Series(columns["phone_e164"], index=index, dtype=object),
-            "version": pd.Series(np.array(columns["version"], dtype=np.int64), index=index),
-        }
-    )
 
-    # Field by field: for one hotel and one field, a smaller row is an earlier item.
-    all_values: list[Any] = []
-    for _, values, _, _, _ in blocks:
-        all_values += values
-    value_arr = np.array(all_values, dtype=object)
-    fid_arr = np.concatenate([np.full(len(b[1]), b[0], dtype=np.int64) for b in blocks])
-    hotel_arr, k_arr, j_arr = (
-        np.concatenate([b[i] for b in blocks]) if blocks else np.zeros(0, np.int64)
-        for i in (2, 3, 4)
-    )
-    present = pd.notna(value_arr)
-    if not present.all():
-        value_arr, fid_arr, hotel_arr, k_arr, j_arr = (
-            a[present] for a in (value_arr, fid_arr, hotel_arr, k_arr, j_arr)
+# Prices as normalization writes them (``str`` of a Decimal): digits with an optional
+# fraction, one per line. Each such price is a number and not negative, whatever parses it;
+# the lines are the prices only when no price holds a line break itself.
+_PLAIN_PRICES: Final = re.compile(
+    r"[0-9]{1,15}(?:\.[0-9]{1,15})?(?:\n[0-9]{1,15}(?:\.[0-9]{1,15})?)*"
+)
+
+
+def _distinct(values: Sequence[Any]) -> np.ndarray:
+    return np.array(list(dict.fromkeys(values)), dtype=object)
+
+
+def _hotels_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
+    top = cols.top
+    stars = _distinct(top["star_rating"])
+    if not (
+        _lat_ok(np.asarray(top["lat"], dtype=np.float64)).all()
+        and _lng_ok(np.asarray(top["lng"], dtype=np.float64)).all()
+        and _stars_ok(stars, _stars_of(stars)).all()
+        and _member(_distinct(top["status"]), _STATUSES).all()
+        and _member(_distinct(top["country_code"]), _COUNTRIES).all()
+        and _phones_ok(_distinct(top["phone_e164"])).all()
+        and _version_ok(np.asarray(top["version"], dtype=np.int64)).all()
+    ):
+        return False
+    pairs = list(dict.fromkeys(zip(top["city_code"], top["country_code"], strict=True)))
+    country = np.array([c for _, c in pairs], dtype=object)
+    expected = np.array([city_countries.get(city) for city, _ in pairs], dtype=object)
+    return bool(_same_country(country, expected).all())
+
+
+def _strings_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
+    for fid, values, _, _, _ in cols.blocks:
+        # The frame keeps only the values present (optional fields may be null).
+        present = values if fid in _REQUIRED_FIDS else [v for v in values if type(v) is str]
+        limit = int(_LIMITS[fid])
+        if not (_printable(present).all() and _short(present, limit).all()):
+            return False
+    return True
+
+
+def _plans_pass(cols: _Columns, city_countries: Mapping[str, str]) -> bool:
+    if not _member(_distinct(cols.currencies), _CURRENCIES).all():
+        return False
+    prices = cols.prices
+    lines = "\n".join(prices)
+    if prices and (lines.count("\n") != len(prices) - 1 or _PLAIN_PRICES.fullmatch(lines) is None):
+        amount = _amounts_of(np.array(prices, dtype=object))
+        if not (_amount_ok(amount).all() and _not_negative(amount).all()):
+            return False
+    currencies = np.array(cols.currencies, dtype=object)
+    return bool(_room_currency_ok(cols.plan_hotel, cols.plan_k, currencies).all())
+
+
+_PASSES: Final = {"hotels": _hotels_pass, "strings": _strings_pass, "plans": _plans_pass}
+"""Frame -> True when none of its rows would fail one of its checks: the checks' own rules
+over the columns (a rule of a single value only over the column's distinct values)."""
+
+
+def _failing(cols: _Columns, city_countries: Mapping[str, str]) -> list[str]:
+    """The frames with a row that fails a check: only these are built and validated."""
+    return [name for name, passes in _PASSES.items() if not passes(cols, city_countries)]
+
+
+class _Frames:
+    """The columns as the three frames pandera validates, each built when first asked for."""
+
+    def __init__(self, cols: _Columns, city_countries: Mapping[str, str]) -> None:
+        self.cols, self.city_countries = cols, city_countries
+
+    @functools.cached_property
+    def hotels(self) -> pd.DataFrame:
+        columns, hotel_of = self.cols.top, self.cols.hotel_of
+        city_countries = self.city_countries
+        index = pd.Index(hotel_of)
+        city = columns["city_code"]
+        star = pd.Series(columns["star_rating"], index=index, dtype=object)
+        return pd.DataFrame(
+            {
+                "city_code": pd.Series(city, index=index, dtype=object),
+                "country_code": pd.Series(columns["country_code"], index=index, dtype=object),
+                "city_country": pd.Series(
+                    [city_countries.get(c) for c in city], index=index, dtype=object
+                ),
+                "lat": pd.Series(np.array(columns["lat"], dtype=np.float64), index=index),
+                "lng": pd.Series(np.array(columns["lng"], dtype=np.float64), index=index),
+                "star_rating": star,
+                "stars": pd.Series(_stars_of(star), index=index),
+                "status": pd.Series(columns["status"], index=index, dtype=object),
+                "phone_e164": pd.Series(columns["phone_e164"], index=index, dtype=object),
+                "version": pd.Series(np.array(columns["version"], dtype=np.int64), index=index),
+            }
         )
-    strings = pd.DataFrame(
-        {
-            "hotel": hotel_arr,
-            "fid": fid_arr,
-            "k": k_arr,
-            "j": j_arr,
-            "value": pd.Series(value_arr, dtype=object),
-        }
-    )
-    price = pd.Series(prices, dtype=object)
-    plans_frame = pd.DataFrame(
-        {
-            "hotel": plan_hotel,
-            "k": plan_k,
-            "j": plan_j,
-            "currency": pd.Series(currencies, dtype=object),
-            "price": price,
-            "amount": pd.to_numeric(price, errors="coerce").astype(np.float64),
-        }
-    )
-    return _Frames(hotels, strings, plans_frame)
+
+    @functools.cached_property
+    def strings(self) -> pd.DataFrame:
+        blocks = self.cols.blocks
+        # Field by field: for one hotel and one field, a smaller row is an earlier item.
+        all_values: list[Any] = []
+        for _, values, _, _, _ in blocks:
+            all_values += values
+        value_arr = np.array(all_values, dtype=object)
+        fid_arr = np.concatenate([np.full(len(b[1]), b[0], dtype=np.int64) for b in blocks])
+        hotel_arr, k_arr, j_arr = (
+            np.concatenate([b[i] for b in blocks]) if blocks else np.zeros(0, np.int64)
+            for i in (2, 3, 4)
+        )
+        present = pd.notna(value_arr)
+        if not present.all():
+            value_arr, fid_arr, hotel_arr, k_arr, j_arr = (
+                a[present] for a in (value_arr, fid_arr, hotel_arr, k_arr, j_arr)
+            )
+        return pd.DataFrame(
+            {
+                "hotel": hotel_arr,
+                "fid": fid_arr,
+                "k": k_arr,
+                "j": j_arr,
+                "value": pd.Series(value_arr, dtype=object),
+            }
+        )
+
+    @functools.cached_property
+    def plans(self) -> pd.DataFrame:
+        cols = self.cols
+        plan_hotel, plan_k, plan_j = cols.plan_hotel, cols.plan_k, cols.plan_j
+        currencies, prices = cols.currencies, cols.prices
+        price = pd.Series(prices, dtype=object)
+        return pd.DataFrame(
+            {
+                "hotel": plan_hotel,
+                "k": plan_k,
+                "j": plan_j,
+                "currency": pd.Series(currencies, dtype=object),
+                "price": price,
+                "amount": pd.Series(_amounts_of(price)),
+            }
+        )
 
 
 def _field(fid: int, k: int, j: int) -> str:
@@ -753,8 +950,11 @@ def _failure_rows(schema: pa.DataFrameSchema, frame: pd.DataFrame) -> list[tuple
 
 
 def _readable(doc: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    hotel_id = doc.get("supplier_hotel_id") if isinstance(doc, Mapping) else None
-    version = doc.get("version") if isinstance(doc, Mapping) else None
+    # A dict, the usual document, is a Mapping: the exact type test spares the ABC check.
+    if type(doc) is dict or isinstance(doc, Mapping):
+        hotel_id, version = doc.get("supplier_hotel_id"), doc.get("version")
+    else:
+        hotel_id = version = None
     return (
         hotel_id[: LIMITS["hotel_id"]] if type(hotel_id) is str else None,
         version if type(version) is int else None,
@@ -881,7 +1081,7 @@ def check_quality(
     positions = sorted(kept)
     while True:
         try:
-            frames = _flatten(docs, positions, city_countries)
+            cols = _collect(docs, positions)
             break
         except _Malformed as err:
             for pos, (path, what) in err.problems.items():
@@ -892,15 +1092,19 @@ def check_quality(
     flattened = time.perf_counter()
 
     rows: list[tuple[str, str, Any]] = []
+    frames = _Frames(cols, city_countries)
     token = _PARSE_PHONES.set(parse_phones)
     try:
+        failing = _failing(cols, city_countries)
         # Pandera's global settings could turn data checks off: this layer must always run.
         with config_context(
             validation_enabled=True, validation_depth=ValidationDepth.SCHEMA_AND_DATA
         ):
-            for name, schema in _SCHEMAS.items():
+            for name in failing:
                 frame = getattr(frames, name)
-                rows.extend((name, check, row) for check, row in _failure_rows(schema, frame))
+                rows.extend(
+                    (name, check, row) for check, row in _failure_rows(_SCHEMAS[name], frame)
+                )
     finally:
         _PARSE_PHONES.reset(token)
     validated = time.perf_counter()

@@ -808,3 +808,16 @@ def test_each_limit_of_rules_is_enforced_alike_by_both_paths(limit: str) -> None
         assert n._fast(_put(copy.deepcopy(EXAMPLE), path, value(size))) == to_primitive(at_limit)
     over = _paths_agree(_put(copy.deepcopy(EXAMPLE), path, value(size + 1)))
     assert isinstance(over, Rejection) and over.error_code == code, over
+
+
+@pytest.mark.parametrize(
+    "amount",
+    ["0", "00", "0.5", "00.50", "007.50", "10", "0.000001", "000.000000", "120.000", "1" * 15],
+)
+def test_the_fast_path_writes_each_amount_as_the_reference_does(amount: str) -> None:
+    rec = _set(("rooms", 0, "rate_plans", 0, "price", "amount"), amount)
+    out = normalize_record(rec)
+    assert isinstance(out, NormalizedHotel)
+    fast = n._fast(rec)
+    assert fast is not None and fast == to_primitive(out)
+    assert fast["rooms"][0]["rate_plans"][0]["price"] == str(Decimal(amount))

@@ -412,3 +412,68 @@ def test_string_limits_are_the_rules_limits(key: str) -> None:
     (failure,) = check([doc(**{key: "1" * (limit + 1)})], city_countries={}).failures
     assert (failure.error_code, failure.field) == ("OVERSIZED_STRING", key)
     assert dict(q._STRING_FIELDS)[key] == limit
+
+
+# -- the screen: pandera runs only when a rule finds a failing row ----------------------------
+
+
+def _failing(docs: list[dict[str, Any]], countries: dict[str, str] = COUNTRIES) -> list[str]:
+    return q._failing(q._collect(docs, range(len(docs))), countries)
+
+
+_FAILING_CASES = [c for c in CASES if c[2] != "MALFORMED_DOCUMENT"]
+
+
+@pytest.mark.parametrize(
+    ("d", "code"), [c[1:3] for c in _FAILING_CASES], ids=[c[0] for c in _FAILING_CASES]
+)
+def test_the_screen_sends_every_failure_to_pandera(d: dict[str, Any], code: str) -> None:
+    assert _failing([doc("OK")]) == []
+    assert _failing([doc("OK"), d]) == [q.RULES[code].frame]
+
+
+@pytest.mark.parametrize(
+    ("d", "code"),
+    [
+        # Harmless non-printable characters: the screen's fast pass fails, the rule passes.
+        (doc(name="Caf\xe9\xa0Bar", name_local="\u2028x"), None),
+        # A price in another form than normalization's: parsed, not matched.
+        (with_plan(doc(), 0, 0, price="1E+2"), None),
+        # A line break cannot hide a bad price between two good ones.
+        (with_plan(doc(), 0, 0, price="1\n2"), "INVALID_AMOUNT"),
+        (with_plan(doc(), 0, 0, price="-1\n2"), "INVALID_AMOUNT"),
+        # Null optional strings are not strings to check.
+        (doc(name_local=None, email=None, phone_e164=None), None),
+        (doc(star_rating=None), None),
+    ],
+)
+def test_the_screen_and_pandera_agree(
+    d: dict[str, Any], code: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    screened = check([doc("OK"), d])
+    monkeypatch.setattr(q, "_failing", lambda *_: list(q._SCHEMAS))
+    validated = check([doc("OK"), d])
+    assert screened.failures == validated.failures
+    assert [f.error_code for f in screened.failures] == ([code] if code else [])
+
+
+def test_a_large_chunk_gives_the_same_result_without_the_screen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs, countries = _simulator_docs(1000)
+    damaged = copy.deepcopy(docs)
+    damaged[3]["rooms"][0]["rate_plans"][0]["price"] = "-5.00"
+    damaged[7]["phone_e164"] = "+66000000000"
+    damaged[9]["facilities"].append("z" * 65)
+    city = docs[0]["city_code"]
+    for chunk in (docs, damaged):
+        screened = check(chunk, city_code=city, city_countries=countries)
+        with monkeypatch.context() as m:
+            m.setattr(q, "_failing", lambda *_: list(q._SCHEMAS))
+            validated = check(chunk, city_code=city, city_countries=countries)
+        assert (screened.valid, screened.failures, screened.moved) == (
+            validated.valid,
+            validated.failures,
+            validated.moved,
+        )
+    assert [f.index for f in screened.failures] == [3, 7, 9]
