@@ -32,9 +32,10 @@ import abc
 import contextlib
 import gzip
 import hashlib
+import itertools
 import os
 import re
-import tempfile
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,7 @@ _MAX_KEY_TAIL = 32 + 1 + 2 + 1 + 64 + len(SUFFIX)
 _ACCEPTED_URLS = "file:///absolute/path or s3://bucket[/prefix]"
 
 BytesLike = bytes | bytearray | memoryview
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,29 @@ class LocalPayloadStore(PayloadStore):
     final name, so readers never see a partial object and any number of threads or processes
     may store the same payload at once.
 
+    Durability (``fsync=True``): a payload must never be missing, or partial, for a database
+    row that refers to it and survived, whatever stopped the machine. A process kill (kill
+    -9) needs no fsync at all: a written file and a rename live in the OS, not the process.
+    An OS crash or power loss does: the sync database commits a reference right after
+    :meth:`put` returns, and such a commit can survive even where the database does not
+    promise it (SQLite WAL with ``synchronous=NORMAL`` syncs its log only at checkpoints,
+    but the kernel may write back a later commit's log pages before this file's data), and
+    MariaDB syncs every commit. So tying the payload's fsync to the database's own
+    durability would be unsound, and every new object is flushed before :meth:`put`
+    returns, in this order:
+
+    1. the temporary file's bytes are fsynced *before* the rename: the final name never
+       points at bytes that are not on disk (a later :meth:`put` of the same bytes trusts an
+       existing object without reading it, so a partial one would be kept for good);
+    2. after the rename, the folder is fsynced, so that the name itself survives; a folder
+       this store creates is made durable in its parent once (the ``kind`` and shard
+       folders), then remembered, so no later put stats or creates it again.
+
+    The temporary name is made from the hash, the process, the thread and a counter and
+    opened with ``O_EXCL`` (no ``mkstemp`` with its random names and retries). ``fsync=False``
+    keeps the atomic rename (a process kill still loses nothing) and is for throwaway
+    stores only (tests, benchmarks).
+
     Args:
         root: The folder (created on first write).
         compresslevel: gzip level, 0-9.
@@ -289,6 +314,9 @@ class LocalPayloadStore(PayloadStore):
         super().__init__(compresslevel=compresslevel, max_payload_bytes=max_payload_bytes)
         self.root = Path(root).resolve()
         self.fsync = fsync
+        # Folders known to exist (created or seen by this store): a put skips its mkdir.
+        self._folders: set[str] = set()
+        self._temp_seq = itertools.count()
         self._root_uri = self.root.as_uri().rstrip("/")
         if len(self._root_uri) + 1 + _MAX_KEY_TAIL > MAX_REF_LENGTH:
             raise ConfigError(
@@ -334,26 +362,63 @@ class LocalPayloadStore(PayloadStore):
             raise PayloadError(f"cannot inspect payload {path}: {err}") from err
         blob = self._compress(view, compresslevel)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sha[:16]}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(blob)
-                    fh.flush()
-                    if self.fsync:
-                        os.fsync(fh.fileno())
-                os.chmod(tmp, 0o644)
-                # Atomic; when another writer won the race this replaces identical bytes.
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            if self.fsync:
-                _fsync_dir(path.parent)
+            self._write(path, sha, blob)
         except OSError as err:
             raise PayloadError(f"cannot write payload {path}: {err}") from err
         return StoredPayload(ref, sha, size, len(blob))
+
+    def _write(self, path: Path, sha: str, blob: bytes) -> None:
+        """Writes ``blob`` to ``path`` atomically (see the class docstring for the order)."""
+        folder = path.parent
+        self._ensure_folder(folder)
+        while True:
+            tmp = folder / (
+                f".{sha[:16]}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_seq)}.tmp"
+            )
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            except FileExistsError:
+                continue  # left by a dead process whose id this one reuses
+            except FileNotFoundError:
+                # The folder went away behind the store's back: create it again.
+                self._folders.discard(str(folder))
+                self._ensure_folder(folder)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            break
+        try:
+            try:
+                os.fchmod(fd, 0o644)  # whatever the umask, as readers of the store expect
+                rest = memoryview(blob)
+                while rest:
+                    rest = rest[os.write(fd, rest) :]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            # Atomic; when another writer won the race this replaces identical bytes.
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(folder)
+
+    def _ensure_folder(self, folder: Path) -> None:
+        """Creates ``folder`` (and its parents) unless known to exist; new ones made durable."""
+        key = str(folder)
+        if key in self._folders:
+            return
+        if not folder.is_dir():
+            new_kind = not folder.parent.is_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            if self.fsync:
+                # The new shard folder's entry in its kind folder (and a new kind folder's
+                # in the root).
+                _fsync_dir(folder.parent)
+                if new_kind:
+                    _fsync_dir(folder.parent.parent)
+        self._folders.add(key)
 
     def get(self, ref: str) -> bytes:
         """See :meth:`PayloadStore.get`."""

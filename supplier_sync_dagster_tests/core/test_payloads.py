@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
 import random
+import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -449,10 +451,61 @@ def test_local_put_skips_existing_object(tmp_path: Path, monkeypatch: pytest.Mon
     def no_write(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("an existing object must not be written again")
 
-    monkeypatch.setattr("tempfile.mkstemp", no_write)
+    monkeypatch.setattr(store, "_write", no_write)
     assert store.put(b"data", kind="raw") == first
     after = os.stat(store.root / first.ref[len(store.url) + 1 :])
     assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+
+
+def test_local_put_fsyncs_the_bytes_before_the_rename_and_the_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalPayloadStore(tmp_path / "payloads")
+    store.put(b"warm", kind="raw")  # the kind folder exists; shard folders come and go
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        calls.append("fsync-dir" if os.path.isdir(target) else "fsync-file")
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        calls.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    data = b"durable"
+    folder = store.root / "raw" / hashlib.sha256(data).hexdigest()[:2]
+    new_folder = not folder.exists()
+    store.put(data, kind="raw")
+    # A new shard folder is made durable in its kind folder once, before the object's writes.
+    expected = ["fsync-dir"] if new_folder else []
+    assert calls == [*expected, "fsync-file", "replace", "fsync-dir"]
+    stored = folder / f"{hashlib.sha256(data).hexdigest()}.json.gz"
+    assert stored.stat().st_mode & 0o777 == 0o644
+
+
+def test_local_put_survives_its_folder_removed_and_a_stale_temp_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalPayloadStore(tmp_path / "payloads")
+    store.put(b"first", kind="raw")
+    shutil.rmtree(store.root)  # the store remembers folders it made: it must notice
+    data = b"second"
+    assert store.get(store.put(data, kind="raw").ref) == data
+    # A temp name left by a dead process with this process's id and thread is skipped.
+    monkeypatch.setattr(store, "_temp_seq", itertools.count(7))
+    other = b"third"
+    sha = hashlib.sha256(other).hexdigest()
+    folder = store.root / "raw" / sha[:2]
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = folder / f".{sha[:16]}.{os.getpid()}.{threading.get_ident()}.7.tmp"
+    stale.write_bytes(b"junk")
+    assert store.get(store.put(other, kind="raw").ref) == other
+    assert stale.read_bytes() == b"junk"  # never opened nor removed by the writer
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp") and p != stale]
 
 
 # -- S3 error mapping ---------------------------------------------------------------------------
