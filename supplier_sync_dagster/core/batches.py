@@ -24,6 +24,7 @@ Batch state machine (every move is one guarded UPDATE)::
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Sequence
@@ -576,26 +577,23 @@ def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
     return get_batch(conn, batch_id)
 
 
-def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None:
-    """:func:`refresh_batch` for a caller that locked the batch already (``current`` is what
-    :func:`lock_batch` returned in this transaction) and needs no read-back.
+@functools.cache
+def _shard_totals(with_batch: bool) -> sa.Select[Any]:
+    """The statement :func:`derive_batch` reads a batch's shards with (``:totals_batch_id``),
+    and with them the batch's status and start when ``with_batch``.
 
-    On SQLite, whose write lock the transaction holds from its start, ``current`` may be
-    the batch id instead: the batch's status is then read with its shards' counts, in the
-    same statement.
-
-    Raises:
-        UnknownBatch: ``current`` is the id of no batch.
+    Built once: composing it costs more than running it on a batch of a few hundred shards,
+    and every shard's finish runs it.
     """
-    batch_id = current if isinstance(current, str) else current.batch_id
     s = schema.shard.c
     b = schema.batch.c
+    batch_id = sa.bindparam("totals_batch_id", type_=s.batch_id.type)
     read_batch = (
         [
             sa.select(column).where(b.batch_id == batch_id).scalar_subquery().label(name)
             for name, column in (("batch_status", b.status), ("batch_started_at", b.started_at))
         ]
-        if isinstance(current, str)
+        if with_batch
         else []
     )
     # The shard whose checkpoint moved last (ties: the later shard), read in the same
@@ -609,39 +607,52 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None
     )
     latest_shard = schema.shard.alias("latest_shard")
     l_ = latest_shard.c
-    agg = conn.execute(
-        sa.select(
-            sa.func.count().label("n"),
-            sa.func.sum(sa.case((s.status == "PENDING", 1), else_=0)).label("pending"),
-            sa.func.sum(sa.case((s.status == "RUNNING", 1), else_=0)).label("running"),
-            sa.func.sum(sa.case((s.status == "SUCCESS", 1), else_=0)).label("success"),
-            sa.func.sum(sa.case((s.status == "FAILED", 1), else_=0)).label("failed"),
-            sa.func.coalesce(sa.func.sum(s.total_count), 0).label("total_count"),
-            sa.func.coalesce(sa.func.sum(s.success_count), 0).label("success_count"),
-            sa.func.coalesce(sa.func.sum(s.failed_count), 0).label("failed_count"),
-            sa.func.coalesce(sa.func.sum(s.skipped_count), 0).label("skipped_count"),
-            sa.func.coalesce(sa.func.sum(s.pages_done), 0).label("pages_done"),
-            sa.func.coalesce(sa.func.sum(s.fetched_count), 0).label("fetched_count"),
-            sa.func.coalesce(
-                sa.func.sum(
-                    sa.case(
-                        (s.status.in_(("SUCCESS", "FAILED", "CANCELLED")), 1.0),
-                        (s.total_pages > 0, sa.cast(s.pages_done, sa.Float) / s.total_pages),
-                        else_=0.0,
-                    )
-                ),
-                0.0,
-            ).label("progress"),
-            sa.func.max(s.heartbeat_at).label("heartbeat_at"),
-            sa.func.max(s.last_checkpoint_at).label("last_checkpoint_at"),
-            sa.select(l_.shard_key).where(l_.id == latest).scalar_subquery().label("latest_key"),
-            sa.select(l_.checkpoint)
-            .where(l_.id == latest)
-            .scalar_subquery()
-            .label("latest_checkpoint"),
-            *read_batch,
-        ).where(s.batch_id == batch_id)
-    ).one()
+    return sa.select(
+        sa.func.count().label("n"),
+        sa.func.sum(sa.case((s.status == "PENDING", 1), else_=0)).label("pending"),
+        sa.func.sum(sa.case((s.status == "RUNNING", 1), else_=0)).label("running"),
+        sa.func.sum(sa.case((s.status == "SUCCESS", 1), else_=0)).label("success"),
+        sa.func.sum(sa.case((s.status == "FAILED", 1), else_=0)).label("failed"),
+        sa.func.coalesce(sa.func.sum(s.total_count), 0).label("total_count"),
+        sa.func.coalesce(sa.func.sum(s.success_count), 0).label("success_count"),
+        sa.func.coalesce(sa.func.sum(s.failed_count), 0).label("failed_count"),
+        sa.func.coalesce(sa.func.sum(s.skipped_count), 0).label("skipped_count"),
+        sa.func.coalesce(sa.func.sum(s.pages_done), 0).label("pages_done"),
+        sa.func.coalesce(sa.func.sum(s.fetched_count), 0).label("fetched_count"),
+        sa.func.coalesce(
+            sa.func.sum(
+                sa.case(
+                    (s.status.in_(("SUCCESS", "FAILED", "CANCELLED")), 1.0),
+                    (s.total_pages > 0, sa.cast(s.pages_done, sa.Float) / s.total_pages),
+                    else_=0.0,
+                )
+            ),
+            0.0,
+        ).label("progress"),
+        sa.func.max(s.heartbeat_at).label("heartbeat_at"),
+        sa.func.max(s.last_checkpoint_at).label("last_checkpoint_at"),
+        sa.select(l_.shard_key).where(l_.id == latest).scalar_subquery().label("latest_key"),
+        sa.select(l_.checkpoint)
+        .where(l_.id == latest)
+        .scalar_subquery()
+        .label("latest_checkpoint"),
+        *read_batch,
+    ).where(s.batch_id == batch_id)
+
+
+def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None:
+    """:func:`refresh_batch` for a caller that locked the batch already (``current`` is what
+    :func:`lock_batch` returned in this transaction) and needs no read-back.
+
+    On SQLite, whose write lock the transaction holds from its start, ``current`` may be
+    the batch id instead: the batch's status is then read with its shards' counts, in the
+    same statement.
+
+    Raises:
+        UnknownBatch: ``current`` is the id of no batch.
+    """
+    batch_id = current if isinstance(current, str) else current.batch_id
+    agg = conn.execute(_shard_totals(isinstance(current, str)), {"totals_batch_id": batch_id}).one()
 
     if isinstance(current, str):
         if agg.batch_status is None:

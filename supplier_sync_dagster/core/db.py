@@ -14,6 +14,7 @@ disagree with itself); tests shift the clock by an offset instead of sleeping.
 from __future__ import annotations
 
 import copy
+import functools
 import sqlite3
 import threading
 import time
@@ -184,6 +185,13 @@ def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return f"TIMESTAMPADD(MICROSECOND, {offset}, UTC_TIMESTAMP(6))"
 
 
+@functools.lru_cache(maxsize=256)
+def _db_now(offset_us: int) -> db_now:
+    # SQL elements are immutable: one per offset serves every statement. Building one costs
+    # more than running a small statement, and a city's writes name the time dozens of times.
+    return db_now(offset_us)
+
+
 @dataclass
 class DbClock:
     """The one place where sync time comes from: the database clock plus a shiftable offset.
@@ -197,7 +205,7 @@ class DbClock:
 
     def now(self, plus_seconds: float = 0.0) -> db_now:
         """SQL expression: database now + offset + ``plus_seconds``."""
-        return db_now(round((self.offset_seconds + plus_seconds) * 1_000_000))
+        return _db_now(round((self.offset_seconds + plus_seconds) * 1_000_000))
 
     def advance(self, seconds: float) -> None:
         """Shifts this clock forward (tests only: makes time pass without sleeping)."""

@@ -18,6 +18,7 @@ and reopen in :mod:`supplier_sync_dagster.core.leases`, cancel in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal
@@ -124,18 +125,28 @@ def _move(
     values: Mapping[str, Any],
 ) -> sa.Update:
     """The guarded UPDATE of a move (see :func:`move_shards`)."""
+    chosen = None if sources is None else frozenset(sources)
+    c = schema.shard.c
+    stmt = sa.update(schema.shard).where(*where, _status_clause(target, chosen))
+    if holder is not None:
+        stmt = stmt.where(c.worker_id == holder[0], c.lease_token == holder[1])
+    return stmt.values(status=target, **values)
+
+
+@functools.lru_cache(maxsize=64)
+def _status_clause(
+    target: ShardStatus, sources: frozenset[ShardStatus] | None
+) -> sa.ColumnElement[bool]:
+    """``status IN (sources)`` for a move to ``target``, checked against the table; built once
+    per move (every claim, checkpoint, heartbeat and finish is one)."""
     allowed = sources_of(target)
-    chosen = allowed if sources is None else frozenset(sources)
+    chosen = allowed if sources is None else sources
     if not chosen or not chosen <= allowed:
         raise InvalidTransition(
             f"no shard moves from {sorted(chosen - allowed) or 'nowhere'} to {target}; "
             f"only from {sorted(allowed) or 'nowhere'}"
         )
-    c = schema.shard.c
-    stmt = sa.update(schema.shard).where(*where, c.status.in_(sorted(chosen)))
-    if holder is not None:
-        stmt = stmt.where(c.worker_id == holder[0], c.lease_token == holder[1])
-    return stmt.values(status=target, **values)
+    return schema.shard.c.status.in_(sorted(chosen))
 
 
 __all__ = ["SHARD_MOVES", "ShardStatus", "move_shard_returning", "move_shards", "sources_of"]
