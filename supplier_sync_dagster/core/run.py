@@ -438,7 +438,11 @@ def run_cities(
     """
     if processes is not None and processes.count > 0:
         with _ProcessPool(processes, plan, request, settings) as pool:
-            yield from _run(db, pool.sync, plan, request, processes.count)
+            # One city more than there are workers: it waits in the pool's queue, so a
+            # worker that finishes a city takes the next at once instead of waiting for
+            # this process to receive the outcome and hand one out (this process is busy
+            # writing the finished city's events meanwhile, and shares the CPUs).
+            yield from _run(db, pool.sync, plan, request, processes.count + QUEUED_AHEAD)
         return
     worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
     yield from _run(db, worker.sync, plan, request, request.threads)
@@ -481,6 +485,9 @@ def _run(
         )
         yield from helped
 
+
+# Cities handed to the worker processes beyond one each (see run_cities).
+QUEUED_AHEAD = 1
 
 # The worker of this process, when it is a worker process of a run (set at its start).
 _process_worker: _CityWorker | None = None
