@@ -625,8 +625,8 @@ def _processes(text: str) -> int:
 
 
 _PROCESSES = (
-    "worker processes that sync the cities (0: the run's own process; default: one per CPU, "
-    "at most 4, when the cities hold at least 5,000 hotels)"
+    "worker processes that sync the cities (0: the run's own process; default: one per CPU "
+    "plus one, at most 4, when the cities hold at least 5,000 hotels)"
 )
 
 

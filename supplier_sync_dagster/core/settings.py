@@ -92,7 +92,7 @@ class Settings(StorageSettings):
         default=None,
         ge=0,
         description="processes that sync a run's cities (0: the run's own process); unset: "
-        "one per CPU, at most 4, for runs of at least 5,000 hotels",
+        "one per CPU plus one, at most 4, for runs of at least 5,000 hotels",
     )
 
     @field_validator("supplier_url")

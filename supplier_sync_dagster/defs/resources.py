@@ -122,8 +122,8 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         default=None,
         description=(
             "Processes that sync a run's cities, each one city at a time, while the run's own "
-            "process reports them to Dagster (a sync is CPU-bound: one per core). 0: the run's "
-            "own process syncs them (city_threads at once). Unset: one per CPU, at most 4, "
+            "process reports them to Dagster (a sync is CPU-bound: one per core, plus one for its waits). 0: the run's "
+            "own process syncs them (city_threads at once). Unset: one per CPU plus one, at most 4, "
             "when the run's cities hold at least 5,000 hotels, else 0."
         ),
     )

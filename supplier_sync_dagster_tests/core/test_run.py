@@ -166,7 +166,13 @@ def _take(bucket: InProcessTokenBucket, n: int) -> None:
 @pytest.mark.parametrize(
     ("processes", "sizes", "replay", "expected"),
     [
-        (None, {"A": 4000, "B": 2000}, False, min(len(os.sched_getaffinity(0)), 2)),
+        (None, {"A": 4000, "B": 2000}, False, 2),  # never more than the cities
+        (
+            None,
+            {c: 1000 for c in "ABCDEFGH"},
+            False,
+            min(len(os.sched_getaffinity(0)) + 1, 4),  # one per CPU plus one, at most 4
+        ),
         (None, {"A": 10, "B": 20}, False, 0),
         (3, {"A": 10}, False, 3),
         (None, {"A": 4000, "B": 2000}, True, 0),
