@@ -135,6 +135,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         self._engines: OrderedDict[str, Engine] = OrderedDict()
         self._engines_pid = os.getpid()
         self._asset_key_columns: set[str] = set()
+        self._tables: set[str] = set()
         self._batch: dict[str, Connection] | None = None
         self._batch_thread: int | None = None
         super().__init__(base_dir, inst_data)
@@ -232,6 +233,21 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             return True
         return False
 
+    def has_table(self, table_name: str) -> bool:
+        """Whether the index shard has the table (Dagster's answer; a table found is kept).
+
+        Dagster asks for every asset check evaluation (``supports_asset_checks``) and every
+        tagged materialization, and each time creates an engine and opens a connection to
+        the index shard: ~10% of a ``sync --full`` step's CPU with 1,000 cities. A migration
+        adds tables and none removes them, so only a table found is remembered.
+        """
+        if table_name in self._tables:
+            return True
+        if super().has_table(table_name):
+            self._tables.add(table_name)
+            return True
+        return False
+
     def _store_asset_event(self, conn: Connection, event: EventLogEntry, event_id: int) -> None:
         # Dagster's upsert of the asset's row inserts first and updates on the unique-key
         # error, which every event of a known asset raises; updating first skips that. Two
@@ -268,12 +284,14 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     def wipe(self) -> None:
         """Dagster's wipe, after closing every connection to the files it deletes."""
         self._dispose_engines()
+        self._tables.clear()
         super().wipe()
 
     def upgrade(self) -> None:
         """Dagster's migration, on fresh connections afterwards."""
         super().upgrade()
         self._asset_key_columns.clear()
+        self._tables.clear()
         self._dispose_engines()
 
     def watch(self, run_id: str, cursor: str | None, callback: EventHandlerFn) -> None:

@@ -162,6 +162,42 @@ def test_a_ranged_run_stores_and_reads_back_every_partition(home: Path) -> None:
         )
 
 
+def test_a_table_found_is_asked_for_once(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+    dagster_has_table = SqliteEventLogStorage.has_table
+
+    def has_table(self: SqliteEventLogStorage, table_name: str) -> bool:
+        asked.append(table_name)
+        return dagster_has_table(self, table_name)
+
+    monkeypatch.setattr(SqliteEventLogStorage, "has_table", has_table)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = _pooled(instance)
+        assert not storage.has_table("no_such_table")
+        assert not storage.has_table("no_such_table")  # a missing table is asked again
+        assert asked.count("no_such_table") == 2
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+        # Four check evaluations ask whether the checks' table exists: Dagster opens the
+        # index shard once, not per event.
+        assert asked.count("asset_check_executions") == 1
+        assert (
+            len(
+                instance.event_log_storage.get_asset_check_execution_history(
+                    dg.AssetCheckKey(ASSET, CHECK), limit=10
+                )
+            )
+            == 4
+        )
+        storage.upgrade()
+        assert storage.has_table("asset_check_executions")
+        assert asked.count("asset_check_executions") == 2  # asked again after a migration
+
+
 def test_a_run_s_planned_events_are_stored_in_one_batch_all_or_none(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
