@@ -30,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import sqlalchemy as sa
@@ -187,7 +187,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     def _connect(self, shard: str) -> Iterator[Connection]:
         batch = self._batch
         if batch is not None and self._batch_thread == threading.get_ident():
-            # Inside store_event_batch, which holds _db_lock: one transaction per shard.
+            # Inside one_transaction, which holds _db_lock: one transaction per shard.
             conn = batch.get(shard)
             if conn is None:
                 conn = batch[shard] = self._engine(shard).connect()
@@ -206,12 +206,27 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         --full``, written before its step starts; see :class:`EmbeddedDagsterInstance`);
         one by one, each would pay its own transactions on the run shard and the index.
         """
+        with self.one_transaction():
+            for event in events:
+                self.store_event(event)
+
+    @contextmanager
+    def one_transaction(self) -> Iterator[None]:
+        """Within the block, this thread's events share one transaction per shard.
+
+        What the thread reads in the block sees what it stored; other threads wait for the
+        end of the block (they would wait for SQLite's write lock anyway). The block commits
+        at its end, or rolls everything back if it raises: all of its events or none. A
+        block inside a block of the same thread joins the outer one.
+        """
+        if self._batch is not None and self._batch_thread == threading.get_ident():
+            yield
+            return
         with self._db_lock:
             batch: dict[str, Connection] = {}
             self._batch, self._batch_thread = batch, threading.get_ident()
             try:
-                for event in events:
-                    self.store_event(event)
+                yield
                 for conn in batch.values():
                     conn.commit()
             except BaseException:
@@ -311,6 +326,19 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         """Stops the watchers (Dagster's) and closes every cached engine."""
         super().dispose()
         self._dispose_engines()
+
+
+def one_event_transaction(instance: DagsterInstance) -> AbstractContextManager[None]:
+    """The instance's events stored in the block share one transaction per shard.
+
+    With the pooled SQLite event log (the embedded instance), a city's events cost one
+    commit per shard instead of one or two per event (about a quarter of the CPU a
+    ``sync --full`` spends on Dagster events); any other event log stores them as before.
+    """
+    storage = instance.event_log_storage
+    if isinstance(storage, PooledSqliteEventLogStorage):
+        return storage.one_transaction()
+    return nullcontext()
 
 
 class _WalAwareWatchdog(SqliteEventLogStorageWatchdog):

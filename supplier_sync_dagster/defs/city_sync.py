@@ -61,6 +61,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.instance_storage import one_event_transaction
 
 TRIGGER_TAG = "supplier_sync/trigger_id"
 SOURCE_TAG = "supplier_sync/trigger_source"
@@ -290,17 +291,20 @@ def city_sync(
             ):
                 requests += outcome.requests if processes else 0
                 outcomes.append(outcome)
-                _log_city(context, outcome)
-                yield from city_events(
-                    outcome,
-                    plan.batch.batch_id,
-                    selected,
-                    target=lambda partition: _latest(context.instance, NORMALIZED, partition),
-                    reported=lambda key, partition: _reported(
-                        context.instance, key, partition, plan.batch.batch_id
-                    ),
-                )
-                progress.show(context, db, plan.batch.batch_id)
+                # Dagster stores each event as it is yielded, on this thread: the city's
+                # log line, materializations and check evaluations are one transaction.
+                with one_event_transaction(context.instance):
+                    _log_city(context, outcome)
+                    yield from city_events(
+                        outcome,
+                        plan.batch.batch_id,
+                        selected,
+                        target=lambda partition: _latest(context.instance, NORMALIZED, partition),
+                        reported=lambda key, partition: _reported(
+                            context.instance, key, partition, plan.batch.batch_id
+                        ),
+                    )
+                    progress.show(context, db, plan.batch.batch_id)
             progress.show(context, db, plan.batch.batch_id, final=True)
             if client is not None:
                 # The worker processes' requests come with their cities' outcomes.
