@@ -364,7 +364,9 @@ def guarded_update(
 def insert_ignore(
     conn: Connection,
     table: sa.Table,
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+    *,
+    columns: Sequence[str] | None = None,
     **fixed: Any,
 ) -> None:
     """Inserts rows in one statement, skipping those whose unique key already exists.
@@ -376,6 +378,7 @@ def insert_ignore(
         conn: Connection in the caller's transaction.
         table: Target table.
         rows: Plain column values, one mapping per row; every row has the same keys.
+        columns: When given, each row is a tuple of these columns' values instead.
         **fixed: Column values shared by every row; may be SQL expressions (``clock.now()``).
     """
     if not rows:
@@ -386,21 +389,19 @@ def insert_ignore(
             return sqlite_insert(table).on_conflict_do_nothing()
         return mysql_insert(table).on_duplicate_key_update(id=table.c.id)
 
-    execute_many(conn, ("insert_ignore", table.name), build, rows, fixed=fixed)
+    execute_many(conn, ("insert_ignore", table.name), build, rows, fixed=fixed, columns=columns)
 
 
 @dataclass(frozen=True)
 class _Plan:
     sql: str
     # A row's values in SQL order, bind-processed: (row, fixed values) -> tuple.
-    values: Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[Any, ...]]
+    values: Callable[[Any, Mapping[str, Any]], tuple[Any, ...]]
     fixed_processors: dict[str, Callable[[Any], Any]]  # applied once per call, not per row
     # PyMySQL only: the statement as (head, one row's "(%s, ...)", tail), and a row's
     # bind-processed values as SQL literals: (row, fixed literals, literal) -> "(...)".
     literal_parts: tuple[str, str, str] | None = None
-    literal_row: (
-        Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str] | None
-    ) = None
+    literal_row: Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str] | None = None
 
 
 # Longest multi-row statement sent to MySQL, in characters: at most 4 MB of UTF-8, far below
@@ -416,9 +417,10 @@ def execute_many(
     conn: Connection,
     key: tuple[Any, ...],
     build: Callable[[], sa.ClauseElement],
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
     *,
     fixed: Mapping[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
 ) -> int:
     """Runs one INSERT/upsert for many rows through the driver's ``executemany``.
 
@@ -433,6 +435,8 @@ def execute_many(
         key: Names the statement that ``build`` returns; equal keys must build equal SQL.
         build: Builds the statement (called once per key and column set).
         rows: Column values, one mapping per row; every row has the keys of the first.
+        columns: When given, each row is a tuple of these columns' values instead of a
+            mapping (no dict to build per row).
         fixed: Values shared by every row. A SQL expression (``clock.now()``) is written
             into the statement, so the database evaluates it, as it would in a plain
             ``INSERT ... VALUES``: on SQLite in the compiled SQL, through PyMySQL as SQL text
@@ -461,7 +465,7 @@ def execute_many(
         dialect.name,
         dialect.driver,
         key,
-        tuple(rows[0]),
+        tuple(rows[0]) if columns is None else (None, *columns),
         tuple(fixed),
         tuple(inline.items()) if in_sql else (),
     )
@@ -471,7 +475,13 @@ def execute_many(
         if in_sql:
             assert isinstance(stmt, sa.Insert)
             stmt = stmt.values({k: sa.literal_column(text) for k, text in inline.items()})
-        plan = _compile_plan(conn, stmt, list(rows[0]), list(fixed))
+        plan = _compile_plan(
+            conn,
+            stmt,
+            list(rows[0] if columns is None else columns),
+            list(fixed),
+            positional=columns is not None,
+        )
         with _plans_lock:
             _plans[plan_key] = plan
     literal = None
@@ -541,9 +551,9 @@ def _pymysql_literal(conn: Connection) -> Callable[[Any], str] | None:
 def _execute_literal_rows(
     conn: Connection,
     parts: tuple[str, str, str],
-    literal_row: Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str],
+    literal_row: Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str],
     literal: Callable[[Any], str],
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[Any],
     fixed: Mapping[str, Any],
     inline: Mapping[str, str],
 ) -> None:
@@ -594,7 +604,12 @@ def _sql_text(conn: Connection, expr: sa.ClauseElement) -> str:
 
 
 def _compile_plan(
-    conn: Connection, stmt: sa.ClauseElement, row_keys: list[str], fixed_keys: list[str]
+    conn: Connection,
+    stmt: sa.ClauseElement,
+    row_keys: list[str],
+    fixed_keys: list[str],
+    *,
+    positional: bool = False,
 ) -> _Plan:
     keys = row_keys + fixed_keys
     dialect = conn.dialect
@@ -627,6 +642,10 @@ def _compile_plan(
         else:
             fixed_processors[name] = proc
     sql = compiled.string
+    booleans = {
+        i for i, name in enumerate(names) if isinstance(compiled.binds[name].type, sa.Boolean)
+    }
+    access = _accessors(row_keys, positional)
     literal_parts = literal_row = None
     if dialect.driver == "pymysql":
         from pymysql.cursors import RE_INSERT_VALUES
@@ -635,15 +654,10 @@ def _compile_plan(
         if m is not None:
             # As PyMySQL splits it; "%%" in the SQL around the values is a literal "%".
             literal_parts = (m.group(1) % (), m.group(2).rstrip(), (m.group(3) or "") % ())
-            booleans = {
-                i
-                for i, name in enumerate(names)
-                if isinstance(compiled.binds[name].type, sa.Boolean)
-            }
-            literal_row = _literal_function(literal_parts[1], names, row_keys, processors, booleans)
+            literal_row = _literal_function(literal_parts[1], names, access, processors, booleans)
     return _Plan(
         sql,
-        _values_function(names, row_keys, processors),
+        _values_function(names, access, processors, booleans),
         fixed_processors,
         literal_parts,
         literal_row,
@@ -664,94 +678,113 @@ def _mysql_datetime(value: Any) -> Any:
     return value
 
 
-def _row_expressions(
-    names: Sequence[str],
-    row_keys: Sequence[str],
-    processors: Mapping[int, Callable[[Any], Any]],
-    wrap: str,
-) -> tuple[list[str], dict[str, Any]]:
-    """Python expressions of a row's values in SQL order (``r``: the row, ``f``: the fixed
-    values, already processed once per call), each row value bind-processed and passed to
-    the function named ``wrap`` (none when empty); and the names they use."""
-    env: dict[str, Any] = {}
-    parts = []
-    in_row = set(row_keys)
-    for i, name in enumerate(names):
-        if name not in in_row:
-            parts.append(f"f[{name!r}]")
-        elif i in processors:
-            env[f"p{i}"] = processors[i]
-            parts.append(f"{wrap}(None if (v{i} := r[{name!r}]) is None else p{i}(v{i}))")
-        else:
-            parts.append(f"{wrap}(r[{name!r}])")
-    return parts, env
+def _accessors(row_keys: Sequence[str], positional: bool) -> dict[str, str]:
+    """The Python expression that reads each row value from ``r``: by key from a mapping,
+    or by position from a tuple (``positional``)."""
+    if positional:
+        return {name: f"r[{i}]" for i, name in enumerate(row_keys)}
+    return {name: f"r[{name!r}]" for name in row_keys}
 
 
 def _values_function(
-    names: Sequence[str], row_keys: Sequence[str], processors: Mapping[int, Callable[[Any], Any]]
-) -> Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[Any, ...]]:
+    names: Sequence[str],
+    access: Mapping[str, str],
+    processors: Mapping[int, Callable[[Any], Any]],
+    booleans: Collection[int] = (),
+) -> Callable[[Any, Mapping[str, Any]], tuple[Any, ...]]:
     """One generated function that turns a row into its parameter tuple.
 
     Generic code (merge the row with the fixed values, pick the values, then loop over bind
     processors) costs more per row than SQLite's own insert; a function generated per
-    statement does it in one expression. Column names come from our own schema, and are
-    written as ``repr`` literals anyway.
-    """
-    parts, env = _row_expressions(names, row_keys, processors, "")
-    fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
-    return cast(Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[Any, ...]], fn)
-
-
-def _literal_function(
-    template: str,
-    names: Sequence[str],
-    row_keys: Sequence[str],
-    processors: Mapping[int, Callable[[Any], Any]],
-    booleans: Collection[int] = (),
-) -> Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str]:
-    """One generated function that turns a row into its ``(...)`` of SQL literals.
-
-    ``template`` is the statement's ``(%s, %s, ...)``; a value goes through its bind
-    processor, then through ``L`` (the driver's escaping); fixed values arrive as literals
-    already (escaped once per call). The common values skip both calls, with the text
-    ``L`` would give them: an ``int``, a ``str`` without a character to escape, and a
-    ``bool`` of a Boolean column (whose processor keeps it as it is).
+    statement does it in one expression (``r``: the row, read through ``access``; ``f``:
+    the fixed values, already processed once per call). A ``bool`` of a Boolean column
+    takes the value its processor gives it, computed once here. Column names come from our
+    own schema, and are written as ``repr`` literals anyway.
 
     Args:
-        template: The statement's ``(%s, ...)``.
         names: The statement's parameters, in SQL order.
-        row_keys: The parameters that the rows hold (the others are fixed values).
+        access: How a row holds each of its values (:func:`_accessors`); other
+            parameters are fixed values.
         processors: Bind processors by parameter position.
         booleans: Positions of the parameters of Boolean columns.
     """
     env: dict[str, Any] = {}
     parts = []
-    in_row = set(row_keys)
     for i, name in enumerate(names):
-        if name not in in_row:
+        if name not in access:
             parts.append(f"f[{name!r}]")
             continue
-        v = f"v{i}"
+        v, get = f"v{i}", access[name]
+        if i not in processors:
+            parts.append(get)
+            continue
+        proc = processors[i]
+        env[f"p{i}"] = proc
+        slow = f"(None if {v} is None else p{i}({v}))"
+        if i in booleans:
+            env[f"t{i}"], env[f"n{i}"] = proc(True), proc(False)
+            parts.append(f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})")
+        else:
+            parts.append(f"(None if ({v} := {get}) is None else p{i}({v}))")
+    fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
+    return cast(Callable[[Any, Mapping[str, Any]], tuple[Any, ...]], fn)
+
+
+def _literal_function(
+    template: str,
+    names: Sequence[str],
+    access: Mapping[str, str],
+    processors: Mapping[int, Callable[[Any], Any]],
+    booleans: Collection[int] = (),
+) -> Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str]:
+    """One generated function that turns a row into its ``(...)`` of SQL literals.
+
+    ``template`` is the statement's ``(%s, %s, ...)``; a value goes through its bind
+    processor, then through ``L`` (the driver's escaping); fixed values arrive as literals
+    already (escaped once per call). The common values skip both calls, with the text
+    ``L`` would give them: ``None``, an ``int``, a ``str`` without a character to escape,
+    a finite ``Decimal`` without a processor, and a ``bool`` of a Boolean column (whose
+    processor keeps it as it is).
+
+    Args:
+        template: The statement's ``(%s, ...)``.
+        names: The statement's parameters, in SQL order.
+        access: How a row holds each of its values (:func:`_accessors`); other
+            parameters are fixed values.
+        processors: Bind processors by parameter position.
+        booleans: Positions of the parameters of Boolean columns.
+    """
+    env: dict[str, Any] = {"D": Decimal}
+    parts = []
+    for i, name in enumerate(names):
+        if name not in access:
+            parts.append(f"f[{name!r}]")
+            continue
+        v, get = f"v{i}", access[name]
         if i in processors:
             env[f"p{i}"] = processors[i]
-            slow = f"L(None if {v} is None else p{i}({v}))"
+            slow = f"L(p{i}({v}))"
         else:
             slow = f"L({v})"
         if i in booleans:
             parts.append(
-                f"('1' if ({v} := r[{name!r}]) is True else '0' if {v} is False else {slow})"
+                f"('1' if ({v} := {get}) is True else '0' if {v} is False"
+                f" else 'NULL' if {v} is None else {slow})"
             )
         elif i in processors:
-            parts.append(f"L(None if ({v} := r[{name!r}]) is None else p{i}({v}))")
+            parts.append(f"('NULL' if ({v} := {get}) is None else {slow})")
         else:
             parts.append(
-                f'("\'" + {v} + "\'" if ({v} := r[{name!r}]).__class__ is str'
+                f"('NULL' if ({v} := {get}) is None"
+                f' else "\'" + {v} + "\'" if {v}.__class__ is str'
                 f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
-                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int else {slow})"
+                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
+                f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
+                f" else {slow})"
             )
     env["T"] = template
     fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
-    return cast(Callable[[Mapping[str, Any], Mapping[str, Any], Callable[[Any], str]], str], fn)
+    return cast(Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str], fn)
 
 
 def bind_values(conn: Connection, values: Mapping[str, Any]) -> dict[str, Any]:

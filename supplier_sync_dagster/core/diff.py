@@ -19,7 +19,9 @@ import json
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from decimal import Decimal
+from functools import cached_property
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -76,12 +78,14 @@ class Candidate:
     raw_payload_ref: str | None = None
     raw_payload_hash: str | None = None
 
-    @property
+    # Cached: a publish reads them several times per hotel. ``cached_property`` stores
+    # into the instance's ``__dict__``, which a frozen dataclass allows.
+    @cached_property
     def supplier_hotel_id(self) -> str:
         """The supplier's hotel id."""
         return str(self.doc["supplier_hotel_id"])
 
-    @property
+    @cached_property
     def version(self) -> int:
         """The supplier's version of this hotel."""
         return int(self.doc["version"])
@@ -413,31 +417,52 @@ def record_diffs(
     supplier_id: int,
     diffs: Sequence[HotelDiff],
     category_code: str = "HOTEL",
+    at: datetime | None = None,
 ) -> None:
-    """Writes diff log rows in one statement; a re-run of the same batch adds nothing."""
+    """Writes diff log rows in one statement; a re-run of the same batch adds nothing.
+
+    ``at``: the transaction's database time (``clock.read``), written instead of the
+    clock's SQL expression evaluated on every row.
+    """
+    prefix = _diff_id_prefix(batch_id, supplier_id)
     insert_ignore(
         conn,
         schema.diff_log,
         [
-            {
-                "diff_id": diff_id(batch_id, supplier_id, d.platform_resource_id, d.new_version),
-                "supplier_resource_code": d.supplier_hotel_id,
-                "platform_resource_id": d.platform_resource_id,
-                "old_publish_version": d.old_publish_version,
-                "new_snapshot_version": d.new_version,
-                "diff_type": d.diff_type,
-                "changed_fields": d.changed_fields,
-                "risk_level": d.risk_level,
-                "action": d.action,
-            }
+            (
+                f"{prefix}{d.platform_resource_id:019d}_{d.new_version}",
+                d.supplier_hotel_id,
+                d.platform_resource_id,
+                d.old_publish_version,
+                d.new_version,
+                d.diff_type,
+                d.changed_fields,
+                d.risk_level,
+                d.action,
+            )
             for d in diffs
         ],
+        columns=_DIFF_ROW,
         batch_id=batch_id,
         shard_key=shard_key,
         supplier_id=supplier_id,
         category_code=category_code,
-        created_at=clock.now(),
+        created_at=clock.now() if at is None else at,
     )
+
+
+# A diff log row as :func:`record_diffs` builds it.
+_DIFF_ROW = (
+    "diff_id",
+    "supplier_resource_code",
+    "platform_resource_id",
+    "old_publish_version",
+    "new_snapshot_version",
+    "diff_type",
+    "changed_fields",
+    "risk_level",
+    "action",
+)
 
 
 def diff_id(batch_id: str, supplier_id: int, resource_id: int, version: int) -> str:
@@ -448,8 +473,13 @@ def diff_id(batch_id: str, supplier_id: int, resource_id: int, version: int) -> 
     takes a batch's diffs at the end of that batch's range, not at random places of an index
     that holds every batch ever logged.
     """
+    return f"{_diff_id_prefix(batch_id, supplier_id)}{resource_id:019d}_{version}"
+
+
+def _diff_id_prefix(batch_id: str, supplier_id: int) -> str:
+    """What the diff ids of a batch start with (:func:`diff_id`)."""
     batch = hashlib.sha256(f"{batch_id}\0{supplier_id}".encode()).hexdigest()[:16]
-    return f"df_{batch}_{resource_id:019d}_{version}"
+    return f"df_{batch}_"
 
 
 def _dec_str(value: Any) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeVar
 
 import sqlalchemy as sa
@@ -54,21 +55,25 @@ def ensure_hotel_mappings(
     supplier_id: int,
     batch_id: str,
     hotel_ids: Iterable[str],
+    at: datetime | None = None,
 ) -> HotelMappings:
     """Returns the platform resource id of each supplier hotel, creating missing ones.
 
     ``created`` holds the hotels whose mapping was created by this batch (now or by an
     earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
+    ``at``: the transaction's database time (``clock.read``), written as the creation time
+    instead of the clock's SQL expression evaluated on every row.
     """
     ids = sorted(set(hotel_ids))
     c = schema.hotel_mapping.c
     insert_ignore(
         conn,
         schema.hotel_mapping,
-        [{"supplier_hotel_id": h} for h in ids],
+        [(h,) for h in ids],
+        columns=("supplier_hotel_id",),
         supplier_id=supplier_id,
         created_batch_id=batch_id,
-        created_at=clock.now(),
+        created_at=clock.now() if at is None else at,
     )
     resource_ids: dict[str, int] = {}
     created: set[str] = set()

@@ -42,6 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal, NamedTuple, Protocol
 
 import sqlalchemy as sa
@@ -1073,7 +1074,10 @@ class _LeasePublisher:
         if then is not None and len(cands) <= ONE_TRANSACTION_HOTELS:
             with db.begin() as conn:
                 lease.ensure_held()
-                maps = self._mappings(conn, cands)
+                # One database time per transaction: a bulk insert would otherwise
+                # evaluate the clock's SQL expression on every row.
+                at = db.clock.read(conn)
+                maps = self._mappings(conn, cands, at)
                 diffs = compute_diffs(
                     conn,
                     cands,
@@ -1081,11 +1085,11 @@ class _LeasePublisher:
                     policy=settings.risk_policy,
                     published_ids=maps.published,
                 )
-                done = self._write(conn, diffs, cands, then, diffs_current=True)
+                done = self._write(conn, diffs, cands, then, at, diffs_current=True)
             return done
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
-            maps = self._mappings(conn, cands)
+            maps = self._mappings(conn, cands, db.clock.read(conn))
         with db.engine.connect() as conn:
             diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
         with db.begin() as conn:
@@ -1093,15 +1097,16 @@ class _LeasePublisher:
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
             else:
                 lease.ensure_held()
-            return self._write(conn, diffs, cands, then)
+            return self._write(conn, diffs, cands, then, db.clock.read(conn))
 
-    def _mappings(self, conn: Connection, cands: list[Candidate]) -> HotelMappings:
+    def _mappings(self, conn: Connection, cands: list[Candidate], at: datetime) -> HotelMappings:
         return ensure_hotel_mappings(
             conn,
             self.lease.db.clock,
             supplier_id=self.settings.supplier_id,
             batch_id=self.lease.batch_id,
             hotel_ids=[c.supplier_hotel_id for c in cands],
+            at=at,
         )
 
     def _write(
@@ -1110,11 +1115,13 @@ class _LeasePublisher:
         diffs: list[HotelDiff],
         cands: list[Candidate],
         then: ChunkSink | None,
+        at: datetime,
         *,
         diffs_current: bool = False,
     ) -> ChunkPublished:
         """Writes the diff log, the reviews and the publish of a chunk in ``conn``
-        (``diffs_current``: the diffs were read in its transaction)."""
+        (``at``: its database time; ``diffs_current``: the diffs were read in its
+        transaction)."""
         lease, settings = self.lease, self.settings
         db, city = lease.db, lease.shard_key
         by_id = {c.supplier_hotel_id: c for c in cands}
@@ -1129,6 +1136,7 @@ class _LeasePublisher:
             shard_key=city,
             supplier_id=settings.supplier_id,
             diffs=diffs,
+            at=at,
         )
         held = hold_for_review(
             conn,
@@ -1146,6 +1154,7 @@ class _LeasePublisher:
             items=items,
             plan=plan,
             diffs_current=diffs_current,
+            at=at,
         )
         done = ChunkPublished(diffs, len(result.published), len(result.not_newer), held)
         if then is not None:

@@ -53,6 +53,40 @@ _HOTEL_COLUMNS = (
     "publish_token",
     "published_at",
 )
+# A hotel row as :func:`_hotel_row` builds it (the upsert adds the token and the time).
+_HOTEL_ROW = (
+    "resource_id",
+    "supplier_id",
+    "supplier_hotel_id",
+    "supplier_version",
+    "publish_version",
+    "fingerprint",
+    *_HOTEL_COLUMNS[: _HOTEL_COLUMNS.index("publish_token")],
+)
+# An offer row as :func:`_offer_rows` builds it; its identity comes first.
+_OFFER_IDENTITY = ("resource_id", "room_code", "rate_plan_code")
+_OFFER_ROW = (
+    *_OFFER_IDENTITY,
+    "room_name",
+    "bed_type",
+    "max_occupancy",
+    "board",
+    "refundable",
+    "available",
+    "price_amount",
+    "currency",
+    "supplier_version",
+    "publish_version",
+)
+# An outbox row as :func:`_hotel_events` builds it (the batch and the time are added).
+_EVENT_ROW = (
+    "event_id",
+    "event_type",
+    "aggregate_type",
+    "aggregate_id",
+    "aggregate_version",
+    "payload",
+)
 
 
 @dataclass(frozen=True)
@@ -81,13 +115,14 @@ class PublishPlan:
     Offers and events are built for the versions the diffs expect: publish version one
     above the published one (1 for a new hotel) and the candidate's supplier version.
     :func:`publish_hotels` rebuilds the few whose written versions differ (a concurrent
-    publish of the same hotel in between).
+    publish of the same hotel in between). Rows are tuples of the columns ``_HOTEL_ROW``,
+    ``_OFFER_ROW`` and ``_EVENT_ROW``.
     """
 
     todo: list[tuple[HotelDiff, Candidate]]
-    hotel_rows: list[dict[str, Any]]
-    offer_rows: dict[int, list[dict[str, Any]]]  # by resource id
-    events: dict[int, list[dict[str, Any]]]  # by resource id
+    hotel_rows: list[tuple[Any, ...]]
+    offer_rows: dict[int, list[tuple[Any, ...]]]  # by resource id
+    events: dict[int, list[tuple[Any, ...]]]  # by resource id
     expected: dict[int, tuple[int, int]]  # resource id -> (publish version, supplier version)
 
 
@@ -105,20 +140,19 @@ def prepare_publish(
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are kept.
     """
     todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
-    expected = {
-        d.platform_resource_id: ((d.old_publish_version or 0) + 1, c.version) for d, c in todo
-    }
+    expected: dict[int, tuple[int, int]] = {}
+    offer_rows: dict[int, list[tuple[Any, ...]]] = {}
+    events: dict[int, list[tuple[Any, ...]]] = {}
+    for d, c in todo:
+        rid = d.platform_resource_id
+        versions = expected[rid] = ((d.old_publish_version or 0) + 1, c.version)
+        offer_rows[rid] = _offer_rows(d, c, versions)
+        events[rid] = _hotel_events(batch_id, d, c, versions)
     return PublishPlan(
         todo=todo,
         hotel_rows=[_hotel_row(d, c, supplier_id, batch_id) for d, c in todo],
-        offer_rows={
-            d.platform_resource_id: _offer_rows(d, c, expected[d.platform_resource_id])
-            for d, c in todo
-        },
-        events={
-            d.platform_resource_id: _hotel_events(batch_id, d, c, expected[d.platform_resource_id])
-            for d, c in todo
-        },
+        offer_rows=offer_rows,
+        events=events,
         expected=expected,
     )
 
@@ -132,6 +166,7 @@ def publish_hotels(
     items: Sequence[tuple[HotelDiff, Candidate]],
     plan: PublishPlan | None = None,
     diffs_current: bool = False,
+    at: datetime | None = None,
 ) -> PublishResult:
     """Publishes AUTO_PUBLISH diffs with their offers and outbox events, in ``conn``'s transaction.
 
@@ -146,6 +181,8 @@ def publish_hotels(
         diffs_current: The diffs were read in ``conn``'s transaction, and it holds the
             database's write lock since (SQLite): when the upsert wrote every row, it wrote
             each at the versions the diffs expect, so they are not read back.
+        at: The transaction's database time (``clock.read``), written as the publish and
+            offer times instead of the clock's SQL expression evaluated on every row.
     """
     if plan is None:
         plan = prepare_publish(supplier_id=supplier_id, batch_id=batch_id, items=items)
@@ -153,12 +190,14 @@ def publish_hotels(
     if not todo:
         return PublishResult([], [], 0)
     token = uuid.uuid4().hex
+    now = clock.now() if at is None else at
     count = execute_many(
         conn,
         ("publish_hotels",),
         lambda: _hotel_upsert(conn),
         plan.hotel_rows,
-        fixed={"publish_token": token, "published_at": clock.now()},
+        fixed={"publish_token": token, "published_at": now},
+        columns=_HOTEL_ROW,
     )
     rids = [d.platform_resource_id for d, _ in todo]
     written: dict[int, tuple[int, int]] = {}
@@ -176,8 +215,8 @@ def publish_hotels(
         ).all():
             written[int(rid)] = (int(pv), int(sv))
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
-    offers: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
+    offers: list[tuple[Any, ...]] = []
+    events: list[tuple[Any, ...]] = []
     for d, c in done:
         rid = d.platform_resource_id
         if written[rid] == plan.expected[rid]:
@@ -188,8 +227,10 @@ def publish_hotels(
             events += _hotel_events(batch_id, d, c, written[rid])
     # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
     # are only written with their hotel row, which stays locked by this call until commit.
-    _replace_offers(conn, clock, [rid for rid in written if written[rid][0] > 1], offers)
-    insert_ignore(conn, schema.outbox, events, batch_id=batch_id, created_at=clock.now())
+    _replace_offers(conn, now, [rid for rid in written if written[rid][0] > 1], offers)
+    insert_ignore(
+        conn, schema.outbox, events, columns=_EVENT_ROW, batch_id=batch_id, created_at=now
+    )
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
         for d, _ in done
@@ -198,36 +239,39 @@ def publish_hotels(
     return PublishResult(published, not_newer, len(events))
 
 
-def _hotel_row(diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str) -> dict[str, Any]:
+def _hotel_row(
+    diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str
+) -> tuple[Any, ...]:
+    """The hotel's platform row, as the columns ``_HOTEL_ROW``."""
     doc = cand.doc
-    return {
-        "resource_id": diff.platform_resource_id,
-        "supplier_id": supplier_id,
-        "supplier_hotel_id": cand.supplier_hotel_id,
-        "supplier_version": cand.version,
-        "publish_version": 1,
-        "fingerprint": cand.fingerprint,
-        "name": doc["name"],
-        "name_local": doc.get("name_local"),
-        "city_code": doc["city_code"],
-        "country_code": doc["country_code"],
-        "address_line1": doc.get("address_line1"),
-        "postal_code": doc.get("postal_code"),
-        "lat": float(doc["lat"]),
-        "lng": float(doc["lng"]),
-        "star_rating": Decimal(str(doc["star_rating"]))
-        if doc.get("star_rating") is not None
-        else None,
-        "phone": doc.get("phone_e164"),
-        "email": doc.get("email"),
-        "facilities": _json_text(doc.get("facilities") or []),
-        "images": _json_text(doc.get("images") or []),
-        "status": doc["status"],
-        "supplier_updated_at": _utc(doc["updated_at"]),
-        "raw_payload_ref": cand.raw_payload_ref,
-        "raw_payload_hash": cand.raw_payload_hash,
-        "last_batch_id": batch_id,
-    }
+    get = doc.get
+    star = get("star_rating")
+    return (
+        diff.platform_resource_id,
+        supplier_id,
+        cand.supplier_hotel_id,
+        cand.version,
+        1,
+        cand.fingerprint,
+        doc["name"],
+        get("name_local"),
+        doc["city_code"],
+        doc["country_code"],
+        get("address_line1"),
+        get("postal_code"),
+        float(doc["lat"]),
+        float(doc["lng"]),
+        None if star is None else Decimal(str(star)),
+        get("phone_e164"),
+        get("email"),
+        _json_text(get("facilities") or []),
+        _json_text(get("images") or []),
+        doc["status"],
+        _utc(doc["updated_at"]),
+        cand.raw_payload_ref,
+        cand.raw_payload_hash,
+        batch_id,
+    )
 
 
 def _hotel_upsert(conn: Connection) -> Any:
@@ -275,33 +319,42 @@ def _offer_rows(
     diff: HotelDiff,
     cand: Candidate,
     versions: tuple[int, int],
-) -> list[dict[str, Any]]:
-    """The hotel's offers as platform rows, stamped with its (publish, supplier) versions.
+) -> list[tuple[Any, ...]]:
+    """The hotel's offers as platform rows (the columns ``_OFFER_ROW``), stamped with its
+    (publish, supplier) versions.
 
     The document is in canonical primitive form (``normalize.to_primitive``): every key is
     present, codes are strings and prices are decimal strings.
     """
     pv, sv = versions
     rid = diff.platform_resource_id
-    return [
-        {
-            "resource_id": rid,
-            "room_code": room["room_code"],
-            "rate_plan_code": plan["code"],
-            "room_name": room["name"],
-            "bed_type": room["bed_type"],
-            "max_occupancy": room["max_occupancy"],
-            "board": plan["board"],
-            "refundable": plan["refundable"],
-            "available": plan["available"],
-            "price_amount": Decimal(plan["price"]),
-            "currency": plan["currency"],
-            "supplier_version": sv,
-            "publish_version": pv,
-        }
-        for room in cand.doc["rooms"]
-        for plan in room["rate_plans"]
-    ]
+    out = []
+    for room in cand.doc["rooms"]:
+        code, name, bed, occupancy = (
+            room["room_code"],
+            room["name"],
+            room["bed_type"],
+            room["max_occupancy"],
+        )
+        out += [
+            (
+                rid,
+                code,
+                plan["code"],
+                name,
+                bed,
+                occupancy,
+                plan["board"],
+                plan["refundable"],
+                plan["available"],
+                Decimal(plan["price"]),
+                plan["currency"],
+                sv,
+                pv,
+            )
+            for plan in room["rate_plans"]
+        ]
+    return out
 
 
 def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
@@ -314,7 +367,7 @@ def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
 
 
 def _replace_offers(
-    conn: Connection, clock: DbClock, rids: Sequence[int], rows: Sequence[dict[str, Any]]
+    conn: Connection, now: Any, rids: Sequence[int], rows: Sequence[tuple[Any, ...]]
 ) -> None:
     """The published hotels' offers become exactly ``rows``.
 
@@ -325,17 +378,17 @@ def _replace_offers(
 
     Args:
         conn: The publish's connection.
-        clock: The database clock.
+        now: The time written (the database time, or the clock's SQL expression for it).
         rids: The hotels that may already have offers (deactivated first, then upserted).
-        rows: Every offer of the hotels this call wrote.
+        rows: Every offer of the hotels this call wrote, as the columns ``_OFFER_ROW``.
     """
     o = schema.platform_offer.c
     for part in chunks(rids):
-        conn.execute(offer_deactivation(part, clock.now()))
+        conn.execute(offer_deactivation(part, now))
     if not rows:
         return
-    identity = ("resource_id", "room_code", "rate_plan_code")
-    columns = [name for name in rows[0] if name not in identity] + ["active", "updated_at"]
+    identity = _OFFER_IDENTITY
+    columns = [*_OFFER_ROW[len(identity) :], "active", "updated_at"]
 
     def build() -> Any:
         if conn.dialect.name == "sqlite":
@@ -348,14 +401,19 @@ def _replace_offers(
         return ins_m.on_duplicate_key_update({name: ins_m.inserted[name] for name in columns})
 
     execute_many(
-        conn, ("publish_offers",), build, rows, fixed={"active": True, "updated_at": clock.now()}
+        conn,
+        ("publish_offers",),
+        build,
+        rows,
+        fixed={"active": True, "updated_at": now},
+        columns=_OFFER_ROW,
     )
 
 
 def _hotel_events(
     batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
-) -> list[dict[str, Any]]:
-    """The outbox events of one published version of a hotel."""
+) -> list[tuple[Any, ...]]:
+    """The outbox events of one published version of a hotel (the columns ``_EVENT_ROW``)."""
     rid = diff.platform_resource_id
     pv, sv = versions
     types = list(HOTEL_EVENTS)
@@ -375,15 +433,16 @@ def _hotel_events(
             "batch_id": batch_id,
         }
     )
+    tail = body[1:]
     return [
-        {
-            "event_id": event_id(event_type, rid, pv),
-            "event_type": event_type,
-            "aggregate_type": "HOTEL",
-            "aggregate_id": rid,
-            "aggregate_version": pv,
-            "payload": f'{{"event_type":"{event_type}",{body[1:]}',
-        }
+        (
+            event_id(event_type, rid, pv),
+            event_type,
+            "HOTEL",
+            rid,
+            pv,
+            f'{{"event_type":"{event_type}",{tail}',
+        )
         for event_type in types
     ]
 
