@@ -13,15 +13,20 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData as TargetMaterialization,
+)
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
 )
+from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.deployment import ROOT
 from supplier_sync_dagster.instance_storage import (
@@ -29,6 +34,7 @@ from supplier_sync_dagster.instance_storage import (
     EmbeddedDagsterInstance,
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
+    one_event_transaction,
 )
 from supplier_sync_dagster.sync_runner import (
     _OLD_EMBEDDED_DAGSTER_YAMLS,
@@ -242,6 +248,106 @@ def test_a_run_s_planned_events_are_stored_in_one_batch_all_or_none(
             result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
         ).records
         assert len(again) == len(planned) == 4
+
+
+@dg.multi_asset(
+    specs=[dg.AssetSpec(ASSET, skippable=True)],
+    partitions_def=PARTITIONS,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    check_specs=[CHECK_SPEC],
+    can_subset=True,
+)
+def grouped_cities(context: dg.AssetExecutionContext) -> Iterator[object]:
+    """As city_sync: each partition's events in one transaction, its check on its own write."""
+    for key in context.partition_keys:
+        with one_event_transaction(context.instance):
+            context.log.info(f"city {key}")
+            yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": len(key)})
+            latest = context.instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[key]), limit=1
+            ).records
+            assert latest and latest[0].run_id == context.run.run_id  # it reads its own writes
+            yield dg.AssetCheckEvaluation(
+                asset_key=ASSET,
+                check_name=CHECK,
+                passed=key != "c",
+                partition=key,
+                target_materialization_data=TargetMaterialization(
+                    run_id=context.run.run_id,
+                    storage_id=latest[0].storage_id,
+                    timestamp=latest[0].timestamp,
+                ),
+            )
+
+
+def test_a_partition_s_events_are_one_transaction_per_shard(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = _pooled(instance)
+        blocks: list[int] = []
+        real_block = storage.one_transaction
+
+        def counted() -> Any:
+            blocks.append(len(commits))  # commits made before the block
+            return real_block()
+
+        monkeypatch.setattr(storage, "one_transaction", counted)
+        commits: list[object] = []
+        real_commit = Connection.commit
+
+        def counting(self: Connection) -> None:
+            commits.append(self)
+            real_commit(self)
+
+        monkeypatch.setattr(Connection, "commit", counting)
+        result = dg.materialize(
+            [grouped_cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+            raise_on_error=False,
+        )
+        monkeypatch.setattr(Connection, "commit", real_commit)
+        assert result.success
+        assert len(blocks) == 5  # the planned events' batch, then one per partition
+        # Each partition's block: one commit on the run shard and one on the index (the
+        # other events of the run commit on their own, through no Connection.commit).
+        assert len(commits) - blocks[1] == 4 * 2
+        assert _materialized(instance) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        # Every partition's check judged its materialization: the UI's per-partition status.
+        checks = storage.get_asset_check_execution_history(dg.AssetCheckKey(ASSET, CHECK), limit=10)
+        assert len(checks) == 4
+        assert sorted(c.status.value for c in checks) == [
+            "FAILED",
+            "SUCCEEDED",
+            "SUCCEEDED",
+            "SUCCEEDED",
+        ]
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+        assert {f"city {key}" for key in "abcd"} <= set(logs)
+
+
+def test_a_block_that_raises_stores_none_of_its_events(home: Path) -> None:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = _pooled(instance)
+        seen_inside: list[int] = []
+        with pytest.raises(RuntimeError, match="boom"), one_event_transaction(instance):
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(ASSET, partition="a", metadata={"rows": 1})
+            )
+            with one_event_transaction(instance):  # joins the outer block
+                instance.report_runless_asset_event(
+                    dg.AssetMaterialization(ASSET, partition="b", metadata={"rows": 1})
+                )
+            seen_inside.append(len(_materialized(instance)))
+            raise RuntimeError("boom")
+        assert seen_inside == [2]  # the block read its own writes
+        assert _materialized(instance) == {}
+        assert storage._batch is None  # released: the next event stores on its own
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(ASSET, partition="a", metadata={"rows": 1})
+        )
+        assert set(_materialized(instance)) == {"a"}
 
 
 def test_dagster_s_default_storage_reads_what_it_wrote_and_back(home: Path) -> None:
