@@ -91,7 +91,13 @@ from supplier_sync_dagster.core.normalize import (
     normalize_documents,
 )
 from supplier_sync_dagster.core.payloads import PayloadStore, StoredPayload
-from supplier_sync_dagster.core.publish import prepare_publish, publish_hotels
+from supplier_sync_dagster.core.publish import (
+    CandidateRows,
+    PublishPlan,
+    candidate_rows,
+    prepare_publish,
+    publish_hotels,
+)
 from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
@@ -1068,9 +1074,15 @@ class _LeasePublisher:
     def publish(self, cands: list[Candidate], then: ChunkSink | None = None) -> ChunkPublished:
         """Publishes a chunk; ``then`` runs in the publishing transaction (the last chunk's,
         which finishes the shard with :meth:`ShardLease.finish_in`: that fenced write, not
-        a fence first, guards the transaction)."""
+        a fence first, guards the transaction).
+
+        The rows are built before any transaction, as far as they do not depend on the
+        diffs (:func:`~supplier_sync_dagster.core.publish.candidate_rows`): a write
+        transaction holds SQLite's one write lock, which every worker of a run waits for.
+        """
         lease, settings = self.lease, self.settings
         db = lease.db
+        rows = candidate_rows(cands, supplier_id=settings.supplier_id, batch_id=lease.batch_id)
         if then is not None and len(cands) <= ONE_TRANSACTION_HOTELS:
             with db.begin() as conn:
                 lease.ensure_held()
@@ -1085,19 +1097,20 @@ class _LeasePublisher:
                     policy=settings.risk_policy,
                     published_ids=maps.published,
                 )
-                done = self._write(conn, diffs, cands, then, at, diffs_current=True)
-            return done
+                items, plan = self._plan(diffs, cands, rows)
+                return self._write(conn, items, plan, then, at, diffs_current=True)
         with db.begin() as conn:
             lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
             maps = self._mappings(conn, cands, db.clock.read(conn))
         with db.engine.connect() as conn:
             diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
+        items, plan = self._plan(diffs, cands, rows)
         with db.begin() as conn:
             if then is None:
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
             else:
                 lease.ensure_held()
-            return self._write(conn, diffs, cands, then, db.clock.read(conn))
+            return self._write(conn, items, plan, then, db.clock.read(conn))
 
     def _mappings(self, conn: Connection, cands: list[Candidate], at: datetime) -> HotelMappings:
         return ensure_hotel_mappings(
@@ -1109,26 +1122,36 @@ class _LeasePublisher:
             at=at,
         )
 
+    def _plan(
+        self, diffs: list[HotelDiff], cands: list[Candidate], rows: Mapping[str, CandidateRows]
+    ) -> tuple[list[tuple[HotelDiff, Candidate]], PublishPlan]:
+        """The chunk's (diff, candidate) pairs and its publish's rows."""
+        by_id = {c.supplier_hotel_id: c for c in cands}
+        items = [(d, by_id[d.supplier_hotel_id]) for d in diffs]
+        plan = prepare_publish(
+            supplier_id=self.settings.supplier_id,
+            batch_id=self.lease.batch_id,
+            items=items,
+            rows=rows,
+        )
+        return items, plan
+
     def _write(
         self,
         conn: Connection,
-        diffs: list[HotelDiff],
-        cands: list[Candidate],
+        items: list[tuple[HotelDiff, Candidate]],
+        plan: PublishPlan,
         then: ChunkSink | None,
         at: datetime,
         *,
         diffs_current: bool = False,
     ) -> ChunkPublished:
         """Writes the diff log, the reviews and the publish of a chunk in ``conn``
-        (``at``: its database time; ``diffs_current``: the diffs were read in its
-        transaction)."""
+        (``items``: its (diff, candidate) pairs; ``plan``: their rows; ``at``: its database
+        time; ``diffs_current``: the diffs were read in its transaction)."""
         lease, settings = self.lease, self.settings
         db, city = lease.db, lease.shard_key
-        by_id = {c.supplier_hotel_id: c for c in cands}
-        items = [(d, by_id[d.supplier_hotel_id]) for d in diffs]
-        plan = prepare_publish(
-            supplier_id=settings.supplier_id, batch_id=lease.batch_id, items=items
-        )
+        diffs = [d for d, _ in items]
         record_diffs(
             conn,
             db.clock,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -53,7 +53,7 @@ _HOTEL_COLUMNS = (
     "publish_token",
     "published_at",
 )
-# A hotel row as :func:`_hotel_row` builds it (the upsert adds the token and the time).
+# A hotel row as :func:`prepare_publish` builds it (the upsert adds the token and the time).
 _HOTEL_ROW = (
     "resource_id",
     "supplier_id",
@@ -109,8 +109,43 @@ class PublishResult:
 
 
 @dataclass(frozen=True)
+class CandidateRows:
+    """A candidate's rows as far as they do not depend on its diff (no resource id, no
+    versions): built before the publish transaction, finished inside it in a few tuple
+    operations, so that a SQLite write lock (or MySQL row locks) is held for the SQL, not for
+    building rows.
+
+    Attributes:
+        hotel: The hotel row (the columns ``_HOTEL_ROW``) without its first, the resource id.
+        offers: Each offer row without the resource id and the trailing (supplier
+            version, publish version).
+    """
+
+    hotel: tuple[Any, ...]
+    offers: list[tuple[Any, ...]]
+
+
+def candidate_rows(
+    candidates: Sequence[Candidate], *, supplier_id: int, batch_id: str
+) -> dict[str, CandidateRows]:
+    """The diff-independent rows of each candidate, by supplier hotel id (pure, no database).
+
+    Args:
+        candidates: Distinct hotels (``diff.collapse_duplicates``).
+        supplier_id: The supplier.
+        batch_id: The batch publishing.
+    """
+    return {
+        c.supplier_hotel_id: CandidateRows(
+            _hotel_tail(c, supplier_id, batch_id), _offer_parts(c)
+        )
+        for c in candidates
+    }
+
+
+@dataclass(frozen=True)
 class PublishPlan:
-    """Everything a publish writes, built before its transaction (no lock held meanwhile).
+    """Everything a publish writes, built before its upsert.
 
     Offers and events are built for the versions the diffs expect: publish version one
     above the published one (1 for a new hotel) and the candidate's supplier version.
@@ -124,6 +159,7 @@ class PublishPlan:
     offer_rows: dict[int, list[tuple[Any, ...]]]  # by resource id
     events: dict[int, list[tuple[Any, ...]]]  # by resource id
     expected: dict[int, tuple[int, int]]  # resource id -> (publish version, supplier version)
+    rows: Mapping[str, CandidateRows]  # the candidates' rows it was built from
 
 
 def prepare_publish(
@@ -131,6 +167,7 @@ def prepare_publish(
     supplier_id: int,
     batch_id: str,
     items: Sequence[tuple[HotelDiff, Candidate]],
+    rows: Mapping[str, CandidateRows] | None = None,
 ) -> PublishPlan:
     """Builds the rows of a publish of ``items``' AUTO_PUBLISH diffs (pure, no database).
 
@@ -138,22 +175,30 @@ def prepare_publish(
         supplier_id: The supplier.
         batch_id: The batch publishing.
         items: (diff, candidate) pairs; only ``action == "AUTO_PUBLISH"`` ones are kept.
+        rows: The candidates' rows from :func:`candidate_rows` (same supplier and batch),
+            built beforehand; built here when None.
     """
     todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
+    if rows is None:
+        rows = candidate_rows([c for _, c in todo], supplier_id=supplier_id, batch_id=batch_id)
     expected: dict[int, tuple[int, int]] = {}
     offer_rows: dict[int, list[tuple[Any, ...]]] = {}
     events: dict[int, list[tuple[Any, ...]]] = {}
+    hotel_rows = []
     for d, c in todo:
         rid = d.platform_resource_id
+        own = rows[c.supplier_hotel_id]
         versions = expected[rid] = ((d.old_publish_version or 0) + 1, c.version)
-        offer_rows[rid] = _offer_rows(d, c, versions)
+        hotel_rows.append((rid, *own.hotel))
+        offer_rows[rid] = _offer_rows(rid, own, versions)
         events[rid] = _hotel_events(batch_id, d, c, versions)
     return PublishPlan(
         todo=todo,
-        hotel_rows=[_hotel_row(d, c, supplier_id, batch_id) for d, c in todo],
+        hotel_rows=hotel_rows,
         offer_rows=offer_rows,
         events=events,
         expected=expected,
+        rows=rows,
     )
 
 
@@ -223,7 +268,7 @@ def publish_hotels(
             offers += plan.offer_rows[rid]
             events += plan.events[rid]
         else:  # another publish of this hotel committed in between: other versions
-            offers += _offer_rows(d, c, written[rid])
+            offers += _offer_rows(rid, plan.rows[c.supplier_hotel_id], written[rid])
             events += _hotel_events(batch_id, d, c, written[rid])
     # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
     # are only written with their hotel row, which stays locked by this call until commit.
@@ -239,15 +284,12 @@ def publish_hotels(
     return PublishResult(published, not_newer, len(events))
 
 
-def _hotel_row(
-    diff: HotelDiff, cand: Candidate, supplier_id: int, batch_id: str
-) -> tuple[Any, ...]:
-    """The hotel's platform row, as the columns ``_HOTEL_ROW``."""
+def _hotel_tail(cand: Candidate, supplier_id: int, batch_id: str) -> tuple[Any, ...]:
+    """The hotel's platform row (the columns ``_HOTEL_ROW``) after its resource id."""
     doc = cand.doc
     get = doc.get
     star = get("star_rating")
     return (
-        diff.platform_resource_id,
         supplier_id,
         cand.supplier_hotel_id,
         cand.version,
@@ -315,19 +357,13 @@ def _hotel_upsert(conn: Connection) -> Any:
     return ins_m.on_duplicate_key_update(assignments)
 
 
-def _offer_rows(
-    diff: HotelDiff,
-    cand: Candidate,
-    versions: tuple[int, int],
-) -> list[tuple[Any, ...]]:
-    """The hotel's offers as platform rows (the columns ``_OFFER_ROW``), stamped with its
-    (publish, supplier) versions.
+def _offer_parts(cand: Candidate) -> list[tuple[Any, ...]]:
+    """The hotel's offers as platform rows (the columns ``_OFFER_ROW``) without the resource
+    id and the versions.
 
     The document is in canonical primitive form (``normalize.to_primitive``): every key is
     present, codes are strings and prices are decimal strings.
     """
-    pv, sv = versions
-    rid = diff.platform_resource_id
     out = []
     for room in cand.doc["rooms"]:
         code, name, bed, occupancy = (
@@ -338,7 +374,6 @@ def _offer_rows(
         )
         out += [
             (
-                rid,
                 code,
                 plan["code"],
                 name,
@@ -349,12 +384,19 @@ def _offer_rows(
                 plan["available"],
                 Decimal(plan["price"]),
                 plan["currency"],
-                sv,
-                pv,
             )
             for plan in room["rate_plans"]
         ]
     return out
+
+
+def _offer_rows(
+    rid: int, rows: CandidateRows, versions: tuple[int, int]
+) -> list[tuple[Any, ...]]:
+    """The hotel's offer rows (the columns ``_OFFER_ROW``) for its (publish, supplier)
+    versions."""
+    pv, sv = versions
+    return [(rid, *part, sv, pv) for part in rows.offers]
 
 
 def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,120 @@ def test_a_new_sqlite_file_opens_in_wal_mode_while_another_process_writes_it(tmp
         writer.close()
         opener.join()
         engine.dispose()
+
+
+def _count_rows(db: SyncDatabase) -> int:
+    with db.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM t").scalar_one())
+
+
+def _hold_write(db: SyncDatabase, entered: threading.Event, release: threading.Event) -> None:
+    with db.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+        entered.set()
+        release.wait(10)
+
+
+def test_sqlite_writers_queue_on_the_writer_lock_and_go_in_when_it_is_released(tmp_path: Path):
+    """A write transaction waits for the holder of ``<db>-writer`` and starts the moment the
+    holder commits (no busy-handler sleeps); commit, rollback and a failed BEGIN release it."""
+    db = SyncDatabase.open(f"sqlite:///{tmp_path / 'sync.sqlite3'}", create_schema=False)
+    with db.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INT)")
+    assert (tmp_path / "sync.sqlite3-writer").exists()
+    entered, release, second_in = threading.Event(), threading.Event(), threading.Event()
+    waited: list[float] = []
+
+    def second() -> None:
+        began = time.monotonic()
+        with db.begin() as conn:
+            waited.append(time.monotonic() - began)
+            second_in.set()
+            conn.exec_driver_sql("INSERT INTO t VALUES (2)")
+
+    holder = threading.Thread(target=_hold_write, args=(db, entered, release))
+    holder.start()
+    assert entered.wait(5)
+    other = threading.Thread(target=second)
+    other.start()
+    assert not second_in.wait(0.3)  # queued behind the holder
+    release.set()
+    holder.join(5)
+    other.join(5)
+    assert second_in.is_set() and waited[0] >= 0.3
+    assert _count_rows(db) == 2
+
+    # A rolled-back transaction releases the lock too.
+    with pytest.raises(RuntimeError), db.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO t VALUES (3)")
+        raise RuntimeError("boom")
+    started = time.monotonic()
+    with db.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO t VALUES (4)")
+    assert time.monotonic() - started < 1
+    assert _count_rows(db) == 3
+    db.dispose()
+
+
+def test_a_writer_that_ignores_the_writer_lock_still_gets_the_busy_timeout(tmp_path: Path):
+    """Another program (here a plain sqlite3 connection) that holds SQLite's write lock
+    without the lock file makes our writer wait in SQLite's busy handler, not fail."""
+    path = tmp_path / "sync.sqlite3"
+    db = SyncDatabase.open(f"sqlite:///{path}", create_schema=False)
+    with db.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INT)")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("INSERT INTO t VALUES (1)")
+    done = threading.Event()
+
+    def write() -> None:
+        with db.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO t VALUES (2)")
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert not done.wait(0.3)
+    other.execute("COMMIT")
+    writer.join(10)
+    other.close()
+    assert done.is_set()
+    assert _count_rows(db) == 2
+    db.dispose()
+
+
+def test_sqlite_writer_lock_is_shared_by_processes(tmp_path: Path):
+    """Another process's write transaction queues behind this process's holder."""
+    path = tmp_path / "sync.sqlite3"
+    db = SyncDatabase.open(f"sqlite:///{path}", create_schema=False)
+    with db.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x INT)")
+    entered, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_write, args=(db, entered, release))
+    holder.start()
+    assert entered.wait(5)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from supplier_sync_dagster.core.db import SyncDatabase\n"
+            "db = SyncDatabase.open(sys.argv[1], create_schema=False)\n"
+            "with db.begin() as conn: conn.exec_driver_sql('INSERT INTO t VALUES (2)')\n",
+            f"sqlite:///{path}",
+        ]
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(3)  # waiting for the lock file
+        release.set()
+        holder.join(5)
+        assert child.wait(10) == 0
+    finally:
+        release.set()
+        child.kill()
+    assert _count_rows(db) == 2
+    db.dispose()
 
 
 def test_clock_is_the_database_clock_and_shifts_without_sleeping(db_url: str):
