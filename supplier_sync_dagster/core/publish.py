@@ -136,9 +136,7 @@ def candidate_rows(
         batch_id: The batch publishing.
     """
     return {
-        c.supplier_hotel_id: CandidateRows(
-            _hotel_tail(c, supplier_id, batch_id), _offer_parts(c)
-        )
+        c.supplier_hotel_id: CandidateRows(_hotel_tail(c, supplier_id, batch_id), _offer_parts(c))
         for c in candidates
     }
 
@@ -390,9 +388,7 @@ def _offer_parts(cand: Candidate) -> list[tuple[Any, ...]]:
     return out
 
 
-def _offer_rows(
-    rid: int, rows: CandidateRows, versions: tuple[int, int]
-) -> list[tuple[Any, ...]]:
+def _offer_rows(rid: int, rows: CandidateRows, versions: tuple[int, int]) -> list[tuple[Any, ...]]:
     """The hotel's offer rows (the columns ``_OFFER_ROW``) for its (publish, supplier)
     versions."""
     pv, sv = versions
