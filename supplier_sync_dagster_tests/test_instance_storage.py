@@ -6,6 +6,7 @@ check evaluations, planned events and run status; another process's writes on th
 files; Dagster's default storage reading them; the engines closed.
 """
 
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData as TargetMaterialization,
 )
+from dagster._core.events import DagsterEventType
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
 from dagster._core.storage.tags import (
@@ -166,6 +168,65 @@ def test_a_ranged_run_stores_and_reads_back_every_partition(home: Path) -> None:
             sum(e.dagster_event_type == dg.DagsterEventType.ASSET_MATERIALIZATION for e in logs)
             == 4
         )
+
+
+def _tables(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of a Dagster SQLite shard, by table (the insertion-time defaults left out)."""
+    conn = sqlite3.connect(path)
+    try:
+        out = {}
+        for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+            columns = [
+                row[1]
+                for row in conn.execute(f"PRAGMA table_info({table})")
+                if row[1] not in ("create_timestamp", "update_timestamp", "migration_completed")
+            ]
+            names = ", ".join(f'"{c}"' for c in columns)
+            # Names from the file's own schema, not from input.
+            query = f'SELECT {names} FROM "{table}" ORDER BY 1'  # noqa: S608
+            out[table] = conn.execute(query).fetchall()
+        return out
+    finally:
+        conn.close()
+
+
+def test_the_fast_store_writes_exactly_what_dagster_s_store_writes(
+    home: Path, tmp_path: Path
+) -> None:
+    """The same events, stored by Dagster's SQLite event log and by the pooled one, leave the
+    same rows in every table of the run shard and the index (events, the assets' last
+    materialization, check executions, tags)."""
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "c"},
+        )
+        assert result.success
+        events = instance.all_logs(result.run_id)
+    kinds = {e.dagster_event_type for e in events if e.dagster_event_type}
+    assert {
+        DagsterEventType.ASSET_MATERIALIZATION,
+        DagsterEventType.ASSET_MATERIALIZATION_PLANNED,
+        DagsterEventType.ASSET_CHECK_EVALUATION,
+        DagsterEventType.ASSET_CHECK_EVALUATION_PLANNED,
+        DagsterEventType.RUN_SUCCESS,
+    } <= kinds
+    theirs = SqliteEventLogStorage(str(tmp_path / "dagster"))
+    ours = PooledSqliteEventLogStorage(str(tmp_path / "pooled"))
+    try:
+        for event in events:
+            theirs.store_event(event)
+            ours.store_event(event)
+    finally:
+        theirs.dispose()
+        ours.dispose()
+    for shard in ("index.db", f"{result.run_id}.db"):
+        expected = _tables(tmp_path / "dagster" / shard)
+        assert _tables(tmp_path / "pooled" / shard) == expected
+    index = _tables(tmp_path / "dagster" / "index.db")
+    assert len(index["asset_check_executions"]) == 3  # one per partition, each judged
+    assert all(row[1] for row in index["asset_keys"])  # the last materialization
 
 
 def test_a_table_found_is_asked_for_once(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
