@@ -198,10 +198,17 @@ class CityStages:
             cities: with several cities in flight at once the sums exceed the wall time.
         intervals: Per published city, (its published_hotels event's time - its seconds,
             that time): when the city was in flight.
+        records: Per published city, its records (in the order of ``intervals``).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    records: list[int] = field(default_factory=list)
+
+    def largest(self, n: int = 3) -> list[tuple[int, float, float]]:
+        """The ``n`` largest published cities: (records, start, end), largest first."""
+        rows = sorted(zip(self.records, self.intervals, strict=True), reverse=True)[:n]
+        return [(r, a, b) for r, (a, b) in rows]
 
     @property
     def cities(self) -> int:
@@ -246,6 +253,7 @@ def city_stages(instance: dg.DagsterInstance) -> CityStages:
                 seconds = _number(record, "seconds")
                 found.seconds["city"] += seconds
                 found.intervals.append((record.timestamp - seconds, record.timestamp))
+                found.records.append(int(_number(record, "records")))
     return found
 
 

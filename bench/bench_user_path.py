@@ -296,6 +296,15 @@ def report_run(m: Measured, args: argparse.Namespace, world: World) -> bool:
             else "daemon ticks, run queueing, run worker start-up, code loading)"
         )
     )
+    if m.steps and m.stages.intervals:
+        first = min(a for a, _ in m.steps)
+        print(
+            "  largest cities (the critical path: one worker syncs a city): "
+            + "; ".join(
+                f"{n:,} hotels {b - a:.1f}s (+{a - first:.1f}s to +{b - first:.1f}s of the step)"
+                for n, a, b in m.stages.largest()
+            )
+        )
     for note in m.notes:
         print(f"  {note}")
     print("  catalog: " + ("correct" if not m.problems else "WRONG: " + "; ".join(m.problems)))

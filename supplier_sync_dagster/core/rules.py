@@ -206,6 +206,12 @@ def currency(raw: str) -> str | None:
     return code if code in MONEY_CODES else None
 
 
+# phonenumbers compiles its metadata's patterns through re.compile, whose cache holds 512:
+# numbers of many countries (a supplier's cities) evicted them and each parse recompiled a
+# few (~5% of a sync's normalize CPU). Its own unbounded pattern cache is a few MB.
+phonenumbers.enable_pattern_cache()
+
+
 @functools.lru_cache(maxsize=65536)
 def phone_e164(raw: str, region: str) -> str | None:
     """``raw`` parsed with ``region`` as the default region, in E.164, if it is valid.
