@@ -85,6 +85,7 @@ from _common import (
     union_seconds,
 )
 from bench_client import ServerProcess
+from bench_pipeline import calibrate
 
 from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig
 
@@ -510,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join(map(str, sizes[:3]))}; median {sizes[len(sizes) // 2]}), page size "
                 f"{args.page_size}, {args.backend} sync db, clean profile, "
                 + (f"supplier limited to {args.rate:g}/s" if args.rate else "no rate limit")
-                + f"; pre-warm {warm:.1f}s",
+                + f"; pre-warm {warm:.1f}s; machine speed {calibrate():.2f}s for 10M Python "
+                "additions (smaller is faster: this machine's speed varies by 30% within a day)",
                 flush=True,
             )
             if args.rate:
