@@ -16,6 +16,7 @@ The tree::
     │   ├── UnknownTask
     │   ├── UnknownBatch
     │   ├── UnknownShard
+    │   ├── UnknownOutboxEvent
     │   └── ProfileMissing            no city profile was recorded for this batch and city
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── TriggerSkipped                the task's concurrency policy skipped a trigger
@@ -27,6 +28,7 @@ The tree::
     ├── PayloadError                  the payload store (raw/normalized bytes) failed
     │   ├── PayloadNotFound           no payload under this reference
     │   └── PayloadCorrupt            stored bytes do not match their hash, or do not decompress
+    ├── ProjectionUnavailable         a read model (search index, cache, broker) cannot be reached
     ├── LeaseError                    shard ownership problems
     │   ├── LeaseNotAcquired          the shard is held by a live lease, finished, or was taken first
     │   └── LeaseLost                 a fenced write matched 0 rows: stop, write nothing more
@@ -95,6 +97,10 @@ class UnknownShard(NotFound):
     """No `supplier_sync_shard` row has this (batch_id, shard_key)."""
 
 
+class UnknownOutboxEvent(NotFound):
+    """No outbox event has this id."""
+
+
 class ProfileMissing(NotFound):
     """No `supplier_sync_city_profile` row for this (batch_id, shard_key): not normalized yet."""
 
@@ -145,6 +151,11 @@ class PayloadNotFound(PayloadError):
 
 class PayloadCorrupt(PayloadError):
     """The stored bytes do not decompress or do not match the hash they are keyed by."""
+
+
+class ProjectionUnavailable(SupplierSyncError):
+    """A read model the outbox drives (the search index, the hotel cache, the subscribers'
+    broker) cannot be reached or did not confirm: the dispatcher retries the batch later."""
 
 
 class LeaseError(SupplierSyncError):

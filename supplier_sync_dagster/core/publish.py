@@ -33,12 +33,16 @@ from supplier_sync_dagster.core.db import (
 )
 from supplier_sync_dagster.core.diff import CONTENT_FIELDS, Candidate, HotelDiff
 from supplier_sync_dagster.core.mapping import chunks
+from supplier_sync_dagster.core.outbox import PUBLISHED, first_stage
 
 # PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
 # tail has no bound parameters: constants there are written as literal SQL.
 _ONE: Any = sa.literal_column("1")
 
-HOTEL_EVENTS = ("HotelResourceUpdated", "HotelSearchIndexRefreshRequired")
+# HotelResourceUpdated drives the search index, the cache and subscribers (its chain of
+# stages: core/outbox.py); HotelSearchIndexRefreshRequired, once an event of its own, is
+# its SEARCH_INDEX stage.
+HOTEL_EVENTS = ("HotelResourceUpdated",)
 CONTENT_DIFFS = ("NEW", "CONTENT_CHANGED", "STATUS_CHANGED")
 
 # The published hotel's columns: its content fields (as the diff compares them; the
@@ -86,6 +90,7 @@ _EVENT_ROW = (
     "aggregate_id",
     "aggregate_version",
     "payload",
+    "next_stage",
 )
 
 
@@ -272,7 +277,14 @@ def publish_hotels(
     # are only written with their hotel row, which stays locked by this call until commit.
     _replace_offers(conn, now, [rid for rid in written if written[rid][0] > 1], offers)
     insert_ignore(
-        conn, schema.outbox, events, columns=_EVENT_ROW, batch_id=batch_id, created_at=now
+        conn,
+        schema.outbox,
+        events,
+        columns=_EVENT_ROW,
+        batch_id=batch_id,
+        created_at=now,
+        status="READY",
+        current_stage=PUBLISHED,
     )
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
@@ -480,6 +492,7 @@ def _hotel_events(
             rid,
             pv,
             f'{{"event_type":"{event_type}",{tail}',
+            first_stage(event_type),
         )
         for event_type in types
     ]

@@ -356,20 +356,41 @@ outbox = _table(
     sa.Column("aggregate_version", sa.BigInteger, nullable=False),
     sa.Column("batch_id", sa.String(64), nullable=False),
     sa.Column("payload", sa.Text, nullable=False),
-    sa.Column("status", sa.String(32), nullable=False, server_default="PENDING"),
-    sa.Column("stage", sa.String(32), nullable=False, server_default="SEARCH_INDEX"),
-    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    # The stage machine (core/outbox.py, sql/011): the stage done last, the one to run,
+    # the status, the stage's retries, when it is due, the dispatcher's lease.
+    sa.Column("status", sa.String(32), nullable=False, server_default="READY"),
+    sa.Column("current_stage", sa.String(32), nullable=False, server_default="PUBLISHED"),
+    sa.Column("next_stage", sa.String(32), nullable=False, server_default="SEARCH_INDEX"),
+    sa.Column("retry_count", sa.Integer, nullable=False, server_default="0"),
     sa.Column("next_attempt_at", _ts()),
+    sa.Column("lease_owner", sa.String(128)),
+    sa.Column("lease_until", _ts()),
     sa.Column("last_error", sa.String(1024)),
     sa.Column("created_at", _ts(), nullable=False),
-    sa.Column("dispatched_at", _ts()),
+    sa.Column("projected_at", _ts()),
+    sa.Column("finished_at", _ts()),
     # One event of a type per published version of an aggregate; event_id hashes exactly
     # this key. Keyed by it rather than by the hash, inserts append (sql/008).
     sa.UniqueConstraint(
         "aggregate_type", "aggregate_id", "aggregate_version", "event_type", name="uk_outbox_event"
     ),
-    sa.Index("idx_outbox_status", "status", "next_attempt_at"),
+    sa.Index("idx_outbox_claim", "status", "next_stage", "id"),
     comment="transactional outbox: events written with the publish that caused them",
+)
+
+audit = _table(
+    "supplier_sync_audit",
+    sa.Column("action", sa.String(64), nullable=False),
+    sa.Column("target_type", sa.String(32), nullable=False),
+    sa.Column("target_id", sa.String(128), nullable=False),
+    sa.Column("actor", sa.String(64), nullable=False),
+    sa.Column("reason", sa.String(1024), nullable=False),
+    sa.Column("before_state", sa.Text),
+    sa.Column("after_state", sa.Text),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Index("idx_audit_target", "target_type", "target_id", "created_at"),
+    sa.Index("idx_audit_time", "created_at"),
+    comment="every operator action: who, when, what, why, before and after",
 )
 
 city_profile = _table(

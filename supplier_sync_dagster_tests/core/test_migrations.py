@@ -69,11 +69,26 @@ _RENAMED_BY_010 = (
 
 def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
     """Gives a database older than 010 the column names today's code writes, or takes them back:
-    the release of that time wrote the same values under the old name."""
+    the release of that time wrote the same values under the old name. Its outbox gets the
+    stage columns today's publish writes (011), and loses them again with its events left as
+    that release left them: PENDING."""
     with db.begin() as conn:
         for table, old, new in _RENAMED_BY_010:
             src, dst = (old, new) if forward else (new, old)
             conn.exec_driver_sql(f"ALTER TABLE {table} RENAME COLUMN {src} TO {dst}")
+        outbox = "supplier_sync_outbox"
+        if forward:
+            conn.exec_driver_sql(f"ALTER TABLE {outbox} RENAME COLUMN stage TO next_stage")
+            conn.exec_driver_sql(
+                f"ALTER TABLE {outbox} ADD COLUMN current_stage VARCHAR(32) NOT NULL "
+                "DEFAULT 'PUBLISHED'"
+            )
+        else:
+            conn.exec_driver_sql(f"ALTER TABLE {outbox} DROP COLUMN current_stage")
+            conn.exec_driver_sql(f"ALTER TABLE {outbox} RENAME COLUMN next_stage TO stage")
+            conn.exec_driver_sql(
+                "UPDATE supplier_sync_outbox SET status = 'PENDING', stage = 'SEARCH_INDEX'"
+            )
 
 
 def row_counts(db: SyncDatabase) -> dict[str, int]:
@@ -198,6 +213,23 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
                 sa.select(schema.outbox.c.id, schema.outbox.c.event_id).order_by(schema.outbox.c.id)
             ).all()
         assert outbox_after == outbox_before
+        with old.engine.connect() as conn:
+            stages = set(
+                conn.execute(
+                    sa.select(
+                        schema.outbox.c.event_type,
+                        schema.outbox.c.status,
+                        schema.outbox.c.current_stage,
+                        schema.outbox.c.next_stage,
+                    ).distinct()
+                ).all()
+            )
+        # 011: the PENDING events are READY for the first stage of their type's chain.
+        assert stages == {
+            ("HotelResourceUpdated", "READY", "PUBLISHED", "SEARCH_INDEX"),
+            ("HotelContentChanged", "READY", "PUBLISHED", "NOTIFY"),
+            ("HotelMappingCreated", "READY", "PUBLISHED", "NOTIFY"),
+        }
         keys = unique_keys(old, "supplier_sync_outbox")
         assert "uk_outbox_event" in keys and "uk_event_id" not in keys
         assert [(r["version"], r["kind"], r["success"]) for r in history_rows(old)] == [
