@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -68,3 +72,80 @@ def serve_simulator(
 def supplier_client(http: httpx.Client) -> SupplierClient:
     """The supplier client of the tests' simulator (``supplier_id`` "sim") over ``http``."""
     return SupplierClient(http, api_key=SIM_API_KEY, supplier_id="sim")
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message a test queue received."""
+
+    message_id: str | None
+    routing_key: str | None
+    type: str | None
+    persistent: bool
+    headers: dict[str, Any]
+    body: dict[str, Any]
+
+
+class BoundQueue:
+    """A queue bound to every routing key of a topic exchange, as a subscriber's would be.
+
+    Declared (with the exchange) when entered, deleted when left; :meth:`drain` reads what it
+    holds. Each call uses a connection of its own, so a test needs no event loop.
+    """
+
+    def __init__(self, url: str, exchange: str) -> None:
+        self.url, self.exchange = url, exchange
+        self.name = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def _run(self, work: Callable[[Any], Awaitable[Any]]) -> Any:
+        import aio_pika
+
+        connection = await aio_pika.connect(self.url, timeout=5)
+        try:
+            channel = await connection.channel()
+            return await work(channel)
+        finally:
+            await connection.close()
+
+    def __enter__(self) -> BoundQueue:
+        import aio_pika
+
+        async def declare(channel: Any) -> None:
+            exchange = await channel.declare_exchange(
+                self.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            queue = await channel.declare_queue(self.name, durable=True)
+            await queue.bind(exchange, routing_key="#")
+
+        asyncio.run(self._run(declare))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def delete(channel: Any) -> None:
+            await channel.queue_delete(self.name)
+
+        asyncio.run(self._run(delete))
+
+    def drain(self) -> list[Received]:
+        """Every message in the queue now (acknowledged: a second drain sees new ones only)."""
+        import aio_pika
+
+        async def get_all(channel: Any) -> list[Received]:
+            queue = await channel.declare_queue(self.name, durable=True)
+            out: list[Received] = []
+            while True:
+                message = await queue.get(no_ack=True, fail=False, timeout=5)
+                if message is None:
+                    return out
+                out.append(
+                    Received(
+                        message_id=message.message_id,
+                        routing_key=message.routing_key,
+                        type=message.type,
+                        persistent=message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+                        headers=dict(message.headers or {}),
+                        body=json.loads(message.body),
+                    )
+                )
+
+        return list(asyncio.run(self._run(get_all)))

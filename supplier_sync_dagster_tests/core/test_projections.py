@@ -1,0 +1,219 @@
+"""The read models on their real components: the search index in PostgreSQL, the hotel cache
+in Redis, subscribers on RabbitMQ; and the dispatcher driving all three from MariaDB."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import redis
+
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.dispatch import Dispatcher
+from supplier_sync_dagster.core.errors import ProjectionUnavailable
+from supplier_sync_dagster.core.outbox import outbox_status
+from supplier_sync_dagster.core.projections import (
+    CITY_KEY,
+    HOTEL_KEY,
+    Notification,
+    PostgresSearchIndex,
+    ProjectionSettings,
+    RabbitMqNotifier,
+    RedisHotelCache,
+    SearchDoc,
+    SearchQuery,
+    SqliteSearchIndex,
+    open_projections,
+)
+from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
+from supplier_sync_dagster_tests.helpers import BoundQueue
+
+
+def doc(rid: int, version: int = 1, **changes: object) -> SearchDoc:
+    base = dict(
+        resource_id=rid,
+        publish_version=version,
+        supplier_id=1001,
+        supplier_hotel_id=f"H{rid}",
+        name=f"Hotel {rid}",
+        name_local=None,
+        address="1 Road",
+        postal_code="10500",
+        city_code="TYO",
+        country_code="JP",
+        star_rating=4.0,
+        status="ACTIVE",
+        lowest_price=Decimal("120.00"),
+        currency="JPY",
+        lat=35.69,
+        lng=139.70,
+        published_at=datetime(2026, 12, 1, 10, 0, 0),
+    )
+    base.update(changes)
+    return SearchDoc(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def index(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "postgresql":
+        made = PostgresSearchIndex(request.getfixturevalue("fresh_postgres_db"))
+    else:
+        made = SqliteSearchIndex(tmp_path / "search.sqlite3")
+    yield made
+    made.close()
+
+
+def test_search_finds_words_in_every_locale_and_filters(index):
+    index.upsert(
+        [
+            doc(
+                1,
+                name="Shinjuku Granbell Ryokan",
+                name_local="新宿グランベルホテル",
+                star_rating=4.5,
+            ),
+            doc(2, name="Shibuya Stream Hotel", name_local="渋谷ストリームホテル", star_rating=3.0),
+            doc(3, name="Shinjuku Budget Inn", lowest_price=Decimal("40.00"), star_rating=2.0),
+            doc(4, name="Osaka Ryokan", city_code="OSA"),
+            doc(5, name="Shinjuku Ryokan Closed", status="INACTIVE"),
+        ]
+    )
+    ids = lambda q: [h.resource_id for h in index.search(q)]  # noqa: E731
+    assert ids(SearchQuery(text="shinjuku ryokan", city_code="TYO")) == [1]
+    assert ids(SearchQuery(text="ryokan")) == [1, 4]  # the INACTIVE one is left out
+    assert ids(SearchQuery(text="ryokan", status=None)) == [1, 4, 5]
+    assert ids(SearchQuery(text="新宿")) == [1]  # a two-character word of a local name
+    assert ids(SearchQuery(text="ストリーム")) == [2]
+    assert ids(SearchQuery(text="shinjuku", min_stars=4)) == [1]
+    assert ids(SearchQuery(text="shinjuku", max_price=Decimal("50"))) == [3]
+    assert ids(SearchQuery(city_code="OSA")) == [4]
+    assert ids(SearchQuery(text="100% '; DROP TABLE hotel_search;--")) == []
+    assert ids(SearchQuery(text="nothing-like-this")) == []
+    assert index.versions("OSA") == {4: 1}
+
+
+def test_a_document_never_goes_back_to_an_older_version(index):
+    index.upsert([doc(7, 3, name="Newest")])
+    index.upsert([doc(7, 2, name="Older")])
+    index.upsert([doc(7, 3, name="Newest")])  # the same version again: harmless
+    (hit,) = index.search(SearchQuery(text="newest"))
+    assert (hit.publish_version, hit.name) == (3, "Newest")
+    index.upsert([doc(7, 4, name="Renamed")])
+    assert [h.name for h in index.search(SearchQuery(city_code="TYO"))] == ["Renamed"]
+    assert index.versions() == {7: 4}
+
+
+def test_an_unreachable_search_index_is_a_projection_error():
+    index = PostgresSearchIndex("postgresql://postgres@127.0.0.1:1/nope", connect_timeout=2)
+    with pytest.raises(ProjectionUnavailable, match="search index .* unavailable"):
+        index.upsert([doc(1)])
+
+
+def test_the_redis_cache_sets_expires_and_invalidates(redis_url: str):
+    cache = RedisHotelCache(redis_url)
+    key = f"test:{uuid.uuid4().hex}"
+    try:
+        cache.set(key, b"value", 60)
+        assert cache.get(key) == b"value"
+        cache.invalidate([key, f"{key}:missing"])
+        assert cache.get(key) is None
+        cache.set(key, b"short", 0.05)
+        redis.Redis.from_url(redis_url).pexpire(key, 1)
+        import time
+
+        time.sleep(0.05)
+        assert cache.get(key) is None
+    finally:
+        cache.close()
+    down = RedisHotelCache("redis://127.0.0.1:1/0", socket_timeout=0.5)
+    with pytest.raises(ProjectionUnavailable, match="hotel cache .* unavailable"):
+        down.invalidate(["x"])
+
+
+def test_rabbitmq_gets_persistent_messages_keyed_by_event_type_with_the_event_id(
+    amqp_url: str,
+):
+    exchange = f"test.events.{uuid.uuid4().hex[:8]}"
+    notes = [
+        Notification(
+            event_id=f"e{i}",
+            event_type="HotelResourceUpdated" if i % 2 else "HotelMappingCreated",
+            aggregate_id=i,
+            aggregate_version=1,
+            batch_id="b1",
+            payload=f'{{"resource_id": {i}}}',
+        )
+        for i in range(50)
+    ]
+    with BoundQueue(amqp_url, exchange) as queue:
+        notifier = RabbitMqNotifier(amqp_url, exchange=exchange)
+        try:
+            notifier.publish(notes)
+        finally:
+            notifier.close()
+        got = queue.drain()
+    assert sorted(m.message_id or "" for m in got) == sorted(n.event_id for n in notes)
+    by_id = {m.message_id: m for m in got}
+    for n in notes:
+        m = by_id[n.event_id]
+        assert m.routing_key == n.event_type == m.type
+        assert m.persistent
+        assert m.headers["aggregate_id"] == n.aggregate_id
+        assert m.body == {"resource_id": n.aggregate_id}
+
+
+def test_an_unreachable_broker_is_a_projection_error():
+    notifier = RabbitMqNotifier("amqp://guest:guest@127.0.0.1:1/", timeout=2)
+    try:
+        with pytest.raises(ProjectionUnavailable, match="did not confirm 1"):
+            notifier.publish(
+                [Notification("e1", "HotelResourceUpdated", 1, 1, "b1", '{"resource_id": 1}')]
+            )
+    finally:
+        notifier.close()
+
+
+def test_the_dispatcher_drives_postgresql_redis_and_rabbitmq_from_mariadb(
+    fresh_mysql_db: str,
+    fresh_postgres_db: str,
+    redis_url: str,
+    amqp_url: str,
+    tmp_path: Path,
+):
+    db = SyncDatabase.open(fresh_mysql_db)
+    exchange = f"test.events.{uuid.uuid4().hex[:8]}"
+    settings = ProjectionSettings(
+        state_dir=tmp_path,
+        search_url=fresh_postgres_db,
+        cache_url=redis_url,
+        amqp_url=amqp_url,
+        exchange=exchange,
+    )
+    projections = open_projections(settings)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        sync(db, "b1", [hotel(f"H{i}", name=f"Shinjuku Ryokan {i}") for i in range(40)])
+        client.set(HOTEL_KEY.format(resource_id=1), b"stale")
+        client.set(CITY_KEY.format(supplier_id=1001, city_code="BKK"), b"stale list")
+        with BoundQueue(amqp_url, exchange) as queue:
+            report = Dispatcher(db, projections, batch_size=16).drain()
+            got = queue.drain()
+        assert report.stages["NOTIFY"].advanced == 120
+        status = outbox_status(db)
+        assert status.total("SUCCEEDED") == 120 and status.total("READY") == 0
+        assert Counter(m.message_id for m in got) == Counter(
+            {e: 1 for e in {m.message_id for m in got}}
+        )
+        assert len(got) == 120
+        assert client.get(HOTEL_KEY.format(resource_id=1)) is None
+        assert client.get(CITY_KEY.format(supplier_id=1001, city_code="BKK")) is None
+        hits = projections.search.search(SearchQuery(text="shinjuku ryokan", limit=100))
+        assert len(hits) == 40
+    finally:
+        client.close()
+        projections.close()
+        db.dispose()
