@@ -25,6 +25,7 @@ from supplier_sync_dagster.core.projections import (
     RabbitMqNotifier,
     RedisHotelCache,
     SearchDoc,
+    SearchIndex,
     SearchQuery,
     SqliteSearchIndex,
     open_projections,
@@ -59,6 +60,7 @@ def doc(rid: int, version: int = 1, **changes: object) -> SearchDoc:
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 def index(request: pytest.FixtureRequest, tmp_path: Path):
+    made: SearchIndex
     if request.param == "postgresql":
         made = PostgresSearchIndex(request.getfixturevalue("fresh_postgres_db"))
     else:
