@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from supplier_sync_dagster.cli_outbox import add_commands as add_outbox_commands
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
 
@@ -833,6 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", default=DEFAULT_TASK_CODE, help="the task whose pages are replayed"
     )
     replay.set_defaults(func=_cmd_replay)
+
+    add_outbox_commands(sub)
 
     db = sub.add_parser(
         "db",

@@ -63,6 +63,8 @@ def cli_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         "SUPPLIER_SYNC_DB_URL",
         "SUPPLIER_SYNC_PAYLOAD_URL",
         "SUPPLIER_SYNC_REDIS_URL",
+        "SUPPLIER_SYNC_SEARCH_URL",
+        "SUPPLIER_SYNC_AMQP_URL",
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
     ):

@@ -51,7 +51,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase, use_index
-from supplier_sync_dagster.core.errors import InvalidTransition, UnknownOutboxEvent
+from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, UnknownOutboxEvent
 
 OutboxStatus = Literal["READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED"]
 Stage = Literal["SEARCH_INDEX", "CACHE", "NOTIFY"]
@@ -482,6 +482,54 @@ def _require(conn: Connection, ids: Sequence[int], statuses: Collection[str]) ->
         raise InvalidTransition(f"only {'/'.join(statuses)} events can be moved so: {shown}")
 
 
+def operate(
+    db: SyncDatabase,
+    action: Literal["retry", "cancel"],
+    ids: Sequence[int],
+    *,
+    actor: str | None,
+    reason: str | None,
+) -> int:
+    """An operator's retry or cancel of events, recorded in the audit trail (who, why, each
+    event's state before and after) in the same transaction as the move.
+
+    Raises:
+        ConfigError: ``actor`` or ``reason`` is missing, or no event is named.
+        UnknownOutboxEvent: An id is not in the outbox.
+        InvalidTransition: An event is not in a state the action applies to.
+    """
+    from supplier_sync_dagster.core.audit import record_actions, require_who_and_why
+
+    who, why = require_who_and_why(actor, reason)
+    wanted = sorted(set(ids))
+    if not wanted:
+        raise ConfigError("name the outbox events (their ids, from supplier-sync outbox list)")
+    with db.begin() as conn:
+        before = _states(conn, wanted)
+        moved = (retry_events if action == "retry" else cancel_events)(conn, wanted)
+        after = _states(conn, wanted)
+        record_actions(
+            conn,
+            db.clock,
+            action=f"outbox.{action}",
+            target_type="outbox_event",
+            changes=[(str(i), before.get(i), after.get(i)) for i in wanted],
+            actor=who,
+            reason=why,
+        )
+    return moved
+
+
+def _states(conn: Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    o = schema.outbox.c
+    rows = conn.execute(
+        sa.select(
+            o.id, o.event_id, o.status, o.current_stage, o.next_stage, o.retry_count, o.last_error
+        ).where(o.id.in_(list(ids)))
+    ).all()
+    return {int(r.id): {k: v for k, v in r._mapping.items() if k != "id"} for r in rows}
+
+
 # -- what operators read -----------------------------------------------------------------
 
 
@@ -638,6 +686,7 @@ __all__ = [
     "list_events",
     "make_owner",
     "move_events",
+    "operate",
     "outbox_status",
     "release_stuck",
     "retry_events",

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import sqlalchemy as sa
@@ -48,6 +48,9 @@ from supplier_sync_dagster.core.errors import ConfigError, ProjectionUnavailable
 
 # SQL text below is built from this module's own constant names (tables, columns) only;
 # every value is a bound parameter.
+if TYPE_CHECKING:
+    from supplier_sync_dagster.core.settings import Settings
+
 SEARCH_TABLE = "hotel_search"
 HOTEL_KEY = "supplier_sync:hotel:{resource_id}"
 CITY_KEY = "supplier_sync:city:{supplier_id}:{city_code}"
@@ -893,6 +896,17 @@ class ProjectionSettings:
     cache_url: str | None = None
     amqp_url: str | None = None
     exchange: str = DEFAULT_EXCHANGE
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ProjectionSettings:
+        """From the deployment's settings (``SUPPLIER_SYNC_SEARCH_URL``, ``..._REDIS_URL``,
+        ``..._AMQP_URL``, the state folder)."""
+        return cls(
+            state_dir=settings.state_dir,
+            search_url=settings.search_url,
+            cache_url=settings.redis_url,
+            amqp_url=settings.amqp_url,
+        )
 
 
 @dataclass

@@ -33,6 +33,8 @@ DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
 
 _SUPPLIER_SCHEMES = ("http", "https")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+_SEARCH_SCHEMES = ("postgresql", "postgres", "sqlite")
+_AMQP_SCHEMES = ("amqp", "amqps")
 S = TypeVar("S", bound="StorageSettings")
 
 
@@ -80,7 +82,18 @@ class Settings(StorageSettings):
     )
     redis_url: str | None = Field(
         default=None,
-        description="Redis for the rate limit shared by every worker; unset: in-process",
+        description="Redis for the rate limit shared by every worker and the hotel cache; "
+        "unset: in-process",
+    )
+    search_url: str | None = Field(
+        default=None,
+        description="the hotel search read model: postgresql://user@host:5432/db; unset: a "
+        "SQLite FTS5 file in the state folder",
+    )
+    amqp_url: str | None = Field(
+        default=None,
+        description="RabbitMQ for subscribers: amqp://user:pw@host:5672/vhost; unset: a "
+        "JSON-lines file in the state folder",
     )
     supplier_rate_limit: float | None = Field(
         default=None,
@@ -104,6 +117,16 @@ class Settings(StorageSettings):
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         return _with_scheme(value, _REDIS_SCHEMES)
+
+    @field_validator("search_url")
+    @classmethod
+    def _search_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _SEARCH_SCHEMES)
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _AMQP_SCHEMES)
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""

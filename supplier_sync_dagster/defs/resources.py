@@ -291,5 +291,17 @@ def resources() -> dg.Definitions:
                 ),
             ),
             "governance": GovernanceResource(),
+            "projections": _projections(settings),
         }
+    )
+
+
+def _projections(settings: Settings) -> dg.ConfigurableResource:
+    # Imported here: defs/outbox.py defines the resource and imports this module.
+    from supplier_sync_dagster.defs.outbox import ProjectionsResource
+
+    return ProjectionsResource(
+        search_url=_env(settings, "search_url"),
+        cache_url=_env(settings, "redis_url"),
+        amqp_url=_env(settings, "amqp_url"),
     )

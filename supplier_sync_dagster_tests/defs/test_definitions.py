@@ -16,9 +16,9 @@ def test_definitions_load_and_validate():
     assert isinstance(loaded.resources["sync_db"], SyncDatabaseResource)
     assert {s.name for s in loaded.sensors} >= {"shard_stall_sensor", "city_discovery_sensor"}
     assert loaded.schedules is not None
-    assert {s.name for s in loaded.schedules} == {"nightly_full_sync"}
+    assert {s.name for s in loaded.schedules} == {"nightly_full_sync", "outbox_dispatch_schedule"}
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
-    assert repo.has_job("full_sync_job")
+    assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
     keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
     assert keys >= {
         "raw_hotel_snapshots",
@@ -26,6 +26,10 @@ def test_definitions_load_and_validate():
         "hotel_mappings",
         "hotel_diffs",
         "published_hotels",
+        "hotel_search_projection",
     }
     graph = repo.asset_graph
     assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys
+    # Lineage: catalog -> search.
+    projection = graph.get(dg.AssetKey("hotel_search_projection"))
+    assert dg.AssetKey("published_hotels") in projection.parent_keys

@@ -1,0 +1,282 @@
+"""The ``supplier-sync`` commands of the outbox and its read models: ``dispatch``, ``outbox``,
+``search`` and ``audit`` (registered by :mod:`supplier_sync_dagster.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from supplier_sync_dagster.core.errors import ConfigError
+
+_STATUSES = ("READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED")
+_STAGES = ("SEARCH_INDEX", "CACHE", "NOTIFY", "END")
+
+
+def _projection_settings() -> Any:
+    from supplier_sync_dagster.core.projections import ProjectionSettings
+    from supplier_sync_dagster.core.settings import load_settings
+
+    return ProjectionSettings.from_settings(load_settings())
+
+
+def _report_json(report: Any) -> dict[str, Any]:
+    return {
+        "stages": {s: vars(c) for s, c in report.stages.items()},
+        "stuck_released": report.stuck_released,
+        "moved": report.moved,
+        "seconds": round(report.seconds, 3),
+    }
+
+
+def _report_line(report: Any) -> str:
+    parts = [
+        f"{stage} {c.advanced} done"
+        + (f", {c.retrying} retry later" if c.retrying else "")
+        + (f", {c.failed} FAILED" if c.failed else "")
+        for stage, c in report.stages.items()
+    ]
+    stuck = sum(report.stuck_released.values())
+    return "; ".join(parts) + (f"; {stuck} stuck events released" if stuck else "")
+
+
+def cmd_dispatch(args: argparse.Namespace) -> int:
+    """``dispatch``: drain once (``--once``) or serve until SIGTERM/SIGINT."""
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.dispatch import Dispatcher, DrainReport, serve
+    from supplier_sync_dagster.core.outbox import release_stuck
+    from supplier_sync_dagster.core.projections import open_projections
+
+    settings = _projection_settings()
+    db = SyncDatabase.open(args.db_url)
+    try:
+        if args.once:
+            projections = open_projections(settings)
+            try:
+                released = release_stuck(db)
+                report = Dispatcher(db, projections, batch_size=args.batch_size).drain(
+                    max_seconds=args.max_seconds
+                )
+                report.stuck_released = released
+            finally:
+                projections.close()
+            print(json.dumps(_report_json(report)) if args.json else _report_line(report))
+            failed = sum(c.failed for c in report.stages.values())
+            return 1 if failed else 0
+        stop = threading.Event()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            print(
+                f"supplier-sync: dispatch: {signal.Signals(signum).name}, finishing the batches",
+                file=sys.stderr,
+            )
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+        def show(report: DrainReport) -> None:
+            print(json.dumps(_report_json(report)) if args.json else _report_line(report))
+            sys.stdout.flush()
+
+        total = serve(
+            db,
+            lambda: open_projections(settings),
+            threads=args.threads,
+            stop=stop,
+            batch_size=args.batch_size,
+            on_report=show,
+        )
+        print(f"supplier-sync: dispatch stopped: {_report_line(total)}", file=sys.stderr)
+        return 0
+    finally:
+        db.dispose()
+
+
+def _fmt_lag(lag: Any) -> str:
+    if not lag.count:
+        return "none measured"
+    return f"p50 {lag.p50:.3f}s p95 {lag.p95:.3f}s max {lag.max:.3f}s over {lag.count} events"
+
+
+def cmd_outbox(args: argparse.Namespace) -> int:
+    """``outbox status|list|retry|cancel``."""
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.outbox import list_events, operate, outbox_status
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        if args.outbox_command == "status":
+            st = outbox_status(db)
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "counts": {f"{s}/{n}": c for (s, n), c in sorted(st.counts.items())},
+                            "oldest_ready_seconds": st.oldest_ready_seconds,
+                            "stuck": st.stuck,
+                            "projection_lag": vars(st.projection_lag),
+                            "end_to_end_lag": vars(st.end_to_end_lag),
+                        },
+                        sort_keys=True,
+                    )
+                )
+                return 0
+            for (status, stage), n in sorted(st.counts.items()):
+                print(f"{status:<11} {stage or '-':<13} {n}")
+            oldest = st.oldest_ready_seconds
+            print(f"oldest READY: {'none' if oldest is None else f'{oldest:.1f} s old'}")
+            print(f"stuck (lease expired): {st.stuck}")
+            print(f"lag publish -> search index: {_fmt_lag(st.projection_lag)}")
+            print(f"lag publish -> end of chain: {_fmt_lag(st.end_to_end_lag)}")
+            return 0
+        if args.outbox_command == "list":
+            for row in list_events(db, status=args.status, stage=args.stage, limit=args.limit):
+                if args.json:
+                    print(json.dumps(row, default=str, sort_keys=True))
+                    continue
+                error = f"  error: {row['last_error']}" if row["last_error"] else ""
+                print(
+                    f"{row['id']:>8}  {row['status']:<10} {row['current_stage']:>12} -> "
+                    f"{row['next_stage']:<12} retries={row['retry_count']}  {row['event_type']} "
+                    f"hotel {row['aggregate_id']} v{row['aggregate_version']}  "
+                    f"created {row['created_at']}{error}"
+                )
+            return 0
+        moved = operate(db, args.outbox_command, args.ids, actor=args.by, reason=args.reason)
+        print(
+            json.dumps({"action": f"outbox.{args.outbox_command}", "ids": args.ids, "moved": moved})
+        )
+        return 0
+    finally:
+        db.dispose()
+
+
+def _price(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a price: {text!r}") from None
+    if not value.is_finite() or value < 0:
+        raise argparse.ArgumentTypeError(f"not a price: {text!r}")
+    return value
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    """``search "words" [--city ...]``: the hotel search read model."""
+    from supplier_sync_dagster.core.projections import SearchQuery, open_search_index
+
+    if not args.text.strip() and not (args.city or args.country):
+        raise ConfigError("give words to search for, or --city / --country")
+    index = open_search_index(_projection_settings())
+    try:
+        hits = index.search(
+            SearchQuery(
+                text=args.text,
+                city_code=args.city,
+                country_code=args.country,
+                min_stars=args.stars,
+                status=None if args.all_statuses else "ACTIVE",
+                max_price=args.max_price,
+                limit=args.limit,
+            )
+        )
+    finally:
+        index.close()
+    for h in hits:
+        if args.json:
+            row = dict(vars(h))
+            row["lowest_price"] = None if h.lowest_price is None else str(h.lowest_price)
+            print(json.dumps(row, ensure_ascii=False, sort_keys=True))
+            continue
+        price = "-" if h.lowest_price is None else f"{h.lowest_price} {h.currency}"
+        local = f" ({h.name_local})" if h.name_local and h.name_local != h.name else ""
+        stars = "-" if h.star_rating is None else f"{h.star_rating:g}*"
+        print(
+            f"{h.resource_id:>10}  {h.name}{local}  {h.city_code}/{h.country_code}  {stars}  "
+            f"from {price}  v{h.publish_version}  {h.status}"
+        )
+    print(f"{len(hits)} hotels", file=sys.stderr)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``audit``: the operator actions recorded, newest first."""
+    from supplier_sync_dagster.core.audit import list_audit
+    from supplier_sync_dagster.core.db import SyncDatabase
+
+    db = SyncDatabase.open(args.db_url)
+    try:
+        with db.engine.connect() as conn:
+            entries = list_audit(
+                conn, target_type=args.target_type, target_id=args.target, limit=args.limit
+            )
+    finally:
+        db.dispose()
+    for e in entries:
+        if args.json:
+            print(json.dumps(vars(e), default=str, ensure_ascii=False, sort_keys=True))
+            continue
+        print(
+            f"{e.created_at}  {e.actor:<16} {e.action:<16} {e.target_type} {e.target_id}  "
+            f"why: {e.reason}  before: {json.dumps(e.before, default=str)}  "
+            f"after: {json.dumps(e.after, default=str)}"
+        )
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Registers the commands on the ``supplier-sync`` subparsers."""
+    dispatch = sub.add_parser(
+        "dispatch",
+        help="drive the outbox: search index, cache and subscribers (until SIGTERM, or --once)",
+    )
+    dispatch.add_argument("--once", action="store_true", help="drain what is due, then exit")
+    dispatch.add_argument("--threads", type=int, default=2, help="dispatchers at once")
+    dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
+    dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")
+    dispatch.add_argument("--json", action="store_true")
+    dispatch.set_defaults(func=cmd_dispatch)
+
+    outbox = sub.add_parser("outbox", help="the outbox's events: status, list, retry, cancel")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    status = outbox_sub.add_parser("status", help="counts by status and stage, stuck, lag")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_outbox)
+    listing = outbox_sub.add_parser("list", help="events, newest first")
+    listing.add_argument("--status", choices=_STATUSES, default=None)
+    listing.add_argument("--stage", choices=_STAGES, default=None, help="the next stage")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_outbox)
+    for name, what in (
+        ("retry", "FAILED or CANCELLED events run again from the stage they stopped at"),
+        ("cancel", "READY or FAILED events stop (until retried)"),
+    ):
+        act = outbox_sub.add_parser(name, help=what + " (recorded in the audit trail)")
+        act.add_argument("ids", type=int, nargs="+", help="outbox event ids (outbox list)")
+        act.add_argument("--by", required=True, help="who (recorded)")
+        act.add_argument("--reason", required=True, help="why (recorded)")
+        act.set_defaults(func=cmd_outbox)
+
+    search = sub.add_parser("search", help="search the hotel search read model")
+    search.add_argument("text", nargs="?", default="", help="words (all must match)")
+    search.add_argument("--city", default=None, help="supplier city code")
+    search.add_argument("--country", default=None, help="ISO country code")
+    search.add_argument("--stars", type=float, default=None, help="at least this many stars")
+    search.add_argument("--max-price", type=_price, default=None, help="lowest price at most")
+    search.add_argument("--all-statuses", action="store_true", help="INACTIVE hotels too")
+    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--json", action="store_true")
+    search.set_defaults(func=cmd_search)
+
+    audit = sub.add_parser("audit", help="operator actions: who, when, what, why, before, after")
+    audit.add_argument("--target-type", default=None, help="e.g. outbox_event")
+    audit.add_argument("--target", default=None, help="one target's id")
+    audit.add_argument("--limit", type=int, default=50)
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=cmd_audit)

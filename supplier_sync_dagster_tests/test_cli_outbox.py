@@ -1,0 +1,161 @@
+"""``supplier-sync dispatch|outbox|search|audit`` as a user calls them, after a real
+``sync --full`` against the simulator over HTTP, on SQLite and MariaDB."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.outbox import claim, outbox_status
+from supplier_sync_dagster_tests.test_cli import (
+    assert_one_line_error,
+    cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
+    run,
+    simulator,
+    supplier,
+    sync,
+)
+
+
+def test_dispatch_outbox_search_and_audit_after_a_sync(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    sim = simulator(total_hotels=120)
+    with supplier(sim, monkeypatch):
+        done = sync(capsys, db_url)
+    assert done.code == 0, done
+    before = json.loads(run(capsys, "--db-url", db_url, "outbox", "status", "--json").out)
+    ready = sum(n for k, n in before["counts"].items() if k.startswith("READY/"))
+    assert ready > 0 and before["counts"].get("SUCCEEDED/END") is None
+
+    dispatched = run(capsys, "--db-url", db_url, "dispatch", "--once", "--json")
+    assert dispatched.code == 0, dispatched
+    report = json.loads(dispatched.out)
+    assert report["moved"] >= ready  # every event done (the hotel's one thrice)
+    after = json.loads(run(capsys, "--db-url", db_url, "outbox", "status", "--json").out)
+    assert after["counts"] == {"SUCCEEDED/END": ready}
+    assert after["projection_lag"]["count"] > 0 and after["stuck"] == 0
+    text = run(capsys, "--db-url", db_url, "outbox", "status").out
+    assert "lag publish -> search index: p50" in text
+
+    # The search read model answers, by words and by city.
+    db = SyncDatabase.open(db_url)
+    with db.engine.connect() as conn:
+        name, city = conn.exec_driver_sql(
+            "SELECT name, city_code FROM platform_hotel_resource ORDER BY resource_id LIMIT 1"
+        ).one()
+    found = run(capsys, "search", name.split()[0], "--city", city, "--json")
+    assert found.code == 0, found
+    hits = [json.loads(line) for line in found.out.splitlines()]
+    assert hits and all(h["city_code"] == city for h in hits)
+    assert name in {h["name"] for h in hits}
+    assert run(capsys, "search", "--city", city, "--limit", "500").code == 0
+    nothing = run(capsys, "search")
+    assert "give words" in assert_one_line_error(nothing, code=2)
+
+    # Operators: cancel and retry are recorded, each with who, why, before and after.
+    listed = run(capsys, "--db-url", db_url, "outbox", "list", "--status", "SUCCEEDED", "--json")
+    first = json.loads(listed.out.splitlines()[0])
+    refused = run(
+        capsys,
+        "--db-url",
+        db_url,
+        "outbox",
+        "cancel",
+        str(first["id"]),
+        "--by",
+        "ops",
+        "--reason",
+        "test",
+    )
+    assert "only READY/FAILED" in assert_one_line_error(refused, code=2)
+    unknown = run(
+        capsys, "--db-url", db_url, "outbox", "retry", "987654321", "--by", "ops", "--reason", "x"
+    )
+    assert "987654321" in assert_one_line_error(unknown, code=2)
+    with pytest.raises(SystemExit):  # --by and --reason are required
+        run(capsys, "--db-url", db_url, "outbox", "retry", str(first["id"]))
+
+    # A fresh READY event (a republished hotel) to cancel and retry.
+    from supplier_sync_dagster_tests.core.test_catalog import hotel
+    from supplier_sync_dagster_tests.core.test_catalog import sync as publish
+
+    publish(db, "b-cli", [hotel("CLI-1")])
+    new = json.loads(
+        run(
+            capsys, "--db-url", db_url, "outbox", "list", "--status", "READY", "--json"
+        ).out.splitlines()[0]
+    )
+    args = ("--by", "alice", "--reason", "subscriber outage")
+    cancelled = run(capsys, "--db-url", db_url, "outbox", "cancel", str(new["id"]), *args)
+    assert cancelled.code == 0 and json.loads(cancelled.out)["moved"] == 1
+    retried = run(capsys, "--db-url", db_url, "outbox", "retry", str(new["id"]), *args)
+    assert retried.code == 0 and json.loads(retried.out)["moved"] == 1
+    audit = [
+        json.loads(line)
+        for line in run(capsys, "--db-url", db_url, "audit", "--json").out.splitlines()
+    ]
+    assert [(a["action"], a["actor"], a["reason"]) for a in audit[:2]] == [
+        ("outbox.retry", "alice", "subscriber outage"),
+        ("outbox.cancel", "alice", "subscriber outage"),
+    ]
+    assert audit[1]["before"]["status"] == "READY" and audit[1]["after"]["status"] == "CANCELLED"
+    assert audit[0]["after"]["status"] == "READY"
+    assert run(capsys, "--db-url", db_url, "audit").code == 0
+    db.dispose()
+
+
+def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path):
+    """The long-running dispatcher, as a process: it drains what arrives, and SIGTERM stops
+    it cleanly (exit 0), leaving no event PROCESSING."""
+    db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
+    db = SyncDatabase.open(db_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
+    env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "supplier_sync_dagster.cli",
+            "--db-url",
+            db_url,
+            "dispatch",
+            "--threads",
+            "2",
+            "--batch-size",
+            "20",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        from supplier_sync_dagster_tests.core.test_catalog import hotel
+        from supplier_sync_dagster_tests.core.test_catalog import sync as publish
+
+        publish(db, "b1", [hotel(f"S{i}") for i in range(60)])
+        deadline = time.monotonic() + 60
+        while outbox_status(db).total("SUCCEEDED") < 180:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, outbox_status(db)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "SIGTERM, finishing the batches" in err and "dispatch stopped" in err
+    status = outbox_status(db)
+    assert status.total("PROCESSING") == 0 and status.total("SUCCEEDED") == 180
+    assert claim(db, "NOTIFY", owner="t") == []
+    db.dispose()
