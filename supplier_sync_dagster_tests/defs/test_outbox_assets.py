@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -41,7 +42,7 @@ def test_materializing_the_projection_drains_the_outbox_and_reports_it(db_url: s
         )
         assert result.success
         (mat,) = result.asset_materializations_for_node("hotel_search_projection")
-        meta = {k: v.value for k, v in mat.metadata.items()}
+        meta: dict[str, Any] = {k: v.value for k, v in mat.metadata.items()}
         assert meta["search_index_done"] == 12
         assert meta["cache_done"] == 12
         assert meta["notify_done"] == 36

@@ -90,7 +90,7 @@ def test_a_killed_dispatcher_loses_nothing(
     finally:
         index.close()
     with db.engine.connect() as conn:
-        catalog = dict(
+        catalog: dict[int, int] = dict(
             conn.exec_driver_sql(
                 "SELECT resource_id, publish_version FROM platform_hotel_resource"
             ).all()
