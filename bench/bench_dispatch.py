@@ -1,0 +1,349 @@
+"""Benchmark the outbox's dispatchers (issue #17): events/s through every stage, alone and
+while a sync runs, on MariaDB + PostgreSQL + Redis + RabbitMQ (or the embedded defaults).
+
+Modes (``--mode``):
+  alone     ``--hotels N`` hotels are published straight through the publish code (three
+            events each: HotelResourceUpdated runs SEARCH_INDEX -> CACHE -> NOTIFY, the
+            other two NOTIFY), then ``--threads`` dispatchers drain the outbox. Reports
+            events/s (each event through all its stages), stage-runs/s and per stage time.
+  with-sync ``supplier-sync dispatch`` runs as a process while ``supplier-sync sync --full``
+            syncs ``--hotels`` hotels from the simulator over HTTP; reports the sync's wall
+            time, how long after the sync's last publish the outbox was drained, and the lag
+            (publish -> search index, publish -> end of chain) p50/p95/max.
+
+A queue bound to the exchange counts what subscribers received (every event at least once).
+
+Usage:
+    .venv/bin/python bench/bench_dispatch.py --mode alone --hotels 50000 --threads 2
+    .venv/bin/python bench/bench_dispatch.py --mode with-sync --hotels 100000 --cities 100
+    .venv/bin/python bench/bench_dispatch.py --mode alone --embedded   # SQLite, FTS5, files
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import API_KEY, mariadb_databases, mariadb_url, prewarm
+from bench_client import ServerProcess
+
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.diff import Candidate, compute_diffs, record_diffs
+from supplier_sync_dagster.core.dispatch import Dispatcher, DrainReport
+from supplier_sync_dagster.core.mapping import ensure_hotel_mappings
+from supplier_sync_dagster.core.outbox import outbox_status
+from supplier_sync_dagster.core.projections import (
+    DEFAULT_EXCHANGE,
+    ProjectionSettings,
+    open_projections,
+)
+from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig
+from supplier_sync_dagster_tests.helpers import BoundQueue
+
+BIN = Path(sys.executable).parent
+PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+REDIS_URL = "redis://127.0.0.1:6379/13"
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+TARGET_EVENTS_PER_S = 5000.0
+TARGET_DRAIN_S = 30.0
+TARGET_LAG_P95_S = 2.0
+
+
+def _doc(i: int) -> dict[str, Any]:
+    return {
+        "supplier_hotel_id": f"B{i:08d}",
+        "name": f"Bench Hotel {i}",
+        "name_local": None,
+        "city_code": f"C{i % 100:03d}",
+        "country_code": "JP",
+        "address_line1": f"{i} Bench Road",
+        "postal_code": "100-0001",
+        "lat": 35.0 + (i % 1000) / 1000,
+        "lng": 139.0 + (i % 1000) / 1000,
+        "star_rating": "4.0",
+        "phone_e164": "+81312345678",
+        "email": None,
+        "facilities": ["wifi"],
+        "images": [],
+        "rooms": [
+            {
+                "room_code": "STD",
+                "name": "Standard",
+                "bed_type": "DOUBLE",
+                "max_occupancy": 2,
+                "rate_plans": [
+                    {
+                        "code": "BAR",
+                        "board": "RO",
+                        "refundable": True,
+                        "available": True,
+                        "price": f"{100 + i % 50}.00",
+                        "currency": "JPY",
+                    }
+                ],
+            }
+        ],
+        "status": "ACTIVE",
+        "updated_at": "2026-12-01T10:00:00Z",
+        "version": 1,
+    }
+
+
+def publish_synthetic(db: SyncDatabase, hotels: int, chunk: int = 2000) -> float:
+    """Publishes ``hotels`` new hotels through the publish code; returns the seconds taken."""
+    began = time.perf_counter()
+    batch = f"bench-{uuid.uuid4().hex[:8]}"
+    for start in range(0, hotels, chunk):
+        docs = [_doc(i) for i in range(start, min(hotels, start + chunk))]
+        cands = [
+            Candidate(
+                d,
+                hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest(),
+                raw_payload_ref="file:///bench/raw.json.gz",
+                raw_payload_hash="0" * 64,
+            )
+            for d in docs
+        ]
+        with db.begin() as conn:
+            maps = ensure_hotel_mappings(
+                conn,
+                db.clock,
+                supplier_id=1001,
+                batch_id=batch,
+                hotel_ids=[c.supplier_hotel_id for c in cands],
+            )
+            diffs = compute_diffs(conn, cands, maps.resource_ids, published_ids=maps.published)
+            record_diffs(
+                conn, db.clock, batch_id=batch, shard_key="BENCH", supplier_id=1001, diffs=diffs
+            )
+            by_id = {c.supplier_hotel_id: c for c in cands}
+            publish_hotels(
+                conn,
+                db.clock,
+                supplier_id=1001,
+                batch_id=batch,
+                items=[(d, by_id[d.supplier_hotel_id]) for d in diffs],
+            )
+    return time.perf_counter() - began
+
+
+def _fresh_pg() -> tuple[str, str]:
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    return name, f"{PG_URL.rsplit('/', 1)[0]}/{name}"
+
+
+def _drop_pg(name: str) -> None:
+    with psycopg.connect(PG_URL, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSettings) -> bool:
+    db = SyncDatabase.open(db_url)
+    try:
+        seconds = publish_synthetic(db, args.hotels)
+        events = outbox_status(db).total("READY")
+        print(
+            f"published {args.hotels} hotels ({events} events) in {seconds:.1f}s; "
+            f"draining with {args.threads} dispatcher(s), batch {args.batch_size}",
+            flush=True,
+        )
+        total = DrainReport()
+        lock = threading.Lock()
+
+        def work() -> None:
+            projections = open_projections(settings)
+            try:
+                report = Dispatcher(db, projections, batch_size=args.batch_size).drain()
+            finally:
+                projections.close()
+            with lock:
+                total.add(report)
+
+        with BoundQueue(AMQP_URL, settings.exchange) if settings.amqp_url else _Nothing() as q:
+            began = time.perf_counter()
+            threads = [threading.Thread(target=work) for _ in range(args.threads)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - began
+            received = len(q.drain()) if settings.amqp_url else None
+        status = outbox_status(db)
+    finally:
+        db.dispose()
+    rate = events / wall
+    runs = sum(c.advanced for c in total.stages.values())
+    ok = rate >= TARGET_EVENTS_PER_S and status.total("SUCCEEDED") == events
+    print(
+        f"drained {events} events in {wall:.1f}s = {rate:,.0f} events/s through every stage "
+        f"({runs:,} stage runs, {runs / wall:,.0f}/s; {args.hotels / wall:,.0f} hotels/s) "
+        f"[target >= {TARGET_EVENTS_PER_S:,.0f} events/s: {_verdict(ok)}]"
+    )
+    for stage, c in total.stages.items():
+        print(f"  {stage}: {c.advanced} done in {c.seconds:.1f}s of dispatcher time")
+    print(
+        f"  outbox: {status.total('SUCCEEDED')} SUCCEEDED, {status.total('READY')} READY, "
+        f"{status.total('FAILED')} FAILED"
+        + ("" if received is None else f"; the bound queue received {received} messages")
+    )
+    return ok
+
+
+class _Nothing:
+    def __enter__(self) -> _Nothing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def drain(self) -> list[object]:
+        return []
+
+
+def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSettings) -> bool:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_dispatch_"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUPPLIER_SYNC_", "DAGSTER"))}
+    env.update(SUPPLIER_SYNC_HOME=str(tmp / "home"), SUPPLIER_SYNC_DB_URL=db_url)
+    if settings.search_url:
+        env["SUPPLIER_SYNC_SEARCH_URL"] = settings.search_url
+    if settings.cache_url:
+        env["SUPPLIER_SYNC_REDIS_URL"] = settings.cache_url
+    if settings.amqp_url:
+        env["SUPPLIER_SYNC_AMQP_URL"] = settings.amqp_url
+    config = SimulatorConfig(
+        seed=7,
+        n_cities=args.cities,
+        total_hotels=args.hotels,
+        api_key=API_KEY,
+        empty_city_share=0.0,
+        faults=FaultProfile.named("clean"),
+        hotel_cache_size=max(50_000, args.hotels),
+    )
+    try:
+        with ServerProcess(config, truth=False) as server:
+            prewarm(server.url, 100)
+            env.update(
+                SUPPLIER_SYNC_SUPPLIER_URL=server.url,
+                SUPPLIER_SYNC_SUPPLIER_API_KEY=API_KEY,
+                SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT="1000000",
+            )
+            dispatcher = subprocess.Popen(
+                [str(BIN / "supplier-sync"), "dispatch", "--threads", str(args.threads)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                began = time.perf_counter()
+                done = subprocess.run(
+                    [str(BIN / "supplier-sync"), "sync", "--full", "--json"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    cwd=tmp,
+                )
+                synced = time.perf_counter() - began
+                if done.returncode != 0:
+                    raise RuntimeError(f"sync failed: {done.stderr[-2000:]}")
+                db = SyncDatabase.open(db_url)
+                try:
+                    while True:
+                        status = outbox_status(db)
+                        if not status.total("READY") and not status.total("PROCESSING"):
+                            break
+                        if time.perf_counter() - began > synced + 600:
+                            raise RuntimeError(f"not drained: {status}")
+                        time.sleep(0.1)
+                    drained = time.perf_counter() - began - synced
+                    status = outbox_status(db, window=10 * args.hotels)
+                finally:
+                    db.dispose()
+            finally:
+                dispatcher.terminate()
+                dispatcher.wait(60)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    lag = status.projection_lag
+    end = status.end_to_end_lag
+    ok = drained <= TARGET_DRAIN_S and (lag.p95 or 0) <= TARGET_LAG_P95_S
+    print(
+        f"sync --full of {args.hotels} hotels in {args.cities} cities: {synced:.1f}s; outbox "
+        f"drained {drained:.1f}s after the sync ended [target <= {TARGET_DRAIN_S:.0f}s: "
+        f"{_verdict(drained <= TARGET_DRAIN_S)}]"
+    )
+    print(
+        f"  lag publish -> search index: p50 {lag.p50:.2f}s p95 {lag.p95:.2f}s max "
+        f"{lag.max:.2f}s over {lag.count} events [p95 target <= {TARGET_LAG_P95_S:.0f}s: "
+        f"{_verdict((lag.p95 or 0) <= TARGET_LAG_P95_S)}]"
+    )
+    print(
+        f"  lag publish -> end of chain: p50 {end.p50:.2f}s p95 {end.p95:.2f}s max "
+        f"{end.max:.2f}s over {end.count} events; {status.total('SUCCEEDED')} SUCCEEDED, "
+        f"{status.total('FAILED')} FAILED"
+    )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=["alone", "with-sync"], default="alone")
+    parser.add_argument("--hotels", type=int, default=50_000)
+    parser.add_argument("--cities", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--embedded", action="store_true", help="SQLite, FTS5, in-process, file")
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_dispatch_state_"))
+    pg_name = None
+    try:
+        if args.embedded:
+            settings = ProjectionSettings(state_dir=tmp)
+            db_url = f"sqlite:///{tmp / 'sync.sqlite3'}"
+            run = run_alone if args.mode == "alone" else run_with_sync
+            return 0 if run(args, db_url, settings) else 1
+        pg_name, pg_url = _fresh_pg()
+        settings = ProjectionSettings(
+            state_dir=tmp,
+            search_url=pg_url,
+            cache_url=REDIS_URL,
+            amqp_url=AMQP_URL,
+            exchange=DEFAULT_EXCHANGE if args.mode == "with-sync" else f"bench.{pg_name}",
+        )
+        print(
+            "MariaDB sync database, PostgreSQL search index, Redis cache, RabbitMQ subscribers",
+            flush=True,
+        )
+        with mariadb_databases(["sync"]) as made:
+            run = run_alone if args.mode == "alone" else run_with_sync
+            return 0 if run(args, mariadb_url(made[0]), settings) else 1
+    finally:
+        if pg_name:
+            _drop_pg(pg_name)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
