@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -67,17 +68,11 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(_report_json(report)) if args.json else _report_line(report))
             failed = sum(c.failed for c in report.stages.values())
             return 1 if failed else 0
+        if args.processes > 1:
+            db.dispose()  # each process opens its own connections
+            return _serve_processes(args, settings)
         stop = threading.Event()
-
-        def on_signal(signum: int, _frame: object) -> None:
-            print(
-                f"supplier-sync: dispatch: {signal.Signals(signum).name}, finishing the batches",
-                file=sys.stderr,
-            )
-            stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+        _stop_on_signals(stop)
 
         def show(report: DrainReport) -> None:
             print(json.dumps(_report_json(report)) if args.json else _report_line(report))
@@ -95,6 +90,72 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
         return 0
     finally:
         db.dispose()
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        print(
+            f"supplier-sync: dispatch: {signal.Signals(signum).name}, finishing the batches",
+            file=sys.stderr,
+        )
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+
+def _serve_in_child(db_url: str | None, settings: Any, threads: int, batch_size: int) -> None:
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.dispatch import serve
+    from supplier_sync_dagster.core.projections import open_projections
+
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    db = SyncDatabase.open(db_url)
+    try:
+        serve(
+            db,
+            lambda: open_projections(settings),
+            threads=threads,
+            stop=stop,
+            batch_size=batch_size,
+        )
+    finally:
+        db.dispose()
+
+
+def _serve_processes(args: argparse.Namespace, settings: Any) -> int:
+    """``--processes N``: N forked processes of ``--threads`` dispatchers each (the stages
+    are CPU-bound Python: threads of one process share one core). SIGTERM/SIGINT reach every
+    process, which finishes its batches; the exit status is 0 when all stopped cleanly."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    children = [
+        ctx.Process(
+            target=_serve_in_child,
+            args=(args.db_url, settings, args.threads, args.batch_size),
+            name=f"dispatch-process-{i}",
+        )
+        for i in range(args.processes)
+    ]
+    for child in children:
+        child.start()
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    while not stop.is_set() and all(c.is_alive() for c in children):
+        stop.wait(0.5)
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            os.kill(child.pid, signal.SIGTERM)
+    for child in children:
+        child.join()
+    codes = [c.exitcode for c in children]
+    print(
+        f"supplier-sync: dispatch stopped: {len(children)} processes, exit codes {codes}",
+        file=sys.stderr,
+    )
+    return 0 if all(code == 0 for code in codes) else 1
 
 
 def _fmt_lag(lag: Any) -> str:
@@ -236,7 +297,10 @@ def add_commands(sub: Any) -> None:
         help="drive the outbox: search index, cache and subscribers (until SIGTERM, or --once)",
     )
     dispatch.add_argument("--once", action="store_true", help="drain what is due, then exit")
-    dispatch.add_argument("--threads", type=int, default=2, help="dispatchers at once")
+    dispatch.add_argument("--threads", type=int, default=2, help="dispatchers per process")
+    dispatch.add_argument(
+        "--processes", type=int, default=1, help="processes of --threads dispatchers each"
+    )
     dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
     dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")
     dispatch.add_argument("--json", action="store_true")

@@ -113,9 +113,10 @@ def test_dispatch_outbox_search_and_audit_after_a_sync(
     db.dispose()
 
 
-def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path):
-    """The long-running dispatcher, as a process: it drains what arrives, and SIGTERM stops
-    it cleanly (exit 0), leaving no event PROCESSING."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, processes: int):
+    """The long-running dispatcher, as a process (or several): it drains what arrives, and
+    SIGTERM stops it cleanly (exit 0), leaving no event PROCESSING."""
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     db = SyncDatabase.open(db_url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
@@ -132,6 +133,8 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path):
             "2",
             "--batch-size",
             "20",
+            "--processes",
+            str(processes),
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -155,6 +158,8 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path):
             proc.kill()
     assert proc.returncode == 0, err
     assert "SIGTERM, finishing the batches" in err and "dispatch stopped" in err
+    if processes > 1:
+        assert f"{processes} processes, exit codes {[0] * processes}" in err
     status = outbox_status(db)
     assert status.total("PROCESSING") == 0 and status.total("SUCCEEDED") == 180
     assert claim(db, "NOTIFY", owner="t") == []
