@@ -208,6 +208,8 @@ def cmd_outbox(args: argparse.Namespace) -> int:
                     f"created {row['created_at']}{error}"
                 )
             return 0
+        if args.outbox_command == "reconcile":
+            return _reconcile(db, repair=not args.no_repair, as_json=args.json)
         moved = operate(db, args.outbox_command, args.ids, actor=args.by, reason=args.reason)
         print(
             json.dumps({"action": f"outbox.{args.outbox_command}", "ids": args.ids, "moved": moved})
@@ -215,6 +217,41 @@ def cmd_outbox(args: argparse.Namespace) -> int:
         return 0
     finally:
         db.dispose()
+
+
+def _reconcile(db: Any, *, repair: bool, as_json: bool) -> int:
+    from supplier_sync_dagster.core.projections import open_projections, reconcile_projection
+
+    projections = open_projections(_projection_settings())
+    try:
+        report = reconcile_projection(db, projections, repair=repair)
+    finally:
+        projections.close()
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "cities": report.cities,
+                    "hotels": report.hotels,
+                    "repaired": report.repaired,
+                    "differences": [vars(d) for d in report.differences],
+                },
+                sort_keys=True,
+            )
+        )
+    else:
+        for d in report.differences:
+            print(
+                f"{d.city_code!r}: catalog {d.catalog_count} (checksum {d.catalog_checksum}), "
+                f"search index {d.projected_count} ({d.projected_checksum}): {d.missing} missing, "
+                f"{d.stale} stale, {d.extra} not in the catalog"
+            )
+        print(
+            f"{report.cities} cities, {report.hotels} hotels: {len(report.differences)} cities "
+            f"differ; {report.repaired} hotels re-projected from the catalog"
+        )
+    # Differences that remain (not repaired) are a non-zero exit, for scripts and alerts.
+    return 0 if repair or not report.differences else 1
 
 
 def _price(text: str) -> Decimal:
@@ -326,6 +363,15 @@ def add_commands(sub: Any) -> None:
         act.add_argument("--by", required=True, help="who (recorded)")
         act.add_argument("--reason", required=True, help="why (recorded)")
         act.set_defaults(func=cmd_outbox)
+
+    reconcile = outbox_sub.add_parser(
+        "reconcile",
+        help="compare the search index with the catalog per city (count, checksum of "
+        "(resource, publish version)) and re-project what differs",
+    )
+    reconcile.add_argument("--no-repair", action="store_true", help="only report (exit 1)")
+    reconcile.add_argument("--json", action="store_true")
+    reconcile.set_defaults(func=cmd_outbox)
 
     search = sub.add_parser("search", help="search the hotel search read model")
     search.add_argument("text", nargs="?", default="", help="words (all must match)")

@@ -110,6 +110,16 @@ def test_dispatch_outbox_search_and_audit_after_a_sync(
     assert audit[1]["before"]["status"] == "READY" and audit[1]["after"]["status"] == "CANCELLED"
     assert audit[0]["after"]["status"] == "READY"
     assert run(capsys, "--db-url", db_url, "audit").code == 0
+
+    # Reconciliation: the new hotel is published but not projected yet.
+    report_only = run(capsys, "--db-url", db_url, "outbox", "reconcile", "--no-repair", "--json")
+    assert report_only.code == 1  # a difference left: scripts and alerts see it
+    (diff,) = json.loads(report_only.out)["differences"]
+    assert (diff["city_code"], diff["missing"]) == ("BKK", 1)
+    fixed = run(capsys, "--db-url", db_url, "outbox", "reconcile")
+    assert fixed.code == 0 and "1 hotels re-projected" in fixed.out
+    again = run(capsys, "--db-url", db_url, "outbox", "reconcile", "--no-repair", "--json")
+    assert again.code == 0 and json.loads(again.out)["differences"] == []
     db.dispose()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -49,6 +50,7 @@ from supplier_sync_dagster.core.errors import ConfigError, ProjectionUnavailable
 # SQL text below is built from this module's own constant names (tables, columns) only;
 # every value is a bound parameter.
 if TYPE_CHECKING:
+    from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.settings import Settings
 
 SEARCH_TABLE = "hotel_search"
@@ -497,7 +499,8 @@ class SqliteSearchIndex:
             )
             conn.executemany(
                 f"DELETE FROM {SEARCH_TABLE}_fts WHERE rowid = ?",  # noqa: S608 (constant names)
-                [(d.resource_id,) for d in fresh if d.resource_id in known],
+                # Every fresh one: a row of the text index may outlive its document.
+                [(d.resource_id,) for d in fresh],
             )
             conn.executemany(
                 f"INSERT INTO {SEARCH_TABLE}_fts (rowid, names) VALUES (?, ?)",  # noqa: S608 (constant names)
@@ -969,3 +972,112 @@ def _safe(url: str) -> str:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+# -- reconciliation: the catalog is authoritative ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class CityDifference:
+    """A city whose projection differs from the catalog."""
+
+    city_code: str
+    catalog_count: int
+    projected_count: int
+    catalog_checksum: str
+    projected_checksum: str
+    missing: int  # in the catalog, not in the projection
+    stale: int  # in the projection at an older publish version
+    extra: int  # in the projection, not in the catalog
+
+
+@dataclass
+class ReconcileReport:
+    """What a reconciliation found and repaired.
+
+    Attributes:
+        cities: Cities compared.
+        hotels: Hotels in the catalog.
+        differences: The cities that differed (before the repair).
+        repaired: Hotels re-projected from the catalog (search document and cache keys).
+    """
+
+    cities: int = 0
+    hotels: int = 0
+    differences: list[CityDifference] = field(default_factory=list)
+    repaired: int = 0
+
+
+def _checksum(pairs: Mapping[int, int]) -> str:
+    digest = hashlib.sha256()
+    for rid in sorted(pairs):
+        digest.update(f"{rid}:{pairs[rid]},".encode())
+    return digest.hexdigest()[:16]
+
+
+def reconcile_projection(
+    db: SyncDatabase, projections: Projections, *, repair: bool = True, chunk: int = 500
+) -> ReconcileReport:
+    """Compares, city by city, the catalog's (resource id, publish version) pairs with the
+    search index's (count and checksum), and re-projects the hotels that are missing or
+    stale there (their search document from the catalog, and their cache keys).
+
+    The catalog is read once in a stream and the index's versions once; the repair goes
+    through the same upsert as the SEARCH_INDEX stage (guarded by the publish version).
+    """
+    h = schema.platform_hotel.c
+    catalog: dict[str, dict[int, int]] = {}
+    with db.engine.connect() as conn:
+        rows = conn.execution_options(stream_results=True, yield_per=10_000).execute(
+            sa.select(h.city_code, h.resource_id, h.publish_version)
+        )
+        for city, rid, version in rows:
+            catalog.setdefault(str(city), {})[int(rid)] = int(version)
+    indexed = projections.search.versions()
+    report = ReconcileReport(cities=len(catalog), hotels=sum(len(p) for p in catalog.values()))
+    to_repair: list[int] = []
+    for city in sorted(catalog):
+        pairs = catalog[city]
+        projected = {rid: indexed[rid] for rid in pairs if rid in indexed}
+        missing = [rid for rid in pairs if rid not in indexed]
+        stale = [rid for rid, v in projected.items() if v < pairs[rid]]
+        expected, found = _checksum(pairs), _checksum(projected)
+        if missing or stale or expected != found:
+            report.differences.append(
+                CityDifference(
+                    city_code=city,
+                    catalog_count=len(pairs),
+                    projected_count=len(projected),
+                    catalog_checksum=expected,
+                    projected_checksum=found,
+                    missing=len(missing),
+                    stale=len(stale),
+                    extra=0,
+                )
+            )
+            to_repair += missing + stale
+    known = {rid for pairs in catalog.values() for rid in pairs}
+    extra = [rid for rid in indexed if rid not in known]
+    if extra:
+        report.differences.append(
+            CityDifference(
+                "(not in the catalog)",
+                0,
+                len(extra),
+                "",
+                _checksum({rid: indexed[rid] for rid in extra}),
+                0,
+                0,
+                len(extra),
+            )
+        )
+    if repair and to_repair:
+        for start in range(0, len(to_repair), chunk):
+            part = to_repair[start : start + chunk]
+            with db.engine.connect() as conn:
+                docs = load_search_docs(conn, part)
+                cities = hotel_cities(conn, part)
+            projections.search.upsert(list(docs.values()))
+            projections.cache.invalidate(cache_keys(cities, part))
+            report.repaired += len(docs)
+    return report

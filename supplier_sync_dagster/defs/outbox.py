@@ -14,7 +14,11 @@ from pydantic import Field
 
 from supplier_sync_dagster.core.dispatch import DEFAULT_BATCH_SIZE, Dispatcher
 from supplier_sync_dagster.core.outbox import STAGES, make_owner, outbox_status, release_stuck
-from supplier_sync_dagster.core.projections import ProjectionSettings, open_projections
+from supplier_sync_dagster.core.projections import (
+    ProjectionSettings,
+    open_projections,
+    reconcile_projection,
+)
 from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
@@ -136,4 +140,80 @@ outbox_dispatch_schedule = dg.ScheduleDefinition(
         "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
         "subscribers), so the read models follow the catalog with the daemon alone."
     ),
+)
+
+
+@dg.asset(
+    key="hotel_search_reconciliation",
+    deps=[hotel_search_projection],
+    group_name=GROUP,
+    description=(
+        "The search index checked against the catalog, city by city (count and a checksum "
+        "over (resource id, publish version)); what differs is re-projected from the catalog."
+    ),
+)
+def hotel_search_reconciliation(
+    context: dg.AssetExecutionContext,
+    sync_db: SyncDatabaseResource,
+    projections: ProjectionsResource,
+) -> dg.MaterializeResult:
+    """Compares and repairs; the differing cities are a table in the metadata."""
+    db = sync_db.open()
+    targets = open_projections(projections.settings())
+    try:
+        report = reconcile_projection(db, targets)
+    finally:
+        targets.close()
+        db.dispose()
+    for d in report.differences:
+        context.log.warning(
+            f"city {d.city_code!r}: {d.missing} missing, {d.stale} stale, {d.extra} extra"
+        )
+    rows = [
+        dg.TableRecord(
+            {
+                "city": d.city_code,
+                "catalog": d.catalog_count,
+                "search_index": d.projected_count,
+                "missing": d.missing,
+                "stale": d.stale,
+                "extra": d.extra,
+            }
+        )
+        for d in report.differences[:500]
+    ]
+    schema = dg.TableSchema(
+        columns=[
+            dg.TableColumn("city", "string"),
+            dg.TableColumn("catalog", "int"),
+            dg.TableColumn("search_index", "int"),
+            dg.TableColumn("missing", "int"),
+            dg.TableColumn("stale", "int"),
+            dg.TableColumn("extra", "int"),
+        ]
+    )
+    return dg.MaterializeResult(
+        metadata={
+            "cities": report.cities,
+            "hotels": report.hotels,
+            "cities_differing": len(report.differences),
+            "hotels_repaired": report.repaired,
+            "differences": dg.MetadataValue.table(rows, schema=schema),
+        }
+    )
+
+
+projection_reconciliation_job = dg.define_asset_job(
+    "projection_reconciliation_job",
+    selection=dg.AssetSelection.assets(hotel_search_reconciliation),
+    description="Check the search index against the catalog and repair what differs.",
+)
+
+projection_reconciliation_schedule = dg.ScheduleDefinition(
+    name="projection_reconciliation_schedule",
+    job=projection_reconciliation_job,
+    cron_schedule="30 3 * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Daily: the search index against the catalog, repaired where it differs.",
 )

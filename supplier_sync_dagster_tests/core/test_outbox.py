@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from supplier_sync_dagster.core.projections import (
     Projections,
     SearchQuery,
     SqliteSearchIndex,
+    reconcile_projection,
 )
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
@@ -279,3 +281,33 @@ def test_operators_cancel_and_retry_only_what_the_table_allows(db: SyncDatabase)
         assert retry_events(conn, ids[:2]) == 2
     by_id = {r["id"]: r for r in outbox_rows(db)}
     assert [by_id[i]["status"] for i in ids[:2]] == ["READY", "READY"]
+
+
+def test_reconciliation_finds_missing_and_stale_documents_per_city_and_repairs_them(
+    db: SyncDatabase, projections: Projections, tmp_path: Path
+):
+    publish(db, "b1", 20)
+    Dispatcher(db, projections).drain()
+    clean = reconcile_projection(db, projections)
+    assert (clean.cities, clean.hotels, clean.differences, clean.repaired) == (1, 20, [], 0)
+    # Two documents lost, and a new version of three hotels not projected yet.
+    with sqlite3.connect(tmp_path / "search.sqlite3") as conn:
+        conn.execute("DELETE FROM hotel_search WHERE resource_id IN (1, 2)")
+    sync(db, "b2", [hotel(f"H{i}", 2, facilities=["wifi"]) for i in range(10, 13)])
+    report = reconcile_projection(db, projections, repair=False)
+    (diff,) = report.differences
+    assert (diff.city_code, diff.catalog_count, diff.projected_count) == ("BKK", 20, 18)
+    assert (diff.missing, diff.stale, diff.extra) == (2, 3, 0)
+    assert diff.catalog_checksum != diff.projected_checksum and report.repaired == 0
+    repaired = reconcile_projection(db, projections)
+    assert repaired.repaired == 5
+    assert reconcile_projection(db, projections).differences == []
+    with db.engine.connect() as conn:
+        catalog = dict(
+            conn.execute(
+                sa.select(
+                    schema.platform_hotel.c.resource_id, schema.platform_hotel.c.publish_version
+                )
+            ).all()
+        )
+    assert projections.search.versions() == catalog

@@ -16,7 +16,11 @@ def test_definitions_load_and_validate():
     assert isinstance(loaded.resources["sync_db"], SyncDatabaseResource)
     assert {s.name for s in loaded.sensors} >= {"shard_stall_sensor", "city_discovery_sensor"}
     assert loaded.schedules is not None
-    assert {s.name for s in loaded.schedules} == {"nightly_full_sync", "outbox_dispatch_schedule"}
+    assert {s.name for s in loaded.schedules} == {
+        "nightly_full_sync",
+        "outbox_dispatch_schedule",
+        "projection_reconciliation_schedule",
+    }
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
     assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
     keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
@@ -27,6 +31,7 @@ def test_definitions_load_and_validate():
         "hotel_diffs",
         "published_hotels",
         "hotel_search_projection",
+        "hotel_search_reconciliation",
     }
     graph = repo.asset_graph
     assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys

@@ -15,6 +15,7 @@ from supplier_sync_dagster.core.projections import SearchQuery, SqliteSearchInde
 from supplier_sync_dagster.defs.outbox import (
     ProjectionsResource,
     hotel_search_projection,
+    hotel_search_reconciliation,
     outbox_dispatch_job,
     outbox_dispatch_schedule,
 )
@@ -60,6 +61,32 @@ def test_materializing_the_projection_drains_the_outbox_and_reports_it(db_url: s
     index.close()
     lines = (state / "notifications.jsonl").read_text().splitlines()
     assert len({json.loads(line)["message_id"] for line in lines}) == 36
+    db.dispose()
+
+
+def test_the_reconciliation_asset_repairs_and_reports_a_table(db_url: str, state: Path):
+    db = SyncDatabase.open(db_url)
+    sync(db, "b1", [hotel(f"R{i}") for i in range(5)])  # published, never dispatched
+    resources = {
+        "sync_db": SyncDatabaseResource(db_url=db_url),
+        "projections": ProjectionsResource(),
+    }
+    with dg.instance_for_test() as instance:
+        first = dg.materialize(
+            [hotel_search_reconciliation], instance=instance, resources=resources
+        )
+        assert first.success
+        (mat,) = first.asset_materializations_for_node("hotel_search_reconciliation")
+        assert mat.metadata["cities_differing"].value == 1
+        assert mat.metadata["hotels_repaired"].value == 5
+        table = mat.metadata["differences"].value
+        assert isinstance(table, dg.TableMetadataValue)
+        assert [r.data["missing"] for r in table.records] == [5]
+        second = dg.materialize(
+            [hotel_search_reconciliation], instance=instance, resources=resources
+        )
+        (mat,) = second.asset_materializations_for_node("hotel_search_reconciliation")
+        assert mat.metadata["cities_differing"].value == 0
     db.dispose()
 
 
