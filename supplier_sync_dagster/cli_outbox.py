@@ -327,6 +327,47 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_api(args: argparse.Namespace) -> int:
+    """``serve-api``: the read API under uvicorn until interrupted."""
+    import contextlib
+
+    import uvicorn
+
+    from supplier_sync_dagster.api import create_app
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.projections import (
+        InProcessHotelCache,
+        RedisHotelCache,
+        open_search_index,
+    )
+    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.defs.resources import supplier_resource
+
+    settings = load_settings()
+    projection = _projection_settings()
+    with contextlib.ExitStack() as stack:
+        db = SyncDatabase.open(args.db_url)
+        stack.callback(db.dispose)
+        search = open_search_index(projection)
+        stack.callback(search.close)
+        cache = RedisHotelCache(settings.redis_url) if settings.redis_url else InProcessHotelCache()
+        stack.callback(cache.close)
+        client = stack.enter_context(
+            supplier_resource(
+                base_url=settings.supplier_url,
+                api_key=settings.api_key(),
+                redis_url=settings.redis_url,
+                read_timeout=args.confirm_timeout,
+                connect_timeout=min(args.confirm_timeout, 2.0),
+            ).client()
+        )
+        app = create_app(
+            db=db, search=search, cache=cache, supplier=lambda: client, ttl_seconds=args.ttl
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     """Registers the commands on the ``supplier-sync`` subparsers."""
     dispatch = sub.add_parser(
@@ -383,6 +424,18 @@ def add_commands(sub: Any) -> None:
     search.add_argument("--limit", type=int, default=20)
     search.add_argument("--json", action="store_true")
     search.set_defaults(func=cmd_search)
+
+    api = sub.add_parser(
+        "serve-api",
+        help="the read API: /hotels (search), /hotels/{id} (cached), POST /offers/confirm",
+    )
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--ttl", type=float, default=300.0, help="seconds a hotel stays cached")
+    api.add_argument(
+        "--confirm-timeout", type=float, default=3.0, help="seconds for the supplier's answer"
+    )
+    api.set_defaults(func=cmd_serve_api)
 
     audit = sub.add_parser("audit", help="operator actions: who, when, what, why, before, after")
     audit.add_argument("--target-type", default=None, help="e.g. outbox_event")

@@ -67,6 +67,8 @@ CHAINS: Mapping[str, tuple[Stage, ...]] = MappingProxyType(
         "HotelMappingCreated": ("NOTIFY",),
         # Written before the SEARCH_INDEX stage existed: subscribers may still expect it.
         "HotelSearchIndexRefreshRequired": ("NOTIFY",),
+        # A live quote differed from the catalog (the read API): whoever re-syncs the hotel.
+        "HotelRefreshRequested": ("NOTIFY",),
     }
 )
 """Each event type's stages, in order."""
