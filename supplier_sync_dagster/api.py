@@ -29,6 +29,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -151,7 +152,9 @@ def create_app(
             }
         )
 
-    def hotel(request: Request) -> Response:
+    async def hotel(request: Request) -> Response:
+        # A hit is answered on the event loop (one cache read, no worker thread: the hot
+        # path of a read API); a miss reads the catalog in a worker thread.
         resource_id = int(request.path_params["resource_id"])
         key = HOTEL_KEY.format(resource_id=resource_id)
         try:
@@ -161,7 +164,7 @@ def create_app(
             cached = None
         if cached is not None:
             return Response(cached, media_type="application/json", headers={"X-Cache": "HIT"})
-        body = _hotel_json(db, resource_id)
+        body = await run_in_threadpool(_hotel_json, db, resource_id)
         if body is None:
             raise ApiError(404, "HOTEL_NOT_FOUND", f"no hotel {resource_id}")
         try:
@@ -175,8 +178,6 @@ def create_app(
             body = await request.json()
         except ValueError:
             raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
-        from starlette.concurrency import run_in_threadpool
-
         return await run_in_threadpool(_confirm, body)
 
     def _confirm(body: Any) -> JSONResponse:

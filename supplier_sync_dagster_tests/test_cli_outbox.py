@@ -174,3 +174,82 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, pr
     assert status.total("PROCESSING") == 0 and status.total("SUCCEEDED") == 180
     assert claim(db, "NOTIFY", owner="t") == []
     db.dispose()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_api_answers_over_http_after_a_sync(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    import httpx
+
+    db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
+    sim = simulator(total_hotels=60)
+    with supplier(sim, monkeypatch):
+        assert sync(capsys, db_url).code == 0
+        assert run(capsys, "--db-url", db_url, "dispatch", "--once").code == 0
+        db = SyncDatabase.open(db_url)
+        with db.engine.connect() as conn:
+            rid, city, room, plan = conn.exec_driver_sql(
+                "SELECT h.resource_id, h.city_code, o.room_code, o.rate_plan_code "
+                "FROM platform_hotel_resource h JOIN platform_hotel_offer o "
+                "ON o.resource_id = h.resource_id WHERE o.active = 1 ORDER BY 1 LIMIT 1"
+            ).one()
+        db.dispose()
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items()}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "supplier_sync_dagster.cli",
+                "--db-url",
+                db_url,
+                "serve-api",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            found = httpx.get(f"{base}/hotels", params={"city": city}).json()
+            assert found["count"] >= 1
+            detail = httpx.get(f"{base}/hotels/{rid}")
+            assert detail.status_code == 200 and detail.headers["x-cache"] == "MISS"
+            assert httpx.get(f"{base}/hotels/{rid}").headers["x-cache"] == "HIT"
+            quote = httpx.post(
+                f"{base}/offers/confirm",
+                json={
+                    "hotel_id": rid,
+                    "room_code": room,
+                    "rate_plan_code": plan,
+                    "check_in": "2026-12-24",
+                    "check_out": "2026-12-25",
+                    "guests": 1,
+                },
+            )
+            assert quote.status_code == 200, quote.text
+            assert quote.json()["price"] is not None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)
