@@ -34,6 +34,8 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
         "SUPPLIER_SYNC_REDIS_URL",
+        "SUPPLIER_SYNC_SEARCH_URL",
+        "SUPPLIER_SYNC_AMQP_URL",
         "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
         "SUPPLIER_SYNC_WORKER_PROCESSES",
     ]
@@ -60,7 +62,11 @@ def test_values_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "https://api.example/")
     monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", "s3cret")
     monkeypatch.setenv("SUPPLIER_SYNC_REDIS_URL", "redis://127.0.0.1:6379/2")
+    monkeypatch.setenv("SUPPLIER_SYNC_SEARCH_URL", "postgresql://pg@127.0.0.1:5432/search")
+    monkeypatch.setenv("SUPPLIER_SYNC_AMQP_URL", "amqp://u:pw@mq:5672/")
     s = load_settings()
+    assert s.search_url == "postgresql://pg@127.0.0.1:5432/search"
+    assert s.amqp_url == "amqp://u:pw@mq:5672/"
     assert s.state_dir == tmp_path / "home"
     assert s.sync_db_url() == "mysql+pymysql://u:pw@db:3306/sync"
     assert s.payload_url == "s3://bucket/prefix"
@@ -111,6 +117,8 @@ def test_read_when_asked(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_SUPPLIER_URL", "ftp://api.example.com"),
         ("SUPPLIER_SYNC_REDIS_URL", "localhost:6379"),
         ("SUPPLIER_SYNC_REDIS_URL", "http://user:pw@redis:6379"),
+        ("SUPPLIER_SYNC_SEARCH_URL", "mysql://user:pw@db/search"),
+        ("SUPPLIER_SYNC_AMQP_URL", "http://user:pw@mq:5672"),
     ],
 )
 def test_a_bad_value_is_one_clear_error_naming_the_variable(
