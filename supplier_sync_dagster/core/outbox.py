@@ -149,7 +149,8 @@ def make_owner(name: str = "dispatch") -> str:
 
 @dataclass(frozen=True)
 class OutboxEvent:
-    """A claimed event, as a stage needs it."""
+    """A claimed event, as its stage needs it: SEARCH_INDEX and CACHE claims read the hotel
+    only (no payload, event id or batch: empty), NOTIFY claims every field."""
 
     id: int
     event_id: str
@@ -164,35 +165,28 @@ class OutboxEvent:
     created_at: datetime
 
 
-_EVENT_COLUMNS = (
-    "id",
-    "event_id",
-    "event_type",
-    "aggregate_type",
-    "aggregate_id",
-    "aggregate_version",
-    "batch_id",
-    "payload",
-    "next_stage",
-    "retry_count",
-    "created_at",
+# What a claim reads: the stages that project the catalog need the hotel, not the payload.
+_LEAN_COLUMNS = ("id", "event_type", "aggregate_id", "aggregate_version", "retry_count")
+_FULL_COLUMNS = (*_LEAN_COLUMNS, "event_id", "aggregate_type", "batch_id", "payload", "created_at")
+_STAGE_COLUMNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"SEARCH_INDEX": _LEAN_COLUMNS, "CACHE": _LEAN_COLUMNS, "NOTIFY": _FULL_COLUMNS}
 )
 
 
-def _event(row: Any) -> OutboxEvent:
+def _event(row: Any, stage: str) -> OutboxEvent:
     m = row._mapping
     return OutboxEvent(
         id=int(m["id"]),
-        event_id=m["event_id"],
+        event_id=m.get("event_id", ""),
         event_type=m["event_type"],
-        aggregate_type=m["aggregate_type"],
+        aggregate_type=m.get("aggregate_type", "HOTEL"),
         aggregate_id=int(m["aggregate_id"]),
         aggregate_version=int(m["aggregate_version"]),
-        batch_id=m["batch_id"],
-        payload=m["payload"],
-        next_stage=m["next_stage"],
+        batch_id=m.get("batch_id", ""),
+        payload=m.get("payload", ""),
+        next_stage=stage,
         retry_count=int(m["retry_count"]),
-        created_at=m["created_at"],
+        created_at=m.get("created_at") or datetime.min,
     )
 
 
@@ -289,6 +283,7 @@ def claim(
         .limit(limit)
     )
     lease: dict[str, Any] = {"lease_owner": owner, "lease_until": clock.now(lease_seconds)}
+    columns = [o[name] for name in _STAGE_COLUMNS[stage]]
     with db.begin() as conn:
         if conn.dialect.name == "sqlite":
             # One statement under SQLite's write lock: nobody else claims meanwhile.
@@ -296,20 +291,19 @@ def claim(
                 sa.update(schema.outbox)
                 .where(o.id.in_(pick.scalar_subquery()), o.status == "READY")
                 .values(status="PROCESSING", **lease)
-                .returning(*(o[name] for name in _EVENT_COLUMNS))
+                .returning(*columns)
             ).all()
-            return sorted((_event(r) for r in rows), key=lambda e: e.id)
-        picked = use_index(pick, schema.outbox, "idx_outbox_claim").with_for_update(
-            skip_locked=True
-        )
-        ids = [int(i) for i in conn.execute(picked).scalars()]
-        if not ids:
+            return sorted((_event(r, stage) for r in rows), key=lambda e: e.id)
+        # The rows are read with their locks (others skip them), then leased by id.
+        locked = use_index(
+            pick.with_only_columns(*columns), schema.outbox, "idx_outbox_claim"
+        ).with_for_update(skip_locked=True)
+        rows = conn.execute(locked).all()
+        if not rows:
             return []
+        ids = [int(r.id) for r in rows]
         move_events(conn, "PROCESSING", ids, sources=_READY, expected=len(ids), **lease)
-        rows = conn.execute(
-            sa.select(*(o[name] for name in _EVENT_COLUMNS)).where(o.id.in_(ids)).order_by(o.id)
-        ).all()
-    return [_event(r) for r in rows]
+    return [_event(r, stage) for r in rows]
 
 
 def advance(db: SyncDatabase, stage: Stage, events: Sequence[OutboxEvent], *, owner: str) -> int:
