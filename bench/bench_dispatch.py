@@ -165,14 +165,36 @@ def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSetting
         seconds = publish_synthetic(db, args.hotels)
         events = outbox_status(db).total("READY")
         print(
-            f"published {args.hotels} hotels ({events} events) in {seconds:.1f}s; "
-            f"draining with {args.threads} dispatcher(s), batch {args.batch_size}",
+            f"published {args.hotels} hotels ({events} events) in {seconds:.1f}s; draining with "
+            + (f"{args.processes} processes" if args.processes else f"{args.threads} threads")
+            + f", batch {args.batch_size}",
             flush=True,
         )
         total = DrainReport()
         lock = threading.Lock()
 
+        def drain_in_child() -> None:
+            child = SyncDatabase.open(db_url)
+            projections = open_projections(settings)
+            try:
+                Dispatcher(child, projections, batch_size=args.batch_size).drain()
+            finally:
+                projections.close()
+                child.dispose()
+
         def work() -> None:
+            if args.processes:
+                import multiprocessing
+
+                procs = [
+                    multiprocessing.get_context("fork").Process(target=drain_in_child)
+                    for _ in range(args.processes)
+                ]
+                for p in procs:
+                    p.start()
+                for p in procs:
+                    p.join()
+                return
             projections = open_projections(settings)
             try:
                 report = Dispatcher(db, projections, batch_size=args.batch_size).drain()
@@ -183,7 +205,9 @@ def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSetting
 
         with BoundQueue(AMQP_URL, settings.exchange) if settings.amqp_url else _Nothing() as q:
             began = time.perf_counter()
-            threads = [threading.Thread(target=work) for _ in range(args.threads)]
+            threads = [
+                threading.Thread(target=work) for _ in range(1 if args.processes else args.threads)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -198,11 +222,13 @@ def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSetting
     ok = rate >= TARGET_EVENTS_PER_S and status.total("SUCCEEDED") == events
     print(
         f"drained {events} events in {wall:.1f}s = {rate:,.0f} events/s through every stage "
-        f"({runs:,} stage runs, {runs / wall:,.0f}/s; {args.hotels / wall:,.0f} hotels/s) "
+        + (f"({runs:,} stage runs, {runs / wall:,.0f}/s; " if runs else "(")
+        + f"{args.hotels / wall:,.0f} hotels/s) "
         f"[target >= {TARGET_EVENTS_PER_S:,.0f} events/s: {_verdict(ok)}]"
     )
     for stage, c in total.stages.items():
-        print(f"  {stage}: {c.advanced} done in {c.seconds:.1f}s of dispatcher time")
+        if not args.processes:  # processes keep their counts to themselves
+            print(f"  {stage}: {c.advanced} done in {c.seconds:.1f}s of dispatcher time")
     print(
         f"  outbox: {status.total('SUCCEEDED')} SUCCEEDED, {status.total('READY')} READY, "
         f"{status.total('FAILED')} FAILED"
@@ -314,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cities", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--processes", type=int, default=0, help="alone: dispatcher processes instead of threads"
+    )
     parser.add_argument("--embedded", action="store_true", help="SQLite, FTS5, in-process, file")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench_dispatch_state_"))

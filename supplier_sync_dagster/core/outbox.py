@@ -167,7 +167,7 @@ class OutboxEvent:
 
 # What a claim reads: the stages that project the catalog need the hotel, not the payload.
 _LEAN_COLUMNS = ("id", "event_type", "aggregate_id", "aggregate_version", "retry_count")
-_FULL_COLUMNS = (*_LEAN_COLUMNS, "event_id", "aggregate_type", "batch_id", "payload", "created_at")
+_FULL_COLUMNS = (*_LEAN_COLUMNS, "event_id", "batch_id", "payload")
 _STAGE_COLUMNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"SEARCH_INDEX": _LEAN_COLUMNS, "CACHE": _LEAN_COLUMNS, "NOTIFY": _FULL_COLUMNS}
 )
