@@ -276,7 +276,14 @@ def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSet
                 SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT="1000000",
             )
             dispatcher = subprocess.Popen(
-                [str(BIN / "supplier-sync"), "dispatch", "--threads", str(args.threads)],
+                [
+                    str(BIN / "supplier-sync"),
+                    "dispatch",
+                    "--threads",
+                    str(args.threads),
+                    "--processes",
+                    str(max(1, args.processes)),
+                ],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
