@@ -16,11 +16,9 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -32,6 +30,7 @@ from bench_dispatch import REDIS_URL, publish_synthetic
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.dispatch import Dispatcher
 from supplier_sync_dagster.core.projections import ProjectionSettings, open_projections
+from supplier_sync_dagster_tests.helpers import free_port, wait_for_http
 
 BIN = Path(sys.executable).parent
 TARGET_RPS = 3000.0
@@ -42,12 +41,6 @@ request = function()
   return wrk.format("GET", "/hotels/" .. math.random(1, {n}))
 end
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ms(text: str) -> float:
@@ -68,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="bench_api_"))
     db_url = f"sqlite:///{tmp / 'sync.sqlite3'}"
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
     env["SUPPLIER_SYNC_HOME"] = str(tmp / "home")
     if not args.embedded:
@@ -89,16 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"serve-api did not start: {server.communicate()[1]}")
-                time.sleep(0.2)
+            wait_for_http(f"{base}/openapi.json", server)
             with httpx.Client(base_url=base) as client:
                 for rid in range(1, args.hotels + 1):  # fill the cache
                     client.get(f"/hotels/{rid}").raise_for_status()

@@ -51,7 +51,7 @@ from supplier_sync_dagster.core.projections import (
     SearchQuery,
     load_search_docs,
 )
-from supplier_sync_dagster.core.publish import event_id
+from supplier_sync_dagster.core.publish import EVENT_COLUMNS, event_id
 from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
 
 log = logging.getLogger(__name__)
@@ -407,15 +407,7 @@ def _enqueue_refresh(db: SyncDatabase, offer: dict[str, Any]) -> bool:
                     first_stage(REFRESH_EVENT),
                 )
             ],
-            columns=(
-                "event_id",
-                "event_type",
-                "aggregate_type",
-                "aggregate_id",
-                "aggregate_version",
-                "payload",
-                "next_stage",
-            ),
+            columns=EVENT_COLUMNS,
             batch_id="offer-confirm",
             created_at=db.clock.now(),
             status="READY",

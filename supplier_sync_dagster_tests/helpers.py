@@ -222,3 +222,31 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_http(url: str, proc: Any, *, timeout: float = 60.0) -> None:
+    """Waits until ``url`` answers 200, failing early if the server process ``proc`` exits.
+
+    Raises:
+        RuntimeError: It did not answer within ``timeout`` seconds, or the process exited.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = proc.communicate(timeout=10) if proc.poll() is not None else ("", "")
+            raise RuntimeError(f"{url} did not answer: {err or 'timeout'}")
+        time.sleep(0.2)

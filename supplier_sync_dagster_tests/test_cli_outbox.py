@@ -15,6 +15,7 @@ import pytest
 
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.outbox import claim, outbox_status
+from supplier_sync_dagster_tests.helpers import free_port, wait_for_http
 from supplier_sync_dagster_tests.test_cli import (
     assert_one_line_error,
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
@@ -176,14 +177,6 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, pr
     db.dispose()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_api_answers_over_http_after_a_sync(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
@@ -202,7 +195,7 @@ def test_serve_api_answers_over_http_after_a_sync(
                 "ON o.resource_id = h.resource_id WHERE o.active = 1 ORDER BY 1 LIMIT 1"
             ).one()
         db.dispose()
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items()}
         proc = subprocess.Popen(
             [
@@ -222,16 +215,7 @@ def test_serve_api_answers_over_http_after_a_sync(
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(f"{base}/openapi.json", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            wait_for_http(f"{base}/openapi.json", proc)
             found = httpx.get(f"{base}/hotels", params={"city": city}).json()
             assert found["count"] >= 1
             detail = httpx.get(f"{base}/hotels/{rid}")

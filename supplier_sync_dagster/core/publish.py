@@ -82,8 +82,9 @@ _OFFER_ROW = (
     "supplier_version",
     "publish_version",
 )
-# An outbox row as :func:`_hotel_events` builds it (the batch and the time are added).
-_EVENT_ROW = (
+# An outbox row as :func:`_hotel_events` builds it (the batch and the time are added);
+# whoever else writes an event (the read API) writes these columns too.
+EVENT_COLUMNS = (
     "event_id",
     "event_type",
     "aggregate_type",
@@ -154,7 +155,7 @@ class PublishPlan:
     above the published one (1 for a new hotel) and the candidate's supplier version.
     :func:`publish_hotels` rebuilds the few whose written versions differ (a concurrent
     publish of the same hotel in between). Rows are tuples of the columns ``_HOTEL_ROW``,
-    ``_OFFER_ROW`` and ``_EVENT_ROW``.
+    ``_OFFER_ROW`` and ``EVENT_COLUMNS``.
     """
 
     todo: list[tuple[HotelDiff, Candidate]]
@@ -280,7 +281,7 @@ def publish_hotels(
         conn,
         schema.outbox,
         events,
-        columns=_EVENT_ROW,
+        columns=EVENT_COLUMNS,
         batch_id=batch_id,
         created_at=now,
         status="READY",
@@ -463,7 +464,7 @@ def _replace_offers(
 def _hotel_events(
     batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
 ) -> list[tuple[Any, ...]]:
-    """The outbox events of one published version of a hotel (the columns ``_EVENT_ROW``)."""
+    """The outbox events of one published version of a hotel (the columns ``EVENT_COLUMNS``)."""
     rid = diff.platform_resource_id
     pv, sv = versions
     types = list(HOTEL_EVENTS)
