@@ -250,3 +250,18 @@ def wait_for_http(url: str, proc: Any, *, timeout: float = 60.0) -> None:
             _, err = proc.communicate(timeout=10) if proc.poll() is not None else ("", "")
             raise RuntimeError(f"{url} did not answer: {err or 'timeout'}")
         time.sleep(0.2)
+
+
+def cli_process(*argv: str, env: dict[str, str]) -> Any:
+    """``supplier-sync ARGV`` as a process of its own (a user's long-running command), its
+    output captured as text."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "supplier_sync_dagster.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.outbox import claim, outbox_status
-from supplier_sync_dagster_tests.helpers import free_port, wait_for_http
+from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
 from supplier_sync_dagster_tests.test_cli import (
     assert_one_line_error,
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
@@ -132,25 +130,17 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, pr
     db = SyncDatabase.open(db_url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
     env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "supplier_sync_dagster.cli",
-            "--db-url",
-            db_url,
-            "dispatch",
-            "--threads",
-            "2",
-            "--batch-size",
-            "20",
-            "--processes",
-            str(processes),
-        ],
+    proc = cli_process(
+        "--db-url",
+        db_url,
+        "dispatch",
+        "--threads",
+        "2",
+        "--batch-size",
+        "20",
+        "--processes",
+        str(processes),
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         from supplier_sync_dagster_tests.core.test_catalog import hotel
@@ -197,22 +187,7 @@ def test_serve_api_answers_over_http_after_a_sync(
         db.dispose()
         port = free_port()
         env = {k: v for k, v in os.environ.items()}
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "supplier_sync_dagster.cli",
-                "--db-url",
-                db_url,
-                "serve-api",
-                "--port",
-                str(port),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = cli_process("--db-url", db_url, "serve-api", "--port", str(port), env=env)
         try:
             base = f"http://127.0.0.1:{port}"
             wait_for_http(f"{base}/openapi.json", proc)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,27 +15,14 @@ from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.outbox import DEFAULT_LEASE_SECONDS, outbox_status, release_stuck
 from supplier_sync_dagster.core.projections import PostgresSearchIndex
 from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
-from supplier_sync_dagster_tests.helpers import BoundQueue
+from supplier_sync_dagster_tests.helpers import BoundQueue, cli_process
 
 
 def _dispatch(db_url: str, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "supplier_sync_dagster.cli",
-            "--db-url",
-            db_url,
-            "dispatch",
-            "--batch-size",
-            "25",
-            *extra,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc: subprocess.Popen[str] = cli_process(
+        "--db-url", db_url, "dispatch", "--batch-size", "25", *extra, env=env
     )
+    return proc
 
 
 def test_a_killed_dispatcher_loses_nothing(
