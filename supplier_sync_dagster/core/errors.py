@@ -20,6 +20,7 @@ The tree::
     │   └── ProfileMissing            no city profile was recorded for this batch and city
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── TriggerSkipped                the task's concurrency policy skipped a trigger
+    ├── NoBaseline                    an incremental sync has no watermark and no full sync to start from
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
     │   └── ReviewStateError          a review is missing or not in the state a decision needs
@@ -119,6 +120,10 @@ class TriggerSkipped(SupplierSyncError):
     def __init__(self, message: str, *, blocking_batch_id: str | None = None) -> None:
         super().__init__(message)
         self.blocking_batch_id = blocking_batch_id
+
+
+class NoBaseline(SupplierSyncError):
+    """An incremental task has no watermark yet and no successful full sync to start from."""
 
 
 class InvalidCheckpoint(SupplierSyncError):

@@ -56,8 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CheckName = Literal["bad_record_ratio", "record_count", "schema_drift"]
-CHECK_NAMES: tuple[CheckName, ...] = get_args(CheckName)
+CheckName = Literal["bad_record_ratio", "record_count", "schema_drift", "change_volume"]
+# The checks of a city of a full sync; ``change_volume`` judges an incremental window.
+CHECK_NAMES: tuple[CheckName, ...] = get_args(CheckName)[:3]
 Severity = Literal["ERROR", "WARN"]
 
 # A profile stores at most this many distinct fields (the most frequent ones) and names of
@@ -160,6 +161,11 @@ class GateThresholds:
         drift_absent_ratio: ...and as "absent" when fewer than this share have it.
             ``schema_drift`` fails for a field present before and absent now (disappeared),
             or absent before and present now (appeared).
+        max_volume_factor: An incremental window with more than this many times the
+            trailing median of its task's windows (``change_volume``) is held for review.
+        min_volume_records: ...if it has at least this many records (quiet hours swing).
+        quiet_windows: This many successful incremental windows in a row without a change
+            raise the ``no_changes`` alert.
     """
 
     max_bad_ratio: float = 0.2
@@ -167,6 +173,9 @@ class GateThresholds:
     min_previous_records: int = 10
     drift_present_ratio: float = 0.9
     drift_absent_ratio: float = 0.1
+    max_volume_factor: float = 5.0
+    min_volume_records: int = 100
+    quiet_windows: int = 12
 
     def __post_init__(self) -> None:
         for name in (
@@ -185,11 +194,18 @@ class GateThresholds:
                     f"gate threshold {name} must be a number in [0, 1]; got {value!r}"
                 )
             object.__setattr__(self, name, float(value))
-        n = self.min_previous_records
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(
-                f"gate threshold min_previous_records must be an integer >= 0; got {n!r}"
-            )
+        factor = self.max_volume_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1.0:
+            raise ConfigError(f"gate threshold max_volume_factor must be >= 1; got {factor!r}")
+        object.__setattr__(self, "max_volume_factor", float(factor))
+        for name, least in (
+            ("min_previous_records", 0),
+            ("min_volume_records", 0),
+            ("quiet_windows", 1),
+        ):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                raise ConfigError(f"gate threshold {name} must be an integer >= {least}; got {n!r}")
         if self.drift_absent_ratio >= self.drift_present_ratio:
             raise ConfigError(
                 "gate threshold drift_absent_ratio must be below drift_present_ratio; got "
@@ -549,6 +565,62 @@ def check_record_count(
     )
 
 
+def check_change_volume(
+    records: int, history: Sequence[int], thresholds: GateThresholds
+) -> GateResult:
+    """``change_volume``: an incremental window's records against its task's trailing median.
+
+    A supplier that suddenly reports a large share of its catalog as changed is more often
+    broken (a re-import, a bulk edit gone wrong) than busy: such a window is held for review
+    rather than published. WARN severity: the window is processed, its diffs wait for a
+    person (``supplier-sync review``).
+
+    Args:
+        records: Records in the window.
+        history: Records of the task's latest successful windows (newest first).
+        thresholds: The task's thresholds.
+    """
+    meta: dict[str, Any] = {
+        "records": records,
+        "max_volume_factor": thresholds.max_volume_factor,
+        "min_volume_records": thresholds.min_volume_records,
+        "windows_in_baseline": len(history),
+    }
+    if len(history) < 3:
+        meta["baseline"] = "none"
+        return GateResult(
+            "change_volume",
+            True,
+            "WARN",
+            f"{records} changes; fewer than 3 earlier windows (no baseline yet)",
+            meta,
+        )
+    ordered = sorted(history)
+    mid = len(ordered) // 2
+    median = float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    limit = max(median, 1.0) * thresholds.max_volume_factor
+    meta.update(trailing_median=median, limit=limit)
+    if records < thresholds.min_volume_records:
+        return GateResult(
+            "change_volume",
+            True,
+            "WARN",
+            f"{records} changes: under {thresholds.min_volume_records}, the volume rule does "
+            "not apply",
+            meta,
+        )
+    passed = records <= limit
+    verdict = "within" if passed else "beyond"
+    return GateResult(
+        "change_volume",
+        passed,
+        "WARN",
+        f"{records} changes against a trailing median of {median:g} over {len(history)} "
+        f"windows: {verdict} {thresholds.max_volume_factor:g}x",
+        meta,
+    )
+
+
 def _names(names: Sequence[str]) -> str:
     shown = ", ".join(names[:_NAMES_IN_DESCRIPTION])
     more = len(names) - _NAMES_IN_DESCRIPTION
@@ -628,7 +700,8 @@ def check_schema_drift(
     )
 
 
-def _with_override(result: GateResult, override: GateOverride | None) -> GateResult:
+def apply_override(result: GateResult, override: GateOverride | None) -> GateResult:
+    """``result``, passed and marked overridden when it failed and ``override`` exists."""
     if override is None:
         return result
     meta = {
@@ -706,7 +779,7 @@ def _judge(
         check_record_count(current, previous, thresholds),
         check_schema_drift(current, previous, thresholds),
     ]
-    return [_with_override(r, by_check.get(r.check_name)) for r in results]
+    return [apply_override(r, by_check.get(r.check_name)) for r in results]
 
 
 def check_first_pages(

@@ -61,7 +61,12 @@ from supplier_sync_dagster.core.diff import (
     default_risk_policy,
     record_diffs,
 )
-from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseNotAcquired
+from supplier_sync_dagster.core.errors import (
+    CountsDoNotAddUp,
+    LeaseNotAcquired,
+    SupplierError,
+    SupplierNotFound,
+)
 from supplier_sync_dagster.core.gates import (
     GATED_PREFIX,
     CityProfile,
@@ -102,6 +107,12 @@ from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
 from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY, decode_json
+from supplier_sync_dagster.core.tombstones import (
+    DEFAULT_MISSING_SYNCS,
+    Presence,
+    record_presence,
+    unpublish_missing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +188,7 @@ class SyncSettings:
             city's are read back from its NORMALIZED pages (memory stays bounded).
         lease: Lease duration and heartbeat interval.
         risk_policy: Decides each diff's risk level and action.
+        missing_syncs: Complete syncs of a city without a hotel before it is unpublished.
     """
 
     task_code: str
@@ -187,6 +199,7 @@ class SyncSettings:
     memory_hotels: int = 5000
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     risk_policy: RiskPolicy = default_risk_policy
+    missing_syncs: int = DEFAULT_MISSING_SYNCS
 
 
 Stage = Literal["fetch", "normalize", "publish"]
@@ -220,6 +233,8 @@ class CityReport:
     # overrides when claimed (None: unknown, read them).
     profile: CityProfile | None = None
     gate_overrides: bool | None = None
+    # What the complete listing did to the catalog's presence marks (tombstones).
+    presence: Presence | None = None
 
     @property
     def gate_failures(self) -> list[str]:
@@ -235,6 +250,45 @@ class CityReport:
 Gate = PipelineGate
 
 
+class FetchedPage(NamedTuple):
+    """One page of a shard's walk, as the fetch stores and checkpoints it.
+
+    Attributes:
+        raw: The page's exact bytes (stored and hashed).
+        page_number: Its number in the walk (1-based).
+        records: Its records as decoded (non-object entries unwrapped by the client).
+        total_pages: The supplier's page count, when it says.
+        checkpoint: Where the walk goes on once this page is committed.
+    """
+
+    raw: bytes
+    page_number: int
+    records: list[dict[str, Any]]
+    total_pages: int | None
+    checkpoint: Checkpoint
+
+
+class PageSource(Protocol):
+    """Where a shard's pages come from when it is not a city listing (a change feed window).
+
+    ``sync_city`` runs the same stages over its pages; the source says where the walk starts
+    and goes on, may change the settings publishing runs with once every page is normalized
+    (a window far above its usual volume is held for review), and writes its own state in
+    the transaction that finishes the shard (an incremental task's watermark).
+    """
+
+    def pages(
+        self, client: SupplierClient, start: Checkpoint | None, shard_key: str
+    ) -> Iterator[FetchedPage]:
+        """The pages from ``start`` (None: the beginning) on."""
+
+    def publish_settings(self, report: CityReport, settings: SyncSettings) -> SyncSettings:
+        """The settings to publish with, given what fetching and normalizing found."""
+
+    def finish(self, conn: Connection, report: CityReport) -> None:
+        """Runs in the transaction that finishes the shard SUCCESS."""
+
+
 def sync_city(
     db: SyncDatabase,
     store: PayloadStore,
@@ -248,6 +302,7 @@ def sync_city(
     fetch: bool = True,
     city_countries: Mapping[str, str] | None = None,
     report: CityReport | None = None,
+    source: PageSource | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -265,6 +320,9 @@ def sync_city(
             that a hotel's country is its city's; cities missing here skip that rule.
         report: The report to fill in; a caller passes its own to see what a city that
             raised had completed (``stages_done``).
+        source: The shard's pages when they are not the listing of city ``city_code`` (an
+            incremental window: ``core.incremental``); its records then belong to their
+            own cities.
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
@@ -300,6 +358,7 @@ def sync_city(
                 city_countries or {},
                 writer=_NormalizedWriter(lease, store, settings),
                 drift_check=gate is not None,
+                listing_city=city_code if source is None else None,
             )
             if fetch:
                 if client is None:
@@ -314,7 +373,7 @@ def sync_city(
                 _fetch(
                     lease,
                     store,
-                    client,
+                    _walk(client, lease, settings, source),
                     heartbeat,
                     settings,
                     report,
@@ -344,21 +403,79 @@ def sync_city(
                 _check_counts(report)
                 heartbeat.check()
                 lease.finish_in(conn, "SUCCESS", counts=report.counts)
+                if source is not None:
+                    source.finish(conn, report)
+                elif fetch:
+                    # The city's listing is complete: what it lacks counts a miss.
+                    report.presence = record_presence(
+                        conn,
+                        db.clock,
+                        supplier_id=settings.supplier_id,
+                        city_code=city_code,
+                        listed=normalizer.listed,
+                        batch_id=batch.batch_id,
+                        at=db.clock.now(),
+                        missing_syncs=settings.missing_syncs,
+                    )
 
+            publishing = settings if source is None else source.publish_settings(report, settings)
             if _publish(
-                lease, store, heartbeat, settings, report, normalizer.candidates, finish=finish
+                lease, store, heartbeat, publishing, report, normalizer.candidates, finish=finish
             ):
                 lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
             else:
-                heartbeat.check()
-                lease.finish("SUCCESS", counts=report.counts)
+                with db.begin() as conn:
+                    finish(conn)
+                lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
             report.stages_done.append("publish")
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
         report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
         raise
     if work.lost is not None:
         report.status, report.error = "LEASE_LOST", str(work.lost)
+    elif client is not None and report.presence is not None and report.presence.missing:
+        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings)
     return report
+
+
+# A city's newly missing hotels asked for one by one at most (each costs a request).
+CONFIRM_MISSING_MAX = 50
+
+
+def confirm_missing(
+    db: SyncDatabase,
+    client: SupplierClient,
+    report: CityReport,
+    *,
+    batch_id: str,
+    settings: SyncSettings,
+) -> None:
+    """Asks the supplier for each hotel the city's listing newly lacked: a 404 is certain,
+    and the hotel is unpublished now (a 200 leaves the count: it may be listed elsewhere).
+    A failed request changes nothing; the next complete sync counts again."""
+    assert report.presence is not None
+    gone: list[str] = []
+    for hotel_id in report.presence.missing[:CONFIRM_MISSING_MAX]:
+        try:
+            client.get_hotel(hotel_id)
+        except SupplierNotFound:
+            gone.append(hotel_id)
+        except SupplierError as err:
+            log.info("could not confirm missing hotel %r: %s", hotel_id, err)
+    if not gone:
+        return
+    with db.begin() as conn:
+        done = unpublish_missing(
+            conn,
+            db.clock,
+            supplier_id=settings.supplier_id,
+            supplier_hotel_ids=gone,
+            batch_id=batch_id,
+            at=db.clock.now(),
+            missing_syncs=settings.missing_syncs,
+        )
+    report.presence.unpublished += done
+    report.presence.missing = [h for h in report.presence.missing if h not in set(done)]
 
 
 DRIFT_SAMPLE_PAGES = 2
@@ -578,31 +695,60 @@ PageSink = Callable[[_RawPage, list[Any]], None]
 """Takes each page right after it is committed: its RAW snapshot and its records."""
 
 
-def _fetch(
+def _walk(
+    client: SupplierClient | None,
     lease: ShardLease,
-    store: PayloadStore,
-    client: SupplierClient,
-    heartbeat: Progress,
     settings: SyncSettings,
-    report: CityReport,
-    *,
-    on_page: PageSink | None = None,
-) -> None:
-    """Walks the city from its checkpoint; each page is stored and checkpointed, then sunk.
-
-    The next page is requested while ``on_page`` works on the current one, but only after
-    the current one is committed: a crash re-fetches at most one page, as without overlap.
-    """
+    source: PageSource | None,
+) -> Iterator[FetchedPage]:
+    """The shard's pages from its checkpoint: the city's listing, or ``source``'s pages."""
+    if client is None:
+        raise ValueError("fetching needs a supplier client")
     cp = lease.checkpoint
     if cp is not None and cp.done:
-        return
+        return iter(())
+    if source is not None:
+        return source.pages(client, cp, lease.shard_key)
     start = (
         PagePosition(page=cp.page, cursor=cp.cursor, last_hotel_id=cp.last_supplier_hotel_id)
         if cp is not None
         else None
     )
     city = lease.shard_key
-    pages = client.iter_city(city, page_size=settings.page_size, start=start)
+    return (
+        FetchedPage(
+            page.raw,
+            page.page_number,
+            page.page.hotels,
+            page.page.total_pages,
+            Checkpoint(
+                city,
+                page=page.position.page,
+                cursor=page.position.cursor,
+                last_supplier_hotel_id=page.position.last_hotel_id,
+                done=page.position.done,
+            ),
+        )
+        for page in client.iter_city(city, page_size=settings.page_size, start=start)
+    )
+
+
+def _fetch(
+    lease: ShardLease,
+    store: PayloadStore,
+    pages: Iterator[FetchedPage],
+    heartbeat: Progress,
+    settings: SyncSettings,
+    report: CityReport,
+    *,
+    on_page: PageSink | None = None,
+) -> None:
+    """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
+
+    The next page is requested while ``on_page`` works on the current one, but only after
+    the current one is committed: a crash re-fetches at most one page, as without overlap.
+    """
+    city = lease.shard_key
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as ahead:
         pending = ahead.submit(next, pages, None)
         try:
@@ -615,28 +761,21 @@ def _fetch(
                 heartbeat.check()
                 heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
                 stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
-                pos = page.position
                 row = _snapshot_row(
                     lease,
                     kind=RAW,
                     key_hash=stored.sha256,
                     stored=stored,
                     page_number=page.page_number,
-                    record_count=len(page.page.hotels),
+                    record_count=len(page.records),
                 )
                 with lease.db.begin() as conn:
                     _record_snapshots(conn, lease, settings, RAW, [row])
                     lease.advance(
-                        Checkpoint(
-                            city,
-                            page=pos.page,
-                            cursor=pos.cursor,
-                            last_supplier_hotel_id=pos.last_hotel_id,
-                            done=pos.done,
-                        ),
+                        page.checkpoint,
                         PageCounts(),
-                        total_pages=page.page.total_pages,
-                        fetched=len(page.page.hotels),
+                        total_pages=page.total_pages,
+                        fetched=len(page.records),
                         conn=conn,
                     )
                 report.pages_fetched += 1
@@ -645,7 +784,7 @@ def _fetch(
                 if on_page is not None:
                     on_page(
                         _RawPage(stored.ref, stored.sha256, page.page_number, row["record_count"]),
-                        _unwrap(page.page.hotels),
+                        _unwrap(page.records),
                     )
                 collect_garbage()
         finally:
@@ -837,8 +976,11 @@ class _Normalizer:
         writer: _NormalizedWriter | None,
         drift_check: bool,
         on_kept: KeptSink | None = None,
+        listing_city: str | None = None,
     ) -> None:
         self.db, self.batch_id, self.city = db, batch_id, city
+        # The city whose listing the pages are (None: a change feed, no listing city).
+        self.listing_city = listing_city
         self.store, self.progress, self.writer = store, progress, writer
         self.settings, self.report, self.city_countries = settings, report, city_countries
         self.on_kept = on_kept
@@ -848,6 +990,8 @@ class _Normalizer:
         report.dead_letters_by_code.clear()
         self.fields = FieldCounts()
         self.seen: set[str] = set()
+        # Every hotel id on the pages (valid or not): what the listing holds (tombstones).
+        self.listed: set[str] = set()
         self.pages: list[_Page] = []
         self.buffered = 0
         self.candidates: list[Candidate] | None = None if on_kept is not None else []
@@ -903,13 +1047,20 @@ class _Normalizer:
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: _RawPage) -> list[Any]:
-        return list(decode_json(self.store.get(raw.payload_ref)).get("hotels") or [])
+        body = decode_json(self.store.get(raw.payload_ref))
+        # A city listing's page holds "hotels", a change feed's "changes" (the contract).
+        return list(body.get("hotels", body.get("changes")) or [])
 
     def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
         if raw.payload_hash in self.seen:
             return  # the same page bytes again (a walk re-reads overlapping pages)
         began = time.perf_counter()
         self.seen.add(raw.payload_hash)
+        self.listed.update(
+            r["hotel_id"]
+            for r in records
+            if isinstance(r, dict) and isinstance(r.get("hotel_id"), str)
+        )
         self.progress.check()
         self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
@@ -928,7 +1079,9 @@ class _Normalizer:
         docs = [d for page in pages for d in page.result.docs]
         failed: dict[int, DeadLetter] = {}
         if docs:
-            quality = check_quality(docs, city_code=self.city, city_countries=self.city_countries)
+            quality = check_quality(
+                docs, city_code=self.listing_city, city_countries=self.city_countries
+            )
             report.moved += len(quality.moved)
             starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
             for f in quality.failures:
@@ -1377,6 +1530,7 @@ def dry_run_stages(
         writer=None,
         drift_check=False,
         on_kept=lambda kept: _publish_chunk(publisher, kept, NO_PROGRESS, report),
+        listing_city=city_code,
     )
     normalizer.finish()
     _check_counts(report)

@@ -38,6 +38,7 @@ from supplier_sync_dagster.core.outbox import PUBLISHED, first_stage
 # PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
 # tail has no bound parameters: constants there are written as literal SQL.
 _ONE: Any = sa.literal_column("1")
+_ZERO: Any = sa.literal_column("0")
 
 # HotelResourceUpdated drives the search index, the cache and subscribers (its chain of
 # stages: core/outbox.py); HotelSearchIndexRefreshRequired, once an event of its own, is
@@ -344,6 +345,9 @@ def _hotel_upsert(conn: Connection) -> Any:
                 "publish_version": cur.publish_version + _ONE,
                 "fingerprint": ex.fingerprint,
                 "supplier_version": ex.supplier_version,
+                # Published again: present at the supplier (core/tombstones.py).
+                "missing_count": _ZERO,
+                "missing_since": sa.null(),
             },
             where=newer,
         )
@@ -361,6 +365,9 @@ def _hotel_upsert(conn: Connection) -> Any:
         (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
     ]
     assignments += [
+        # Published again: present at the supplier (core/tombstones.py).
+        ("missing_count", sa.func.IF(newer, _ZERO, cur.missing_count)),
+        ("missing_since", sa.func.IF(newer, sa.null(), cur.missing_since)),
         ("publish_version", sa.func.IF(newer, cur.publish_version + _ONE, cur.publish_version)),
         ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
         ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),

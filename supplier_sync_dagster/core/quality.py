@@ -1026,7 +1026,7 @@ def _plain(value: Any) -> Any:
 def check_quality(
     docs: Sequence[Mapping[str, Any]],
     *,
-    city_code: str,
+    city_code: str | None,
     city_countries: Mapping[str, str],
     parse_phones: bool = True,
 ) -> QualityResult:
@@ -1039,7 +1039,8 @@ def check_quality(
     Args:
         docs: normalized hotels in canonical primitive form (``to_primitive`` or the decoded
             canonical JSON), e.g. ``[c.doc for c in chunk]``.
-        city_code: the city being synced.
+        city_code: the city being synced; None for hotels that come from no city listing
+            (a change feed): each belongs to its own ``city_code`` and none has moved.
         city_countries: city code -> ISO 3166-1 alpha-2 country, from the supplier's city
             list; a city missing here skips the country rule for its hotels.
         parse_phones: also parse every phone number with libphonenumber (cached per number;
@@ -1124,7 +1125,7 @@ def check_quality(
         if pos in failures:
             continue
         doc = docs[pos]
-        if doc["city_code"] == city_code:
+        if city_code is None or doc["city_code"] == city_code:
             valid.append(pos)
         else:
             moved.append(MovedHotel(pos, doc["supplier_hotel_id"], doc["city_code"]))

@@ -310,6 +310,9 @@ platform_hotel = sa.Table(
     sa.Column("last_batch_id", sa.String(64), nullable=False),
     sa.Column("publish_token", sa.String(64), nullable=False),
     sa.Column("published_at", _ts(), nullable=False),
+    # Tombstones: complete full syncs of its city in a row that did not list the hotel.
+    sa.Column("missing_count", sa.Integer, nullable=False, server_default=sa.text("0")),
+    sa.Column("missing_since", _ts()),
     sa.UniqueConstraint("supplier_id", "supplier_hotel_id", name="uk_platform_supplier_hotel"),
     sa.Index("idx_platform_city", "supplier_id", "city_code"),
     comment="the platform's published hotel resources",
@@ -473,4 +476,17 @@ task_audit = _table(
     sa.Column("created_at", _ts(), nullable=False),
     sa.Index("idx_task_audit_task", "task_code", "created_at"),
     comment="every change of a task's settings: who, when, why, old and new value",
+)
+
+watermark = _table(
+    "supplier_sync_watermark",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("watermark_at", _ts(), nullable=False),
+    sa.Column("watermark_hotel_id", _code(128), nullable=False),
+    sa.Column("batch_id", sa.String(64)),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("task_code", name="uk_watermark_task"),
+    comment="per incremental task: how far its change feed is published",
 )

@@ -1,0 +1,384 @@
+"""Incremental windows over a change feed served by a MockTransport (SQLite and MariaDB).
+
+The feed honours the contract (ordered by ``(updated_at, hotel_id)``, ``next`` until caught
+up); a change can be added with an ``updated_at`` earlier than what was already handed out
+(late data). The simulator-backed scenario over real HTTP is in ``integration/``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core.batches import TaskSpec, upsert_task
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.errors import NoBaseline, TriggerSkipped
+from supplier_sync_dagster.core.gates import GateThresholds, set_gate_thresholds
+from supplier_sync_dagster.core.incremental import (
+    FeedPosition,
+    IncrementalSettings,
+    Watermark,
+    advance_watermark,
+    get_watermark,
+    quiet_windows,
+    run_incremental,
+)
+from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
+from supplier_sync_dagster.core.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.core.review import approve_reviews
+from supplier_sync_dagster.core.supplier import SupplierClient
+
+T0 = datetime(2026, 11, 20, 10, 0, tzinfo=UTC)
+SETTINGS = SyncSettings(
+    task_code="full_task",
+    supplier_id=1001,
+    lease=LeaseSettings(lease_seconds=30, heartbeat_seconds=5),
+)
+TASK = "incr_task"
+
+
+def _ts(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def hotel(num: int, at: float, version: int = 1, **extra: Any) -> dict[str, Any]:
+    """A valid hotel record of the contract, changed at ``T0 + at`` seconds."""
+    record: dict[str, Any] = {
+        "hotel_id": f"H{num:06d}",
+        "name": f"Riverside Hotel {num}",
+        "city_code": "BKK" if num % 2 else "CNX",
+        "country_code": "TH",
+        "address": {"line1": f"{num} Charoen Krung Rd", "postal_code": "10500"},
+        "geo": {"lat": 13.7234, "lng": 100.5143},
+        "star_rating": 4.0,
+        "phone": "+66 2 123 4567",
+        "facilities": ["wifi"],
+        "images": [],
+        "rooms": [
+            {
+                "room_code": "DLX",
+                "name": "Deluxe",
+                "bed_type": "KING",
+                "max_occupancy": 2,
+                "rate_plans": [
+                    {
+                        "code": "BAR",
+                        "board": "RO",
+                        "refundable": True,
+                        "available": True,
+                        "price": {"amount": f"{100 + version}.00", "currency": "USD"},
+                    }
+                ],
+            }
+        ],
+        "status": "ACTIVE",
+        "updated_at": _ts(at),
+        "version": version,
+    }
+    record.update(extra)
+    return record
+
+
+class Feed:
+    """``GET /v1/hotels/changes`` over a list of records (latest version per hotel)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+        self.fail_after: int | None = None  # raise this many requests from now
+
+    def change(self, record: dict[str, Any]) -> None:
+        self.records[record["hotel_id"]] = record
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/hotels/changes", request.url
+        if self.fail_after is not None:
+            if self.fail_after <= 0:
+                raise KeyboardInterrupt("killed mid-window")
+            self.fail_after -= 1
+        self.requests += 1
+        params = request.url.params
+        since = params["since"]
+        after = params.get("after_id") or ""
+        limit = int(params["limit"])
+        key = (datetime.fromisoformat(since.replace("Z", "+00:00")), after)
+        ordered = sorted(
+            self.records.values(),
+            key=lambda r: (
+                datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")),
+                r["hotel_id"],
+            ),
+        )
+        chosen = [
+            r
+            for r in ordered
+            if (datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")), r["hotel_id"]) > key
+        ][:limit]
+        rest = len(
+            [
+                r
+                for r in ordered
+                if (datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")), r["hotel_id"])
+                > key
+            ]
+        )
+        nxt = (
+            {"since": chosen[-1]["updated_at"], "after_id": chosen[-1]["hotel_id"]}
+            if chosen and rest > len(chosen)
+            else None
+        )
+        return httpx.Response(200, json={"changes": chosen, "next": nxt})
+
+
+@pytest.fixture
+def feed() -> Feed:
+    return Feed()
+
+
+@pytest.fixture
+def client(feed: Feed) -> Iterator[SupplierClient]:
+    with httpx.Client(
+        base_url="http://supplier", transport=httpx.MockTransport(feed.handle)
+    ) as http:
+        yield SupplierClient(http, api_key="k", supplier_id="fake")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalPayloadStore:
+    return LocalPayloadStore(tmp_path / "payloads")
+
+
+def _start_at(db: SyncDatabase, seconds: float) -> None:
+    with db.begin() as conn:
+        advance_watermark(
+            conn,
+            db.clock,
+            task_code=TASK,
+            supplier_id=1001,
+            to=Watermark(T0 + timedelta(seconds=seconds)),
+            batch_id="seed",
+        )
+
+
+def _run(db, store, client, trigger: str, **settings: Any):
+    incremental = IncrementalSettings(
+        task_code=TASK, full_task_code="full_task", limit=3, **settings
+    )
+    return run_incremental(
+        db,
+        store,
+        client,
+        settings=SETTINGS,
+        incremental=incremental,
+        trigger_id=trigger,
+        source="MANUAL",
+        worker_id=f"worker-{trigger}",
+    )
+
+
+def _published(db: SyncDatabase) -> dict[str, int]:
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        return dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+
+
+def test_a_window_publishes_every_change_and_moves_the_watermark_to_its_last(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 10))
+    window = _run(db, store, client, "w1")
+    assert window.report.status == "SUCCESS"
+    assert window.report.records == 7 and window.report.published == 7
+    assert window.report.pages_fetched == 3  # 3 + 3 + 1
+    assert window.watermark_before == Watermark(T0)
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=70), "H000007")
+    assert window.cities == {"BKK": 4, "CNX": 3}
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 8)}
+    # The batch records where the window began and ended.
+    assert window.batch.sync_mode == "INCREMENTAL" and window.batch.status == "SUCCESS"
+
+
+def test_a_second_window_rereads_only_the_overlap_and_publishes_only_what_is_new(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 100))
+    _run(db, store, client, "w1")
+    feed.change(hotel(2, at=800, version=2))
+    second = _run(db, store, client, "w2", overlap_seconds=150)
+    # From 700 - 150 = 550: hotels 6 and 7 again (no-ops) and hotel 2's new version.
+    assert second.report.records == 3
+    assert second.report.published == 1 and second.report.skipped == 2
+    assert second.watermark_after == Watermark(T0 + timedelta(seconds=800), "H000002")
+    assert _published(db)["H000002"] == 2
+    third = _run(db, store, client, "w3", overlap_seconds=150)
+    assert third.report.published == 0
+    assert third.watermark_after == second.watermark_after
+    assert quiet_windows(db, TASK) == 1  # the third found nothing new
+
+
+@pytest.mark.parametrize("overlap, lost", [(0, True), (300, False)])
+def test_a_change_visible_late_is_found_only_by_looking_back(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    overlap: float,
+    lost: bool,
+):
+    _start_at(db, 0)
+    feed.change(hotel(1, at=100))
+    feed.change(hotel(3, at=300))
+    _run(db, store, client, "w1", overlap_seconds=overlap)
+    # The supplier's replication lag: hotel 2 changed at 200, visible only now.
+    feed.change(hotel(2, at=200))
+    _run(db, store, client, "w2", overlap_seconds=overlap)
+    assert ("H000002" in _published(db)) is not lost
+
+
+def test_a_window_killed_mid_way_resumes_from_its_checkpoint_and_publishes_each_change_once(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 11):
+        feed.change(hotel(n, at=n * 10))
+    feed.fail_after = 2  # pages 1 and 2 arrive, the third request kills the worker
+    with pytest.raises(KeyboardInterrupt):
+        _run(db, store, client, "w1")
+    with db.engine.connect() as conn:
+        assert get_watermark(conn, TASK) == Watermark(T0)  # not ahead of the catalog
+    assert _published(db) == {}
+    feed.fail_after = None
+    # The worker is gone: once its grace passes, the next trigger adopts the window.
+    db.clock.advance(120)
+    before = feed.requests
+    window = _run(db, store, client, "w2")
+    assert window.report.status == "SUCCESS"
+    assert window.report.resumed_from_page == 3
+    assert feed.requests - before == 2  # pages 3 and 4 only
+    assert window.report.published == 10
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=100), "H000010")
+    with db.engine.connect() as conn:
+        versions = (
+            conn.execute(sa.select(schema.platform_hotel.c.publish_version).distinct())
+            .scalars()
+            .all()
+        )
+    assert versions == [1]
+    shards = list_shards(db, window.batch.batch_id)
+    assert [s.status for s in shards] == ["SUCCESS"]
+
+
+def test_a_window_far_above_its_usual_volume_is_held_for_review(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    upsert_task(db, TaskSpec(task_code=TASK, supplier_id=1001, sync_mode="INCREMENTAL"))
+    with db.begin() as conn:
+        set_gate_thresholds(
+            conn,
+            db.clock,
+            task_code=TASK,
+            thresholds=GateThresholds(max_volume_factor=3.0, min_volume_records=5),
+            updated_by="test",
+        )
+    _start_at(db, 0)
+    at = 0
+    for i in range(3):  # three ordinary windows of 2 changes
+        for _ in range(2):
+            at += 10
+            feed.change(hotel(int(at), at=at))
+        assert _run(db, store, client, f"normal{i}", overlap_seconds=0).held is False
+    for _ in range(20):
+        at += 10
+        feed.change(hotel(int(at), at=at))
+    window = _run(db, store, client, "burst", overlap_seconds=0)
+    assert window.held and window.report.held_for_review == 20
+    assert window.report.published == 0
+    assert window.volume is not None and window.volume.metadata["trailing_median"] == 2
+    # Held is processed: the watermark moved, and a person's approval publishes them.
+    assert window.watermark_after is not None
+    assert window.watermark_after.updated_at == T0 + timedelta(seconds=at)
+    approve_reviews(
+        db, review_ids=None, who="ops", reason="a real bulk update", batch_id=window.batch.batch_id
+    )
+    assert len(_published(db)) == 26
+
+
+def test_a_bad_record_becomes_a_dead_letter_and_the_rest_publishes(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    feed.change(hotel(2, at=20, geo={"lat": 200.0, "lng": 100.0}))
+    feed.change(hotel(3, at=30))
+    window = _run(db, store, client, "w1")
+    r = window.report
+    assert (r.records, r.published, r.dead_letters) == (3, 2, 1)
+    assert dict(r.dead_letters_by_code) == {"LAT_OUT_OF_RANGE": 1}
+    # A dead letter is processed too: the watermark passes it.
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=30), "H000003")
+
+
+def test_without_a_watermark_or_a_full_sync_there_is_nothing_to_start_from(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient
+):
+    with pytest.raises(NoBaseline, match="sync --full"):
+        _run(db, store, client, "w1")
+
+
+def test_a_second_window_of_the_task_is_refused_while_one_runs(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 10))
+    feed.fail_after = 1
+    with pytest.raises(KeyboardInterrupt):
+        _run(db, store, client, "w1")
+    feed.fail_after = None
+    # The first worker's grace has not passed: its window counts as running.
+    with pytest.raises(TriggerSkipped):
+        _run(db, store, client, "w2")
+
+
+def test_the_watermark_never_moves_back():
+    db = SyncDatabase.open("sqlite://")
+    try:
+        late, early = Watermark(T0 + timedelta(seconds=60), "H2"), Watermark(T0, "H9")
+        with db.begin() as conn:
+            assert advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b1"
+            )
+            assert not advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=early, batch_id="b2"
+            )
+            assert not advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b3"
+            )
+            assert get_watermark(conn, TASK) == late
+    finally:
+        db.dispose()
+
+
+def test_a_feed_position_survives_the_checkpoint_column():
+    pos = FeedPosition(
+        start=T0,
+        since=T0 + timedelta(seconds=5),
+        after_id="H1",
+        high=Watermark(T0 + timedelta(seconds=5, microseconds=250), "H1"),
+        origin=Watermark(T0),
+    )
+    assert FeedPosition.from_cursor(pos.to_cursor()) == pos
+    assert json.loads(pos.to_cursor())["since"] == "2026-11-20T10:00:05Z"
