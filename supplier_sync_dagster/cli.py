@@ -109,6 +109,8 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
+    if args.incremental:
+        return _cmd_sync_incremental(args, settings, sync_db, payloads)
     summary = run_full_sync(
         supplier=supplier_resource(
             base_url=settings.supplier_url,
@@ -133,6 +135,126 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         console_log_level=_console_log_level(args),
     )
     return _finish_sync(summary, as_json=args.json)
+
+
+def _cmd_sync_incremental(
+    args: argparse.Namespace, settings: Any, sync_db: Any, payloads: Any
+) -> int:
+    from supplier_sync_dagster.defs.resources import supplier_resource
+    from supplier_sync_dagster.sync_runner import run_incremental_sync
+
+    config = {
+        key: value
+        for key, value in (
+            ("task_code", args.task),
+            ("overlap_seconds", args.overlap_seconds),
+            ("max_pages", args.max_pages),
+            ("changes_per_request", args.changes_limit),
+        )
+        if value is not None
+    }
+    summary = run_incremental_sync(
+        supplier=supplier_resource(
+            base_url=settings.supplier_url,
+            api_key=settings.api_key(),
+            redis_url=settings.redis_url,
+            page_size=args.page_size,
+            **{
+                field: value
+                for field, value in (
+                    ("rate_limit_rps", _first(args.rate_limit, settings.supplier_rate_limit)),
+                )
+                if value is not None
+            },
+        ),
+        sync_db=sync_db,
+        payloads=payloads,
+        config=config,
+        trigger_id=args.trigger_id,
+        console_log_level=_console_log_level(args),
+    )
+    print(summary.to_json() if args.json else summary.render())
+    problem = summary.problem()
+    if problem is None:
+        return 0
+    print(f"supplier-sync: {problem}", file=sys.stderr)
+    return 1
+
+
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    import json
+
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
+    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.defs.resources import supplier_resource
+    from supplier_sync_dagster.sync_runner import run_full_sync
+
+    settings = load_settings()
+    sync_db, payloads = _resources(args, settings)
+    supplier = supplier_resource(
+        base_url=settings.supplier_url,
+        api_key=settings.api_key(),
+        redis_url=settings.redis_url,
+        **(
+            {"rate_limit_rps": settings.supplier_rate_limit}
+            if settings.supplier_rate_limit is not None
+            else {}
+        ),
+    )
+    tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        with supplier.client() as client:
+            report = reconcile(
+                db, client, supplier_id=supplier.supplier_id, cities=args.city, tolerance=tolerance
+            )
+    finally:
+        db.dispose()
+    differing = [c.city_code for c in report.differing]
+    if args.json:
+        for c in report.cities:
+            print(json.dumps(c.row(), ensure_ascii=False))
+    else:
+        for c in report.differing + report.failed:
+            print(f"{c.city_code!r}: {'; '.join(c.reasons) or c.error}")
+        print(
+            f"{len(report.cities)} cities compared in {report.seconds:.1f} s "
+            f"({report.requests} requests): {len(differing)} differ, "
+            f"{len(report.failed)} not compared"
+        )
+    status = 0
+    if differing and not args.no_repull:
+        summary = run_full_sync(
+            supplier=supplier,
+            sync_db=sync_db,
+            payloads=payloads,
+            cities=differing,
+            progress=None if args.json else sys.stderr,
+            console_log_level=_console_log_level(args),
+        )
+        problem = summary.problem()
+        message = (
+            f"re-pulled {summary.cities_done} of {len(differing)} cities in batch "
+            f"{summary.batch_id}: {summary.published} published"
+        )
+        print(json.dumps({"repull": asdict_summary(summary)}) if args.json else message)
+        if problem is not None:
+            print(f"supplier-sync: {problem}", file=sys.stderr)
+            status = 1
+    if report.failed and status == 0:
+        print(
+            f"supplier-sync: {len(report.failed)} cities could not be compared "
+            f"({report.failed[0].error})",
+            file=sys.stderr,
+        )
+        status = 1
+    return status
+
+
+def asdict_summary(summary: Any) -> dict[str, Any]:
+    """A sync summary as a plain mapping (for JSON)."""
+    return dataclasses.asdict(summary)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -681,7 +803,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     sync = sub.add_parser("sync", help="a sync against the configured supplier (SUPPLIER_SYNC_*)")
-    sync.add_argument("--full", action="store_true", required=True, help="every city (full sync)")
+    mode = sync.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--full", action="store_true", help="every city (full sync)")
+    mode.add_argument(
+        "--incremental",
+        action="store_true",
+        help="one window of the change feed, from the watermark until caught up",
+    )
+    sync.add_argument(
+        "--overlap-seconds",
+        type=float,
+        default=None,
+        help="incremental: how far before the watermark the window starts (default 300)",
+    )
+    sync.add_argument(
+        "--max-pages",
+        type=_positive_int,
+        default=None,
+        help="incremental: pages per window at most (default 2000)",
+    )
+    sync.add_argument(
+        "--changes-limit",
+        type=_positive_int,
+        default=None,
+        help="incremental: changes per feed request, 1-1000 (default 500)",
+    )
+    sync.add_argument(
+        "--task",
+        default=None,
+        help="incremental: the incremental task (default hotel_supplier_incremental)",
+    )
     sync.add_argument("--json", action="store_true", help="print the summary as JSON")
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
     sync.add_argument("--page-size", type=int, default=100)
@@ -834,6 +985,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--task", default=DEFAULT_TASK_CODE, help="the task whose pages are replayed"
     )
     replay.set_defaults(func=_cmd_replay)
+
+    recon = sub.add_parser(
+        "reconcile",
+        help="each city's supplier summary against the catalog; re-pull the cities that differ",
+    )
+    recon.add_argument("--city", action="append", default=None, help="a city code (repeatable)")
+    recon.add_argument("--absolute", type=int, default=2, help="hotels apart that are fine")
+    recon.add_argument("--relative", type=float, default=0.02, help="...or this share")
+    recon.add_argument(
+        "--max-lag-hours", type=float, default=6.0, help="newest change may trail this long"
+    )
+    recon.add_argument(
+        "--no-repull", action="store_true", help="report only; do not re-pull what differs"
+    )
+    recon.add_argument("--json", action="store_true", help="JSON lines: one per city, a summary")
+    recon.set_defaults(func=_cmd_reconcile)
 
     add_outbox_commands(sub)
 

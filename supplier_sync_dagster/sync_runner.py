@@ -30,6 +30,7 @@ from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
 from supplier_sync_dagster.core.gates import GATED_PREFIX, gate_check_names
+from supplier_sync_dagster.core.incremental import DEFAULT_INCREMENTAL_TASK
 from supplier_sync_dagster.core.leases import list_shards
 from supplier_sync_dagster.core.processes import this_host
 from supplier_sync_dagster.core.tasks import require_enabled
@@ -241,8 +242,12 @@ def run_full_sync(
     trigger_id: str | None = None,
     progress: TextIO | None = sys.stderr,
     console_log_level: str = "WARNING",
+    cities: Sequence[str] | None = None,
 ) -> SyncSummary:
     """Syncs every city of the supplier in one Dagster run and returns the summary.
+
+    With ``cities``, only those (a reconciliation's re-pull): one run per city, all of one
+    trigger (one batch).
 
     Raises:
         TaskDisabled: The task is DISABLED (nothing is launched).
@@ -260,11 +265,16 @@ def run_full_sync(
     # whatever another instance of this process left behind.
     with dagster_instance() as instance:
         trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-        with supplier.client() as client:
-            codes = [c.city_code for c in client.list_cities().data.cities]
+        if cities is None:
+            with supplier.client() as client:
+                codes = [c.city_code for c in client.list_cities().data.cities]
+        else:
+            codes = list(cities)
         keys = _add_city_partitions(instance, codes)
         # A range covers the keys between its ends in the partition set's order.
         ordered = [k for k in instance.get_dynamic_partitions(CITY_PARTITIONS) if k in set(keys)]
+        # A subset is not a range: one run per city (each an exact partition).
+        ranges = [(k, k) for k in keys] if cities is not None else [(ordered[0], ordered[-1])]
         db = SyncDatabase.open(sync_db.db_url)
         stop = threading.Event()
         reporter = threading.Thread(
@@ -275,21 +285,24 @@ def run_full_sync(
         started = time.perf_counter()
         reporter.start()
         try:
-            result = dg.materialize(
-                [city_sync],
-                instance=instance,
-                resources=_run_resources(sync_db, payloads, supplier),
-                tags={
-                    "dagster/asset_partition_range_start": ordered[0],
-                    "dagster/asset_partition_range_end": ordered[-1],
-                    TRIGGER_TAG: trigger_id,
-                    SOURCE_TAG: "MANUAL",
-                    # The run executes in this process: run monitoring can tell when it dies.
-                    WORKER_HOST_TAG: this_host(),
-                },
-                raise_on_error=False,
-                run_config=_console_config(console_log_level),
-            )
+            for start, end in ranges:
+                result = dg.materialize(
+                    [city_sync],
+                    instance=instance,
+                    resources=_run_resources(sync_db, payloads, supplier),
+                    tags={
+                        "dagster/asset_partition_range_start": start,
+                        "dagster/asset_partition_range_end": end,
+                        TRIGGER_TAG: trigger_id,
+                        SOURCE_TAG: "MANUAL",
+                        # The run executes in this process: run monitoring can tell when it dies.
+                        WORKER_HOST_TAG: this_host(),
+                    },
+                    raise_on_error=False,
+                    run_config=_console_config(console_log_level),
+                )
+                if not result.success:
+                    break
         finally:
             stop.set()
             reporter.join(timeout=5)
@@ -300,6 +313,123 @@ def run_full_sync(
         summary.dagster_run_id = result.run_id
         summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
         db.dispose()
+        return summary
+
+
+@dataclass
+class IncrementalSummary:
+    """What an incremental run did (one window), for the terminal and for ``--json``."""
+
+    trigger_id: str
+    run_success: bool
+    batch_id: str = ""
+    status: str = ""
+    window: dict[str, Any] = field(default_factory=dict)
+    cities: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    dagster_run_id: str = ""
+    run_error: str = ""
+
+    def to_json(self) -> str:
+        """The summary as one JSON object."""
+        return json.dumps(asdict(self), sort_keys=True, default=str)
+
+    def problem(self) -> str | None:
+        """Why the window did not complete, in one line (None: it did)."""
+        if self.run_success:
+            return None
+        return f"incremental sync failed: {self.run_error or 'no reason recorded'}"
+
+    def render(self) -> str:
+        """The summary as text for a terminal."""
+        if not self.batch_id:
+            return f"trigger {self.trigger_id}: no window ({self.run_error})"
+        w = self.window
+        lines = [
+            f"window {self.batch_id}: {self.status}",
+            f"watermark {w.get('watermark_before') or '(none: from the last full sync)'} -> "
+            f"{w.get('watermark_after') or '(unchanged)'}",
+            f"changes {w.get('changes', 0)} in {w.get('pages', 0)} pages: published "
+            f"{w.get('published', 0)}, dead letters {w.get('dead_letters', 0)}, skipped "
+            f"{w.get('skipped', 0)} (held for review {w.get('held_for_review', 0)})",
+            f"cities touched: {len(self.cities)}"
+            + (f" ({_fmt(dict(list(self.cities.items())[:8]))})" if self.cities else ""),
+            f"elapsed {self.seconds:.1f} s",
+        ]
+        if w.get("held_window"):
+            lines.append(
+                "the window's volume was far above its usual: its diffs wait in "
+                f"supplier-sync review list --batch {self.batch_id}"
+            )
+        return "\n".join(lines)
+
+
+def run_incremental_sync(
+    *,
+    supplier: SupplierResource,
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    config: dict[str, Any] | None = None,
+    trigger_id: str | None = None,
+    console_log_level: str = "WARNING",
+) -> IncrementalSummary:
+    """Runs one incremental window in a Dagster run (``incremental_sync_job``'s asset)."""
+    from supplier_sync_dagster.defs.incremental_sync import (
+        CHANGE_FEED,
+        TASK_TAG,
+        IncrementalConfig,
+        hotel_change_feed,
+    )
+
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    task_code = (config or {}).get("task_code") or DEFAULT_INCREMENTAL_TASK
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        started = time.perf_counter()
+        run_config = _console_config(console_log_level)
+        result = dg.materialize(
+            [hotel_change_feed],
+            instance=instance,
+            resources=_run_resources(sync_db, payloads, supplier),
+            tags={
+                TRIGGER_TAG: trigger_id,
+                SOURCE_TAG: "MANUAL",
+                TASK_TAG: task_code,
+                WORKER_HOST_TAG: this_host(),
+            },
+            raise_on_error=False,
+            run_config=dg.RunConfig(
+                ops={"hotel_change_feed": IncrementalConfig(**(config or {}))},
+                loggers=run_config.loggers,
+            ),
+        )
+        summary = IncrementalSummary(
+            trigger_id=trigger_id,
+            run_success=result.success,
+            seconds=time.perf_counter() - started,
+            dagster_run_id=result.run_id,
+            run_error="" if result.success else run_failure(result),
+        )
+        for event in result.get_asset_materialization_events():
+            m = event.step_materialization_data.materialization
+            values: dict[str, Any] = {k: v.value for k, v in m.metadata.items()}
+            if m.asset_key == CHANGE_FEED:
+                summary.window = values
+                summary.batch_id = str(values.get("batch_id", ""))
+                summary.status = str(values.get("status", ""))
+            elif m.partition is not None:
+                summary.cities[str(values.get("city", m.partition))] = int(
+                    values.get("published", 0)
+                )
+        if not summary.batch_id:
+            db = SyncDatabase.open(sync_db.db_url)
+            try:
+                batch = _batch_of(db, task_code, trigger_id)
+            finally:
+                db.dispose()
+            if batch is not None:
+                summary.batch_id, summary.status = batch.batch_id, batch.status
         return summary
 
 

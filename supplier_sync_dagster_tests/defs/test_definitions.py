@@ -14,15 +14,22 @@ def test_definitions_load_and_validate():
     dg.Definitions.validate_loadable(loaded)
     assert loaded.resources is not None and loaded.sensors is not None
     assert isinstance(loaded.resources["sync_db"], SyncDatabaseResource)
-    assert {s.name for s in loaded.sensors} >= {"shard_stall_sensor", "city_discovery_sensor"}
+    assert {s.name for s in loaded.sensors} >= {
+        "shard_stall_sensor",
+        "city_discovery_sensor",
+        "reconciliation_repull_sensor",
+    }
     assert loaded.schedules is not None
     assert {s.name for s in loaded.schedules} == {
+        "catalog_reconciliation_schedule",
+        "incremental_sync",
         "nightly_full_sync",
         "outbox_dispatch_schedule",
         "projection_reconciliation_schedule",
     }
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
     assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
+    assert repo.has_job("incremental_sync_job")
     keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
     assert keys >= {
         "raw_hotel_snapshots",
@@ -32,6 +39,8 @@ def test_definitions_load_and_validate():
         "published_hotels",
         "hotel_search_projection",
         "hotel_search_reconciliation",
+        "hotel_change_feed",
+        "hotel_catalog_reconciliation",
     }
     graph = repo.asset_graph
     assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys

@@ -1,0 +1,294 @@
+"""The incremental sync in Dagster: one window of the supplier's change feed per run.
+
+``hotel_change_feed`` runs :func:`~supplier_sync_dagster.core.incremental.run_incremental`:
+one window from the task's watermark (minus the overlap) until the feed is caught up. Its
+materialization carries the window (watermark before and after, records, what became of
+them, timings); every city the window published hotels in gets a ``published_hotels``
+materialization **for that city's partition**, as a full sync reports it, so the UI shows
+which cities the run touched. Two non-blocking checks say what an operator should look at:
+``change_volume`` (the window was far above its usual volume: its diffs wait for review)
+and ``quiet_windows`` (the feed has been silent for too many windows in a row).
+
+``incremental_sync_job`` runs it; the ``incremental_sync`` schedule every 5 minutes, unless
+a run of the job is still queued or running (one window per task at a time; the task's
+SKIP_IF_RUNNING policy refuses a second one in the database as well, and runs carry the
+task's tag, which ``dagster.yaml`` limits to one run per value).
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from supplier_sync_dagster.core.errors import NoBaseline, TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.incremental import (
+    DEFAULT_CHANGES_LIMIT,
+    DEFAULT_INCREMENTAL_TASK,
+    DEFAULT_MAX_PAGES,
+    DEFAULT_OVERLAP_SECONDS,
+    IncrementalSettings,
+    WindowReport,
+    has_baseline,
+    run_incremental,
+)
+from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.defs.city_sync import (
+    GROUP,
+    PUBLISHED,
+    SOURCE_TAG,
+    TRIGGER_TAG,
+    trigger_of,
+)
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+CHANGE_FEED = dg.AssetKey("hotel_change_feed")
+TASK_TAG = "supplier_sync/task"
+VOLUME_CHECK = "change_volume"
+QUIET_CHECK = "quiet_windows"
+
+
+class IncrementalConfig(dg.Config):
+    """How a run reads the change feed (the launchpad's form)."""
+
+    task_code: str = Field(
+        default=DEFAULT_INCREMENTAL_TASK,
+        description="The incremental task: its batches, watermark and thresholds.",
+    )
+    overlap_seconds: float = Field(
+        default=DEFAULT_OVERLAP_SECONDS,
+        description="How far before the watermark the window starts (changes visible late).",
+    )
+    changes_per_request: int = Field(
+        default=DEFAULT_CHANGES_LIMIT, description="Changes per feed request (1-1000)."
+    )
+    max_pages: int = Field(
+        default=DEFAULT_MAX_PAGES,
+        description="Pages per window at most; a longer backlog continues in the next run.",
+    )
+
+
+@dg.asset(
+    key=CHANGE_FEED,
+    group_name=GROUP,
+    pool="supplier_api",
+    check_specs=[
+        dg.AssetCheckSpec(
+            VOLUME_CHECK,
+            asset=CHANGE_FEED,
+            description=(
+                "The window's changes stay within the task's max_volume_factor of the trailing "
+                "median of its windows; beyond it every diff is held for review."
+            ),
+        ),
+        dg.AssetCheckSpec(
+            QUIET_CHECK,
+            asset=CHANGE_FEED,
+            description=(
+                "The feed has not been silent for the task's quiet_windows windows in a row "
+                "(a supplier that stops reporting changes is more often broken than idle)."
+            ),
+        ),
+    ],
+    description=(
+        "One window of the supplier's change feed, from the task's watermark minus the overlap "
+        "until caught up, through the same stages as a full sync; the watermark moves with the "
+        "window's last publish. Each city it published in is reported on published_hotels."
+    ),
+)
+def hotel_change_feed(
+    context: dg.AssetExecutionContext,
+    config: IncrementalConfig,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+    governance: GovernanceResource,
+) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
+    """Runs one window and reports it, and each city it published in."""
+    trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
+    settings = SyncSettings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
+    )
+    incremental = IncrementalSettings(
+        task_code=config.task_code,
+        full_task_code=supplier.task_code,
+        overlap_seconds=config.overlap_seconds,
+        limit=config.changes_per_request,
+        max_pages=config.max_pages,
+    )
+    db = sync_db.open()
+    store = payloads.open()
+    try:
+        with supplier.client() as client:
+            try:
+                window = run_incremental(
+                    db,
+                    store,
+                    client,
+                    settings=settings,
+                    incremental=incremental,
+                    trigger_id=trigger_id,
+                    source=source,
+                    worker_id=make_worker_id("supplier-sync"),
+                )
+            except (NoBaseline, TaskDisabled, TriggerSkipped) as err:
+                raise dg.Failure(
+                    description=f"incremental sync not run: {err}",
+                    metadata={"blocking_batch_id": getattr(err, "blocking_batch_id", "") or ""},
+                    allow_retries=False,
+                ) from None
+            requests = client.stats().requests
+    finally:
+        db.dispose()
+    r = window.report
+    context.log.info(
+        f"window {window.batch.batch_id}: {r.status}, {r.records} changes in {r.pages_fetched} "
+        f"pages, {r.published} published, {r.dead_letters} dead letters, {r.skipped} skipped, "
+        f"{len(window.cities)} cities, {requests} requests; watermark "
+        f"{_text(window.watermark_before)} -> {_text(window.watermark_after)}"
+    )
+    if r.status not in ("SUCCESS", "ALREADY_DONE"):
+        raise dg.Failure(
+            description=(
+                f"window {window.batch.batch_id} did not publish ({r.status}): {r.error or ''}. "
+                "The watermark did not move; the next run resumes or re-reads the window"
+            ),
+            metadata={"batch_id": window.batch.batch_id, "status": r.status},
+            allow_retries=False,
+        )
+    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    new = [encode_city_key(c) for c in window.cities if encode_city_key(c) not in known]
+    if new:
+        context.instance.add_dynamic_partitions(CITY_PARTITIONS, new)
+    for city, published in window.cities.items():
+        yield dg.AssetMaterialization(
+            PUBLISHED,
+            partition=encode_city_key(city),
+            metadata={
+                "batch_id": window.batch.batch_id,
+                "city": city,
+                "sync_mode": "INCREMENTAL",
+                "published": published,
+                "watermark": _text(window.watermark_after),
+            },
+        )
+    yield dg.MaterializeResult(
+        metadata=window_metadata(window, requests),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name=VOLUME_CHECK,
+                passed=window.volume is None or window.volume.passed,
+                severity=dg.AssetCheckSeverity.WARN,
+                description=window.volume.description if window.volume else "not judged",
+                metadata=dict(window.volume.metadata) if window.volume else {},
+            ),
+            dg.AssetCheckResult(
+                check_name=QUIET_CHECK,
+                passed=not window.quiet_alert,
+                severity=dg.AssetCheckSeverity.WARN,
+                description=f"{window.quiet_for} windows in a row without a change",
+                metadata={"quiet_for": window.quiet_for},
+            ),
+        ],
+    )
+
+
+def window_metadata(window: WindowReport, requests: int) -> dict[str, Any]:
+    """A window's numbers, as numeric metadata the UI plots over time."""
+    r = window.report
+    start = window.started_from
+    return {
+        "batch_id": window.batch.batch_id,
+        "status": r.status,
+        "window_start": start.start.isoformat() if start else "",
+        "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
+        "watermark_before": _text(window.watermark_before),
+        "watermark_after": _text(window.watermark_after),
+        "pages": r.pages_fetched,
+        "changes": r.records,
+        "published": r.published,
+        "dead_letters": r.dead_letters,
+        "skipped": r.skipped,
+        "held_for_review": r.held_for_review,
+        "held_window": window.held,
+        "cities_touched": len(window.cities),
+        "quiet_for": window.quiet_for,
+        "supplier_requests": requests,
+        "seconds": round(sum(r.seconds.values()), 3),
+        "diffs_by_type": dg.MetadataValue.json(dict(r.diffs_by_type)),
+        "dead_letters_by_code": dg.MetadataValue.json(dict(r.dead_letters_by_code)),
+    }
+
+
+def _text(mark: object) -> str:
+    text = getattr(mark, "text", None)
+    return text() if callable(text) else ""
+
+
+incremental_sync_job = dg.define_asset_job(
+    "incremental_sync_job",
+    selection=dg.AssetSelection.assets(CHANGE_FEED),
+    tags={TASK_TAG: DEFAULT_INCREMENTAL_TASK},
+    description="One window of the supplier's change feed, from the watermark until caught up.",
+)
+
+
+@dg.schedule(
+    job=incremental_sync_job,
+    cron_schedule="*/5 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description=(
+        "Every 5 minutes: one incremental window, unless the previous one is still queued or "
+        "running (one window per task at a time)."
+    ),
+)
+def incremental_sync(
+    context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
+) -> dg.RunRequest | dg.SkipReason:
+    """Requests a window unless one is queued or running, or there is nothing to be
+    incremental to yet (no full sync); its tick time is its trigger."""
+    db = sync_db.open()
+    try:
+        ready = has_baseline(db, IncrementalSettings())
+    finally:
+        db.dispose()
+    if not ready:
+        return dg.SkipReason("no watermark and no successful full sync yet: nothing to start from")
+    active = context.instance.get_runs(
+        filters=dg.RunsFilter(
+            job_name=incremental_sync_job.name,
+            statuses=[
+                dg.DagsterRunStatus.QUEUED,
+                dg.DagsterRunStatus.NOT_STARTED,
+                dg.DagsterRunStatus.STARTING,
+                dg.DagsterRunStatus.STARTED,
+            ],
+        ),
+        limit=1,
+    )
+    if active:
+        return dg.SkipReason(f"run {active[0].run_id} of the previous window is still active")
+    fired = (
+        context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "now"
+    )
+    trigger = f"incremental:{fired}"[:64]
+    return dg.RunRequest(
+        run_key=trigger,
+        tags={
+            TRIGGER_TAG: trigger,
+            SOURCE_TAG: "CRON",
+            TASK_TAG: DEFAULT_INCREMENTAL_TASK,
+        },
+    )

@@ -1,0 +1,166 @@
+"""Catalog reconciliation in Dagster: the supplier's city summaries against the catalog, daily,
+and a full sync of exactly the cities that differ.
+
+``hotel_catalog_reconciliation`` (downstream of ``published_hotels``) compares every city
+(:func:`~supplier_sync_dagster.core.reconcile.reconcile`) and records the differing cities
+as a table, with numbers the UI plots and an alert can use: cities compared, differing,
+re-pulled, and the **remaining differences** (cities that still differ although the previous
+reconciliation re-pulled them: a re-pull does not fix those, a person must look; they are not
+re-pulled again). ``reconciliation_repull_sensor`` sees each new materialization and requests
+one full-sync run per city to re-pull (one trigger: they share one batch), so the next
+reconciliation shows them equal.
+"""
+
+import dagster as dg
+from pydantic import Field
+
+from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
+from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED, SOURCE_TAG, TRIGGER_TAG
+from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
+from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
+
+RECONCILIATION = dg.AssetKey("hotel_catalog_reconciliation")
+REPULL = "repull_cities"
+
+
+class ReconcileConfig(dg.Config):
+    """The tolerance (the launchpad's form)."""
+
+    absolute: int = Field(default=2, description="Hotels apart that never count as different.")
+    relative: float = Field(default=0.02, description="...nor this share of the supplier's count.")
+    max_lag_hours: float = Field(
+        default=6.0, description="The catalog's newest change may trail the supplier's this long."
+    )
+    repull: bool = Field(default=True, description="Re-pull the cities that differ.")
+
+
+@dg.asset(
+    key=RECONCILIATION,
+    deps=[PUBLISHED],
+    group_name=GROUP,
+    pool="supplier_api",
+    description=(
+        "Each city's supplier summary (hotels, active, newest change) against the catalog; the "
+        "cities beyond the tolerance are re-pulled by a full sync of exactly those cities."
+    ),
+)
+def hotel_catalog_reconciliation(
+    context: dg.AssetExecutionContext,
+    config: ReconcileConfig,
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
+) -> dg.MaterializeResult:
+    """Compares every city; the differing ones are a table, the ones to re-pull a list."""
+    tolerance = Tolerance(
+        absolute=config.absolute,
+        relative=config.relative,
+        max_lag_seconds=config.max_lag_hours * 3600,
+    )
+    db = sync_db.open()
+    try:
+        with supplier.client() as client:
+            report = reconcile(db, client, supplier_id=supplier.supplier_id, tolerance=tolerance)
+    finally:
+        db.dispose()
+    before = set(_previous_repull(context.instance))
+    differing = [c.city_code for c in report.differing]
+    remaining = [c for c in differing if c in before]
+    repull = [c for c in differing if c not in before] if config.repull else []
+    for c in report.differing:
+        context.log.warning(f"city {c.city_code!r} differs: {'; '.join(c.reasons)}")
+    for c in report.failed:
+        context.log.warning(f"city {c.city_code!r} not compared: {c.error}")
+    columns = [
+        ("city", "string"),
+        ("supplier_hotels", "int"),
+        ("catalog_hotels", "int"),
+        ("supplier_active", "int"),
+        ("catalog_active", "int"),
+        ("supplier_max_updated_at", "string"),
+        ("catalog_max_updated_at", "string"),
+        ("reasons", "string"),
+    ]
+    rows = [
+        dg.TableRecord({name: c.row()[name] for name, _ in columns if c.row()[name] is not None})
+        for c in report.differing[:500]
+    ]
+    return dg.MaterializeResult(
+        metadata={
+            "cities_compared": len(report.cities) - len(report.failed),
+            "cities_not_compared": len(report.failed),
+            "cities_differing": len(differing),
+            "cities_repulled": len(repull),
+            "remaining_differences": len(remaining),
+            "supplier_requests": report.requests,
+            "seconds": round(report.seconds, 3),
+            "differences": dg.MetadataValue.table(
+                rows, schema=dg.TableSchema(columns=[dg.TableColumn(n, t) for n, t in columns])
+            ),
+            REPULL: dg.MetadataValue.json(repull),
+            "remaining_cities": dg.MetadataValue.json(remaining),
+        }
+    )
+
+
+def _previous_repull(instance: dg.DagsterInstance) -> list[str]:
+    """The cities the latest earlier reconciliation re-pulled."""
+    event = instance.get_latest_materialization_event(RECONCILIATION)
+    if event is None or event.asset_materialization is None:
+        return []
+    value = event.asset_materialization.metadata.get(REPULL)
+    data = value.value if value is not None else []
+    return [str(c) for c in data] if isinstance(data, list) else []
+
+
+reconciliation_job = dg.define_asset_job(
+    "catalog_reconciliation_job",
+    selection=dg.AssetSelection.assets(RECONCILIATION),
+    description="Compare every city's supplier summary with the catalog.",
+)
+
+catalog_reconciliation_schedule = dg.ScheduleDefinition(
+    name="catalog_reconciliation_schedule",
+    job=reconciliation_job,
+    cron_schedule="0 4 * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Daily: every city's supplier summary against the catalog (a request per city).",
+)
+
+
+@dg.asset_sensor(
+    asset_key=RECONCILIATION,
+    job=full_sync_job,
+    name="reconciliation_repull_sensor",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "After each reconciliation: one full-sync run per city that differs, all of one "
+        "trigger (one batch), so the next reconciliation shows them equal."
+    ),
+)
+def reconciliation_repull_sensor(
+    context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
+) -> dg.SensorResult:
+    """Requests the re-pull of the cities the new reconciliation lists."""
+    m = asset_event.asset_materialization
+    value = m.metadata.get(REPULL) if m is not None else None
+    data = value.value if value is not None else None
+    cities = [str(c) for c in data] if isinstance(data, list) else []
+    if not cities:
+        return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-pull"))
+    trigger = f"repull:{asset_event.run_id}"[:64]
+    keys = [encode_city_key(c) for c in cities]
+    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    new = [k for k in keys if k not in known]
+    return dg.SensorResult(
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"{trigger}:{key}",
+                partition_key=key,
+                tags={TRIGGER_TAG: trigger, SOURCE_TAG: "SENSOR"},
+            )
+            for key in keys
+        ],
+        dynamic_partitions_requests=[city_partitions.build_add_request(new)] if new else [],
+    )

@@ -1,0 +1,112 @@
+"""Reconciliation through Dagster: the asset's table and numbers, the sensor's re-pull runs,
+and the next reconciliation equal (its remaining differences counted, never re-pulled twice)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.partitions import decode_city_key
+from supplier_sync_dagster.defs.reconciliation import (
+    hotel_catalog_reconciliation,
+    reconciliation_repull_sensor,
+)
+from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
+
+
+def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dict[str, Any]:
+    resources = _resources(db_url, tmp_path, 0)
+    result = dg.materialize(
+        [hotel_catalog_reconciliation],
+        instance=instance,
+        resources={"sync_db": resources["sync_db"], "supplier": resources["supplier"]},
+    )
+    assert result.success
+    (m,) = result.asset_materializations_for_node("hotel_catalog_reconciliation")
+    return {k: v.value for k, v in m.metadata.items()}
+
+
+def _repo() -> dg.RepositoryDefinition:
+    from supplier_sync_dagster.definitions import defs
+
+    return defs().get_repository_def()
+
+
+def _lose_city(db_url: str) -> str:
+    db = SyncDatabase.open(db_url)
+    h = schema.platform_hotel.c
+    try:
+        with db.begin() as conn:
+            city = (
+                conn.execute(
+                    sa.select(h.city_code).group_by(h.city_code).order_by(sa.func.count().desc())
+                )
+                .scalars()
+                .first()
+            )
+            ids = (
+                conn.execute(sa.select(h.resource_id).where(h.city_code == city).limit(7))
+                .scalars()
+                .all()
+            )
+            conn.execute(sa.delete(schema.platform_hotel).where(h.resource_id.in_(ids)))
+        return str(city)
+    finally:
+        db.dispose()
+
+
+def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
+    db_url: str, tmp_path: Path
+):
+    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
+    _full_sync(instance, db_url, tmp_path)
+    clean = _reconcile(instance, db_url, tmp_path)
+    assert clean["cities_differing"] == 0 and clean["repull_cities"] == []
+    lost = _lose_city(db_url)
+    found = _reconcile(instance, db_url, tmp_path)
+    assert found["cities_differing"] == 1 and found["repull_cities"] == [lost]
+    assert found["cities_repulled"] == 1 and found["remaining_differences"] == 0
+    table = found["differences"]
+    (row,) = table.records
+    assert row.data["city"] == lost
+    assert row.data["supplier_hotels"] - row.data["catalog_hotels"] == 7
+
+    # The sensor requests one full-sync run for exactly that city.
+    # The daemon evaluates a sensor in a partition loading context of its instance.
+    with (
+        dg.partition_loading_context(dynamic_partitions_store=instance),
+        dg.build_sensor_context(instance=instance, repository_def=_repo()) as ctx,
+    ):
+        tick = reconciliation_repull_sensor.evaluate_tick(ctx)
+    (request,) = tick.run_requests or []
+    assert request.partition_key is not None and decode_city_key(request.partition_key) == lost
+    assert request.tags[TRIGGER_TAG].startswith("repull:")
+    # What the daemon would launch: that partition of the full sync.
+    repull = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=_resources(db_url, tmp_path, 0),
+        partition_key=request.partition_key,
+        tags=request.tags,
+    )
+    assert repull.success
+    equal = _reconcile(instance, db_url, tmp_path)
+    assert equal["cities_differing"] == 0 and equal["remaining_differences"] == 0
+
+    # A city a re-pull did not fix is counted as remaining and not re-pulled again.
+    lost = _lose_city(db_url)
+    assert _reconcile(instance, db_url, tmp_path)["repull_cities"] == [lost]
+    again = _reconcile(instance, db_url, tmp_path)
+    assert again["remaining_differences"] == 1 and again["repull_cities"] == []
+    with dg.build_sensor_context(
+        instance=instance, cursor=tick.cursor, repository_def=_repo()
+    ) as ctx:
+        # The newest reconciliation re-pulls nothing: no run.
+        later = reconciliation_repull_sensor.evaluate_tick(ctx)
+    assert not later.run_requests
