@@ -36,14 +36,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
     ProjectionUnavailable,
     SupplierError,
     SupplierNotFound,
 )
-from supplier_sync_dagster.core.outbox import PUBLISHED, first_stage
+from supplier_sync_dagster.core.outbox import first_stage
 from supplier_sync_dagster.core.projections import (
     HOTEL_KEY,
     HotelCache,
@@ -51,7 +51,7 @@ from supplier_sync_dagster.core.projections import (
     SearchQuery,
     load_search_docs,
 )
-from supplier_sync_dagster.core.publish import EVENT_COLUMNS, event_id
+from supplier_sync_dagster.core.publish import event_id, write_events
 from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
 
 log = logging.getLogger(__name__)
@@ -393,9 +393,8 @@ def _enqueue_refresh(db: SyncDatabase, offer: dict[str, Any]) -> bool:
         ).scalar_one()
         if before:
             return False
-        insert_ignore(
+        write_events(
             conn,
-            schema.outbox,
             [
                 (
                     event_id(REFRESH_EVENT, rid, version),
@@ -407,11 +406,8 @@ def _enqueue_refresh(db: SyncDatabase, offer: dict[str, Any]) -> bool:
                     first_stage(REFRESH_EVENT),
                 )
             ],
-            columns=EVENT_COLUMNS,
             batch_id="offer-confirm",
-            created_at=db.clock.now(),
-            status="READY",
-            current_stage=PUBLISHED,
+            at=db.clock.now(),
         )
     return True
 

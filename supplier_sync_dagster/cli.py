@@ -207,7 +207,13 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     try:
         with supplier.client() as client:
             report = reconcile(
-                db, client, supplier_id=supplier.supplier_id, cities=args.city, tolerance=tolerance
+                db,
+                client,
+                supplier_id=supplier.supplier_id,
+                cities=args.city,
+                tolerance=tolerance,
+                store=payloads.open(),
+                task_code=supplier.task_code,
             )
     finally:
         db.dispose()

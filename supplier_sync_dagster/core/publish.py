@@ -278,16 +278,7 @@ def publish_hotels(
     # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
     # are only written with their hotel row, which stays locked by this call until commit.
     _replace_offers(conn, now, [rid for rid in written if written[rid][0] > 1], offers)
-    insert_ignore(
-        conn,
-        schema.outbox,
-        events,
-        columns=EVENT_COLUMNS,
-        batch_id=batch_id,
-        created_at=now,
-        status="READY",
-        current_stage=PUBLISHED,
-    )
+    write_events(conn, events, batch_id=batch_id, at=now)
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
         for d, _ in done
@@ -509,6 +500,26 @@ def _hotel_events(
 def _json_text(value: Any) -> str:
     """Compact JSON text of documents already in primitive form (see ``normalize``)."""
     return orjson.dumps(value).decode()
+
+
+def write_events(
+    conn: Connection, events: Sequence[tuple[Any, ...]], *, batch_id: str, at: Any
+) -> None:
+    """Writes outbox events (rows of the columns ``EVENT_COLUMNS``), READY at their first
+    stage, in the caller's transaction; an event already written (its ``event_id``) is kept.
+
+    Every writer of the outbox goes through here: publishing, tombstones, the read API.
+    """
+    insert_ignore(
+        conn,
+        schema.outbox,
+        events,
+        columns=EVENT_COLUMNS,
+        batch_id=batch_id,
+        created_at=at,
+        status="READY",
+        current_stage=PUBLISHED,
+    )
 
 
 def event_id(event_type: str, resource_id: int, publish_version: int) -> str:

@@ -31,6 +31,8 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError, SupplierError, SupplierNotFound
+from supplier_sync_dagster.core.payloads import PayloadStore
+from supplier_sync_dagster.core.replay import stored_city_codes
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.tombstones import TOMBSTONE_FINGERPRINT
 
@@ -191,6 +193,8 @@ def reconcile(
     cities: Sequence[str] | None = None,
     tolerance: Tolerance | None = None,
     threads: int = DEFAULT_THREADS,
+    store: PayloadStore | None = None,
+    task_code: str | None = None,
 ) -> Reconciliation:
     """Compares every city (or ``cities``) of the supplier with the catalog.
 
@@ -201,13 +205,18 @@ def reconcile(
         db: The sync database.
         client: The supplier client (its rate limiter paces the summaries).
         supplier_id: The platform's supplier id.
-        cities: The cities to compare; None: the supplier's city list (one more request).
+        cities: The cities to compare; None: the city list that the full-sync task
+            ``task_code`` stored last (in ``store``), else the supplier's (one more request).
         tolerance: What counts as different.
         threads: Summary requests in flight.
+        store: The payload store holding the stored city lists.
+        task_code: The full-sync task whose stored city list to use.
     """
     began = time.perf_counter()
     tolerance = tolerance or Tolerance()
     before = client.stats().requests
+    if cities is None and store is not None and task_code is not None:
+        cities = stored_city_codes(db, store, task_code=task_code) or None
     codes = (
         list(cities)
         if cities is not None

@@ -312,6 +312,19 @@ def stored_city_countries(
     db: SyncDatabase, store: PayloadStore, *, task_code: str
 ) -> dict[str, str]:
     """City -> country from the latest city list a batch of the task stored ({} if none)."""
+    return {
+        str(c["city_code"]): str(c["country_code"])
+        for c in _stored_cities(db, store, task_code)
+        if c.get("country_code")
+    }
+
+
+def stored_city_codes(db: SyncDatabase, store: PayloadStore, *, task_code: str) -> list[str]:
+    """The city codes of the latest city list a batch of the task stored ([] if none)."""
+    return [str(c["city_code"]) for c in _stored_cities(db, store, task_code)]
+
+
+def _stored_cities(db: SyncDatabase, store: PayloadStore, task_code: str) -> list[dict[str, Any]]:
     s, b = schema.snapshot.c, schema.batch.c
     with db.engine.connect() as conn:
         ref = conn.execute(
@@ -322,10 +335,6 @@ def stored_city_countries(
             .limit(1)
         ).scalar()
     if ref is None:
-        return {}
+        return []
     body = json.loads(store.get(ref))
-    return {
-        str(c["city_code"]): str(c["country_code"])
-        for c in body.get("cities") or ()
-        if isinstance(c, dict) and c.get("city_code") and c.get("country_code")
-    }
+    return [c for c in body.get("cities") or () if isinstance(c, dict) and c.get("city_code")]

@@ -37,10 +37,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.db import DbClock
 from supplier_sync_dagster.core.mapping import chunks
-from supplier_sync_dagster.core.outbox import PUBLISHED, first_stage
-from supplier_sync_dagster.core.publish import EVENT_COLUMNS, event_id, offer_deactivation
+from supplier_sync_dagster.core.outbox import first_stage
+from supplier_sync_dagster.core.publish import event_id, offer_deactivation, write_events
 
 log = logging.getLogger(__name__)
 
@@ -274,16 +274,7 @@ def _unpublish(
                     first_stage(event_type),
                 )
             )
-    insert_ignore(
-        conn,
-        schema.outbox,
-        events,
-        columns=EVENT_COLUMNS,
-        batch_id=batch_id,
-        created_at=at,
-        status="READY",
-        current_stage=PUBLISHED,
-    )
+    write_events(conn, events, batch_id=batch_id, at=at)
     log.info("unpublished %d hotels (%s)", len(done), reason)
 
 

@@ -18,7 +18,11 @@ from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
 from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED, SOURCE_TAG, TRIGGER_TAG
 from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
-from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.resources import (
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
 
 RECONCILIATION = dg.AssetKey("hotel_catalog_reconciliation")
 REPULL = "repull_cities"
@@ -49,6 +53,7 @@ def hotel_catalog_reconciliation(
     context: dg.AssetExecutionContext,
     config: ReconcileConfig,
     sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
     supplier: SupplierResource,
 ) -> dg.MaterializeResult:
     """Compares every city; the differing ones are a table, the ones to re-pull a list."""
@@ -60,7 +65,15 @@ def hotel_catalog_reconciliation(
     db = sync_db.open()
     try:
         with supplier.client() as client:
-            report = reconcile(db, client, supplier_id=supplier.supplier_id, tolerance=tolerance)
+            # The city list the last full sync stored: a summary per city is the whole cost.
+            report = reconcile(
+                db,
+                client,
+                supplier_id=supplier.supplier_id,
+                tolerance=tolerance,
+                store=payloads.open(),
+                task_code=supplier.task_code,
+            )
     finally:
         db.dispose()
     before = set(_previous_repull(context.instance))

@@ -25,7 +25,7 @@ def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dic
     result = dg.materialize(
         [hotel_catalog_reconciliation],
         instance=instance,
-        resources={"sync_db": resources["sync_db"], "supplier": resources["supplier"]},
+        resources={k: resources[k] for k in ("sync_db", "payloads", "supplier")},
     )
     assert result.success
     (m,) = result.asset_materializations_for_node("hotel_catalog_reconciliation")
