@@ -373,7 +373,7 @@ def run_incremental_sync(
     trigger_id: str | None = None,
     console_log_level: str = "WARNING",
 ) -> IncrementalSummary:
-    """Runs one incremental window in a Dagster run (``incremental_sync_job``'s asset)."""
+    """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset)."""
     from supplier_sync_dagster.defs.incremental_sync import (
         CHANGE_FEED,
         TASK_TAG,

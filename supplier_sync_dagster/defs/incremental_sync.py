@@ -9,7 +9,7 @@ which cities the run touched. Two non-blocking checks say what an operator shoul
 ``change_volume`` (the window was far above its usual volume: its diffs wait for review)
 and ``quiet_windows`` (the feed has been silent for too many windows in a row).
 
-``incremental_sync_job`` runs it; the ``incremental_sync`` schedule every 5 minutes, unless
+The ``incremental_sync`` job runs it; ``incremental_sync_schedule`` every 5 minutes, unless
 a run of the job is still queued or running (one window per task at a time; the task's
 SKIP_IF_RUNNING policy refuses a second one in the database as well, and runs carry the
 task's tag, which ``dagster.yaml`` limits to one run per value).
@@ -237,7 +237,7 @@ def _text(mark: object) -> str:
 
 
 incremental_sync_job = dg.define_asset_job(
-    "incremental_sync_job",
+    "incremental_sync",
     selection=dg.AssetSelection.assets(CHANGE_FEED),
     tags={TASK_TAG: DEFAULT_INCREMENTAL_TASK},
     description="One window of the supplier's change feed, from the watermark until caught up.",
@@ -245,6 +245,7 @@ incremental_sync_job = dg.define_asset_job(
 
 
 @dg.schedule(
+    name="incremental_sync_schedule",
     job=incremental_sync_job,
     cron_schedule="*/5 * * * *",
     execution_timezone="UTC",
@@ -254,7 +255,7 @@ incremental_sync_job = dg.define_asset_job(
         "running (one window per task at a time)."
     ),
 )
-def incremental_sync(
+def incremental_sync_schedule(
     context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
 ) -> dg.RunRequest | dg.SkipReason:
     """Requests a window unless one is queued or running, or there is nothing to be

@@ -9,7 +9,13 @@ from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 
 
 def test_definitions_load_and_validate():
-    loaded = defs()
+    # Loading reads the definitions state of the current instance: a test's own, so that an
+    # instance another test entered and disposed is not the one read.
+    with dg.instance_for_test():
+        _check(defs())
+
+
+def _check(loaded: dg.Definitions) -> None:
     assert isinstance(loaded, dg.Definitions)
     dg.Definitions.validate_loadable(loaded)
     assert loaded.resources is not None and loaded.sensors is not None
@@ -22,14 +28,14 @@ def test_definitions_load_and_validate():
     assert loaded.schedules is not None
     assert {s.name for s in loaded.schedules} == {
         "catalog_reconciliation_schedule",
-        "incremental_sync",
+        "incremental_sync_schedule",
         "nightly_full_sync",
         "outbox_dispatch_schedule",
         "projection_reconciliation_schedule",
     }
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
     assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
-    assert repo.has_job("incremental_sync_job")
+    assert repo.has_job("incremental_sync")
     keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
     assert keys >= {
         "raw_hotel_snapshots",

@@ -3,6 +3,7 @@ published in (per partition); the schedule runs one window at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from supplier_sync_dagster.defs.incremental_sync import (
     TASK_TAG,
     IncrementalConfig,
     hotel_change_feed,
-    incremental_sync,
     incremental_sync_job,
+    incremental_sync_schedule,
 )
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
@@ -26,6 +27,14 @@ from supplier_sync_dagster.defs.resources import (
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    """A Dagster instance of the test's own, disposed afterwards (a dangling one would be
+    what later definitions loads read their state from)."""
+    with dg.instance_for_test() as inst:
+        yield inst
 
 
 def _supplier(day: int) -> SimulatedSupplierResource:
@@ -60,8 +69,9 @@ def _full_sync(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> lis
     return keys
 
 
-def test_a_window_materializes_the_feed_and_each_city_it_published_in(db_url: str, tmp_path: Path):
-    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
+def test_a_window_materializes_the_feed_and_each_city_it_published_in(
+    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
+):
     keys = _full_sync(instance, db_url, tmp_path)
     result = dg.materialize(
         [hotel_change_feed],
@@ -93,8 +103,9 @@ def test_a_window_materializes_the_feed_and_each_city_it_published_in(db_url: st
     assert set(cities) <= set(keys)
 
 
-def test_without_a_full_sync_the_window_fails_with_what_to_do(db_url: str, tmp_path: Path):
-    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
+def test_without_a_full_sync_the_window_fails_with_what_to_do(
+    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
+):
     result = dg.materialize(
         [hotel_change_feed],
         instance=instance,
@@ -116,13 +127,13 @@ def test_the_schedule_runs_one_window_at_a_time_and_waits_for_a_full_sync(
         ctx = dg.build_schedule_context(
             instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
         )
-        skipped = incremental_sync(ctx)
+        skipped = incremental_sync_schedule(ctx)
         assert isinstance(skipped, dg.SkipReason) and "full sync" in (skipped.skip_message or "")
         _full_sync(instance, db_url, tmp_path)
         ctx = dg.build_schedule_context(
             instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
         )
-        request = incremental_sync(ctx)
+        request = incremental_sync_schedule(ctx)
         assert isinstance(request, dg.RunRequest)
         assert (
             request.run_key == request.tags[TRIGGER_TAG] == "incremental:2026-11-30T02:05:00+00:00"
@@ -133,7 +144,7 @@ def test_the_schedule_runs_one_window_at_a_time_and_waits_for_a_full_sync(
         ctx = dg.build_schedule_context(
             instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
         )
-        assert isinstance(incremental_sync(ctx), dg.SkipReason)
+        assert isinstance(incremental_sync_schedule(ctx), dg.SkipReason)
 
 
 def _started_run(instance: dg.DagsterInstance) -> None:
@@ -158,4 +169,4 @@ def test_finished_windows_do_not_hold_the_schedule(db_url: str, tmp_path: Path, 
             scheduled_execution_time=datetime(2026, 11, 30, 2, 10, tzinfo=UTC),
             resources={"sync_db": sync_db},
         )
-        assert isinstance(incremental_sync(ctx), dg.RunRequest)
+        assert isinstance(incremental_sync_schedule(ctx), dg.RunRequest)

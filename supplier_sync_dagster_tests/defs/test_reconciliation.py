@@ -3,10 +3,12 @@ and the next reconciliation equal (its remaining differences counted, never re-p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core import schema
@@ -18,6 +20,14 @@ from supplier_sync_dagster.defs.reconciliation import (
     reconciliation_repull_sensor,
 )
 from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    """A Dagster instance of the test's own, disposed afterwards (a dangling one would be
+    what later definitions loads read their state from)."""
+    with dg.instance_for_test() as inst:
+        yield inst
 
 
 def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dict[str, Any]:
@@ -62,9 +72,8 @@ def _lose_city(db_url: str) -> str:
 
 
 def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
-    db_url: str, tmp_path: Path
+    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
 ):
-    instance = dg.DagsterInstance.ephemeral(tempdir=str(tmp_path / "dagster"))
     _full_sync(instance, db_url, tmp_path)
     clean = _reconcile(instance, db_url, tmp_path)
     assert clean["cities_differing"] == 0 and clean["repull_cities"] == []
