@@ -71,8 +71,18 @@ def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
     """Gives a database older than 010 the column names today's code writes, or takes them back:
     the release of that time wrote the same values under the old name. Its outbox gets the
     stage columns today's publish writes (011), and loses them again with its events left as
-    that release left them: PENDING."""
+    that release left them: PENDING. Its hotels get the tombstone columns (012) that today's
+    publish writes, and lose them again."""
     with db.begin() as conn:
+        hotels = "platform_hotel_resource"
+        if forward:
+            conn.exec_driver_sql(
+                f"ALTER TABLE {hotels} ADD COLUMN missing_count INT NOT NULL DEFAULT 0"
+            )
+            conn.exec_driver_sql(f"ALTER TABLE {hotels} ADD COLUMN missing_since DATETIME")
+        else:
+            conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_since")
+            conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_count")
         for table, old, new in _RENAMED_BY_010:
             src, dst = (old, new) if forward else (new, old)
             conn.exec_driver_sql(f"ALTER TABLE {table} RENAME COLUMN {src} TO {dst}")
