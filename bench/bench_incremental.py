@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"reconcile {len(rows)} cities: {rec_s:.1f}s wall (target <= "
                 f"{TARGET_RECONCILE_S:g}s: {_verdict(rec_s <= TARGET_RECONCILE_S)}), {requests} "
                 f"supplier requests (a summary per city; the city list is the stored one; target <= one per "
-                f"city: {_verdict(cheap)}), {len(differing)} cities differ (those with removed "
-                "hotels: the feed does not report removals)"
+                f"city: {_verdict(cheap)}), {len(differing)} cities beyond the tolerance (removed "
+                "hotels: the feed does not report them; a re-pull unpublishes them)"
             )
             ok = ok and rec_s <= TARGET_RECONCILE_S and cheap and len(rows) == len(world.cities)
     finally:

@@ -315,6 +315,7 @@ platform_hotel = sa.Table(
     sa.Column("missing_since", _ts()),
     sa.UniqueConstraint("supplier_id", "supplier_hotel_id", name="uk_platform_supplier_hotel"),
     sa.Index("idx_platform_city", "supplier_id", "city_code"),
+    sa.Index("idx_platform_missing", "supplier_id", "missing_count"),
     comment="the platform's published hotel resources",
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",

@@ -100,17 +100,19 @@ def record_presence(
         max_share: Most of a city's hotels unpublished at once (beyond: held, counted).
     """
     h = schema.platform_hotel.c
+    columns = (
+        h.resource_id,
+        h.supplier_hotel_id,
+        h.city_code,
+        h.missing_count,
+        h.publish_version,
+        h.supplier_version,
+    )
+    # A UNION, not an OR: each part reads its own index (the city's hotels; the few with misses).
     rows = conn.execute(
-        sa.select(
-            h.resource_id,
-            h.supplier_hotel_id,
-            h.city_code,
-            h.missing_count,
-            h.publish_version,
-            h.supplier_version,
-        ).where(
-            h.supplier_id == supplier_id,
-            sa.or_(h.city_code == city_code, h.missing_count > 0),
+        sa.union(
+            sa.select(*columns).where(h.supplier_id == supplier_id, h.city_code == city_code),
+            sa.select(*columns).where(h.supplier_id == supplier_id, h.missing_count > 0),
         )
     ).all()
     presence = Presence()
