@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"incremental (one day): {inc_s:.1f}s wall ({share:.1%} of the full sync; target "
                 f"<= {TARGET_SHARE:.0%}: {_verdict(share <= TARGET_SHARE)}), step {inc_step:.1f}s, "
                 f"{window['changes']} changes in {window['pages']} pages, {window['published']} "
-                f"published, {window['cities_touched']} cities"
+                f"published, {window['cities_touched']} cities; stages fetch "
+                f"{window['fetch_seconds']:.1f}s, normalize {window['normalize_seconds']:.1f}s, "
+                f"publish {window['publish_seconds']:.1f}s"
             )
             ok = ok and share <= TARGET_SHARE
             pub = published_catalog(db_url)

@@ -92,6 +92,8 @@ DEFAULT_INCREMENTAL_TASK = "hotel_supplier_incremental"
 DEFAULT_OVERLAP_SECONDS = 300.0
 DEFAULT_CHANGES_LIMIT = 500
 DEFAULT_MAX_PAGES = 2000
+# Normalized changes of a window kept in memory for publishing (larger: read back).
+WINDOW_MEMORY_HOTELS = 20_000
 # Successful windows the change_volume median is taken over.
 VOLUME_HISTORY = 12
 
@@ -689,7 +691,13 @@ def run_incremental(
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
     window = ChangeWindow(db, store, batch_id, settings.supplier_id, incremental, thresholds)
-    run_settings = replace(settings, task_code=task_code, sync_mode="INCREMENTAL")
+    run_settings = replace(
+        settings,
+        task_code=task_code,
+        sync_mode="INCREMENTAL",
+        # A day's changes of a large supplier publish from memory, not read back.
+        memory_hotels=max(settings.memory_hotels, WINDOW_MEMORY_HOTELS),
+    )
     report = sync_city(
         db,
         store,
