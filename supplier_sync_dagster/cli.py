@@ -65,6 +65,23 @@ def _resources(args: argparse.Namespace, settings: StorageSettings) -> tuple[Any
     )
 
 
+def _supplier(settings: Any, *, rate_limit: float | None = None, **fields: Any) -> Any:
+    """The configured supplier's resource: the settings, then these fields; the rate limit
+    is the option, else the setting, else the resource's default (unset fields: defaults)."""
+    from supplier_sync_dagster.defs.resources import supplier_resource
+
+    extra = {k: v for k, v in fields.items() if v is not None}
+    rate = _first(rate_limit, settings.supplier_rate_limit)
+    if rate is not None:
+        extra["rate_limit_rps"] = rate
+    return supplier_resource(
+        base_url=settings.supplier_url,
+        api_key=settings.api_key(),
+        redis_url=settings.redis_url,
+        **extra,
+    )
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.settings import load_storage_settings
     from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
@@ -104,7 +121,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.settings import load_settings
-    from supplier_sync_dagster.defs.resources import supplier_resource
     from supplier_sync_dagster.sync_runner import run_full_sync
 
     settings = load_settings()
@@ -112,21 +128,12 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     if args.incremental:
         return _cmd_sync_incremental(args, settings, sync_db, payloads)
     summary = run_full_sync(
-        supplier=supplier_resource(
-            base_url=settings.supplier_url,
-            api_key=settings.api_key(),
-            redis_url=settings.redis_url,
+        supplier=_supplier(
+            settings,
+            rate_limit=args.rate_limit,
             page_size=args.page_size,
             city_threads=args.city_threads,
-            # The option, else the setting, else the resource's default.
-            **{
-                field: value
-                for field, value in (
-                    ("rate_limit_rps", _first(args.rate_limit, settings.supplier_rate_limit)),
-                    ("worker_processes", _first(args.processes, settings.worker_processes)),
-                )
-                if value is not None
-            },
+            worker_processes=_first(args.processes, settings.worker_processes),
         ),
         sync_db=sync_db,
         payloads=payloads,
@@ -140,7 +147,6 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 def _cmd_sync_incremental(
     args: argparse.Namespace, settings: Any, sync_db: Any, payloads: Any
 ) -> int:
-    from supplier_sync_dagster.defs.resources import supplier_resource
     from supplier_sync_dagster.sync_runner import run_incremental_sync
 
     config = {
@@ -154,19 +160,7 @@ def _cmd_sync_incremental(
         if value is not None
     }
     summary = run_incremental_sync(
-        supplier=supplier_resource(
-            base_url=settings.supplier_url,
-            api_key=settings.api_key(),
-            redis_url=settings.redis_url,
-            page_size=args.page_size,
-            **{
-                field: value
-                for field, value in (
-                    ("rate_limit_rps", _first(args.rate_limit, settings.supplier_rate_limit)),
-                )
-                if value is not None
-            },
-        ),
+        supplier=_supplier(settings, rate_limit=args.rate_limit, page_size=args.page_size),
         sync_db=sync_db,
         payloads=payloads,
         config=config,
@@ -187,21 +181,11 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
     from supplier_sync_dagster.core.settings import load_settings
-    from supplier_sync_dagster.defs.resources import supplier_resource
     from supplier_sync_dagster.sync_runner import run_full_sync
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
-    supplier = supplier_resource(
-        base_url=settings.supplier_url,
-        api_key=settings.api_key(),
-        redis_url=settings.redis_url,
-        **(
-            {"rate_limit_rps": settings.supplier_rate_limit}
-            if settings.supplier_rate_limit is not None
-            else {}
-        ),
-    )
+    supplier = _supplier(settings)
     tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
     db = SyncDatabase.open(sync_db.db_url)
     try:

@@ -475,7 +475,8 @@ def confirm_missing(
             missing_syncs=settings.missing_syncs,
         )
     report.presence.unpublished += done
-    report.presence.missing = [h for h in report.presence.missing if h not in set(done)]
+    gone_now = set(done)
+    report.presence.missing = [h for h in report.presence.missing if h not in gone_now]
 
 
 DRIFT_SAMPLE_PAGES = 2
