@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from supplier_sync_dagster.cli_deadletters import add_commands as add_dead_letter_commands
 from supplier_sync_dagster.cli_outbox import add_commands as add_outbox_commands
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
@@ -993,6 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
     recon.set_defaults(func=_cmd_reconcile)
 
     add_outbox_commands(sub)
+    add_dead_letter_commands(sub)
 
     db = sub.add_parser(
         "db",

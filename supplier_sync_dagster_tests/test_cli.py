@@ -207,7 +207,7 @@ def test_db_init_then_sync_full_then_status_stalls_and_exports(
     assert letters.code == 0
     dead = [json.loads(line) for line in letters.lines]
     assert {d["supplier_hotel_id"] for d in dead} == set(truth.bad)
-    assert all(d["status"] == "PENDING" and d["error_code"] for d in dead)
+    assert all(d["status"] == "MANUAL_FIX" and d["error_code"] for d in dead)
     assert run(capsys, "--db-url", db_url, "export", "dead-letters", "--batch", "b_x").out == ""
 
     diffs = run(capsys, "--db-url", db_url, "export", "diffs", "--batch", batch.batch_id)
@@ -326,6 +326,15 @@ def test_review_list_reject_and_approve_publish_what_was_held(
         rv["supplier_hotel_id"]: truth.valid[rv["supplier_hotel_id"]] for rv in rest
     }
     assert after[first["supplier_hotel_id"]] == before[first["supplier_hotel_id"]]  # rejected
+    trail = run(capsys, "--db-url", db_url, "audit", "--target-type", "review", "--json")
+    entries = [json.loads(line) for line in trail.lines]
+    assert sorted((e["action"], e["target_id"]) for e in entries) == sorted(
+        [("review.reject", first["review_id"])]
+        + [("review.approve", rv["review_id"]) for rv in rest]
+    )
+    assert {
+        (e["actor"], e["after"]["status"]) for e in entries if e["action"] == "review.approve"
+    } == {("carol", "APPROVED")}
     decided = run(capsys, "--db-url", db_url, "review", "list", "--status", "ALL")
     assert decided.err == (
         f"reviews by status: {{'APPROVED': {len(rest)}, 'REJECTED': 1}}\n"
@@ -402,6 +411,10 @@ def test_a_gated_sync_says_so_in_one_line_and_an_override_lets_the_city_publish(
             "x",
         )
         assert_one_line_error(bad, code=2)
+        trail = run(capsys, "--db-url", db_url, "audit", "--target-type", "gate_check", "--json")
+        assert sorted(json.loads(line)["target_id"] for line in trail.lines) == [
+            f"{batch.batch_id}/{city}/{check}" for check in ("bad_record_ratio", "schema_drift")
+        ]
 
         # The same launch again: the overridden city publishes, the others stay gated.
         rerun = sync(capsys, db_url, "--trigger-id", "day-1")

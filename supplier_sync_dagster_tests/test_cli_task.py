@@ -128,6 +128,12 @@ def test_task_set_changes_each_setting_once_and_audits_it(
     # The same settings again change nothing and record nothing.
     assert cli.main(args) == 0
     assert "no change" in capsys.readouterr().out
+    assert cli.main(["--db-url", task_db, "audit", "--target-type", "task", "--json"]) == 0
+    trail = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(trail) == 6 and {(e["action"], e["target_id"], e["actor"]) for e in trail} == {
+        ("task.set", TASK, "alice")
+    }
+    assert {"status": "DISABLED"} in [e["after"] for e in trail]
     assert len(_audit_rows(task_db)) == 7
     # Clearing the cron makes the task MANUAL again.
     assert (

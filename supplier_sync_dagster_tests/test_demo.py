@@ -72,7 +72,7 @@ def test_readme_main_command_syncs_then_publishes_only_changes(tmp_path: Path):
         {"supplier_hotel_id", "error_stage", "error_code", "status"} <= set(d) for d in dead
     )
     assert {d["error_stage"] for d in dead} <= {"ADAPTER", "VALIDATION"}
-    assert all(d["error_code"] and d["status"] == "PENDING" for d in dead)
+    assert all(d["error_code"] and d["status"] == "MANUAL_FIX" for d in dead)
 
 
 def test_lease_demonstration_on_the_embedded_default(tmp_path: Path):

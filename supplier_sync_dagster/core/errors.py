@@ -23,7 +23,8 @@ The tree::
     ├── NoBaseline                    an incremental sync has no watermark and no full sync to start from
     ├── InvalidCheckpoint             a checkpoint is malformed (bad JSON, wrong fields, too long)
     ├── InvalidTransition             a state machine refused a move (row not in the expected state)
-    │   └── ReviewStateError          a review is missing or not in the state a decision needs
+    │   ├── ReviewStateError          a review is missing or not in the state a decision needs
+    │   └── DeadLetterStateError      a dead letter is missing or not in the state a move needs
     ├── CountsDoNotAddUp              a shard's records are not all published, dead-lettered or skipped
     ├── InvalidGateOverride           a quality gate override was refused (unknown check, no who/why)
     ├── PayloadError                  the payload store (raw/normalized bytes) failed
@@ -136,6 +137,10 @@ class InvalidTransition(SupplierSyncError):
 
 class ReviewStateError(InvalidTransition):
     """A review decision named a review that does not exist or is no longer PENDING."""
+
+
+class DeadLetterStateError(InvalidTransition):
+    """A dead-letter move named a row that does not exist or is not in a state it leaves."""
 
 
 class CountsDoNotAddUp(SupplierSyncError):

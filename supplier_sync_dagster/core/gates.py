@@ -40,6 +40,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core.audit import record_actions
 from supplier_sync_dagster.core.batches import get_task
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.errors import (
@@ -901,6 +902,23 @@ def override_gate(
         for o in list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
         if o.check_name == check_name
     )
+    if (override.overridden_by, override.reason) == (who, reason):
+        # The first override of this check (a repeat keeps it, and records nothing).
+        record_actions(
+            conn,
+            clock,
+            action="gate.override",
+            target_type="gate_check",
+            changes=[
+                (
+                    f"{batch_id}/{shard_key}/{check_name}",
+                    {"overridden": False},
+                    {"overridden": True, "at": override.created_at},
+                )
+            ],
+            actor=who,
+            reason=reason,
+        )
     log.warning(
         "quality gate %s of city %r in batch %s overridden by %s: %s",
         check_name,

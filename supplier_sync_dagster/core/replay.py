@@ -23,12 +23,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core import deadletters, schema
 from supplier_sync_dagster.core.batches import Batch, add_shards, create_batch, get_batch
 from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.mapping import chunks
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import (
     RAW,
@@ -178,24 +177,19 @@ def resolve_replayed_dead_letters(
             sa.select(d.id, d.raw_payload_hash, d.record_position).where(
                 d.batch_id == source_batch_id,
                 d.raw_payload_hash.in_(pages),
-                d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")),
+                d.status.in_(deadletters.OPEN_STATUSES),
             )
         ).all()
         fixed = [
             int(r.id) for r in candidates if (r.raw_payload_hash, r.record_position) not in still
         ]
-        now = db.clock.now()
-        for part in chunks(fixed):
-            conn.execute(
-                sa.update(schema.dead_letter)
-                .where(d.id.in_(part), d.status.in_(("PENDING", "RETRYING", "MANUAL_FIX")))
-                .values(
-                    status="RESOLVED",
-                    resolved_at=now,
-                    updated_at=now,
-                    fix_note=f"passed on replay in batch {replay_batch_id}"[:1024],
-                )
-            )
+        deadletters.move(
+            conn,
+            db.clock,
+            fixed,
+            "resolve",
+            fix_note=f"passed on replay in batch {replay_batch_id}"[:1024],
+        )
     return len(fixed)
 
 

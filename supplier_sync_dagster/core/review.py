@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core.audit import record_actions
 from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 from supplier_sync_dagster.core.diff import Candidate, HotelDiff, diff_id
 from supplier_sync_dagster.core.errors import ReviewStateError
@@ -253,6 +254,15 @@ def _move(
             f"{len(ids)} review(s) must all be {source} to become {target}; some are not"
         ),
         expected=len(ids),
+    )
+    record_actions(
+        conn,
+        clock,
+        action=f"review.{'approve' if target == 'APPROVED' else 'reject'}",
+        target_type="review",
+        changes=[(i, {"status": source}, {"status": target}) for i in ids],
+        actor=who[:64],
+        reason=reason[:1024],
     )
 
 

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
+from supplier_sync_dagster.core.audit import record_actions
 from supplier_sync_dagster.core.batches import (
     ConcurrencyPolicy,
     TaskSpec,
@@ -250,6 +251,22 @@ def _audit(conn: Connection, clock: DbClock, entry: AuditEntry) -> None:
             created_at=clock.now(),
         )
     )
+    if entry.field_name != "task":  # a task created by its first run is no operator action
+        record_actions(
+            conn,
+            clock,
+            action="task.set",
+            target_type="task",
+            changes=[
+                (
+                    entry.task_code,
+                    {entry.field_name: entry.old_value},
+                    {entry.field_name: entry.new_value},
+                )
+            ],
+            actor=entry.changed_by[:MAX_BY_LEN],
+            reason=entry.reason[:MAX_REASON_LEN],
+        )
 
 
 def _describe(task: TaskSpec) -> str:

@@ -406,5 +406,5 @@ def test_dead_letters_are_idempotent_and_counted(db: SyncDatabase):
             "LAT_OUT_OF_RANGE": 1,
         }
     stored = rows(db, schema.dead_letter)
-    assert {r["status"] for r in stored} == {"PENDING"}
+    assert {(r["status"], r["owner_team"]) for r in stored} == {("MANUAL_FIX", "supplier-data")}
     assert all(r["raw_payload_ref"] == "file:///raw/p1.json.gz" for r in stored)
