@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from supplier_sync_dagster.core.errors import NotFound
+
 _STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED")
 
 
@@ -30,6 +32,29 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
                 rows = deadletters.list_dead_letters(conn, db.clock, where, limit=args.limit)
             for row in rows:
                 print(_line(row, as_json=args.json))
+            return 0
+        if args.dl_command == "show":
+            from supplier_sync_dagster.core.audit import list_audit
+
+            with db.engine.connect() as conn:
+                found = deadletters.list_dead_letters(
+                    conn, db.clock, deadletters.DeadLetterFilter(id=args.id), limit=1
+                )
+                if not found:
+                    raise NotFound(f"no dead letter has id {args.id}")
+                row = found[0]
+                history = list_audit(
+                    conn, target_type="dead_letter", target_id=row["dead_letter_id"], limit=100
+                )
+            print(
+                json.dumps(
+                    {**row, "audit": [vars(e) for e in history]},
+                    default=str,
+                    ensure_ascii=False,
+                    indent=None if args.json else 2,
+                    sort_keys=True,
+                )
+            )
             return 0
         with db.begin() as conn:
             moved = deadletters.operator_action(
@@ -70,6 +95,10 @@ def add_commands(sub: Any) -> None:
     listing.add_argument("--limit", type=int, default=100)
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(func=cmd_dead_letters)
+    show = dl_sub.add_parser("show", help="one dead letter with its audit history")
+    show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
+    show.add_argument("--json", action="store_true", help="one line instead of indented")
+    show.set_defaults(func=cmd_dead_letters)
     for name, what in (
         ("retry", "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt"),
         ("ignore", "close open rows for good"),

@@ -108,3 +108,15 @@ def test_list_filter_ignore_and_retry_are_audited(
         "MANUAL_FIX",
         "PENDING",
     )
+
+    shown = run(capsys, "--db-url", db_url, "dead-letters", "show", str(first), "--json")
+    assert shown.code == 0, shown
+    detail = json.loads(shown.out)
+    assert (detail["status"], detail["fix_note"]) == (
+        "IGNORED",
+        "ignored by ops-anna: hotel closed for good",
+    )
+    assert [a["action"] for a in detail["audit"]] == ["dead_letter.ignore"]
+    assert run(capsys, "--db-url", db_url, "dead-letters", "show", str(first)).code == 0
+    missing = run(capsys, "--db-url", db_url, "dead-letters", "show", "987654321")
+    assert "987654321" in assert_one_line_error(missing, code=2)

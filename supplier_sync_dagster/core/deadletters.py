@@ -371,6 +371,7 @@ def count_dead_letters(conn: Connection, batch_id: str) -> dict[str, int]:
 class DeadLetterFilter:
     """Which dead letters to list; every field narrows (None: any)."""
 
+    id: int | None = None
     status: str | None = None
     error_code: str | None = None
     error_class: ErrorClass | None = None
@@ -385,6 +386,8 @@ def list_dead_letters(
     """Dead letters matching ``where``, newest first, with their rule's class."""
     d = schema.dead_letter.c
     stmt = sa.select(schema.dead_letter).order_by(d.id.desc()).limit(limit)
+    if where.id is not None:
+        stmt = stmt.where(d.id == where.id)
     if where.status:
         stmt = stmt.where(d.status == where.status)
     if where.error_code:
