@@ -37,6 +37,7 @@ from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.db import DbClock, guarded_update, insert_ignore
 from supplier_sync_dagster.core.errors import DeadLetterStateError
+from supplier_sync_dagster.core.normalize import ERROR_CODES
 
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
 ErrorType = Literal["RETRYABLE", "NON_RETRYABLE", "MAPPING_REQUIRED", "RISK_BLOCKED"]
@@ -106,32 +107,8 @@ RULES: Final[Mapping[str, Rule]] = {
     # The supplier's data breaks the contract: the supplier has to correct it (or a `fix`).
     **{
         code: _SUPPLIER_DATA
-        for code in (
-            "NOT_AN_OBJECT",
-            "MISSING_REQUIRED_FIELD",
-            "FIELD_RENAMED",
-            "WRONG_TYPE",
-            "INVALID_TIMESTAMP",
-            "INVALID_AMOUNT",
-            "LAT_OUT_OF_RANGE",
-            "LNG_OUT_OF_RANGE",
-            "STAR_RATING_OUT_OF_RANGE",
-            "VALUE_OUT_OF_RANGE",
-            "UNKNOWN_CURRENCY",
-            "NEGATIVE_PRICE",
-            "UNKNOWN_STATUS",
-            "INVALID_PHONE",
-            "INVALID_COUNTRY",
-            "INVALID_EMAIL",
-            "INVALID_URL",
-            "CONTROL_CHARACTERS",
-            "INVALID_UNICODE",
-            "HTML_IN_NAME",
-            "OVERSIZED_STRING",
-            "TOO_MANY_ITEMS",
-            "DUPLICATE_CODE",
-            "MIXED_ROOM_CURRENCY",
-        )
+        for code in (*ERROR_CODES, "MIXED_ROOM_CURRENCY")
+        if code not in ("INTERNAL_ERROR",)
     },
 }
 """Every error code's class, owner team and retry budget: the one table of rules."""
