@@ -132,8 +132,11 @@ def _kill_mid_window(db_url: str, url: str, tmp_path: Path) -> None:
         db_url,
         "sync",
         "--incremental",
+        # Pages of 5 at 2 requests/s: the window (~17 changes) has pages left after its first
+        # checkpoint for over a second, so the kill lands mid-window even on a loaded machine
+        # (with pages of 20 the whole window was one page, and a slow poll missed it).
         "--changes-limit",
-        "20",
+        "5",
         "--rate-limit",
         "2",
         env=env,
