@@ -8,6 +8,7 @@ stdout, stderr, the exit status and the database afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -722,9 +723,16 @@ def test_daemon_comes_up_heartbeats_and_stops_on_sigterm(tmp_path: Path):
         statuses = instance.get_daemon_statuses(list(expected))
         assert all(s.healthy for s in statuses.values()), statuses
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0].decode()
-        instance.dispose()
+        # SIGTERM to the daemon alone, as `kill PID` or `docker stop` sends it: the daemon stops
+        # its threads and then its code server. A signal to the whole group would also kill the
+        # code server under a sensor tick that is running, and Dagster logs that tick's error.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=60)[0].decode()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the daemon left behind
+            instance.dispose()
     assert proc.returncode == 0, out
     assert "Traceback" not in out and "Daemon threads shut down." in out
     # Dagster's daemon logs through its own handlers: each line once, not twice.
