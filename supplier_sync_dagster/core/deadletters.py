@@ -36,7 +36,12 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.db import DbClock, guarded_update, insert_ignore
-from supplier_sync_dagster.core.errors import DeadLetterStateError
+from supplier_sync_dagster.core.errors import (
+    DeadLetterStateError,
+    SupplierError,
+    SupplierProtocolError,
+    SupplierRateLimited,
+)
 from supplier_sync_dagster.core.normalize import ERROR_CODES
 
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
@@ -119,9 +124,18 @@ def rule_for(error_code: str) -> Rule:
     return RULES.get(error_code, _PLATFORM_BUG)
 
 
+def supplier_error_code(err: SupplierError) -> str:
+    """The code of a failed single-hotel request (a RETRYABLE rule)."""
+    if isinstance(err, SupplierRateLimited):
+        return "SUPPLIER_RATE_LIMITED"
+    if isinstance(err, SupplierProtocolError):
+        return "SUPPLIER_PROTOCOL_ERROR"
+    return "SUPPLIER_UNAVAILABLE"
+
+
 def backoff_seconds(retry_count: int, *, rng: random.Random | None = None) -> float:
     """The wait before the next attempt after ``retry_count`` attempts, with jitter."""
-    base = BACKOFF_SECONDS[min(max(retry_count - 1, 0), len(BACKOFF_SECONDS) - 1)]
+    base = BACKOFF_SECONDS[min(max(retry_count, 0), len(BACKOFF_SECONDS) - 1)]
     return base * (1 + JITTER * (2 * (rng or random).random() - 1))
 
 
@@ -139,6 +153,8 @@ class DeadLetter:
     # The record's place on its raw page ('record#N'), part of the dedup key.
     record_position: str | None = None
     normalized_payload_ref: str | None = None
+    # The city of the record: the listing's, or the record's own (a change feed).
+    city_code: str | None = None
 
 
 def dead_letter_id(batch_id: str, supplier_id: int, letter: DeadLetter) -> str:
@@ -185,6 +201,7 @@ def record_dead_letters(
             "raw_payload_ref": d.raw_payload_ref,
             "raw_payload_hash": d.raw_payload_hash or UNKNOWN,
             "normalized_payload_ref": d.normalized_payload_ref,
+            "city_code": None if d.city_code is None else d.city_code[:64],
             **_initial_state(d.error_code, now),
         }
         for d in letters
@@ -316,20 +333,29 @@ def fail_attempt(
     return sum(map(len, by_count.values())), len(exhausted)
 
 
-def due_for_retry(conn: Connection, clock: DbClock, *, limit: int = 100) -> list[int]:
-    """Ids of retryable rows whose next attempt is due, oldest due first (seed §14.4)."""
+def due_for_retry(
+    conn: Connection, clock: DbClock, *, limit: int = 100, supplier_id: int | None = None
+) -> list[int]:
+    """Ids of retryable rows whose next attempt is due, oldest due first (seed §14.4).
+
+    Args:
+        conn: A connection.
+        clock: The database clock.
+        limit: At most this many.
+        supplier_id: Only this supplier's rows (None: any supplier's).
+    """
     d = schema.dead_letter.c
+    where = [
+        d.status.in_(("PENDING", "FAILED")),
+        d.next_retry_at <= clock.now(),
+        d.retry_count < d.max_retry_count,
+    ]
+    if supplier_id is not None:
+        where.append(d.supplier_id == supplier_id)
     return [
         int(i)
         for i in conn.execute(
-            sa.select(d.id)
-            .where(
-                d.status.in_(("PENDING", "FAILED")),
-                d.next_retry_at <= clock.now(),
-                d.retry_count < d.max_retry_count,
-            )
-            .order_by(d.next_retry_at, d.id)
-            .limit(limit)
+            sa.select(d.id).where(*where).order_by(d.next_retry_at, d.id).limit(limit)
         ).scalars()
     ]
 
@@ -390,7 +416,8 @@ def list_dead_letters(
     ]
 
 
-def _snapshot(conn: Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+def snapshot(conn: Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The operator-facing state of dead letters (an audit row's before and after)."""
     d = schema.dead_letter.c
     cols = (
         d.id,
@@ -435,7 +462,7 @@ def operator_action(
         DeadLetterStateError: A row is missing or not in a state the action leaves.
     """
     who, why = require_who_and_why(actor, reason)
-    before = _snapshot(conn, ids)
+    before = snapshot(conn, ids)
     if action == "retry":
         d = schema.dead_letter.c
         moved = move(
@@ -451,7 +478,7 @@ def operator_action(
         )
     else:
         moved = move(conn, clock, ids, "ignore", fix_note=f"ignored by {who}: {why}"[:1024])
-    after = _snapshot(conn, ids)
+    after = snapshot(conn, ids)
     record_actions(
         conn,
         clock,
@@ -462,3 +489,96 @@ def operator_action(
         reason=why,
     )
     return moved
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The dead letters in numbers (the ``dead_letter_summary`` asset, metrics, alerts).
+
+    Attributes:
+        by_status: Rows per status.
+        by_code: Open rows per error code.
+        by_class: Open rows per error class.
+        oldest_open_hours: Age of the oldest open row (0 when none is open).
+        created_24h: Rows written in the last 24 hours.
+        resolved_24h: Rows resolved (not ignored) in the last 24 hours.
+        created_7d: Rows written in the last 7 days.
+        resolved_7d: Rows resolved in the last 7 days.
+    """
+
+    by_status: dict[str, int]
+    by_code: dict[str, int]
+    by_class: dict[str, int]
+    oldest_open_hours: float
+    created_24h: int
+    resolved_24h: int
+    created_7d: int
+    resolved_7d: int
+
+    @property
+    def open(self) -> int:
+        """Rows in an open state."""
+        return sum(n for s, n in self.by_status.items() if s in OPEN_STATUSES)
+
+    @staticmethod
+    def rate(resolved: int, created: int) -> float:
+        """Resolved ÷ created (1.0 when nothing was created: nothing is waiting)."""
+        return 1.0 if created == 0 else round(resolved / created, 4)
+
+    @property
+    def fix_rate_24h(self) -> float:
+        """The seed's fix rate over the last 24 hours."""
+        return self.rate(self.resolved_24h, self.created_24h)
+
+    @property
+    def fix_rate_7d(self) -> float:
+        """The seed's fix rate over the last 7 days."""
+        return self.rate(self.resolved_7d, self.created_7d)
+
+
+def summarize(conn: Connection, clock: DbClock, *, supplier_id: int | None = None) -> Summary:
+    """The dead letters in numbers, in four grouped queries (no row is read one by one)."""
+    d = schema.dead_letter.c
+    scope = [] if supplier_id is None else [d.supplier_id == supplier_id]
+    now = clock.read(conn)
+    by_status: dict[str, int] = {}
+    by_code: dict[str, int] = {}
+    by_class: dict[str, int] = {"RETRYABLE": 0, "NEEDS_PERSON": 0}
+    for status, code, n in conn.execute(
+        sa.select(d.status, d.error_code, sa.func.count())
+        .where(*scope)
+        .group_by(d.status, d.error_code)
+    ):
+        by_status[status] = by_status.get(status, 0) + int(n)
+        if status in OPEN_STATUSES:
+            by_code[code] = by_code.get(code, 0) + int(n)
+            cls = rule_for(code).error_class
+            by_class[cls] += int(n)
+    oldest = conn.execute(
+        sa.select(sa.func.min(d.created_at)).where(d.status.in_(OPEN_STATUSES), *scope)
+    ).scalar()
+    day, week = now - timedelta(days=1), now - timedelta(days=7)
+    created = conn.execute(
+        sa.select(
+            sa.func.coalesce(sa.func.sum(sa.case((d.created_at >= day, 1), else_=0)), 0),
+            sa.func.count(),
+        ).where(d.created_at >= week, *scope)
+    ).one()
+    resolved = conn.execute(
+        sa.select(
+            sa.func.coalesce(sa.func.sum(sa.case((d.resolved_at >= day, 1), else_=0)), 0),
+            sa.func.count(),
+        ).where(d.status == "RESOLVED", d.resolved_at >= week, *scope)
+    ).one()
+    return Summary(
+        by_status=by_status,
+        by_code=dict(sorted(by_code.items(), key=lambda kv: (-kv[1], kv[0]))),
+        by_class=by_class,
+        oldest_open_hours=0.0
+        if oldest is None
+        else round(max((now - oldest).total_seconds(), 0.0) / 3600, 3),
+        created_24h=int(created[0]),
+        resolved_24h=int(resolved[0]),
+        created_7d=int(created[1]),
+        resolved_7d=int(resolved[1]),
+    )

@@ -418,13 +418,16 @@ def record_diffs(
     diffs: Sequence[HotelDiff],
     category_code: str = "HOTEL",
     at: datetime | None = None,
+    raw_payload_hashes: Sequence[str | None] | None = None,
 ) -> None:
     """Writes diff log rows in one statement; a re-run of the same batch adds nothing.
 
     ``at``: the transaction's database time (``clock.read``), written instead of the
-    clock's SQL expression evaluated on every row.
+    clock's SQL expression evaluated on every row. ``raw_payload_hashes``: per diff, the raw
+    page its new version came from (``trace`` reads those bytes).
     """
     prefix = _diff_id_prefix(batch_id, supplier_id)
+    hashes = raw_payload_hashes if raw_payload_hashes is not None else [None] * len(diffs)
     insert_ignore(
         conn,
         schema.diff_log,
@@ -439,8 +442,9 @@ def record_diffs(
                 d.changed_fields,
                 d.risk_level,
                 d.action,
+                raw_hash,
             )
-            for d in diffs
+            for d, raw_hash in zip(diffs, hashes, strict=True)
         ],
         columns=_DIFF_ROW,
         batch_id=batch_id,
@@ -462,6 +466,7 @@ _DIFF_ROW = (
     "changed_fields",
     "risk_level",
     "action",
+    "raw_payload_hash",
 )
 
 

@@ -394,9 +394,11 @@ class ChangeWindow:
         return FeedPosition(start=start, since=start, after_id=after, high=mark, origin=mark)
 
     def pages(
-        self, client: SupplierClient, start: Checkpoint | None, shard_key: str
+        self, client: SupplierClient | None, start: Checkpoint | None, shard_key: str
     ) -> Iterator[FetchedPage]:
         """The window's pages, from the checkpoint (or the watermark) until caught up."""
+        if client is None:
+            raise ValueError("a change feed window needs a supplier client")
         if start is None or start.cursor is None:
             pos, number = self.first_position(), 1
         else:

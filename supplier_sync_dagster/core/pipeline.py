@@ -41,7 +41,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -51,7 +51,11 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch
 from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
-from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.deadletters import (
+    DeadLetter,
+    record_dead_letters,
+    supplier_error_code,
+)
 from supplier_sync_dagster.core.diff import (
     Candidate,
     HotelDiff,
@@ -278,9 +282,10 @@ class PageSource(Protocol):
     """
 
     def pages(
-        self, client: SupplierClient, start: Checkpoint | None, shard_key: str
+        self, client: SupplierClient | None, start: Checkpoint | None, shard_key: str
     ) -> Iterator[FetchedPage]:
-        """The pages from ``start`` (None: the beginning) on."""
+        """The pages from ``start`` (None: the beginning) on (``client`` None: a source that
+        needs no supplier, an operator's fixed record)."""
 
     def publish_settings(self, report: CityReport, settings: SyncSettings) -> SyncSettings:
         """The settings to publish with, given what fetching and normalizing found."""
@@ -309,7 +314,8 @@ def sync_city(
     Args:
         db: The sync database.
         store: The payload store for raw and normalized pages.
-        client: The supplier client (unused when ``fetch`` is False).
+        client: The supplier client (unused when ``fetch`` is False; None with a ``source``
+            that needs none).
         batch: The batch this city belongs to (it must have a shard for the city).
         city_code: The supplier's city code, verbatim.
         worker_id: This worker's id.
@@ -361,7 +367,7 @@ def sync_city(
                 listing_city=city_code if source is None else None,
             )
             if fetch:
-                if client is None:
+                if client is None and source is None:
                     raise ValueError("fetching needs a supplier client")
                 # A walk from the city's first page normalizes each page as it arrives (no
                 # re-read of what was just fetched); a resumed walk normalizes afterwards,
@@ -455,6 +461,7 @@ def confirm_missing(
     A failed request changes nothing; the next complete sync counts again."""
     assert report.presence is not None
     gone: list[str] = []
+    unconfirmed: list[DeadLetter] = []
     for hotel_id in report.presence.missing[:CONFIRM_MISSING_MAX]:
         try:
             client.get_hotel(hotel_id)
@@ -462,6 +469,32 @@ def confirm_missing(
             gone.append(hotel_id)
         except SupplierError as err:
             log.info("could not confirm missing hotel %r: %s", hotel_id, err)
+            # A retryable dead letter: compensation asks again, and a 404 then unpublishes.
+            code = supplier_error_code(err)
+            unconfirmed.append(
+                DeadLetter(
+                    hotel_id,
+                    "ADAPTER",
+                    "RETRYABLE",
+                    code,
+                    f"GET /v1/hotels/{{id}} for a hotel its city no longer lists: {err}",
+                    None,
+                    None,
+                    record_position="confirm_missing",
+                    city_code=report.city_code,
+                )
+            )
+    if unconfirmed:
+        with db.begin() as conn:
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id=batch_id,
+                task_code=settings.task_code,
+                sync_mode=settings.sync_mode,
+                supplier_id=settings.supplier_id,
+                letters=unconfirmed,
+            )
     if not gone:
         return
     with db.begin() as conn:
@@ -683,6 +716,27 @@ def _record_snapshots(
     )
 
 
+DETAILS_KEY = "details"
+"""The list of a compensation page: one detail response (``GET /v1/hotels/{id}``) per hotel."""
+
+
+def page_records(body: Any) -> list[Any]:
+    """The records of a stored RAW page, in order.
+
+    A city listing's page holds ``hotels``, a change feed's ``changes`` (the contract); a
+    compensation page's ``details`` are the supplier's detail responses, each the record
+    or the record wrapped as ``{"hotel": {...}}``.
+    """
+    if not isinstance(body, dict):
+        return []
+    if DETAILS_KEY in body:
+        return [
+            r["hotel"] if isinstance(r, dict) and set(r) == {"hotel"} else r
+            for r in body[DETAILS_KEY] or ()
+        ]
+    return list(body.get("hotels", body.get("changes")) or [])
+
+
 class _RawPage(NamedTuple):
     """A stored page: the fields of its snapshot row that normalization needs."""
 
@@ -703,13 +757,13 @@ def _walk(
     source: PageSource | None,
 ) -> Iterator[FetchedPage]:
     """The shard's pages from its checkpoint: the city's listing, or ``source``'s pages."""
-    if client is None:
-        raise ValueError("fetching needs a supplier client")
     cp = lease.checkpoint
     if cp is not None and cp.done:
         return iter(())
     if source is not None:
         return source.pages(client, cp, lease.shard_key)
+    if client is None:
+        raise ValueError("fetching needs a supplier client")
     start = (
         PagePosition(page=cp.page, cursor=cp.cursor, last_hotel_id=cp.last_supplier_hotel_id)
         if cp is not None
@@ -1048,9 +1102,7 @@ class _Normalizer:
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: _RawPage) -> list[Any]:
-        body = decode_json(self.store.get(raw.payload_ref))
-        # A city listing's page holds "hotels", a change feed's "changes" (the contract).
-        return list(body.get("hotels", body.get("changes")) or [])
+        return page_records(decode_json(self.store.get(raw.payload_ref)))
 
     def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
         if raw.payload_hash in self.seen:
@@ -1089,10 +1141,14 @@ class _Normalizer:
                 k = bisect.bisect_right(starts, f.index) - 1
                 page = pages[k]
                 pos = page.result.doc_index[f.index - starts[k]]
-                failed[f.index] = f.dead_letter(
-                    page.raw.payload_ref,
-                    page.raw.payload_hash,
-                    record_position=f"record#{pos}",
+                city = self.listing_city or docs[f.index].get("city_code")
+                failed[f.index] = replace(
+                    f.dead_letter(
+                        page.raw.payload_ref,
+                        page.raw.payload_hash,
+                        record_position=f"record#{pos}",
+                    ),
+                    city_code=city if isinstance(city, str) else None,
                 )
         offset = 0
         kept_chunk: list[Candidate] = []
@@ -1110,6 +1166,7 @@ class _Normalizer:
                     # The record's place on its page: two unreadable records of one page
                     # stay two dead letters, and a re-run finds the same key.
                     record_position=f"record#{index}",
+                    city_code=self.listing_city,
                 )
                 for r, index in zip(result.rejections, result.rejection_index, strict=True)
             ]
@@ -1314,6 +1371,7 @@ class _LeasePublisher:
             supplier_id=settings.supplier_id,
             diffs=diffs,
             at=at,
+            raw_payload_hashes=[c.raw_payload_hash for _, c in items],
         )
         held = hold_for_review(
             conn,

@@ -191,6 +191,7 @@ snapshot = _table(
     sa.UniqueConstraint("snapshot_id", name="uk_snapshot_id"),
     sa.Index("idx_snapshot_batch", "batch_id", "shard_key", "snapshot_type"),
     sa.Index("idx_snapshot_derived_from", "supplier_id", "supplier_resource_code", "derived_from"),
+    sa.Index("idx_snapshot_payload_hash", "payload_hash"),
     comment="raw and normalized supplier payload snapshots",
 )
 
@@ -214,9 +215,12 @@ diff_log = _table(
     sa.Column("risk_level", sa.String(32), nullable=False),
     sa.Column("action", sa.String(64), nullable=False),
     sa.Column("created_at", _ts(), nullable=False),
+    # The raw page its new version came from (``trace`` reads the bytes of each version).
+    sa.Column("raw_payload_hash", sa.String(64)),
     sa.UniqueConstraint("diff_id", name="uk_diff_id"),
     sa.Index("idx_diff_batch", "batch_id", "shard_key"),
     sa.Index("idx_action", "action"),
+    sa.Index("idx_diff_resource", "supplier_id", "supplier_resource_code"),
     comment="field-level differences between normalized and published data",
 )
 
@@ -253,6 +257,9 @@ dead_letter = _table(
     sa.Column("created_at", _ts(), nullable=False),
     sa.Column("updated_at", _ts(), nullable=False),
     sa.Column("resolved_at", _ts()),
+    sa.Column("city_code", _code(64)),
+    # The compensation batch of its latest attempt (a killed one is resumed or released).
+    sa.Column("retry_batch_id", sa.String(64)),
     sa.UniqueConstraint("dead_letter_id", name="uk_dead_letter_id"),
     sa.UniqueConstraint(
         "batch_id",
@@ -264,6 +271,8 @@ dead_letter = _table(
         name="uk_dedup",
     ),
     sa.Index("idx_status_next_retry", "status", "next_retry_at"),
+    sa.Index("idx_dead_letter_hotel", "supplier_id", "supplier_resource_code"),
+    sa.Index("idx_dead_letter_retry_batch", "retry_batch_id"),
     sa.Index("idx_supplier_status", "supplier_id", "status"),
     sa.Index("idx_category_status", "category_code", "status"),
     comment="dead letters: every record that could not be published, with its state",

@@ -43,10 +43,10 @@ def test_backoff_grows_with_bounded_jitter() -> None:
     rng = random.Random(7)
     for attempts, base in [
         (0, 60),
-        (1, 60),
-        (2, 300),
-        (3, 1800),
-        (4, 7200),
+        (1, 300),
+        (2, 1800),
+        (3, 7200),
+        (4, 43200),
         (5, 43200),
         (9, 43200),
     ]:
@@ -140,7 +140,7 @@ def test_compensation_cycle_backs_off_then_exhausts_to_manual_fix(
             assert (rescheduled, exhausted, row.status) == (1, 0, "FAILED")
             with db.engine.connect() as conn:
                 wait = (row.next_retry_at - db.clock.read(conn)).total_seconds()
-            base = BACKOFF_SECONDS[attempt - 1]
+            base = BACKOFF_SECONDS[attempt]  # after n attempts: the (n+1)th wait
             assert base * (1 - JITTER) - 5 <= wait <= base * (1 + JITTER)
             db.clock.advance(wait + 1)
         else:

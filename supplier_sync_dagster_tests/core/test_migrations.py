@@ -67,12 +67,20 @@ _RENAMED_BY_010 = (
 )
 
 
+# Columns today's sync writes that 014 added (dead letters' city and retry batch, diffs' raw page).
+_ADDED_BY_014 = (
+    ("supplier_sync_dead_letter", "city_code"),
+    ("supplier_sync_dead_letter", "retry_batch_id"),
+    ("supplier_sync_diff_log", "raw_payload_hash"),
+)
+
+
 def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
     """Gives a database older than 010 the column names today's code writes, or takes them back:
     the release of that time wrote the same values under the old name. Its outbox gets the
     stage columns today's publish writes (011), and loses them again with its events left as
     that release left them: PENDING. Its hotels get the tombstone columns (012) that today's
-    publish writes, and lose them again."""
+    publish writes, and lose them again; so do its dead letters and diffs (014)."""
     with db.begin() as conn:
         hotels = "platform_hotel_resource"
         if forward:
@@ -83,6 +91,11 @@ def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
         else:
             conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_since")
             conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_count")
+        for table, column in _ADDED_BY_014:
+            if forward:
+                conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} VARCHAR(64)")
+            else:
+                conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN {column}")
         for table, old, new in _RENAMED_BY_010:
             src, dst = (old, new) if forward else (new, old)
             conn.exec_driver_sql(f"ALTER TABLE {table} RENAME COLUMN {src} TO {dst}")

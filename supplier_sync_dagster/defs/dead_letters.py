@@ -1,0 +1,259 @@
+"""Dead letters in Dagster: compensation on a schedule, and their numbers over time.
+
+``dead_letter_compensation`` runs :func:`~supplier_sync_dagster.core.compensation.compensate`:
+the supplier's due retryable dead letters are re-fetched one hotel each and go through the
+sync's stages; its materialization says how each claimed row ended. The
+``dead_letter_compensation_schedule`` runs it every 5 minutes when something is due (one run
+at a time: the task's SKIP_IF_RUNNING policy, and the task tag ``dagster.yaml`` limits).
+
+``dead_letter_summary`` counts dead letters by code, class and status, the age of the oldest
+open one and the **fix rate** (resolved ÷ created over 24 h and 7 d) as numeric metadata, so
+that the UI plots them; ``dead_letter_summary_schedule`` materializes it every 15 minutes.
+"""
+
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from supplier_sync_dagster.core import deadletters
+from supplier_sync_dagster.core.compensation import (
+    DEFAULT_COMPENSATION_TASK,
+    DEFAULT_FETCH_THREADS,
+    DEFAULT_LIMIT,
+    DEFAULT_PAGE_HOTELS,
+    CompensationReport,
+    CompensationSettings,
+    compensate,
+)
+from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.defs.city_sync import GROUP, SOURCE_TAG, TRIGGER_TAG, trigger_of
+from supplier_sync_dagster.defs.incremental_sync import TASK_TAG
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+COMPENSATION = dg.AssetKey("dead_letter_compensation")
+SUMMARY = dg.AssetKey("dead_letter_summary")
+_ACTIVE = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+class CompensationConfig(dg.Config):
+    """How a compensation run takes its dead letters (the launchpad's form)."""
+
+    task_code: str = Field(
+        default=DEFAULT_COMPENSATION_TASK,
+        description="The compensation task: its batches and its one-run-at-a-time policy.",
+    )
+    limit: int = Field(default=DEFAULT_LIMIT, description="Due dead letters taken per run.")
+    page_hotels: int = Field(
+        default=DEFAULT_PAGE_HOTELS, description="Hotels re-fetched per stored page."
+    )
+    fetch_threads: int = Field(
+        default=DEFAULT_FETCH_THREADS, description="Detail requests in flight at once."
+    )
+
+
+def compensation_metadata(out: CompensationReport, requests: int) -> dict[str, Any]:
+    """A compensation run's numbers, as numeric metadata the UI plots over time."""
+    values = out.to_json()
+    seconds = values.pop("seconds", {})
+    errors = values.pop("errors")
+    return {
+        **{k: ("" if v is None else v) for k, v in values.items()},
+        "supplier_requests": requests,
+        "seconds": round(sum(seconds.values()), 3),
+        "errors_by_code": dg.MetadataValue.json(errors),
+    }
+
+
+@dg.asset(
+    key=COMPENSATION,
+    group_name=GROUP,
+    pool="supplier_api",
+    description=(
+        "Due retryable dead letters healed without an operator: each hotel is re-fetched once "
+        "and goes through the sync's stages; a failed request backs off (1 min ... 12 h) and "
+        "goes to MANUAL_FIX past its retries."
+    ),
+)
+def dead_letter_compensation(
+    context: dg.AssetExecutionContext,
+    config: CompensationConfig,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+    governance: GovernanceResource,
+) -> dg.MaterializeResult:
+    """Runs one compensation and reports how each claimed dead letter ended."""
+    trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
+    settings = SyncSettings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
+    )
+    db = sync_db.open()
+    store = payloads.open()
+    try:
+        with supplier.client() as client:
+            try:
+                out = compensate(
+                    db,
+                    store,
+                    client,
+                    settings=settings,
+                    compensation=CompensationSettings(
+                        task_code=config.task_code,
+                        full_task_code=supplier.task_code,
+                        limit=config.limit,
+                        page_hotels=config.page_hotels,
+                        fetch_threads=config.fetch_threads,
+                    ),
+                    trigger_id=trigger_id,
+                    source=source,
+                    worker_id=make_worker_id("supplier-sync"),
+                )
+            except (TaskDisabled, TriggerSkipped) as err:
+                raise dg.Failure(
+                    description=f"compensation not run: {err}",
+                    metadata={"blocking_batch_id": getattr(err, "blocking_batch_id", "") or ""},
+                    allow_retries=False,
+                ) from None
+            requests = client.stats().requests
+    finally:
+        db.dispose()
+    context.log.info(
+        f"compensation: {out.claimed} claimed, {out.resolved} resolved "
+        f"({out.refused_again} refused again), {out.newer} newer, {out.gone} gone, "
+        f"{out.rescheduled} rescheduled, {out.exhausted} to MANUAL_FIX, {requests} requests"
+    )
+    if out.report is not None and out.report.status not in ("SUCCESS", "ALREADY_DONE"):
+        raise dg.Failure(
+            description=(
+                f"compensation batch {out.batch.batch_id if out.batch else ''} did not finish "
+                f"({out.report.status}): {out.report.error or ''}; the next run resumes it"
+            ),
+            allow_retries=False,
+        )
+    return dg.MaterializeResult(metadata=compensation_metadata(out, requests))
+
+
+dead_letter_compensation_job = dg.define_asset_job(
+    "compensate_dead_letters",
+    selection=dg.AssetSelection.assets(COMPENSATION),
+    tags={TASK_TAG: DEFAULT_COMPENSATION_TASK},
+    description="Re-fetch and re-publish the hotels of due retryable dead letters.",
+)
+
+
+@dg.schedule(
+    name="dead_letter_compensation_schedule",
+    job=dead_letter_compensation_job,
+    cron_schedule="*/5 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Every 5 minutes, when a retryable dead letter is due and no run is active.",
+)
+def dead_letter_compensation_schedule(
+    context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
+) -> dg.RunRequest | dg.SkipReason:
+    """Requests a compensation when a row is due (or a claimed one waits); its tick time is
+    its trigger."""
+    db = sync_db.open()
+    try:
+        with db.engine.connect() as conn:
+            due = deadletters.due_for_retry(conn, db.clock, limit=1)
+            claimed = deadletters.list_dead_letters(
+                conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
+            )
+    finally:
+        db.dispose()
+    if not due and not claimed:
+        return dg.SkipReason("no retryable dead letter is due")
+    active = context.instance.get_runs(
+        filters=dg.RunsFilter(job_name=dead_letter_compensation_job.name, statuses=_ACTIVE),
+        limit=1,
+    )
+    if active:
+        return dg.SkipReason(f"run {active[0].run_id} of the previous compensation is active")
+    fired = (
+        context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "now"
+    )
+    trigger = f"compensate:{fired}"[:64]
+    return dg.RunRequest(
+        run_key=trigger,
+        tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION"},
+    )
+
+
+def summary_metadata(summary: deadletters.Summary) -> dict[str, Any]:
+    """The summary as metadata: every figure numeric (plotted), the breakdowns as JSON."""
+    statuses = ("PENDING", "RETRYING", "FAILED", "MANUAL_FIX", "RESOLVED", "IGNORED")
+    return {
+        "open": summary.open,
+        **{f"status_{s.lower()}": summary.by_status.get(s, 0) for s in statuses},
+        "open_retryable": summary.by_class.get("RETRYABLE", 0),
+        "open_needs_person": summary.by_class.get("NEEDS_PERSON", 0),
+        "oldest_open_hours": summary.oldest_open_hours,
+        "created_24h": summary.created_24h,
+        "resolved_24h": summary.resolved_24h,
+        "fix_rate_24h": summary.fix_rate_24h,
+        "created_7d": summary.created_7d,
+        "resolved_7d": summary.resolved_7d,
+        "fix_rate_7d": summary.fix_rate_7d,
+        "open_by_code": dg.MetadataValue.json(summary.by_code),
+        "by_status": dg.MetadataValue.json(summary.by_status),
+    }
+
+
+@dg.asset(
+    key=SUMMARY,
+    group_name=GROUP,
+    description=(
+        "Dead letters by code, class and status, the age of the oldest open one, and the fix "
+        "rate (resolved ÷ created) over 24 h and 7 d, as numbers the UI plots over time."
+    ),
+)
+def dead_letter_summary(
+    context: dg.AssetExecutionContext, sync_db: SyncDatabaseResource
+) -> dg.MaterializeResult:
+    """Counts the dead letters (a few grouped queries)."""
+    db = sync_db.open()
+    try:
+        with db.engine.connect() as conn:
+            summary = deadletters.summarize(conn, db.clock)
+    finally:
+        db.dispose()
+    context.log.info(
+        f"dead letters: {summary.open} open (oldest {summary.oldest_open_hours} h), fix rate "
+        f"{summary.fix_rate_24h:.1%} over 24 h, {summary.fix_rate_7d:.1%} over 7 d"
+    )
+    return dg.MaterializeResult(metadata=summary_metadata(summary))
+
+
+dead_letter_summary_job = dg.define_asset_job(
+    "summarize_dead_letters",
+    selection=dg.AssetSelection.assets(SUMMARY),
+    description="Count the dead letters and their fix rate.",
+)
+
+dead_letter_summary_schedule = dg.ScheduleDefinition(
+    name="dead_letter_summary_schedule",
+    job=dead_letter_summary_job,
+    cron_schedule="*/15 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
+)
