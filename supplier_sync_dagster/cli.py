@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from supplier_sync_dagster.cli_deadletters import add_commands as add_dead_letter_commands
+from supplier_sync_dagster.cli_operators import add_commands as add_operator_commands
 from supplier_sync_dagster.cli_outbox import add_commands as add_outbox_commands
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
 from supplier_sync_dagster.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS, run_daemon
@@ -787,7 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--cities", type=int, default=50)
     demo.add_argument("--hotels", type=int, default=20_000)
-    demo.add_argument("--profile", default="flaky", help="simulator fault profile: clean or flaky")
+    demo.add_argument(
+        "--profile", default="flaky", help="simulator fault profile: clean, flaky or hostile"
+    )
     demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
     demo.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     demo.add_argument("--processes", type=_processes, default=None, help=_PROCESSES)
@@ -872,7 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--day", type=int, default=0)
     sim.add_argument("--api-key", default="sim-key", help="the key clients must send")
     sim.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key")
-    sim.add_argument("--profile", default="clean", help="fault profile: clean or flaky")
+    sim.add_argument("--profile", default="clean", help="fault profile: clean, flaky or hostile")
     sim.add_argument("--hostile-city-codes", action="store_true")
     sim.set_defaults(func=_cmd_simulate)
 
@@ -994,7 +996,7 @@ def build_parser() -> argparse.ArgumentParser:
     recon.set_defaults(func=_cmd_reconcile)
 
     add_outbox_commands(sub)
-    add_dead_letter_commands(sub)
+    add_operator_commands(sub)
 
     db = sub.add_parser(
         "db",

@@ -302,31 +302,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
-    """``audit``: the operator actions recorded, newest first."""
-    from supplier_sync_dagster.core.audit import list_audit
-    from supplier_sync_dagster.core.db import SyncDatabase
-
-    db = SyncDatabase.open(args.db_url)
-    try:
-        with db.engine.connect() as conn:
-            entries = list_audit(
-                conn, target_type=args.target_type, target_id=args.target, limit=args.limit
-            )
-    finally:
-        db.dispose()
-    for e in entries:
-        if args.json:
-            print(json.dumps(vars(e), default=str, ensure_ascii=False, sort_keys=True))
-            continue
-        print(
-            f"{e.created_at}  {e.actor:<16} {e.action:<16} {e.target_type} {e.target_id}  "
-            f"why: {e.reason}  before: {json.dumps(e.before, default=str)}  "
-            f"after: {json.dumps(e.after, default=str)}"
-        )
-    return 0
-
-
 def cmd_serve_api(args: argparse.Namespace) -> int:
     """``serve-api``: the read API under uvicorn until interrupted."""
     import contextlib
@@ -436,10 +411,3 @@ def add_commands(sub: Any) -> None:
         "--confirm-timeout", type=float, default=3.0, help="seconds for the supplier's answer"
     )
     api.set_defaults(func=cmd_serve_api)
-
-    audit = sub.add_parser("audit", help="operator actions: who, when, what, why, before, after")
-    audit.add_argument("--target-type", default=None, help="e.g. outbox_event")
-    audit.add_argument("--target", default=None, help="one target's id")
-    audit.add_argument("--limit", type=int, default=50)
-    audit.add_argument("--json", action="store_true")
-    audit.set_defaults(func=cmd_audit)

@@ -92,15 +92,21 @@ def list_audit(
     *,
     target_type: str | None = None,
     target_id: str | None = None,
+    actor: str | None = None,
+    action: str | None = None,
     limit: int = 50,
 ) -> list[AuditEntry]:
-    """Recorded actions, newest first."""
+    """Recorded actions, newest first; every given filter narrows."""
     a = schema.audit.c
     stmt = sa.select(schema.audit).order_by(a.id.desc()).limit(limit)
     if target_type:
         stmt = stmt.where(a.target_type == target_type)
     if target_id:
         stmt = stmt.where(a.target_id == target_id)
+    if actor:
+        stmt = stmt.where(a.actor == actor)
+    if action:
+        stmt = stmt.where(a.action == action)
     return [
         AuditEntry(
             id=int(r.id),

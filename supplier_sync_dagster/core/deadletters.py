@@ -380,6 +380,7 @@ class DeadLetterFilter:
     error_class: ErrorClass | None = None
     batch_id: str | None = None
     supplier_hotel_id: str | None = None
+    city_code: str | None = None
     older_than_hours: float | None = None
 
 
@@ -408,6 +409,8 @@ def list_dead_letters(
         stmt = stmt.where(d.batch_id == where.batch_id)
     if where.supplier_hotel_id:
         stmt = stmt.where(d.supplier_resource_code == where.supplier_hotel_id)
+    if where.city_code:
+        stmt = stmt.where(d.city_code == where.city_code)
     if where.older_than_hours is not None:
         stmt = stmt.where(d.created_at <= clock.now(-3600 * where.older_than_hours))
     return [

@@ -166,6 +166,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
                 read_timeout=self.read_timeout,
                 rate_limiter=limiter,
                 breaker=CircuitBreaker(name=f"supplier-{self.supplier_id}"),
+                detail_breaker=CircuitBreaker(name=f"supplier-{self.supplier_id}/hotels"),
             )
         finally:
             http.close()
@@ -190,7 +191,7 @@ class SimulatedSupplierResource(SupplierResource):
     sim_seed: int = Field(default=42, description="World seed.")
     sim_cities: int = Field(default=50, description="Number of cities.")
     sim_hotels: int = Field(default=20_000, description="Number of hotels.")
-    sim_profile: str = Field(default="flaky", description="Fault profile (clean, flaky).")
+    sim_profile: str = Field(default="flaky", description="Fault profile (clean, flaky, hostile).")
     sim_day: int = Field(default=0, description="The supplier's day.")
 
     def _connection(self) -> tuple[httpx.Client, str]:

@@ -43,6 +43,9 @@ class FaultProfile:
             ``geo`` (schema drift); ``None`` disables it.
         hostile_city_codes: add cities whose codes are hostile strings (``../../etc``, SQL,
             ``|``, ``...``, 64 non-ASCII characters), each with a few hotels.
+        detail_outage_rate: share of single-hotel requests (``GET /v1/hotels/{id}``) answered
+            ``503`` on top of the other faults: a supplier whose detail service is down while
+            its listings work (at 1.0 every retry fails: the request is a dead letter).
         unlisted_hotels_city_codes: cities that ``/v1/cities`` lists but whose hotel pages
             answer ``404 CITY_NOT_FOUND``: a supplier whose city list and data disagree
             (a sync of such a city fails; the others go on).
@@ -67,6 +70,7 @@ class FaultProfile:
     location_rename_from_day: int | None = None
     hostile_city_codes: bool = False
     unlisted_hotels_city_codes: tuple[str, ...] = ()
+    detail_outage_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -107,13 +111,30 @@ class FaultProfile:
         )
 
     @classmethod
+    def hostile(cls) -> FaultProfile:
+        """Flaky at several times the rates, more bad records, and a detail service that is
+        often down: what a sync must survive without losing or inventing a hotel."""
+        return cls.flaky().with_(
+            rate_429=0.05,
+            rate_500=0.03,
+            rate_502_html=0.02,
+            rate_503=0.03,
+            rate_504=0.01,
+            rate_truncated=0.02,
+            rate_error_envelope_200=0.01,
+            rate_cursor_expired=0.05,
+            bad_record_rate=0.04,
+            detail_outage_rate=0.4,
+        )
+
+    @classmethod
     def named(cls, name: str) -> FaultProfile:
-        """The preset called ``name`` (``clean`` or ``flaky``).
+        """The preset called ``name`` (``clean``, ``flaky`` or ``hostile``).
 
         Raises:
             ValueError: the name is not a known preset.
         """
-        presets = {"clean": cls.clean, "flaky": cls.flaky}
+        presets = {"clean": cls.clean, "flaky": cls.flaky, "hostile": cls.hostile}
         if name not in presets:
             raise ValueError(f"unknown fault profile {name!r}; known: {sorted(presets)}")
         return presets[name]()

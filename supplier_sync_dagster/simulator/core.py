@@ -337,6 +337,12 @@ class Simulator:
             return self._finish(resp, decision, headers)
 
         fault, u_param = self._draw_fault()
+        if (
+            fault is None
+            and endpoint == "hotel"
+            and self._chance(self.config.faults.detail_outage_rate)
+        ):
+            fault = FAULT_503  # the detail service is down while listings work
         if fault is not None and fault not in (FAULT_TRUNCATED, FAULT_SLOW):
             self._stats.fault(fault)
             return self._finish(self._fault_response(fault, u_param), decision, headers)

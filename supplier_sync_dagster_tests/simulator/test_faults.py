@@ -38,6 +38,17 @@ def test_429_with_retry_after_in_seconds_and_as_http_date() -> None:
     assert dated.stats["faults"] == {"429": 1} and dated.stats["responses_429"] == 1
 
 
+def test_a_detail_outage_fails_single_hotel_requests_only() -> None:
+    sim = make_sim(FaultProfile(detail_outage_rate=1.0))
+    city = _get(sim).json()["cities"][0]["city_code"]
+    page = _get(sim, hotels_url(city))
+    assert page.status_code == 200  # listings work
+    hotel = page.json()["hotels"][0]["hotel_id"]
+    detail = _get(sim, f"/v1/hotels/{hotel}")
+    assert detail.status_code == 503 and "code" in detail.json()["error"]
+    assert sim.stats["faults"] == {"503": 1}
+
+
 @pytest.mark.parametrize(
     ("field", "status", "html"),
     [

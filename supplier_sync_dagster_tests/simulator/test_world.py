@@ -183,3 +183,5 @@ def test_config_is_validated(bad: dict) -> None:
         FaultProfile.named("nope")
     assert FaultProfile.named("clean") == FaultProfile()
     assert FaultProfile.named("flaky").rate_429 > 0
+    hostile = FaultProfile.named("hostile")
+    assert hostile.rate_429 > FaultProfile.flaky().rate_429 and hostile.detail_outage_rate > 0

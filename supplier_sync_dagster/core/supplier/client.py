@@ -234,6 +234,7 @@ class SupplierClient:
         pool_timeout: float = 10.0,
         retry: RetryPolicy | None = None,
         breaker: CircuitBreaker | None = None,
+        detail_breaker: CircuitBreaker | None = None,
         rate_limiter: RateLimiter | None = None,
         city_rate_limiters: CityRateLimiters | None = None,
         max_cursor_expiries: int = 3,
@@ -256,6 +257,9 @@ class SupplierClient:
             retry: Retry policy; defaults to :class:`RetryPolicy()`.
             breaker: Circuit breaker; pass one instance to every client of the same supplier
                 in a process. Defaults to a new breaker.
+            detail_breaker: The breaker of single-hotel requests (``GET /v1/hotels/{id}``):
+                a detail service that is down must not stop the listings, nor the other way
+                round. Defaults to a new breaker.
             rate_limiter: Paces every request (see ``make_rate_limiter``); None sends unpaced.
             city_rate_limiters: Optional second throttle per city (city endpoints only).
             max_cursor_expiries: Cursor expiries after which a city walk stops asking for
@@ -275,6 +279,9 @@ class SupplierClient:
         )
         self.retry_policy = retry or RetryPolicy()
         self.breaker = breaker or CircuitBreaker(name=supplier_id, monotonic=monotonic)
+        self.detail_breaker = detail_breaker or CircuitBreaker(
+            name=f"{supplier_id}/hotels", monotonic=monotonic
+        )
         self._limiter = rate_limiter
         self._city_limiters = city_rate_limiters
         self._max_cursor_expiries = max_cursor_expiries
@@ -367,7 +374,7 @@ class SupplierClient:
         if not hotel_id:
             raise ValueError("hotel_id must not be empty")
         path = f"/v1/hotels/{encode_segment(hotel_id)}"
-        ok = self._call("GET", path)
+        ok = self._call("GET", path, breaker=self.detail_breaker)
         body = ok.body
         # Some suppliers wrap the record: {"hotel": {...}}.
         if set(body) == {"hotel"} and isinstance(body["hotel"], dict):
@@ -663,35 +670,37 @@ class SupplierClient:
         with_cursor: bool = False,
         retry: RetryPolicy | None = None,
         model: type[pydantic.BaseModel] | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> _Ok:
         policy = retry or self.retry_policy
+        breaker = breaker or self.breaker
         attempts = 0
         slept = 0.0
         while True:
             attempts += 1
-            token = self.breaker.before_request()
+            token = breaker.before_request()
             try:
                 self._wait_for_token(city)
             except BaseException:
-                self.breaker.release(token)
+                breaker.release(token)
                 raise
             try:
                 outcome = self._attempt(method, path, params, json_body, with_cursor, attempts)
                 if isinstance(outcome, _Ok) and model is not None:
                     outcome = self._check_shape(outcome, model)
             except SupplierError:
-                self.breaker.record_success(token)  # the supplier answered coherently
+                breaker.record_success(token)  # the supplier answered coherently
                 raise
             except BaseException:
-                self.breaker.release(token)
+                breaker.release(token)
                 raise
             if isinstance(outcome, _Ok):
-                self.breaker.record_success(token)
+                breaker.record_success(token)
                 return outcome
             if outcome.kind == "rate":
-                self.breaker.record_success(token)
+                breaker.record_success(token)
             else:
-                self.breaker.record_failure(token)
+                breaker.record_failure(token)
 
             wait = self._next_wait(outcome, policy, attempts, slept)
             if wait is None:

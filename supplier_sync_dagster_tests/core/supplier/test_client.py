@@ -431,6 +431,34 @@ def test_persistent_5xx_opens_the_breaker_and_then_nothing_is_sent() -> None:
     assert stats.breaker_rejections == 2
 
 
+def test_a_detail_service_that_is_down_opens_its_own_breaker_only() -> None:
+    clock = FakeClock()
+    detail = CircuitBreaker(
+        name="acme/hotels", failure_threshold=3, cooldown=30, monotonic=clock.monotonic
+    )
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path.rsplit("/v1", 1)[-1])
+        if "/v1/hotels/" in request.url.path:
+            return httpx.Response(503)
+        return ok_cities()
+
+    client, _ = make_client(
+        handler,
+        clock=clock,
+        detail_breaker=detail,
+        retry=RetryPolicy(max_attempts=10, base_delay=0.01),
+    )
+    with pytest.raises(CircuitOpen):
+        client.get_hotel("H1")
+    with pytest.raises(CircuitOpen):
+        client.get_hotel("H2")  # refused without sending
+    assert sent.count("/hotels/H1") == 3 and "/hotels/H2" not in sent
+    assert client.list_cities().data.total == 1  # listings are not held back
+    assert client.stats().breaker_state is BreakerState.CLOSED
+
+
 def test_rate_limiter_is_asked_before_every_attempt() -> None:
     clock = FakeClock()
     bucket = InProcessTokenBucket(2.0, 1, monotonic=clock.monotonic, sleep=clock.sleep)
