@@ -1,0 +1,382 @@
+"""Operator actions as Dagster jobs: each one a form in the launchpad (a typed ``dg.Config``).
+
+The same actions as the CLI (``dead-letters retry|ignore|fix``, ``review approve|reject``,
+``gate override``, ``task set``, ``outbox retry|cancel``), through the same core functions:
+each needs who (``by``) and why (``reason``), writes one audit row per target, and its run's
+output metadata shows what changed. A refused action (a closed dead letter, a fix that still
+fails its checks, an unknown review) fails the run with the reason.
+"""
+
+import json
+from typing import Any, Literal
+
+import dagster as dg
+from pydantic import Field
+
+from supplier_sync_dagster.core import deadletters
+from supplier_sync_dagster.core.compensation import fix_dead_letter
+from supplier_sync_dagster.core.errors import SupplierSyncError
+from supplier_sync_dagster.core.gates import override_gate
+from supplier_sync_dagster.core.leases import make_worker_id
+from supplier_sync_dagster.core.outbox import operate
+from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.core.review import approve_reviews, reject_reviews
+from supplier_sync_dagster.core.tasks import change_task
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SyncDatabaseResource,
+)
+
+GROUP = "operator_actions"
+_WHO = "Who does this (recorded in the audit trail)."
+_WHY = "Why (recorded in the audit trail)."
+
+
+class DeadLetterActionConfig(dg.Config):
+    """Dead letters to retry or ignore."""
+
+    ids: list[int] = Field(description="Dead letter ids (`supplier-sync dead-letters list`).")
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+class DeadLetterFixConfig(dg.Config):
+    """A corrected record for one dead letter."""
+
+    id: int = Field(description="The dead letter's id.")
+    patch: str = Field(
+        description='A JSON merge patch of the supplier\'s record, e.g. {"phone": "+66 2 123 4567"}.'
+    )
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+class ReviewDecisionConfig(dg.Config):
+    """Reviews to approve or reject: named ones, or every PENDING one of a batch."""
+
+    review_ids: list[str] = Field(
+        default_factory=list, description="Review ids (`supplier-sync review list`)."
+    )
+    batch_id: str = Field(
+        default="", description="Every PENDING review of this batch (when no ids are given)."
+    )
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+class GateOverrideConfig(dg.Config):
+    """A failed batch gate check of one city that may pass."""
+
+    batch_id: str = Field(description="The batch.")
+    city: str = Field(description="The supplier's city code, verbatim.")
+    check_name: str = Field(description="The check (bad_record_ratio, record_count, ...).")
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+class TaskSettingsConfig(dg.Config):
+    """New settings of a sync task; empty fields stay as they are."""
+
+    task_code: str = Field(description="The task.")
+    policy: str = Field(
+        default="", description="SKIP_IF_RUNNING, CANCEL_PREVIOUS or ALLOW_PARALLEL."
+    )
+    status: str = Field(default="", description="ENABLED or DISABLED.")
+    cron: str = Field(default="", description='A cron expression, or "none" to clear it.')
+    thresholds_json: str = Field(
+        default="", description='Gate thresholds as JSON, e.g. {"max_bad_ratio": 0.1}.'
+    )
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+class OutboxActionConfig(dg.Config):
+    """Outbox events to retry or cancel."""
+
+    ids: list[int] = Field(description="Event ids (`supplier-sync outbox list`).")
+    by: str = Field(description=_WHO)
+    reason: str = Field(description=_WHY)
+
+
+def _refused(err: Exception) -> dg.Failure:
+    return dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False)
+
+
+def _dead_letter_action(
+    context: dg.OpExecutionContext,
+    config: DeadLetterActionConfig,
+    sync_db: SyncDatabaseResource,
+    action: str,
+) -> dg.Output[int]:
+    db = sync_db.open()
+    try:
+        with db.engine.connect() as conn:
+            before = deadletters.snapshot(conn, config.ids)
+        try:
+            with db.begin() as conn:
+                moved = deadletters.operator_action(
+                    conn,
+                    db.clock,
+                    config.ids,
+                    "retry" if action == "retry" else "ignore",
+                    actor=config.by,
+                    reason=config.reason,
+                )
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+        with db.engine.connect() as conn:
+            after = deadletters.snapshot(conn, config.ids)
+    finally:
+        db.dispose()
+    context.log.info(f"dead letters {config.ids}: {action} by {config.by} ({moved} moved)")
+    return dg.Output(
+        moved,
+        metadata={
+            "moved": moved,
+            "changes": dg.MetadataValue.json(
+                {str(i): {"before": before[i], "after": after[i]} for i in sorted(before)}
+            ),
+        },
+    )
+
+
+@dg.op(description="Re-queue MANUAL_FIX/FAILED dead letters, due now, with one more attempt.")
+def retry_dead_letters(
+    context: dg.OpExecutionContext, config: DeadLetterActionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's dead-letter retry."""
+    return _dead_letter_action(context, config, sync_db, "retry")
+
+
+@dg.op(description="Close open dead letters for good.")
+def ignore_dead_letters(
+    context: dg.OpExecutionContext, config: DeadLetterActionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's dead-letter ignore."""
+    return _dead_letter_action(context, config, sync_db, "ignore")
+
+
+@dg.op(
+    description="Patch a dead letter's record and run it through every check; publishes or fails."
+)
+def fix_dead_letter_op(
+    context: dg.OpExecutionContext,
+    config: DeadLetterFixConfig,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    governance: GovernanceResource,
+) -> dg.Output[str]:
+    """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
+    import sqlalchemy as sa
+
+    from supplier_sync_dagster.core import schema
+
+    try:
+        patch = json.loads(config.patch)
+    except json.JSONDecodeError as err:
+        raise dg.Failure(description=f"patch is not JSON: {err}", allow_retries=False) from None
+    db = sync_db.open()
+    try:
+        d = schema.dead_letter.c
+        with db.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(d.supplier_id, d.task_code).where(d.id == config.id)
+            ).first()
+        if row is None:
+            raise dg.Failure(description=f"no dead letter has id {config.id}", allow_retries=False)
+        try:
+            outcome = fix_dead_letter(
+                db,
+                payloads.open(),
+                dead_letter=config.id,
+                patch=patch,
+                actor=config.by,
+                reason=config.reason,
+                settings=SyncSettings(
+                    task_code=str(row.task_code),
+                    supplier_id=int(row.supplier_id),
+                    lease=sync_db.lease_settings(),
+                    risk_policy=governance.risk_rules(),
+                ),
+                worker_id=make_worker_id("supplier-sync"),
+            )
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+    finally:
+        db.dispose()
+    metadata: dict[str, Any] = {
+        "dead_letter": config.id,
+        "batch_id": outcome.batch_id,
+        "accepted": outcome.accepted,
+        "patch": dg.MetadataValue.json(patch),
+    }
+    if not outcome.accepted:
+        raise dg.Failure(
+            description=(
+                f"the fixed record still fails {outcome.error_code}: {outcome.error_message}; "
+                f"dead letter {config.id} is unchanged"
+            ),
+            metadata={**metadata, "error_code": outcome.error_code or ""},
+            allow_retries=False,
+        )
+    context.log.info(f"dead letter {config.id} fixed in batch {outcome.batch_id}")
+    return dg.Output(outcome.batch_id, metadata={**metadata, "action": outcome.action or ""})
+
+
+def _review(
+    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource, approve: bool
+) -> dg.Output[int]:
+    if not config.review_ids and not config.batch_id:
+        raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
+    db = sync_db.open()
+    try:
+        decide = approve_reviews if approve else reject_reviews
+        try:
+            decision = decide(
+                db,
+                review_ids=config.review_ids or None,
+                who=config.by,
+                reason=config.reason,
+                batch_id=config.batch_id or None,
+            )
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+    finally:
+        db.dispose()
+    values = {k: v for k, v in vars(decision).items() if isinstance(v, int)}
+    return dg.Output(decision.approved if approve else decision.rejected, metadata=values)
+
+
+@dg.op(description="Approve reviews: their hotels publish through the version guard.")
+def approve_reviews_op(
+    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's review approval."""
+    return _review(config, sync_db, approve=True)
+
+
+@dg.op(description="Reject reviews: their hotels stay as published.")
+def reject_reviews_op(
+    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's review rejection."""
+    return _review(config, sync_db, approve=False)
+
+
+@dg.op(description="Let a failed gate check of one city pass; re-running the city publishes it.")
+def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) -> dg.Output[str]:
+    """An operator's gate override."""
+    db = sync_db.open()
+    try:
+        try:
+            with db.begin() as conn:
+                override = override_gate(
+                    conn,
+                    db.clock,
+                    batch_id=config.batch_id,
+                    shard_key=config.city,
+                    check_name=config.check_name,
+                    who=config.by,
+                    reason=config.reason,
+                )
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+    finally:
+        db.dispose()
+    return dg.Output(
+        config.check_name,
+        metadata={k: str(v) for k, v in vars(override).items()},
+    )
+
+
+@dg.op(description="Change a sync task's settings (one audit row per field that changed).")
+def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) -> dg.Output[int]:
+    """An operator's task settings change."""
+    try:
+        thresholds = json.loads(config.thresholds_json) if config.thresholds_json else None
+    except json.JSONDecodeError as err:
+        raise dg.Failure(description=f"thresholds_json: {err}", allow_retries=False) from None
+    db = sync_db.open()
+    try:
+        try:
+            changes = change_task(
+                db,
+                config.task_code,
+                changed_by=config.by,
+                reason=config.reason,
+                policy=config.policy or None,  # type: ignore[arg-type]
+                status=config.status or None,  # type: ignore[arg-type]
+                cron=config.cron or None,
+                thresholds=thresholds,
+            )
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+    finally:
+        db.dispose()
+    return dg.Output(
+        len(changes),
+        metadata={
+            "changed": len(changes),
+            "changes": dg.MetadataValue.json(
+                [{"field": c.field_name, "old": c.old_value, "new": c.new_value} for c in changes]
+            ),
+        },
+    )
+
+
+def _outbox(
+    config: OutboxActionConfig, sync_db: SyncDatabaseResource, action: Literal["retry", "cancel"]
+) -> dg.Output[int]:
+    db = sync_db.open()
+    try:
+        try:
+            moved = operate(db, action, config.ids, actor=config.by, reason=config.reason)
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+    finally:
+        db.dispose()
+    return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
+
+
+@dg.op(description="FAILED or CANCELLED outbox events run again from the stage they stopped at.")
+def retry_outbox_events(
+    config: OutboxActionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's outbox retry."""
+    return _outbox(config, sync_db, "retry")
+
+
+@dg.op(description="READY or FAILED outbox events stop (until retried).")
+def cancel_outbox_events(
+    config: OutboxActionConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
+    """An operator's outbox cancel."""
+    return _outbox(config, sync_db, "cancel")
+
+
+def _job(name: str, op: dg.OpDefinition, description: str) -> dg.JobDefinition:
+    @dg.job(name=name, description=description, tags={"supplier_sync/kind": "operator_action"})
+    def action() -> None:
+        op()
+
+    return action
+
+
+dead_letter_retry_job = _job(
+    "dead_letter_retry", retry_dead_letters, "Retry dead letters (audited)."
+)
+dead_letter_ignore_job = _job(
+    "dead_letter_ignore", ignore_dead_letters, "Ignore dead letters (audited)."
+)
+dead_letter_fix_job = _job(
+    "dead_letter_fix", fix_dead_letter_op, "Fix a dead letter's record with a patch (audited)."
+)
+review_approve_job = _job("review_approve", approve_reviews_op, "Approve reviews (audited).")
+review_reject_job = _job("review_reject", reject_reviews_op, "Reject reviews (audited).")
+gate_override_job = _job(
+    "gate_override", override_gate_op, "Override a failed gate check (audited)."
+)
+task_settings_job = _job("task_settings", change_task_op, "Change a task's settings (audited).")
+outbox_retry_job = _job("outbox_retry", retry_outbox_events, "Retry outbox events (audited).")
+outbox_cancel_job = _job("outbox_cancel", cancel_outbox_events, "Cancel outbox events (audited).")
