@@ -156,8 +156,14 @@ def _offers(conn: Connection, resource_id: int) -> list[dict[str, Any]]:
     ]
 
 
+# A published column and the diff field its changes are recorded under.
+_DIFF_FIELD = {"price_amount": "price", "currency": "price", "star_rating": "star_rating"}
+
+
 def _matches(name: str, field: str) -> bool:
-    """Whether a diff's field path (``rooms[DLX].rate_plans[BAR].price_amount``) is ``field``."""
+    """Whether a diff's field path (``rooms[DLX].rate_plans[BAR].price``) is ``field``
+    (a published column such as ``price_amount`` matches the diff field it is part of)."""
+    field = _DIFF_FIELD.get(field, field)
     return name == field or name.endswith("." + field) or name.startswith(field + "[")
 
 
