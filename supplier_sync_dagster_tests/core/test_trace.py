@@ -5,8 +5,10 @@ stored bytes were changed is reported, not trusted (SQLite and MariaDB)."""
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from supplier_sync_dagster.core.db import SyncDatabase
@@ -14,15 +16,25 @@ from supplier_sync_dagster.core.errors import NotFound
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.trace import trace_hotel
-from supplier_sync_dagster_tests.core.test_incremental import (
-    Feed,
-    _run,
-    _start_at,
-    client,  # noqa: F401 (fixture)
-    feed,  # noqa: F401 (fixture)
-    hotel,
-    store,  # noqa: F401 (fixture)
-)
+from supplier_sync_dagster_tests.core.test_incremental import Feed, _run, _start_at, hotel
+
+
+@pytest.fixture
+def feed() -> Feed:
+    return Feed()
+
+
+@pytest.fixture
+def client(feed: Feed) -> Iterator[SupplierClient]:
+    with httpx.Client(
+        base_url="http://supplier", transport=httpx.MockTransport(feed.handle)
+    ) as http:
+        yield SupplierClient(http, api_key="k", supplier_id="fake")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalPayloadStore:
+    return LocalPayloadStore(tmp_path / "payloads")
 
 
 def _three_days(db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed):
