@@ -192,9 +192,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core import schema
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.errors import ConfigError
-    from supplier_sync_dagster.core.settings import load_storage_settings
+    from supplier_sync_dagster.core.payloads import open_payload_store
     from supplier_sync_dagster.core.trace import trace_hotel
-    from supplier_sync_dagster.defs.resources import PayloadStoreResource
 
     db = SyncDatabase.open(args.db_url)
     try:
@@ -223,7 +222,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     f"hotel {args.hotel!r} exists at suppliers {ids}: pass --supplier-id"
                 )
             supplier_id = ids[0]
-        store = PayloadStoreResource(url=load_storage_settings().payload_url).open()
+        # The core store, not the Dagster resource: a trace answers without importing Dagster.
+        store = open_payload_store()
         found = trace_hotel(
             db, store, supplier_id=supplier_id, supplier_hotel_id=args.hotel, field=args.field
         )

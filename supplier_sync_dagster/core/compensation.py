@@ -60,18 +60,11 @@ from supplier_sync_dagster.core.leases import Checkpoint
 from supplier_sync_dagster.core.mapping import chunks
 from supplier_sync_dagster.core.normalize import canonical_dumps
 from supplier_sync_dagster.core.payloads import PayloadStore
-from supplier_sync_dagster.core.pipeline import (
-    DETAILS_KEY,
-    CityReport,
-    FetchedPage,
-    SyncSettings,
-    page_records,
-    sync_city,
-)
+from supplier_sync_dagster.core.pipeline import CityReport, FetchedPage, SyncSettings, sync_city
 from supplier_sync_dagster.core.replay import stored_city_countries
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.supplier.models import decode_json
+from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json, page_records
 from supplier_sync_dagster.core.tasks import ensure_task, require_enabled
 from supplier_sync_dagster.core.tombstones import unpublish_missing
 

@@ -110,7 +110,11 @@ from supplier_sync_dagster.core.publish import (
 from supplier_sync_dagster.core.quality import check_quality
 from supplier_sync_dagster.core.review import hold_for_review
 from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
-from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY, decode_json
+from supplier_sync_dagster.core.supplier.models import (
+    MALFORMED_RECORD_KEY,
+    decode_json,
+    page_records,
+)
 from supplier_sync_dagster.core.tombstones import (
     DEFAULT_MISSING_SYNCS,
     Presence,
@@ -120,8 +124,8 @@ from supplier_sync_dagster.core.tombstones import (
 
 log = logging.getLogger(__name__)
 
-RAW = "RAW"
-NORMALIZED = "NORMALIZED"
+RAW = schema.RAW
+NORMALIZED = schema.NORMALIZED
 # gzip level of stored RAW and NORMALIZED pages: much cheaper than the store's default of 6
 # for somewhat larger objects. Any level reads
 # back the same bytes and hashes, so replay and traceability do not depend on it.
@@ -714,27 +718,6 @@ def _record_snapshots(
         snapshot_version=1,
         created_at=lease.db.clock.now(),
     )
-
-
-DETAILS_KEY = "details"
-"""The list of a compensation page: one detail response (``GET /v1/hotels/{id}``) per hotel."""
-
-
-def page_records(body: Any) -> list[Any]:
-    """The records of a stored RAW page, in order.
-
-    A city listing's page holds ``hotels``, a change feed's ``changes`` (the contract); a
-    compensation page's ``details`` are the supplier's detail responses, each the record
-    or the record wrapped as ``{"hotel": {...}}``.
-    """
-    if not isinstance(body, dict):
-        return []
-    if DETAILS_KEY in body:
-        return [
-            r["hotel"] if isinstance(r, dict) and set(r) == {"hotel"} else r
-            for r in body[DETAILS_KEY] or ()
-        ]
-    return list(body.get("hotels", body.get("changes")) or [])
 
 
 class _RawPage(NamedTuple):

@@ -330,6 +330,10 @@ platform_hotel = sa.Table(
     mysql_charset="utf8mb4",
 )
 
+# Snapshot types: a page as the supplier sent it, and the documents normalized from it.
+RAW = "RAW"
+NORMALIZED = "NORMALIZED"
+
 # The offer identity index: lookups of a hotel's offers read it (``db.use_index``).
 OFFER_IDENTITY = "uk_offer_identity"
 

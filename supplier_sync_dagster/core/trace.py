@@ -27,8 +27,8 @@ from supplier_sync_dagster.core.audit import list_audit
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import NotFound, PayloadError
 from supplier_sync_dagster.core.payloads import PayloadStore
-from supplier_sync_dagster.core.pipeline import NORMALIZED, RAW, page_records
-from supplier_sync_dagster.core.supplier.models import decode_json
+from supplier_sync_dagster.core.schema import NORMALIZED, RAW
+from supplier_sync_dagster.core.supplier.models import decode_json, page_records
 
 
 def trace_hotel(

@@ -384,3 +384,24 @@ class CityPage:
     page_number: int
     fetched_by: Literal["cursor", "page"]
     position: PagePosition
+
+
+DETAILS_KEY = "details"
+"""The list of a compensation page: one detail response (``GET /v1/hotels/{id}``) per hotel."""
+
+
+def page_records(body: Any) -> list[Any]:
+    """The records of a stored RAW page, in order.
+
+    A city listing's page holds ``hotels``, a change feed's ``changes`` (the contract); a
+    compensation page's ``details`` are the supplier's detail responses, each the record
+    or the record wrapped as ``{"hotel": {...}}``.
+    """
+    if not isinstance(body, dict):
+        return []
+    if DETAILS_KEY in body:
+        return [
+            r["hotel"] if isinstance(r, dict) and set(r) == {"hotel"} else r
+            for r in body[DETAILS_KEY] or ()
+        ]
+    return list(body.get("hotels", body.get("changes")) or [])
