@@ -162,18 +162,47 @@ def _compensate(args: argparse.Namespace) -> int:
                 worker_id=make_worker_id("supplier-sync"),
             )
             requests = client.stats().requests
+        resync: dict[str, Any] = {}
+        if out.resync_cities:
+            # The cities whose sync stopped: a full sync of exactly those, through Dagster
+            # (each city's partition shows it), then their tickets resolve if it succeeded.
+            from supplier_sync_dagster.core.compensation import resolve_synced_cities
+            from supplier_sync_dagster.sync_runner import run_full_sync
+
+            summary = run_full_sync(
+                supplier=supplier,
+                sync_db=sync_db,
+                payloads=payloads,
+                cities=out.resync_cities,
+                progress=None,
+            )
+            resync = {
+                "batch_id": summary.batch_id,
+                "status": summary.status,
+                "cities": out.resync_cities,
+                "resolved": resolve_synced_cities(db, supplier_id=supplier.supplier_id),
+            }
     finally:
         db.dispose()
     if args.json:
-        print(_dumps({**out.to_json(), "supplier_requests": requests}))
+        print(_dumps({**out.to_json(), "supplier_requests": requests, "resync": resync}))
     elif out.batch is None:
-        print("compensate: no retryable dead letter is due")
+        if not resync:
+            print(
+                f"compensate: no retryable dead letter is due ({out.cities_synced} failed "
+                "cities found synced since)"
+            )
     else:
         print(
             f"compensate: batch {out.batch.batch_id} {out.batch.status}: {out.claimed} claimed, "
             f"{out.resolved} resolved ({out.refused_again} now refused with a new dead letter), "
             f"{out.newer} already newer, {out.gone} gone (404), {out.rescheduled} rescheduled, "
             f"{out.exhausted} to MANUAL_FIX, {requests} requests"
+        )
+    if resync and not args.json:
+        print(
+            f"compensate: re-synced {len(resync['cities'])} failed cities in batch "
+            f"{resync['batch_id']} ({resync['status']}): {resync['resolved']} tickets resolved"
         )
     if out.report is not None and out.report.status not in ("SUCCESS", "ALREADY_DONE"):
         print(

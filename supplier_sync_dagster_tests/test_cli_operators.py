@@ -260,3 +260,39 @@ def test_compensate_heals_failed_single_hotel_requests_with_no_operator(
         )
     )
     assert set(statuses.values()) == {"INACTIVE"}  # the 404 made them tombstones
+
+
+def test_compensate_resyncs_a_city_that_failed_and_resolves_its_ticket(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = simulator()
+    broken = sim.ground_truth().listed_by_city
+    city = sorted(c for c, listed in broken.items() if listed)[0]
+    sim.config = dataclasses.replace(
+        sim.config, faults=FaultProfile(unlisted_hotels_city_codes=(city,))
+    )
+    with supplier(sim, monkeypatch):
+        failed = sync(capsys, db_url)
+        assert failed.code == 1  # the other cities published; this one failed
+        (ticket,) = _list(capsys, db_url, "--code", "CITY_FAILED")
+        assert (ticket["city_code"], ticket["status"], ticket["error_class"]) == (
+            city,
+            "PENDING",
+            "RETRYABLE",
+        )
+        sim.config = dataclasses.replace(sim.config, faults=FaultProfile())  # mended
+        db = SyncDatabase.open(db_url)
+        try:
+            with db.begin() as conn:
+                conn.execute(sa.update(schema.dead_letter).values(next_retry_at=db.clock.now(-1)))
+        finally:
+            db.dispose()
+        out = run(capsys, "--db-url", db_url, "dead-letters", "compensate", "--json")
+        assert out.code == 0, out
+        report = json.loads(out.out.splitlines()[-1])
+        assert report["resync_cities"] == [city]
+        assert report["resync"]["status"] == "SUCCESS" and report["resync"]["resolved"] == 1
+    (healed,) = _list(capsys, db_url, "--code", "CITY_FAILED")
+    assert healed["status"] == "RESOLVED" and report["resync"]["batch_id"] in healed["fix_note"]
+    truth = sim.ground_truth()
+    assert {h: v for h, v in published(db_url).items() if h in truth.valid} == dict(truth.valid)

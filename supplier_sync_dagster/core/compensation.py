@@ -21,6 +21,14 @@ Each claimed dead letter ends one way (a named transition of ``core.deadletters`
 A killed run leaves its claimed rows RETRYING with ``retry_batch_id``: the next run adopts
 the abandoned batch (the task's policy) and resumes from the shard's checkpoint; rows of a
 batch that ended without finishing its shard are released (FAILED, due now).
+
+CITY_FAILED tickets (a city whose sync stopped) are not hotels to re-fetch: a due one counts
+an attempt and its city is handed back (:attr:`CompensationReport.resync_cities`) for a full
+sync of exactly those cities (Dagster's ``dead_letter_city_resync_sensor``, or the CLI);
+:func:`resolve_synced_cities` resolves the ticket once a sync of the city succeeded.
+
+An operator's fix (:func:`fix_dead_letter`) runs the same stages over the dead letter's
+stored record with a JSON merge patch, in a batch of its own.
 """
 
 from __future__ import annotations
@@ -117,6 +125,10 @@ class CompensationReport:
         rescheduled: Requests that failed again, due after the next backoff.
         exhausted: Requests that failed again past the row's retries (MANUAL_FIX).
         report: The shard's report (stages, counts, seconds), when it ran.
+        errors: Failed requests by dead-letter code.
+        cities_synced: CITY_FAILED tickets resolved: a sync of their city succeeded since.
+        resync_cities: Cities of due CITY_FAILED tickets: the caller re-syncs them (a
+            full sync of exactly those cities); the next run resolves their tickets.
     """
 
     batch: Batch | None = None
@@ -130,6 +142,8 @@ class CompensationReport:
     exhausted: int = 0
     report: CityReport | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    cities_synced: int = 0
+    resync_cities: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON values."""
@@ -145,6 +159,8 @@ class CompensationReport:
             "rescheduled": self.rescheduled,
             "exhausted": self.exhausted,
             "errors": dict(self.errors),
+            "cities_synced": self.cities_synced,
+            "resync_cities": list(self.resync_cities),
         }
         if self.report is not None:
             out["published"] = self.report.published
@@ -191,9 +207,15 @@ def compensate(
         require_enabled(conn, task_code)
     out = CompensationReport()
     out.released = release_ended(db, supplier_id=settings.supplier_id)
+    out.cities_synced = resolve_synced_cities(db, supplier_id=settings.supplier_id)
+    out.resync_cities = request_city_resyncs(db, supplier_id=settings.supplier_id)
     with db.engine.connect() as conn:
         due = deadletters.due_for_retry(
-            conn, db.clock, limit=compensation.limit, supplier_id=settings.supplier_id
+            conn,
+            db.clock,
+            limit=compensation.limit,
+            supplier_id=settings.supplier_id,
+            cities=False,
         )
         unfinished = _unfinished_claims(conn, task_code)
     if not due and not unfinished:
@@ -233,6 +255,74 @@ def compensate(
     with db.engine.connect() as conn:
         out.batch = get_batch(conn, batch_id)
     return out
+
+
+def resolve_synced_cities(db: SyncDatabase, *, supplier_id: int) -> int:
+    """Resolves the open CITY_FAILED tickets whose city a later sync of their task finished.
+
+    A ticket is one failed city of one batch; the sync that heals it is any SUCCESS shard of
+    that city, of a batch of the same task no older than the ticket's, finished after the
+    ticket was written (the batch itself resumed, a re-execution, a re-sync, the next night).
+    """
+    d, sh, b = schema.dead_letter.c, schema.shard.c, schema.batch.c
+    with db.engine.connect() as conn:
+        tickets = conn.execute(
+            sa.select(d.id, d.city_code, d.task_code, d.created_at, b.created_at.label("since"))
+            .join(schema.batch, b.batch_id == d.batch_id)
+            .where(
+                d.supplier_id == supplier_id,
+                d.error_code == deadletters.CITY_FAILED,
+                d.status.in_(deadletters.OPEN_STATUSES),
+            )
+        ).all()
+        healed: dict[str, list[int]] = {}
+        for t in tickets:
+            batches = sa.select(b.batch_id).where(
+                b.task_code == t.task_code, b.created_at >= t.since
+            )
+            by = conn.execute(
+                sa.select(sh.batch_id)
+                .where(
+                    sh.shard_key == t.city_code,
+                    sh.status == "SUCCESS",
+                    sh.finished_at > t.created_at,
+                    sh.batch_id.in_(batches),
+                )
+                .limit(1)
+            ).scalar()
+            if by is not None:
+                healed.setdefault(f"the city synced in batch {by}", []).append(int(t.id))
+    if healed:
+        with db.begin() as conn:
+            for note, ids in healed.items():
+                deadletters.move(conn, db.clock, ids, "resolve", fix_note=note[:1024])
+    return sum(map(len, healed.values()))
+
+
+def request_city_resyncs(db: SyncDatabase, *, supplier_id: int) -> list[str]:
+    """Counts an attempt on each due CITY_FAILED ticket and returns their cities to re-sync.
+
+    Each due ticket moves RETRYING then FAILED with its next backoff (MANUAL_FIX past its
+    retries): the attempt is the re-sync the caller launches; :func:`resolve_synced_cities`
+    resolves the ticket once it succeeded.
+    """
+    d = schema.dead_letter.c
+    with db.begin() as conn:
+        ids = deadletters.due_for_retry(
+            conn, db.clock, limit=1000, supplier_id=supplier_id, cities=True
+        )
+        if not ids:
+            return []
+        cities = sorted(
+            {
+                str(c)
+                for c in conn.execute(sa.select(d.city_code).where(d.id.in_(ids))).scalars()
+                if c
+            }
+        )
+        deadletters.move(conn, db.clock, ids, "start_retry")
+        deadletters.fail_attempt(conn, db.clock, ids, error_message=None)
+    return cities
 
 
 def release_ended(db: SyncDatabase, *, supplier_id: int) -> int:

@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.audit import record_actions, require_who_and_why
-from supplier_sync_dagster.core.db import DbClock, guarded_update, insert_ignore
+from supplier_sync_dagster.core.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 from supplier_sync_dagster.core.errors import (
     DeadLetterStateError,
     SupplierError,
@@ -220,6 +220,60 @@ def record_dead_letters(
     )
 
 
+CITY_FAILED = "CITY_FAILED"
+"""A city whose sync stopped mid-way (the supplier failed beyond retries)."""
+
+
+def city_position(city_code: str) -> str:
+    """The record position of a city's CITY_FAILED ticket (one per batch and city)."""
+    return f"city:{city_code}"[:128]
+
+
+def record_city_failure(
+    db: SyncDatabase,
+    *,
+    batch_id: str,
+    task_code: str,
+    sync_mode: str,
+    supplier_id: int,
+    city_code: str,
+    error: str,
+) -> None:
+    """Writes the CITY_FAILED ticket of a city that failed in a batch (once per batch).
+
+    Args:
+        db: The sync database.
+        batch_id: The batch the city failed in.
+        task_code: The batch's task.
+        sync_mode: The batch's mode.
+        supplier_id: The supplier.
+        city_code: The city.
+        error: What failed.
+    """
+    with db.begin() as conn:
+        record_dead_letters(
+            conn,
+            db.clock,
+            batch_id=batch_id,
+            task_code=task_code,
+            sync_mode=sync_mode,
+            supplier_id=supplier_id,
+            letters=[
+                DeadLetter(
+                    None,
+                    "ADAPTER",
+                    "RETRYABLE",
+                    CITY_FAILED,
+                    f"the city's sync stopped: {error}",
+                    None,
+                    None,
+                    record_position=city_position(city_code),
+                    city_code=city_code,
+                )
+            ],
+        )
+
+
 def _initial_state(error_code: str, now: datetime | None) -> dict[str, Any]:
     rule = rule_for(error_code)
     if rule.error_class == "RETRYABLE":
@@ -300,10 +354,13 @@ def fail_attempt(
     clock: DbClock,
     ids: Sequence[int],
     *,
-    error_message: str,
+    error_message: str | None,
     rng: random.Random | None = None,
 ) -> tuple[int, int]:
     """Ends failed attempts: FAILED with the next backoff, or MANUAL_FIX past max retries.
+
+    ``error_message`` replaces the rows' message (None keeps it: the attempt was a request
+    for work elsewhere, such as a city's re-sync).
 
     Returns:
         (rows rescheduled, rows exhausted).
@@ -312,7 +369,9 @@ def fail_attempt(
     rows = conn.execute(
         sa.select(d.id, d.retry_count, d.max_retry_count).where(d.id.in_(sorted(set(ids))))
     ).all()
-    message = error_message[:1024]
+    message: dict[str, Any] = (
+        {} if error_message is None else {"error_message": error_message[:1024]}
+    )
     exhausted = [int(r.id) for r in rows if r.retry_count >= r.max_retry_count]
     by_count: dict[int, list[int]] = {}
     for r in rows:
@@ -324,17 +383,22 @@ def fail_attempt(
             clock,
             part,
             "retry_failed",
-            error_message=message,
+            **message,
             next_retry_at=clock.now(backoff_seconds(count, rng=rng)),
         )
-    move(conn, clock, exhausted, "exhaust", error_message=message)
+    move(conn, clock, exhausted, "exhaust", **message)
     if len(rows) != len(set(ids)):
         raise DeadLetterStateError(f"{len(set(ids)) - len(rows)} dead letters do not exist")
     return sum(map(len, by_count.values())), len(exhausted)
 
 
 def due_for_retry(
-    conn: Connection, clock: DbClock, *, limit: int = 100, supplier_id: int | None = None
+    conn: Connection,
+    clock: DbClock,
+    *,
+    limit: int = 100,
+    supplier_id: int | None = None,
+    cities: bool | None = None,
 ) -> list[int]:
     """Ids of retryable rows whose next attempt is due, oldest due first (seed §14.4).
 
@@ -343,6 +407,8 @@ def due_for_retry(
         clock: The database clock.
         limit: At most this many.
         supplier_id: Only this supplier's rows (None: any supplier's).
+        cities: True: only CITY_FAILED tickets (a city to re-sync); False: only the others
+            (a hotel to re-fetch); None: both.
     """
     d = schema.dead_letter.c
     where = [
@@ -352,6 +418,8 @@ def due_for_retry(
     ]
     if supplier_id is not None:
         where.append(d.supplier_id == supplier_id)
+    if cities is not None:
+        where.append(d.error_code == CITY_FAILED if cities else d.error_code != CITY_FAILED)
     return [
         int(i)
         for i in conn.execute(

@@ -53,7 +53,8 @@ from supplier_sync_dagster.core.batches import (
     get_batch,
 )
 from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.errors import TriggerSkipped
+from supplier_sync_dagster.core.deadletters import record_city_failure
+from supplier_sync_dagster.core.errors import SupplierError, TriggerSkipped
 from supplier_sync_dagster.core.gates import GateResult, gate_for_pipeline
 from supplier_sync_dagster.core.leases import get_shard
 from supplier_sync_dagster.core.payloads import PayloadStore
@@ -390,6 +391,18 @@ class _CityWorker:
         except Exception as err:  # reported as the city's outcome; the others go on
             report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
             log.warning("city %r failed: %s", city, report.error)
+            if isinstance(err, SupplierError) and not self.request.replay:
+                # A ticket that compensation retries: it asks for a re-sync of the city
+                # and resolves the ticket once a sync of the city succeeds.
+                record_city_failure(
+                    db,
+                    batch_id=batch.batch_id,
+                    task_code=self.settings.task_code,
+                    sync_mode=self.settings.sync_mode,
+                    supplier_id=self.settings.supplier_id,
+                    city_code=city,
+                    error=report.error,
+                )
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)

@@ -2,15 +2,19 @@
 
 ``dead_letter_compensation`` runs :func:`~supplier_sync_dagster.core.compensation.compensate`:
 the supplier's due retryable dead letters are re-fetched one hotel each and go through the
-sync's stages; its materialization says how each claimed row ended. The
-``dead_letter_compensation_schedule`` runs it every 5 minutes when something is due (one run
-at a time: the task's SKIP_IF_RUNNING policy, and the task tag ``dagster.yaml`` limits).
+sync's stages; its materialization says how each claimed row ended, and each city it
+published hotels in gets a ``published_hotels`` materialization on that city's partition.
+The ``dead_letter_compensation_schedule`` runs it every 5 minutes when something is due (one
+run at a time: the task's SKIP_IF_RUNNING policy, and the task tag ``dagster.yaml`` limits).
+Cities whose CITY_FAILED ticket is due are listed in its metadata (``resync_cities``); the
+``dead_letter_city_resync_sensor`` requests a full-sync run of exactly those partitions.
 
 ``dead_letter_summary`` counts dead letters by code, class and status, the age of the oldest
 open one and the **fix rate** (resolved ÷ created over 24 h and 7 d) as numeric metadata, so
 that the UI plots them; ``dead_letter_summary_schedule`` materializes it every 15 minutes.
 """
 
+from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
@@ -27,16 +31,26 @@ from supplier_sync_dagster.core.compensation import (
     compensate,
 )
 from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.incremental import published_cities
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import SyncSettings
-from supplier_sync_dagster.defs.city_sync import GROUP, SOURCE_TAG, TRIGGER_TAG, trigger_of
+from supplier_sync_dagster.defs.city_sync import (
+    GROUP,
+    PUBLISHED,
+    SOURCE_TAG,
+    TRIGGER_TAG,
+    trigger_of,
+)
+from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
 from supplier_sync_dagster.defs.incremental_sync import TASK_TAG
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.instance_storage import one_event_transaction
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
 SUMMARY = dg.AssetKey("dead_letter_summary")
@@ -64,16 +78,21 @@ class CompensationConfig(dg.Config):
     )
 
 
+RESYNC = "resync_cities"
+
+
 def compensation_metadata(out: CompensationReport, requests: int) -> dict[str, Any]:
     """A compensation run's numbers, as numeric metadata the UI plots over time."""
     values = out.to_json()
     seconds = values.pop("seconds", {})
     errors = values.pop("errors")
+    resync = values.pop(RESYNC)
     return {
         **{k: ("" if v is None else v) for k, v in values.items()},
         "supplier_requests": requests,
         "seconds": round(sum(seconds.values()), 3),
         "errors_by_code": dg.MetadataValue.json(errors),
+        RESYNC: dg.MetadataValue.json(resync),
     }
 
 
@@ -94,8 +113,9 @@ def dead_letter_compensation(
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
     governance: GovernanceResource,
-) -> dg.MaterializeResult:
-    """Runs one compensation and reports how each claimed dead letter ended."""
+) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
+    """Runs one compensation and reports how each claimed dead letter ended, and each city
+    it published in."""
     trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
     settings = SyncSettings(
         task_code=supplier.task_code,
@@ -147,7 +167,32 @@ def dead_letter_compensation(
             ),
             allow_retries=False,
         )
-    return dg.MaterializeResult(metadata=compensation_metadata(out, requests))
+    if out.batch is not None:
+        # Each city it published hotels in is reported on that city's partition, as a full
+        # sync reports it: the UI shows what compensation changed, city by city.
+        db = sync_db.open()
+        try:
+            with db.engine.connect() as conn:
+                cities = published_cities(conn, out.batch.batch_id)
+        finally:
+            db.dispose()
+        known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+        new = [encode_city_key(c) for c in cities if encode_city_key(c) not in known]
+        if new:
+            context.instance.add_dynamic_partitions(CITY_PARTITIONS, new)
+        with one_event_transaction(context.instance):
+            for city, published in cities.items():
+                yield dg.AssetMaterialization(
+                    PUBLISHED,
+                    partition=encode_city_key(city),
+                    metadata={
+                        "batch_id": out.batch.batch_id,
+                        "city": city,
+                        "sync_mode": "REFRESH",
+                        "published": published,
+                    },
+                )
+    yield dg.MaterializeResult(metadata=compensation_metadata(out, requests))
 
 
 dead_letter_compensation_job = dg.define_asset_job(
@@ -195,6 +240,44 @@ def dead_letter_compensation_schedule(
     return dg.RunRequest(
         run_key=trigger,
         tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION"},
+    )
+
+
+@dg.asset_sensor(
+    asset_key=COMPENSATION,
+    job=full_sync_job,
+    name="dead_letter_city_resync_sensor",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "After each compensation: one full-sync run per city whose CITY_FAILED ticket is "
+        "due, all of one trigger (one batch); the next compensation resolves the tickets of "
+        "the cities that synced."
+    ),
+)
+def dead_letter_city_resync_sensor(
+    context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
+) -> dg.SensorResult:
+    """Requests the re-sync of the cities the new compensation lists."""
+    m = asset_event.asset_materialization
+    value = m.metadata.get(RESYNC) if m is not None else None
+    data = value.value if value is not None else None
+    cities = [str(c) for c in data] if isinstance(data, list) else []
+    if not cities:
+        return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
+    trigger = f"resync:{asset_event.run_id}"[:64]
+    keys = [encode_city_key(c) for c in cities]
+    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    new = [k for k in keys if k not in known]
+    return dg.SensorResult(
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"{trigger}:{key}",
+                partition_key=key,
+                tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION"},
+            )
+            for key in keys
+        ],
+        dynamic_partitions_requests=[city_partitions.build_add_request(new)] if new else [],
     )
 
 

@@ -361,3 +361,57 @@ def test_rows_of_a_batch_that_ended_without_them_are_released(
     out = _run(db, store, client, "after-cancel")
     assert out.released == 1 and out.resolved == 1
     assert _by_hotel(db, source_batch)["H000001"].status == "RESOLVED"
+
+
+def test_a_failed_city_is_handed_back_for_a_resync_and_resolved_once_it_synced(
+    db, store, client, details, source_batch
+):
+    from supplier_sync_dagster.core.batches import create_batch
+    from supplier_sync_dagster.core.deadletters import record_city_failure
+
+    record_city_failure(
+        db,
+        batch_id=source_batch,
+        task_code="full_task",
+        sync_mode="FULL",
+        supplier_id=1001,
+        city_code="BKK",
+        error="SupplierUnavailable: 503 beyond retries",
+    )
+    record_city_failure(  # the same failure recorded again: one ticket
+        db,
+        batch_id=source_batch,
+        task_code="full_task",
+        sync_mode="FULL",
+        supplier_id=1001,
+        city_code="BKK",
+        error="SupplierUnavailable: 503 beyond retries",
+    )
+    (ticket,) = _letters(db).values()
+    assert (ticket.status, ticket.error_code, ticket.city_code) == ("PENDING", "CITY_FAILED", "BKK")
+    _due(db)
+    out = _run(db, store, client, "c1")
+    assert out.resync_cities == ["BKK"] and out.batch is None and details.requests == []
+    row = _by_hotel(db, source_batch)["-"]
+    assert (row.status, row.retry_count) == ("FAILED", 1)
+    assert row.error_message.startswith("the city's sync stopped")  # kept
+    assert _run(db, store, client, "c2").resync_cities == []  # not due again yet
+    # A later sync of the task finishes the city.
+    cancel_batch(db, source_batch, "the night's batch ended with the city failed")
+    later = create_batch(
+        db, task_code="full_task", trigger_id="next-night", trigger_source="CRON",
+        shard_keys=["BKK"],
+    )  # fmt: skip
+    assert later.batch is not None
+    sh = schema.shard.c
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(schema.shard)
+            .where(sh.batch_id == later.batch.batch_id)
+            .values(status="SUCCESS", finished_at=db.clock.now(1))
+        )
+    db.clock.advance(2)
+    out = _run(db, store, client, "c3")
+    assert out.cities_synced == 1
+    row = _by_hotel(db, source_batch)["-"]
+    assert row.status == "RESOLVED" and later.batch.batch_id in row.fix_note

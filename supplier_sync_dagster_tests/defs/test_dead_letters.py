@@ -69,9 +69,25 @@ def _resources(db_url: str, tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def _metadata(result: dg.ExecuteInJobResult) -> dict[str, Any]:
-    (event,) = result.get_asset_materialization_events()
-    m = event.step_materialization_data.materialization
+    """The metadata of the run's unpartitioned materialization (compensation also reports
+    each city it published in, on that city's partition of published_hotels)."""
+    (m,) = [
+        e.step_materialization_data.materialization
+        for e in result.get_asset_materialization_events()
+        if e.step_materialization_data.materialization.partition is None
+    ]
     return {k: v.value for k, v in m.metadata.items()}
+
+
+def _cities_reported(result: dg.ExecuteInJobResult) -> dict[str, int]:
+    return {
+        str(m.metadata["city"].value): int(m.metadata["published"].value)
+        for m in (
+            e.step_materialization_data.materialization
+            for e in result.get_asset_materialization_events()
+        )
+        if m.partition is not None and m.asset_key == dg.AssetKey("published_hotels")
+    }
 
 
 def _hotels(n: int) -> list[str]:
@@ -131,6 +147,8 @@ def test_the_schedule_asks_for_compensation_only_when_a_row_is_due_and_the_asset
         meta = _metadata(result)
         assert (meta["claimed"], meta["resolved"], meta["batch_status"]) == (5, 5, "SUCCESS")
         assert meta["supplier_requests"] == 5
+        # The city it published in, on that city's partition (as a full sync reports it).
+        assert sum(_cities_reported(result).values()) == 5
         h = schema.platform_hotel.c
         with db.engine.connect() as conn:
             published = set(conn.execute(sa.select(h.supplier_hotel_id)).scalars())
@@ -261,5 +279,73 @@ def test_operator_actions_run_from_the_launchpad_and_are_audited(
         assert ("dead_letter.ignore", "ops-dana", "ticket OPS-42") in actions
         assert ("dead_letter.fix", "ops-dana", "ticket OPS-42") in actions
         assert any(a.startswith("task.") for a, _, _ in actions)
+    finally:
+        db.dispose()
+
+
+def test_a_failed_city_is_resynced_by_the_sensor_and_its_ticket_resolved(
+    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
+):
+    from supplier_sync_dagster.core.batches import (
+        TaskSpec,
+        cancel_batch,
+        create_batch,
+        upsert_task,
+    )
+    from supplier_sync_dagster.core.deadletters import record_city_failure
+    from supplier_sync_dagster.defs.dead_letters import dead_letter_city_resync_sensor
+    from supplier_sync_dagster.defs.partitions import decode_city_key
+    from supplier_sync_dagster_tests.defs.test_reconciliation import _repo
+
+    with _supplier().client() as client:
+        city = client.list_cities().data.cities[0].city_code
+    db = SyncDatabase.open(db_url)
+    try:
+        upsert_task(db, TaskSpec(task_code=DEFAULT_TASK_CODE, supplier_id=1001))
+        decision = create_batch(
+            db, task_code=DEFAULT_TASK_CODE, trigger_id="night", trigger_source="CRON",
+            shard_keys=[city],
+        )  # fmt: skip
+        assert decision.batch is not None
+        record_city_failure(
+            db,
+            batch_id=decision.batch.batch_id,
+            task_code=DEFAULT_TASK_CODE,
+            sync_mode="FULL",
+            supplier_id=1001,
+            city_code=city,
+            error="SupplierUnavailable: 503 beyond retries",
+        )
+        cancel_batch(db, decision.batch.batch_id, "the night's batch ended with the city failed")
+        with db.begin() as conn:
+            conn.execute(sa.update(schema.dead_letter).values(next_retry_at=db.clock.now(-1)))
+        resources = _resources(db_url, tmp_path)
+        first = dg.materialize([dead_letter_compensation], instance=instance, resources=resources)
+        assert first.success and _metadata(first)["resync_cities"] == [city]
+        # The city has its partition: it failed in a run of it.
+        instance.add_dynamic_partitions("supplier_city", [encode_city_key(city)])
+        with (
+            dg.partition_loading_context(dynamic_partitions_store=instance),
+            dg.build_sensor_context(instance=instance, repository_def=_repo()) as ctx,
+        ):
+            tick = dead_letter_city_resync_sensor.evaluate_tick(ctx)
+        (request,) = tick.run_requests or []
+        assert request.partition_key is not None
+        assert decode_city_key(request.partition_key) == city
+        resync = dg.materialize(
+            [city_sync],
+            instance=instance,
+            resources=resources,
+            partition_key=request.partition_key,
+            tags=request.tags,
+        )
+        assert resync.success
+        second = dg.materialize([dead_letter_compensation], instance=instance, resources=resources)
+        meta = _metadata(second)
+        assert meta["cities_synced"] == 1 and meta["resync_cities"] == []
+        d = schema.dead_letter.c
+        with db.engine.connect() as conn:
+            status = conn.execute(sa.select(d.status)).scalar_one()
+        assert status == "RESOLVED"
     finally:
         db.dispose()

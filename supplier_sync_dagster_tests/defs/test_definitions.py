@@ -24,6 +24,7 @@ def _check(loaded: dg.Definitions) -> None:
         "shard_stall_sensor",
         "city_discovery_sensor",
         "reconciliation_repull_sensor",
+        "dead_letter_city_resync_sensor",
     }
     assert loaded.schedules is not None
     assert {s.name for s in loaded.schedules} == {
