@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from supplier_sync_dagster.cli_health import add_commands as add_health_commands
 from supplier_sync_dagster.cli_operators import add_commands as add_operator_commands
 from supplier_sync_dagster.cli_outbox import add_commands as add_outbox_commands
 from supplier_sync_dagster.core.errors import ConfigError, SupplierSyncError
@@ -997,6 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_outbox_commands(sub)
     add_operator_commands(sub)
+    add_health_commands(sub)
 
     db = sub.add_parser(
         "db",

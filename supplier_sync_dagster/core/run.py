@@ -184,6 +184,8 @@ class CityOutcome:
         seconds: Wall time this run spent on the city.
         requests: Supplier requests the city cost (retries included); exact when the
             process synced one city at a time.
+        throttled: Of those, 429 answers.
+        retries: Retries the client made for the city.
     """
 
     report: CityReport
@@ -191,6 +193,8 @@ class CityOutcome:
     resolved_dead_letters: int = 0
     seconds: float = 0.0
     requests: int = 0
+    throttled: int = 0
+    retries: int = 0
 
     @property
     def city_code(self) -> str:
@@ -364,7 +368,7 @@ class _CityWorker:
         """Syncs ``city``; never raises (a city that raises is FAILED, resumable)."""
         db, batch = self.io.db, self.plan.batch
         client = self.io.client
-        requests_before = client.stats().requests if client is not None else 0
+        before = _counters(client)
         started = time.perf_counter()
         report = CityReport(city)
         try:
@@ -407,7 +411,10 @@ class _CityWorker:
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
         if client is not None:
-            outcome.requests = client.stats().requests - requests_before
+            after = _counters(client)
+            outcome.requests, outcome.throttled, outcome.retries = (
+                a - b for a, b in zip(after, before, strict=True)
+            )
         if self.request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
                 db,
@@ -416,6 +423,43 @@ class _CityWorker:
                 city_code=city,
             )
         return outcome
+
+
+def _counters(client: SupplierClient | None) -> tuple[int, int, int]:
+    """The client's (requests, 429 answers, retries) so far."""
+    if client is None:
+        return (0, 0, 0)
+    stats = client.stats()
+    return stats.requests, stats.rate_limited, sum(stats.retries_by_reason.values())
+
+
+def record_run_stats(
+    db: SyncDatabase,
+    *,
+    batch_id: str,
+    task_code: str,
+    worker_id: str,
+    outcomes: Sequence[CityOutcome],
+) -> None:
+    """One row of what a run's cities asked of the supplier and published (the metrics)."""
+    if not outcomes:
+        return
+    with db.begin() as conn:
+        conn.execute(
+            sa.insert(schema.run_stats).values(
+                batch_id=batch_id,
+                task_code=task_code,
+                worker_id=worker_id[:64],
+                cities=len(outcomes),
+                records=sum(o.report.records for o in outcomes),
+                published=sum(o.report.published for o in outcomes),
+                requests=sum(o.requests for o in outcomes),
+                throttled=sum(o.throttled for o in outcomes),
+                retries=sum(o.retries for o in outcomes),
+                seconds=round(sum(o.seconds for o in outcomes), 3),
+                created_at=db.clock.now(),
+            )
+        )
 
 
 def run_cities(
@@ -455,16 +499,34 @@ def run_cities(
         processes: Worker processes to sync in, or None to sync in this process
             (``request.threads`` cities at once).
     """
-    if processes is not None and processes.count > 0:
-        with _ProcessPool(processes, plan, request, settings) as pool:
-            # One city more than there are workers: it waits in the pool's queue, so a
-            # worker that finishes a city takes the next at once instead of waiting for
-            # this process to receive the outcome and hand one out (this process is busy
-            # writing the finished city's events meanwhile, and shares the CPUs).
-            yield from _run(db, pool.sync, plan, request, processes.count + QUEUED_AHEAD)
-        return
-    worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
-    yield from _run(db, worker.sync, plan, request, request.threads)
+    done: list[CityOutcome] = []
+    try:
+        if processes is not None and processes.count > 0:
+            with _ProcessPool(processes, plan, request, settings) as pool:
+                # One city more than there are workers: it waits in the pool's queue, so a
+                # worker that finishes a city takes the next at once instead of waiting for
+                # this process to receive the outcome and hand one out (this process is busy
+                # writing the finished city's events meanwhile, and shares the CPUs).
+                for outcome in _run(db, pool.sync, plan, request, processes.count + QUEUED_AHEAD):
+                    done.append(outcome)
+                    yield outcome
+            return
+        worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
+        for outcome in _run(db, worker.sync, plan, request, request.threads):
+            done.append(outcome)
+            yield outcome
+    finally:
+        # Also for a run that stops early: what it did ask of the supplier counts.
+        try:
+            record_run_stats(
+                db,
+                batch_id=plan.batch.batch_id,
+                task_code=settings.task_code,
+                worker_id=worker_id,
+                outcomes=done,
+            )
+        except Exception as err:  # metrics never fail a sync
+            log.warning("could not record the run's stats: %s", err)
 
 
 def _run(

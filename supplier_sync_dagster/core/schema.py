@@ -504,3 +504,69 @@ watermark = _table(
     sa.UniqueConstraint("task_code", name="uk_watermark_task"),
     comment="per incremental task: how far its change feed is published",
 )
+
+run_stats = _table(
+    "supplier_sync_run_stats",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("worker_id", sa.String(64), nullable=False),
+    sa.Column("cities", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("records", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("published", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("throttled", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retries", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("seconds", sa.Double, nullable=False, server_default="0"),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Index("idx_run_stats_task_time", "task_code", "created_at"),
+    sa.Index("idx_run_stats_batch", "batch_id"),
+    comment="what each run asked of the supplier and published",
+)
+
+alert = _table(
+    "supplier_sync_alert",
+    sa.Column("alert_key", _code(255), nullable=False),
+    # The alert key while the condition holds, NULL once it cleared: one open episode each.
+    sa.Column("open_key", _code(255)),
+    sa.Column("condition_name", sa.String(64), nullable=False),
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("subject", _code(128), nullable=False, server_default=""),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("value", sa.Double),
+    sa.Column("threshold", sa.Double),
+    sa.Column("message", sa.String(1024), nullable=False),
+    sa.Column("run_url", sa.String(512)),
+    sa.Column("started_at", _ts(), nullable=False),
+    sa.Column("resolved_at", _ts()),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("open_key", name="uk_alert_open"),
+    sa.Index("idx_alert_status", "status", "started_at"),
+    sa.Index("idx_alert_task", "task_code", "started_at"),
+    comment="alert episodes: from the start of a condition to its end",
+)
+
+alert_delivery = _table(
+    "supplier_sync_alert_delivery",
+    sa.Column("alert_id", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", _ts(), nullable=False),
+    sa.Column("last_error", sa.String(1024)),
+    sa.Column("sent_at", _ts()),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("alert_id", "kind", name="uk_alert_delivery"),
+    sa.Index("idx_delivery_due", "status", "next_attempt_at"),
+    comment="each start and end of an alert, to the alert channel",
+)
+
+alert_threshold = _table(
+    "supplier_sync_alert_threshold",
+    sa.Column("task_code", _code(64), nullable=False),
+    sa.Column("name", sa.String(64), nullable=False),
+    sa.Column("value", sa.Double, nullable=False),
+    sa.Column("updated_by", sa.String(64), nullable=False),
+    sa.Column("updated_at", _ts(), nullable=False),
+    sa.UniqueConstraint("task_code", "name", name="uk_alert_threshold"),
+    comment="per task: the thresholds alerts are judged by",
+)
