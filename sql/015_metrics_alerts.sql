@@ -70,3 +70,6 @@ CREATE TABLE IF NOT EXISTS supplier_sync_alert_threshold (
     PRIMARY KEY (id),
     UNIQUE KEY uk_alert_threshold (task_code, name)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COMMENT='per task: the thresholds alerts are judged by';
+
+-- Dead letters written per day (the spike alert compares today with the days before).
+CREATE INDEX idx_dead_letter_created ON supplier_sync_dead_letter (created_at);

@@ -64,3 +64,5 @@ CREATE TABLE IF NOT EXISTS supplier_sync_alert_threshold (
 	PRIMARY KEY (id), 
 	CONSTRAINT uk_alert_threshold UNIQUE (task_code, name)
 );
+
+CREATE INDEX IF NOT EXISTS idx_dead_letter_created ON supplier_sync_dead_letter (created_at);

@@ -280,7 +280,7 @@ def _freshness(conn: Connection, h: SyncHealth, now: datetime) -> None:
             last_success[str(city)] = finished
     cap = FRESHNESS_WINDOW_DAYS * 24.0
     h.city_lag_hours = {
-        city: cap if at is None else round(min(cap, (now - at).total_seconds() / 3600), 3)
+        city: cap if at is None else round(min(cap, (now - at).total_seconds() / 3600), 6)
         for city, at in sorted(last_success.items())
     }
     mark = conn.execute(sa.select(sa.func.min(w.watermark_at))).scalar()

@@ -273,6 +273,7 @@ dead_letter = _table(
     sa.Index("idx_status_next_retry", "status", "next_retry_at"),
     sa.Index("idx_dead_letter_hotel", "supplier_id", "supplier_resource_code"),
     sa.Index("idx_dead_letter_retry_batch", "retry_batch_id"),
+    sa.Index("idx_dead_letter_created", "created_at"),
     sa.Index("idx_supplier_status", "supplier_id", "status"),
     sa.Index("idx_category_status", "category_code", "status"),
     comment="dead letters: every record that could not be published, with its state",

@@ -34,6 +34,7 @@ DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
 _SUPPLIER_SCHEMES = ("http", "https")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 _SEARCH_SCHEMES = ("postgresql", "postgres", "sqlite")
+_ALERT_SCHEMES = ("http", "https", "file")
 _AMQP_SCHEMES = ("amqp", "amqps")
 S = TypeVar("S", bound="StorageSettings")
 
@@ -95,6 +96,15 @@ class Settings(StorageSettings):
         description="RabbitMQ for subscribers: amqp://user:pw@host:5672/vhost; unset: a "
         "JSON-lines file in the state folder",
     )
+    alert_url: str | None = Field(
+        default=None,
+        description="the alert channel: an http(s):// webhook taking a Slack-compatible JSON "
+        "body, or file:///path of a JSON-lines file; unset: alerts.jsonl in the state folder",
+    )
+    dagster_url: str | None = Field(
+        default=None,
+        description="the Dagster UI's base URL, for links in alerts; unset: http://localhost:3000",
+    )
     supplier_rate_limit: float | None = Field(
         default=None,
         gt=0,
@@ -127,6 +137,11 @@ class Settings(StorageSettings):
     @classmethod
     def _amqp_url(cls, value: str | None) -> str | None:
         return _with_scheme(value, _AMQP_SCHEMES)
+
+    @field_validator("alert_url")
+    @classmethod
+    def _alert_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _ALERT_SCHEMES)
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""
