@@ -25,6 +25,8 @@ def _check(loaded: dg.Definitions) -> None:
         "city_discovery_sensor",
         "reconciliation_repull_sensor",
         "dead_letter_city_resync_sensor",
+        "alert_sensor",
+        "alert_on_run_failure",
     }
     assert loaded.schedules is not None
     assert {s.name for s in loaded.schedules} == {
@@ -35,6 +37,7 @@ def _check(loaded: dg.Definitions) -> None:
         "nightly_full_sync",
         "outbox_dispatch_schedule",
         "projection_reconciliation_schedule",
+        "sync_health_schedule",
     }
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
     assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
@@ -53,6 +56,7 @@ def _check(loaded: dg.Definitions) -> None:
         "hotel_catalog_reconciliation",
         "dead_letter_compensation",
         "dead_letter_summary",
+        "sync_health",
     }
     graph = repo.asset_graph
     assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys

@@ -1,0 +1,190 @@
+"""Sync health and alerts in Dagster.
+
+- ``sync_health`` (schedule ``sync_health_schedule``, every 10 minutes): the task's figures
+  (:mod:`supplier_sync_dagster.core.metrics`) as numeric metadata, which the UI plots over
+  time; and a ``city_freshness`` evaluation on every city's partition of ``published_hotels``
+  (failed when the city was not synced successfully within the task's SLA; the check is
+  declared with the city assets, whose runs cannot judge the syncs that did not happen).
+- ``alert_sensor`` (every minute) and ``alert_on_run_failure`` (when a run fails): judge the
+  alert conditions (:mod:`supplier_sync_dagster.core.alerts`), start or clear alerts, and
+  send what is due to the alert channel. The reconciliation's remaining differences and the
+  failed run's link come from Dagster's own records.
+"""
+
+from typing import Any
+
+import dagster as dg
+
+from supplier_sync_dagster.core import alerts
+from supplier_sync_dagster.core.metrics import SyncHealth, sync_health
+from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.defs.city_sync import FRESHNESS_CHECK, GROUP, PUBLISHED
+from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
+from supplier_sync_dagster.defs.partitions import (
+    CITY_PARTITIONS,
+    encode_city_key,
+)
+from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
+from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
+from supplier_sync_dagster.instance_storage import one_event_transaction
+
+HEALTH = dg.AssetKey("sync_health")
+EVENTS_PER_TRANSACTION = 250
+
+
+def health_metadata(h: SyncHealth) -> dict[str, Any]:
+    """Every figure as numeric metadata (plotted), breakdowns as JSON."""
+    stale = sorted(h.city_lag_hours.items(), key=lambda kv: -kv[1])[:20]
+    return {
+        **h.values(),
+        "latest_batch_id": h.latest_batch_id or "",
+        "missing_field_rate": dg.MetadataValue.json(h.missing_field_rate),
+        "stalest_cities_hours": dg.MetadataValue.json(dict(stale)),
+        "batches_24h": dg.MetadataValue.json(h.batches_24h),
+    }
+
+
+def _sla_hours(db: Any, task_code: str) -> float:
+    with db.engine.connect() as conn:
+        return float(alerts.thresholds(conn, task_code)["freshness_sla_hours"])
+
+
+def _freshness(city: str, lag: float, sla: float) -> dg.AssetCheckEvaluation:
+    return dg.AssetCheckEvaluation(
+        asset_key=PUBLISHED,
+        check_name=FRESHNESS_CHECK,
+        passed=lag <= sla,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{city!r} last synced {lag:.1f} h ago (SLA {sla:g} h)",
+        metadata={"city": city, "lag_hours": lag, "sla_hours": sla},
+        partition=encode_city_key(city),
+    )
+
+
+@dg.asset(
+    key=HEALTH,
+    group_name=GROUP,
+    description=(
+        "The sync's health: success of batches and cities, bad records, missing fields, dead "
+        "letters and their fix rate, reviews, freshness, outbox lag, supplier requests, 429s "
+        "and retries, hotels/s. Also judges each city's freshness on published_hotels."
+    ),
+)
+def sync_health_asset(
+    context: dg.AssetExecutionContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
+) -> Any:
+    """Computes the figures (bounded queries) and each city's freshness."""
+    db = sync_db.open()
+    try:
+        health = sync_health(db, task_code=supplier.task_code, supplier_id=supplier.supplier_id)
+        sla = _sla_hours(db, supplier.task_code)
+    finally:
+        db.dispose()
+    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    cities = [(c, lag) for c, lag in health.city_lag_hours.items() if encode_city_key(c) in known]
+    for start in range(0, len(cities), EVENTS_PER_TRANSACTION):
+        with one_event_transaction(context.instance):
+            for city, lag in cities[start : start + EVENTS_PER_TRANSACTION]:
+                yield _freshness(city, lag, sla)
+    stale = sum(1 for _, lag in cities if lag > sla)
+    context.log.info(
+        f"task {health.task_code}: {len(cities)} cities, {stale} over the {sla:g} h SLA; "
+        f"batch success {health.batch_success_rate_24h:.0%} over 24 h"
+    )
+    yield dg.MaterializeResult(metadata={**health_metadata(health), "cities_over_sla": stale})
+
+
+sync_health_job = dg.define_asset_job(
+    "sync_health_job",
+    selection=dg.AssetSelection.assets(HEALTH),
+    description="Compute the sync's health figures and each city's freshness.",
+)
+
+sync_health_schedule = dg.ScheduleDefinition(
+    name="sync_health_schedule",
+    job=sync_health_job,
+    cron_schedule="*/10 * * * *",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Every 10 minutes: the health figures, plotted over time, and city freshness.",
+)
+
+
+def _context(instance: dg.DagsterInstance, failed_run_id: str | None) -> alerts.Context:
+    latest = instance.fetch_materializations(RECONCILIATION, limit=1).records
+    remaining: int | None = None
+    if latest:
+        m = latest[0].asset_materialization
+        value = m.metadata.get("remaining_differences") if m is not None else None
+        if value is not None and isinstance(value.value, (int, float)):
+            remaining = int(value.value)
+    if failed_run_id is None:
+        failed = instance.get_runs(
+            filters=dg.RunsFilter(
+                job_name=full_sync_job.name, statuses=[dg.DagsterRunStatus.FAILURE]
+            ),
+            limit=1,
+        )
+        failed_run_id = failed[0].run_id if failed else None
+    return alerts.Context(reconciliation_remaining=remaining, failed_run_id=failed_run_id)
+
+
+def run_alerts(
+    instance: dg.DagsterInstance,
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
+    *,
+    failed_run_id: str | None = None,
+) -> alerts.Round:
+    """One alert round for the configured supplier's task (what both sensors do)."""
+    settings = load_settings()
+    channel = alerts.open_channel(settings.alert_url, settings.state_dir)
+    db = sync_db.open()
+    try:
+        return alerts.check(
+            db,
+            channel,
+            task_code=supplier.task_code,
+            context=_context(instance, failed_run_id),
+            dagster_url=settings.dagster_url or "http://localhost:3000",
+        )
+    finally:
+        db.dispose()
+
+
+def _said(done: alerts.Round) -> str:
+    holding = [f.condition + (f"/{f.subject}" if f.subject else "") for f in done.findings]
+    return (
+        f"{len(holding)} conditions hold ({', '.join(holding) or 'none'}); "
+        f"{len(done.changes.fired)} started, {len(done.changes.resolved)} cleared; "
+        f"{done.delivered.sent} sent, {done.delivered.failed} to retry"
+    )
+
+
+@dg.sensor(
+    name="alert_sensor",
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Each minute: judge the alert conditions, start or clear alerts (one message each), "
+        "and send what is due to the alert channel (a failing channel is retried later)."
+    ),
+)
+def alert_sensor(
+    context: dg.SensorEvaluationContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
+) -> dg.SkipReason:
+    """An alert round; it requests no run."""
+    return dg.SkipReason(_said(run_alerts(context.instance, sync_db, supplier)))
+
+
+@dg.run_failure_sensor(
+    name="alert_on_run_failure",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="When a run fails: an alert round at once, linking the failed run.",
+)
+def alert_on_run_failure(
+    context: dg.RunFailureSensorContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
+) -> None:
+    """An alert round with the failed run's link."""
+    done = run_alerts(context.instance, sync_db, supplier, failed_run_id=context.dagster_run.run_id)
+    context.log.info(_said(done))
