@@ -43,6 +43,10 @@ class FaultProfile:
             ``geo`` (schema drift); ``None`` disables it.
         hostile_city_codes: add cities whose codes are hostile strings (``../../etc``, SQL,
             ``|``, ``...``, 64 non-ASCII characters), each with a few hotels.
+        emptied_city_codes: cities whose listing answers an empty page (a supplier that
+            lost a city's data: listed in ``/v1/cities``, no hotel behind it).
+        failing_city_codes: cities whose hotel pages always answer ``503`` (one shard of
+            the supplier is down: the client's retries fail and its breaker opens).
         detail_outage_rate: share of single-hotel requests (``GET /v1/hotels/{id}``) answered
             ``503`` on top of the other faults: a supplier whose detail service is down while
             its listings work (at 1.0 every retry fails: the request is a dead letter).
@@ -71,6 +75,8 @@ class FaultProfile:
     hostile_city_codes: bool = False
     unlisted_hotels_city_codes: tuple[str, ...] = ()
     detail_outage_rate: float = 0.0
+    emptied_city_codes: tuple[str, ...] = ()
+    failing_city_codes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):

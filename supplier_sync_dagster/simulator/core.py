@@ -462,8 +462,26 @@ class Simulator:
             return SimResponse(200, body=self._cities(at))
         if endpoint == "city_hotels":
             city = self._city(args[0])
-            if city.code in self.config.faults.unlisted_hotels_city_codes:
+            faults = self.config.faults
+            if city.code in faults.unlisted_hotels_city_codes:
                 raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
+            if city.code in faults.failing_city_codes:
+                raise _HttpError(503, "UNAVAILABLE", "the city's shard of the supplier is down")
+            if city.code in faults.emptied_city_codes:
+                return SimResponse(
+                    200,
+                    body=_json(
+                        {
+                            "city_code": city.code,
+                            "page": 1,
+                            "page_size": DEFAULT_PAGE_SIZE,
+                            "total": 0,
+                            "total_pages": 0,
+                            "next_cursor": None,
+                            "hotels": [],
+                        }
+                    ),
+                )
             return self._city_hotels(city, params, at)
         if endpoint == "city_summary":
             return self._summary(self._city(args[0]), at)

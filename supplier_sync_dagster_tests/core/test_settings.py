@@ -36,6 +36,8 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_REDIS_URL",
         "SUPPLIER_SYNC_SEARCH_URL",
         "SUPPLIER_SYNC_AMQP_URL",
+        "SUPPLIER_SYNC_ALERT_URL",
+        "SUPPLIER_SYNC_DAGSTER_URL",
         "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
         "SUPPLIER_SYNC_WORKER_PROCESSES",
     ]

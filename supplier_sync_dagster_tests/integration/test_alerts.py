@@ -191,6 +191,29 @@ def test_each_condition_fires_once_and_resolves_once(
     _check(capsys, db_url)
     assert receiver.take() == [("RESOLVED", "stuck_outbox")]
 
+    # A city that had hotels comes back empty (its quality gate stops it, too).
+    emptied = sorted(sim.ground_truth().listed_by_city)[1]
+    _faults(sim, emptied_city_codes=(emptied,))
+    assert _sync(capsys, db_url) == 1
+    _check(capsys, db_url)
+    assert receiver.take() == [("FIRING", "city_emptied")]
+    _faults(sim)
+    assert _sync(capsys, db_url) == 0
+    _check(capsys, db_url)
+    assert receiver.take() == [("RESOLVED", "city_emptied")]
+
+    # The supplier's listings are down: the client's retries fail and its breaker opens
+    # (one failing city among healthy ones does not open it: their successes close it).
+    _thresholds(capsys, db_url, "breaker_open_minutes=0")
+    _faults(sim, failing_city_codes=tuple(sim.ground_truth().listed_by_city))
+    assert _sync(capsys, db_url) == 1
+    _check(capsys, db_url)
+    assert receiver.take() == [("FIRING", "breaker_open")]
+    _faults(sim)
+    assert _sync(capsys, db_url) == 0
+    _check(capsys, db_url)
+    assert receiver.take() == [("RESOLVED", "breaker_open")]
+
     # Freshness over the SLA: an operator tightens it below the last sync's age.
     _thresholds(capsys, db_url, "freshness_sla_hours=0")
     _check(capsys, db_url)
@@ -207,6 +230,8 @@ def test_each_condition_fires_once_and_resolves_once(
         "rate_limit_storm",
         "dead_letter_spike",
         "stuck_outbox",
+        "city_emptied",
+        "breaker_open",
         "freshness_sla",
     }
     assert all(
