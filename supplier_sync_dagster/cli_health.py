@@ -95,12 +95,20 @@ def cmd_alerts(args: argparse.Namespace) -> int:
                 else "\n".join(f"{k:<32} {v:g}" for k, v in sorted(current.items()))
             )
             return 0
+        from supplier_sync_dagster.defs.health import alert_context
+        from supplier_sync_dagster.sync_runner import dagster_instance
+
         settings = load_settings()
         channel = alerts.open_channel(settings.alert_url, settings.state_dir)
+        # The instance the CLI's runs are in: the failed run's link and the reconciliation's
+        # remaining differences, as the alert sensor reads them.
+        with dagster_instance() as instance:
+            context = alert_context(instance, db, task)
         done = alerts.check(
             db,
             channel,
             task_code=task,
+            context=context,
             dagster_url=settings.dagster_url or "http://localhost:3000",
         )
         holding = [f.condition + (f"/{f.subject}" if f.subject else "") for f in done.findings]

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -75,6 +76,51 @@ def serve_simulator(
 def supplier_client(http: httpx.Client) -> SupplierClient:
     """The supplier client of the tests' simulator (``supplier_id`` "sim") over ``http``."""
     return SupplierClient(http, api_key=SIM_API_KEY, supplier_id="sim")
+
+
+class Receiver:
+    """An alert webhook on loopback: keeps every JSON body; refuses the next ``refuse`` of them."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.refuse = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if receiver.refuse > 0:
+                    receiver.refuse -= 1
+                    self.send_response(503)
+                else:
+                    receiver.bodies.append(body)
+                    self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @classmethod
+    @contextmanager
+    def serve(cls) -> Iterator[Receiver]:
+        """A receiver listening on loopback until the block ends."""
+        r = cls()
+        r.thread.start()
+        try:
+            yield r
+        finally:
+            r.server.shutdown()
+            r.server.server_close()
+
+    def take(self) -> list[tuple[str, str]]:
+        """(kind, condition) of the messages received since the last take."""
+        got = [(b["alert"]["kind"], b["alert"]["condition"]) for b in self.bodies]
+        self.bodies.clear()
+        return got
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,22 @@ class Context:
     failed_run_id: str | None = None
 
 
+def latest_failed_trigger(db: SyncDatabase, task_code: str) -> str | None:
+    """The trigger id of the task's latest finished batch when that batch failed (what an
+    alert links to the failed run by); None when it succeeded or none finished."""
+    b = schema.batch.c
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.select(b.status, b.trigger_id)
+            .where(b.task_code == task_code, b.status.in_(TERMINAL_BATCH_STATUSES))
+            .order_by(b.created_at.desc(), b.id.desc())
+            .limit(1)
+        ).first()
+    if row is None or row.status not in FAILED_BATCH_STATUSES or not row.trigger_id:
+        return None
+    return str(row.trigger_id)
+
+
 def evaluate(
     db: SyncDatabase, health: SyncHealth, *, context: Context = Context()
 ) -> list[Finding]:

@@ -16,10 +16,16 @@ from typing import Any
 import dagster as dg
 
 from supplier_sync_dagster.core import alerts
+from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.metrics import SyncHealth, sync_health
 from supplier_sync_dagster.core.settings import load_settings
-from supplier_sync_dagster.defs.city_sync import FRESHNESS_CHECK, GROUP, PUBLISHED
-from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
+from supplier_sync_dagster.defs.city_sync import (
+    BACKFILL_TAG,
+    FRESHNESS_CHECK,
+    GROUP,
+    PUBLISHED,
+    TRIGGER_TAG,
+)
 from supplier_sync_dagster.defs.partitions import (
     CITY_PARTITIONS,
     encode_city_key,
@@ -110,7 +116,21 @@ sync_health_schedule = dg.ScheduleDefinition(
 )
 
 
-def _context(instance: dg.DagsterInstance, failed_run_id: str | None) -> alerts.Context:
+def alert_context(
+    instance: dg.DagsterInstance,
+    db: SyncDatabase,
+    task_code: str,
+    failed_run_id: str | None = None,
+) -> alerts.Context:
+    """What Dagster's records add to an alert round: the latest reconciliation's remaining
+    differences, and the run behind the task's latest failed batch (its link).
+
+    Args:
+        instance: The Dagster instance the runs and materializations are in.
+        db: The sync database (the latest failed batch and its trigger).
+        task_code: The task judged.
+        failed_run_id: A run known to have failed (the run-failure sensor's), linked as is.
+    """
     latest = instance.fetch_materializations(RECONCILIATION, limit=1).records
     remaining: int | None = None
     if latest:
@@ -119,14 +139,26 @@ def _context(instance: dg.DagsterInstance, failed_run_id: str | None) -> alerts.
         if value is not None and isinstance(value.value, (int, float)):
             remaining = int(value.value)
     if failed_run_id is None:
-        failed = instance.get_runs(
-            filters=dg.RunsFilter(
-                job_name=full_sync_job.name, statuses=[dg.DagsterRunStatus.FAILURE]
-            ),
-            limit=1,
-        )
-        failed_run_id = failed[0].run_id if failed else None
+        trigger = alerts.latest_failed_trigger(db, task_code)
+        failed_run_id = _failed_run_of(instance, trigger) if trigger else None
     return alerts.Context(reconciliation_remaining=remaining, failed_run_id=failed_run_id)
+
+
+def _failed_run_of(instance: dg.DagsterInstance, trigger_id: str) -> str | None:
+    """The newest failed run of a batch's trigger: the run itself (a launch, a schedule or
+    sensor run), a run tagged with the trigger (the CLI, re-pulls, compensation), or a run of
+    the backfill the trigger names."""
+    failed = [dg.DagsterRunStatus.FAILURE]
+    run = instance.get_run_by_id(trigger_id)
+    if run is not None and run.status in failed:
+        return run.run_id
+    for tag in (TRIGGER_TAG, BACKFILL_TAG):
+        runs = instance.get_runs(
+            filters=dg.RunsFilter(tags={tag: trigger_id}, statuses=failed), limit=1
+        )
+        if runs:
+            return runs[0].run_id
+    return None
 
 
 def run_alerts(
@@ -145,7 +177,7 @@ def run_alerts(
             db,
             channel,
             task_code=supplier.task_code,
-            context=_context(instance, failed_run_id),
+            context=alert_context(instance, db, supplier.task_code, failed_run_id),
             dagster_url=settings.dagster_url or "http://localhost:3000",
         )
     finally:

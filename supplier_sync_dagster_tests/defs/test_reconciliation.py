@@ -1,5 +1,6 @@
 """Reconciliation through Dagster: the asset's table and numbers, the sensor's re-pull runs,
-and the next reconciliation equal (its remaining differences counted, never re-pulled twice)."""
+the next reconciliation equal (its remaining differences counted, never re-pulled twice), and
+the reconciliation_diff alert a remaining difference starts and a repair clears."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
-from supplier_sync_dagster.defs.partitions import decode_city_key
+from supplier_sync_dagster.defs.health import alert_sensor
+from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.reconciliation import (
     hotel_catalog_reconciliation,
     reconciliation_repull_sensor,
 )
 from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
+from supplier_sync_dagster_tests.helpers import Receiver
 
 
 @pytest.fixture
@@ -28,6 +31,12 @@ def instance() -> Iterator[dg.DagsterInstance]:
     what later definitions loads read their state from)."""
     with dg.instance_for_test() as inst:
         yield inst
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver.serve() as r:
+        yield r
 
 
 def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dict[str, Any]:
@@ -71,8 +80,22 @@ def _lose_city(db_url: str) -> str:
         db.dispose()
 
 
+def _alert_round(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> str:
+    resources = _resources(db_url, tmp_path, 0)
+    with dg.build_sensor_context(
+        instance=instance, resources={k: resources[k] for k in ("sync_db", "supplier")}
+    ) as ctx:
+        said = alert_sensor(ctx)
+    assert isinstance(said, dg.SkipReason)
+    return str(said.skip_message)
+
+
 def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
-    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
+    db_url: str,
+    tmp_path: Path,
+    instance: dg.DagsterInstance,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
 ):
     _full_sync(instance, db_url, tmp_path)
     clean = _reconcile(instance, db_url, tmp_path)
@@ -119,3 +142,20 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
         # The newest reconciliation re-pulls nothing: no run.
         later = reconciliation_repull_sensor.evaluate_tick(ctx)
     assert not later.run_requests
+
+    # The difference that remains is an alert: one message over HTTP, none while it holds.
+    monkeypatch.setenv("SUPPLIER_SYNC_ALERT_URL", receiver.url)
+    assert "reconciliation_diff" in _alert_round(instance, db_url, tmp_path)
+    _alert_round(instance, db_url, tmp_path)
+    assert receiver.take() == [("FIRING", "reconciliation_diff")]
+    # An operator re-syncs the city; the next reconciliation is equal and the alert clears.
+    fixed = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=_resources(db_url, tmp_path, 0),
+        partition_key=encode_city_key(lost),
+    )
+    assert fixed.success
+    assert _reconcile(instance, db_url, tmp_path)["remaining_differences"] == 0
+    assert _alert_round(instance, db_url, tmp_path).startswith("0 conditions hold")
+    assert receiver.take() == [("RESOLVED", "reconciliation_diff")]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
+import re
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, Receiver, serve_simulator
 from supplier_sync_dagster_tests.test_cli import (
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
     run,
@@ -31,48 +30,11 @@ from supplier_sync_dagster_tests.test_cli import (
 TASK = "hotel_supplier_full_resource"
 
 
-class Receiver:
-    """A webhook on loopback: keeps every JSON body; refuses the next ``refuse`` of them."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.refuse = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if receiver.refuse > 0:
-                    receiver.refuse -= 1
-                    self.send_response(503)
-                else:
-                    receiver.bodies.append(body)
-                    self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def take(self) -> list[tuple[str, str]]:
-        """(kind, condition) of the messages received since the last take."""
-        got = [(b["alert"]["kind"], b["alert"]["condition"]) for b in self.bodies]
-        self.bodies.clear()
-        return got
-
-
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
-    r = Receiver()
-    r.thread.start()
-    monkeypatch.setenv("SUPPLIER_SYNC_ALERT_URL", r.url)
-    try:
+    with Receiver.serve() as r:
+        monkeypatch.setenv("SUPPLIER_SYNC_ALERT_URL", r.url)
         yield r
-    finally:
-        r.server.shutdown()
 
 
 @pytest.fixture
@@ -140,6 +102,10 @@ def test_each_condition_fires_once_and_resolves_once(
     assert "consecutive_failed_batches" not in _check(capsys, db_url)["holding"]  # one so far
     assert _sync(capsys, db_url) == 1
     assert _check(capsys, db_url)["holding"] == ["consecutive_failed_batches"]
+    # The message names the task and links the failed batch's run in Dagster.
+    (fired,) = receiver.bodies
+    assert TASK in fired["text"]
+    assert re.search(r"http://localhost:3000/runs/[0-9a-f-]{36}$", fired["text"]), fired["text"]
     assert receiver.take() == [("FIRING", "consecutive_failed_batches")]
     assert _sync(capsys, db_url) == 1
     _check(capsys, db_url)
