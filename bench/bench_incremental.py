@@ -69,12 +69,30 @@ def _env(tmp: Path, db_url: str, url: str) -> dict[str, str]:
     return env
 
 
-def _command(env: dict[str, str], cwd: Path, *argv: str) -> tuple[float, dict[str, Any], str]:
-    """``supplier-sync ARGV`` as a subprocess: (wall seconds, its JSON, its stdout)."""
+def _command(
+    env: dict[str, str], cwd: Path, *argv: str, profile: str | None = None
+) -> tuple[float, dict[str, Any], str]:
+    """``supplier-sync ARGV`` as a subprocess: (wall seconds, its JSON, its stdout).
+
+    With ``profile`` (a file name), the command runs under ``py-spy record`` (its
+    subprocesses too) and the folded stacks go to that file.
+    """
+    command = [str(BIN / "supplier-sync"), *argv]
+    if profile:
+        spy = shutil.which("py-spy") or str(BIN / "py-spy")
+        command = [
+            spy,
+            "record",
+            "--subprocesses",
+            "--format",
+            "raw",
+            "-o",
+            profile,
+            "--",
+            *command,
+        ]
     began = time.perf_counter()
-    done = subprocess.run(
-        [str(BIN / "supplier-sync"), *argv], env=env, capture_output=True, text=True, cwd=cwd
-    )
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - began
     if done.returncode != 0:
         raise RuntimeError(
@@ -107,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=100)
     parser.add_argument("--mysql-url", default=MYSQL_URL)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="record the day's incremental command with py-spy (pip install py-spy) into FILE "
+        "(folded stacks); its wall time then includes the sampler's cost",
+    )
     args = parser.parse_args(argv)
     config = SimulatorConfig(
         seed=args.seed,
@@ -138,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             local = Simulator(config)
             local.advance_day()
             truth = local.ground_truth()
-            inc_s, inc, _ = _command(env, tmp, "sync", "--incremental", "--json")
+            inc_s, inc, _ = _command(
+                env, tmp, "sync", "--incremental", "--json", profile=args.profile
+            )
             window = inc["window"]
             share = inc_s / full_s
             inc_step = _step_seconds(

@@ -17,6 +17,7 @@ import copy
 import fcntl
 import functools
 import os
+import random
 import sqlite3
 import threading
 import time
@@ -401,6 +402,56 @@ def _is_connect_error(err: sa.exc.DBAPIError) -> bool:
             "timed out",
         )
     )
+
+
+# InnoDB's answers that roll a transaction back and invite it to run again: a deadlock
+# (1213) and a lock wait timeout (1205; MariaDB rolls back the statement, a retry of the whole
+# transaction is the safe reading).
+_RETRYABLE_MYSQL_ERRORS = frozenset({1205, 1213})
+DEADLOCK_ATTEMPTS = 5
+
+_R = TypeVar("_R")
+
+
+def is_deadlock(err: BaseException) -> bool:
+    """Whether ``err`` is InnoDB's deadlock or lock wait timeout (the transaction is gone)."""
+    if not isinstance(err, sa.exc.DBAPIError):
+        return False
+    orig = err.orig
+    code = getattr(orig, "errno", None)
+    if code is None and orig is not None and orig.args and isinstance(orig.args[0], int):
+        code = orig.args[0]
+    return code in _RETRYABLE_MYSQL_ERRORS
+
+
+def retry_deadlocks(
+    work: Callable[[], _R],
+    *,
+    attempts: int = DEADLOCK_ATTEMPTS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> _R:
+    """Runs ``work`` (which opens and commits its own transactions) again when InnoDB chose
+    its transaction as a deadlock's victim.
+
+    Two cities publishing at once may lock the same index ranges in opposite orders (a
+    hotel's publish clears its miss count while another city's finish counts misses); InnoDB
+    then rolls one transaction back whole, and the documented answer is to run it again.
+    ``work`` must be safe to repeat after a rollback: every write of this project is
+    idempotent or version-guarded. SQLite never raises these (its writers queue).
+
+    Args:
+        work: The transaction(s) to run.
+        attempts: How many times at most.
+        sleep: The pause between attempts (a short, growing, jittered one by default).
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return work()
+        except sa.exc.DBAPIError as err:
+            if attempt == attempts or not is_deadlock(err):
+                raise
+            sleep(0.01 * attempt * (1 + random.random()))
+    raise AssertionError("unreachable")
 
 
 _MYSQL_DIALECTS = ("mysql", "mariadb")

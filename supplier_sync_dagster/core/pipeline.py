@@ -50,7 +50,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.batches import Batch
-from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.db import SyncDatabase, insert_ignore, retry_deadlocks
 from supplier_sync_dagster.core.deadletters import (
     DeadLetter,
     record_dead_letters,
@@ -434,8 +434,12 @@ def sync_city(
             ):
                 lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
             else:
-                with db.begin() as conn:
-                    finish(conn)
+
+                def finish_alone() -> None:
+                    with db.begin() as conn:
+                        finish(conn)
+
+                retry_deadlocks(finish_alone)
                 lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
             report.stages_done.append("publish")
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
@@ -1454,15 +1458,41 @@ def _publish_chunk(
     cands = collapse_duplicates(chunk)
     report.duplicates += len(chunk) - len(cands)
     if then is None:
-        _count_chunk(report, len(chunk), publisher(cands))
+        _count_chunk(report, len(chunk), retry_deadlocks(lambda: publisher(cands)))
         return
     assert isinstance(publisher, _LeasePublisher)
+    # The last chunk counts inside its transaction (the shard's finish checks the sums): a
+    # deadlock's rollback takes the counts back too.
+    before = _publish_counts(report)
 
     def last(conn: Connection, done: ChunkPublished) -> None:
         _count_chunk(report, len(chunk), done)
         then(conn)
 
-    publisher.publish(cands, last)
+    def attempt() -> ChunkPublished:
+        _restore_publish_counts(report, before)
+        return publisher.publish(cands, last)
+
+    retry_deadlocks(attempt)
+
+
+def _publish_counts(report: CityReport) -> tuple[Any, ...]:
+    """What :func:`_count_chunk` and a shard's finish change in a report."""
+    return (
+        report.held_for_review,
+        Counter(report.diffs_by_type),
+        Counter(report.diffs_by_action),
+        report.published,
+        report.skipped,
+        report.presence,
+    )
+
+
+def _restore_publish_counts(report: CityReport, saved: tuple[Any, ...]) -> None:
+    held, by_type, by_action, published, skipped, presence = saved
+    report.held_for_review, report.published, report.skipped = held, published, skipped
+    report.diffs_by_type, report.diffs_by_action = Counter(by_type), Counter(by_action)
+    report.presence = presence
 
 
 def _count_chunk(report: CityReport, size: int, done: ChunkPublished) -> None:

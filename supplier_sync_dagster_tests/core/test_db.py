@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,77 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(
     assert got[100]["room_name"] == "Deluxe 'quoted' \"\\ 100% %s\n\r\x1a\x00 room \U0001f600"
     assert got[300]["updated_at"] == datetime(2026, 11, 30, 5, 6, 7, 1)
     sa.event.remove(db.engine, "before_cursor_execute", count)
+
+
+def _deadlock_on_mariadb(url: str) -> sa.exc.DBAPIError:
+    """Two transactions lock two rows in opposite orders: InnoDB picks one as the victim."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE t (id INT PRIMARY KEY, v INT)"))
+            conn.execute(sa.text("INSERT INTO t VALUES (1, 0), (2, 0)"))
+        first_locked, second_locked = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+
+        def tx(mine: int, theirs: int, locked: threading.Event, other: threading.Event) -> None:
+            try:
+                with engine.begin() as conn:
+                    conn.execute(sa.text("UPDATE t SET v = v + 1 WHERE id = :i"), {"i": mine})
+                    locked.set()
+                    other.wait(10)
+                    conn.execute(sa.text("UPDATE t SET v = v + 1 WHERE id = :i"), {"i": theirs})
+            except BaseException as err:  # the victim's
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=tx, args=(1, 2, first_locked, second_locked)),
+            threading.Thread(target=tx, args=(2, 1, second_locked, first_locked)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        (err,) = errors
+        assert isinstance(err, sa.exc.DBAPIError)
+        return err
+    finally:
+        engine.dispose()
+
+
+def test_a_real_innodb_deadlock_is_recognised_and_its_work_runs_again(fresh_mysql_db: str):
+    from supplier_sync_dagster.core.db import is_deadlock, retry_deadlocks
+
+    err = _deadlock_on_mariadb(fresh_mysql_db)
+    assert is_deadlock(err)
+    assert not is_deadlock(ValueError("no")) and not is_deadlock(
+        sa.exc.OperationalError("SELECT 1", {}, Exception(1045, "Access denied"))
+    )
+    calls: list[int] = []
+    pauses: list[float] = []
+
+    def work() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise err
+        return "done"
+
+    assert retry_deadlocks(work, sleep=pauses.append) == "done"
+    assert len(calls) == 3 and len(pauses) == 2 and all(0 < p < 1 for p in pauses)
+
+    # Past its attempts the deadlock is raised; any other error at once.
+    def always(error: BaseException) -> Callable[[], None]:
+        def work() -> None:
+            calls.append(1)
+            raise error
+
+        return work
+
+    calls.clear()
+    with pytest.raises(sa.exc.DBAPIError):
+        retry_deadlocks(always(err), attempts=2, sleep=pauses.append)
+    assert len(calls) == 2
+    calls.clear()
+    denied = sa.exc.OperationalError("SELECT 1", {}, Exception(1045, "Access denied"))
+    with pytest.raises(sa.exc.OperationalError):
+        retry_deadlocks(always(denied), sleep=pauses.append)
+    assert len(calls) == 1

@@ -390,3 +390,36 @@ def test_cities_are_synced_largest_first_unknown_sizes_last():
 
     order = largest_first(["a", "b", "c", "d", "e"], {"a": 5, "b": 50, "d": 50, "e": 0})
     assert order == ["b", "d", "a", "e", "c"]
+
+
+def test_a_deadlock_victim_publish_runs_again_and_counts_once(
+    db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """InnoDB rolls a deadlock's victim back whole: the city's chunk and its finish (the
+    miss counts of tombstones, taken in the last chunk's transaction) run again, and the
+    counts of the rolled-back attempt are not kept (they must still add up)."""
+    from supplier_sync_dagster.core import pipeline
+
+    deadlock = sa.exc.OperationalError(
+        "UPDATE platform_hotel_resource ...", {}, Exception(1213, "Deadlock found")
+    )
+    real = pipeline.record_presence
+    victims: list[str] = []
+
+    def presence_once(conn: Any, *args: Any, **kw: Any) -> Any:
+        if kw["city_code"] not in victims:
+            victims.append(kw["city_code"])
+            raise deadlock
+        return real(conn, *args, **kw)
+
+    monkeypatch.setattr(pipeline, "record_presence", presence_once)
+    sim = make_simulator(seed=5, n_cities=3, total_hotels=300)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+        batch_id, reports = full_sync(db, store, supplier_client(http), "deadlocked")
+    assert len(victims) == 3 and all(r.status == "SUCCESS" for r in reports)
+    assert published(db) == sim.ground_truth().valid
+    for r in reports:
+        assert r.published + r.dead_letters + r.skipped == r.records
+    with db.engine.connect() as conn:
+        assert get_batch(conn, batch_id).status == "SUCCESS"
