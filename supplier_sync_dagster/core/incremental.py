@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -697,8 +698,10 @@ def run_incremental(
         settings,
         task_code=task_code,
         sync_mode="INCREMENTAL",
-        # A day's changes of a large supplier publish from memory, not read back.
+        # A day's changes of a large supplier publish from memory, not read back, and on
+        # every CPU: a window is one shard, where a full sync has a city per process.
         memory_hotels=max(settings.memory_hotels, WINDOW_MEMORY_HOTELS),
+        publish_processes=settings.publish_processes or _cpus(),
     )
     report = sync_city(
         db,
@@ -728,6 +731,13 @@ def run_incremental(
         quiet_for=quiet,
         quiet_alert=quiet >= thresholds.quiet_windows,
     )
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def published_cities(conn: Connection, batch_id: str) -> dict[str, int]:

@@ -36,11 +36,12 @@ import gc
 import hashlib
 import itertools
 import logging
+import multiprocessing
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, Protocol
@@ -67,6 +68,7 @@ from supplier_sync_dagster.core.diff import (
 )
 from supplier_sync_dagster.core.errors import (
     CountsDoNotAddUp,
+    LeaseLost,
     LeaseNotAcquired,
     SupplierError,
     SupplierNotFound,
@@ -197,6 +199,10 @@ class SyncSettings:
         lease: Lease duration and heartbeat interval.
         risk_policy: Decides each diff's risk level and action.
         missing_syncs: Complete syncs of a city without a hotel before it is unpublished.
+        publish_processes: Forked processes that publish a shard's chunks held in memory
+            (all but the last, which finishes the shard here); 0 or 1 publishes them in
+            this process. For one large shard (an incremental window): a full sync's cities
+            already run in worker processes of their own.
     """
 
     task_code: str
@@ -208,6 +214,7 @@ class SyncSettings:
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     risk_policy: RiskPolicy = default_risk_policy
     missing_syncs: int = DEFAULT_MISSING_SYNCS
+    publish_processes: int = 0
 
 
 Stage = Literal["fetch", "normalize", "publish"]
@@ -1495,22 +1502,108 @@ def _restore_publish_counts(report: CityReport, saved: tuple[Any, ...]) -> None:
     report.presence = presence
 
 
+class _ChunkCounts(NamedTuple):
+    """What became of a chunk's candidates, small enough to send between processes."""
+
+    held: int
+    by_type: Counter[str]
+    by_action: Counter[str]
+    published: int
+    skipped: int
+
+    @classmethod
+    def of(cls, size: int, done: ChunkPublished) -> _ChunkCounts:
+        """The counts of a chunk of ``size`` candidates (one diff per distinct hotel)."""
+        return cls(
+            done.held,
+            Counter(d.diff_type for d in done.diffs),
+            Counter(d.action for d in done.diffs),
+            done.published,
+            # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
+            # stale, held for review), and publishes the version guard refused.
+            size
+            - len(done.diffs)
+            + sum(1 for d in done.diffs if d.action != "AUTO_PUBLISH")
+            + done.not_newer,
+        )
+
+    def add_to(self, report: CityReport) -> None:
+        """Adds these counts to the city's report."""
+        report.held_for_review += self.held
+        report.diffs_by_type.update(self.by_type)
+        report.diffs_by_action.update(self.by_action)
+        report.published += self.published
+        report.skipped += self.skipped
+
+
 def _count_chunk(report: CityReport, size: int, done: ChunkPublished) -> None:
     """Counts what became of a chunk of ``size`` candidates (one diff per distinct hotel)."""
     # No collection per chunk: publishing makes little cyclic garbage, and a full
     # collection would re-scan the city's candidates held in memory each time.
-    report.held_for_review += done.held
-    report.diffs_by_type.update(d.diff_type for d in done.diffs)
-    report.diffs_by_action.update(d.action for d in done.diffs)
-    report.published += done.published
-    # Not published: duplicates, diffs whose action is not AUTO_PUBLISH (unchanged,
-    # stale, held for review), and publishes the version guard refused.
-    report.skipped += (
-        size
-        - len(done.diffs)
-        + sum(1 for d in done.diffs if d.action != "AUTO_PUBLISH")
-        + done.not_newer
+    _ChunkCounts.of(size, done).add_to(report)
+
+
+# A shard's chunks published in forked processes (see _publish_in_processes): set in each
+# process by its initializer, before its first chunk.
+_forked_publisher: _LeasePublisher | None = None
+_forked_parts: Sequence[Sequence[Candidate]] = ()
+
+
+def _publish_in_processes(
+    publisher: _LeasePublisher,
+    parts: Sequence[Sequence[Candidate]],
+    progress: Progress,
+    report: CityReport,
+) -> None:
+    """Publishes chunks of a shard in ``publish_processes`` forked processes.
+
+    Each process opens its own connections (the engine's pool is not shared across a fork)
+    and publishes under the shard's lease: its writes are fenced by the same worker id and
+    token, so a lost lease stops them as it stops this process. The candidates reach the
+    processes through the fork's memory, not pickled; only each chunk's counts come back.
+    This process keeps the heartbeat; the caller publishes the last chunk, which finishes
+    the shard, once every other chunk is in.
+    """
+    lease = publisher.lease
+    workers = min(publisher.settings.publish_processes, len(parts))
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("fork"),
+        initializer=_start_forked_publisher,
+        initargs=(publisher, parts),
     )
+    try:
+        futures = [pool.submit(_publish_forked_part, i) for i in range(len(parts))]
+        for future in futures:
+            progress.check()
+            progress.report("PUBLISHING", f"city={report.city_code} chunks in {workers} processes")
+            duplicates, counts = future.result()
+            report.duplicates += duplicates
+            counts.add_to(report)
+    except LeaseLost as err:
+        lease.mark_lost(str(err))
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_forked_publisher(
+    publisher: _LeasePublisher, parts: Sequence[Sequence[Candidate]]
+) -> None:
+    global _forked_publisher, _forked_parts
+    # The parent's pooled connections stay the parent's: this process opens its own.
+    publisher.lease.db.engine.dispose(close=False)
+    prepare_process()
+    _forked_publisher, _forked_parts = publisher, parts
+
+
+def _publish_forked_part(index: int) -> tuple[int, _ChunkCounts]:
+    publisher = _forked_publisher
+    assert publisher is not None, "not a forked publisher"
+    chunk = _forked_parts[index]
+    cands = collapse_duplicates(chunk)
+    done = retry_deadlocks(lambda: publisher(cands))
+    return len(chunk) - len(cands), _ChunkCounts.of(len(chunk), done)
 
 
 def _check_counts(report: CityReport) -> None:
@@ -1549,8 +1642,14 @@ def _publish(
         for chunk in _normalized_chunks(lease.db, store, lease.batch_id, lease.shard_key, size):
             _publish_chunk(publisher, chunk, progress, report)
     else:
-        last = (len(candidates) - 1) // size
-        for i, part in enumerate(chunks(candidates, size)):
+        parts = list(chunks(candidates, size))
+        if settings.publish_processes > 1 and len(parts) > 2:
+            # The hotels of a shard's chunks are distinct (and each publish version-guarded):
+            # their order does not matter; the shard finishes with the last one.
+            _publish_in_processes(publisher, parts[:-1], progress, report)
+            parts = parts[-1:]
+        last = len(parts) - 1
+        for i, part in enumerate(parts):
             then = finish if i == last else None
             _publish_chunk(publisher, part, progress, report, then)
             finished = then is not None

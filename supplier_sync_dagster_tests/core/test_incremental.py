@@ -382,3 +382,113 @@ def test_a_feed_position_survives_the_checkpoint_column():
     )
     assert FeedPosition.from_cursor(pos.to_cursor()) == pos
     assert json.loads(pos.to_cursor())["since"] == "2026-11-20T10:00:05Z"
+
+
+def _forked(**kw: Any) -> SyncSettings:
+    """Chunks of 5 published by 2 forked processes (the last chunk by the window's own)."""
+    from dataclasses import replace
+
+    return replace(SETTINGS, chunk_hotels=5, publish_processes=2, **kw)
+
+
+def _run_forked(db, store, client, trigger: str):
+    return run_incremental(
+        db,
+        store,
+        client,
+        settings=_forked(),
+        incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=10),
+        trigger_id=trigger,
+        source="MANUAL",
+        worker_id=f"worker-{trigger}",
+    )
+
+
+def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from supplier_sync_dagster.core import pipeline
+
+    forked: list[int] = []
+    real = pipeline._publish_in_processes
+
+    def counted(publisher: Any, parts: Any, *args: Any) -> None:
+        forked.append(len(parts))
+        real(publisher, parts, *args)
+
+    monkeypatch.setattr(pipeline, "_publish_in_processes", counted)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    first = _run_forked(db, store, client, "f1")
+    r = first.report
+    assert r.status == "SUCCESS" and (r.records, r.published, r.skipped) == (42, 42, 0)
+    assert r.diffs_by_type == {"NEW": 42} and r.diffs_by_action == {"AUTO_PUBLISH": 42}
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    assert first.watermark_after == Watermark(T0 + timedelta(seconds=42), "H000042")
+    assert first.batch.status == "SUCCESS" and first.cities == {"BKK": 21, "CNX": 21}
+    assert forked == [8]  # 9 chunks of 5: 8 in the processes, the last one here
+    o = schema.outbox.c
+    with db.engine.connect() as conn:
+        events = dict(
+            conn.execute(sa.select(o.event_type, sa.func.count()).group_by(o.event_type)).all()
+        )
+    assert events["HotelResourceUpdated"] == 42
+    # A second window: half the hotels changed, the overlap re-reads the rest as no-ops.
+    for n in range(1, 43, 2):
+        feed.change(hotel(n, at=100 + n, version=2))
+    second = run_incremental(
+        db,
+        store,
+        client,
+        settings=_forked(),
+        incremental=IncrementalSettings(
+            task_code=TASK, full_task_code="full_task", limit=10, overlap_seconds=1000
+        ),
+        trigger_id="f2",
+        source="MANUAL",
+        worker_id="worker-f2",
+    )
+    r = second.report
+    assert (r.records, r.published, r.skipped) == (42, 21, 21)
+    assert r.published + r.dead_letters + r.skipped == r.records
+    assert _published(db) == {f"H{n:06d}": 2 if n % 2 else 1 for n in range(1, 43)}
+
+
+def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Another worker takes the window's shard as the forked publishers start: their fenced
+    writes fail, the window stops as LEASE_LOST and its watermark stays where it was."""
+    from supplier_sync_dagster.core import pipeline
+
+    start = pipeline._start_forked_publisher
+
+    def stolen(publisher: Any, parts: Any) -> None:
+        start(publisher, parts)
+        lease = publisher.lease
+        with lease.db.begin() as conn:
+            conn.execute(
+                sa.update(schema.shard)
+                .where(schema.shard.c.id == lease.shard_id)
+                .values(worker_id="thief", lease_token="stolen")
+            )
+
+    monkeypatch.setattr(pipeline, "_start_forked_publisher", stolen)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    window = _run_forked(db, store, client, "f1")
+    assert window.report.status == "LEASE_LOST"
+    assert window.watermark_after == Watermark(T0)
+    assert len(_published(db)) < 42
+    (shard,) = list_shards(db, window.batch.batch_id)
+    assert shard.status == "RUNNING" and shard.worker_id == "thief"
