@@ -434,9 +434,12 @@ def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
     assert forked == [8]  # 9 chunks of 5: 8 in the processes, the last one here
     o = schema.outbox.c
     with db.engine.connect() as conn:
-        events = dict(
-            conn.execute(sa.select(o.event_type, sa.func.count()).group_by(o.event_type)).all()
-        )
+        events: dict[str, int] = {
+            str(t): int(n)
+            for t, n in conn.execute(
+                sa.select(o.event_type, sa.func.count()).group_by(o.event_type)
+            ).all()
+        }
     assert events["HotelResourceUpdated"] == 42
     # A second window: half the hotels changed, the overlap re-reads the rest as no-ops.
     for n in range(1, 43, 2):
