@@ -350,8 +350,11 @@ class ShardLease:
     def fence(self, conn: Connection, stage: str, message: str = "") -> None:
         """A fenced heartbeat inside the caller's transaction.
 
-        Every write transaction of a shard's work calls this first: if the lease is lost the
-        transaction fails with :class:`LeaseLost` and its writes roll back with it.
+        Every write transaction of a shard's work calls this: if the lease is lost the
+        transaction fails with :class:`LeaseLost` and its writes roll back with it. A bulk
+        transaction calls it last, as :meth:`finish_in` does: on InnoDB the shard's row is
+        then locked only until the commit, so several processes publishing one shard's
+        chunks do not queue on it.
         """
         self._fenced(
             conn,

@@ -1304,18 +1304,23 @@ class _LeasePublisher:
                 )
                 items, plan = self._plan(diffs, cands, rows)
                 return self._write(conn, items, plan, then, at, diffs_current=True)
+        # Each transaction is fenced at its end, like a shard's finish: a lost lease still
+        # rolls all of it back, and the shard's row is locked (InnoDB) only from the fence
+        # to the commit, so processes publishing chunks of one shard (an incremental
+        # window's) write at once instead of queueing on that row.
         with db.begin() as conn:
-            lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
             maps = self._mappings(conn, cands, db.clock.read(conn))
+            lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
         with db.engine.connect() as conn:
             diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
         items, plan = self._plan(diffs, cands, rows)
         with db.begin() as conn:
-            if then is None:
-                lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
-            else:
+            if then is not None:
                 lease.ensure_held()
-            return self._write(conn, items, plan, then, db.clock.read(conn))
+                return self._write(conn, items, plan, then, db.clock.read(conn))
+            done = self._write(conn, items, plan, None, db.clock.read(conn))
+            lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
+            return done
 
     def _mappings(self, conn: Connection, cands: list[Candidate], at: datetime) -> HotelMappings:
         return ensure_hotel_mappings(
