@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -79,6 +78,7 @@ from supplier_sync_dagster.core.pipeline import (
     FetchedPage,
     SyncSettings,
     sync_city,
+    usable_cpus,
 )
 from supplier_sync_dagster.core.replay import CITIES, stored_city_countries
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
@@ -701,7 +701,7 @@ def run_incremental(
         # A day's changes of a large supplier publish from memory, not read back, and on
         # every CPU: a window is one shard, where a full sync has a city per process.
         memory_hotels=max(settings.memory_hotels, WINDOW_MEMORY_HOTELS),
-        publish_processes=settings.publish_processes or _cpus(),
+        publish_processes=settings.publish_processes or usable_cpus(),
     )
     report = sync_city(
         db,
@@ -731,13 +731,6 @@ def run_incremental(
         quiet_for=quiet,
         quiet_alert=quiet >= thresholds.quiet_windows,
     )
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def published_cities(conn: Connection, batch_id: str) -> dict[str, int]:

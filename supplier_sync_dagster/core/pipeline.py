@@ -37,6 +37,7 @@ import hashlib
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -161,6 +162,13 @@ def prepare_process() -> None:
         gc.freeze()
         gen0, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 GC_INTERVAL_SECONDS = 2.0

@@ -65,6 +65,7 @@ from supplier_sync_dagster.core.pipeline import (
     largest_first,
     prepare_process,
     sync_city,
+    usable_cpus,
 )
 from supplier_sync_dagster.core.processes import make_worker_id
 from supplier_sync_dagster.core.replay import (
@@ -341,8 +342,7 @@ def auto_processes(request: RunRequest, plan: RunPlan) -> int:
     hotels = sum(plan.sizes.get(c, 0) for c in plan.cities)
     if hotels < AUTO_PROCESSES_MIN_HOTELS or len(plan.cities) < 2:
         return 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    wanted = (cpus or 1) + OVERSUBSCRIBE_PROCESSES
+    wanted = usable_cpus() + OVERSUBSCRIBE_PROCESSES
     return max(0, min(wanted, MAX_AUTO_PROCESSES, len(plan.cities)))
 
 

@@ -474,7 +474,9 @@ class Simulator:
                         {
                             "city_code": city.code,
                             "page": 1,
-                            "page_size": DEFAULT_PAGE_SIZE,
+                            "page_size": _parse_int(
+                                params, "page_size", DEFAULT_PAGE_SIZE, 1, MAX_PAGE_SIZE
+                            ),
                             "total": 0,
                             "total_pages": 0,
                             "next_cursor": None,

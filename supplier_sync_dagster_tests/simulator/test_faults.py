@@ -109,12 +109,13 @@ def test_an_emptied_city_answers_an_empty_page_and_a_failing_city_503() -> None:
     sim = make_sim(FaultProfile(emptied_city_codes=(codes[0],), failing_city_codes=(codes[1],)))
     with sim.client() as c:
         listed = [x["city_code"] for x in c.get("/v1/cities").json()["cities"]]
-        emptied = c.get(hotels_url(codes[0]))
+        emptied = c.get(hotels_url(codes[0]), params={"page_size": 7})
         failing = c.get(hotels_url(codes[1]))
         other = c.get(hotels_url(codes[2]))
     assert {codes[0], codes[1]} <= set(listed)
     body = emptied.json()
     assert emptied.status_code == 200 and body["hotels"] == [] and body["total"] == 0
+    assert body["page_size"] == 7
     assert body["next_cursor"] is None
     assert failing.status_code == 503 and failing.json()["error"]["code"] == "UNAVAILABLE"
     assert other.status_code == 200 and other.json()["hotels"]
