@@ -1,7 +1,9 @@
 """A thin ASGI application around ``Simulator.dispatch``, for uvicorn.
 
-It passes the raw request path (``scope["raw_path"]``) to the core, so percent-encoded
-slashes and dots in city codes survive exactly (see ``paths``). The core runs in a worker
+It serves anything with that ``dispatch`` signature (a ``Dispatcher``): one ``Simulator``, or
+a ``SimulatorFleet`` of several suppliers. It passes the raw request path
+(``scope["raw_path"]``) to the core, so percent-encoded slashes and dots in city codes survive
+exactly (see ``paths``). The core runs in a worker
 thread so that generating a big city never stalls the event loop; slow faults sleep with
 ``asyncio.sleep`` and hold no thread.
 """
@@ -9,11 +11,14 @@ thread so that generating a big city never stalls the event loop; slow faults sl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 from urllib.parse import quote
 
-from supplier_sync_dagster.simulator.core import Simulator
+import httpx
+
+from supplier_sync_dagster.simulator.core import SimResponse
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -21,14 +26,60 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-class SimulatorApp:
-    """ASGI 3 application serving one ``Simulator``."""
+class Dispatcher(Protocol):
+    """Anything that answers a request from its raw parts, as ``Simulator.dispatch`` does."""
 
-    def __init__(self, sim: Simulator) -> None:
-        """Wrap a simulator.
+    def dispatch(
+        self,
+        method: str,
+        raw_path: bytes,
+        query: bytes,
+        headers: Mapping[str, str],
+        body: bytes,
+    ) -> SimResponse:
+        """Answer one request.
 
         Args:
-            sim: the simulator to serve.
+            method: HTTP method.
+            raw_path: the path exactly as on the wire (still percent-encoded), no query.
+            query: the raw query string.
+            headers: request headers with lower-case names.
+            body: the request body.
+        """
+        ...
+
+
+def handle_httpx(target: Dispatcher, request: httpx.Request) -> httpx.Response:
+    """Answer an ``httpx`` request in-process with ``target`` (sleeping for the slow fault).
+
+    Args:
+        target: what answers (``httpx.MockTransport(lambda r: handle_httpx(target, r))``).
+        request: the request.
+
+    Returns:
+        The response, exactly as the ASGI app would send it.
+    """
+    raw_path, _, query = request.url.raw_path.partition(b"?")
+    resp = target.dispatch(
+        request.method,
+        raw_path,
+        query,
+        {k.lower(): v for k, v in request.headers.items()},
+        request.read(),
+    )
+    if resp.delay:
+        time.sleep(resp.delay)
+    return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
+
+
+class SimulatorApp:
+    """ASGI 3 application serving one ``Dispatcher`` (a simulator or a fleet)."""
+
+    def __init__(self, sim: Dispatcher) -> None:
+        """Wrap a simulator or a fleet.
+
+        Args:
+            sim: what answers the requests (its ``dispatch`` runs in a worker thread).
         """
         self.sim = sim
 
@@ -76,6 +127,6 @@ class SimulatorApp:
         await send({"type": "http.response.body", "body": resp.body})
 
 
-def create_app(sim: Simulator) -> SimulatorApp:
-    """The ASGI application for ``sim``."""
+def create_app(sim: Dispatcher) -> SimulatorApp:
+    """The ASGI application for ``sim`` (a ``Simulator`` or a ``SimulatorFleet``)."""
     return SimulatorApp(sim)

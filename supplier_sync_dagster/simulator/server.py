@@ -1,4 +1,9 @@
-"""Run the simulator as a real HTTP server: blocking (CLI) or in a background thread (tests)."""
+"""Run the simulator as a real HTTP server: blocking (CLI) or in a background thread (tests).
+
+Both forms serve anything with ``Simulator.dispatch``'s signature (``app.Dispatcher``): one
+``Simulator`` (``serve``, ``running_server``) or a ``SimulatorFleet`` of several suppliers
+(``serve_fleet``, ``running_fleet_server``).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from supplier_sync_dagster.simulator.app import create_app
+from supplier_sync_dagster.simulator.app import Dispatcher, create_app
 from supplier_sync_dagster.simulator.config import SimulatorConfig
 from supplier_sync_dagster.simulator.core import Simulator
+from supplier_sync_dagster.simulator.fleet import SimulatorFleet
 
 
 def serve(
@@ -30,19 +36,47 @@ def serve(
         log_level: uvicorn's log level.
     """
     sim = config if isinstance(config, Simulator) else Simulator(config)
+    _serve_forever(sim, host, port, log_level)
+
+
+def serve_fleet(
+    fleet: SimulatorFleet,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    log_level: str = "info",
+) -> None:
+    """Serve a fleet of suppliers with uvicorn until interrupted (for a CLI).
+
+    Supplier ``s`` answers at ``http://{host}:{port}/s/v1/...``; see ``fleet``.
+
+    Args:
+        fleet: the fleet to serve.
+        host: interface to bind.
+        port: TCP port to bind.
+        log_level: uvicorn's log level.
+    """
+    _serve_forever(fleet, host, port, log_level)
+
+
+def _serve_forever(target: Dispatcher, host: str, port: int, log_level: str) -> None:
     uvicorn.run(
-        create_app(sim), host=host, port=port, log_level=log_level, lifespan="off", access_log=False
+        create_app(target),
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        access_log=False,
     )
 
 
 @contextlib.contextmanager
 def running_server(
-    sim: Simulator, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 10.0
+    sim: Dispatcher, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 10.0
 ) -> Iterator[str]:
     """Serve ``sim`` over real HTTP in a background thread while the block runs.
 
     Args:
-        sim: the simulator to serve.
+        sim: what to serve: a ``Simulator``, or anything with its ``dispatch`` (a fleet).
         host: interface to bind (an IP address).
         port: TCP port; 0 picks a free one.
         startup_timeout: seconds to wait for the server to accept connections.
@@ -82,3 +116,25 @@ def running_server(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def running_fleet_server(
+    fleet: SimulatorFleet, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 10.0
+) -> contextlib.AbstractContextManager[str]:
+    """Serve a fleet over real HTTP in a background thread while the ``with`` block runs.
+
+    Example:
+        >>> with running_fleet_server(fleet) as url:  # doctest: +SKIP
+        ...     httpx.get(f"{url}/acme/v1/cities", headers={"X-Api-Key": "acme-basic"})
+
+    Args:
+        fleet: the fleet to serve.
+        host: interface to bind (an IP address).
+        port: TCP port; 0 picks a free one.
+        startup_timeout: seconds to wait for the server to accept connections.
+
+    Returns:
+        A context manager yielding the server's base URL (``http://127.0.0.1:54321``);
+        supplier ``s``'s base URL is that plus ``/s``.
+    """
+    return running_server(fleet, host=host, port=port, startup_timeout=startup_timeout)
