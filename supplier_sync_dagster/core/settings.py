@@ -74,6 +74,11 @@ class StorageSettings(BaseSettings):
 class Settings(StorageSettings):
     """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
 
+    suppliers_file: Path | None = Field(
+        default=None,
+        description="a suppliers.yaml describing several suppliers and accounts (README, "
+        '"Many suppliers, many accounts"); unset: one account, from the supplier_* settings',
+    )
     supplier_url: str | None = Field(
         default=None,
         description="the supplier's API base URL; unset: the in-process simulator",

@@ -24,6 +24,7 @@ already published are not synced again, failed cities resume from their checkpoi
 gate override recorded for the batch applies.
 """
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -54,7 +55,8 @@ from supplier_sync_dagster.core.run import (
     run_cities,
 )
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.defs.partitions import city_partitions, decode_city_key, encode_city_key
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -67,8 +69,8 @@ TRIGGER_TAG = "supplier_sync/trigger_id"
 SOURCE_TAG = "supplier_sync/trigger_source"
 ROOT_BACKFILL_TAG = "dagster/root_backfill_id"
 BACKFILL_TAG = "dagster/backfill"
-GROUP = "supplier_sync"
 
+GROUP = DEFAULT_SCOPE.group
 RAW = dg.AssetKey("raw_hotel_snapshots")
 NORMALIZED = dg.AssetKey("normalized_hotels")
 MAPPINGS = dg.AssetKey("hotel_mappings")
@@ -84,12 +86,15 @@ STAGE_ASSETS: dict[Stage, tuple[dg.AssetKey, ...]] = {
 _SOURCES: tuple[TriggerSource, ...] = ("CRON", "MANUAL", "COMPENSATION", "SENSOR", "BACKFILL")
 
 
-def _specs() -> list[dg.AssetSpec]:
+def _specs(scope: AccountScope) -> list[dg.AssetSpec]:
     # Built in a function: the defs loader collects module-level AssetSpecs as assets.
+    raw, normalized, mappings, diffs, published = (
+        scope.key(k.path[-1]) for k in (RAW, NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)
+    )
     return [
         dg.AssetSpec(
-            RAW,
-            group_name=GROUP,
+            raw,
+            group_name=scope.group,
             skippable=True,
             description=(
                 "Each supplier page's exact bytes, gzip in the payload store, with a RAW "
@@ -97,9 +102,9 @@ def _specs() -> list[dg.AssetSpec]:
             ),
         ),
         dg.AssetSpec(
-            NORMALIZED,
-            deps=[RAW],
-            group_name=GROUP,
+            normalized,
+            deps=[raw],
+            group_name=scope.group,
             skippable=True,
             description=(
                 "Supplier records turned into the platform model (trimmed text, ISO country and "
@@ -108,9 +113,9 @@ def _specs() -> list[dg.AssetSpec]:
             ),
         ),
         dg.AssetSpec(
-            MAPPINGS,
-            deps=[NORMALIZED],
-            group_name=GROUP,
+            mappings,
+            deps=[normalized],
+            group_name=scope.group,
             skippable=True,
             description=(
                 "(supplier, hotel) → platform resource id and (hotel, room, rate plan) → offer id, "
@@ -118,16 +123,16 @@ def _specs() -> list[dg.AssetSpec]:
             ),
         ),
         dg.AssetSpec(
-            DIFFS,
-            deps=[MAPPINGS],
-            group_name=GROUP,
+            diffs,
+            deps=[mappings],
+            group_name=scope.group,
             skippable=True,
             description="Field-level diffs against the published hotels, with risk and action (supplier_sync_diff_log).",
         ),
         dg.AssetSpec(
-            PUBLISHED,
-            deps=[DIFFS],
-            group_name=GROUP,
+            published,
+            deps=[diffs],
+            group_name=scope.group,
             skippable=True,
             description=(
                 "Platform hotels and offers, version-guarded (an older supplier version never "
@@ -153,7 +158,7 @@ _CHECK_DESCRIPTIONS = {
 }
 
 
-def _check_specs() -> list[dg.AssetCheckSpec]:
+def _check_specs(scope: AccountScope) -> list[dg.AssetCheckSpec]:
     with warnings.catch_warnings():
         # Partitioned checks are a preview in Dagster 1.13; they are what shows a gate's
         # result on the city it judged.
@@ -162,10 +167,10 @@ def _check_specs() -> list[dg.AssetCheckSpec]:
             *(
                 dg.AssetCheckSpec(
                     name,
-                    asset=NORMALIZED,
+                    asset=scope.key(NORMALIZED.path[-1]),
                     blocking=True,
                     description=_CHECK_DESCRIPTIONS[name],
-                    partitions_def=city_partitions,
+                    partitions_def=scope.partitions,
                 )
                 for name in CHECK_NAMES
             ),
@@ -173,10 +178,10 @@ def _check_specs() -> list[dg.AssetCheckSpec]:
             # city's freshness is about the syncs that did not happen.
             dg.AssetCheckSpec(
                 FRESHNESS_CHECK,
-                asset=PUBLISHED,
+                asset=scope.key(PUBLISHED.path[-1]),
                 description="The city was synced successfully within the task's freshness "
                 "SLA (alert threshold freshness_sla_hours); reported by sync_health.",
-                partitions_def=city_partitions,
+                partitions_def=scope.partitions,
             ),
         ]
 
@@ -219,23 +224,45 @@ def _root_of(context: dg.AssetExecutionContext) -> tuple[Mapping[str, str], str]
     return (dict(root.tags), root.run_id) if root is not None else None
 
 
-@dg.multi_asset(
-    specs=_specs(),
-    check_specs=_check_specs(),
-    partitions_def=city_partitions,
-    backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
-    pool="supplier_api",
-    name="city_sync",
-    can_subset=True,
-    description=(
-        "Syncs the run's cities from the supplier to the platform catalog, stage by stage; "
-        "each city's partitions are marked with that city's own outcome. Materializing "
-        "normalized_hotels and downstream without raw_hotel_snapshots replays each city's "
-        "latest stored raw pages without calling the supplier."
-    ),
-)
-def city_sync(
+@functools.cache
+def build_city_sync(scope: AccountScope) -> dg.AssetsDefinition:
+    """The account's city sync: one multi-asset over its five stages and its city partitions."""
+
+    @dg.multi_asset(
+        specs=_specs(scope),
+        check_specs=_check_specs(scope),
+        partitions_def=scope.partitions,
+        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
+        pool="supplier_api",
+        name=scope.name("city_sync"),
+        can_subset=True,
+        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        description=(
+            "Syncs the run's cities from the supplier to the platform catalog, stage by stage; "
+            "each city's partitions are marked with that city's own outcome. Materializing "
+            "normalized_hotels and downstream without raw_hotel_snapshots replays each city's "
+            "latest stored raw pages without calling the supplier."
+        ),
+    )
+    def city_sync(
+        context: dg.AssetExecutionContext,
+    ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+        yield from _sync_cities(
+            context,
+            scope,
+            sync_db=context.resources.sync_db,
+            payloads=context.resources.payloads,
+            supplier=getattr(context.resources, scope.supplier_key),
+            governance=context.resources.governance,
+        )
+
+    return city_sync
+
+
+def _sync_cities(
     context: dg.AssetExecutionContext,
+    scope: AccountScope,
+    *,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
@@ -249,7 +276,8 @@ def city_sync(
         trigger_id=trigger_id,
         source=source,
         cities=[decode_city_key(k) for k in context.partition_keys],
-        replay=NORMALIZED in selected and RAW not in selected,
+        replay=scope.key(NORMALIZED.path[-1]) in selected
+        and scope.key(RAW.path[-1]) not in selected,
         threads=supplier.city_threads,
         processes=supplier.worker_processes,
         help_other_runs=supplier.help_other_runs,
@@ -311,7 +339,10 @@ def city_sync(
                         outcome,
                         plan.batch.batch_id,
                         selected,
-                        target=lambda partition: _latest(context.instance, NORMALIZED, partition),
+                        scope=scope,
+                        target=lambda partition: _latest(
+                            context.instance, scope.key(NORMALIZED.path[-1]), partition
+                        ),
                         reported=lambda key, partition: _reported(
                             context.instance, key, partition, plan.batch.batch_id
                         ),
@@ -352,6 +383,15 @@ def city_sync(
                 "cities_without_raw_pages": dg.MetadataValue.json(unreplayed),
             },
         )
+
+
+city_sync = build_city_sync(DEFAULT_SCOPE)
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Every account's city sync."""
+    return per_account(lambda scope: dg.Definitions(assets=[build_city_sync(scope)]))
 
 
 def _worker_io(
@@ -398,6 +438,7 @@ def city_events(
     *,
     target: Callable[[str], TargetMaterialization | None] = lambda _: None,
     reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
     """The Dagster events of one city's outcome, for its partition only.
 
@@ -421,16 +462,17 @@ def city_events(
     metadata = city_metadata(outcome, batch_id)
     earlier = outcome.status == "ALREADY_DONE"
     for stage in outcome.report.stages_done:
-        for key in STAGE_ASSETS[stage]:
+        for plain in STAGE_ASSETS[stage]:
+            key = scope.key(plain.path[-1])
             if key in selected and not (earlier and reported(key, partition)):
-                yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[key])
+                yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
     # The gates run whenever a city is normalized or published, selected or not (a
     # backfill's re-execution of a gated city asks for its downstream assets only, and its
     # overridden gate passes then): every result is reported on the city's partition.
     judged = target(partition) if outcome.checks else None
     for result in outcome.checks:
         yield dg.AssetCheckEvaluation(
-            asset_key=NORMALIZED,
+            asset_key=scope.key(NORMALIZED.path[-1]),
             check_name=result.check_name,
             passed=result.passed,
             severity=(

@@ -14,6 +14,7 @@ open one and the **fix rate** (resolved ÷ created over 24 h and 7 d) as numeric
 that the UI plots them; ``dead_letter_summary_schedule`` materializes it every 15 minutes.
 """
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
 from supplier_sync_dagster.core.incremental import published_cities
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_sync import (
     GROUP,
     PUBLISHED,
@@ -41,9 +43,9 @@ from supplier_sync_dagster.defs.city_sync import (
     TRIGGER_TAG,
     trigger_of,
 )
-from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
+from supplier_sync_dagster.defs.full_sync_schedule import build_full_sync_job
 from supplier_sync_dagster.defs.incremental_sync import TASK_TAG
-from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -65,9 +67,12 @@ _ACTIVE = [
 class CompensationConfig(dg.Config):
     """How a compensation run takes its dead letters (the launchpad's form)."""
 
-    task_code: str = Field(
-        default=DEFAULT_COMPENSATION_TASK,
-        description="The compensation task: its batches and its one-run-at-a-time policy.",
+    task_code: str | None = Field(
+        default=None,
+        description=(
+            "The compensation task: its batches and its one-run-at-a-time policy. Unset: the "
+            f"account's ({DEFAULT_COMPENSATION_TASK} without a suppliers file)."
+        ),
     )
     limit: int = Field(default=DEFAULT_LIMIT, description="Due dead letters taken per run.")
     page_hotels: int = Field(
@@ -96,19 +101,42 @@ def compensation_metadata(out: CompensationReport, requests: int) -> dict[str, A
     }
 
 
-@dg.asset(
-    key=COMPENSATION,
-    group_name=GROUP,
-    pool="supplier_api",
-    description=(
-        "Due retryable dead letters healed without an operator: each hotel is re-fetched once "
-        "and goes through the sync's stages; a failed request backs off (1 min ... 12 h) and "
-        "goes to MANUAL_FIX past its retries."
-    ),
-)
-def dead_letter_compensation(
+@functools.cache
+def build_compensation(scope: AccountScope) -> dg.AssetsDefinition:
+    """The account's compensation asset: its supplier's due dead letters, re-fetched."""
+
+    @dg.asset(
+        key=scope.key(COMPENSATION.path[-1]),
+        group_name=scope.group,
+        pool="supplier_api",
+        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        description=(
+            "Due retryable dead letters healed without an operator: each hotel is re-fetched "
+            "once and goes through the sync's stages; a failed request backs off (1 min ... "
+            "12 h) and goes to MANUAL_FIX past its retries."
+        ),
+    )
+    def dead_letter_compensation(
+        context: dg.AssetExecutionContext, config: CompensationConfig
+    ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
+        yield from _compensate(
+            context,
+            config,
+            scope,
+            sync_db=context.resources.sync_db,
+            payloads=context.resources.payloads,
+            supplier=getattr(context.resources, scope.supplier_key),
+            governance=context.resources.governance,
+        )
+
+    return dead_letter_compensation
+
+
+def _compensate(
     context: dg.AssetExecutionContext,
     config: CompensationConfig,
+    scope: AccountScope,
+    *,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
@@ -135,7 +163,7 @@ def dead_letter_compensation(
                     client,
                     settings=settings,
                     compensation=CompensationSettings(
-                        task_code=config.task_code,
+                        task_code=config.task_code or scope.compensation_task_code,
                         full_task_code=supplier.task_code,
                         limit=config.limit,
                         page_hotels=config.page_hotels,
@@ -176,14 +204,14 @@ def dead_letter_compensation(
                 cities = published_cities(conn, out.batch.batch_id)
         finally:
             db.dispose()
-        known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
         new = [encode_city_key(c) for c in cities if encode_city_key(c) not in known]
         if new:
-            context.instance.add_dynamic_partitions(CITY_PARTITIONS, new)
+            context.instance.add_dynamic_partitions(scope.partitions_name, new)
         with one_event_transaction(context.instance):
             for city, published in cities.items():
                 yield dg.AssetMaterialization(
-                    PUBLISHED,
+                    scope.key(PUBLISHED.path[-1]),
                     partition=encode_city_key(city),
                     metadata={
                         "batch_id": out.batch.batch_id,
@@ -195,90 +223,114 @@ def dead_letter_compensation(
     yield dg.MaterializeResult(metadata=compensation_metadata(out, requests))
 
 
-dead_letter_compensation_job = dg.define_asset_job(
-    "compensate_dead_letters",
-    selection=dg.AssetSelection.assets(COMPENSATION),
-    tags={TASK_TAG: DEFAULT_COMPENSATION_TASK},
-    description="Re-fetch and re-publish the hotels of due retryable dead letters.",
-)
-
-
-@dg.schedule(
-    name="dead_letter_compensation_schedule",
-    job=dead_letter_compensation_job,
-    cron_schedule="*/5 * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Every 5 minutes, when a retryable dead letter is due and no run is active.",
-)
-def dead_letter_compensation_schedule(
-    context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
-) -> dg.RunRequest | dg.SkipReason:
-    """Requests a compensation when a row is due (or a claimed one waits); its tick time is
-    its trigger."""
-    db = sync_db.open()
-    try:
-        with db.engine.connect() as conn:
-            due = deadletters.due_for_retry(conn, db.clock, limit=1)
-            claimed = deadletters.list_dead_letters(
-                conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
-            )
-    finally:
-        db.dispose()
-    if not due and not claimed:
-        return dg.SkipReason("no retryable dead letter is due")
-    active = context.instance.get_runs(
-        filters=dg.RunsFilter(job_name=dead_letter_compensation_job.name, statuses=_ACTIVE),
-        limit=1,
-    )
-    if active:
-        return dg.SkipReason(f"run {active[0].run_id} of the previous compensation is active")
-    fired = (
-        context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "now"
-    )
-    trigger = f"compensate:{fired}"[:64]
-    return dg.RunRequest(
-        run_key=trigger,
-        tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION"},
+@functools.cache
+def build_compensation_job(scope: AccountScope) -> Any:
+    """The account's compensation job, tagged with its task (one run at a time)."""
+    return dg.define_asset_job(
+        scope.name("compensate_dead_letters"),
+        selection=dg.AssetSelection.assets(scope.key(COMPENSATION.path[-1])),
+        tags={TASK_TAG: scope.compensation_task_code, **scope.tags},
+        description="Re-fetch and re-publish the hotels of due retryable dead letters.",
     )
 
 
-@dg.asset_sensor(
-    asset_key=COMPENSATION,
-    job=full_sync_job,
-    name="dead_letter_city_resync_sensor",
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description=(
-        "After each compensation: one full-sync run per city whose CITY_FAILED ticket is "
-        "due, all of one trigger (one batch); the next compensation resolves the tickets of "
-        "the cities that synced."
-    ),
-)
-def dead_letter_city_resync_sensor(
-    context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
-) -> dg.SensorResult:
-    """Requests the re-sync of the cities the new compensation lists."""
-    m = asset_event.asset_materialization
-    value = m.metadata.get(RESYNC) if m is not None else None
-    data = value.value if value is not None else None
-    cities = [str(c) for c in data] if isinstance(data, list) else []
-    if not cities:
-        return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
-    trigger = f"resync:{asset_event.run_id}"[:64]
-    keys = [encode_city_key(c) for c in cities]
-    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
-    new = [k for k in keys if k not in known]
-    return dg.SensorResult(
-        run_requests=[
-            dg.RunRequest(
-                run_key=f"{trigger}:{key}",
-                partition_key=key,
-                tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION"},
-            )
-            for key in keys
-        ],
-        dynamic_partitions_requests=[city_partitions.build_add_request(new)] if new else [],
+@functools.cache
+def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
+    """The account's compensation schedule: every 5 minutes when one of its rows is due."""
+    job = build_compensation_job(scope)
+    supplier_id = None if scope.account is None else scope.account.supplier_id
+
+    @dg.schedule(
+        name=scope.name("dead_letter_compensation_schedule"),
+        job=job,
+        cron_schedule="*/5 * * * *",
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Every 5 minutes, when a retryable dead letter is due and no run is active.",
     )
+    def dead_letter_compensation_schedule(
+        context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
+    ) -> dg.RunRequest | dg.SkipReason:
+        """Requests a compensation when a row is due (or a claimed one waits); its tick time
+        is its trigger."""
+        db = sync_db.open()
+        try:
+            with db.engine.connect() as conn:
+                due = deadletters.due_for_retry(conn, db.clock, limit=1, supplier_id=supplier_id)
+                claimed = deadletters.list_dead_letters(
+                    conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
+                )
+        finally:
+            db.dispose()
+        if not due and not claimed:
+            return dg.SkipReason("no retryable dead letter is due")
+        active = context.instance.get_runs(
+            filters=dg.RunsFilter(job_name=job.name, statuses=_ACTIVE), limit=1
+        )
+        if active:
+            return dg.SkipReason(f"run {active[0].run_id} of the previous compensation is active")
+        fired = (
+            context.scheduled_execution_time.isoformat()
+            if context.scheduled_execution_time
+            else "now"
+        )
+        trigger = f"compensate:{fired}"[:64]
+        return dg.RunRequest(
+            run_key=trigger,
+            tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION", **scope.tags},
+        )
+
+    return dead_letter_compensation_schedule
+
+
+@functools.cache
+def build_city_resync_sensor(scope: AccountScope) -> dg.SensorDefinition:
+    """The account's re-sync sensor: its full sync of the cities its compensation lists."""
+
+    @dg.asset_sensor(
+        asset_key=scope.key(COMPENSATION.path[-1]),
+        job=build_full_sync_job(scope),
+        name=scope.name("dead_letter_city_resync_sensor"),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=(
+            "After each compensation: one full-sync run per city whose CITY_FAILED ticket is "
+            "due, all of one trigger (one batch); the next compensation resolves the tickets "
+            "of the cities that synced."
+        ),
+    )
+    def dead_letter_city_resync_sensor(
+        context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
+    ) -> dg.SensorResult:
+        """Requests the re-sync of the cities the new compensation lists."""
+        m = asset_event.asset_materialization
+        value = m.metadata.get(RESYNC) if m is not None else None
+        data = value.value if value is not None else None
+        cities = [str(c) for c in data] if isinstance(data, list) else []
+        if not cities:
+            return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
+        trigger = f"resync:{asset_event.run_id}"[:64]
+        keys = [encode_city_key(c) for c in cities]
+        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
+        new = [k for k in keys if k not in known]
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(
+                    run_key=f"{trigger}:{key}",
+                    partition_key=key,
+                    tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION", **scope.tags},
+                )
+                for key in keys
+            ],
+            dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],
+        )
+
+    return dead_letter_city_resync_sensor
+
+
+dead_letter_compensation = build_compensation(DEFAULT_SCOPE)
+dead_letter_compensation_job = build_compensation_job(DEFAULT_SCOPE)
+dead_letter_compensation_schedule = build_compensation_schedule(DEFAULT_SCOPE)
+dead_letter_city_resync_sensor = build_city_resync_sensor(DEFAULT_SCOPE)
 
 
 def summary_metadata(summary: deadletters.Summary) -> dict[str, Any]:
@@ -340,3 +392,25 @@ dead_letter_summary_schedule = dg.ScheduleDefinition(
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
 )
+
+
+def _build(scope: AccountScope) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[build_compensation(scope)],
+        jobs=[build_compensation_job(scope)],
+        schedules=[build_compensation_schedule(scope)],
+        sensors=[build_city_resync_sensor(scope)],
+    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Every account's compensation, and the one dead-letter summary of the deployment."""
+    return dg.Definitions.merge(
+        per_account(_build),
+        dg.Definitions(
+            assets=[dead_letter_summary],
+            jobs=[dead_letter_summary_job],
+            schedules=[dead_letter_summary_schedule],
+        ),
+    )

@@ -11,6 +11,7 @@
   failed run's link come from Dagster's own records.
 """
 
+import functools
 from typing import Any
 
 import dagster as dg
@@ -19,17 +20,19 @@ from supplier_sync_dagster.core import alerts
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.metrics import SyncHealth, sync_health
 from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.defs.accounts import (
+    DEFAULT_SCOPE,
+    AccountScope,
+    per_account,
+    with_resource_key,
+)
 from supplier_sync_dagster.defs.city_sync import (
     BACKFILL_TAG,
     FRESHNESS_CHECK,
-    GROUP,
     PUBLISHED,
     TRIGGER_TAG,
 )
-from supplier_sync_dagster.defs.partitions import (
-    CITY_PARTITIONS,
-    encode_city_key,
-)
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
 from supplier_sync_dagster.instance_storage import one_event_transaction
@@ -55,9 +58,11 @@ def _sla_hours(db: Any, task_code: str) -> float:
         return float(alerts.thresholds(conn, task_code)["freshness_sla_hours"])
 
 
-def _freshness(city: str, lag: float, sla: float) -> dg.AssetCheckEvaluation:
+def _freshness(
+    city: str, lag: float, sla: float, published: dg.AssetKey = PUBLISHED
+) -> dg.AssetCheckEvaluation:
     return dg.AssetCheckEvaluation(
-        asset_key=PUBLISHED,
+        asset_key=published,
         check_name=FRESHNESS_CHECK,
         passed=lag <= sla,
         severity=dg.AssetCheckSeverity.WARN,
@@ -67,17 +72,37 @@ def _freshness(city: str, lag: float, sla: float) -> dg.AssetCheckEvaluation:
     )
 
 
-@dg.asset(
-    key=HEALTH,
-    group_name=GROUP,
-    description=(
-        "The sync's health: success of batches and cities, bad records, missing fields, dead "
-        "letters and their fix rate, reviews, freshness, outbox lag, supplier requests, 429s "
-        "and retries, hotels/s. Also judges each city's freshness on published_hotels."
-    ),
-)
-def sync_health_asset(
-    context: dg.AssetExecutionContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
+@functools.cache
+def build_sync_health(scope: AccountScope) -> dg.AssetsDefinition:
+    """The account's health figures and its cities' freshness."""
+
+    @dg.asset(
+        key=scope.key(HEALTH.path[-1]),
+        group_name=scope.group,
+        required_resource_keys={"sync_db", scope.supplier_key},
+        description=(
+            "The sync's health: success of batches and cities, bad records, missing fields, "
+            "dead letters and their fix rate, reviews, freshness, outbox lag, supplier "
+            "requests, 429s and retries, hotels/s. Also judges each city's freshness on "
+            "published_hotels."
+        ),
+    )
+    def sync_health_asset(context: dg.AssetExecutionContext) -> Any:
+        yield from _health(
+            context,
+            scope,
+            context.resources.sync_db,
+            getattr(context.resources, scope.supplier_key),
+        )
+
+    return sync_health_asset
+
+
+def _health(
+    context: dg.AssetExecutionContext,
+    scope: AccountScope,
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
 ) -> Any:
     """Computes the figures (bounded queries) and each city's freshness."""
     db = sync_db.open()
@@ -86,12 +111,13 @@ def sync_health_asset(
         sla = _sla_hours(db, supplier.task_code)
     finally:
         db.dispose()
-    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
     cities = [(c, lag) for c, lag in health.city_lag_hours.items() if encode_city_key(c) in known]
+    published = scope.key(PUBLISHED.path[-1])
     for start in range(0, len(cities), EVENTS_PER_TRANSACTION):
         with one_event_transaction(context.instance):
             for city, lag in cities[start : start + EVENTS_PER_TRANSACTION]:
-                yield _freshness(city, lag, sla)
+                yield _freshness(city, lag, sla, published)
     stale = sum(1 for _, lag in cities if lag > sla)
     context.log.info(
         f"task {health.task_code}: {len(cities)} cities, {stale} over the {sla:g} h SLA; "
@@ -100,20 +126,28 @@ def sync_health_asset(
     yield dg.MaterializeResult(metadata={**health_metadata(health), "cities_over_sla": stale})
 
 
-sync_health_job = dg.define_asset_job(
-    "sync_health_job",
-    selection=dg.AssetSelection.assets(HEALTH),
-    description="Compute the sync's health figures and each city's freshness.",
-)
+@functools.cache
+def build_sync_health_job(scope: AccountScope) -> Any:
+    """The account's health job."""
+    return dg.define_asset_job(
+        scope.name("sync_health_job"),
+        selection=dg.AssetSelection.assets(scope.key(HEALTH.path[-1])),
+        tags=scope.tags,
+        description="Compute the sync's health figures and each city's freshness.",
+    )
 
-sync_health_schedule = dg.ScheduleDefinition(
-    name="sync_health_schedule",
-    job=sync_health_job,
-    cron_schedule="*/10 * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Every 10 minutes: the health figures, plotted over time, and city freshness.",
-)
+
+@functools.cache
+def build_sync_health_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
+    """The account's health schedule, every 10 minutes."""
+    return dg.ScheduleDefinition(
+        name=scope.name("sync_health_schedule"),
+        job=build_sync_health_job(scope),
+        cron_schedule="*/10 * * * *",
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Every 10 minutes: the health figures, plotted over time, and city freshness.",
+    )
 
 
 def alert_context(
@@ -121,6 +155,8 @@ def alert_context(
     db: SyncDatabase,
     task_code: str,
     failed_run_id: str | None = None,
+    *,
+    reconciliation: dg.AssetKey = RECONCILIATION,
 ) -> alerts.Context:
     """What Dagster's records add to an alert round: the latest reconciliation's remaining
     differences, and the run behind the task's latest failed batch (its link).
@@ -130,8 +166,9 @@ def alert_context(
         db: The sync database (the latest failed batch and its trigger).
         task_code: The task judged.
         failed_run_id: A run known to have failed (the run-failure sensor's), linked as is.
+        reconciliation: The task's account's reconciliation asset.
     """
-    latest = instance.fetch_materializations(RECONCILIATION, limit=1).records
+    latest = instance.fetch_materializations(reconciliation, limit=1).records
     remaining: int | None = None
     if latest:
         m = latest[0].asset_materialization
@@ -167,6 +204,7 @@ def run_alerts(
     supplier: SupplierResource,
     *,
     failed_run_id: str | None = None,
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> alerts.Round:
     """One alert round for the configured supplier's task (what both sensors do)."""
     settings = load_settings()
@@ -177,7 +215,13 @@ def run_alerts(
             db,
             channel,
             task_code=supplier.task_code,
-            context=alert_context(instance, db, supplier.task_code, failed_run_id),
+            context=alert_context(
+                instance,
+                db,
+                supplier.task_code,
+                failed_run_id,
+                reconciliation=scope.key(RECONCILIATION.path[-1]),
+            ),
             dagster_url=settings.dagster_url or "http://localhost:3000",
         )
     finally:
@@ -193,30 +237,69 @@ def _said(done: alerts.Round) -> str:
     )
 
 
-@dg.sensor(
-    name="alert_sensor",
-    minimum_interval_seconds=60,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description=(
-        "Each minute: judge the alert conditions, start or clear alerts (one message each), "
-        "and send what is due to the alert channel (a failing channel is retried later)."
-    ),
-)
-def alert_sensor(
-    context: dg.SensorEvaluationContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
-) -> dg.SkipReason:
-    """An alert round; it requests no run."""
-    return dg.SkipReason(_said(run_alerts(context.instance, sync_db, supplier)))
+@functools.cache
+def build_alert_sensors(scope: AccountScope) -> tuple[dg.SensorDefinition, dg.SensorDefinition]:
+    """The account's alert sensor (each minute) and its run-failure sensor."""
+
+    @dg.sensor(
+        name=scope.name("alert_sensor"),
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=(
+            "Each minute: judge the alert conditions, start or clear alerts (one message "
+            "each), and send what is due to the alert channel (a failing channel is retried "
+            "later)."
+        ),
+    )
+    @functools.partial(with_resource_key, param="supplier", key=scope.supplier_key)
+    def alert_sensor(
+        context: dg.SensorEvaluationContext,
+        sync_db: SyncDatabaseResource,
+        supplier: SupplierResource,
+    ) -> dg.SkipReason:
+        """An alert round; it requests no run."""
+        return dg.SkipReason(_said(run_alerts(context.instance, sync_db, supplier, scope=scope)))
+
+    @dg.run_failure_sensor(
+        name=scope.name("alert_on_run_failure"),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="When a run fails: an alert round at once, linking the failed run.",
+    )
+    @functools.partial(with_resource_key, param="supplier", key=scope.supplier_key)
+    def alert_on_run_failure(
+        context: dg.RunFailureSensorContext,
+        sync_db: SyncDatabaseResource,
+        supplier: SupplierResource,
+    ) -> None:
+        """An alert round with the failed run's link."""
+        done = run_alerts(
+            context.instance,
+            sync_db,
+            supplier,
+            failed_run_id=context.dagster_run.run_id,
+            scope=scope,
+        )
+        context.log.info(_said(done))
+
+    return alert_sensor, alert_on_run_failure
 
 
-@dg.run_failure_sensor(
-    name="alert_on_run_failure",
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description="When a run fails: an alert round at once, linking the failed run.",
-)
-def alert_on_run_failure(
-    context: dg.RunFailureSensorContext, sync_db: SyncDatabaseResource, supplier: SupplierResource
-) -> None:
-    """An alert round with the failed run's link."""
-    done = run_alerts(context.instance, sync_db, supplier, failed_run_id=context.dagster_run.run_id)
-    context.log.info(_said(done))
+sync_health_asset = build_sync_health(DEFAULT_SCOPE)
+sync_health_job = build_sync_health_job(DEFAULT_SCOPE)
+sync_health_schedule = build_sync_health_schedule(DEFAULT_SCOPE)
+alert_sensor, alert_on_run_failure = build_alert_sensors(DEFAULT_SCOPE)
+
+
+def _build(scope: AccountScope) -> dg.Definitions:
+    return dg.Definitions(
+        assets=[build_sync_health(scope)],
+        jobs=[build_sync_health_job(scope)],
+        schedules=[build_sync_health_schedule(scope)],
+        sensors=list(build_alert_sensors(scope)),
+    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Every account's health asset, its schedule and its alert sensors."""
+    return per_account(_build)

@@ -15,6 +15,7 @@ SKIP_IF_RUNNING policy refuses a second one in the database as well, and runs ca
 task's tag, which ``dagster.yaml`` limits to one run per value).
 """
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,14 +35,14 @@ from supplier_sync_dagster.core.incremental import (
 )
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_sync import (
-    GROUP,
     PUBLISHED,
     SOURCE_TAG,
     TRIGGER_TAG,
     trigger_of,
 )
-from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -61,9 +62,12 @@ STAGES = ("fetch", "normalize", "publish")
 class IncrementalConfig(dg.Config):
     """How a run reads the change feed (the launchpad's form)."""
 
-    task_code: str = Field(
-        default=DEFAULT_INCREMENTAL_TASK,
-        description="The incremental task: its batches, watermark and thresholds.",
+    task_code: str | None = Field(
+        default=None,
+        description=(
+            "The incremental task: its batches, watermark and thresholds. Unset: the "
+            f"account's ({DEFAULT_INCREMENTAL_TASK} without a suppliers file)."
+        ),
     )
     overlap_seconds: float = Field(
         default=DEFAULT_OVERLAP_SECONDS,
@@ -78,37 +82,63 @@ class IncrementalConfig(dg.Config):
     )
 
 
-@dg.asset(
-    key=CHANGE_FEED,
-    group_name=GROUP,
-    pool="supplier_api",
-    check_specs=[
-        dg.AssetCheckSpec(
-            VOLUME_CHECK,
-            asset=CHANGE_FEED,
-            description=(
-                "The window's changes stay within the task's max_volume_factor of the trailing "
-                "median of its windows; beyond it every diff is held for review."
+@functools.cache
+def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
+    """The account's change-feed asset and its two checks."""
+    key = scope.key(CHANGE_FEED.path[-1])
+
+    @dg.asset(
+        key=key,
+        group_name=scope.group,
+        pool="supplier_api",
+        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        check_specs=[
+            dg.AssetCheckSpec(
+                VOLUME_CHECK,
+                asset=key,
+                description=(
+                    "The window's changes stay within the task's max_volume_factor of the "
+                    "trailing median of its windows; beyond it every diff is held for review."
+                ),
             ),
-        ),
-        dg.AssetCheckSpec(
-            QUIET_CHECK,
-            asset=CHANGE_FEED,
-            description=(
-                "The feed has not been silent for the task's quiet_windows windows in a row "
-                "(a supplier that stops reporting changes is more often broken than idle)."
+            dg.AssetCheckSpec(
+                QUIET_CHECK,
+                asset=key,
+                description=(
+                    "The feed has not been silent for the task's quiet_windows windows in a "
+                    "row (a supplier that stops reporting changes is more often broken than "
+                    "idle)."
+                ),
             ),
+        ],
+        description=(
+            "One window of the supplier's change feed, from the task's watermark minus the "
+            "overlap until caught up, through the same stages as a full sync; the watermark "
+            "moves with the window's last publish. Each city it published in is reported on "
+            "published_hotels."
         ),
-    ],
-    description=(
-        "One window of the supplier's change feed, from the task's watermark minus the overlap "
-        "until caught up, through the same stages as a full sync; the watermark moves with the "
-        "window's last publish. Each city it published in is reported on published_hotels."
-    ),
-)
-def hotel_change_feed(
+    )
+    def hotel_change_feed(
+        context: dg.AssetExecutionContext, config: IncrementalConfig
+    ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
+        yield from _run_window(
+            context,
+            config,
+            scope,
+            sync_db=context.resources.sync_db,
+            payloads=context.resources.payloads,
+            supplier=getattr(context.resources, scope.supplier_key),
+            governance=context.resources.governance,
+        )
+
+    return hotel_change_feed
+
+
+def _run_window(
     context: dg.AssetExecutionContext,
     config: IncrementalConfig,
+    scope: AccountScope,
+    *,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
@@ -124,7 +154,7 @@ def hotel_change_feed(
         risk_policy=governance.risk_rules(),
     )
     incremental = IncrementalSettings(
-        task_code=config.task_code,
+        task_code=config.task_code or scope.incremental_task_code,
         full_task_code=supplier.task_code,
         overlap_seconds=config.overlap_seconds,
         limit=config.changes_per_request,
@@ -170,17 +200,18 @@ def hotel_change_feed(
             metadata={"batch_id": window.batch.batch_id, "status": r.status},
             allow_retries=False,
         )
-    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
+    known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
     new = [encode_city_key(c) for c in window.cities if encode_city_key(c) not in known]
     if new:
-        context.instance.add_dynamic_partitions(CITY_PARTITIONS, new)
+        context.instance.add_dynamic_partitions(scope.partitions_name, new)
+    published_key = scope.key(PUBLISHED.path[-1])
     touched = list(window.cities.items())
     for start in range(0, len(touched), EVENTS_PER_TRANSACTION):
         # A day's window touches most cities: their events share a few commits.
         with one_event_transaction(context.instance):
             for city, published in touched[start : start + EVENTS_PER_TRANSACTION]:
                 yield dg.AssetMaterialization(
-                    PUBLISHED,
+                    published_key,
                     partition=encode_city_key(city),
                     metadata={
                         "batch_id": window.batch.batch_id,
@@ -244,60 +275,101 @@ def _text(mark: object) -> str:
     return text() if callable(text) else ""
 
 
-incremental_sync_job = dg.define_asset_job(
-    "incremental_sync",
-    selection=dg.AssetSelection.assets(CHANGE_FEED),
-    tags={TASK_TAG: DEFAULT_INCREMENTAL_TASK},
-    description="One window of the supplier's change feed, from the watermark until caught up.",
-)
+@functools.cache
+def build_incremental_sync_job(scope: AccountScope) -> Any:
+    """The account's incremental job: one window, tagged with its task (one at a time)."""
+    return dg.define_asset_job(
+        scope.name("incremental_sync"),
+        selection=dg.AssetSelection.assets(scope.key(CHANGE_FEED.path[-1])),
+        tags={TASK_TAG: scope.incremental_task_code, **scope.tags},
+        description="One window of the supplier's change feed, from the watermark until caught up.",
+    )
 
 
-@dg.schedule(
-    name="incremental_sync_schedule",
-    job=incremental_sync_job,
-    cron_schedule="*/5 * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description=(
-        "Every 5 minutes: one incremental window, unless the previous one is still queued or "
-        "running (one window per task at a time)."
-    ),
-)
-def incremental_sync_schedule(
-    context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
-) -> dg.RunRequest | dg.SkipReason:
-    """Requests a window unless one is queued or running, or there is nothing to be
-    incremental to yet (no full sync); its tick time is its trigger."""
-    db = sync_db.open()
-    try:
-        ready = has_baseline(db, IncrementalSettings())
-    finally:
-        db.dispose()
-    if not ready:
-        return dg.SkipReason("no watermark and no successful full sync yet: nothing to start from")
-    active = context.instance.get_runs(
-        filters=dg.RunsFilter(
-            job_name=incremental_sync_job.name,
-            statuses=[
-                dg.DagsterRunStatus.QUEUED,
-                dg.DagsterRunStatus.NOT_STARTED,
-                dg.DagsterRunStatus.STARTING,
-                dg.DagsterRunStatus.STARTED,
-            ],
+@functools.cache
+def build_incremental_sync_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
+    """The account's window schedule (its ``schedules.incremental``; every 5 minutes)."""
+    job = build_incremental_sync_job(scope)
+    cron = "*/5 * * * *" if scope.account is None else scope.account.schedules.incremental
+
+    @dg.schedule(
+        name=scope.name("incremental_sync_schedule"),
+        job=job,
+        cron_schedule=cron or "*/5 * * * *",
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description=(
+            f"On {cron}: one incremental window, unless the previous one is still queued or "
+            "running (one window per task at a time)."
         ),
-        limit=1,
     )
-    if active:
-        return dg.SkipReason(f"run {active[0].run_id} of the previous window is still active")
-    fired = (
-        context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "now"
+    def incremental_sync_schedule(
+        context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
+    ) -> dg.RunRequest | dg.SkipReason:
+        """Requests a window unless one is queued or running, or there is nothing to be
+        incremental to yet (no full sync); its tick time is its trigger."""
+        db = sync_db.open()
+        try:
+            ready = has_baseline(
+                db,
+                IncrementalSettings(
+                    task_code=scope.incremental_task_code, full_task_code=scope.full_task_code
+                ),
+            )
+        finally:
+            db.dispose()
+        if not ready:
+            return dg.SkipReason(
+                "no watermark and no successful full sync yet: nothing to start from"
+            )
+        active = context.instance.get_runs(
+            filters=dg.RunsFilter(
+                job_name=job.name,
+                statuses=[
+                    dg.DagsterRunStatus.QUEUED,
+                    dg.DagsterRunStatus.NOT_STARTED,
+                    dg.DagsterRunStatus.STARTING,
+                    dg.DagsterRunStatus.STARTED,
+                ],
+            ),
+            limit=1,
+        )
+        if active:
+            return dg.SkipReason(f"run {active[0].run_id} of the previous window is still active")
+        fired = (
+            context.scheduled_execution_time.isoformat()
+            if context.scheduled_execution_time
+            else "now"
+        )
+        trigger = f"incremental:{fired}"[:64]
+        return dg.RunRequest(
+            run_key=trigger,
+            tags={
+                TRIGGER_TAG: trigger,
+                SOURCE_TAG: "CRON",
+                TASK_TAG: scope.incremental_task_code,
+                **scope.tags,
+            },
+        )
+
+    return incremental_sync_schedule
+
+
+hotel_change_feed = build_hotel_change_feed(DEFAULT_SCOPE)
+incremental_sync_job = build_incremental_sync_job(DEFAULT_SCOPE)
+incremental_sync_schedule = build_incremental_sync_schedule(DEFAULT_SCOPE)
+
+
+def _build(scope: AccountScope) -> dg.Definitions:
+    on_schedule = scope.account is None or scope.account.schedules.incremental is not None
+    return dg.Definitions(
+        assets=[build_hotel_change_feed(scope)],
+        jobs=[build_incremental_sync_job(scope)],
+        schedules=[build_incremental_sync_schedule(scope)] if on_schedule else [],
     )
-    trigger = f"incremental:{fired}"[:64]
-    return dg.RunRequest(
-        run_key=trigger,
-        tags={
-            TRIGGER_TAG: trigger,
-            SOURCE_TAG: "CRON",
-            TASK_TAG: DEFAULT_INCREMENTAL_TASK,
-        },
-    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Every account's change feed, its job and its schedule."""
+    return per_account(_build)

@@ -20,6 +20,7 @@ from supplier_sync_dagster.core.projections import (
     reconcile_projection,
 )
 from supplier_sync_dagster.core.settings import env_name, load_storage_settings
+from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
 from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 
@@ -217,3 +218,33 @@ projection_reconciliation_schedule = dg.ScheduleDefinition(
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Daily: the search index against the catalog, repaired where it differs.",
 )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """The projection of the one catalog; with several accounts, downstream of every
+    account's published hotels through the shared ``platform_hotel_catalog``."""
+    scopes = account_scopes()
+    projection = hotel_search_projection
+    extra: list[dg.AssetSpec] = []
+    if any(not scope.is_default for scope in scopes):
+        extra = [
+            dg.AssetSpec(
+                CATALOG,
+                deps=[scope.key(PUBLISHED.path[-1]) for scope in scopes],
+                group_name=GROUP,
+                description=(
+                    "The platform's hotel catalog (platform_hotel and its offers in the sync "
+                    "database): the one sink every account publishes to, in its supplier's "
+                    "mapping namespace. Cross-supplier matching would read it here."
+                ),
+            )
+        ]
+        projection = hotel_search_projection.map_asset_specs(
+            lambda spec: spec.replace_attributes(deps=[CATALOG])
+        )
+    return dg.Definitions(
+        assets=[*extra, projection, hotel_search_reconciliation],
+        jobs=[outbox_dispatch_job, projection_reconciliation_job],
+        schedules=[outbox_dispatch_schedule, projection_reconciliation_schedule],
+    )

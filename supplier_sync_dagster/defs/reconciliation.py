@@ -11,13 +11,17 @@ one full-sync run per city to re-pull (one trigger: they share one batch), so th
 reconciliation shows them equal.
 """
 
+import functools
+from typing import Any
+
 import dagster as dg
 from pydantic import Field
 
 from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
-from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED, SOURCE_TAG, TRIGGER_TAG
-from supplier_sync_dagster.defs.full_sync_schedule import full_sync_job
-from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, city_partitions, encode_city_key
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.city_sync import PUBLISHED, SOURCE_TAG, TRIGGER_TAG
+from supplier_sync_dagster.defs.full_sync_schedule import build_full_sync_job
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
@@ -39,19 +43,43 @@ class ReconcileConfig(dg.Config):
     repull: bool = Field(default=True, description="Re-pull the cities that differ.")
 
 
-@dg.asset(
-    key=RECONCILIATION,
-    deps=[PUBLISHED],
-    group_name=GROUP,
-    pool="supplier_api",
-    description=(
-        "Each city's supplier summary (hotels, active, newest change) against the catalog; the "
-        "cities beyond the tolerance are re-pulled by a full sync of exactly those cities."
-    ),
-)
-def hotel_catalog_reconciliation(
+@functools.cache
+def build_reconciliation(scope: AccountScope) -> dg.AssetsDefinition:
+    """The account's reconciliation asset (downstream of its published hotels)."""
+    key = scope.key(RECONCILIATION.path[-1])
+
+    @dg.asset(
+        key=key,
+        deps=[scope.key(PUBLISHED.path[-1])],
+        group_name=scope.group,
+        pool="supplier_api",
+        required_resource_keys={"sync_db", "payloads", scope.supplier_key},
+        description=(
+            "Each city's supplier summary (hotels, active, newest change) against the catalog; "
+            "the cities beyond the tolerance are re-pulled by a full sync of exactly those "
+            "cities."
+        ),
+    )
+    def hotel_catalog_reconciliation(
+        context: dg.AssetExecutionContext, config: ReconcileConfig
+    ) -> dg.MaterializeResult:
+        return _reconcile(
+            context,
+            config,
+            key,
+            sync_db=context.resources.sync_db,
+            payloads=context.resources.payloads,
+            supplier=getattr(context.resources, scope.supplier_key),
+        )
+
+    return hotel_catalog_reconciliation
+
+
+def _reconcile(
     context: dg.AssetExecutionContext,
     config: ReconcileConfig,
+    key: dg.AssetKey,
+    *,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     supplier: SupplierResource,
@@ -76,7 +104,7 @@ def hotel_catalog_reconciliation(
             )
     finally:
         db.dispose()
-    before = set(_previous_repull(context.instance))
+    before = set(_previous_repull(context.instance, key))
     differing = [c.city_code for c in report.differing]
     remaining = [c for c in differing if c in before]
     repull = [c for c in differing if c not in before] if config.repull else []
@@ -116,9 +144,9 @@ def hotel_catalog_reconciliation(
     )
 
 
-def _previous_repull(instance: dg.DagsterInstance) -> list[str]:
+def _previous_repull(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[str]:
     """The cities the latest earlier reconciliation re-pulled."""
-    event = instance.get_latest_materialization_event(RECONCILIATION)
+    event = instance.get_latest_materialization_event(key)
     if event is None or event.asset_materialization is None:
         return []
     value = event.asset_materialization.metadata.get(REPULL)
@@ -126,54 +154,91 @@ def _previous_repull(instance: dg.DagsterInstance) -> list[str]:
     return [str(c) for c in data] if isinstance(data, list) else []
 
 
-reconciliation_job = dg.define_asset_job(
-    "catalog_reconciliation_job",
-    selection=dg.AssetSelection.assets(RECONCILIATION),
-    description="Compare every city's supplier summary with the catalog.",
-)
-
-catalog_reconciliation_schedule = dg.ScheduleDefinition(
-    name="catalog_reconciliation_schedule",
-    job=reconciliation_job,
-    cron_schedule="0 4 * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Daily: every city's supplier summary against the catalog (a request per city).",
-)
-
-
-@dg.asset_sensor(
-    asset_key=RECONCILIATION,
-    job=full_sync_job,
-    name="reconciliation_repull_sensor",
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description=(
-        "After each reconciliation: one full-sync run per city that differs, all of one "
-        "trigger (one batch), so the next reconciliation shows them equal."
-    ),
-)
-def reconciliation_repull_sensor(
-    context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
-) -> dg.SensorResult:
-    """Requests the re-pull of the cities the new reconciliation lists."""
-    m = asset_event.asset_materialization
-    value = m.metadata.get(REPULL) if m is not None else None
-    data = value.value if value is not None else None
-    cities = [str(c) for c in data] if isinstance(data, list) else []
-    if not cities:
-        return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-pull"))
-    trigger = f"repull:{asset_event.run_id}"[:64]
-    keys = [encode_city_key(c) for c in cities]
-    known = set(context.instance.get_dynamic_partitions(CITY_PARTITIONS))
-    new = [k for k in keys if k not in known]
-    return dg.SensorResult(
-        run_requests=[
-            dg.RunRequest(
-                run_key=f"{trigger}:{key}",
-                partition_key=key,
-                tags={TRIGGER_TAG: trigger, SOURCE_TAG: "SENSOR"},
-            )
-            for key in keys
-        ],
-        dynamic_partitions_requests=[city_partitions.build_add_request(new)] if new else [],
+@functools.cache
+def build_reconciliation_job(scope: AccountScope) -> Any:
+    """The account's reconciliation job."""
+    return dg.define_asset_job(
+        scope.name("catalog_reconciliation_job"),
+        selection=dg.AssetSelection.assets(scope.key(RECONCILIATION.path[-1])),
+        tags=scope.tags,
+        description="Compare every city's supplier summary with the catalog.",
     )
+
+
+@functools.cache
+def build_reconciliation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
+    """The account's daily reconciliation (its ``schedules.reconciliation``; 04:00 UTC)."""
+    cron = "0 4 * * *" if scope.account is None else scope.account.schedules.reconciliation
+    return dg.ScheduleDefinition(
+        name=scope.name("catalog_reconciliation_schedule"),
+        job=build_reconciliation_job(scope),
+        cron_schedule=cron or "0 4 * * *",
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Every city's supplier summary against the catalog (a request per city).",
+    )
+
+
+@functools.cache
+def build_repull_sensor(scope: AccountScope) -> dg.SensorDefinition:
+    """The account's re-pull sensor: its full sync of the cities its reconciliation lists."""
+
+    @dg.asset_sensor(
+        asset_key=scope.key(RECONCILIATION.path[-1]),
+        job=build_full_sync_job(scope),
+        name=scope.name("reconciliation_repull_sensor"),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=(
+            "After each reconciliation: one full-sync run per city that differs, all of one "
+            "trigger (one batch), so the next reconciliation shows them equal."
+        ),
+    )
+    def reconciliation_repull_sensor(
+        context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
+    ) -> dg.SensorResult:
+        """Requests the re-pull of the cities the new reconciliation lists."""
+        m = asset_event.asset_materialization
+        value = m.metadata.get(REPULL) if m is not None else None
+        data = value.value if value is not None else None
+        cities = [str(c) for c in data] if isinstance(data, list) else []
+        if not cities:
+            return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-pull"))
+        trigger = f"repull:{asset_event.run_id}"[:64]
+        keys = [encode_city_key(c) for c in cities]
+        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
+        new = [k for k in keys if k not in known]
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(
+                    run_key=f"{trigger}:{key}",
+                    partition_key=key,
+                    tags={TRIGGER_TAG: trigger, SOURCE_TAG: "SENSOR", **scope.tags},
+                )
+                for key in keys
+            ],
+            dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],
+        )
+
+    return reconciliation_repull_sensor
+
+
+hotel_catalog_reconciliation = build_reconciliation(DEFAULT_SCOPE)
+reconciliation_job = build_reconciliation_job(DEFAULT_SCOPE)
+catalog_reconciliation_schedule = build_reconciliation_schedule(DEFAULT_SCOPE)
+reconciliation_repull_sensor = build_repull_sensor(DEFAULT_SCOPE)
+
+
+def _build(scope: AccountScope) -> dg.Definitions:
+    on_schedule = scope.account is None or scope.account.schedules.reconciliation is not None
+    return dg.Definitions(
+        assets=[build_reconciliation(scope)],
+        jobs=[build_reconciliation_job(scope)],
+        schedules=[build_reconciliation_schedule(scope)] if on_schedule else [],
+        sensors=[build_repull_sensor(scope)],
+    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Every account's reconciliation, its job, schedule and re-pull sensor."""
+    return per_account(_build)

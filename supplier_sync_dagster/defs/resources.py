@@ -35,6 +35,7 @@ from supplier_sync_dagster.core.supplier import (
     SupplierClient,
     make_rate_limiter,
 )
+from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes
 
 
 class SyncDatabaseResource(dg.ConfigurableResource):
@@ -105,6 +106,13 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         description=f"Redis for the shared rate limit ({env_name('redis_url')}). Unset: in-process bucket.",
     )
     supplier_id: int = Field(default=1001, description="The platform's id of this supplier.")
+    account: str | None = Field(
+        default=None,
+        description=(
+            "The account (supplier.account) when the deployment has several: its own "
+            "rate-limit bucket and circuit breakers. Unset: the supplier's one account."
+        ),
+    )
     task_code: str = Field(default=DEFAULT_TASK_CODE, description="The sync task.")
     rate_limit_rps: float = Field(
         default=50.0, description="Requests per second allowed by the supplier."
@@ -150,10 +158,13 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
                 (a worker process's client shares its run's); None makes the key's own.
         """
         http, key = self._connection()
+        # An account's bucket and breakers are its own: another account's 429s or outage
+        # never slow it down.
+        scope = f"{self.supplier_id}/{self.account}" if self.account else str(self.supplier_id)
         try:
             limiter = rate_limiter or make_rate_limiter(
                 redis_url=self.redis_url,
-                supplier_id=str(self.supplier_id),
+                supplier_id=scope,
                 api_key=key,
                 rate=self.rate_limit_rps,
                 burst=1,
@@ -165,8 +176,8 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
                 connect_timeout=self.connect_timeout,
                 read_timeout=self.read_timeout,
                 rate_limiter=limiter,
-                breaker=CircuitBreaker(name=f"supplier-{self.supplier_id}"),
-                detail_breaker=CircuitBreaker(name=f"supplier-{self.supplier_id}/hotels"),
+                breaker=CircuitBreaker(name=f"supplier-{scope}"),
+                detail_breaker=CircuitBreaker(name=f"supplier-{scope}/hotels"),
             )
         finally:
             http.close()
@@ -281,19 +292,49 @@ def resources() -> dg.Definitions:
         resources={
             "sync_db": SyncDatabaseResource(db_url=_env(settings, "db_url")),
             "payloads": PayloadStoreResource(url=_env(settings, "payload_url")),
-            "supplier": supplier_resource(
-                base_url=_env(settings, "supplier_url"),
-                api_key=_env(settings, "supplier_api_key"),
-                redis_url=_env(settings, "redis_url"),
-                # Numbers, not secrets: their values show in the resource's config.
-                **_set(
-                    rate_limit_rps=settings.supplier_rate_limit,
-                    worker_processes=settings.worker_processes,
-                ),
-            ),
+            **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),
             "projections": _projections(settings),
         }
+    )
+
+
+def account_supplier(settings: Settings, scope: AccountScope) -> SupplierResource:
+    """The supplier resource of one account: the settings' for the default account, else the
+    suppliers file's (its key as ``dg.EnvVar`` of the file's ``api_key_env``)."""
+    account = scope.account
+    if account is None:
+        return supplier_resource(
+            base_url=_env(settings, "supplier_url"),
+            api_key=_env(settings, "supplier_api_key"),
+            redis_url=_env(settings, "redis_url"),
+            # Numbers, not secrets: their values show in the resource's config.
+            **_set(
+                rate_limit_rps=settings.supplier_rate_limit,
+                worker_processes=settings.worker_processes,
+            ),
+        )
+    simulated = (
+        {}
+        if account.base_url
+        else {
+            "sim_seed": account.simulator.seed,
+            "sim_cities": account.simulator.cities,
+            "sim_hotels": account.simulator.hotels,
+            "sim_profile": account.simulator_profile,
+        }
+    )
+    return supplier_resource(
+        base_url=account.base_url,
+        api_key=dg.EnvVar(account.api_key_env) if account.api_key_env else None,
+        redis_url=_env(settings, "redis_url"),
+        supplier_id=account.supplier_id,
+        account=account.code,
+        task_code=account.full_task_code,
+        rate_limit_rps=account.rate_limit_rps,
+        page_size=account.page_size,
+        **_set(worker_processes=account.worker_processes),
+        **simulated,
     )
 
 

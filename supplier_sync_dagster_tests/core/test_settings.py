@@ -31,6 +31,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_HOME",
         "SUPPLIER_SYNC_DB_URL",
         "SUPPLIER_SYNC_PAYLOAD_URL",
+        "SUPPLIER_SYNC_SUPPLIERS_FILE",
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
         "SUPPLIER_SYNC_REDIS_URL",

@@ -25,6 +25,7 @@ from supplier_sync_dagster.defs.resources import (
 SHARED = {
     "redis_url",
     "supplier_id",
+    "account",
     "task_code",
     "rate_limit_rps",
     "page_size",

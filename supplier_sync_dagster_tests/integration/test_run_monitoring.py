@@ -20,7 +20,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
