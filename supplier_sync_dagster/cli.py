@@ -13,6 +13,12 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from supplier_sync_dagster.cli_accounts import (
+    ACCOUNT_HELP,
+    account_scope,
+    account_supplier_now,
+    add_account_commands,
+)
 from supplier_sync_dagster.cli_health import add_commands as add_health_commands
 from supplier_sync_dagster.cli_operators import add_commands as add_operator_commands
 from supplier_sync_dagster.cli_outbox import add_commands as add_outbox_commands
@@ -67,12 +73,17 @@ def _resources(args: argparse.Namespace, settings: StorageSettings) -> tuple[Any
     )
 
 
-def _supplier(settings: Any, *, rate_limit: float | None = None, **fields: Any) -> Any:
+def _supplier(
+    settings: Any, *, rate_limit: float | None = None, scope: Any = None, **fields: Any
+) -> Any:
     """The configured supplier's resource: the settings, then these fields; the rate limit
-    is the option, else the setting, else the resource's default (unset fields: defaults)."""
+    is the option, else the setting, else the resource's default (unset fields: defaults).
+    With the ``scope`` of an account of the suppliers file: that account's, then these."""
     from supplier_sync_dagster.defs.resources import supplier_resource
 
     extra = {k: v for k, v in fields.items() if v is not None}
+    if scope is not None and scope.account is not None:
+        return account_supplier_now(settings, scope, rate_limit_rps=rate_limit, **extra)
     rate = _first(rate_limit, settings.supplier_rate_limit)
     if rate is not None:
         extra["rate_limit_rps"] = rate
@@ -127,16 +138,19 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
+    scope = account_scope(args, settings)
     if args.incremental:
-        return _cmd_sync_incremental(args, settings, sync_db, payloads)
+        return _cmd_sync_incremental(args, settings, sync_db, payloads, scope)
     summary = run_full_sync(
         supplier=_supplier(
             settings,
+            scope=scope,
             rate_limit=args.rate_limit,
             page_size=args.page_size,
             city_threads=args.city_threads,
             worker_processes=_first(args.processes, settings.worker_processes),
         ),
+        scope=scope,
         sync_db=sync_db,
         payloads=payloads,
         trigger_id=args.trigger_id,
@@ -147,7 +161,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 
 
 def _cmd_sync_incremental(
-    args: argparse.Namespace, settings: Any, sync_db: Any, payloads: Any
+    args: argparse.Namespace, settings: Any, sync_db: Any, payloads: Any, scope: Any
 ) -> int:
     from supplier_sync_dagster.sync_runner import run_incremental_sync
 
@@ -162,7 +176,10 @@ def _cmd_sync_incremental(
         if value is not None
     }
     summary = run_incremental_sync(
-        supplier=_supplier(settings, rate_limit=args.rate_limit, page_size=args.page_size),
+        supplier=_supplier(
+            settings, scope=scope, rate_limit=args.rate_limit, page_size=args.page_size
+        ),
+        scope=scope,
         sync_db=sync_db,
         payloads=payloads,
         config=config,
@@ -187,7 +204,8 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
-    supplier = _supplier(settings)
+    scope = account_scope(args, settings)
+    supplier = _supplier(settings, scope=scope)
     tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
     db = SyncDatabase.open(sync_db.db_url)
     try:
@@ -219,6 +237,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     if differing and not args.no_repull:
         summary = run_full_sync(
             supplier=supplier,
+            scope=scope,
             sync_db=sync_db,
             payloads=payloads,
             cities=differing,
@@ -828,8 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="incremental: the incremental task (default hotel_supplier_incremental)",
     )
     sync.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sync.add_argument("--account", default=None, help=ACCOUNT_HELP)
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
-    sync.add_argument("--page-size", type=int, default=100)
+    sync.add_argument("--page-size", type=int, default=None, help="hotels per page (default 100)")
     sync.add_argument(
         "--rate-limit",
         type=float,
@@ -994,11 +1014,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-repull", action="store_true", help="report only; do not re-pull what differs"
     )
     recon.add_argument("--json", action="store_true", help="JSON lines: one per city, a summary")
+    recon.add_argument("--account", default=None, help=ACCOUNT_HELP)
     recon.set_defaults(func=_cmd_reconcile)
 
     add_outbox_commands(sub)
     add_operator_commands(sub)
     add_health_commands(sub)
+    add_account_commands(sub)
 
     db = sub.add_parser(
         "db",

@@ -30,10 +30,10 @@ from supplier_sync_dagster.core.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.db import SyncDatabase, state_dir
 from supplier_sync_dagster.core.deadletters import count_dead_letters
 from supplier_sync_dagster.core.gates import GATED_PREFIX, gate_check_names
-from supplier_sync_dagster.core.incremental import DEFAULT_INCREMENTAL_TASK
 from supplier_sync_dagster.core.leases import list_shards
 from supplier_sync_dagster.core.processes import this_host
 from supplier_sync_dagster.core.tasks import require_enabled
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.city_sync import (
     DIFFS,
     MAPPINGS,
@@ -41,6 +41,7 @@ from supplier_sync_dagster.defs.city_sync import (
     PUBLISHED,
     SOURCE_TAG,
     TRIGGER_TAG,
+    build_city_sync,
     city_sync,
 )
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
@@ -243,11 +244,13 @@ def run_full_sync(
     progress: TextIO | None = sys.stderr,
     console_log_level: str = "WARNING",
     cities: Sequence[str] | None = None,
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> SyncSummary:
     """Syncs every city of the supplier in one Dagster run and returns the summary.
 
     With ``cities``, only those (a reconciliation's re-pull): one run per city, all of one
-    trigger (one batch).
+    trigger (one batch). ``scope`` is the account whose assets the run materializes (its
+    supplier resource is ``supplier``).
 
     Raises:
         TaskDisabled: The task is DISABLED (nothing is launched).
@@ -270,9 +273,11 @@ def run_full_sync(
                 codes = [c.city_code for c in client.list_cities().data.cities]
         else:
             codes = list(cities)
-        keys = _add_city_partitions(instance, codes)
+        keys = _add_city_partitions(instance, codes, scope.partitions_name)
         # A range covers the keys between its ends in the partition set's order.
-        ordered = [k for k in instance.get_dynamic_partitions(CITY_PARTITIONS) if k in set(keys)]
+        ordered = [
+            k for k in instance.get_dynamic_partitions(scope.partitions_name) if k in set(keys)
+        ]
         # A subset is not a range: one run per city (each an exact partition).
         ranges = [(k, k) for k in keys] if cities is not None else [(ordered[0], ordered[-1])]
         db = SyncDatabase.open(sync_db.db_url)
@@ -287,10 +292,11 @@ def run_full_sync(
         try:
             for start, end in ranges:
                 result = dg.materialize(
-                    [city_sync],
+                    [build_city_sync(scope)],
                     instance=instance,
-                    resources=_run_resources(sync_db, payloads, supplier),
+                    resources=_run_resources(sync_db, payloads, supplier, scope),
                     tags={
+                        **scope.tags,
                         "dagster/asset_partition_range_start": start,
                         "dagster/asset_partition_range_end": end,
                         TRIGGER_TAG: trigger_id,
@@ -372,27 +378,32 @@ def run_incremental_sync(
     config: dict[str, Any] | None = None,
     trigger_id: str | None = None,
     console_log_level: str = "WARNING",
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> IncrementalSummary:
     """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset)."""
     from supplier_sync_dagster.defs.incremental_sync import (
         CHANGE_FEED,
         TASK_TAG,
         IncrementalConfig,
-        hotel_change_feed,
+        build_hotel_change_feed,
     )
+
+    feed = build_hotel_change_feed(scope)
+    feed_key = scope.key(CHANGE_FEED.path[-1])
 
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
-    task_code = (config or {}).get("task_code") or DEFAULT_INCREMENTAL_TASK
+    task_code = (config or {}).get("task_code") or scope.incremental_task_code
     with dagster_instance() as instance:
         trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
         started = time.perf_counter()
         run_config = _console_config(console_log_level)
         result = dg.materialize(
-            [hotel_change_feed],
+            [feed],
             instance=instance,
-            resources=_run_resources(sync_db, payloads, supplier),
+            resources=_run_resources(sync_db, payloads, supplier, scope),
             tags={
+                **scope.tags,
                 TRIGGER_TAG: trigger_id,
                 SOURCE_TAG: "MANUAL",
                 TASK_TAG: task_code,
@@ -400,7 +411,7 @@ def run_incremental_sync(
             },
             raise_on_error=False,
             run_config=dg.RunConfig(
-                ops={"hotel_change_feed": IncrementalConfig(**(config or {}))},
+                ops={feed.op.name: IncrementalConfig(**(config or {}))},
                 loggers=run_config.loggers,
             ),
         )
@@ -414,7 +425,7 @@ def run_incremental_sync(
         for event in result.get_asset_materialization_events():
             m = event.step_materialization_data.materialization
             values: dict[str, Any] = {k: v.value for k, v in m.metadata.items()}
-            if m.asset_key == CHANGE_FEED:
+            if m.asset_key == feed_key:
                 summary.window = values
                 summary.batch_id = str(values.get("batch_id", ""))
                 summary.status = str(values.get("status", ""))
@@ -433,24 +444,29 @@ def run_incremental_sync(
         return summary
 
 
-def _add_city_partitions(instance: dg.DagsterInstance, cities: Sequence[str]) -> list[str]:
+def _add_city_partitions(
+    instance: dg.DagsterInstance, cities: Sequence[str], partitions: str = CITY_PARTITIONS
+) -> list[str]:
     """Adds the partitions of ``cities`` the instance does not have; returns their keys."""
     keys = [encode_city_key(c) for c in cities]
-    existing = set(instance.get_dynamic_partitions(CITY_PARTITIONS))
+    existing = set(instance.get_dynamic_partitions(partitions))
     missing = [k for k in keys if k not in existing]
     if missing:
-        instance.add_dynamic_partitions(CITY_PARTITIONS, missing)
+        instance.add_dynamic_partitions(partitions, missing)
     return keys
 
 
 def _run_resources(
-    sync_db: SyncDatabaseResource, payloads: PayloadStoreResource, supplier: SupplierResource
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> dict[str, Any]:
     """The resources of a command-line run (the definitions bind the same keys)."""
     return {
         "sync_db": sync_db,
         "payloads": payloads,
-        "supplier": supplier,
+        scope.supplier_key: supplier,
         "governance": GovernanceResource(),
     }
 

@@ -290,7 +290,7 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             page_size=account.page_size,
             worker_processes=account.worker_processes,
             schedules=account.schedules,
-            thresholds=tuple(sorted(account.thresholds.items())),
+            thresholds=tuple(sorted(_typed_thresholds(account.thresholds).items())),
             simulator=supplier.simulator,
             simulator_profile=account.simulator_profile or supplier.simulator.profile,
         )

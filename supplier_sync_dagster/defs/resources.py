@@ -299,20 +299,30 @@ def resources() -> dg.Definitions:
     )
 
 
-def account_supplier(settings: Settings, scope: AccountScope) -> SupplierResource:
+def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) -> SupplierResource:
     """The supplier resource of one account: the settings' for the default account, else the
-    suppliers file's (its key as ``dg.EnvVar`` of the file's ``api_key_env``)."""
+    suppliers file's (its key as ``dg.EnvVar`` of the file's ``api_key_env``).
+
+    Args:
+        settings: The deployment's settings.
+        scope: The account.
+        **overrides: Resource fields that replace the account's (a command's options; the
+            ``api_key`` a command read from the account's variable).
+    """
     account = scope.account
     if account is None:
         return supplier_resource(
-            base_url=_env(settings, "supplier_url"),
-            api_key=_env(settings, "supplier_api_key"),
-            redis_url=_env(settings, "redis_url"),
-            # Numbers, not secrets: their values show in the resource's config.
-            **_set(
-                rate_limit_rps=settings.supplier_rate_limit,
-                worker_processes=settings.worker_processes,
-            ),
+            **{
+                "base_url": _env(settings, "supplier_url"),
+                "api_key": _env(settings, "supplier_api_key"),
+                "redis_url": _env(settings, "redis_url"),
+                # Numbers, not secrets: their values show in the resource's config.
+                **_set(
+                    rate_limit_rps=settings.supplier_rate_limit,
+                    worker_processes=settings.worker_processes,
+                ),
+                **overrides,
+            }
         )
     simulated = (
         {}
@@ -324,18 +334,22 @@ def account_supplier(settings: Settings, scope: AccountScope) -> SupplierResourc
             "sim_profile": account.simulator_profile,
         }
     )
-    return supplier_resource(
-        base_url=account.base_url,
-        api_key=dg.EnvVar(account.api_key_env) if account.api_key_env else None,
-        redis_url=_env(settings, "redis_url"),
-        supplier_id=account.supplier_id,
-        account=account.code,
-        task_code=account.full_task_code,
-        rate_limit_rps=account.rate_limit_rps,
-        page_size=account.page_size,
+    fields: dict[str, Any] = {
+        "base_url": account.base_url,
+        "api_key": dg.EnvVar(account.api_key_env) if account.api_key_env else None,
+        "redis_url": _env(settings, "redis_url"),
+        "supplier_id": account.supplier_id,
+        "account": account.code,
+        "task_code": account.full_task_code,
+        "rate_limit_rps": account.rate_limit_rps,
+        "page_size": account.page_size,
         **_set(worker_processes=account.worker_processes),
         **simulated,
-    )
+        **overrides,
+    }
+    if fields["base_url"] is None:
+        fields.pop("api_key")
+    return supplier_resource(**fields)
 
 
 def _projections(settings: Settings) -> dg.ConfigurableResource:
