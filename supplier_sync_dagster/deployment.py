@@ -57,6 +57,43 @@ _REEXECUTE_BACKFILL = _backfill_mutation(
     "reexecutePartitionBackfill", "reexecutionParams", "ReexecutionParams"
 )
 
+LOCATION = "supplier_sync_dagster"  # workspace.yaml's code location
+_REPOSITORY = {"repositoryLocationName": LOCATION, "repositoryName": "__repository__"}
+
+_LAUNCH_RUN = """
+mutation($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message stack }
+    ... on RunConfigValidationInvalid { errors { message } }
+    ... on InvalidSubsetError { message }
+    ... on PipelineNotFoundError { message }
+  }
+}
+"""
+
+_RELOAD_LOCATION = """
+mutation($name: String!) {
+  reloadRepositoryLocation(repositoryLocationName: $name) {
+    __typename
+    ... on WorkspaceLocationEntry {
+      locationOrLoadError { __typename ... on PythonError { message } }
+    }
+  }
+}
+"""
+
+_JOB_NAMES = """
+query($selector: RepositorySelector!) {
+  repositoryOrError(repositorySelector: $selector) {
+    __typename
+    ... on Repository { jobs { name } }
+    ... on PythonError { message }
+  }
+}
+"""
+
 _BACKFILL_STATUS = """
 query($id: String!) {
   partitionBackfillOrError(backfillId: $id) {
@@ -259,6 +296,52 @@ class DagsterProcesses:
             "title": title,
         }
         return self._launched(_LAUNCH_BACKFILL, "launchPartitionBackfill", params, "launched")
+
+    def launch_job(
+        self,
+        job_name: str,
+        *,
+        tags: Mapping[str, str] | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Launches a run of a job as the launchpad does (into the run queue); its id.
+
+        Raises:
+            RuntimeError: The webserver refused it (with its message).
+        """
+        params = {
+            "selector": {**_REPOSITORY, "jobName": job_name},
+            "runConfigData": dict(run_config or {}),
+            "executionMetadata": {
+                "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]
+            },
+        }
+        data = self.graphql(_LAUNCH_RUN, {"params": params})["launchRun"]
+        if data["__typename"] != "LaunchRunSuccess":
+            raise RuntimeError(f"run of {job_name} not launched: {data}")
+        return str(data["run"]["runId"])
+
+    def reload_location(self) -> None:
+        """Reloads the code location, as the UI's "Reload" does (a changed suppliers file
+        makes its accounts' definitions appear).
+
+        Raises:
+            RuntimeError: The location failed to load (with its error).
+        """
+        data = self.graphql(_RELOAD_LOCATION, {"name": LOCATION})["reloadRepositoryLocation"]
+        loaded = data.get("locationOrLoadError") or {}
+        if (
+            data["__typename"] != "WorkspaceLocationEntry"
+            or loaded.get("__typename") == "PythonError"
+        ):
+            raise RuntimeError(f"code location not reloaded: {data}")
+
+    def job_names(self) -> set[str]:
+        """The jobs the webserver's code location has now."""
+        data = self.graphql(_JOB_NAMES, {"selector": _REPOSITORY})["repositoryOrError"]
+        if data["__typename"] != "Repository":
+            raise RuntimeError(f"no repository: {data}")
+        return {job["name"] for job in data["jobs"]}
 
     def reexecute_backfill(self, backfill_id: str, *, from_failure: bool = True) -> str:
         """Re-executes a finished backfill, as the UI's "Re-execute" does; returns the new id.

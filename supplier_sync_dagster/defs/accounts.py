@@ -11,8 +11,12 @@ account gets its own:
 - city partitions ``acme__eu__city``, jobs, schedules and sensors named ``acme__eu__...``;
 - a supplier resource ``supplier__acme__eu`` with its own key (``dg.EnvVar`` of the file's
   ``api_key_env``), rate limit and page size;
-- the run tag ``supplier_sync/account: acme.eu``, which ``dagster.yaml`` limits to one run at
-  a time per value, while ``max_concurrent_runs`` caps all accounts together.
+- the run tag ``supplier_sync/account: acme.eu`` on every run its jobs, schedules, sensors
+  and the command line start, which ``dagster.yaml`` limits to one run at a time per value,
+  while ``max_concurrent_runs`` caps all accounts together;
+- its own concurrency pool ``supplier_api__acme__eu`` for its supplier steps (an asset
+  backfill launched from the UI carries no account tag: its runs' steps queue on the
+  account's pool, never on another account's).
 
 Each concept module (``city_sync.py``, ``incremental_sync.py``...) builds its definitions for
 a scope with a cached ``build_*`` function, keeps the default account's as module-level names
@@ -95,6 +99,13 @@ class AccountScope:
     def supplier_key(self) -> str:
         """The resource key of the account's supplier."""
         return "supplier" if self.account is None else "__".join(["supplier", *self.prefix])
+
+    @property
+    def pool(self) -> str:
+        """The concurrency pool of the account's supplier steps: ``supplier_api`` for the
+        default account, ``supplier_api__acme__eu`` for an account (one account's runs never
+        take another's slots)."""
+        return "__".join(["supplier_api", *self.prefix])
 
     @property
     def full_task_code(self) -> str:

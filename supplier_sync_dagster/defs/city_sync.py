@@ -233,7 +233,7 @@ def build_city_sync(scope: AccountScope) -> dg.AssetsDefinition:
         check_specs=_check_specs(scope),
         partitions_def=scope.partitions,
         backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
-        pool="supplier_api",
+        pool=scope.pool,
         name=scope.name("city_sync"),
         can_subset=True,
         required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},

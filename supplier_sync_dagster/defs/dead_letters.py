@@ -108,7 +108,7 @@ def build_compensation(scope: AccountScope) -> dg.AssetsDefinition:
     @dg.asset(
         key=scope.key(COMPENSATION.path[-1]),
         group_name=scope.group,
-        pool="supplier_api",
+        pool=scope.pool,
         required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
         description=(
             "Due retryable dead letters healed without an operator: each hotel is re-fetched "

@@ -90,7 +90,7 @@ def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
     @dg.asset(
         key=key,
         group_name=scope.group,
-        pool="supplier_api",
+        pool=scope.pool,
         required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
         check_specs=[
             dg.AssetCheckSpec(

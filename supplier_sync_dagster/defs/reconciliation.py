@@ -52,7 +52,7 @@ def build_reconciliation(scope: AccountScope) -> dg.AssetsDefinition:
         key=key,
         deps=[scope.key(PUBLISHED.path[-1])],
         group_name=scope.group,
-        pool="supplier_api",
+        pool=scope.pool,
         required_resource_keys={"sync_db", "payloads", scope.supplier_key},
         description=(
             "Each city's supplier summary (hotels, active, newest change) against the catalog; "

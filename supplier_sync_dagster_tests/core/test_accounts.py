@@ -115,3 +115,11 @@ def test_the_file_is_read_when_asked(tmp_path: Path):
     path.write_text("suppliers:\n  acme:\n    supplier_id: 1001\n    accounts:\n      eu: {}\n")
     (account,) = load_accounts(path)
     assert account.code == "acme.eu" and account.base_url is None
+
+
+def test_the_example_file_in_deploy_is_valid():
+    root = Path(__file__).resolve().parents[2]
+    accounts = load_accounts(root / "deploy" / "suppliers.example.yaml")
+    assert [a.code for a in accounts] == ["acme.eu", "acme.us", "globex.main", "globex.asia"]
+    assert accounts[1].schedules.incremental is None
+    assert accounts[3].simulator_profile == "hostile" and accounts[3].base_url is None
