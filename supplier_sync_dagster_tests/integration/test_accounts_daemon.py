@@ -166,13 +166,13 @@ def test_accounts_sync_in_parallel_each_within_its_budget_and_apart(
                 )
                 assert run.status == expected, (code, run.status, dagster.tail("daemon.log"))
         # One run per account at a time, accounts in parallel.
-        spans = {
-            run_id: (by_id[run_id].start_time, by_id[run_id].end_time)
-            for ids in run_ids.values()
-            for run_id in ids
-        }
+        spans: dict[str, tuple[float, float]] = {}
+        for ids in run_ids.values():
+            for run_id in ids:
+                start, end = by_id[run_id].start_time, by_id[run_id].end_time
+                assert start is not None and end is not None, run_id
+                spans[run_id] = (start, end)
         first, second = (spans[i] for i in run_ids["acme.eu"])
-        assert first[1] is not None and second[0] is not None
         assert first[1] <= second[0] or second[1] <= first[0], (first, second)
         others = [spans[run_ids[c][0]] for c in ("acme.us", "globex.main", "globex.asia")]
         overlapping = [
@@ -226,11 +226,11 @@ def test_accounts_sync_in_parallel_each_within_its_budget_and_apart(
         found = {x.supplier_hotel_id: x.supplier_version for x in hotels if x.supplier_id == sid}
         assert found == dict(truth.valid), supplier
     # No row of one account carries another's batch.
-    for x in hotels:
-        assert batches[x.last_batch_id].task_code.startswith(
-            "acme." if x.supplier_id == 1001 else "globex."
+    for row in hotels:
+        assert batches[row.last_batch_id].task_code.startswith(
+            "acme." if row.supplier_id == 1001 else "globex."
         )
-        assert batches[x.last_batch_id].task_code != "globex.asia.full"
+        assert batches[row.last_batch_id].task_code != "globex.asia.full"
     assert dead and all(batches[x.batch_id].supplier_id == x.supplier_id for x in dead)
     assert {batches[x.batch_id].task_code for x in dead} == {"globex.asia.full"}
     assert marks == []
