@@ -96,6 +96,8 @@ class CompensationSettings:
         limit: Due dead letters claimed per run at most (oldest due first).
         page_hotels: Hotels re-fetched per page (one stored page, one checkpoint).
         fetch_threads: Detail requests in flight at once (the rate limiter still applies).
+        owned_tasks: The tasks whose dead letters this compensation heals (an account's,
+            when a supplier is reached through several); empty: every task of the supplier.
     """
 
     task_code: str = DEFAULT_COMPENSATION_TASK
@@ -103,6 +105,7 @@ class CompensationSettings:
     limit: int = DEFAULT_LIMIT
     page_hotels: int = DEFAULT_PAGE_HOTELS
     fetch_threads: int = DEFAULT_FETCH_THREADS
+    owned_tasks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("limit", "page_hotels", "fetch_threads"):
@@ -206,9 +209,12 @@ def compensate(
     with db.engine.connect() as conn:
         require_enabled(conn, task_code)
     out = CompensationReport()
-    out.released = release_ended(db, supplier_id=settings.supplier_id)
-    out.cities_synced = resolve_synced_cities(db, supplier_id=settings.supplier_id)
-    out.resync_cities = request_city_resyncs(db, supplier_id=settings.supplier_id)
+    owned = compensation.owned_tasks
+    out.released = release_ended(db, supplier_id=settings.supplier_id, task_codes=owned)
+    out.cities_synced = resolve_synced_cities(
+        db, supplier_id=settings.supplier_id, task_codes=owned
+    )
+    out.resync_cities = request_city_resyncs(db, supplier_id=settings.supplier_id, task_codes=owned)
     with db.engine.connect() as conn:
         due = deadletters.due_for_retry(
             conn,
@@ -216,6 +222,7 @@ def compensate(
             limit=compensation.limit,
             supplier_id=settings.supplier_id,
             cities=False,
+            task_codes=owned,
         )
         unfinished = _unfinished_claims(conn, task_code)
     if not due and not unfinished:
@@ -257,7 +264,9 @@ def compensate(
     return out
 
 
-def resolve_synced_cities(db: SyncDatabase, *, supplier_id: int) -> int:
+def resolve_synced_cities(
+    db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()
+) -> int:
     """Resolves the open CITY_FAILED tickets whose city a later sync of their task finished.
 
     A ticket is one failed city of one batch; the sync that heals it is any SUCCESS shard of
@@ -273,6 +282,7 @@ def resolve_synced_cities(db: SyncDatabase, *, supplier_id: int) -> int:
                 d.supplier_id == supplier_id,
                 d.error_code == deadletters.CITY_FAILED,
                 d.status.in_(deadletters.OPEN_STATUSES),
+                *([d.task_code.in_(list(task_codes))] if task_codes else []),
             )
         ).all()
         healed: dict[str, list[int]] = {}
@@ -299,7 +309,9 @@ def resolve_synced_cities(db: SyncDatabase, *, supplier_id: int) -> int:
     return sum(map(len, healed.values()))
 
 
-def request_city_resyncs(db: SyncDatabase, *, supplier_id: int) -> list[str]:
+def request_city_resyncs(
+    db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()
+) -> list[str]:
     """Counts an attempt on each due CITY_FAILED ticket and returns their cities to re-sync.
 
     Each due ticket moves RETRYING then FAILED with its next backoff (MANUAL_FIX past its
@@ -309,7 +321,7 @@ def request_city_resyncs(db: SyncDatabase, *, supplier_id: int) -> list[str]:
     d = schema.dead_letter.c
     with db.begin() as conn:
         ids = deadletters.due_for_retry(
-            conn, db.clock, limit=1000, supplier_id=supplier_id, cities=True
+            conn, db.clock, limit=1000, supplier_id=supplier_id, cities=True, task_codes=task_codes
         )
         if not ids:
             return []
@@ -325,7 +337,7 @@ def request_city_resyncs(db: SyncDatabase, *, supplier_id: int) -> list[str]:
     return cities
 
 
-def release_ended(db: SyncDatabase, *, supplier_id: int) -> int:
+def release_ended(db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()) -> int:
     """Gives back RETRYING rows whose compensation batch ended without them (FAILED, due now).
 
     A batch that is still unfinished keeps its rows: the next run adopts it and resumes.
@@ -341,6 +353,7 @@ def release_ended(db: SyncDatabase, *, supplier_id: int) -> int:
                     d.supplier_id == supplier_id,
                     d.status == "RETRYING",
                     sa.or_(b.batch_id.is_(None), b.status.in_(TERMINAL_BATCH_STATUSES)),
+                    *([d.task_code.in_(list(task_codes))] if task_codes else []),
                 )
             ).scalars()
         ]

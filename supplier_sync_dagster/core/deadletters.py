@@ -399,6 +399,7 @@ def due_for_retry(
     limit: int = 100,
     supplier_id: int | None = None,
     cities: bool | None = None,
+    task_codes: Sequence[str] = (),
 ) -> list[int]:
     """Ids of retryable rows whose next attempt is due, oldest due first (seed §14.4).
 
@@ -409,6 +410,7 @@ def due_for_retry(
         supplier_id: Only this supplier's rows (None: any supplier's).
         cities: True: only CITY_FAILED tickets (a city to re-sync); False: only the others
             (a hotel to re-fetch); None: both.
+        task_codes: Only rows these tasks' batches wrote (one account's); empty: any task's.
     """
     d = schema.dead_letter.c
     where = [
@@ -420,6 +422,8 @@ def due_for_retry(
         where.append(d.supplier_id == supplier_id)
     if cities is not None:
         where.append(d.error_code == CITY_FAILED if cities else d.error_code != CITY_FAILED)
+    if task_codes:
+        where.append(d.task_code.in_(list(task_codes)))
     return [
         int(i)
         for i in conn.execute(

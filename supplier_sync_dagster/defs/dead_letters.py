@@ -164,6 +164,8 @@ def _compensate(
                     settings=settings,
                     compensation=CompensationSettings(
                         task_code=config.task_code or scope.compensation_task_code,
+                        # An account heals its own dead letters, never another account's.
+                        owned_tasks=() if scope.account is None else scope.account.task_codes,
                         full_task_code=supplier.task_code,
                         limit=config.limit,
                         page_hotels=config.page_hotels,
@@ -239,6 +241,7 @@ def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's compensation schedule: every 5 minutes when one of its rows is due."""
     job = build_compensation_job(scope)
     supplier_id = None if scope.account is None else scope.account.supplier_id
+    owned = () if scope.account is None else scope.account.task_codes
 
     @dg.schedule(
         name=scope.name("dead_letter_compensation_schedule"),
@@ -256,7 +259,9 @@ def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
         db = sync_db.open()
         try:
             with db.engine.connect() as conn:
-                due = deadletters.due_for_retry(conn, db.clock, limit=1, supplier_id=supplier_id)
+                due = deadletters.due_for_retry(
+                    conn, db.clock, limit=1, supplier_id=supplier_id, task_codes=owned
+                )
                 claimed = deadletters.list_dead_letters(
                     conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
                 )

@@ -415,3 +415,55 @@ def test_a_failed_city_is_handed_back_for_a_resync_and_resolved_once_it_synced(
     assert out.cities_synced == 1
     row = _by_hotel(db, source_batch)["-"]
     assert row.status == "RESOLVED" and later.batch.batch_id in row.fix_note
+
+
+def test_an_account_heals_only_its_own_dead_letters(db, store, client, details):
+    """Two accounts of one supplier: each compensation claims its account's rows only."""
+    from supplier_sync_dagster.core.batches import create_batch
+
+    batches = {}
+    for account in ("eu", "us"):
+        upsert_task(db, TaskSpec(task_code=f"acme.{account}.full", supplier_id=1001))
+        decision = create_batch(
+            db,
+            task_code=f"acme.{account}.full",
+            trigger_id=f"source-{account}",
+            trigger_source="MANUAL",
+            shard_keys=["BKK"],
+        )
+        assert decision.batch is not None
+        batches[account] = decision.batch.batch_id
+    hotels = {"eu": ["H000001", "H000002", "H000003"], "us": ["H000004", "H000005"]}
+    for n, h in enumerate(hotels["eu"] + hotels["us"], start=1):
+        details.records[h] = hotel(n, at=n)
+    with db.begin() as conn:
+        for account, ids in hotels.items():
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id=batches[account],
+                task_code=f"acme.{account}.full",
+                sync_mode="FULL",
+                supplier_id=1001,
+                letters=[
+                    DeadLetter(h, "ADAPTER", "RETRYABLE", "SUPPLIER_UNAVAILABLE", "503", None, None)
+                    for h in ids
+                ],
+            )
+    _due(db)
+    eu = CompensationSettings(
+        task_code="acme.eu.compensation",
+        full_task_code="acme.eu.full",
+        owned_tasks=("acme.eu.full", "acme.eu.incremental", "acme.eu.compensation"),
+    )
+    out = _run(db, store, client, "c-eu", eu)
+    assert out.batch is not None and out.batch.status == "SUCCESS"
+    assert (out.claimed, out.resolved) == (3, 3)
+    assert sorted(details.requests) == hotels["eu"]
+    for h, r in _by_hotel(db, batches["eu"]).items():
+        assert r.status == "RESOLVED" and r.retry_batch_id == out.batch.batch_id, h
+    for h, r in _by_hotel(db, batches["us"]).items():
+        assert r.status == "PENDING" and r.retry_batch_id is None, h
+    # Without an owner (one account per supplier) a compensation takes the supplier's rows.
+    out = _run(db, store, client, "c-all")
+    assert out.claimed == 2 and sorted(details.requests) == sorted(hotels["eu"] + hotels["us"])
