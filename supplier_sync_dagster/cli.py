@@ -124,11 +124,80 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         console_log_level=_console_log_level(args),
     )
     status = _finish_sync(summary, as_json=False)
+    if status == 0 and args.second_hotels > 0:
+        status = _demo_second_supplier(args, day, sync_db, payloads)
     if status == 0:
         demo_day(advance=True)
         print(
-            f"run `supplier-sync demo` again: the supplier moves to day {day + 1} and only changes publish"
+            f"run `supplier-sync demo` again: the suppliers move to day {day + 1} and only "
+            "changes publish"
         )
+    return status
+
+
+def _demo_second_supplier(args: argparse.Namespace, day: int, sync_db: Any, payloads: Any) -> int:
+    """The demo's second supplier: its own account (tasks, partitions, assets, rate limit),
+    the same catalog in its own mapping namespace."""
+    import sqlalchemy as sa
+
+    from supplier_sync_dagster.core import schema
+    from supplier_sync_dagster.core.accounts import Account, SimulatedSupplier
+    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.settings import load_settings
+    from supplier_sync_dagster.defs.accounts import AccountScope
+    from supplier_sync_dagster.sync_runner import run_full_sync
+
+    world = SimulatedSupplier(
+        seed=7, cities=args.second_cities, hotels=args.second_hotels, profile="clean"
+    )
+    scope = AccountScope(
+        Account(
+            supplier="globex",
+            name="main",
+            supplier_id=2002,
+            simulator=world,
+            simulator_profile="clean",
+        )
+    )
+    print(
+        f"demo: a second supplier, globex (supplier 2002, account {scope.code}: its own tasks, "
+        f"partitions {scope.partitions_name} and assets {'/'.join(scope.prefix)}/...; day {day}, "
+        f"{world.cities} cities, {world.hotels} hotels, clean profile)",
+        flush=True,
+    )
+    summary = run_full_sync(
+        supplier=account_supplier_now(
+            load_settings(),
+            scope,
+            sim_day=day,
+            rate_limit_rps=args.rate_limit,
+            city_threads=args.city_threads,
+            worker_processes=args.processes,
+        ),
+        scope=scope,
+        sync_db=sync_db,
+        payloads=payloads,
+        progress=sys.stderr,
+        console_log_level=_console_log_level(args),
+    )
+    status = _finish_sync(summary, as_json=False)
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        h = schema.platform_hotel.c
+        with db.engine.connect() as conn:
+            counts = conn.execute(
+                sa.select(h.supplier_id, sa.func.count())
+                .group_by(h.supplier_id)
+                .order_by(h.supplier_id)
+            ).all()
+    finally:
+        db.dispose()
+    print(
+        "one catalog, a mapping namespace per supplier: "
+        + ", ".join(f"supplier {sid}: {n} hotels" for sid, n in counts)
+        + " (several suppliers and accounts in one deployment: README, "
+        '"Many suppliers, many accounts")'
+    )
     return status
 
 
@@ -803,7 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="the main job on the embedded defaults: a full sync through Dagster of the "
-        "simulated supplier (flaky), with progress and a summary; run again for the next day",
+        "simulated supplier (flaky), then of a second supplier through its own account, with "
+        "progress and summaries; run again for the next day",
     )
     demo.add_argument("--cities", type=int, default=50)
     demo.add_argument("--hotels", type=int, default=20_000)
@@ -813,6 +883,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
     demo.add_argument("--city-threads", type=_positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     demo.add_argument("--processes", type=_processes, default=None, help=_PROCESSES)
+    demo.add_argument(
+        "--second-hotels",
+        type=int,
+        default=2_000,
+        help="hotels of the second simulated supplier, synced through its own account (0: none)",
+    )
+    demo.add_argument("--second-cities", type=_positive_int, default=10)
     demo.set_defaults(func=_cmd_demo)
 
     sync = sub.add_parser("sync", help="a sync against the configured supplier (SUPPLIER_SYNC_*)")

@@ -16,13 +16,18 @@ def test_readme_main_command_syncs_then_publishes_only_changes(tmp_path: Path):
     for name in ("SUPPLIER_SYNC_DB_URL", "DAGSTER_HOME", "SUPPLIER_SYNC_PAYLOAD_URL"):
         env.pop(name, None)
     cli = Path(sys.executable).parent / "supplier-sync"
-    small = ["demo", "--cities", "8", "--hotels", "1500"]
+    small = ["demo", "--cities", "8", "--hotels", "1500", "--second-hotels", "300"]
     first = subprocess.run(
         [str(cli), *small], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert first.returncode == 0, first.stdout + first.stderr
     assert ": SUCCESS (" in first.stdout and "DOES NOT ADD UP" not in first.stdout
     assert "dead letters by code: " in first.stdout and "NEW" in first.stdout
+    # The second supplier syncs through its own account, into the same catalog.
+    assert "a second supplier, globex (supplier 2002, account globex.main" in first.stdout
+    catalog = next(ln for ln in first.stdout.splitlines() if ln.startswith("one catalog"))
+    assert "supplier 1001: " in catalog and "supplier 2002: " in catalog
+    assert int(catalog.split("supplier 2002: ")[1].split()[0]) > 200
     second = subprocess.run(
         [str(cli), *small], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
