@@ -617,7 +617,11 @@ def test_a_city_whose_stored_pages_are_lost_fails_the_replay_in_one_line(
 def test_demo_syncs_the_embedded_supplier_and_moves_it_to_the_next_day(
     db_url: str, capsys: pytest.CaptureFixture[str], cli_home: Path
 ):
-    demo = run(capsys, "--db-url", db_url, "demo", "--cities", "4", "--hotels", "300")
+    demo = run(
+        capsys,
+        *("--db-url", db_url, "demo", "--cities", "4", "--hotels", "300"),
+        *("--second-hotels", "200", "--second-cities", "3"),
+    )
     assert demo.code == 0, demo
     assert "Traceback" not in demo.err
     assert demo.lines[0].startswith("demo: a full sync through Dagster of the simulated supplier")
@@ -627,8 +631,14 @@ def test_demo_syncs_the_embedded_supplier_and_moves_it_to_the_next_day(
     assert done and done[1] == done[2] and int(done[1]) >= 4, demo.out
     assert "DOES NOT ADD UP" not in demo.out
     n = int(demo.out.split(" = published ")[1].split()[0])
-    assert n > 250 and len(published(db_url)) == n
-    assert demo.lines[-1].startswith("run `supplier-sync demo` again: the supplier moves to day 1")
+    second = int(demo.out.split(" = published ")[2].split()[0])
+    h = schema.platform_hotel.c
+    by_supplier = dict(
+        query(db_url, sa.select(h.supplier_id, sa.func.count()).group_by(h.supplier_id))
+    )
+    assert n > 250 and by_supplier == {1001: n, 2002: second} and second > 150
+    assert f"supplier 1001: {n} hotels, supplier 2002: {second} hotels" in demo.out
+    assert demo.lines[-1].startswith("run `supplier-sync demo` again: the suppliers move to day 1")
     state = json.loads((cli_home / "home" / "demo_state.json").read_text())
     assert state == {"next_day": 1}
 
