@@ -123,7 +123,11 @@ def bench_budget(args: argparse.Namespace) -> int:
         }
     )
     with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_accounts_")))
+        tmp = Path(
+            stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench_accounts_", ignore_cleanup_errors=True)
+            )
+        )
         if args.sync_db == "mariadb":
             (name,) = stack.enter_context(mariadb_databases(["sync"], args.mysql_url))
             db_url = mariadb_url(name, args.mysql_url)

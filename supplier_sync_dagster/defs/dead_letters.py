@@ -43,7 +43,7 @@ from supplier_sync_dagster.defs.city_sync import (
     TRIGGER_TAG,
     trigger_of,
 )
-from supplier_sync_dagster.defs.full_sync_schedule import build_full_sync_job
+from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
 from supplier_sync_dagster.defs.incremental_sync import TASK_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
@@ -289,53 +289,27 @@ def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
 
 
 @functools.cache
-def build_city_resync_sensor(scope: AccountScope) -> dg.SensorDefinition:
+def build_dead_letter_resync_sensor(scope: AccountScope) -> dg.SensorDefinition:
     """The account's re-sync sensor: its full sync of the cities its compensation lists."""
-
-    @dg.asset_sensor(
-        asset_key=scope.key(COMPENSATION.path[-1]),
-        job=build_full_sync_job(scope),
-        name=scope.name("dead_letter_city_resync_sensor"),
-        default_status=dg.DefaultSensorStatus.RUNNING,
+    return build_city_resync_sensor(
+        scope,
+        name="dead_letter_city_resync_sensor",
+        watched=scope.key(COMPENSATION.path[-1]),
+        metadata_key=RESYNC,
+        source="COMPENSATION",
+        trigger_prefix="resync",
         description=(
             "After each compensation: one full-sync run per city whose CITY_FAILED ticket is "
             "due, all of one trigger (one batch); the next compensation resolves the tickets "
             "of the cities that synced."
         ),
     )
-    def dead_letter_city_resync_sensor(
-        context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
-    ) -> dg.SensorResult:
-        """Requests the re-sync of the cities the new compensation lists."""
-        m = asset_event.asset_materialization
-        value = m.metadata.get(RESYNC) if m is not None else None
-        data = value.value if value is not None else None
-        cities = [str(c) for c in data] if isinstance(data, list) else []
-        if not cities:
-            return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
-        trigger = f"resync:{asset_event.run_id}"[:64]
-        keys = [encode_city_key(c) for c in cities]
-        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-        new = [k for k in keys if k not in known]
-        return dg.SensorResult(
-            run_requests=[
-                dg.RunRequest(
-                    run_key=f"{trigger}:{key}",
-                    partition_key=key,
-                    tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION", **scope.tags},
-                )
-                for key in keys
-            ],
-            dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],
-        )
-
-    return dead_letter_city_resync_sensor
 
 
 dead_letter_compensation = build_compensation(DEFAULT_SCOPE)
 dead_letter_compensation_job = build_compensation_job(DEFAULT_SCOPE)
 dead_letter_compensation_schedule = build_compensation_schedule(DEFAULT_SCOPE)
-dead_letter_city_resync_sensor = build_city_resync_sensor(DEFAULT_SCOPE)
+dead_letter_city_resync_sensor = build_dead_letter_resync_sensor(DEFAULT_SCOPE)
 
 
 def summary_metadata(summary: deadletters.Summary) -> dict[str, Any]:
@@ -404,7 +378,7 @@ def _build(scope: AccountScope) -> dg.Definitions:
         assets=[build_compensation(scope)],
         jobs=[build_compensation_job(scope)],
         schedules=[build_compensation_schedule(scope)],
-        sensors=[build_city_resync_sensor(scope)],
+        sensors=[build_dead_letter_resync_sensor(scope)],
     )
 
 

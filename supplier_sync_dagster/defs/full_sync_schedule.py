@@ -7,6 +7,7 @@ import dagster as dg
 
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_sync import SOURCE_TAG, TRIGGER_TAG, build_city_sync
+from supplier_sync_dagster.defs.partitions import encode_city_key
 
 
 @functools.cache
@@ -56,6 +57,55 @@ def build_nightly_full_sync(scope: AccountScope) -> dg.ScheduleDefinition:
         )
 
     return nightly_full_sync
+
+
+def build_city_resync_sensor(
+    scope: AccountScope,
+    *,
+    name: str,
+    watched: dg.AssetKey,
+    metadata_key: str,
+    source: str,
+    trigger_prefix: str,
+    description: str,
+) -> dg.SensorDefinition:
+    """A sensor that, after each materialization of ``watched``, requests the account's full
+    sync of the cities its ``metadata_key`` lists: one run per city (an exact partition), all
+    of one trigger, so one batch."""
+
+    @dg.asset_sensor(
+        asset_key=watched,
+        job=build_full_sync_job(scope),
+        name=scope.name(name),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=description,
+    )
+    def city_resync_sensor(
+        context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
+    ) -> dg.SensorResult:
+        m = asset_event.asset_materialization
+        value = m.metadata.get(metadata_key) if m is not None else None
+        data = value.value if value is not None else None
+        cities = [str(c) for c in data] if isinstance(data, list) else []
+        if not cities:
+            return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
+        trigger = f"{trigger_prefix}:{asset_event.run_id}"[:64]
+        keys = [encode_city_key(c) for c in cities]
+        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
+        new = [k for k in keys if k not in known]
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(
+                    run_key=f"{trigger}:{key}",
+                    partition_key=key,
+                    tags={TRIGGER_TAG: trigger, SOURCE_TAG: source, **scope.tags},
+                )
+                for key in keys
+            ],
+            dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],
+        )
+
+    return city_resync_sensor
 
 
 full_sync_job = build_full_sync_job(DEFAULT_SCOPE)

@@ -19,9 +19,8 @@ from pydantic import Field
 
 from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
-from supplier_sync_dagster.defs.city_sync import PUBLISHED, SOURCE_TAG, TRIGGER_TAG
-from supplier_sync_dagster.defs.full_sync_schedule import build_full_sync_job
-from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.city_sync import PUBLISHED
+from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
@@ -182,44 +181,18 @@ def build_reconciliation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
 @functools.cache
 def build_repull_sensor(scope: AccountScope) -> dg.SensorDefinition:
     """The account's re-pull sensor: its full sync of the cities its reconciliation lists."""
-
-    @dg.asset_sensor(
-        asset_key=scope.key(RECONCILIATION.path[-1]),
-        job=build_full_sync_job(scope),
-        name=scope.name("reconciliation_repull_sensor"),
-        default_status=dg.DefaultSensorStatus.RUNNING,
+    return build_city_resync_sensor(
+        scope,
+        name="reconciliation_repull_sensor",
+        watched=scope.key(RECONCILIATION.path[-1]),
+        metadata_key=REPULL,
+        source="SENSOR",
+        trigger_prefix="repull",
         description=(
             "After each reconciliation: one full-sync run per city that differs, all of one "
             "trigger (one batch), so the next reconciliation shows them equal."
         ),
     )
-    def reconciliation_repull_sensor(
-        context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry
-    ) -> dg.SensorResult:
-        """Requests the re-pull of the cities the new reconciliation lists."""
-        m = asset_event.asset_materialization
-        value = m.metadata.get(REPULL) if m is not None else None
-        data = value.value if value is not None else None
-        cities = [str(c) for c in data] if isinstance(data, list) else []
-        if not cities:
-            return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-pull"))
-        trigger = f"repull:{asset_event.run_id}"[:64]
-        keys = [encode_city_key(c) for c in cities]
-        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-        new = [k for k in keys if k not in known]
-        return dg.SensorResult(
-            run_requests=[
-                dg.RunRequest(
-                    run_key=f"{trigger}:{key}",
-                    partition_key=key,
-                    tags={TRIGGER_TAG: trigger, SOURCE_TAG: "SENSOR", **scope.tags},
-                )
-                for key in keys
-            ],
-            dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],
-        )
-
-    return reconciliation_repull_sensor
 
 
 hotel_catalog_reconciliation = build_reconciliation(DEFAULT_SCOPE)
