@@ -146,7 +146,8 @@ def bench_budget(args: argparse.Namespace) -> int:
                 if s == supplier:
                     lines.append(
                         f"      {a}: {{api_key_env: {s.upper()}_{a.upper()}_KEY, rate_limit_rps: "
-                        f"{rate}, page_size: {args.page_size}, worker_processes: 0}}"
+                        f"{rate}, page_size: {args.page_size}, worker_processes: 0, "
+                        f"city_threads: {args.city_threads}}}"
                     )
         (tmp / "suppliers.yaml").write_text("\n".join(lines) + "\n")
         home = tmp / "dagster_home"
@@ -165,8 +166,9 @@ def bench_budget(args: argparse.Namespace) -> int:
         if args.redis_url:
             env["SUPPLIER_SYNC_REDIS_URL"] = args.redis_url
         os.environ["DAGSTER_HOME"] = str(home)
+        # Created here first: the webserver and the daemon must not race to create its storage.
+        instance = dg.DagsterInstance.get()
         with DagsterProcesses(env, tmp / "logs") as dagster:
-            instance = dg.DagsterInstance.get()
             for s, a in ACCOUNTS:
                 keys = sorted(encode_city_key(c) for c in fleet.simulator(s, a).city_codes())
                 instance.add_dynamic_partitions(f"{s}__{a}__city", keys)
@@ -218,7 +220,8 @@ def bench_budget(args: argparse.Namespace) -> int:
                 problems.append(f"{supplier}: catalog differs from its ground truth")
         print(
             f"4 accounts x R={rate:g} requests/s, {args.hotels} hotels in {args.cities} cities per "
-            f"supplier, page size {args.page_size}, {args.sync_db} sync db; runs {sorted(statuses)}"
+            f"supplier, page size {args.page_size}, city_threads {args.city_threads}, "
+            f"{args.sync_db} sync db; runs {sorted(statuses)}"
         )
         print(f"requests per account: {requests}; 429s from the supplier's buckets: {limited}")
         print(
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--hotels", type=int, default=20_000)
     budget.add_argument("--cities", type=int, default=40)
     budget.add_argument("--page-size", type=int, default=25)
+    budget.add_argument(
+        "--city-threads", type=int, default=1, help="the accounts' city_threads (suppliers.yaml)"
+    )
     budget.add_argument("--sync-db", choices=["sqlite", "mariadb"], default="sqlite")
     budget.add_argument("--mysql-url", default=MYSQL_URL)
     budget.add_argument("--redis-url", default=None, help="share buckets through Redis")

@@ -117,6 +117,15 @@ class AccountConfig(_Strict):
     worker_processes: int | None = Field(
         default=None, ge=0, description="Processes that sync a run's cities (unset: automatic)."
     )
+    city_threads: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description=(
+            "Cities in flight in a run's process: 2 keeps a rate-limited account's budget "
+            "busy while one city is claimed, gated or finished."
+        ),
+    )
     schedules: Schedules = Field(default_factory=Schedules)
     thresholds: dict[str, float] = Field(
         default_factory=dict,
@@ -214,6 +223,7 @@ class Account:
         rate_limit_rps: Requests/s the account may send, all its workers together.
         page_size: Hotels per page.
         worker_processes: Processes that sync a run's cities; None: automatic.
+        city_threads: Cities in flight in a run's process.
         schedules: When its jobs run.
         thresholds: Gate thresholds given in the file (the rest keep their defaults).
         simulator: The in-process simulator's world (when ``base_url`` is None).
@@ -228,6 +238,7 @@ class Account:
     rate_limit_rps: float = 50.0
     page_size: int = 100
     worker_processes: int | None = None
+    city_threads: int = 1
     schedules: Schedules = Schedules()
     thresholds: tuple[tuple[str, float], ...] = ()
     simulator: SimulatedSupplier = SimulatedSupplier()
@@ -289,6 +300,7 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             rate_limit_rps=account.rate_limit_rps,
             page_size=account.page_size,
             worker_processes=account.worker_processes,
+            city_threads=account.city_threads,
             schedules=account.schedules,
             thresholds=tuple(sorted(_typed_thresholds(account.thresholds).items())),
             simulator=supplier.simulator,
@@ -313,7 +325,8 @@ def load_accounts(path: Path) -> list[Account]:
             f"{path}: cannot read the suppliers file: {err.strerror or err}"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        # libyaml's loader when PyYAML has it: a code location reads the file once per module.
+        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not YAML: {err}") from None
     return parse_accounts(data, source=str(path))

@@ -30,6 +30,7 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import dagster as dg
@@ -146,7 +147,17 @@ def account_scopes() -> list[AccountScope]:
     path = load_settings().suppliers_file
     if path is None:
         return [DEFAULT_SCOPE]
-    return [AccountScope(a) for a in load_accounts(path)]
+    try:
+        stat = path.stat()
+    except OSError:
+        return list(_scopes_of(path, 0, -1))  # load_accounts names the problem
+    # Every definitions module asks; a changed file (a reload) is read again.
+    return list(_scopes_of(path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _scopes_of(path: Path, _mtime_ns: int, _size: int) -> tuple[AccountScope, ...]:
+    return tuple(AccountScope(a) for a in load_accounts(path))
 
 
 def per_account(build: Callable[[AccountScope], dg.Definitions]) -> dg.Definitions:

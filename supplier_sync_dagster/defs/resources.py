@@ -343,6 +343,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
         "task_code": account.full_task_code,
         "rate_limit_rps": account.rate_limit_rps,
         "page_size": account.page_size,
+        "city_threads": account.city_threads,
         **_set(worker_processes=account.worker_processes),
         **simulated,
         **overrides,

@@ -20,7 +20,11 @@ def _file(**acme_eu: Any) -> dict[str, Any]:
                 "base_url": "https://api.acme.example",
                 "accounts": {
                     "eu": {"api_key_env": "ACME_EU_KEY", "rate_limit_rps": 20, **acme_eu},
-                    "us": {"api_key_env": "ACME_US_KEY", "schedules": {"incremental": None}},
+                    "us": {
+                        "api_key_env": "ACME_US_KEY",
+                        "schedules": {"incremental": None},
+                        "city_threads": 2,
+                    },
                 },
             },
             "globex": {
@@ -40,6 +44,7 @@ def test_accounts_are_resolved_in_file_order():
     assert eu.task_codes == ("acme.eu.full", "acme.eu.incremental", "acme.eu.compensation")
     assert eu.rate_limit_rps == 20 and us.rate_limit_rps == 50 and eu.page_size == 100
     assert us.schedules.incremental is None and us.schedules.full == "0 2 * * *"
+    assert (eu.city_threads, us.city_threads) == (1, 2)
     assert eu.gate_thresholds() == GateThresholds(max_bad_ratio=0.1, quiet_windows=3)
     assert isinstance(eu.gate_thresholds().quiet_windows, int)
     assert us.gate_thresholds() == GateThresholds()

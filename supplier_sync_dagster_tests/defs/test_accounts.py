@@ -38,6 +38,7 @@ suppliers:
       us:
         rate_limit_rps: 7
         page_size: 50
+        city_threads: 2
         schedules: {incremental: null, full: "15 1 * * *"}
   globex:
     supplier_id: 2002
@@ -96,7 +97,8 @@ def test_each_account_has_its_own_jobs_assets_partitions_and_supplier(suppliers_
         "acme.eu.full",
         20,
     )
-    assert (us.rate_limit_rps, us.page_size) == (7, 50)
+    assert (us.rate_limit_rps, us.page_size, us.city_threads) == (7, 50, 2)
+    assert eu.city_threads == 1
     assert "supplier" not in resources
 
 

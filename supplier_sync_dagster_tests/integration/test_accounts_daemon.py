@@ -126,8 +126,9 @@ def test_accounts_sync_in_parallel_each_within_its_budget_and_apart(
     )
     monkeypatch.setenv("DAGSTER_HOME", str(home))
 
+    # Created here first: the webserver and the daemon must not race to create its storage.
+    instance = dg.DagsterInstance.get()
     with DagsterProcesses(env, tmp_path / "logs") as dagster:
-        instance = dg.DagsterInstance.get()
         assert {f"{s}__{a}__full_sync_job" for s, a in ACCOUNTS} <= dagster.job_names()
         run_ids: dict[str, list[str]] = {}
         for supplier, account in ACCOUNTS:
