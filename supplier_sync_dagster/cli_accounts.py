@@ -42,6 +42,14 @@ def account_scope(args: argparse.Namespace, settings: Any) -> Any:
     return AccountScope(find_account(load_accounts(settings.suppliers_file), code))
 
 
+def full_task_scopes() -> list[tuple[str, Any]]:
+    """(full-sync task, account scope) of every account: the commands that judge tasks
+    (metrics, alerts) mean these unless told ``--task``."""
+    from supplier_sync_dagster.defs.accounts import account_scopes
+
+    return [(scope.full_task_code, scope) for scope in account_scopes()]
+
+
 def account_supplier_now(settings: Any, scope: Any, **overrides: Any) -> Any:
     """The account's supplier resource for a command run now: its API key read from the
     variable the file names (a run in Dagster reads it through ``dg.EnvVar`` instead).

@@ -12,11 +12,11 @@ from typing import Any
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     """``metrics show|serve``."""
+    from supplier_sync_dagster.cli_accounts import full_task_scopes
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.metrics import sync_health
-    from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 
-    tasks = args.task or [DEFAULT_TASK_CODE]
+    tasks = args.task or [task for task, _ in full_task_scopes()]
     db = SyncDatabase.open(args.db_url)
     try:
         if args.metrics_command == "show":
@@ -47,10 +47,11 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def cmd_alerts(args: argparse.Namespace) -> int:
     """``alerts list|check|thresholds``."""
+    from supplier_sync_dagster.cli_accounts import full_task_scopes
     from supplier_sync_dagster.core import alerts
     from supplier_sync_dagster.core.db import SyncDatabase
     from supplier_sync_dagster.core.errors import ConfigError
-    from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, load_settings
+    from supplier_sync_dagster.core.settings import load_settings
 
     db = SyncDatabase.open(args.db_url)
     try:
@@ -71,8 +72,16 @@ def cmd_alerts(args: argparse.Namespace) -> int:
                     f"[{sent}]  {row['message']}"
                 )
             return 0
-        task = args.task or DEFAULT_TASK_CODE
+        judged = full_task_scopes()
+        if args.task:
+            judged = [(args.task, next((sc for t, sc in judged if t == args.task), None))]
         if args.alerts_command == "thresholds":
+            if len(judged) != 1:
+                raise ConfigError(
+                    "alerts thresholds: name the task with --task (one of "
+                    f"{', '.join(t for t, _ in judged)})"
+                )
+            task = judged[0][0]
             values: dict[str, float] = {}
             for item in args.set or []:
                 name, sep, raw = item.partition("=")
@@ -95,39 +104,47 @@ def cmd_alerts(args: argparse.Namespace) -> int:
                 else "\n".join(f"{k:<32} {v:g}" for k, v in sorted(current.items()))
             )
             return 0
-        from supplier_sync_dagster.defs.health import alert_context
+        from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
+        from supplier_sync_dagster.defs.health import RECONCILIATION, alert_context
         from supplier_sync_dagster.sync_runner import dagster_instance
 
         settings = load_settings()
         channel = alerts.open_channel(settings.alert_url, settings.state_dir)
-        # The instance the CLI's runs are in: the failed run's link and the reconciliation's
-        # remaining differences, as the alert sensor reads them.
-        with dagster_instance() as instance:
-            context = alert_context(instance, db, task)
-        done = alerts.check(
-            db,
-            channel,
-            task_code=task,
-            context=context,
-            dagster_url=settings.dagster_url or "http://localhost:3000",
-        )
-        holding = [f.condition + (f"/{f.subject}" if f.subject else "") for f in done.findings]
-        summary = {
-            "holding": holding,
-            "fired": done.changes.fired,
-            "resolved": done.changes.resolved,
-            "sent": done.delivered.sent,
-            "failed_deliveries": done.delivered.failed,
-        }
-        print(
-            json.dumps(summary, sort_keys=True)
-            if args.json
-            else (
-                f"{len(done.findings)} conditions hold ({', '.join(holding) or 'none'}); "
-                f"{len(done.changes.fired)} alerts started, {len(done.changes.resolved)} cleared; "
-                f"{done.delivered.sent} messages sent, {done.delivered.failed} to retry"
+        for task, scope in judged:
+            # The instance the CLI's runs are in: the failed run's link and the
+            # reconciliation's remaining differences, as the alert sensor reads them.
+            with dagster_instance() as instance:
+                context = alert_context(
+                    instance,
+                    db,
+                    task,
+                    reconciliation=(scope or DEFAULT_SCOPE).key(RECONCILIATION.path[-1]),
+                )
+            done = alerts.check(
+                db,
+                channel,
+                task_code=task,
+                context=context,
+                dagster_url=settings.dagster_url or "http://localhost:3000",
             )
-        )
+            holding = [f.condition + (f"/{f.subject}" if f.subject else "") for f in done.findings]
+            summary = {
+                "task": task,
+                "holding": holding,
+                "fired": done.changes.fired,
+                "resolved": done.changes.resolved,
+                "sent": done.delivered.sent,
+                "failed_deliveries": done.delivered.failed,
+            }
+            print(
+                json.dumps(summary, sort_keys=True)
+                if args.json
+                else (
+                    f"{task}: {len(done.findings)} conditions hold ({', '.join(holding) or 'none'}); "
+                    f"{len(done.changes.fired)} alerts started, {len(done.changes.resolved)} "
+                    f"cleared; {done.delivered.sent} messages sent, {done.delivered.failed} to retry"
+                )
+            )
         return 0
     finally:
         db.dispose()
@@ -138,7 +155,9 @@ def add_commands(sub: Any) -> None:
     metrics = sub.add_parser("metrics", help="sync health: show it, or serve it to Prometheus")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True)
     show = metrics_sub.add_parser("show", help="every figure of each task, now")
-    show.add_argument("--task", action="append", help="a task (repeat; default the full sync)")
+    show.add_argument(
+        "--task", action="append", help="a task (repeat; default every account's full sync)"
+    )
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_metrics)
     serve = metrics_sub.add_parser(
@@ -150,7 +169,9 @@ def add_commands(sub: Any) -> None:
     serve.add_argument(
         "--interval", type=float, default=30.0, help="seconds between refreshes of the figures"
     )
-    serve.add_argument("--task", action="append", help="a task (repeat; default the full sync)")
+    serve.add_argument(
+        "--task", action="append", help="a task (repeat; default every account's full sync)"
+    )
     serve.set_defaults(func=cmd_metrics)
 
     al = sub.add_parser("alerts", help="alerts: list them, check the conditions now, thresholds")
@@ -165,7 +186,7 @@ def add_commands(sub: Any) -> None:
         help="judge the conditions now, start or clear alerts and send what is due "
         "(what the alert sensor does each minute)",
     )
-    check.add_argument("--task", default=None, help="the task (default the full sync)")
+    check.add_argument("--task", default=None, help="the task (default every account's full sync)")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_alerts)
     th = al_sub.add_parser("thresholds", help="show or set a task's alert thresholds (audited)")

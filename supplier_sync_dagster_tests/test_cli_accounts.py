@@ -148,3 +148,29 @@ def test_accounts_check_loads_the_definitions_and_names_a_bad_field(
         bad = run(capsys, "accounts", "list")
         line = assert_one_line_error(bad, code=2)
         assert "'acme' and 'globex' share supplier_id 1001" in line and str(path) in line
+
+
+def test_metrics_and_alerts_judge_every_accounts_task(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    db_url: str,
+):
+    with suppliers_file(fleet(), tmp_path, monkeypatch):
+        shown = run(capsys, "--db-url", db_url, "metrics", "show", "--json")
+        assert shown.code == 0, shown
+        tasks = [json.loads(line)["task_code"] for line in shown.out.splitlines()]
+        assert tasks == [f"{s}.{a}.full" for s, a in KEYS]
+        checked = run(capsys, "--db-url", db_url, "alerts", "check", "--json")
+        assert checked.code == 0, checked
+        rounds = [json.loads(line) for line in checked.out.splitlines()]
+        assert [r["task"] for r in rounds] == tasks
+        one = run(capsys, "--db-url", db_url, "alerts", "check", "--task", "acme.us.full")
+        assert one.code == 0 and one.out.startswith("acme.us.full: "), one
+        unnamed = run(capsys, "--db-url", db_url, "alerts", "thresholds")
+        line = assert_one_line_error(unnamed, code=2)
+        assert "name the task with --task" in line and "globex.asia.full" in line
+        named = run(
+            capsys, "--db-url", db_url, "alerts", "thresholds", "--task", "acme.eu.full", "--json"
+        )
+        assert named.code == 0 and "freshness_sla_hours" in named.out, named
