@@ -84,6 +84,12 @@ def _supplier(
     extra = {k: v for k, v in fields.items() if v is not None}
     if scope is not None and scope.account is not None:
         return account_supplier_now(settings, scope, rate_limit_rps=rate_limit, **extra)
+    if settings.suppliers_file is not None:
+        # Never the SUPPLIER_SYNC_SUPPLIER_* supplier by mistake in a deployment of accounts.
+        raise ConfigError(
+            f"the suppliers file {settings.suppliers_file} describes the accounts: name one "
+            "with --account supplier.account (supplier-sync accounts list shows them)"
+        )
     rate = _first(rate_limit, settings.supplier_rate_limit)
     if rate is not None:
         extra["rate_limit_rps"] = rate

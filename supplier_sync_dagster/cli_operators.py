@@ -13,6 +13,7 @@ import sys
 import uuid
 from typing import Any
 
+from supplier_sync_dagster.cli_accounts import ACCOUNT_HELP
 from supplier_sync_dagster.core.errors import NotFound
 
 _STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED")
@@ -131,6 +132,7 @@ def _fix(args: argparse.Namespace, db: Any) -> int:
 
 def _compensate(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.cli import _resources, _supplier
+    from supplier_sync_dagster.cli_accounts import account_scope
     from supplier_sync_dagster.core.compensation import CompensationSettings, compensate
     from supplier_sync_dagster.core.leases import make_worker_id
     from supplier_sync_dagster.core.pipeline import SyncSettings
@@ -139,7 +141,11 @@ def _compensate(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
-    supplier = _supplier(settings)
+    scope = account_scope(args, settings)
+    supplier = _supplier(settings, scope=scope)
+    # An account heals its own dead letters; the one account of a deployment without a
+    # suppliers file, every one of its supplier's.
+    owned = () if scope.account is None else scope.account.task_codes
     db = sync_db.open()
     try:
         with supplier.client() as client:
@@ -155,7 +161,10 @@ def _compensate(args: argparse.Namespace) -> int:
                     risk_policy=GovernanceResource().risk_rules(),
                 ),
                 compensation=CompensationSettings(
-                    full_task_code=supplier.task_code, limit=args.limit
+                    task_code=scope.compensation_task_code,
+                    full_task_code=supplier.task_code,
+                    limit=args.limit,
+                    owned_tasks=owned,
                 ),
                 trigger_id=args.trigger_id or f"cli-{uuid.uuid4().hex[:16]}",
                 source="MANUAL",
@@ -171,6 +180,7 @@ def _compensate(args: argparse.Namespace) -> int:
 
             summary = run_full_sync(
                 supplier=supplier,
+                scope=scope,
                 sync_db=sync_db,
                 payloads=payloads,
                 cities=out.resync_cities,
@@ -180,7 +190,9 @@ def _compensate(args: argparse.Namespace) -> int:
                 "batch_id": summary.batch_id,
                 "status": summary.status,
                 "cities": out.resync_cities,
-                "resolved": resolve_synced_cities(db, supplier_id=supplier.supplier_id),
+                "resolved": resolve_synced_cities(
+                    db, supplier_id=supplier.supplier_id, task_codes=owned
+                ),
             }
     finally:
         db.dispose()
@@ -420,6 +432,7 @@ def add_commands(sub: Any) -> None:
         "stage (what the dead_letter_compensation schedule does)",
     )
     comp.add_argument("--limit", type=int, default=10_000, help="due rows taken at most")
+    comp.add_argument("--account", default=None, help=ACCOUNT_HELP)
     comp.add_argument("--trigger-id", default=None, help="idempotency key (default: new)")
     comp.add_argument("--json", action="store_true")
     comp.set_defaults(func=cmd_dead_letters)

@@ -174,3 +174,20 @@ def test_metrics_and_alerts_judge_every_accounts_task(
             capsys, "--db-url", db_url, "alerts", "thresholds", "--task", "acme.eu.full", "--json"
         )
         assert named.code == 0 and "freshness_sla_hours" in named.out, named
+        # A command that calls a supplier never falls back to the SUPPLIER_SYNC_SUPPLIER_*
+        # one in a deployment of accounts: it asks which account.
+        for argv in (("sync", "--full"), ("reconcile",), ("dead-letters", "compensate")):
+            line = assert_one_line_error(run(capsys, "--db-url", db_url, *argv), code=2)
+            assert "name one with --account" in line, argv
+        healed = run(
+            capsys,
+            "--db-url",
+            db_url,
+            "dead-letters",
+            "compensate",
+            "--account",
+            "acme.eu",
+            "--json",
+        )
+        assert healed.code == 0, healed
+        assert json.loads(healed.out)["claimed"] == 0
