@@ -165,6 +165,14 @@ def per_account(build: Callable[[AccountScope], dg.Definitions]) -> dg.Definitio
     return dg.Definitions.merge(*(build(scope) for scope in account_scopes()))
 
 
+def resources_of(context: Any, scope: AccountScope, *names: str) -> dict[str, Any]:
+    """The run's resources ``names`` and the account's supplier (as ``supplier``), for an
+    asset built for an account (its ``required_resource_keys``)."""
+    found = {name: getattr(context.resources, name) for name in names}
+    found["supplier"] = getattr(context.resources, scope.supplier_key)
+    return found
+
+
 def with_resource_key(fn: F, param: str, key: str) -> F:
     """``fn`` with its resource parameter ``param`` renamed ``key``, for Dagster's decorators.
 

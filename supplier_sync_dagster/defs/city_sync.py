@@ -55,7 +55,12 @@ from supplier_sync_dagster.core.run import (
     run_cities,
 )
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.accounts import (
+    DEFAULT_SCOPE,
+    AccountScope,
+    per_account,
+    resources_of,
+)
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -250,10 +255,7 @@ def build_city_sync(scope: AccountScope) -> dg.AssetsDefinition:
         yield from _sync_cities(
             context,
             scope,
-            sync_db=context.resources.sync_db,
-            payloads=context.resources.payloads,
-            supplier=getattr(context.resources, scope.supplier_key),
-            governance=context.resources.governance,
+            **resources_of(context, scope, "sync_db", "payloads", "governance"),
         )
 
     return city_sync

@@ -35,7 +35,12 @@ from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
 from supplier_sync_dagster.core.incremental import published_cities
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import SyncSettings
-from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.accounts import (
+    DEFAULT_SCOPE,
+    AccountScope,
+    per_account,
+    resources_of,
+)
 from supplier_sync_dagster.defs.city_sync import (
     GROUP,
     PUBLISHED,
@@ -123,10 +128,7 @@ def build_compensation(scope: AccountScope) -> dg.AssetsDefinition:
             context,
             config,
             scope,
-            sync_db=context.resources.sync_db,
-            payloads=context.resources.payloads,
-            supplier=getattr(context.resources, scope.supplier_key),
-            governance=context.resources.governance,
+            **resources_of(context, scope, "sync_db", "payloads", "governance"),
         )
 
     return dead_letter_compensation

@@ -24,6 +24,7 @@ from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
     per_account,
+    resources_of,
     with_resource_key,
 )
 from supplier_sync_dagster.defs.city_sync import (
@@ -88,12 +89,7 @@ def build_sync_health(scope: AccountScope) -> dg.AssetsDefinition:
         ),
     )
     def sync_health_asset(context: dg.AssetExecutionContext) -> Any:
-        yield from _health(
-            context,
-            scope,
-            context.resources.sync_db,
-            getattr(context.resources, scope.supplier_key),
-        )
+        yield from _health(context, scope, **resources_of(context, scope, "sync_db"))
 
     return sync_health_asset
 

@@ -35,7 +35,12 @@ from supplier_sync_dagster.core.incremental import (
 )
 from supplier_sync_dagster.core.leases import make_worker_id
 from supplier_sync_dagster.core.pipeline import SyncSettings
-from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.accounts import (
+    DEFAULT_SCOPE,
+    AccountScope,
+    per_account,
+    resources_of,
+)
 from supplier_sync_dagster.defs.city_sync import (
     PUBLISHED,
     SOURCE_TAG,
@@ -125,10 +130,7 @@ def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
             context,
             config,
             scope,
-            sync_db=context.resources.sync_db,
-            payloads=context.resources.payloads,
-            supplier=getattr(context.resources, scope.supplier_key),
-            governance=context.resources.governance,
+            **resources_of(context, scope, "sync_db", "payloads", "governance"),
         )
 
     return hotel_change_feed

@@ -18,7 +18,12 @@ import dagster as dg
 from pydantic import Field
 
 from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
-from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
+from supplier_sync_dagster.defs.accounts import (
+    DEFAULT_SCOPE,
+    AccountScope,
+    per_account,
+    resources_of,
+)
 from supplier_sync_dagster.defs.city_sync import PUBLISHED
 from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
 from supplier_sync_dagster.defs.resources import (
@@ -66,9 +71,7 @@ def build_reconciliation(scope: AccountScope) -> dg.AssetsDefinition:
             context,
             config,
             key,
-            sync_db=context.resources.sync_db,
-            payloads=context.resources.payloads,
-            supplier=getattr(context.resources, scope.supplier_key),
+            **resources_of(context, scope, "sync_db", "payloads"),
         )
 
     return hotel_catalog_reconciliation
