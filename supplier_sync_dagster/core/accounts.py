@@ -96,8 +96,11 @@ class Schedules(_Strict):
     reconciliation: str | None = Field(
         default="30 3 * * *", description="Per-city summaries against the catalog."
     )
+    compensation: str | None = Field(
+        default="*/5 * * * *", description="Retry the account's due dead letters."
+    )
 
-    @field_validator("full", "incremental", "reconciliation")
+    @field_validator("full", "incremental", "reconciliation", "compensation")
     @classmethod
     def _cron_expression(cls, value: str | None) -> str | None:
         return _cron(value)

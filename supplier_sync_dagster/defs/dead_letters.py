@@ -240,18 +240,20 @@ def build_compensation_job(scope: AccountScope) -> Any:
 
 @functools.cache
 def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
-    """The account's compensation schedule: every 5 minutes when one of its rows is due."""
+    """The account's compensation schedule (its ``schedules.compensation``; every 5 minutes),
+    when one of its rows is due."""
     job = build_compensation_job(scope)
+    cron = "*/5 * * * *" if scope.account is None else scope.account.schedules.compensation
     supplier_id = None if scope.account is None else scope.account.supplier_id
     owned = () if scope.account is None else scope.account.task_codes
 
     @dg.schedule(
         name=scope.name("dead_letter_compensation_schedule"),
         job=job,
-        cron_schedule="*/5 * * * *",
+        cron_schedule=cron or "*/5 * * * *",
         execution_timezone="UTC",
         default_status=dg.DefaultScheduleStatus.RUNNING,
-        description="Every 5 minutes, when a retryable dead letter is due and no run is active.",
+        description=f"On {cron}, when a retryable dead letter is due and no run is active.",
     )
     def dead_letter_compensation_schedule(
         context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
@@ -376,10 +378,11 @@ dead_letter_summary_schedule = dg.ScheduleDefinition(
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
+    on_schedule = scope.account is None or scope.account.schedules.compensation is not None
     return dg.Definitions(
         assets=[build_compensation(scope)],
         jobs=[build_compensation_job(scope)],
-        schedules=[build_compensation_schedule(scope)],
+        schedules=[build_compensation_schedule(scope)] if on_schedule else [],
         sensors=[build_dead_letter_resync_sensor(scope)],
     )
 

@@ -39,7 +39,7 @@ suppliers:
         rate_limit_rps: 7
         page_size: 50
         city_threads: 2
-        schedules: {incremental: null, full: "15 1 * * *"}
+        schedules: {incremental: null, compensation: null, full: "15 1 * * *"}
   globex:
     supplier_id: 2002
     simulator: {seed: 12, cities: 4, hotels: 160, profile: clean}
@@ -86,6 +86,8 @@ def test_each_account_has_its_own_jobs_assets_partitions_and_supplier(suppliers_
     assert projection.parent_keys == {CATALOG}
     schedules = {s.name: s for s in repo.schedule_defs}
     assert "acme__us__incremental_sync_schedule" not in schedules  # null: never scheduled
+    assert "acme__us__dead_letter_compensation_schedule" not in schedules
+    assert schedules["acme__eu__dead_letter_compensation_schedule"].cron_schedule == "*/5 * * * *"
     assert schedules["acme__us__nightly_full_sync"].cron_schedule == "15 1 * * *"
     assert schedules["acme__eu__incremental_sync_schedule"].cron_schedule == "*/5 * * * *"
     resources = loaded.resources or {}

@@ -75,7 +75,10 @@ def _suppliers_yaml(url: str, accounts: list[tuple[str, str]]) -> str:
             if s == supplier:
                 lines.append(
                     f"      {account}: {{api_key_env: {s.upper()}_{account.upper()}_KEY, "
-                    f"rate_limit_rps: {RATE}, page_size: 50}}"
+                    f"rate_limit_rps: {RATE}, page_size: 50, "
+                    # Only the proof's runs: no window, reconciliation or retry on a timer.
+                    "schedules: {full: null, incremental: null, reconciliation: null, "
+                    "compensation: null}}"
                 )
     return "\n".join(lines) + "\n"
 
