@@ -171,7 +171,7 @@ class PartitionView:
 # How often the backfill daemon looks for new backfills under ``supplier-sync daemon``.
 # Dagster's own is 30 s, and a launched backfill's first run waits for that tick: most of a
 # backfill's orchestration time (bench/bench_backfill.py).
-BACKFILL_DAEMON_INTERVAL_SECONDS = 5
+BACKFILL_DAEMON_INTERVAL_SECONDS = 2
 
 FINAL_BACKFILL_STATES = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
 

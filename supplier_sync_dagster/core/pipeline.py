@@ -416,17 +416,28 @@ def sync_city(
                     )
                     _stop_gated(lease, report, [drift])
                     return report
+            writer = normalizer.writer
+            if (
+                writer is not None
+                and source is None
+                and normalizer.candidates is not None
+                and report.records <= ONE_TRANSACTION_HOTELS
+            ):
+                # A small city: its last normalize writes go with the shard's end.
+                writer.defer = True
             normalizer.finish()
             report.stages_done.append("normalize")
             if gate is not None:
                 report.checks = gate(db, batch.batch_id, city_code, report)
                 if report.gate_failures:
-                    _stop_gated(lease, report, report.checks)
+                    _stop_gated(lease, report, report.checks, writer)
                     return report
 
             def finish(conn: Connection) -> None:
                 _check_counts(report)
                 heartbeat.check()
+                if writer is not None:
+                    writer.write_deferred(conn)
                 lease.finish_in(conn, "SUCCESS", counts=report.counts)
                 if source is not None:
                     source.finish(conn, report)
@@ -559,11 +570,28 @@ def _claim(
     return claim_shard(db, batch_id, city, worker_id=worker_id, settings=settings.lease)
 
 
-def _stop_gated(lease: ShardLease, report: CityReport, checks: list[GateResult]) -> None:
-    """Ends a city that a gate stopped: nothing is published, the shard is FAILED."""
+def _stop_gated(
+    lease: ShardLease,
+    report: CityReport,
+    checks: list[GateResult],
+    writer: _NormalizedWriter | None = None,
+) -> None:
+    """Ends a city that a gate stopped: nothing is published, the shard is FAILED (with the
+    profile the gate judged, when ``writer`` deferred it)."""
     reason = failure_reason(checks) or ""
     report.status, report.error, report.checks = "GATED", reason, checks
-    lease.finish("FAILED", GATED_PREFIX + reason, counts=_gated_counts(report))
+    counts = _gated_counts(report)
+    if writer is None or writer.deferred is None:
+        lease.finish("FAILED", GATED_PREFIX + reason, counts=counts)
+        return
+
+    def end() -> None:
+        with lease.db.begin() as conn:
+            writer.write_deferred(conn)
+            lease.finish_in(conn, "FAILED", GATED_PREFIX + reason, counts=counts)
+
+    retry_deadlocks(end)
+    lease.mark_lost(f"shard {lease.shard_key!r} already finished", expected=True)
 
 
 def largest_first(cities: Sequence[str], hotel_counts: Mapping[str, int]) -> list[str]:
@@ -924,6 +952,11 @@ class _NormalizedWriter:
         )
         self.rows: list[dict[str, Any]] = []
         self.letters: list[DeadLetter] = []
+        # A small city's last normalize writes (its last rows and its profile) wait for the
+        # transaction that ends the shard: one transaction, fence and commit fewer per city,
+        # and a crash before it only repeats normalizing a page or two.
+        self.defer = False
+        self.deferred: tuple[int, int, FieldCounts] | None = None
 
     def page(self, raw: _RawPage, lines: list[bytes], letters: list[DeadLetter]) -> None:
         """Stores a page's kept documents (JSON lines) and keeps its rows for :meth:`flush`."""
@@ -955,7 +988,7 @@ class _NormalizedWriter:
             self.lease.fence(conn, "NORMALIZING", f"city={self.city}")
             self._write(conn)
 
-    def _write(self, conn: Connection) -> None:
+    def _write(self, conn: Connection, *, clear: bool = True) -> None:
         lease, settings = self.lease, self.settings
         _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
         if self.letters:
@@ -968,35 +1001,54 @@ class _NormalizedWriter:
                 supplier_id=settings.supplier_id,
                 letters=self.letters,
             )
-        self.rows.clear()
-        self.letters.clear()
+        if clear:
+            self.rows.clear()
+            self.letters.clear()
 
     def profile(self, report: CityReport, fields: FieldCounts) -> None:
         """Records the city's profile, which the batch gates judge, with the rows not
-        flushed yet (the last pages): one fenced transaction."""
-        lease = self.lease
-        with lease.db.begin() as conn:
-            lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
-            self._write(conn)
-            record_city_profile(
-                conn,
-                lease.db.clock,
-                batch_id=lease.batch_id,
-                task_code=self.settings.task_code,
-                shard_key=self.city,
-                record_count=report.records,
-                bad_count=report.dead_letters,
-                field_counts=fields,
-            )
+        flushed yet (the last pages): one fenced transaction, or, when :attr:`defer` is
+        set, the transaction that ends the shard (:meth:`write_deferred`)."""
+        if self.defer:
+            self.deferred = (report.records, report.dead_letters, fields)
+        else:
+            lease = self.lease
+            with lease.db.begin() as conn:
+                lease.fence(conn, "NORMALIZING", f"city={self.city} profile")
+                self._write(conn)
+                self._record_profile(conn, report.records, report.dead_letters, fields)
         # As stored (the stored field counts are capped), for the gate to judge.
         report.profile = CityProfile(
-            lease.batch_id,
+            self.lease.batch_id,
             self.settings.task_code,
             self.city,
             report.records,
             report.dead_letters,
             FieldCounts.from_json(fields.to_json()),
         )
+
+    def _record_profile(
+        self, conn: Connection, records: int, bad: int, fields: FieldCounts
+    ) -> None:
+        record_city_profile(
+            conn,
+            self.lease.db.clock,
+            batch_id=self.lease.batch_id,
+            task_code=self.settings.task_code,
+            shard_key=self.city,
+            record_count=records,
+            bad_count=bad,
+            field_counts=fields,
+        )
+
+    def write_deferred(self, conn: Connection) -> None:
+        """Writes the deferred rows and profile in the caller's transaction (the shard's
+        last, fenced by its finish). It may run again after a rollback (a deadlock's retry),
+        so nothing is cleared here."""
+        if self.deferred is None:
+            return
+        self._write(conn, clear=False)
+        self._record_profile(conn, *self.deferred)
 
 
 KeptSink = Callable[[list[Candidate]], None]

@@ -237,7 +237,7 @@ def build_city_sync(scope: AccountScope) -> dg.AssetsDefinition:
         specs=_specs(scope),
         check_specs=_check_specs(scope),
         partitions_def=scope.partitions,
-        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=50),
+        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1000),
         pool=scope.pool,
         name=scope.name("city_sync"),
         can_subset=True,

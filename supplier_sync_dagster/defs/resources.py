@@ -16,7 +16,6 @@ from typing import Any
 
 import dagster as dg
 import httpx
-from dagster_aws.s3 import S3Resource
 from pydantic import Field
 
 from supplier_sync_dagster.core.db import SyncDatabase
@@ -78,17 +77,39 @@ class PayloadStoreResource(dg.ConfigurableResource):
             f"folder in ${env_name('home')}/payloads."
         ),
     )
-    s3: S3Resource = Field(
-        default_factory=S3Resource,
-        description="dagster-aws S3 resource used for s3:// URLs (endpoint from AWS_ENDPOINT_URL).",
+    # The S3 settings are dagster-aws's S3Resource's own, flat: a nested S3Resource field
+    # would import dagster_aws (and boto3) in every run and command, ~0.3 s each, where
+    # only an s3:// store needs it.
+    s3_endpoint_url: str | None = Field(
+        default=None,
+        description="S3 endpoint (MinIO or any S3-compatible store). Unset: AWS_ENDPOINT_URL, else AWS.",
     )
+    s3_region_name: str | None = Field(default=None, description="S3 region.")
+    s3_profile_name: str | None = Field(default=None, description="AWS profile for S3.")
+    aws_access_key_id: str | None = Field(
+        default=None, description="AWS access key id (a dg.EnvVar). Unset: boto3's own chain."
+    )
+    aws_secret_access_key: str | None = Field(
+        default=None, description="AWS secret access key (a dg.EnvVar)."
+    )
+    aws_session_token: str | None = Field(default=None, description="AWS session token.")
+    s3_max_attempts: int = Field(default=5, description="Attempts per S3 call (boto3 retries).")
 
     def open(self) -> PayloadStore:
         """The payload store."""
 
         def s3_client() -> object:
-            endpoint = self.s3.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-            return self.s3.model_copy(update={"endpoint_url": endpoint}).get_client()
+            from dagster_aws.s3 import S3Resource
+
+            return S3Resource(
+                endpoint_url=self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+                region_name=self.s3_region_name,
+                profile_name=self.s3_profile_name,
+                aws_access_key_id=self.aws_access_key_id,
+                aws_secret_access_key=self.aws_secret_access_key,
+                aws_session_token=self.aws_session_token,
+                max_attempts=self.s3_max_attempts,
+            ).get_client()
 
         return open_payload_store(self.url, s3_client_factory=s3_client)
 

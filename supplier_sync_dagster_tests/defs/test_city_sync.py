@@ -12,7 +12,6 @@ import boto3  # type: ignore[import-untyped]
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from dagster_aws.s3 import S3Resource
 from moto.server import ThreadedMotoServer
 
 from supplier_sync_dagster.core import schema
@@ -199,7 +198,8 @@ def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str])
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(
             url=f"s3://{bucket}/supplier-sync",
-            s3=S3Resource(endpoint_url=endpoint, region_name="us-east-1"),
+            s3_endpoint_url=endpoint,
+            s3_region_name="us-east-1",
         ),
         "supplier": supplier,
         "governance": GovernanceResource(),

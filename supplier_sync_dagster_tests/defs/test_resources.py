@@ -153,3 +153,32 @@ def test_without_the_simulator_extra_only_the_simulator_refuses(tmp_path: Path):
     assert f"client: {hint}" in done.stdout
     assert "exit: 2" in done.stdout
     assert done.stderr.splitlines()[-1].startswith(f"supplier-sync: error: {hint}")
+
+
+def test_a_command_without_s3_does_not_import_dagster_aws(tmp_path: Path):
+    """dagster-aws and boto3 cost ~0.3 s to import: in a command (``sync --full`` and
+    ``--incremental`` run through ``sync_runner``), only an s3:// payload store loads them.
+    (A code location's load imports them anyway: Dagster's component discovery imports every
+    installed Dagster library.)"""
+    script = textwrap.dedent(
+        """
+        import sys
+        from supplier_sync_dagster import cli, sync_runner
+        from supplier_sync_dagster.defs.resources import PayloadStoreResource
+
+        PayloadStoreResource(url="file://" + sys.argv[1]).open()
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("dagster_aws", "boto3"))
+        print("loaded:", loaded)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
+    env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "payloads")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: []" in done.stdout, done.stdout
