@@ -423,3 +423,116 @@ def test_a_deadlock_victim_publish_runs_again_and_counts_once(
         assert r.published + r.dead_letters + r.skipped == r.records
     with db.engine.connect() as conn:
         assert get_batch(conn, batch_id).status == "SUCCESS"
+    # The small cities' normalize writes, retried with the chunk, are stored once.
+    profiles, normalized, letters = _stored(db, batch_id)
+    assert (profiles, letters) == (3, sum(r.dead_letters for r in reports))
+    assert normalized == sum(r.pages_fetched for r in reports)
+
+
+def _small_city_sync(
+    db: SyncDatabase, tmp_path: Path, gate: Any
+) -> tuple[str, list[CityReport], list[int], Simulator]:
+    """Syncs 3 cities of ~80 records (some bad) with ``gate``; counts each city's commits."""
+
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.1),
+        seed=9,
+        n_cities=3,
+        total_hotels=240,
+        zipf_exponent=0.0,
+        empty_city_share=0.0,
+    )
+    store = LocalPayloadStore(tmp_path / "payloads")
+    commits: list[int] = []
+
+    def on_commit(*_: Any) -> None:
+        commits.append(1)
+
+    sa.event.listen(db.engine, "commit", on_commit)
+    cities: list[int] = []
+
+    try:
+        with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+            client = supplier_client(http)
+            upsert_task(db, TaskSpec(task_code="hotel_full", supplier_id=SUPPLIER))
+            codes = [c.city_code for c in client.list_cities().data.cities]
+            decision = create_batch(
+                db,
+                task_code="hotel_full",
+                trigger_id="small",
+                trigger_source="MANUAL",
+                shard_keys=codes,
+            )
+            assert decision.batch is not None
+            reports = []
+            for city in codes:
+                before = len(commits)
+                reports.append(
+                    sync_city(
+                        db,
+                        store,
+                        client,
+                        batch=decision.batch,
+                        city_code=city,
+                        worker_id="w1",
+                        settings=settings(page_size=100),
+                        gate=gate or (lambda *_: []),
+                    )
+                )
+                cities.append(len(commits) - before)
+    finally:
+        sa.event.remove(db.engine, "commit", on_commit)
+    return decision.batch.batch_id, reports, cities, sim
+
+
+def _stored(db: SyncDatabase, batch_id: str) -> tuple[int, int, int]:
+    """(city profiles, NORMALIZED snapshots, dead letters) of the batch."""
+    with db.engine.connect() as conn:
+        count = lambda t: conn.execute(  # noqa: E731
+            sa.select(sa.func.count()).select_from(t).where(t.c.batch_id == batch_id)
+        ).scalar_one()
+        normalized = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(schema.snapshot)
+            .where(
+                schema.snapshot.c.batch_id == batch_id,
+                schema.snapshot.c.snapshot_type == "NORMALIZED",
+            )
+        ).scalar_one()
+        return count(schema.city_profile), normalized, count(schema.dead_letter)
+
+
+def test_a_small_city_normalizes_and_publishes_in_the_transaction_that_ends_it(
+    db: SyncDatabase, tmp_path: Path
+):
+    """A one-page city commits its claim, its page, and one transaction with its normalized
+    page, dead letters, profile, publish and end: nothing of normalize is lost."""
+    batch_id, reports, commits, sim = _small_city_sync(db, tmp_path, None)
+    assert [r.status for r in reports] == ["SUCCESS"] * 3
+    assert all(r.pages_fetched == 1 for r in reports)
+    assert commits == [3, 3, 3], commits
+    assert published(db) == sim.ground_truth().valid
+    letters = sum(r.dead_letters for r in reports)
+    assert letters > 0
+    assert _stored(db, batch_id) == (3, 3, letters)
+
+
+def test_a_gated_small_city_keeps_the_profile_and_dead_letters_it_was_judged_on(
+    db: SyncDatabase, tmp_path: Path
+):
+    from supplier_sync_dagster.core.gates import GateResult, get_city_profile
+
+    def failing(_db: Any, _batch: str, _city: str, report: CityReport) -> list[GateResult]:
+        return [GateResult("bad_record_ratio", False, "ERROR", "too many bad records", {})]
+
+    batch_id, reports, _, _ = _small_city_sync(db, tmp_path, failing)
+    assert [r.status for r in reports] == ["GATED"] * 3
+    assert published(db) == {}
+    letters = sum(r.dead_letters for r in reports)
+    assert _stored(db, batch_id) == (3, 3, letters)
+    with db.engine.connect() as conn:
+        for r in reports:
+            profile = get_city_profile(conn, batch_id=batch_id, shard_key=r.city_code)
+            assert profile is not None and profile.record_count == r.records
+            assert profile.bad_count == r.dead_letters
+    assert {s.status for s in list_shards(db, batch_id)} == {"FAILED"}
