@@ -122,6 +122,12 @@ class Settings(StorageSettings):
         description="processes that sync a run's cities (0: the run's own process); unset: "
         "one per CPU plus one, at most 4, for runs of at least 5,000 hotels",
     )
+    backfill_cities_per_run: int | None = Field(
+        default=None,
+        ge=1,
+        description="cities per run of a backfill of the city partitions (read when the "
+        "definitions load); unset: 1000",
+    )
 
     @field_validator("supplier_url")
     @classmethod

@@ -41,6 +41,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_DAGSTER_URL",
         "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
         "SUPPLIER_SYNC_WORKER_PROCESSES",
+        "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -90,6 +91,7 @@ def test_rate_limit_and_worker_processes(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "inf"),
         ("SUPPLIER_SYNC_WORKER_PROCESSES", "-1"),
         ("SUPPLIER_SYNC_WORKER_PROCESSES", "two"),
+        ("SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN", "0"),
     ]:
         with monkeypatch.context() as m:
             m.setenv(name, bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 
 from supplier_sync_dagster.definitions import defs
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
@@ -63,3 +64,18 @@ def _check(loaded: dg.Definitions) -> None:
     # Lineage: catalog -> search.
     projection = graph.get(dg.AssetKey("hotel_search_projection"))
     assert dg.AssetKey("published_hotels") in projection.parent_keys
+
+
+def test_a_backfill_runs_its_cities_per_run_as_set(monkeypatch: pytest.MonkeyPatch):
+    """One run per 1,000 cities by default; ``SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN`` is read
+    when the definitions load."""
+
+    def policy() -> dg.BackfillPolicy | None:
+        with dg.instance_for_test():
+            repo = defs().get_repository_def()
+        node = repo.asset_graph.get(dg.AssetKey("published_hotels"))
+        return node.backfill_policy
+
+    assert policy() == dg.BackfillPolicy.multi_run(max_partitions_per_run=1000)
+    monkeypatch.setenv("SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN", "25")
+    assert policy() == dg.BackfillPolicy.multi_run(max_partitions_per_run=25)

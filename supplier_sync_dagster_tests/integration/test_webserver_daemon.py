@@ -81,6 +81,8 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
             "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
             "SUPPLIER_SYNC_PAYLOAD_URL": f"file://{tmp_path / 'payloads'}",
             "SUPPLIER_SYNC_REDIS_URL": redis_url,
+            # 60 cities in runs of 25: several runs continue one batch.
+            "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "25",
         },
     )
     for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL"):
@@ -97,7 +99,7 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
         status, _ = dagster.wait_for_backfill(instance, backfill_id, timeout=420, poll=2)
         assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (status, dagster.tail("daemon.log"))
         runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-        assert len(runs) >= 2  # the backfill policy grouped the cities into several runs
+        assert len(runs) == 3  # the backfill policy grouped the cities into runs of 25
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [
             (r.run_id, r.status) for r in runs
         ]
