@@ -289,6 +289,8 @@ _PG_DDL = (
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_country ON {SEARCH_TABLE} (country_code, status)",
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_price ON {SEARCH_TABLE} (city_code, lowest_price)",
 )
+# The advisory lock key under which the schema is created ("ssearch" in ASCII).
+_PG_SCHEMA_LOCK = 0x737365617263
 _PG_TYPES = (
     "bigint",
     "bigint",
@@ -343,6 +345,10 @@ class PostgresSearchIndex:
                         self.url, connect_timeout=int(self._connect_timeout)
                     )
                     with self._conn.cursor() as cur:
+                        # Dispatcher processes starting together on a new database would
+                        # race on CREATE ... IF NOT EXISTS (a unique violation in the
+                        # catalog): the schema is made under one lock, held to the commit.
+                        cur.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
                         for ddl in _PG_DDL:
                             cur.execute(ddl)
                     self._conn.commit()

@@ -3,6 +3,7 @@ in Redis, subscribers on RabbitMQ; and the dispatcher driving all three from Mar
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from datetime import datetime
@@ -219,3 +220,27 @@ def test_the_dispatcher_drives_postgresql_redis_and_rabbitmq_from_mariadb(
         client.close()
         projections.close()
         db.dispose()
+
+
+def test_dispatchers_starting_together_create_the_postgres_schema_once(fresh_postgres_db: str):
+    """Each dispatcher opens its own index: on a new database they all create the schema
+    at once, and none may fail on the catalog's unique keys (seen with 2 processes)."""
+    indexes = [PostgresSearchIndex(fresh_postgres_db) for _ in range(6)]
+    start = threading.Barrier(len(indexes))
+    errors: list[BaseException] = []
+
+    def first_use(index: PostgresSearchIndex) -> None:
+        start.wait()
+        try:
+            index.versions()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in indexes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for index in indexes:
+        index.close()
+    assert errors == []
