@@ -753,15 +753,30 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         latest_raw_batch,
         stored_city_countries,
     )
-    from supplier_sync_dagster.core.settings import load_storage_settings
+    from supplier_sync_dagster.core.settings import (
+        DEFAULT_TASK_CODE,
+        load_settings,
+        load_storage_settings,
+    )
+    from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
     from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
 
+    scope = DEFAULT_SCOPE
+    task_code = args.task or DEFAULT_TASK_CODE
+    if args.account is not None:
+        scope = account_scope(args, load_settings())
+        if args.task is not None and args.task != scope.full_task_code:
+            raise ConfigError(
+                f"--task {args.task} is not account {scope.account.code}'s full-sync task "
+                f"({scope.full_task_code}): give one of them"
+            )
+        task_code = scope.full_task_code
     sync_db, payloads = _resources(args, load_storage_settings())
     db = SyncDatabase.open(sync_db.db_url)
     try:
         # A replay reads stored pages only: it needs the task and its supplier, no URL.
         with db.engine.connect() as conn:
-            task = get_task(conn, args.task)
+            task = get_task(conn, task_code)
         cities = list(dict.fromkeys(args.city))
         missing = [
             c for c in cities if latest_raw_batch(db, task_code=task.task_code, city_code=c) is None
@@ -795,12 +810,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     summary = run_replay(
         # A replay never calls the supplier: the simulator stands in, never started.
-        supplier=SimulatedSupplierResource(task_code=task.task_code, supplier_id=task.supplier_id),
+        supplier=SimulatedSupplierResource(
+            task_code=task.task_code,
+            supplier_id=task.supplier_id,
+            account=None if scope.account is None else scope.account.code,
+        ),
         cities=cities,
         sync_db=sync_db,
         payloads=payloads,
         trigger_id=args.trigger_id,
         console_log_level=_console_log_level(args),
+        scope=scope,
     )
     status = _finish_sync(summary, as_json=args.json)
     return status or (1 if missing else 0)
@@ -1079,7 +1099,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true")
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
     replay.add_argument(
-        "--task", default=DEFAULT_TASK_CODE, help="the task whose pages are replayed"
+        "--task",
+        default=None,
+        help=f"the task whose pages are replayed (default {DEFAULT_TASK_CODE}, or the "
+        "account's full-sync task)",
+    )
+    replay.add_argument(
+        "--account",
+        default=None,
+        metavar="SUPPLIER.ACCOUNT",
+        help="an account of the suppliers file: its full-sync task and its assets",
     )
     replay.set_defaults(func=_cmd_replay)
 

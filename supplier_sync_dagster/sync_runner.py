@@ -42,7 +42,6 @@ from supplier_sync_dagster.defs.city_sync import (
     SOURCE_TAG,
     TRIGGER_TAG,
     build_city_sync,
-    city_sync,
 )
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 from supplier_sync_dagster.defs.resources import (
@@ -623,12 +622,13 @@ def run_replay(
     payloads: PayloadStoreResource | None = None,
     trigger_id: str | None = None,
     console_log_level: str = "WARNING",
+    scope: AccountScope = DEFAULT_SCOPE,
 ) -> SyncSummary:
     """Re-materializes normalized_hotels and downstream for ``cities`` from stored raw pages.
 
     Goes through Dagster like any sync: one run per city (a city need not be next to the
     others in the partition order), every run of the call sharing one replay batch.
-    No supplier request is made.
+    No supplier request is made. ``scope`` is the account whose assets are materialized.
     """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
@@ -636,18 +636,19 @@ def run_replay(
     # whatever another instance of this process left behind.
     with dagster_instance() as instance:
         trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
-        keys = _add_city_partitions(instance, cities)
+        keys = _add_city_partitions(instance, cities, scope.partitions_name)
         started = time.perf_counter()
         success = True
         run_id = run_error = ""
+        selection = [scope.key(k.path[-1]) for k in (NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)]
         for key in keys:
             result = dg.materialize(
-                [city_sync],
-                selection=[NORMALIZED, MAPPINGS, DIFFS, PUBLISHED],
+                [build_city_sync(scope)],
+                selection=selection,
                 instance=instance,
                 partition_key=key,
-                resources=_run_resources(sync_db, payloads, supplier),
-                tags={TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
+                resources=_run_resources(sync_db, payloads, supplier, scope),
+                tags={**scope.tags, TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
                 raise_on_error=False,
                 run_config=_console_config(console_log_level),
             )

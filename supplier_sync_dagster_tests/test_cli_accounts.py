@@ -104,6 +104,39 @@ def test_accounts_sync_apart_into_one_catalog_per_supplier(
             assert stats[supplier][account]["responses_429"] == 0
         assert stats["globex"]["asia"]["requests_total"] == 0
 
+        # A replay of an account's city: its task's stored pages, its assets, no request.
+        city = sim.simulator("globex", "main").city_codes()[0]
+        replayed = run(
+            capsys,
+            "--db-url",
+            db_url,
+            "replay",
+            "--account",
+            "globex.main",
+            "--city",
+            city,
+            "--json",
+        )
+        assert replayed.code == 0, replayed
+        assert json.loads(replayed.out.splitlines()[-1])["status"] == "SUCCESS", replayed
+        assert (
+            sim.stats()["globex"]["main"]["requests_total"]
+            == stats["globex"]["main"]["requests_total"]
+        )
+        mixed = run(
+            capsys,
+            "--db-url",
+            db_url,
+            "replay",
+            "--account",
+            "globex.main",
+            "--task",
+            "acme.eu.full",
+            "--city",
+            city,
+        )
+        assert "is not account globex.main's full-sync task" in assert_one_line_error(mixed, code=2)
+
         sim.advance_day()
         window = run(capsys, "--db-url", db_url, "sync", "--incremental", "--account", "acme.eu")
         assert window.code == 0, window
