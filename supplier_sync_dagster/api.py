@@ -119,7 +119,7 @@ def create_app(
     db: SyncDatabase,
     search: SearchIndex,
     cache: HotelCache,
-    supplier: Callable[[], SupplierClient] | None = None,
+    supplier: Callable[[int], SupplierClient | None] | None = None,
     ttl_seconds: float = DEFAULT_TTL_SECONDS,
 ) -> Starlette:
     """The read API over these stores.
@@ -128,7 +128,8 @@ def create_app(
         db: The sync database (the catalog, and the outbox for refresh requests).
         search: The search read model.
         cache: The hotel cache (shared with the outbox's CACHE stage).
-        supplier: Returns the supplier client for offer confirmations (None: 503).
+        supplier: Supplier id -> the client that confirms that supplier's offers (None, or
+            None for that supplier: 503).
         ttl_seconds: How long a hotel stays cached.
     """
 
@@ -187,20 +188,23 @@ def create_app(
         offer = _catalog_offer(db, req["hotel_id"], req["room_code"], req["rate_plan_code"])
         if offer is None:
             raise ApiError(404, "OFFER_NOT_FOUND", "no such hotel, room and rate plan")
-        try:
-            quote = (
-                supplier()
-                .confirm_offer(
-                    hotel_id=offer["supplier_hotel_id"],
-                    room_code=req["room_code"],
-                    rate_plan_code=req["rate_plan_code"],
-                    check_in=req["check_in"],
-                    check_out=req["check_out"],
-                    guests=req["guests"],
-                    retry=CONFIRM_RETRY,
-                )
-                .data
+        client = supplier(int(offer["supplier_id"]))
+        if client is None:
+            raise ApiError(
+                503,
+                "SUPPLIER_UNAVAILABLE",
+                f"no account of supplier {offer['supplier_id']} is configured to confirm offers",
             )
+        try:
+            quote = client.confirm_offer(
+                hotel_id=offer["supplier_hotel_id"],
+                room_code=req["room_code"],
+                rate_plan_code=req["rate_plan_code"],
+                check_in=req["check_in"],
+                check_out=req["check_out"],
+                guests=req["guests"],
+                retry=CONFIRM_RETRY,
+            ).data
         except SupplierNotFound as err:
             raise ApiError(404, "SUPPLIER_NOT_FOUND", str(err)) from None
         except CircuitOpen as err:

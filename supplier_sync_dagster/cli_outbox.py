@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -327,20 +328,51 @@ def cmd_serve_api(args: argparse.Namespace) -> int:
         stack.callback(search.close)
         cache = RedisHotelCache(settings.redis_url) if settings.redis_url else InProcessHotelCache()
         stack.callback(cache.close)
-        client = stack.enter_context(
-            supplier_resource(
-                base_url=settings.supplier_url,
-                api_key=settings.api_key(),
-                redis_url=settings.redis_url,
-                read_timeout=args.confirm_timeout,
-                connect_timeout=min(args.confirm_timeout, 2.0),
-            ).client()
-        )
+        timeouts = {
+            "read_timeout": args.confirm_timeout,
+            "connect_timeout": min(args.confirm_timeout, 2.0),
+        }
+        if settings.suppliers_file is None:
+            client = stack.enter_context(
+                supplier_resource(
+                    base_url=settings.supplier_url,
+                    api_key=settings.api_key(),
+                    redis_url=settings.redis_url,
+                    **timeouts,
+                ).client()
+            )
+            confirming: Callable[[int], Any] = lambda _supplier_id: client  # noqa: E731
+        else:
+            clients = {
+                sid: stack.enter_context(resource.client())
+                for sid, resource in _confirming_accounts(settings, timeouts).items()
+            }
+            confirming = clients.get
         app = create_app(
-            db=db, search=search, cache=cache, supplier=lambda: client, ttl_seconds=args.ttl
+            db=db, search=search, cache=cache, supplier=confirming, ttl_seconds=args.ttl
         )
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _confirming_accounts(settings: Any, timeouts: dict[str, float]) -> dict[int, Any]:
+    """Supplier id -> the supplier resource that confirms its offers: its first account in
+    the suppliers file whose API key is set here (a supplier with none is answered 503)."""
+    from supplier_sync_dagster.cli_accounts import account_supplier_now
+    from supplier_sync_dagster.core.errors import ConfigError
+    from supplier_sync_dagster.defs.accounts import account_scopes
+
+    chosen: dict[int, Any] = {}
+    for scope in account_scopes():
+        assert scope.account is not None  # a suppliers file names every account
+        sid = scope.account.supplier_id
+        if sid in chosen:
+            continue
+        try:
+            chosen[sid] = account_supplier_now(settings, scope, **timeouts)
+        except ConfigError as err:  # its key is not set in this process: try the next one
+            print(f"supplier-sync: serve-api: {err}", file=sys.stderr)
+    return chosen
 
 
 def add_commands(sub: Any) -> None:

@@ -54,7 +54,7 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
             db=db,
             search=projections.search,
             cache=projections.cache,
-            supplier=lambda: supplier,
+            supplier=lambda _supplier_id: supplier,
             ttl_seconds=60,
         )
         with TestClient(app, raise_server_exceptions=False) as client:

@@ -224,3 +224,75 @@ def test_metrics_and_alerts_judge_every_accounts_task(
         )
         assert healed.code == 0, healed
         assert json.loads(healed.out)["claimed"] == 0
+
+
+def test_serve_api_confirms_each_suppliers_offers_with_its_own_account(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+):
+    """With a suppliers file, an offer is confirmed through an account of its hotel's
+    supplier (the first one listed whose key is set), never another supplier's."""
+    import os
+    import signal
+
+    import httpx
+
+    from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
+
+    db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
+    sim = fleet()
+    with suppliers_file(sim, tmp_path, monkeypatch):
+        for code in ("acme.eu", "globex.main"):
+            assert run(capsys, "--db-url", db_url, "sync", "--full", "--account", code).code == 0
+        # globex.main's key is gone from serve-api's environment: globex.asia confirms.
+        env = {k: v for k, v in os.environ.items() if k != "GLOBEX_MAIN_KEY"}
+        offers = query(
+            db_url,
+            sa.text(
+                "SELECT h.supplier_id, min(h.resource_id) AS rid FROM platform_hotel_resource h "
+                "GROUP BY h.supplier_id ORDER BY h.supplier_id"
+            ),
+        )
+        picks = {}
+        for row in offers:
+            picks[row.supplier_id] = query(
+                db_url,
+                sa.text(
+                    "SELECT resource_id, room_code, rate_plan_code FROM platform_hotel_offer "
+                    "WHERE resource_id = :rid AND active = 1 ORDER BY offer_id LIMIT 1"
+                ).bindparams(rid=row.rid),
+            )[0]
+        before = sim.stats()
+        port = free_port()
+        proc = cli_process("--db-url", db_url, "serve-api", "--port", str(port), env=env)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_for_http(f"{base}/openapi.json", proc)
+            for sid in (1001, 2002):
+                offer = picks[sid]
+                quote = httpx.post(
+                    f"{base}/offers/confirm",
+                    json={
+                        "hotel_id": offer.resource_id,
+                        "room_code": offer.room_code,
+                        "rate_plan_code": offer.rate_plan_code,
+                        "check_in": "2026-12-24",
+                        "check_out": "2026-12-25",
+                        "guests": 1,
+                    },
+                    timeout=30,
+                )
+                assert quote.status_code == 200, quote.text
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+    after = sim.stats()
+    used = {
+        (s, a)
+        for s in after
+        for a in after[s]
+        if after[s][a]["requests_total"] > before[s][a]["requests_total"]
+    }
+    assert used == {("acme", "eu"), ("globex", "asia")}, (used, err)
+    assert "GLOBEX_MAIN_KEY is not set" in err
