@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import datetime
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -111,6 +112,28 @@ def prewarm(url: str, page_size: int, *, rate: float | None = None) -> tuple[Wor
             for _ in client.iter_city(city, page_size=page_size):
                 pass
     return world, time.perf_counter() - began
+
+
+def prewarm_changes(url: str, since: datetime) -> float:
+    """Walks the change feed once from ``since``: the simulator builds each changed hotel's
+    new version on first use, as :func:`prewarm` has it build the listed ones before a full
+    sync is timed.
+
+    Returns:
+        The seconds the walk took.
+    """
+    from supplier_sync_dagster.core.supplier import SupplierClient
+
+    began = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=60) as http:
+        client = SupplierClient(http, api_key=API_KEY, supplier_id="bench")
+        after: str | None = None
+        while True:
+            page = client.get_changes(since=since, after_id=after, limit=500).data
+            if page.next is None or not page.changes:
+                break
+            since, after = page.next.since, page.next.after_id
+    return time.perf_counter() - began
 
 
 def published_catalog(db_url: str) -> dict[str, int]:

@@ -831,3 +831,50 @@ def test_processes_option(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit):
         parser.parse_args(["sync", "--full", "--processes", "-1"])
     assert "--processes: must be at least 0, not -1" in capsys.readouterr().err
+
+
+def test_console_script_passes_its_exit_status_and_output_through_the_quick_exit(
+    tmp_path: Path,
+) -> None:
+    db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
+    env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    ok = subprocess.run(
+        [str(CONSOLE_SCRIPT), "--db-url", db_url, "status"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "no batches\n", "")
+    unknown = subprocess.run(
+        [str(CONSOLE_SCRIPT), "--db-url", db_url, "status", "--batch", "b_nope"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.startswith("supplier-sync: error: ") and "b_nope" in unknown.stderr
+
+
+def test_exit_quickly_waits_for_threads_runs_exit_handlers_and_flushes(tmp_path: Path) -> None:
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from supplier_sync_dagster.cli import exit_quickly\n"
+        "atexit.register(lambda: sys.stdout.write('handler ran\\n'))\n"
+        "def late():\n"
+        "    time.sleep(0.3)\n"
+        "    sys.stdout.write('thread done\\n')\n"
+        "threading.Thread(target=late).start()\n"
+        "sys.stdout.write('buffered, not flushed\\n')\n"
+        "exit_quickly(3)\n"
+        "print('never')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 3
+    assert done.stdout == "buffered, not flushed\nthread done\nhandler ran\n"

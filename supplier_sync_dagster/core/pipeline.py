@@ -95,7 +95,12 @@ from supplier_sync_dagster.core.leases import (
     list_shards,
     reopen_shard,
 )
-from supplier_sync_dagster.core.mapping import HotelMappings, chunks, ensure_hotel_mappings
+from supplier_sync_dagster.core.mapping import (
+    HotelMappings,
+    chunks,
+    ensure_hotel_mappings,
+    existing_hotel_mappings,
+)
 from supplier_sync_dagster.core.normalize import (
     NormalizedDocuments,
     canonical_dumps,
@@ -1368,11 +1373,21 @@ class _LeasePublisher:
         # rolls all of it back, and the shard's row is locked (InnoDB) only from the fence
         # to the commit, so processes publishing chunks of one shard (an incremental
         # window's) write at once instead of queueing on that row.
-        with db.begin() as conn:
-            maps = self._mappings(conn, cands, db.clock.read(conn))
-            lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
         with db.engine.connect() as conn:
-            diffs = compute_diffs(conn, cands, maps.resource_ids, policy=settings.risk_policy)
+            # Hotels seen before are looked up without the write lock (SQLite's is one for
+            # the whole database): this process diffs while another one writes.
+            found = existing_hotel_mappings(
+                conn,
+                supplier_id=settings.supplier_id,
+                batch_id=lease.batch_id,
+                hotel_ids=[c.supplier_hotel_id for c in cands],
+            )
+        if found is None:
+            with db.begin() as conn:
+                found = self._mappings(conn, cands, db.clock.read(conn))
+                lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
+        with db.engine.connect() as conn:
+            diffs = compute_diffs(conn, cands, found.resource_ids, policy=settings.risk_policy)
         items, plan = self._plan(diffs, cands, rows)
         with db.begin() as conn:
             if then is not None:
@@ -1382,7 +1397,20 @@ class _LeasePublisher:
             lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
             return done
 
-    def _mappings(self, conn: Connection, cands: list[Candidate], at: datetime) -> HotelMappings:
+    def ensure_mappings(self, cands: Sequence[Candidate]) -> None:
+        """Creates the missing mappings of ``cands`` in one fenced transaction."""
+        lease, db = self.lease, self.lease.db
+
+        def attempt() -> None:
+            with db.begin() as conn:
+                self._mappings(conn, list(cands), db.clock.read(conn))
+                lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
+
+        retry_deadlocks(attempt)
+
+    def _mappings(
+        self, conn: Connection, cands: Sequence[Candidate], at: datetime
+    ) -> HotelMappings:
         return ensure_hotel_mappings(
             conn,
             self.lease.db.clock,
@@ -1630,6 +1658,9 @@ def _publish_in_processes(
     the shard, once every other chunk is in.
     """
     lease = publisher.lease
+    # Every mapping exists before the processes start: they look theirs up without taking
+    # SQLite's write lock, so each diffs its next chunk while the other one writes.
+    publisher.ensure_mappings([c for part in parts for c in part])
     workers = min(publisher.settings.publish_processes, len(parts))
     pool = ProcessPoolExecutor(
         max_workers=workers,
@@ -1659,6 +1690,9 @@ def _start_forked_publisher(
     # The parent's pooled connections stay the parent's: this process opens its own.
     publisher.lease.db.engine.dispose(close=False)
     prepare_process()
+    # What the fork copied (the shard's candidates among it) is this process's read-only
+    # input: a full collection would walk all of it, and touch every page it sits on.
+    gc.freeze()
     _forked_publisher, _forked_parts = publisher, parts
 
 
@@ -1669,6 +1703,31 @@ def _publish_forked_part(index: int) -> tuple[int, _ChunkCounts]:
     cands = collapse_duplicates(chunk)
     done = retry_deadlocks(lambda: publisher(cands))
     return len(chunk) - len(cands), _ChunkCounts.of(len(chunk), done)
+
+
+# The chunk that finishes a shard published in processes: small, since it waits for every
+# other chunk and then runs alone (and within ONE_TRANSACTION_HOTELS: one transaction).
+LAST_CHUNK_HOTELS = 200
+
+
+def split_for_processes(
+    candidates: Sequence[Candidate], size: int, processes: int
+) -> tuple[list[Sequence[Candidate]], Sequence[Candidate]]:
+    """Splits a shard's candidates into chunks for ``processes`` publishing processes and a
+    last chunk of at most ``LAST_CHUNK_HOTELS``.
+
+    The chunks are of equal size, close to ``size``, and their number is a multiple of
+    ``processes``: each process gets the same work, so none waits for a straggler, and the
+    last chunk, which runs only when all of them are in, is short.
+
+    Returns:
+        The processes' chunks and the last chunk.
+    """
+    tail = min(LAST_CHUNK_HOTELS, max(1, len(candidates) // (processes * 4)))
+    rest, last = candidates[:-tail], candidates[-tail:]
+    count = processes * max(1, round(len(rest) / (size * processes)))
+    each = -(-len(rest) // count)
+    return [p for p in chunks(rest, each) if p], last
 
 
 def _check_counts(report: CityReport) -> None:
@@ -1711,8 +1770,9 @@ def _publish(
         if settings.publish_processes > 1 and len(parts) > 2:
             # The hotels of a shard's chunks are distinct (and each publish version-guarded):
             # their order does not matter; the shard finishes with the last one.
-            _publish_in_processes(publisher, parts[:-1], progress, report)
-            parts = parts[-1:]
+            head, tail = split_for_processes(candidates, size, settings.publish_processes)
+            _publish_in_processes(publisher, head, progress, report)
+            parts = [tail]
         last = len(parts) - 1
         for i, part in enumerate(parts):
             then = finish if i == last else None

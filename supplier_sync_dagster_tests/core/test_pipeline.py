@@ -22,7 +22,13 @@ from supplier_sync_dagster.core.batches import TaskSpec, create_batch, get_batch
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
 from supplier_sync_dagster.core.payloads import LocalPayloadStore, PayloadStore
-from supplier_sync_dagster.core.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.pipeline import (
+    LAST_CHUNK_HOTELS,
+    CityReport,
+    SyncSettings,
+    split_for_processes,
+    sync_city,
+)
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
@@ -536,3 +542,20 @@ def test_a_gated_small_city_keeps_the_profile_and_dead_letters_it_was_judged_on(
             assert profile is not None and profile.record_count == r.records
             assert profile.bad_count == r.dead_letters
     assert {s.status for s in list_shards(db, batch_id)} == {"FAILED"}
+
+
+@pytest.mark.parametrize("hotels", [4001, 5000, 8373, 20000])
+def test_split_for_processes_gives_each_process_equal_chunks_and_a_short_last(
+    hotels: int,
+) -> None:
+    cands = list(range(hotels))
+    head, last = split_for_processes(cands, 2000, 2)  # type: ignore[arg-type]
+    assert [x for part in head for x in part] + list(last) == cands  # each hotel once, in order
+    assert 0 < len(last) <= LAST_CHUNK_HOTELS
+    assert len(head) % 2 == 0
+    sizes = [len(p) for p in head]
+    assert max(sizes) - min(sizes) <= 1 or sizes[-1] < sizes[0]
+    assert all(1000 <= n <= 3000 for n in sizes[:-1])
+    # Each of the two processes publishes the same number of hotels, give or take a chunk's
+    # rounding.
+    assert abs(sum(sizes[0::2]) - sum(sizes[1::2])) <= max(sizes) // 2
