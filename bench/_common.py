@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import datetime
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import httpx
