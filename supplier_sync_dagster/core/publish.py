@@ -415,6 +415,20 @@ def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
     )
 
 
+def stale_offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
+    """UPDATE deactivating the active offers of these hotels that their current publish
+    version did not write (the hotel rows hold that version; its offers carry it)."""
+    o = schema.platform_offer.c
+    h = schema.platform_hotel.c
+    current = sa.select(h.publish_version).where(h.resource_id == o.resource_id).scalar_subquery()
+    stmt = sa.update(schema.platform_offer).where(
+        o.resource_id.in_(resource_ids), o.active.is_(True), o.publish_version < current
+    )
+    return use_index(
+        stmt.values(active=False, updated_at=at), schema.platform_offer, schema.OFFER_IDENTITY
+    )
+
+
 def _replace_offers(
     conn: Connection, now: Any, rids: Sequence[int], rows: Sequence[tuple[Any, ...]]
 ) -> None:
@@ -428,14 +442,20 @@ def _replace_offers(
     Args:
         conn: The publish's connection.
         now: The time written (the database time, or the clock's SQL expression for it).
-        rids: The hotels that may already have offers (deactivated first, then upserted).
+        rids: The hotels that may already have offers (upserted, then those the new
+            version lacks deactivated).
         rows: Every offer of the hotels this call wrote, as the columns ``_OFFER_ROW``.
     """
-    o = schema.platform_offer.c
+    if rows:
+        _upsert_offers(conn, now, rows)
+    # After the upsert, so that each offer the version keeps is written once, not
+    # deactivated and then written again (under SQLite's one write lock, every row counts).
     for part in chunks(rids):
-        conn.execute(offer_deactivation(part, now))
-    if not rows:
-        return
+        conn.execute(stale_offer_deactivation(part, now))
+
+
+def _upsert_offers(conn: Connection, now: Any, rows: Sequence[tuple[Any, ...]]) -> None:
+    o = schema.platform_offer.c
     identity = _OFFER_IDENTITY
     columns = [*_OFFER_ROW[len(identity) :], "active", "updated_at"]
 

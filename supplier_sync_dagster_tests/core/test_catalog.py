@@ -31,7 +31,12 @@ from supplier_sync_dagster.core.mapping import (
     ensure_hotel_mappings,
     existing_hotel_mappings,
 )
-from supplier_sync_dagster.core.publish import offer_deactivation, prepare_publish, publish_hotels
+from supplier_sync_dagster.core.publish import (
+    offer_deactivation,
+    prepare_publish,
+    publish_hotels,
+    stale_offer_deactivation,
+)
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 
 SUPPLIER = 1001
@@ -317,8 +322,9 @@ def test_offer_lookups_by_hotel_read_the_identity_index(db: SyncDatabase):
     for extra in (300, CHUNK - len(ids)):
         many = ids + list(range(10**9, 10**9 + extra))
         deactivate = offer_deactivation(many, db.clock.now())
+        stale = stale_offer_deactivation(many, db.clock.now())
         with db.engine.connect() as conn:
-            for stmt in (active_offers(many), deactivate):
+            for stmt in (active_offers(many), deactivate, stale):
                 sql = str(
                     stmt.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
                 )
