@@ -1337,6 +1337,8 @@ class _LeasePublisher:
 
     def __init__(self, lease: ShardLease, settings: SyncSettings) -> None:
         self.lease, self.settings = lease, settings
+        # Set once :meth:`ensure_mappings` made every mapping of the shard's candidates.
+        self.mapped = False
 
     def __call__(self, cands: list[Candidate]) -> ChunkPublished:
         return self.publish(cands)
@@ -1373,15 +1375,17 @@ class _LeasePublisher:
         # rolls all of it back, and the shard's row is locked (InnoDB) only from the fence
         # to the commit, so processes publishing chunks of one shard (an incremental
         # window's) write at once instead of queueing on that row.
-        with db.engine.connect() as conn:
-            # Hotels seen before are looked up without the write lock (SQLite's is one for
-            # the whole database): this process diffs while another one writes.
-            found = existing_hotel_mappings(
-                conn,
-                supplier_id=settings.supplier_id,
-                batch_id=lease.batch_id,
-                hotel_ids=[c.supplier_hotel_id for c in cands],
-            )
+        found = None
+        if self.mapped:
+            with db.engine.connect() as conn:
+                # Looked up without the write lock (SQLite's is one for the whole
+                # database): this process diffs while another one writes.
+                found = existing_hotel_mappings(
+                    conn,
+                    supplier_id=settings.supplier_id,
+                    batch_id=lease.batch_id,
+                    hotel_ids=[c.supplier_hotel_id for c in cands],
+                )
         if found is None:
             with db.begin() as conn:
                 found = self._mappings(conn, cands, db.clock.read(conn))
@@ -1407,6 +1411,7 @@ class _LeasePublisher:
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
 
         retry_deadlocks(attempt)
+        self.mapped = True
 
     def _mappings(
         self, conn: Connection, cands: Sequence[Candidate], at: datetime
