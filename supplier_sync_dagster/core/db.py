@@ -29,6 +29,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -113,7 +114,12 @@ def make_engine(url: str) -> Engine:
         }
         if parsed.database and parsed.database != ":memory:":
             connect_args["factory"] = _WriterLockedConnection
-        engine = sa.create_engine(parsed, connect_args=connect_args)
+        engine = sa.create_engine(
+            parsed,
+            connect_args=connect_args,
+            json_serializer=json_text,
+            json_deserializer=orjson.loads,
+        )
         _configure_sqlite(engine)
         return engine
     return sa.create_engine(
@@ -122,7 +128,18 @@ def make_engine(url: str) -> Engine:
         pool_pre_ping=True,
         pool_recycle=3600,
         connect_args={"connect_timeout": 5},
+        json_serializer=json_text,
+        json_deserializer=orjson.loads,
     )
+
+
+def json_text(value: Any) -> str:
+    """Compact JSON text of a value in primitive form: the JSON columns' encoder.
+
+    orjson, not ``json``: a publish writes a diff log entry per hotel, and the standard
+    library's encoder cost a tenth of a publishing process's CPU.
+    """
+    return orjson.dumps(value).decode()
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import json
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from decimal import Decimal
 from functools import cached_property
 from typing import Any, Literal
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
@@ -298,8 +298,8 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
                     "star_rating": _dec_str(m["star_rating"]),
                     "phone_e164": m["phone"],
                     "email": m["email"],
-                    "facilities": json.loads(m["facilities"] or "[]"),
-                    "images": json.loads(m["images"] or "[]"),
+                    "facilities": orjson.loads(m["facilities"] or "[]"),
+                    "images": orjson.loads(m["images"] or "[]"),
                     "status": m["status"],
                     "rooms": {},
                 },

@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -29,6 +28,7 @@ from supplier_sync_dagster.core.db import (
     DbClock,
     execute_many,
     insert_ignore,
+    json_text,
     use_index,
 )
 from supplier_sync_dagster.core.diff import CONTENT_FIELDS, Candidate, HotelDiff
@@ -309,8 +309,8 @@ def _hotel_tail(cand: Candidate, supplier_id: int, batch_id: str) -> tuple[Any, 
         None if star is None else Decimal(str(star)),
         get("phone_e164"),
         get("email"),
-        _json_text(get("facilities") or []),
-        _json_text(get("images") or []),
+        json_text(get("facilities") or []),
+        json_text(get("images") or []),
         doc["status"],
         _utc(doc["updated_at"]),
         cand.raw_payload_ref,
@@ -491,7 +491,7 @@ def _hotel_events(
     if diff.diff_type == "NEW":
         types.append("HotelMappingCreated")
     # One encoding per hotel: its events differ only by their type, which comes first.
-    body = _json_text(
+    body = json_text(
         {
             "resource_id": rid,
             "publish_version": pv,
@@ -515,11 +515,6 @@ def _hotel_events(
         )
         for event_type in types
     ]
-
-
-def _json_text(value: Any) -> str:
-    """Compact JSON text of documents already in primitive form (see ``normalize``)."""
-    return orjson.dumps(value).decode()
 
 
 def write_events(
