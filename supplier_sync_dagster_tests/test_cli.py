@@ -878,3 +878,24 @@ def test_exit_quickly_waits_for_threads_runs_exit_handlers_and_flushes(tmp_path:
     )
     assert done.returncode == 3
     assert done.stdout == "buffered, not flushed\nthread done\nhandler ran\n"
+
+
+def test_console_script_raises_the_collector_threshold_before_the_commands_imports(
+    tmp_path: Path,
+) -> None:
+    # What the command sees: the threshold is raised before main() runs (and so before the
+    # imports inside the commands), to the value a sync sets anyway.
+    script = (
+        "import gc, sys\n"
+        "import supplier_sync_dagster.cli as cli\n"
+        "assert 'dagster' not in sys.modules, 'the CLI module itself stays light'\n"
+        "cli.main = lambda: print(gc.get_threshold()[0]) or 0\n"
+        "cli.run()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    from supplier_sync_dagster.core.pipeline import GC_GEN0_THRESHOLD
+
+    assert int(done.stdout) == cli.START_GC_THRESHOLD == GC_GEN0_THRESHOLD
