@@ -1194,8 +1194,15 @@ class _Normalizer:
         docs = [d for page in pages for d in page.result.docs]
         failed: dict[int, DeadLetter] = {}
         if docs:
+            # Every document comes straight from normalize_documents, whose phone rule
+            # already parsed and validated its number with libphonenumber; the second net
+            # keeps the vectorised E.164 shape check without a second parse of each number
+            # (bench_quality, chunks of 2,000 new numbers: 57 -> 32 us per hotel).
             quality = check_quality(
-                docs, city_code=self.listing_city, city_countries=self.city_countries
+                docs,
+                city_code=self.listing_city,
+                city_countries=self.city_countries,
+                parse_phones=False,
             )
             report.moved += len(quality.moved)
             starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
