@@ -694,6 +694,7 @@ def run_incremental(
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
     window = ChangeWindow(db, store, batch_id, settings.supplier_id, incremental, thresholds)
+    cpus = usable_cpus()
     run_settings = replace(
         settings,
         task_code=task_code,
@@ -701,7 +702,10 @@ def run_incremental(
         # A day's changes of a large supplier publish from memory, not read back, and on
         # every CPU: a window is one shard, where a full sync has a city per process.
         memory_hotels=max(settings.memory_hotels, WINDOW_MEMORY_HOTELS),
-        publish_processes=settings.publish_processes or usable_cpus(),
+        publish_processes=settings.publish_processes or cpus,
+        # While this process fetches and stores the pages, a process per CPU normalizes
+        # and judges them (one CPU: this process does).
+        normalize_processes=settings.normalize_processes or (cpus if cpus > 1 else 0),
     )
     report = sync_city(
         db,

@@ -40,9 +40,9 @@ import multiprocessing
 import os
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, Protocol
@@ -219,6 +219,9 @@ class SyncSettings:
             (all but the last, which finishes the shard here); 0 or 1 publishes them in
             this process. For one large shard (an incremental window): a full sync's cities
             already run in worker processes of their own.
+        normalize_processes: Forked processes that normalize and judge a shard's pages
+            while this process fetches and stores them (0: this process does). For one
+            large shard (an incremental window), as ``publish_processes``.
     """
 
     task_code: str
@@ -231,6 +234,7 @@ class SyncSettings:
     risk_policy: RiskPolicy = default_risk_policy
     missing_syncs: int = DEFAULT_MISSING_SYNCS
     publish_processes: int = 0
+    normalize_processes: int = 0
 
 
 Stage = Literal["fetch", "normalize", "publish"]
@@ -378,6 +382,7 @@ def sync_city(
         report.resumed_from_page = lease.checkpoint.page
     report.gate_overrides = lease.gate_overrides
     work = ShardWork(lease)
+    normalizer: _Normalizer | None = None
     try:
         with work as heartbeat:
             normalizer = _Normalizer(
@@ -479,6 +484,9 @@ def sync_city(
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
         report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
         raise
+    finally:
+        if normalizer is not None:
+            normalizer.close()
     if work.lost is not None:
         report.status, report.error = "LEASE_LOST", str(work.lost)
     elif client is not None and report.presence is not None and report.presence.missing:
@@ -1117,6 +1125,9 @@ class _Normalizer:
         self._drift: GateResult | None = None
         # True when every stored RAW page was given to add(): finish() reads none back.
         self.stored_pages_seen = False
+        # Pages being normalized and judged in forked processes (settings.normalize_processes).
+        self._workers: ProcessPoolExecutor | None = None
+        self._inflight: deque[tuple[_RawPage, Future[_JudgedPage]]] = deque()
 
     def drift(self) -> GateResult | None:
         """Judges schema drift (once) on the first pages; the failed check, or None."""
@@ -1159,6 +1170,7 @@ class _Normalizer:
                     self._normalize(raw, self._load(raw))
         began = time.perf_counter()
         self._validate(flush=False)
+        self.close()
         if self.writer is not None:
             self.writer.profile(self.report, self.fields)  # with the rows not flushed
         self.report.seconds["normalize"] += time.perf_counter() - began
@@ -1180,91 +1192,62 @@ class _Normalizer:
         self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
         self.fields.add(records)
-        result = normalize_documents(records)
-        self.pages.append(_Page(raw, result))
-        self.buffered += len(result.docs)
-        if self.buffered >= self.settings.chunk_hotels:
-            self._validate()
+        if self.settings.normalize_processes > 0 and self.on_kept is None:
+            self._submit(raw, records)
+        else:
+            result = normalize_documents(records)
+            self.pages.append(_Page(raw, result))
+            self.buffered += len(result.docs)
+            if self.buffered >= self.settings.chunk_hotels:
+                self._validate()
         collect_garbage()
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _validate(self, *, flush: bool = True) -> None:
+        if self._workers is not None:
+            self._collect(block=True)
+            if self.writer is not None and flush:
+                self.writer.flush()
+            return
         # Row-level quality runs over many pages at once: its cost is mostly per call.
-        pages, report = self.pages, self.report
-        docs = [d for page in pages for d in page.result.docs]
-        failed: dict[int, DeadLetter] = {}
-        if docs:
-            # Every document comes straight from normalize_documents, whose phone rule
-            # already parsed and validated its number with libphonenumber; the second net
-            # keeps the vectorised E.164 shape check without a second parse of each number
-            # (bench_quality, chunks of 2,000 new numbers: 57 -> 32 us per hotel).
-            quality = check_quality(
-                docs,
-                city_code=self.listing_city,
-                city_countries=self.city_countries,
-                parse_phones=False,
-            )
-            report.moved += len(quality.moved)
-            starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
-            for f in quality.failures:
-                k = bisect.bisect_right(starts, f.index) - 1
-                page = pages[k]
-                pos = page.result.doc_index[f.index - starts[k]]
-                city = self.listing_city or docs[f.index].get("city_code")
-                failed[f.index] = replace(
-                    f.dead_letter(
-                        page.raw.payload_ref,
-                        page.raw.payload_hash,
-                        record_position=f"record#{pos}",
-                    ),
-                    city_code=city if isinstance(city, str) else None,
-                )
-        offset = 0
+        pages = self.pages
+        moved, judged = _judge(pages, self.listing_city, self.city_countries)
+        self.report.moved += moved
         kept_chunk: list[Candidate] = []
-        for page in pages:
-            raw, result = page.raw, page.result
-            page_letters = [
-                DeadLetter(
-                    r.supplier_hotel_id,
-                    r.stage,
-                    "NON_RETRYABLE",
-                    r.error_code,
-                    r.message,
-                    raw.payload_ref,
-                    raw.payload_hash,
-                    # The record's place on its page: two unreadable records of one page
-                    # stay two dead letters, and a re-run finds the same key.
-                    record_position=f"record#{index}",
-                    city_code=self.listing_city,
-                )
-                for r, index in zip(result.rejections, result.rejection_index, strict=True)
-            ]
-            kept = []
-            for i, doc in enumerate(page.result.docs):
-                letter = failed.get(offset + i)
-                if letter is None:
-                    kept.append(doc)
-                else:
-                    page_letters.append(letter)
-            offset += len(page.result.docs)
-            # Dead letters are counted from every page, also pages normalized by an earlier
-            # attempt, so that the shard's counts describe all of its records.
-            report.dead_letters += len(page_letters)
-            report.dead_letters_by_code.update(d.error_code for d in page_letters)
+        for page, (kept, letters) in zip(pages, judged, strict=True):
             lines = [canonical_dumps(d) for d in kept]
-            if self.on_kept is not None or self.candidates is not None:
-                kept_chunk.extend(
-                    Candidate(
-                        doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash
-                    )
-                    for doc, line in zip(kept, lines, strict=True)
-                )
-            if self.writer is not None:
-                self.writer.page(raw, lines, page_letters)
+            self._keep(page.raw, lines, kept, letters, kept_chunk)
         pages.clear()
         self.buffered = 0
         if self.writer is not None and flush:
             self.writer.flush()
+        self._hand_over(kept_chunk)
+
+    def _keep(
+        self,
+        raw: _RawPage,
+        lines: list[bytes],
+        kept: Sequence[dict[str, Any]] | None,
+        letters: list[DeadLetter],
+        kept_chunk: list[Candidate],
+    ) -> None:
+        """Counts a judged page, keeps its documents as candidates and stores it (``kept``:
+        the documents of ``lines``, decoded from them when None)."""
+        report = self.report
+        # Dead letters are counted from every page, also pages normalized by an earlier
+        # attempt, so that the shard's counts describe all of its records.
+        report.dead_letters += len(letters)
+        report.dead_letters_by_code.update(d.error_code for d in letters)
+        if self.on_kept is not None or self.candidates is not None:
+            docs = kept if kept is not None else [loads_canonical(line) for line in lines]
+            kept_chunk.extend(
+                Candidate(doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash)
+                for doc, line in zip(docs, lines, strict=True)
+            )
+        if self.writer is not None:
+            self.writer.page(raw, lines, letters)
+
+    def _hand_over(self, kept_chunk: list[Candidate]) -> None:
         if self.on_kept is not None:
             if kept_chunk:
                 self.on_kept(kept_chunk)
@@ -1273,6 +1256,142 @@ class _Normalizer:
                 self.candidates = None  # a large city: publishing reads its pages back
             else:
                 self.candidates.extend(kept_chunk)
+
+    # -- pages judged in forked processes ----------------------------------------------
+
+    def _submit(self, raw: _RawPage, records: list[Any]) -> None:
+        """Hands a page to a forked process, which normalizes and judges it."""
+        if self._workers is None:
+            self._workers = ProcessPoolExecutor(
+                max_workers=self.settings.normalize_processes,
+                mp_context=multiprocessing.get_context("fork"),
+                initializer=_start_forked_judge,
+                initargs=(self.db, self.listing_city, self.city_countries),
+            )
+        self._inflight.append((raw, self._workers.submit(_judge_page, raw, records)))
+        # Two pages ahead per process: enough to keep them busy, and memory bounded.
+        self._collect(block=False)
+
+    def _collect(self, *, block: bool) -> None:
+        """Takes in the judged pages in page order: every one with ``block``; otherwise
+        those done, waiting only while too many are in flight."""
+        limit = 0 if block else 2 * self.settings.normalize_processes
+        kept_chunk: list[Candidate] = []
+        inflight = self._inflight
+        while inflight and (len(inflight) > limit or inflight[0][1].done()):
+            raw, future = inflight.popleft()
+            judged = future.result()
+            self.report.moved += judged.moved
+            self._keep(raw, judged.lines, None, judged.letters, kept_chunk)
+            self.buffered += len(judged.lines) + len(judged.letters)
+        if self.writer is not None and self.buffered >= self.settings.chunk_hotels:
+            self.writer.flush()
+            self.buffered = 0
+        self._hand_over(kept_chunk)
+
+    def close(self) -> None:
+        """Stops the forked processes, if any ran (idempotent)."""
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=True, cancel_futures=True)
+        self._inflight.clear()
+
+
+class _JudgedPage(NamedTuple):
+    """A page normalized and judged in a forked process: its kept documents as canonical
+    JSON lines, its dead letters, and how many of its hotels moved to another city."""
+
+    lines: list[bytes]
+    letters: list[DeadLetter]
+    moved: int
+
+
+_judge_context: tuple[str | None, Mapping[str, str]] | None = None
+
+
+def _start_forked_judge(
+    db: SyncDatabase, listing_city: str | None, city_countries: Mapping[str, str]
+) -> None:
+    global _judge_context
+    # The parent's pooled connections stay the parent's; this process writes nothing.
+    db.engine.dispose(close=False)
+    gc.freeze()
+    _judge_context = (listing_city, city_countries)
+
+
+def _judge_page(raw: _RawPage, records: list[Any]) -> _JudgedPage:
+    assert _judge_context is not None, "not a forked judge"
+    listing_city, city_countries = _judge_context
+    moved, judged = _judge([_Page(raw, normalize_documents(records))], listing_city, city_countries)
+    kept, letters = judged[0]
+    return _JudgedPage([canonical_dumps(d) for d in kept], letters, moved)
+
+
+def _judge(
+    pages: Sequence[_Page], listing_city: str | None, city_countries: Mapping[str, str]
+) -> tuple[int, list[tuple[list[dict[str, Any]], list[DeadLetter]]]]:
+    """The quality pass over normalized pages at once: how many hotels moved to another
+    city, and each page's kept documents and dead letters (its rejected records, then its
+    documents that failed a check)."""
+    docs = [d for page in pages for d in page.result.docs]
+    failed: dict[int, DeadLetter] = {}
+    moved = 0
+    if docs:
+        # Every document comes straight from normalize_documents, whose phone rule
+        # already parsed and validated its number with libphonenumber; the second net
+        # keeps the vectorised E.164 shape check without a second parse of each number
+        # (bench_quality, chunks of 2,000 new numbers: 57 -> 32 us per hotel).
+        quality = check_quality(
+            docs,
+            city_code=listing_city,
+            city_countries=city_countries,
+            parse_phones=False,
+        )
+        moved = len(quality.moved)
+        starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
+        for f in quality.failures:
+            k = bisect.bisect_right(starts, f.index) - 1
+            page = pages[k]
+            pos = page.result.doc_index[f.index - starts[k]]
+            city = listing_city or docs[f.index].get("city_code")
+            failed[f.index] = replace(
+                f.dead_letter(
+                    page.raw.payload_ref,
+                    page.raw.payload_hash,
+                    record_position=f"record#{pos}",
+                ),
+                city_code=city if isinstance(city, str) else None,
+            )
+    offset = 0
+    judged: list[tuple[list[dict[str, Any]], list[DeadLetter]]] = []
+    for page in pages:
+        raw, result = page.raw, page.result
+        page_letters = [
+            DeadLetter(
+                r.supplier_hotel_id,
+                r.stage,
+                "NON_RETRYABLE",
+                r.error_code,
+                r.message,
+                raw.payload_ref,
+                raw.payload_hash,
+                # The record's place on its page: two unreadable records of one page
+                # stay two dead letters, and a re-run finds the same key.
+                record_position=f"record#{index}",
+                city_code=listing_city,
+            )
+            for r, index in zip(result.rejections, result.rejection_index, strict=True)
+        ]
+        kept = []
+        for i, doc in enumerate(result.docs):
+            letter = failed.get(offset + i)
+            if letter is None:
+                kept.append(doc)
+            else:
+                page_letters.append(letter)
+        offset += len(result.docs)
+        judged.append((kept, page_letters))
+    return moved, judged
 
 
 def _normalized_chunks(

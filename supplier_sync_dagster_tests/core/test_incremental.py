@@ -331,6 +331,79 @@ def test_a_bad_record_becomes_a_dead_letter_and_the_rest_publishes(
     assert window.watermark_after == Watermark(T0 + timedelta(seconds=30), "H000003")
 
 
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "forked"])
+def test_pages_judged_in_forked_processes_end_as_in_this_one(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+    processes: int,
+):
+    # Pages of 3 over 2 processes, and bad records of every kind: each ends in the same
+    # place, at the same position of the same raw page, as when this process judges them.
+    from dataclasses import replace
+
+    from supplier_sync_dagster.core import incremental, pipeline
+
+    if not processes:  # a one-CPU machine: the window's own process judges its pages
+        monkeypatch.setattr(incremental, "usable_cpus", lambda: 1)
+    submitted: list[int] = []
+    real = pipeline._Normalizer._submit
+
+    def counted(self: Any, raw: Any, records: list[Any]) -> None:
+        submitted.append(len(records))
+        real(self, raw, records)
+
+    monkeypatch.setattr(pipeline._Normalizer, "_submit", counted)
+    _start_at(db, 0)
+    for n in range(1, 21):
+        extra: dict[str, Any] = {}
+        if n == 4:
+            extra = {"geo": {"lat": 200.0, "lng": 100.0}}
+        elif n == 8:
+            extra = {"name": None}
+        elif n == 11:
+            extra = {"star_rating": 4.3}
+        feed.change(hotel(n, at=n, **extra))
+    window = run_incremental(
+        db,
+        store,
+        client,
+        settings=replace(SETTINGS, chunk_hotels=4, normalize_processes=processes),
+        incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=3),
+        trigger_id="w1",
+        source="MANUAL",
+        worker_id="worker-w1",
+    )
+    assert submitted == ([3, 3, 3, 3, 3, 3, 2] if processes else [])
+    r = window.report
+    assert r.status == "SUCCESS"
+    assert (r.records, r.published, r.dead_letters) == (20, 17, 3)
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 21) if n not in (4, 8, 11)}
+    d = schema.dead_letter.c
+    s = schema.snapshot.c
+    with db.engine.connect() as conn:
+        letters = conn.execute(
+            sa.select(d.supplier_resource_code, d.error_code, d.record_position, s.page_number)
+            .join_from(schema.dead_letter, schema.snapshot, s.payload_hash == d.raw_payload_hash)
+            .where(s.snapshot_type == "RAW")
+            .order_by(d.supplier_resource_code)
+        ).all()
+        normalized = conn.execute(
+            sa.select(sa.func.count(), sa.func.sum(s.record_count)).where(
+                s.snapshot_type == "NORMALIZED"
+            )
+        ).one()
+    # H000004 is the first record of the second page, H000008 the second of the third, ...
+    assert [tuple(row) for row in letters] == [
+        ("H000004", "LAT_OUT_OF_RANGE", "record#0", 2),
+        ("H000008", "MISSING_REQUIRED_FIELD", "record#1", 3),
+        ("H000011", "STAR_RATING_OUT_OF_RANGE", "record#1", 4),
+    ]
+    assert tuple(normalized) == (7, 17)
+
+
 def test_without_a_watermark_or_a_full_sync_there_is_nothing_to_start_from(
     db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient
 ):
