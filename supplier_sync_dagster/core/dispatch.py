@@ -1,13 +1,21 @@
 """Dispatchers: claim the outbox's READY events stage by stage, run the stage, move them on.
 
 A :class:`Dispatcher` owns one set of targets (:class:`~.projections.Projections`) and one
-lease owner id. Each round it runs every stage once: claims up to ``batch_size`` events
-whose next stage it is (:func:`.outbox.claim`), runs the stage on the batch, and moves the
-events on (:func:`.outbox.advance`) or back for a retry (:func:`.outbox.retry_later`). The
-stages are independent: a search index that is down holds back only SEARCH_INDEX events,
-while the cache and the subscribers' backlog keep moving. :meth:`Dispatcher.drain` runs
-rounds until no stage has work; :func:`serve` runs N dispatchers in threads until told to
-stop, each finishing its batch first, and runs the stuck-message pass every minute.
+lease owner id. It claims up to ``batch_size`` READY events of one stage (:func:`.outbox.claim`),
+runs the stage on the batch, carries the events that passed on to the next stages of their
+chain under the same lease, and records the outcome once (:func:`.outbox.settle`): one claim
+and one guarded move per event rather than two per stage, which is most of what dispatching
+costs the sync database. A stage that fails stops its events there, to retry after a backoff;
+the stages are independent: a search index that is down holds back only SEARCH_INDEX events,
+while the cache and the subscribers' backlog keep moving.
+
+The search index is what users read, so its lag is the one that matters while a sync
+publishes: a round runs SEARCH_INDEX before each other stage's batch, batch after batch
+while they come back full (up to :data:`SEARCH_BATCHES_PER_TURN`), and a full SEARCH_INDEX
+batch is not carried on (more search work waits; the rest of its chain is left READY for
+the next stage). :meth:`Dispatcher.drain` runs rounds until no stage has work;
+:func:`serve` runs N dispatchers in threads until told to stop, each finishing its batch
+first, and runs the stuck-message pass every minute.
 
 What each stage does with a batch:
 
@@ -25,19 +33,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.outbox import (
     DEFAULT_LEASE_SECONDS,
+    END,
     STAGES,
     OutboxEvent,
+    Progress,
     Stage,
-    advance,
     claim,
     make_owner,
     release_stuck,
-    retry_later,
+    settle,
+    stage_after,
 )
 from supplier_sync_dagster.core.projections import (
     Notification,
@@ -50,6 +60,10 @@ from supplier_sync_dagster.core.projections import (
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 500
+SEARCH_BATCHES_PER_TURN = 8
+"""Most SEARCH_INDEX batches run in a row, while each claims a full one, before another
+stage's batch."""
+IDLE_SECONDS = 0.25
 STUCK_PASS_SECONDS = 60.0
 
 
@@ -134,49 +148,92 @@ class Dispatcher:
             "NOTIFY": self._notify,
         }
 
-    def run_stage(self, stage: Stage) -> StageCounts:
-        """One batch of one stage: claim, run, move on (or back)."""
-        began = time.perf_counter()
-        counts = StageCounts()
+    def run_from(self, stage: Stage) -> DrainReport:
+        """One batch claimed at ``stage``, carried through the rest of each event's chain
+        (the stages this dispatcher runs; not a full SEARCH_INDEX batch), then settled."""
+        report = DrainReport()
         events = claim(
             self.db,
             stage,
             owner=self.owner,
             limit=self.batch_size,
             lease_seconds=self.lease_seconds,
+            full="NOTIFY" in self.stages,
         )
-        counts.claimed = len(events)
+        report.stages[stage].claimed = len(events)
         if not events:
-            return counts
-        try:
-            failures = self._runners[stage](events)
-        except Exception as err:  # the whole batch failed: retry it later
-            message = f"{type(err).__name__}: {err}"
-            failures = {e.id: message for e in events}
-        done = [e for e in events if e.id not in failures]
-        counts.advanced = advance(self.db, stage, done, owner=self.owner) if done else 0
-        if failures:
-            counts.retrying, counts.failed = retry_later(
-                self.db, stage, failures, events, owner=self.owner
-            )
-            counts.last_error = next(iter(failures.values()))
+            return report
+        progress = {e.id: Progress(e) for e in events}
+        waiting: dict[str, list[OutboxEvent]] = {stage: list(events)}
+        # A full SEARCH_INDEX batch is not carried: more search work waits (module doc).
+        carry = stage != "SEARCH_INDEX" or len(events) < self.batch_size
+        # Chains follow the order of STAGES, so one pass in that order carries every event.
+        for current in STAGES[STAGES.index(stage) :]:
+            batch = waiting.pop(current, [])
+            if not batch or current not in self.stages or (current != stage and not carry):
+                continue  # settled READY at this stage, for whoever runs it next
+            counts = report.stages[current]
+            began = time.perf_counter()
+            try:
+                failures = self._runners[current](batch)
+            except Exception as err:  # the whole batch failed: retry it later
+                message = f"{type(err).__name__}: {err}"
+                failures = {e.id: message for e in batch}
+            projected_at = None
+            if current == "SEARCH_INDEX" and len(failures) < len(batch):
+                with self.db.engine.connect() as conn:
+                    projected_at = self.db.clock.read(conn)
+            for e in batch:
+                if e.id in failures:
+                    progress[e.id] = replace(progress[e.id], error=failures[e.id])
+                    continue
+                progress[e.id] = replace(
+                    progress[e.id],
+                    done=current,
+                    projected_at=projected_at or progress[e.id].projected_at,
+                )
+                counts.advanced += 1
+                nxt = stage_after(e.event_type, current)
+                if nxt != END:
+                    waiting.setdefault(nxt, []).append(e)
+            if failures:
+                counts.last_error = next(iter(failures.values()))
+                log.warning(
+                    "%s: %d of %d events failed: %s",
+                    current,
+                    len(failures),
+                    len(batch),
+                    counts.last_error,
+                )
+            counts.seconds += time.perf_counter() - began
+        settled = settle(self.db, list(progress.values()), owner=self.owner)
+        for failed_stage, n in settled.retrying.items():
+            report.stages[failed_stage].retrying += n
+        for failed_stage, n in settled.failed.items():
+            report.stages[failed_stage].failed += n
+        if settled.total < len(progress):
             log.warning(
-                "%s: %d of %d events failed (%d retry later, %d FAILED): %s",
+                "%d of %d events claimed at %s had lost their lease: left where they are",
+                len(progress) - settled.total,
+                len(progress),
                 stage,
-                len(failures),
-                len(events),
-                counts.retrying,
-                counts.failed,
-                counts.last_error,
             )
-        counts.seconds = time.perf_counter() - began
-        return counts
+        return report
 
     def round(self) -> DrainReport:
-        """Every stage once."""
+        """One batch of each stage but SEARCH_INDEX, each after a turn of SEARCH_INDEX
+        batches (while they come back full, up to :data:`SEARCH_BATCHES_PER_TURN`)."""
         report = DrainReport()
-        for stage in self.stages:
-            report.stages[stage].add(self.run_stage(stage))
+        others: list[Stage | None] = [s for s in self.stages if s != "SEARCH_INDEX"]
+        for stage in others or [None]:
+            if "SEARCH_INDEX" in self.stages:
+                for _ in range(SEARCH_BATCHES_PER_TURN):
+                    one = self.run_from("SEARCH_INDEX")
+                    report.add(one)
+                    if one.stages["SEARCH_INDEX"].claimed < self.batch_size:
+                        break
+            if stage is not None:
+                report.add(self.run_from(stage))
         return report
 
     def drain(
@@ -238,7 +295,7 @@ def serve(
     threads: int = 1,
     stop: threading.Event,
     batch_size: int = DEFAULT_BATCH_SIZE,
-    idle_seconds: float = 0.5,
+    idle_seconds: float = IDLE_SECONDS,
     stuck_every: float = STUCK_PASS_SECONDS,
     on_report: Callable[[DrainReport], None] | None = None,
 ) -> DrainReport:

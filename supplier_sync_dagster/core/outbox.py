@@ -269,10 +269,12 @@ def claim(
     owner: str,
     limit: int = 500,
     lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    full: bool = False,
 ) -> list[OutboxEvent]:
     """Claims up to ``limit`` READY events whose next stage is ``stage`` and that are due,
     oldest first, under a lease of ``owner`` until ``lease_seconds`` from now (database
-    clock). Concurrent claimers get disjoint events."""
+    clock). Concurrent claimers get disjoint events. The events carry what ``stage`` needs,
+    or every field with ``full`` (for a claimer that runs NOTIFY after it)."""
     o = schema.outbox.c
     clock = db.clock
     due = sa.or_(o.next_attempt_at.is_(None), o.next_attempt_at <= clock.now())
@@ -283,7 +285,7 @@ def claim(
         .limit(limit)
     )
     lease: dict[str, Any] = {"lease_owner": owner, "lease_until": clock.now(lease_seconds)}
-    columns = [o[name] for name in _STAGE_COLUMNS[stage]]
+    columns = [o[name] for name in (_FULL_COLUMNS if full else _STAGE_COLUMNS[stage])]
     with db.begin() as conn:
         if conn.dialect.name == "sqlite":
             # One statement under SQLite's write lock: nobody else claims meanwhile.
@@ -306,95 +308,129 @@ def claim(
     return [_event(r, stage) for r in rows]
 
 
-def advance(db: SyncDatabase, stage: Stage, events: Sequence[OutboxEvent], *, owner: str) -> int:
-    """Moves events whose ``stage`` succeeded on: to their next stage (READY), or SUCCEEDED
-    at the end of their chain. Returns how many moved; events whose lease was lost meanwhile
-    (the stuck pass gave them to another dispatcher) stay where that dispatcher put them."""
-    o = schema.outbox.c
-    clock = db.clock
-    by_next: dict[str, list[int]] = {}
-    for e in events:
-        by_next.setdefault(stage_after(e.event_type, stage), []).append(e.id)
-    moved = 0
-    with db.begin() as conn:
-        for nxt, ids in by_next.items():
-            values: dict[str, Any] = {
-                "current_stage": stage,
-                "next_stage": nxt,
-                "retry_count": 0,
-                "next_attempt_at": None,
-                "lease_owner": None,
-                "lease_until": None,
-                "last_error": None,
-            }
-            if stage == "SEARCH_INDEX":
-                values["projected_at"] = clock.now()
-            if nxt == END:
-                values["finished_at"] = clock.now()
-            moved += move_events(
-                conn,
-                "SUCCEEDED" if nxt == END else "READY",
-                ids,
-                sources=_PROCESSING,
-                owner=owner,
-                where=[o.next_stage == stage],
-                **values,
-            )
-    return moved
+@dataclass(frozen=True)
+class Progress:
+    """What a dispatcher did with one claimed event, for :func:`settle` to record.
+
+    Attributes:
+        event: The event as claimed: its ``next_stage`` is the stage its row still names.
+        done: The last stage of the event's chain that passed under this claim (None: none).
+        error: Why the stage after ``done`` failed (None: it did not fail).
+        projected_at: When SEARCH_INDEX passed (the database's clock); None: when the event
+            is settled.
+    """
+
+    event: OutboxEvent
+    done: Stage | None = None
+    error: str | None = None
+    projected_at: datetime | None = None
 
 
-def retry_later(
+@dataclass
+class Settled:
+    """How many claimed events :func:`settle` moved, by where they went.
+
+    Attributes:
+        moved_on: Events whose stages passed (READY at their next stage, or SUCCEEDED).
+        retrying: By the stage that failed: events that retry it after its backoff.
+        failed: By the stage that failed: events past its max attempts (FAILED).
+    """
+
+    moved_on: int = 0
+    retrying: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        """Every event moved."""
+        return self.moved_on + sum(self.retrying.values()) + sum(self.failed.values())
+
+
+_NOW: Any = object()  # settle's stand-in for the database's clock, replaced in the move
+
+
+def settle(
     db: SyncDatabase,
-    stage: Stage,
-    failures: Mapping[int, str],
-    events: Sequence[OutboxEvent],
+    progress: Sequence[Progress],
     *,
     owner: str,
     rng: random.Random | None = None,
-) -> tuple[int, int]:
-    """Events whose ``stage`` failed (id -> error) retry after their backoff, or become
-    FAILED past the stage's max attempts. Returns (retrying, failed)."""
-    policy = STAGE_POLICIES[stage]
+) -> Settled:
+    """Records what a dispatcher did with the events it claimed, in guarded moves of groups.
+
+    A dispatcher holding an event's lease may run several stages of its chain before it
+    lets go (one claim and one move instead of two per stage); the row records the outcome:
+
+    - every stage passed: SUCCEEDED at the END, or READY at the next stage;
+    - a stage failed: READY at that stage after its backoff (the stages before it are done:
+      ``current_stage``), or FAILED past the stage's max attempts.
+
+    Each move is guarded by the lease and by the stage the row named when it was claimed;
+    events whose lease was lost meanwhile (the stuck pass gave them to another dispatcher)
+    stay where that dispatcher put them and are not counted.
+    """
     o = schema.outbox.c
     clock = db.clock
-    counts = {e.id: e.retry_count for e in events}
-    groups: dict[tuple[bool, int, str], list[int]] = {}
-    for event_id, error in failures.items():
-        attempt = counts[event_id] + 1
-        give_up = attempt >= policy.max_attempts
-        groups.setdefault((give_up, attempt, error[:MAX_ERROR_LENGTH]), []).append(event_id)
-    retrying = failed = 0
-    with db.begin() as conn:
-        for (give_up, attempt, error), ids in groups.items():
-            common: dict[str, Any] = {
-                "retry_count": attempt,
-                "last_error": error,
-                "lease_owner": None,
-                "lease_until": None,
-            }
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for p in progress:
+        e = p.event
+        values: dict[str, Any] = {"lease_owner": None, "lease_until": None}
+        if p.done is not None:
+            values["current_stage"] = p.done
+        if p.done is not None and e.next_stage == "SEARCH_INDEX":
+            values["projected_at"] = p.projected_at or _NOW
+        if p.error is None:
+            if p.done is None:
+                raise ValueError(f"outbox event {e.id}: nothing passed and nothing failed")
+            nxt = stage_after(e.event_type, p.done)
+            target: OutboxStatus = "SUCCEEDED" if nxt == END else "READY"
+            values.update(next_stage=nxt, retry_count=0, next_attempt_at=None, last_error=None)
+            if nxt == END:
+                values["finished_at"] = _NOW
+            retry_stage = None
+        else:
+            stage = stage_after(e.event_type, p.done) if p.done is not None else e.next_stage
+            assert stage != END, "a failure is a stage's"
+            attempt = (e.retry_count if p.done is None else 0) + 1
+            give_up = attempt >= STAGE_POLICIES[stage].max_attempts  # type: ignore[index]
+            target = "FAILED" if give_up else "READY"
+            values.update(
+                next_stage=stage, retry_count=attempt, last_error=p.error[:MAX_ERROR_LENGTH]
+            )
             if give_up:
-                failed += move_events(
-                    conn,
-                    "FAILED",
-                    ids,
-                    sources=_PROCESSING,
-                    owner=owner,
-                    where=[o.next_stage == stage],
-                    next_attempt_at=None,
-                    **common,
-                )
+                values["next_attempt_at"] = None
+            retry_stage = None if give_up else stage
+        key = (e.next_stage, target, retry_stage or "", tuple(sorted(values.items())))
+        groups.setdefault(key, []).append(e.id)
+    settled = Settled()
+    with db.begin() as conn:
+        for (claimed, target, retry_stage, items), ids in groups.items():
+            values = {k: (clock.now() if v is _NOW else v) for k, v in items}
+            if retry_stage:
+                policy = STAGE_POLICIES[retry_stage]
+                values["next_attempt_at"] = clock.now(policy.delay(values["retry_count"], rng))
+            n = move_events(
+                conn,
+                target,
+                ids,
+                sources=_PROCESSING,
+                owner=owner,
+                where=[o.next_stage == claimed],
+                **values,
+            )
+            if target == "FAILED":
+                settled.failed[values["next_stage"]] += n
+            elif retry_stage:
+                settled.retrying[retry_stage] += n
             else:
-                retrying += move_events(
-                    conn,
-                    "READY",
-                    ids,
-                    sources=_PROCESSING,
-                    owner=owner,
-                    where=[o.next_stage == stage],
-                    next_attempt_at=clock.now(policy.delay(attempt, rng)),
-                    **common,
-                )
-    return retrying, failed
+                settled.moved_on += n
+    return settled
+
+
+def advance(db: SyncDatabase, stage: Stage, events: Sequence[OutboxEvent], *, owner: str) -> int:
+    """Moves events claimed at ``stage`` on after it passed: to their next stage (READY), or
+    SUCCEEDED at the end of their chain (:func:`settle`). Returns how many moved."""
+    return settle(db, [Progress(e, done=stage) for e in events], owner=owner).moved_on
 
 
 def release_stuck(db: SyncDatabase) -> dict[str, int]:
@@ -673,6 +709,8 @@ __all__ = [
     "OutboxEvent",
     "OutboxStatus",
     "OutboxStatusReport",
+    "Progress",
+    "Settled",
     "Stage",
     "StagePolicy",
     "advance",
@@ -686,7 +724,7 @@ __all__ = [
     "outbox_status",
     "release_stuck",
     "retry_events",
-    "retry_later",
+    "settle",
     "sources_of",
     "stage_after",
 ]

@@ -222,7 +222,9 @@ def test_a_failing_stage_retries_with_backoff_then_fails_and_an_operator_retries
     rows = outbox_rows(db)
     failed = [r for r in rows if r["status"] == "FAILED"]
     assert len(failed) == 9 and {r["retry_count"] for r in failed} == {policy.max_attempts}
-    assert broken.calls == policy.max_attempts
+    # One call more than attempts: in the first round the hotels' events, carried on from
+    # CACHE, and the six events claimed at NOTIFY were two batches.
+    assert broken.calls == policy.max_attempts + 1
     status = outbox_status(db)
     assert status.counts[("FAILED", "NOTIFY")] == 9
     # The broker is back; an operator retries the failed events and they are delivered.
@@ -233,6 +235,83 @@ def test_a_failing_stage_retries_with_backoff_then_fails_and_an_operator_retries
     d.drain()
     assert {r["status"] for r in outbox_rows(db)} == {"SUCCEEDED"}
     assert len(notified(tmp_path)) == 9
+
+
+class BrokenCache(InProcessHotelCache):
+    """A cache that is down."""
+
+    def invalidate(self, keys: Sequence[str]) -> None:
+        raise ProjectionUnavailable("cache down (test)")
+
+
+def test_a_claimed_batch_is_carried_through_its_chain_and_settled_once(
+    db: SyncDatabase, projections: Projections, tmp_path: Path
+):
+    publish(db, "b1", 4)
+    d = Dispatcher(db, projections)
+    report = d.run_from("SEARCH_INDEX")
+    assert report.stages["SEARCH_INDEX"].claimed == 4
+    assert [report.stages[s].advanced for s in ("SEARCH_INDEX", "CACHE", "NOTIFY")] == [4, 4, 4]
+    rows = outbox_rows(db)
+    hotels = [r for r in rows if r["event_type"] == "HotelResourceUpdated"]
+    assert {(r["status"], r["current_stage"], r["next_stage"]) for r in hotels} == {
+        ("SUCCEEDED", "NOTIFY", "END")
+    }
+    # Projected when the index was written, before the rest of the chain finished.
+    assert all(r["created_at"] <= r["projected_at"] <= r["finished_at"] for r in hotels)
+    assert len(projections.search.versions()) == 4
+    # The other events were not claimed: they wait at NOTIFY.
+    others = [r for r in rows if r["event_type"] != "HotelResourceUpdated"]
+    assert {(r["status"], r["next_stage"]) for r in others} == {("READY", "NOTIFY")}
+    assert {m["message_id"] for m in notified(tmp_path)} == {r["event_id"] for r in hotels}
+
+
+def test_a_full_search_batch_is_projected_and_left_for_the_next_stage(
+    db: SyncDatabase, projections: Projections
+):
+    publish(db, "b1", 3)
+    d = Dispatcher(db, projections, batch_size=2)
+    report = d.run_from("SEARCH_INDEX")  # full: more search work waits, so not carried
+    assert report.stages["SEARCH_INDEX"].advanced == 2 and report.stages["CACHE"].advanced == 0
+    hotels = [r for r in outbox_rows(db) if r["event_type"] == "HotelResourceUpdated"]
+    assert sorted((r["status"], r["next_stage"]) for r in hotels) == [
+        ("READY", "CACHE"),
+        ("READY", "CACHE"),
+        ("READY", "SEARCH_INDEX"),
+    ]
+    assert all(r["projected_at"] is not None for r in hotels if r["next_stage"] == "CACHE")
+    report = d.run_from("SEARCH_INDEX")  # the last one: not full, carried to the end
+    assert report.stages["NOTIFY"].advanced == 1
+    d.drain()
+    assert {r["status"] for r in outbox_rows(db)} == {"SUCCEEDED"}
+
+
+def test_a_carried_event_stops_at_the_stage_that_fails_and_keeps_what_passed(
+    db: SyncDatabase, projections: Projections
+):
+    publish(db, "b1", 3)
+    projections.cache = BrokenCache()
+    report = Dispatcher(db, projections).run_from("SEARCH_INDEX")
+    assert report.stages["CACHE"].retrying == 3 and report.stages["NOTIFY"].advanced == 0
+    hotels = [r for r in outbox_rows(db) if r["event_type"] == "HotelResourceUpdated"]
+    for r in hotels:
+        assert (r["status"], r["current_stage"], r["next_stage"]) == (
+            "READY",
+            "SEARCH_INDEX",
+            "CACHE",
+        )
+        assert r["retry_count"] == 1 and "cache down" in r["last_error"]
+        assert r["projected_at"] is not None and r["next_attempt_at"] is not None
+        assert r["lease_owner"] is None
+    # A dispatcher that runs only SEARCH_INDEX leaves what it projected READY at CACHE.
+    publish(db, "b2", 2, version=2, facilities=["wifi"])
+    Dispatcher(db, projections, stages=["SEARCH_INDEX"]).drain()
+    again = [r for r in outbox_rows(db) if r["batch_id"] == "b2"]
+    hotels2 = [r for r in again if r["event_type"] == "HotelResourceUpdated"]
+    assert len(hotels2) == 2
+    assert {(r["status"], r["next_stage"], r["retry_count"]) for r in hotels2} == {
+        ("READY", "CACHE", 0)
+    }
 
 
 def test_backoff_grows_with_jitter_and_is_capped():
