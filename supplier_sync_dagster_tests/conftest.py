@@ -13,7 +13,6 @@ a message saying how to enable them, unless ``SUPPLIER_SYNC_REQUIRE_SERVICES=1``
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -37,20 +36,6 @@ def _unavailable(what: str, how: str, err: Exception) -> None:
     if _services_required():
         pytest.fail(msg + " SUPPLIER_SYNC_REQUIRE_SERVICES=1, so this is an error.", pytrace=False)
     pytest.skip(msg)
-
-
-@pytest.fixture(autouse=True)
-def _no_dagster_state_storage_left_over() -> Iterator[None]:
-    """Forgets, after each test, the Dagster instance a test left as the context's state store.
-
-    A ``DagsterInstance`` makes itself the context's definitions-state store until it is
-    disposed, and loading ``Definitions`` reads that store; an instance a test did not dispose
-    would hand the next test its deleted folder ("unable to open database file").
-    """
-    yield
-    base = sys.modules.get("dagster._core.storage.defs_state.base")
-    if base is not None:
-        base._current_storage.set(None)
 
 
 @pytest.fixture(scope="session")

@@ -124,16 +124,14 @@ def test_the_schedule_runs_one_window_at_a_time_and_waits_for_a_full_sync(
     sync_db = SyncDatabaseResource(db_url=db_url)
     when = datetime(2026, 11, 30, 2, 5, tzinfo=UTC)
     with dg.instance_for_test() as instance:
-        ctx = dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
-        )
-        skipped = incremental_sync_schedule(ctx)
+        # Each context is closed in the test: the instance it opens from the reference, left
+        # to the collector, would restore a later test's state store to this one's (deleted).
+        with _schedule_context(instance, when, sync_db) as ctx:
+            skipped = incremental_sync_schedule(ctx)
         assert isinstance(skipped, dg.SkipReason) and "full sync" in (skipped.skip_message or "")
         _full_sync(instance, db_url, tmp_path)
-        ctx = dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
-        )
-        request = incremental_sync_schedule(ctx)
+        with _schedule_context(instance, when, sync_db) as ctx:
+            request = incremental_sync_schedule(ctx)
         assert isinstance(request, dg.RunRequest)
         assert (
             request.run_key == request.tags[TRIGGER_TAG] == "incremental:2026-11-30T02:05:00+00:00"
@@ -141,10 +139,16 @@ def test_the_schedule_runs_one_window_at_a_time_and_waits_for_a_full_sync(
         assert request.tags[TASK_TAG] == "hotel_supplier_incremental"
         # A window still running: the next tick skips.
         _started_run(instance)
-        ctx = dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
-        )
-        assert isinstance(incremental_sync_schedule(ctx), dg.SkipReason)
+        with _schedule_context(instance, when, sync_db) as ctx:
+            assert isinstance(incremental_sync_schedule(ctx), dg.SkipReason)
+
+
+def _schedule_context(
+    instance: dg.DagsterInstance, when: datetime, sync_db: SyncDatabaseResource
+) -> dg.ScheduleEvaluationContext:
+    return dg.build_schedule_context(
+        instance=instance, scheduled_execution_time=when, resources={"sync_db": sync_db}
+    )
 
 
 def _started_run(instance: dg.DagsterInstance) -> None:
