@@ -41,7 +41,7 @@ from supplier_sync_dagster.core.outbox import (
     END,
     STAGES,
     OutboxEvent,
-    Progress,
+    Outcome,
     Stage,
     claim,
     make_owner,
@@ -163,7 +163,7 @@ class Dispatcher:
         report.stages[stage].claimed = len(events)
         if not events:
             return report
-        progress = {e.id: Progress(e) for e in events}
+        outcomes = {e.id: Outcome(e) for e in events}
         waiting: dict[str, list[OutboxEvent]] = {stage: list(events)}
         # A full SEARCH_INDEX batch is not carried: more search work waits (module doc).
         carry = stage != "SEARCH_INDEX" or len(events) < self.batch_size
@@ -185,12 +185,12 @@ class Dispatcher:
                     projected_at = self.db.clock.read(conn)
             for e in batch:
                 if e.id in failures:
-                    progress[e.id] = replace(progress[e.id], error=failures[e.id])
+                    outcomes[e.id] = replace(outcomes[e.id], error=failures[e.id])
                     continue
-                progress[e.id] = replace(
-                    progress[e.id],
+                outcomes[e.id] = replace(
+                    outcomes[e.id],
                     done=current,
-                    projected_at=projected_at or progress[e.id].projected_at,
+                    projected_at=projected_at or outcomes[e.id].projected_at,
                 )
                 counts.advanced += 1
                 nxt = stage_after(e.event_type, current)
@@ -206,16 +206,16 @@ class Dispatcher:
                     counts.last_error,
                 )
             counts.seconds += time.perf_counter() - began
-        settled = settle(self.db, list(progress.values()), owner=self.owner)
+        settled = settle(self.db, list(outcomes.values()), owner=self.owner)
         for failed_stage, n in settled.retrying.items():
             report.stages[failed_stage].retrying += n
         for failed_stage, n in settled.failed.items():
             report.stages[failed_stage].failed += n
-        if settled.total < len(progress):
+        if settled.total < len(outcomes):
             log.warning(
                 "%d of %d events claimed at %s had lost their lease: left where they are",
-                len(progress) - settled.total,
-                len(progress),
+                len(outcomes) - settled.total,
+                len(outcomes),
                 stage,
             )
         return report

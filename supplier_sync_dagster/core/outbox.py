@@ -309,7 +309,7 @@ def claim(
 
 
 @dataclass(frozen=True)
-class Progress:
+class Outcome:
     """What a dispatcher did with one claimed event, for :func:`settle` to record.
 
     Attributes:
@@ -351,7 +351,7 @@ _NOW: Any = object()  # settle's stand-in for the database's clock, replaced in 
 
 def settle(
     db: SyncDatabase,
-    progress: Sequence[Progress],
+    outcomes: Sequence[Outcome],
     *,
     owner: str,
     rng: random.Random | None = None,
@@ -372,7 +372,7 @@ def settle(
     o = schema.outbox.c
     clock = db.clock
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for p in progress:
+    for p in outcomes:
         e = p.event
         values: dict[str, Any] = {"lease_owner": None, "lease_until": None}
         if p.done is not None:
@@ -430,7 +430,7 @@ def settle(
 def advance(db: SyncDatabase, stage: Stage, events: Sequence[OutboxEvent], *, owner: str) -> int:
     """Moves events claimed at ``stage`` on after it passed: to their next stage (READY), or
     SUCCEEDED at the end of their chain (:func:`settle`). Returns how many moved."""
-    return settle(db, [Progress(e, done=stage) for e in events], owner=owner).moved_on
+    return settle(db, [Outcome(e, done=stage) for e in events], owner=owner).moved_on
 
 
 def release_stuck(db: SyncDatabase) -> dict[str, int]:
@@ -709,7 +709,7 @@ __all__ = [
     "OutboxEvent",
     "OutboxStatus",
     "OutboxStatusReport",
-    "Progress",
+    "Outcome",
     "Settled",
     "Stage",
     "StagePolicy",
