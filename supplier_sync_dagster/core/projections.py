@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
+import orjson
 import sqlalchemy as sa
 from pamqp import body, commands, frame, header
 from pamqp.exceptions import UnmarshalingException
@@ -98,15 +99,26 @@ def load_search_docs(conn: Connection, resource_ids: Sequence[int]) -> dict[int,
     ids = sorted(set(resource_ids))
     if not ids:
         return {}
-    lowest: dict[int, tuple[Decimal, str]] = {}
-    for rid, price, currency in conn.execute(
-        sa.select(o.resource_id, o.price_amount, o.currency).where(
-            o.resource_id.in_(ids), o.active.is_(True), o.available.is_(True)
+    # The lowest offer is picked by the database: a hotel has several rooms times rate
+    # plans, and only one row each crosses the wire.
+    rank = (
+        sa.func.row_number()
+        .over(partition_by=o.resource_id, order_by=(o.price_amount, o.currency))
+        .label("rank")
+    )
+    offers = (
+        sa.select(o.resource_id, o.price_amount, o.currency, rank)
+        .where(o.resource_id.in_(ids), o.active.is_(True), o.available.is_(True))
+        .subquery()
+    )
+    lowest = {
+        int(rid): (Decimal(price), str(currency))
+        for rid, price, currency in conn.execute(
+            sa.select(offers.c.resource_id, offers.c.price_amount, offers.c.currency).where(
+                offers.c.rank == 1
+            )
         )
-    ):
-        best = lowest.get(int(rid))
-        if best is None or Decimal(price) < best[0]:
-            lowest[int(rid)] = (Decimal(price), str(currency))
+    }
     out = {}
     for r in conn.execute(
         sa.select(
@@ -291,30 +303,12 @@ _PG_DDL = (
 )
 # The advisory lock key under which the schema is created ("ssearch" in ASCII).
 _PG_SCHEMA_LOCK = 0x737365617263
-_PG_TYPES = (
-    "bigint",
-    "bigint",
-    "bigint",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "text",
-    "numeric",
-    "text",
-    "numeric",
-    "text",
-    "float8",
-    "float8",
-    "timestamp",
-)
+# The batch travels as one JSON array of documents, expanded by the server into rows of
+# the table's type: psycopg would otherwise adapt every value of every column in Python.
 _PG_UPSERT = (
     f"INSERT INTO {SEARCH_TABLE} ({', '.join(_DOC_COLUMNS)}) "  # noqa: S608 (constant names)
-    "SELECT * FROM unnest("
-    + ", ".join(f"%s::{t}[]" for t in _PG_TYPES)
-    + ") ON CONFLICT (resource_id) DO UPDATE SET "
+    f"SELECT {', '.join(_DOC_COLUMNS)} FROM json_populate_recordset(NULL::{SEARCH_TABLE}, %s)"
+    " ON CONFLICT (resource_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _DOC_COLUMNS[1:])
     + f", projected_at = now() AT TIME ZONE 'utc' WHERE {SEARCH_TABLE}.publish_version"
     " <= EXCLUDED.publish_version"
@@ -372,12 +366,14 @@ class PostgresSearchIndex:
         self._conn = None
 
     def upsert(self, docs: Sequence[SearchDoc]) -> None:
-        """One INSERT ... ON CONFLICT for the whole batch (arrays unnested server-side)."""
+        """One INSERT ... ON CONFLICT for the whole batch (one JSON array, expanded
+        server-side)."""
         if not docs:
             return
-        columns = [[getattr(d, c) for d in docs] for c in _DOC_COLUMNS]
+        # Prices as decimal strings (exact), times naive UTC as the column holds them.
+        batch = orjson.dumps(docs, default=str).decode()
         with self._cursor() as cur:
-            cur.execute(_PG_UPSERT, columns)
+            cur.execute(_PG_UPSERT, [batch])
 
     def search(self, query: SearchQuery) -> list[SearchHit]:
         """Every word matches the indexed words or, as a substring, the names and address."""

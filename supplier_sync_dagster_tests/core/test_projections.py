@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import redis
+import sqlalchemy as sa
 
+from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.dispatch import Dispatcher
 from supplier_sync_dagster.core.errors import ProjectionUnavailable
@@ -108,6 +110,88 @@ def test_a_document_never_goes_back_to_an_older_version(index):
     index.upsert([doc(7, 4, name="Renamed")])
     assert [h.name for h in index.search(SearchQuery(city_code="TYO"))] == ["Renamed"]
     assert index.versions() == {7: 4}
+
+
+def test_every_field_reaches_the_postgres_index_as_written(fresh_postgres_db: str):
+    import psycopg
+
+    from supplier_sync_dagster.core.projections import _DOC_COLUMNS, SEARCH_TABLE
+
+    written = [
+        doc(
+            1,
+            name='Quote \' "double" back\\slash; -- 100%',
+            name_local="新宿 \u00e9\t\n",
+            address=None,
+            postal_code=None,
+            star_rating=None,
+            lowest_price=Decimal("12345678.90"),
+            published_at=datetime(2026, 12, 1, 10, 0, 0, 123456),
+        ),
+        doc(2, lowest_price=None, currency=None, star_rating=3.5, lat=-33.8688, lng=151.2093),
+    ]
+    index = PostgresSearchIndex(fresh_postgres_db)
+    try:
+        index.upsert(written)
+    finally:
+        index.close()
+    with psycopg.connect(fresh_postgres_db) as conn:
+        got = conn.execute(
+            f"SELECT {', '.join(_DOC_COLUMNS)} FROM {SEARCH_TABLE} ORDER BY resource_id"  # noqa: S608
+        ).fetchall()
+    as_read = [
+        tuple(
+            float(v) if c == "star_rating" and v is not None else v
+            for c, v in zip(_DOC_COLUMNS, r, strict=True)
+        )
+        for r in got
+    ]
+    assert as_read == [tuple(getattr(d, c) for c in _DOC_COLUMNS) for d in written]
+
+
+def test_the_search_document_takes_the_lowest_active_available_offer(db: SyncDatabase):
+    from supplier_sync_dagster.core.projections import load_search_docs
+
+    def priced(hid: str, version: int, *plans: tuple[str, bool, str]) -> dict[str, object]:
+        made = hotel(hid, version)
+        room = made["rooms"][0]
+        made["rooms"] = [
+            {
+                **room,
+                "room_code": f"R{i}",
+                "rate_plans": [
+                    {**room["rate_plans"][0], "code": code, "available": available, "price": price}
+                ],
+            }
+            for i, (code, available, price) in enumerate(plans)
+        ]
+        return made
+
+    sync(
+        db,
+        "b1",
+        [
+            priced(
+                "H1", 1, ("BAR", True, "120.50"), ("NRF", True, "99.00"), ("SALE", False, "10.00")
+            ),
+            priced("H2", 1, ("BAR", False, "80.00")),
+        ],
+    )
+    # Version 2 drops the cheap offer: its old row stays, inactive, and no longer counts.
+    sync(db, "b2", [priced("H1", 2, ("BAR", True, "130.00"), ("BB", True, "101.25"))])
+    m = schema.hotel_mapping.c
+    with db.engine.connect() as conn:
+        ids = [
+            int(i) for i in conn.execute(sa.select(m.id).order_by(m.supplier_hotel_id)).scalars()
+        ]
+        docs = load_search_docs(conn, [*ids, 999_999])
+    found = [docs[i] for i in sorted(docs)]
+    assert [
+        (d.supplier_hotel_id, d.publish_version, d.lowest_price, d.currency) for d in found
+    ] == [
+        ("H1", 2, Decimal("101.25"), "THB"),
+        ("H2", 1, None, None),
+    ]
 
 
 def test_an_unreachable_search_index_is_a_projection_error():
