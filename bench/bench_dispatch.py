@@ -159,6 +159,29 @@ def _waiting(db: SyncDatabase) -> bool:
         )
 
 
+def _succeeded(db: SyncDatabase) -> int:
+    """Events through every stage so far (one count, taken once when the sync ends)."""
+    o = schema.outbox.c
+    with db.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count()).select_from(schema.outbox).where(o.status == "SUCCEEDED")
+            ).scalar_one()
+        )
+
+
+def _last_finish_after_last_publish(db: SyncDatabase) -> float:
+    """Seconds from the start of the last publish transaction (its events' ``created_at``)
+    to the last event's end of chain: the drain as issue #17 states it, on the database's
+    clock, whatever the sync command does after its last publish."""
+    o = schema.outbox.c
+    with db.engine.connect() as conn:
+        created, finished = conn.execute(
+            sa.select(sa.func.max(o.created_at), sa.func.max(o.finished_at))
+        ).one()
+    return float((finished - created).total_seconds())
+
+
 def _fresh_pg() -> tuple[str, str]:
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(PG_URL, autocommit=True) as admin:
@@ -319,12 +342,14 @@ def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSet
                     raise RuntimeError(f"sync failed: {done.stderr[-2000:]}")
                 db = SyncDatabase.open(db_url)
                 try:
+                    during = _succeeded(db)
                     while _waiting(db):
                         if time.perf_counter() - began > synced + 600:
                             raise RuntimeError(f"not drained: {outbox_status(db)}")
                         time.sleep(0.1)
                     drained = time.perf_counter() - began - synced
                     status = outbox_status(db, window=10 * args.hotels)
+                    after_publish = _last_finish_after_last_publish(db)
                 finally:
                     db.dispose()
             finally:
@@ -334,11 +359,16 @@ def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSet
         shutil.rmtree(tmp, ignore_errors=True)
     lag = status.projection_lag
     end = status.end_to_end_lag
-    ok = drained <= TARGET_DRAIN_S and (lag.p95 or 0) <= TARGET_LAG_P95_S
+    ok = after_publish <= TARGET_DRAIN_S and (lag.p95 or 0) <= TARGET_LAG_P95_S
     print(
-        f"sync --full of {args.hotels} hotels in {args.cities} cities: {synced:.1f}s; outbox "
-        f"drained {drained:.1f}s after the sync ended [target <= {TARGET_DRAIN_S:.0f}s: "
-        f"{_verdict(drained <= TARGET_DRAIN_S)}]"
+        f"sync --full of {args.hotels} hotels in {args.cities} cities: {synced:.1f}s; "
+        f"{during} events through every stage during it = {during / synced:,.0f} events/s "
+        f"(the sync wrote {status.total('SUCCEEDED') / synced:,.0f} events/s)"
+    )
+    print(
+        f"  outbox drained {drained:.1f}s after the sync command ended; the last event finished "
+        f"{after_publish:.1f}s after the last publish began (database clock) "
+        f"[target <= {TARGET_DRAIN_S:.0f}s: {_verdict(after_publish <= TARGET_DRAIN_S)}]"
     )
     print(
         f"  lag publish -> search index: p50 {lag.p50:.2f}s p95 {lag.p95:.2f}s max "

@@ -461,7 +461,7 @@ def _forked(**kw: Any) -> SyncSettings:
     """Chunks of 5 published by 2 forked processes (the last chunk by the window's own)."""
     from dataclasses import replace
 
-    return replace(SETTINGS, chunk_hotels=5, publish_processes=2, **kw)
+    return replace(SETTINGS, publish_chunk_hotels=5, publish_processes=2, **kw)
 
 
 def _run_forked(db, store, client, trigger: str):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,26 @@ def test_two_syncs_at_once_publish_each_hotel_once(
     if same_batch:  # every city was worked by exactly one of the two workers
         worked = [r.city_code for rs in results for r in rs if r.status == "SUCCESS"]
         assert sorted(worked) == sorted(set(worked)) and len(worked) == len(truth.listed_by_city)
+
+
+def test_a_city_publishes_in_transactions_of_publish_chunk_hotels(db: SyncDatabase, tmp_path: Path):
+    """Each publish transaction stamps its hotels and events with its one database time, so
+    the times' groups are the transactions: none holds more than ``publish_chunk_hotels``."""
+    sim = make_simulator(seed=5, n_cities=1, total_hotels=230, empty_city_share=0.0)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+        _, (report,) = full_sync(db, store, supplier_client(http), "t1", publish_chunk_hotels=60)
+    assert report.status == "SUCCESS" and report.published == len(sim.ground_truth().valid)
+    with db.engine.connect() as conn:
+        h, o = schema.platform_hotel.c, schema.outbox.c
+        hotels = Counter(conn.execute(sa.select(h.published_at)).scalars())
+        events = Counter(
+            conn.execute(
+                sa.select(o.created_at).where(o.event_type == "HotelResourceUpdated")
+            ).scalars()
+        )
+    assert len(hotels) == math.ceil(report.published / 60) and max(hotels.values()) <= 60
+    assert events == hotels
 
 
 def test_replay_from_stored_raw_pages_never_calls_the_supplier(db: SyncDatabase, tmp_path: Path):
