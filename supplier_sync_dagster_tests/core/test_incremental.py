@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from supplier_sync_dagster.core.incremental import (
 )
 from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.core.pipeline import SyncSettings, _judge_page
 from supplier_sync_dagster.core.review import approve_reviews
 from supplier_sync_dagster.core.supplier import SupplierClient
 
@@ -44,6 +45,7 @@ SETTINGS = SyncSettings(
     lease=LeaseSettings(lease_seconds=30, heartbeat_seconds=5),
 )
 TASK = "incr_task"
+_REAL_JUDGE_PAGE = _judge_page
 
 
 def _ts(seconds: float) -> str:
@@ -402,6 +404,68 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
         ("H000011", "STAR_RATING_OUT_OF_RANGE", "record#1", 4),
     ]
     assert tuple(normalized) == (7, 17)
+
+
+def _judge_then_die_on_page_3(raw: Any, records: list[Any]) -> Any:
+    """A forked judge that is killed (SIGKILL: no clean-up) when it is given page 3."""
+    import os
+    import signal
+
+    if raw.page_number == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _REAL_JUDGE_PAGE(raw, records)
+
+
+def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_finishes_it(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from dataclasses import replace
+
+    from supplier_sync_dagster.core import incremental, pipeline
+
+    monkeypatch.setattr(incremental, "usable_cpus", lambda: 2)  # forked judges, any machine
+    monkeypatch.setattr(pipeline, "_judge_page", _judge_then_die_on_page_3)
+    settings = replace(SETTINGS, chunk_hotels=4)
+    _start_at(db, 0)
+    for n in range(1, 21):
+        feed.change(hotel(n, at=n))
+
+    def window(trigger: str) -> Any:
+        return run_incremental(
+            db,
+            store,
+            client,
+            settings=settings,
+            incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=3),
+            trigger_id=trigger,
+            source="MANUAL",
+            worker_id=f"worker-{trigger}",
+        )
+
+    # The window's own process survives the judge: it fails the window, with the cause on
+    # its shard, and moves nothing.
+    with pytest.raises(BrokenProcessPool):
+        window("w1")
+    k = schema.shard.c
+    with db.engine.connect() as conn:
+        assert get_watermark(conn, TASK) == Watermark(T0)  # not ahead of the catalog
+        ((status, error),) = conn.execute(sa.select(k.status, k.error_message)).all()
+    assert status == "FAILED" and error.startswith("BrokenProcessPool: "), error
+    assert _published(db) == {}  # page 3 never came back: its chunk was not published
+    # The next window starts from the watermark at once (no lease to wait for) and
+    # publishes every change once; what the failed one stored stays as evidence.
+    monkeypatch.setattr(pipeline, "_judge_page", _REAL_JUDGE_PAGE)
+    second = window("w2")
+    assert second.report.status == "SUCCESS", second.report
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 21)}
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        assert set(conn.execute(sa.select(h.publish_version)).scalars()) == {1}
+        assert get_watermark(conn, TASK) == Watermark(T0 + timedelta(seconds=20), "H000020")
 
 
 def test_without_a_watermark_or_a_full_sync_there_is_nothing_to_start_from(
