@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,7 +44,8 @@ from urllib.parse import urlsplit
 
 import orjson
 import sqlalchemy as sa
-from pamqp import body, commands, frame, header
+from pamqp import body, commands, encode, frame
+from pamqp.constants import FRAME_END, FRAME_HEADER
 from pamqp.exceptions import UnmarshalingException
 from sqlalchemy.engine import Connection
 
@@ -785,6 +787,45 @@ class JsonLinesNotifier:
         """Nothing to release."""
 
 
+# A message's properties, in the order AMQP 0-9-1 writes them (with their flag bits):
+# content type (15), headers (13), delivery mode (12), message id (7), timestamp (6), type (5).
+_PROPERTY_FLAGS = (1 << 15) | (1 << 13) | (1 << 12) | (1 << 7) | (1 << 6) | (1 << 5)
+_CONTENT_TYPE = encode.short_string("application/json")
+_PERSISTENT = b"\x02"
+_HEADER_KEYS = tuple(
+    encode.short_string(k) for k in ("aggregate_id", "aggregate_version", "batch_id")
+)
+
+
+def content_header_frame(note: Notification, body_size: int, stamp: bytes) -> bytes:
+    """The content header frame of ``note`` on channel 1: the bytes pamqp's
+    ``ContentHeader.marshal`` makes of these properties (``stamp``: the encoded timestamp),
+    a few times faster (the broker's frames were most of a dispatcher's NOTIFY time)."""
+    headers = b"".join(
+        (
+            _HEADER_KEYS[0],
+            encode.table_integer(note.aggregate_id),
+            _HEADER_KEYS[1],
+            encode.table_integer(note.aggregate_version),
+            _HEADER_KEYS[2],
+            b"S" + encode.long_string(note.batch_id),
+        )
+    )
+    payload = b"".join(
+        (
+            struct.pack(">HHQH", 60, 0, body_size, _PROPERTY_FLAGS),  # class basic, weight 0
+            _CONTENT_TYPE,
+            struct.pack(">I", len(headers)),
+            headers,
+            _PERSISTENT,
+            encode.short_string(note.event_id),
+            stamp,
+            encode.short_string(note.event_type),
+        )
+    )
+    return struct.pack(">BHI", FRAME_HEADER, 1, len(payload)) + payload + bytes((FRAME_END,))
+
+
 class _AmqpChannel:
     """One AMQP 0-9-1 connection with one channel in confirm mode, over a blocking socket.
 
@@ -806,6 +847,7 @@ class _AmqpChannel:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buffer = b""
         self._tag = 0  # the last delivery tag published
+        self._methods: dict[str, bytes] = {}  # routing key -> its basic.publish frame
         self.frame_max = 131072
         user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
         vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
@@ -863,26 +905,16 @@ class _AmqpChannel:
         """Publishes every note in one write and returns when the broker confirmed all."""
         chunks: list[bytes] = []
         limit = self.frame_max - 8
+        stamp = encode.timestamp(timestamp)
         for n in notes:
             payload = n.payload.encode()
-            props = commands.Basic.Properties(
-                content_type="application/json",
-                delivery_mode=2,  # persistent
-                message_id=n.event_id,
-                message_type=n.event_type,
-                timestamp=timestamp,
-                headers={
-                    "aggregate_id": n.aggregate_id,
-                    "aggregate_version": n.aggregate_version,
-                    "batch_id": n.batch_id,
-                },
-            )
-            chunks.append(
-                frame.marshal(
+            method = self._methods.get(n.routing_key)
+            if method is None:  # the same bytes for every message of an event type
+                method = self._methods[n.routing_key] = frame.marshal(
                     commands.Basic.Publish(exchange=self.exchange, routing_key=n.routing_key), 1
                 )
-            )
-            chunks.append(frame.marshal(header.ContentHeader(0, len(payload), props), 1))
+            chunks.append(method)
+            chunks.append(content_header_frame(n, len(payload), stamp))
             for start in range(0, len(payload), limit):
                 chunks.append(frame.marshal(body.ContentBody(payload[start : start + limit]), 1))
         first = self._tag + 1

@@ -253,6 +253,46 @@ def test_rabbitmq_gets_persistent_messages_keyed_by_event_type_with_the_event_id
         assert m.body == {"resource_id": n.aggregate_id}
 
 
+@pytest.mark.parametrize(
+    ("aggregate_id", "version", "batch_id", "event_id"),
+    [
+        (1, 1, "b1", "e-1"),
+        (300, 40_000, "b_é", "ü" * 10),
+        (2**40, 2**33, "", "x"),
+        (-5, 70_000, "b" * 300, str(uuid.uuid4())),
+    ],
+)
+def test_a_content_header_frame_is_the_one_pamqp_makes(
+    aggregate_id: int, version: int, batch_id: str, event_id: str
+):
+    from datetime import UTC
+
+    from pamqp import commands, encode, frame, header
+
+    from supplier_sync_dagster.core.projections import content_header_frame
+
+    at = datetime(2026, 12, 4, 0, 30, 15, tzinfo=UTC)
+    note = Notification(
+        event_id=event_id,
+        event_type="HotelResourceUpdated",
+        aggregate_id=aggregate_id,
+        aggregate_version=version,
+        batch_id=batch_id,
+        payload='{"a": 1}',
+    )
+    props = commands.Basic.Properties(
+        content_type="application/json",
+        delivery_mode=2,
+        message_id=event_id,
+        message_type="HotelResourceUpdated",
+        timestamp=at,
+        headers={"aggregate_id": aggregate_id, "aggregate_version": version, "batch_id": batch_id},
+    )
+    expected = frame.marshal(header.ContentHeader(0, 8, props), 1)
+    assert content_header_frame(note, 8, encode.timestamp(at)) == expected
+    assert frame.unmarshal(expected)[2].properties.headers["batch_id"] == batch_id
+
+
 def test_an_unreachable_broker_is_a_projection_error():
     notifier = RabbitMqNotifier("amqp://guest:guest@127.0.0.1:1/", timeout=2)
     try:
