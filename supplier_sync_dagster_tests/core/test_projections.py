@@ -290,7 +290,9 @@ def test_a_content_header_frame_is_the_one_pamqp_makes(
     )
     expected = frame.marshal(header.ContentHeader(0, 8, props), 1)
     assert content_header_frame(note, 8, encode.timestamp(at)) == expected
-    assert frame.unmarshal(expected)[2].properties.headers["batch_id"] == batch_id
+    decoded = frame.unmarshal(expected)[2]
+    assert isinstance(decoded, header.ContentHeader) and decoded.properties.headers is not None
+    assert decoded.properties.headers["batch_id"] == batch_id
 
 
 def test_an_unreachable_broker_is_a_projection_error():
