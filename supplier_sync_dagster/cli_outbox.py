@@ -389,7 +389,10 @@ def add_commands(sub: Any) -> None:
     dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
     dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")
     dispatch.add_argument("--json", action="store_true")
-    dispatch.set_defaults(func=cmd_dispatch)
+    dispatch.set_defaults(
+        func=cmd_dispatch,
+        preload=("supplier_sync_dagster.core.dispatch", "supplier_sync_dagster.core.projections"),
+    )
 
     outbox = sub.add_parser("outbox", help="the outbox's events: status, list, retry, cancel")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
@@ -442,4 +445,4 @@ def add_commands(sub: Any) -> None:
     api.add_argument(
         "--confirm-timeout", type=float, default=3.0, help="seconds for the supplier's answer"
     )
-    api.set_defaults(func=cmd_serve_api)
+    api.set_defaults(func=cmd_serve_api, preload=("uvicorn", "supplier_sync_dagster.api"))

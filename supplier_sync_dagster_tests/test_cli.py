@@ -899,3 +899,33 @@ def test_console_script_raises_the_collector_threshold_before_the_commands_impor
     from supplier_sync_dagster.core.pipeline import GC_GEN0_THRESHOLD
 
     assert int(done.stdout) == cli.START_GC_THRESHOLD == GC_GEN0_THRESHOLD
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # A command that runs Dagster: its modules are loaded before main(), with the
+        # collector off, then frozen; the collector is on again when the command starts.
+        (["sync", "--incremental"], "True True True 50000"),
+        (["reconcile", "--no-repull"], "True True True 50000"),
+        # A light command loads nothing first; --help and a usage error are main()'s to say.
+        (["status"], "True False False 50000"),
+        (["sync", "--help"], "True False False 50000"),
+        (["no-such-command"], "True False False 50000"),
+    ],
+)
+def test_console_script_loads_a_dagster_commands_modules_first_with_the_collector_off(
+    tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    script = (
+        "import gc, sys\n"
+        "import supplier_sync_dagster.cli as cli\n"
+        f"sys.argv = ['supplier-sync', *{argv!r}]\n"
+        "cli.main = lambda: print(gc.isenabled(), gc.get_freeze_count() > 100_000,\n"
+        "    'supplier_sync_dagster.sync_runner' in sys.modules, gc.get_threshold()[0]) or 0\n"
+        "cli.run()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert (done.returncode, done.stderr, done.stdout.strip()) == (0, "", expected)
