@@ -1258,22 +1258,22 @@ def run() -> NoReturn:
     A command that runs Dagster imports Dagster, SQLAlchemy, pandas and pandera: millions of
     objects, all kept. While they load, CPython's cyclic collector would re-scan them again
     and again (0.3-0.5 s of a ~2 s start, even with a raised threshold), and they are
-    garbage only at exit. So the modules a command names (``preload``) are imported first
-    with the collector off, then frozen (never scanned again; reference counting still frees
-    them), and the collector runs from then on with the young-generation threshold a sync
-    sets anyway. Commands that name nothing just start with that threshold.
+    garbage only at exit. So the parser (whose options import settings and gates) is built
+    and the modules a command names (``preload``) are imported with the collector off, then
+    frozen (never scanned again; reference counting still frees them), and the collector
+    runs from then on with the young-generation threshold a sync sets anyway.
     """
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, START_GC_THRESHOLD), gen1, gen2)
-    preload = _preload_names(sys.argv[1:])
-    if preload:
-        gc.disable()
-        try:
-            for name in preload:
-                importlib.import_module(name)
-        finally:
+    gc.disable()
+    try:
+        preload = _preload_names(sys.argv[1:])
+        for name in preload:
+            importlib.import_module(name)
+        if preload:
             gc.freeze()
-            gc.enable()
+    finally:
+        gc.enable()
     exit_quickly(main())
 
 
