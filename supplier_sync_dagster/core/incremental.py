@@ -74,6 +74,7 @@ from supplier_sync_dagster.core.gates import (
 from supplier_sync_dagster.core.leases import Checkpoint
 from supplier_sync_dagster.core.payloads import PayloadStore
 from supplier_sync_dagster.core.pipeline import (
+    DEFAULT_PUBLISH_CHUNK_HOTELS,
     CityReport,
     FetchedPage,
     SyncSettings,
@@ -95,6 +96,12 @@ DEFAULT_CHANGES_LIMIT = 500
 DEFAULT_MAX_PAGES = 2000
 # Normalized changes of a window kept in memory for publishing (larger: read back).
 WINDOW_MEMORY_HOTELS = 20_000
+# Hotels per publish transaction of a window whose settings keep the full sync's default.
+# A window's hotels lie all over the catalog, so each transaction writes pages all over the
+# tables and their indexes; with fewer, larger ones, the pages they share (index pages, the
+# outbox's and the diff log's last pages) are written less often. A day's window (8,373
+# changes) published in 2.0-2.3 s instead of 2.3-2.7 s (4,000: 2.5-2.8 s).
+WINDOW_PUBLISH_CHUNK_HOTELS = 2000
 # Successful windows the change_volume median is taken over.
 VOLUME_HISTORY = 12
 
@@ -706,6 +713,11 @@ def run_incremental(
         # While this process fetches and stores the pages, a process per CPU normalizes
         # and judges them (one CPU: this process does).
         normalize_processes=settings.normalize_processes or (cpus if cpus > 1 else 0),
+        publish_chunk_hotels=(
+            WINDOW_PUBLISH_CHUNK_HOTELS
+            if settings.publish_chunk_hotels == DEFAULT_PUBLISH_CHUNK_HOTELS
+            else settings.publish_chunk_hotels
+        ),
     )
     report = sync_city(
         db,

@@ -180,6 +180,8 @@ def usable_cpus() -> int:
 
 
 GC_INTERVAL_SECONDS = 2.0
+# SyncSettings.publish_chunk_hotels unless set.
+DEFAULT_PUBLISH_CHUNK_HOTELS = 1000
 _last_collect = 0.0
 
 
@@ -215,7 +217,9 @@ class SyncSettings:
             chunk carries the transaction's database time and no dispatcher sees it before
             the commit, so the chunk's length is a floor under the search index's lag
             while a sync runs (1,000: p95 1.3 s against 2.3 s with 2,000 on this 2-core
-            machine, ``bench_dispatch.py --mode with-sync``).
+            machine, ``bench_dispatch.py --mode with-sync``). An incremental window left at
+            this default publishes ``WINDOW_PUBLISH_CHUNK_HOTELS`` instead
+            (``core.incremental``).
         memory_hotels: Normalized hotels of a city kept in memory for publishing; a larger
             city's are read back from its NORMALIZED pages (memory stays bounded).
         lease: Lease duration and heartbeat interval.
@@ -235,7 +239,7 @@ class SyncSettings:
     sync_mode: str = "FULL"
     page_size: int = 100
     chunk_hotels: int = 2000
-    publish_chunk_hotels: int = 1000
+    publish_chunk_hotels: int = DEFAULT_PUBLISH_CHUNK_HOTELS
     memory_hotels: int = 5000
     lease: LeaseSettings = field(default_factory=LeaseSettings)
     risk_policy: RiskPolicy = default_risk_policy

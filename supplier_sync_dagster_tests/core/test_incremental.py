@@ -8,6 +8,7 @@ up); a change can be added with an ``updated_at`` earlier than what was already 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime, timedelta
@@ -24,6 +25,7 @@ from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import NoBaseline, TriggerSkipped
 from supplier_sync_dagster.core.gates import GateThresholds, set_gate_thresholds
 from supplier_sync_dagster.core.incremental import (
+    WINDOW_PUBLISH_CHUNK_HOTELS,
     FeedPosition,
     IncrementalSettings,
     Watermark,
@@ -34,7 +36,11 @@ from supplier_sync_dagster.core.incremental import (
 )
 from supplier_sync_dagster.core.leases import LeaseSettings, list_shards
 from supplier_sync_dagster.core.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.pipeline import SyncSettings, _judge_page
+from supplier_sync_dagster.core.pipeline import (
+    DEFAULT_PUBLISH_CHUNK_HOTELS,
+    SyncSettings,
+    _judge_page,
+)
 from supplier_sync_dagster.core.review import approve_reviews
 from supplier_sync_dagster.core.supplier import SupplierClient
 
@@ -173,7 +179,7 @@ def _start_at(db: SyncDatabase, seconds: float) -> None:
 
 def _run(db, store, client, trigger: str, **settings: Any):
     incremental = IncrementalSettings(
-        task_code=TASK, full_task_code="full_task", limit=3, **settings
+        task_code=TASK, full_task_code="full_task", **{"limit": 3, **settings}
     )
     return run_incremental(
         db,
@@ -209,6 +215,29 @@ def test_a_window_publishes_every_change_and_moves_the_watermark_to_its_last(
     assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 8)}
     # The batch records where the window began and ended.
     assert window.batch.sync_mode == "INCREMENTAL" and window.batch.status == "SUCCESS"
+
+
+def test_a_window_at_the_default_publishes_in_larger_transactions_than_a_full_sync(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    # Each publish transaction stamps its hotels with its one database time: the times'
+    # groups are the transactions. A window whose settings keep the full sync's default
+    # publishes up to WINDOW_PUBLISH_CHUNK_HOTELS a transaction, one set explicitly stays.
+    assert WINDOW_PUBLISH_CHUNK_HOTELS > DEFAULT_PUBLISH_CHUNK_HOTELS
+    _start_at(db, 0)
+    # Forked publishers split a window into equal chunks near the size (4,100 hotels: 4 of
+    # 975 and a last one at 1,000 a transaction; 2 of 1,950 at 2,000), one process into
+    # chunks of the size.
+    count = 2 * WINDOW_PUBLISH_CHUNK_HOTELS + 100
+    for n in range(1, count + 1):
+        feed.change(hotel(n, at=n))
+    window = _run(db, store, client, "w1", limit=1000)
+    assert window.report.status == "SUCCESS" and window.report.published == count
+    with db.engine.connect() as conn:
+        h = schema.platform_hotel.c
+        groups = Counter(conn.execute(sa.select(h.published_at)).scalars())
+    assert DEFAULT_PUBLISH_CHUNK_HOTELS < max(groups.values()) <= WINDOW_PUBLISH_CHUNK_HOTELS
+    assert sum(groups.values()) == count
 
 
 def test_a_second_window_rereads_only_the_overlap_and_publishes_only_what_is_new(
