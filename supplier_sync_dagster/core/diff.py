@@ -275,26 +275,9 @@ def active_offers(resource_ids: Sequence[int]) -> sa.Select[Any]:
 # What a diff reads of a published hotel and of its active offers, by position: a row's
 # ``_mapping`` and the columns a diff does not compare (timestamps parsed row by row on
 # SQLite) were half the cost of the read, which an incremental window pays for every hotel.
-_PUBLISHED_HOTEL = (
-    "resource_id",
-    "supplier_version",
-    "publish_version",
-    "fingerprint",
-    "name",
-    "name_local",
-    "city_code",
-    "country_code",
-    "address_line1",
-    "postal_code",
-    "lat",
-    "lng",
-    "star_rating",
-    "phone",
-    "email",
-    "facilities",
-    "images",
-    "status",
-)
+# A document's fields, as a diff compares them, and the column each is stored in.
+_DOC_FIELDS = (*CONTENT_FIELDS, "status")
+_DOC_COLUMNS = tuple("phone" if name == "phone_e164" else name for name in _DOC_FIELDS)
 _PUBLISHED_OFFER = (
     "resource_id",
     "room_code",
@@ -314,52 +297,29 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
     """The published hotels (canonical form plus versions and fingerprint) by resource id."""
     out: dict[int, dict[str, Any]] = {}
     h, o = schema.platform_hotel.c, schema.platform_offer.c
-    hotel_columns = [h[name] for name in _PUBLISHED_HOTEL]
+    hotel_columns = [
+        h.resource_id,
+        h.supplier_version,
+        h.publish_version,
+        h.fingerprint,
+        *(h[name] for name in _DOC_COLUMNS),
+    ]
     offer_columns = [o[name] for name in _PUBLISHED_OFFER]
     loads = orjson.loads
     ids = sorted(set(resource_ids))
     for part in chunks(ids):
-        for (
-            rid,
-            supplier_version,
-            publish_version,
-            fingerprint,
-            name,
-            name_local,
-            city_code,
-            country_code,
-            address_line1,
-            postal_code,
-            lat,
-            lng,
-            star_rating,
-            phone,
-            email,
-            facilities,
-            images,
-            status,
-        ) in conn.execute(sa.select(*hotel_columns).where(h.resource_id.in_(part))).all():
+        rows = conn.execute(sa.select(*hotel_columns).where(h.resource_id.in_(part))).all()
+        for rid, supplier_version, publish_version, fingerprint, *values in rows:
+            doc = dict(zip(_DOC_FIELDS, values, strict=True))
+            doc["star_rating"] = _dec_str(doc["star_rating"])
+            doc["facilities"] = loads(doc["facilities"] or "[]")
+            doc["images"] = loads(doc["images"] or "[]")
+            doc["rooms"] = {}
             out[rid] = {
                 "supplier_version": supplier_version,
                 "publish_version": publish_version,
                 "fingerprint": fingerprint,
-                "doc": {
-                    "name": name,
-                    "name_local": name_local,
-                    "city_code": city_code,
-                    "country_code": country_code,
-                    "address_line1": address_line1,
-                    "postal_code": postal_code,
-                    "lat": lat,
-                    "lng": lng,
-                    "star_rating": _dec_str(star_rating),
-                    "phone_e164": phone,
-                    "email": email,
-                    "facilities": loads(facilities or "[]"),
-                    "images": loads(images or "[]"),
-                    "status": status,
-                    "rooms": {},
-                },
+                "doc": doc,
             }
         found = [rid for rid in part if rid in out]
         if not found:  # new hotels have no offers: skip the query
