@@ -263,10 +263,11 @@ def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [candidates[i] for i in kept]
 
 
-def active_offers(resource_ids: Sequence[int]) -> sa.Select[Any]:
-    """SELECT of the active offers of these hotels, read through the offer identity index."""
+def active_offers(resource_ids: Sequence[int], *columns: sa.Column[Any]) -> sa.Select[Any]:
+    """SELECT of the active offers of these hotels (``columns``, else every column), read
+    through the offer identity index."""
     o = schema.platform_offer.c
-    query = sa.select(schema.platform_offer).where(
+    query = sa.select(*columns or (schema.platform_offer,)).where(
         o.resource_id.in_(resource_ids), o.active.is_(True)
     )
     return use_index(query, schema.platform_offer, schema.OFFER_IDENTITY)
@@ -324,11 +325,6 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
         found = [rid for rid in part if rid in out]
         if not found:  # new hotels have no offers: skip the query
             continue
-        query = use_index(
-            sa.select(*offer_columns).where(o.resource_id.in_(found), o.active.is_(True)),
-            schema.platform_offer,
-            schema.OFFER_IDENTITY,
-        )
         for (
             rid,
             room_code,
@@ -341,7 +337,7 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
             available,
             price,
             currency,
-        ) in conn.execute(query).all():
+        ) in conn.execute(active_offers(found, *offer_columns)).all():
             rooms = out[rid]["doc"]["rooms"]
             room = rooms.get(room_code)
             if room is None:
