@@ -1541,17 +1541,23 @@ class _LeasePublisher:
             lease.fence(conn, "PUBLISHING", f"city={lease.shard_key}")
             return done
 
-    def ensure_mappings(self, cands: Sequence[Candidate]) -> None:
-        """Creates the missing mappings of ``cands`` in one fenced transaction."""
+    def ensure_mappings(self, cands: Sequence[Candidate]) -> dict[str, int]:
+        """Creates the missing mappings of ``cands`` in one fenced transaction.
+
+        Returns:
+            The resource id of each candidate's hotel.
+        """
         lease, db = self.lease, self.lease.db
 
-        def attempt() -> None:
+        def attempt() -> dict[str, int]:
             with db.begin() as conn:
-                self._mappings(conn, list(cands), db.clock.read(conn))
+                found = self._mappings(conn, list(cands), db.clock.read(conn))
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
+                return found.resource_ids
 
-        retry_deadlocks(attempt)
+        ids = retry_deadlocks(attempt)
         self.mapped = True
+        return ids
 
     def _mappings(
         self, conn: Connection, cands: Sequence[Candidate], at: datetime
@@ -1800,12 +1806,10 @@ def _publish_in_processes(
     token, so a lost lease stops them as it stops this process. The candidates reach the
     processes through the fork's memory, not pickled; only each chunk's counts come back.
     This process keeps the heartbeat; the caller publishes the last chunk, which finishes
-    the shard, once every other chunk is in.
+    the shard, once every other chunk is in. The caller made every mapping of ``parts``
+    (:meth:`_LeasePublisher.ensure_mappings`).
     """
     lease = publisher.lease
-    # Every mapping exists before the processes start: they look theirs up without taking
-    # SQLite's write lock, so each diffs its next chunk while the other one writes.
-    publisher.ensure_mappings([c for part in parts for c in part])
     workers = min(publisher.settings.publish_processes, len(parts))
     pool = ProcessPoolExecutor(
         max_workers=workers,
@@ -1913,8 +1917,16 @@ def _publish(
     else:
         parts = list(chunks(candidates, size))
         if settings.publish_processes > 1 and len(parts) > 2:
-            # The hotels of a shard's chunks are distinct (and each publish version-guarded):
-            # their order does not matter; the shard finishes with the last one.
+            # Every mapping exists before the processes start: they look theirs up without
+            # taking SQLite's write lock, so each diffs its next chunk while another writes.
+            ids = publisher.ensure_mappings(candidates)
+            # Each publish is version-guarded, so the order of a shard's hotels does not
+            # matter (the shard finishes with the last chunk): they go in the catalog's
+            # order. An incremental window's changes lie all over the catalog, and a chunk
+            # of neighbouring hotels reads and writes fewer pages, each in fewer
+            # transactions (a day's 8,373 changes of 100k hotels on SQLite: publish 1.85 s
+            # -> 1.58 s). A stable sort keeps two versions of one hotel in feed order.
+            candidates = sorted(candidates, key=lambda c: ids[c.supplier_hotel_id])
             head, tail = split_for_processes(candidates, size, settings.publish_processes)
             _publish_in_processes(publisher, head, progress, report)
             parts = [tail]

@@ -628,6 +628,41 @@ def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
     assert _published(db) == {f"H{n:06d}": 2 if n % 2 else 1 for n in range(1, 43)}
 
 
+def test_a_window_publishes_its_changes_in_the_catalogs_order_not_the_feeds(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The feed lists changes by time, all over the catalog; the forked processes get
+    chunks of neighbouring hotels (ascending resource ids), and the window is the same."""
+    from supplier_sync_dagster.core import pipeline
+
+    seen: list[list[str]] = []
+    real = pipeline._publish_in_processes
+
+    def spied(publisher: Any, parts: Any, *args: Any) -> None:
+        seen.extend([c.supplier_hotel_id for c in part] for part in parts)
+        real(publisher, parts, *args)
+
+    monkeypatch.setattr(pipeline, "_publish_in_processes", spied)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        # Hotel 42 changed first, hotel 1 last.
+        feed.change(hotel(n, at=43 - n))
+    window = _run_forked(db, store, client, "o1")
+    assert window.report.status == "SUCCESS" and window.report.published == 42
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=42), "H000001")
+    m = schema.hotel_mapping.c
+    with db.engine.connect() as conn:
+        rid = {str(h): int(i) for h, i in conn.execute(sa.select(m.supplier_hotel_id, m.id))}
+    order = [rid[h] for part in seen for h in part]
+    assert len(seen) == 8 and len(order) > 30
+    assert order == sorted(order)
+
+
 def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
     db: SyncDatabase,
     store: LocalPayloadStore,
