@@ -208,20 +208,25 @@ def _run_window(
         context.instance.add_dynamic_partitions(scope.partitions_name, new)
     published_key = scope.key(PUBLISHED.path[-1])
     touched = list(window.cities.items())
+    watermark = _text(window.watermark_after)
     for start in range(0, len(touched), EVENTS_PER_TRANSACTION):
         # A day's window touches most cities: their events share a few commits.
         with one_event_transaction(context.instance):
             for city, published in touched[start : start + EVENTS_PER_TRANSACTION]:
-                yield dg.AssetMaterialization(
-                    published_key,
-                    partition=encode_city_key(city),
-                    metadata={
-                        "batch_id": window.batch.batch_id,
-                        "city": city,
-                        "sync_mode": "INCREMENTAL",
-                        "published": published,
-                        "watermark": _text(window.watermark_after),
-                    },
+                # Logged, not yielded: a yielded event passes Dagster's per-yield error and
+                # interrupt boundaries, ~10 % of each of these ~0.6 ms events.
+                context.log_event(
+                    dg.AssetMaterialization(
+                        published_key,
+                        partition=encode_city_key(city),
+                        metadata={
+                            "batch_id": window.batch.batch_id,
+                            "city": city,
+                            "sync_mode": "INCREMENTAL",
+                            "published": published,
+                            "watermark": watermark,
+                        },
+                    )
                 )
     yield dg.MaterializeResult(
         metadata=window_metadata(window, requests),

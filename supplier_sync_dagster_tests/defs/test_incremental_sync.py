@@ -93,6 +93,14 @@ def test_a_window_materializes_the_feed_and_each_city_it_published_in(
         decode_city_key(str(p)): m.metadata["published"].value for p, m in cities.items()
     }
     assert sum(per_city.values()) == meta["published"]
+    # Each city's materialization is stored once (they are logged, then handed to the run).
+    stored = instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+    partitions = [
+        str(e.asset_materialization.partition)
+        for e in stored
+        if e.asset_materialization and e.asset_materialization.asset_key == PUBLISHED
+    ]
+    assert sorted(partitions) == sorted(str(p) for p in cities)
     # The city's partition shows the incremental publish as its latest materialization.
     latest = instance.get_latest_materialization_event(PUBLISHED)
     assert latest is not None and latest.asset_materialization is not None
