@@ -77,20 +77,6 @@ def ensure_hotel_mappings(
     return _read_mappings(conn, supplier_id=supplier_id, batch_id=batch_id, ids=ids)
 
 
-def existing_hotel_mappings(
-    conn: Connection, *, supplier_id: int, batch_id: str, hotel_ids: Iterable[str]
-) -> HotelMappings | None:
-    """The mappings of supplier hotels that all have one, read without writing; None when
-    any of them has none yet (:func:`ensure_hotel_mappings` creates it).
-
-    A mapping never changes once created, so hotels seen before (an incremental window's,
-    a re-sync's) need no write transaction to be looked up.
-    """
-    ids = sorted(set(hotel_ids))
-    maps = _read_mappings(conn, supplier_id=supplier_id, batch_id=batch_id, ids=ids)
-    return maps if len(maps.resource_ids) == len(ids) else None
-
-
 def _read_mappings(
     conn: Connection, *, supplier_id: int, batch_id: str, ids: Sequence[str]
 ) -> HotelMappings:

@@ -99,7 +99,6 @@ from supplier_sync_dagster.core.mapping import (
     HotelMappings,
     chunks,
     ensure_hotel_mappings,
-    existing_hotel_mappings,
 )
 from supplier_sync_dagster.core.normalize import (
     NormalizedDocuments,
@@ -1477,8 +1476,9 @@ class _LeasePublisher:
 
     def __init__(self, lease: ShardLease, settings: SyncSettings) -> None:
         self.lease, self.settings = lease, settings
-        # Set once :meth:`ensure_mappings` made every mapping of the shard's candidates.
-        self.mapped = False
+        # The resource id of each of the shard's hotels, once :meth:`ensure_mappings` made
+        # every mapping of its candidates.
+        self.resource_ids: dict[str, int] | None = None
 
     def __call__(self, cands: list[Candidate]) -> ChunkPublished:
         return self.publish(cands)
@@ -1515,23 +1515,16 @@ class _LeasePublisher:
         # rolls all of it back, and the shard's row is locked (InnoDB) only from the fence
         # to the commit, so processes publishing chunks of one shard (an incremental
         # window's) write at once instead of queueing on that row.
-        found = None
-        if self.mapped:
-            with db.engine.connect() as conn:
-                # Looked up without the write lock (SQLite's is one for the whole
-                # database): this process diffs while another one writes.
-                found = existing_hotel_mappings(
-                    conn,
-                    supplier_id=settings.supplier_id,
-                    batch_id=lease.batch_id,
-                    hotel_ids=[c.supplier_hotel_id for c in cands],
-                )
-        if found is None:
+        found = self.resource_ids
+        if found is None or any(c.supplier_hotel_id not in found for c in cands):
             with db.begin() as conn:
-                found = self._mappings(conn, cands, db.clock.read(conn))
+                found = self._mappings(conn, cands, db.clock.read(conn)).resource_ids
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
+        # Otherwise no query and no write lock: a mapping never changes once made, and a
+        # forked process has the shard's from its parent's memory. It diffs while another
+        # one writes (SQLite's write lock is one for the whole database).
         with db.engine.connect() as conn:
-            diffs = compute_diffs(conn, cands, found.resource_ids, policy=settings.risk_policy)
+            diffs = compute_diffs(conn, cands, found, policy=settings.risk_policy)
         items, plan = self._plan(diffs, cands, rows)
         with db.begin() as conn:
             if then is not None:
@@ -1555,9 +1548,8 @@ class _LeasePublisher:
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
                 return found.resource_ids
 
-        ids = retry_deadlocks(attempt)
-        self.mapped = True
-        return ids
+        self.resource_ids = retry_deadlocks(attempt)
+        return self.resource_ids
 
     def _mappings(
         self, conn: Connection, cands: Sequence[Candidate], at: datetime

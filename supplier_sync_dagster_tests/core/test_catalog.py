@@ -29,7 +29,6 @@ from supplier_sync_dagster.core.diff import (
 from supplier_sync_dagster.core.mapping import (
     CHUNK,
     ensure_hotel_mappings,
-    existing_hotel_mappings,
 )
 from supplier_sync_dagster.core.publish import (
     offer_deactivation,
@@ -160,36 +159,6 @@ def test_mappings_are_allocated_once_even_under_concurrent_batches(db: SyncDatab
     assert again.created == frozenset() and again.resource_ids == {
         h: results[0][h] for h in ids[:5]
     }
-
-
-def test_existing_mappings_are_read_without_writing_and_none_when_one_is_missing(
-    db: SyncDatabase,
-):
-    ids = ["H1", "H2", "H3"]
-    with db.engine.connect() as conn:
-        assert (
-            existing_hotel_mappings(conn, supplier_id=SUPPLIER, batch_id="b1", hotel_ids=ids)
-            is None
-        )
-    with db.begin() as conn:
-        made = ensure_hotel_mappings(
-            conn, db.clock, supplier_id=SUPPLIER, batch_id="b1", hotel_ids=ids[:2]
-        )
-    with db.engine.connect() as conn:
-        assert (
-            existing_hotel_mappings(conn, supplier_id=SUPPLIER, batch_id="b1", hotel_ids=ids)
-            is None
-        )
-        same = existing_hotel_mappings(
-            conn, supplier_id=SUPPLIER, batch_id="b1", hotel_ids=["H2", "H1", "H1"]
-        )
-        later = existing_hotel_mappings(
-            conn, supplier_id=SUPPLIER, batch_id="b2", hotel_ids=ids[:2]
-        )
-    # The batch that made a mapping still sees it as its own (HotelMappingCreated on a retry).
-    assert same == made and same.created == frozenset({"H1", "H2"})
-    assert later is not None and later.resource_ids == made.resource_ids and not later.created
-    assert len(rows(db, schema.hotel_mapping)) == 2
 
 
 def test_new_then_no_change_then_each_kind_of_change(db: SyncDatabase):

@@ -8,6 +8,7 @@ up); a change can be added with an ``updated_at`` earlier than what was already 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -661,6 +662,38 @@ def test_a_window_publishes_its_changes_in_the_catalogs_order_not_the_feeds(
     order = [rid[h] for part in seen for h in part]
     assert len(seen) == 8 and len(order) > 30
     assert order == sorted(order)
+
+
+def test_forked_publishers_use_the_mappings_their_parent_made_without_reading_them(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    tmp_path: Path,
+):
+    """The window's own process makes every mapping before forking; the processes publish
+    with those ids and never query the mapping table (a round trip per chunk on MariaDB)."""
+    log = tmp_path / "mapping_reads"
+    parent = os.getpid()
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # Forked processes inherit this listener; a file is what they share with the test.
+        if statement.lstrip().upper().startswith("SELECT") and "hotel_mapping" in statement:
+            with log.open("a") as out:
+                out.write(f"{os.getpid()}\n")
+
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    sa.event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        window = _run_forked(db, store, client, "m1")
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", record)
+    assert window.report.status == "SUCCESS" and window.report.published == 42
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    readers = set(log.read_text().split())
+    assert readers == {str(parent)}
 
 
 def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
