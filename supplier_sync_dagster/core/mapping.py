@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -56,13 +56,16 @@ def ensure_hotel_mappings(
     batch_id: str,
     hotel_ids: Iterable[str],
     at: datetime | None = None,
+    published: bool = True,
 ) -> HotelMappings:
     """Returns the platform resource id of each supplier hotel, creating missing ones.
 
     ``created`` holds the hotels whose mapping was created by this batch (now or by an
     earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
     ``at``: the transaction's database time (``clock.read``), written as the creation time
-    instead of the clock's SQL expression evaluated on every row.
+    instead of the clock's SQL expression evaluated on every row. ``published``: whether to
+    read which hotels have a published row (``HotelMappings.published``; left empty
+    otherwise): on InnoDB that reads each hotel's row from the table itself.
     """
     ids = sorted(set(hotel_ids))
     insert_ignore(
@@ -74,11 +77,18 @@ def ensure_hotel_mappings(
         created_batch_id=batch_id,
         created_at=clock.now() if at is None else at,
     )
-    return _read_mappings(conn, supplier_id=supplier_id, batch_id=batch_id, ids=ids)
+    return _read_mappings(
+        conn, supplier_id=supplier_id, batch_id=batch_id, ids=ids, with_published=published
+    )
 
 
 def _read_mappings(
-    conn: Connection, *, supplier_id: int, batch_id: str, ids: Sequence[str]
+    conn: Connection,
+    *,
+    supplier_id: int,
+    batch_id: str,
+    ids: Sequence[str],
+    with_published: bool,
 ) -> HotelMappings:
     c = schema.hotel_mapping.c
     resource_ids: dict[str, int] = {}
@@ -87,7 +97,11 @@ def _read_mappings(
     h = schema.platform_hotel.c
     # Whether each hotel is published, in the same statement: a diff of new hotels then
     # reads nothing more.
-    is_published = sa.select(h.resource_id).where(h.resource_id == c.id).exists()
+    is_published: Any = (
+        sa.select(h.resource_id).where(h.resource_id == c.id).exists()
+        if with_published
+        else sa.false()
+    )
     for part in chunks(ids):
         for hotel_id, rid, made_by, pub in conn.execute(
             sa.select(c.supplier_hotel_id, c.id, c.created_batch_id, is_published).where(

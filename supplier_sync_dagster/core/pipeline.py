@@ -1501,7 +1501,7 @@ class _LeasePublisher:
                 # One database time per transaction: a bulk insert would otherwise
                 # evaluate the clock's SQL expression on every row.
                 at = db.clock.read(conn)
-                maps = self._mappings(conn, cands, at)
+                maps = self._mappings(conn, cands, at, published=True)
                 diffs = compute_diffs(
                     conn,
                     cands,
@@ -1518,7 +1518,9 @@ class _LeasePublisher:
         found = self.resource_ids
         if found is None or any(c.supplier_hotel_id not in found for c in cands):
             with db.begin() as conn:
-                found = self._mappings(conn, cands, db.clock.read(conn)).resource_ids
+                found = self._mappings(
+                    conn, cands, db.clock.read(conn), published=False
+                ).resource_ids
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
         # Otherwise no query and no write lock: a mapping never changes once made, and a
         # forked process has the shard's from its parent's memory. It diffs while another
@@ -1544,7 +1546,8 @@ class _LeasePublisher:
 
         def attempt() -> dict[str, int]:
             with db.begin() as conn:
-                found = self._mappings(conn, list(cands), db.clock.read(conn))
+                # Only the ids: the chunks' diffs read what is published.
+                found = self._mappings(conn, list(cands), db.clock.read(conn), published=False)
                 lease.fence(conn, "PUBLISHING", f"city={lease.shard_key} mappings")
                 return found.resource_ids
 
@@ -1552,7 +1555,7 @@ class _LeasePublisher:
         return self.resource_ids
 
     def _mappings(
-        self, conn: Connection, cands: Sequence[Candidate], at: datetime
+        self, conn: Connection, cands: Sequence[Candidate], at: datetime, *, published: bool
     ) -> HotelMappings:
         return ensure_hotel_mappings(
             conn,
@@ -1561,6 +1564,7 @@ class _LeasePublisher:
             batch_id=self.lease.batch_id,
             hotel_ids=[c.supplier_hotel_id for c in cands],
             at=at,
+            published=published,
         )
 
     def _plan(

@@ -161,6 +161,21 @@ def test_mappings_are_allocated_once_even_under_concurrent_batches(db: SyncDatab
     }
 
 
+def test_mappings_say_which_hotels_are_published_only_when_asked(db: SyncDatabase):
+    sync(db, "b1", [hotel("H1", 1), hotel("H2", 1)])
+    ids = ["H1", "H2", "H3"]
+    with db.begin() as conn:
+        full = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b2", hotel_ids=ids
+        )
+        bare = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b2", hotel_ids=ids, published=False
+        )
+    assert full.published == {full.resource_ids["H1"], full.resource_ids["H2"]}
+    assert bare.published == frozenset()
+    assert bare.resource_ids == full.resource_ids and bare.created == full.created == {"H3"}
+
+
 def test_new_then_no_change_then_each_kind_of_change(db: SyncDatabase):
     diffs, res = sync(db, "b1", [hotel("H1"), hotel("H2"), hotel("H3"), hotel("H4"), hotel("H5")])
     assert {d.diff_type for d in diffs} == {"NEW"} and len(res.published) == 5
