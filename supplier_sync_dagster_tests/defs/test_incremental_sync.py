@@ -176,9 +176,8 @@ def test_finished_windows_do_not_hold_the_schedule(db_url: str, tmp_path: Path, 
     with dg.instance_for_test() as instance:
         _full_sync(instance, db_url, tmp_path)
         create_run_for_test(instance, job_name=incremental_sync_job.name, status=status)
-        ctx = dg.build_schedule_context(
-            instance=instance,
-            scheduled_execution_time=datetime(2026, 11, 30, 2, 10, tzinfo=UTC),
-            resources={"sync_db": sync_db},
-        )
-        assert isinstance(incremental_sync_schedule(ctx), dg.RunRequest)
+        # Entered and left: a context left open keeps the instance it opened as the current
+        # definitions state storage, which a later test then reads from a deleted folder.
+        when = datetime(2026, 11, 30, 2, 10, tzinfo=UTC)
+        with _schedule_context(instance, when, sync_db) as ctx:
+            assert isinstance(incremental_sync_schedule(ctx), dg.RunRequest)

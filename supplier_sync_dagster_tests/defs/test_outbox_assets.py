@@ -94,7 +94,9 @@ def test_the_schedule_requests_the_drain_job_every_minute():
     assert outbox_dispatch_schedule.cron_schedule == "* * * * *"
     assert outbox_dispatch_schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     assert outbox_dispatch_schedule.job_name == outbox_dispatch_job.name
-    with dg.instance_for_test() as instance:
-        context = dg.build_schedule_context(instance=instance)
+    with (
+        dg.instance_for_test() as instance,
+        dg.build_schedule_context(instance=instance) as context,
+    ):
         data = outbox_dispatch_schedule.evaluate_tick(context)
     assert data.run_requests is not None and len(data.run_requests) == 1

@@ -34,8 +34,8 @@ def _discover_then_schedule(instance: dg.DagsterInstance) -> None:
     assert isinstance(again, dg.SensorResult) and not again.dynamic_partitions_requests
 
     when = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
-    ctx2 = dg.build_schedule_context(instance=instance, scheduled_execution_time=when)
-    run = nightly_full_sync(ctx2)
+    with dg.build_schedule_context(instance=instance, scheduled_execution_time=when) as ctx2:
+        run = nightly_full_sync(ctx2)
     assert isinstance(run, dg.RunRequest)
     assert run.tags["dagster/asset_partition_range_start"] == keys[0]
     assert run.tags["dagster/asset_partition_range_end"] == keys[-1]
@@ -43,6 +43,8 @@ def _discover_then_schedule(instance: dg.DagsterInstance) -> None:
 
 
 def test_nightly_schedule_skips_without_partitions():
-    with dg.instance_for_test() as instance:
-        ctx = dg.build_schedule_context(instance=instance)
+    with (
+        dg.instance_for_test() as instance,
+        dg.build_schedule_context(instance=instance) as ctx,
+    ):
         assert isinstance(nightly_full_sync(ctx), dg.SkipReason)
