@@ -104,6 +104,10 @@ class HotelDiff:
     changed_fields: list[dict[str, Any]] = field(default_factory=list)
     risk_level: RiskLevel = "LOW"
     action: Action = "AUTO_PUBLISH"
+    # Whether the new version may lack an offer that the published one has active: True
+    # unless the diff compared both versions' offers and every active one is still there
+    # (a publish then has no stale offer to deactivate: core/publish.py).
+    drops_offers: bool = True
 
 
 RiskPolicy = Callable[[HotelDiff], tuple[RiskLevel, Action]]
@@ -417,21 +421,10 @@ def compute_diffs(
                 cand.version,
                 _primary(kinds),
                 changes,
+                drops_offers=_drops_offers(pub["doc"], cand.doc),
             )
         risk, action = policy(diff)
-        out.append(
-            HotelDiff(
-                diff.supplier_hotel_id,
-                diff.platform_resource_id,
-                diff.old_publish_version,
-                diff.old_supplier_version,
-                diff.new_version,
-                diff.diff_type,
-                diff.changed_fields,
-                risk,
-                action,
-            )
-        )
+        out.append(dataclasses.replace(diff, risk_level=risk, action=action))
     if isinstance(policy, RiskRules):
         out = policy.escalate(out)
     return out
@@ -597,6 +590,21 @@ def _changes(
             if bool(pb.get("available")) != bool(pa.get("available")):
                 add("STOCK", f"{where}.available", pb.get("available"), pa.get("available"))
     return changes, kinds
+
+
+def _drops_offers(published: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether the published document (as :func:`load_published` reads it: its active
+    offers) has an offer, by (room, rate plan), that the new document lacks."""
+    kept = {
+        (str(room["room_code"]), str(plan["code"]))
+        for room in new.get("rooms") or ()
+        for plan in room.get("rate_plans") or ()
+    }
+    return any(
+        (code, pcode) not in kept
+        for code, room in (published.get("rooms") or {}).items()
+        for pcode in room.get("rate_plans") or {}
+    )
 
 
 def _primary(kinds: set[str]) -> DiffType:

@@ -267,17 +267,25 @@ def publish_hotels(
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
     offers: list[tuple[Any, ...]] = []
     events: list[tuple[Any, ...]] = []
+    # The hotels that may keep an active offer their new version lacks. Not one this call
+    # inserted (publish version 1): offers are only written with their hotel row, which
+    # stays locked by this call until commit. Nor one whose diff saw every active offer
+    # in the new version, when the version written is the one the diff expected: nothing
+    # changed its offers in between (whatever does, a publish or a tombstone, writes a
+    # new publish version).
+    stale: list[int] = []
     for d, c in done:
         rid = d.platform_resource_id
         if written[rid] == plan.expected[rid]:
             offers += plan.offer_rows[rid]
             events += plan.events[rid]
+            if d.drops_offers and written[rid][0] > 1:
+                stale.append(rid)
         else:  # another publish of this hotel committed in between: other versions
             offers += _offer_rows(rid, plan.rows[c.supplier_hotel_id], written[rid])
             events += _hotel_events(batch_id, d, c, written[rid])
-    # A hotel row this call inserted (publish version 1) has no offers to deactivate: offers
-    # are only written with their hotel row, which stays locked by this call until commit.
-    _replace_offers(conn, now, [rid for rid in written if written[rid][0] > 1], offers)
+            stale.append(rid)
+    _replace_offers(conn, now, stale, offers)
     write_events(conn, events, batch_id=batch_id, at=now)
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
@@ -442,8 +450,8 @@ def _replace_offers(
     Args:
         conn: The publish's connection.
         now: The time written (the database time, or the clock's SQL expression for it).
-        rids: The hotels that may already have offers (upserted, then those the new
-            version lacks deactivated).
+        rids: The hotels that may have an active offer their new version lacks (after
+            the upsert, their offers that it did not write are deactivated).
         rows: Every offer of the hotels this call wrote, as the columns ``_OFFER_ROW``.
     """
     if rows:

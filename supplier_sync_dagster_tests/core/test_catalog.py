@@ -275,6 +275,100 @@ def test_offers_follow_the_published_version_and_events_are_one_transaction(db: 
     assert rows(db, schema.platform_hotel)[0]["supplier_version"] == 2
 
 
+def _stale_offer_updates(db: SyncDatabase) -> list[str]:
+    """Collects the stale-offer UPDATEs that ``db``'s engine sends (start the listener)."""
+    seen: list[str] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE PLATFORM_HOTEL_OFFER"):
+            seen.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", before)
+    return seen
+
+
+def test_a_diff_says_whether_the_new_version_drops_an_active_offer(db: SyncDatabase):
+    sync(db, "b1", [hotel(h) for h in ("H1", "H2", "H3", "H4")])
+    repriced = hotel("H1", 2)
+    repriced["rooms"][0]["rate_plans"][0]["price"] = "150.00"
+    grown = hotel("H2", 2)
+    grown["rooms"].append(copy.deepcopy(grown["rooms"][0]) | {"room_code": "STD"})
+    one_plan = hotel("H3", 2)
+    one_plan["rooms"][0]["rate_plans"] = one_plan["rooms"][0]["rate_plans"][1:]
+    no_room = hotel("H4", 2, rooms=[])
+    with db.begin() as conn:
+        cands = [cand(d) for d in (repriced, grown, one_plan, no_room, hotel("H5"))]
+        maps = ensure_hotel_mappings(
+            conn,
+            db.clock,
+            supplier_id=SUPPLIER,
+            batch_id="b2",
+            hotel_ids=[c.supplier_hotel_id for c in cands],
+        )
+        diffs = compute_diffs(conn, cands, maps.resource_ids)
+    assert {d.supplier_hotel_id: d.drops_offers for d in diffs} == {
+        "H1": False,
+        "H2": False,
+        "H3": True,
+        "H4": True,
+        "H5": True,  # new: nothing compared (and nothing to deactivate)
+    }
+
+
+def test_a_publish_deactivates_offers_only_of_hotels_that_dropped_one(db: SyncDatabase):
+    """The stale-offer UPDATE runs for the hotels whose diff saw an offer go, not for every
+    hotel published again; the catalog ends the same."""
+    sync(db, "b1", [hotel(f"H{i}") for i in range(4)])
+    seen = _stale_offer_updates(db)
+    repriced = [hotel(f"H{i}", 2, name=f"renamed {i}") for i in range(3)]
+    sync(db, "b2", repriced)
+    assert seen == []
+    dropped = hotel("H3", 2)
+    dropped["rooms"][0]["rate_plans"] = dropped["rooms"][0]["rate_plans"][:1]
+    sync(db, "b3", [hotel("H0", 3, name="again"), dropped])
+    assert len(seen) == 1
+    (h3,) = rows(db, schema.platform_hotel, schema.platform_hotel.c.supplier_hotel_id == "H3")
+    offers = {
+        (r["resource_id"], r["rate_plan_code"]): (r["active"], r["publish_version"])
+        for r in rows(db, schema.platform_offer)
+    }
+    rid3 = h3["resource_id"]
+    assert offers.pop((rid3, "NRF")) == (False, 1)
+    assert offers.pop((rid3, "BAR")) == (True, 2)
+    assert all(active for active, _ in offers.values())
+
+
+def test_a_hotel_published_in_between_still_loses_the_offers_the_later_version_lacks(
+    db: SyncDatabase,
+):
+    """A diff that saw no offer dropped was computed against one version; when another
+    publish of the hotel commits before this one writes, the offers that version added
+    and this one lacks are deactivated all the same."""
+    sync(db, "b1", [hotel("H1")])
+    grown = hotel("H1", 2)
+    grown["rooms"][0]["rate_plans"].append(grown["rooms"][0]["rate_plans"][0] | {"code": "PKG"})
+    later = hotel("H1", 3, facilities=["wifi"])  # BAR and NRF, as version 1
+    with db.begin() as conn:
+        cands = [cand(later)]
+        maps = ensure_hotel_mappings(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", hotel_ids=["H1"]
+        )
+        (diff,) = compute_diffs(conn, cands, maps.resource_ids)
+    assert diff.old_publish_version == 1 and not diff.drops_offers
+    assert diff.action == "AUTO_PUBLISH"
+    sync(db, "b2", [grown])  # commits in between: version 2 adds PKG
+    with db.begin() as conn:
+        res = publish_hotels(
+            conn, db.clock, supplier_id=SUPPLIER, batch_id="b3", items=[(diff, cands[0])]
+        )
+    assert [p.publish_version for p in res.published] == [3]
+    offers = {
+        r["rate_plan_code"]: (r["active"], r["publish_version"])
+        for r in rows(db, schema.platform_offer)
+    }
+    assert offers == {"BAR": (True, 3), "NRF": (True, 3), "PKG": (False, 2)}
+
+
 def test_an_offer_keeps_its_id_for_good(db: SyncDatabase):
     """The offer table allocates an offer's id once, under (hotel, room, rate plan)."""
     sync(db, "b1", [hotel("H1"), hotel("H2")])
