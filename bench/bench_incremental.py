@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -115,6 +116,32 @@ def _step_seconds(dagster_home: str, run_id: str) -> float:
         instance.dispose()
 
 
+def _buffer_pool_note(db_url: str) -> str:
+    """The MariaDB server's buffer pool against the sync database's size after the full sync.
+
+    A window updates hotels all over the catalog: with a pool smaller than the database,
+    InnoDB reads most of their pages from disk and flushes others to make room (measured
+    here: the same window 7.7-8.1 s with the stock 128 MB, 5.7-5.9 s with 1 GB).
+    """
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            pool = conn.execute(sa.text("SELECT @@innodb_buffer_pool_size")).scalar_one()
+            size = conn.execute(
+                sa.text(
+                    "SELECT SUM(data_length + index_length) FROM information_schema.tables"
+                    " WHERE table_schema = DATABASE()"
+                )
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    fits = "holds" if int(pool) >= int(size) else "does NOT hold"
+    return (
+        f"MariaDB innodb_buffer_pool_size {int(pool) / 2**20:.0f} MB {fits} the sync database "
+        f"({int(size) / 2**20:.0f} MB after the full sync; the README's Configuration section)"
+    )
+
+
 def _verdict(ok: bool) -> str:
     return "MET" if ok else "MISSED"
 
@@ -160,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 env, tmp, "sync", "--full", "--json", "--trigger-id", f"b-{uuid.uuid4().hex[:8]}"
             )
             print(f"full sync: {full_s:.1f}s wall, {full['records']} records, {full['status']}")
+            if args.backend == "mariadb":
+                print(_buffer_pool_note(db_url), flush=True)
             httpx.post(f"{server.url}/_sim/advance_day", timeout=60).raise_for_status()
             # The simulator renders the day's changed hotels before the window is timed, as
             # it rendered every hotel before the full sync was (the supplier's own cost).
