@@ -421,7 +421,7 @@ def compute_diffs(
                 cand.version,
                 _primary(kinds),
                 changes,
-                drops_offers=_drops_offers(pub["doc"], cand.doc),
+                drops_offers=_DROPPED in kinds,
             )
         risk, action = policy(diff)
         out.append(dataclasses.replace(diff, risk_level=risk, action=action))
@@ -536,6 +536,11 @@ def _same(old: Any, new: Any, *, numeric: bool = False) -> bool:
     return bool(old == new)
 
 
+# A kind of change that is not a diff type of its own (the field changes it comes with
+# are CONTENT): an active offer of the published version that the new one lacks.
+_DROPPED = "OFFER_DROPPED"
+
+
 def _changes(
     old: Mapping[str, Any], new: Mapping[str, Any]
 ) -> tuple[list[dict[str, Any]], set[str]]:
@@ -556,6 +561,8 @@ def _changes(
     new_rooms = {str(r["room_code"]): r for r in new.get("rooms") or ()}
     for code in sorted(set(old_rooms) | set(new_rooms)):
         before, after = old_rooms.get(code), new_rooms.get(code)
+        if after is None and before and before.get("rate_plans"):
+            kinds.add(_DROPPED)
         if before is None or after is None:
             add(
                 "CONTENT",
@@ -572,6 +579,8 @@ def _changes(
         for pcode in sorted(set(old_plans) | set(new_plans)):
             pb, pa = old_plans.get(pcode), new_plans.get(pcode)
             where = f"rooms[{code}].rate_plans[{pcode}]"
+            if pa is None and pb is not None:
+                kinds.add(_DROPPED)
             if pb is None or pa is None:
                 add("CONTENT", where, "present" if pb else None, "present" if pa else None)
                 continue
@@ -590,21 +599,6 @@ def _changes(
             if bool(pb.get("available")) != bool(pa.get("available")):
                 add("STOCK", f"{where}.available", pb.get("available"), pa.get("available"))
     return changes, kinds
-
-
-def _drops_offers(published: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Whether the published document (as :func:`load_published` reads it: its active
-    offers) has an offer, by (room, rate plan), that the new document lacks."""
-    kept = {
-        (str(room["room_code"]), str(plan["code"]))
-        for room in new.get("rooms") or ()
-        for plan in room.get("rate_plans") or ()
-    }
-    return any(
-        (code, pcode) not in kept
-        for code, room in (published.get("rooms") or {}).items()
-        for pcode in room.get("rate_plans") or {}
-    )
 
 
 def _primary(kinds: set[str]) -> DiffType:
