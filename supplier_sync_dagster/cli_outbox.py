@@ -69,9 +69,12 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(_report_json(report)) if args.json else _report_line(report))
             failed = sum(c.failed for c in report.stages.values())
             return 1 if failed else 0
-        if args.processes > 1:
+        processes, threads = dispatch_parallelism(
+            db.engine.dialect.name, processes=args.processes, threads=args.threads
+        )
+        if processes > 1:
             db.dispose()  # each process opens its own connections
-            return _serve_processes(args, settings)
+            return _serve_processes(args, settings, processes=processes, threads=threads)
         stop = threading.Event()
         _stop_on_signals(stop)
 
@@ -82,7 +85,7 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
         total = serve(
             db,
             lambda: open_projections(settings),
-            threads=args.threads,
+            threads=threads,
             stop=stop,
             batch_size=args.batch_size,
             on_report=show,
@@ -91,6 +94,33 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
         return 0
     finally:
         db.dispose()
+
+
+MAX_AUTO_PROCESSES = 8
+
+
+def dispatch_parallelism(
+    dialect: str, *, processes: int | None, threads: int | None
+) -> tuple[int, int]:
+    """How many dispatcher processes, and dispatchers in each, ``dispatch`` runs.
+
+    Unless told: on MySQL/MariaDB two processes per CPU core (at most
+    :data:`MAX_AUTO_PROCESSES`) of one dispatcher each. A dispatcher waits on the sync
+    database, the search index and the broker for about half of each batch, so two per core
+    keep the cores busy; and a sync on the same machine has processes of its own: fewer
+    dispatchers get too small a share of the CPU to keep up with it (issue 17's figures in
+    the README). On SQLite one process of two threads: every claim and move takes SQLite's
+    one write lock, which more processes would only queue on.
+
+    Returns:
+        (processes, threads per process).
+    """
+    if processes is None:
+        auto = min(MAX_AUTO_PROCESSES, 2 * (os.cpu_count() or 1))
+        processes = 1 if dialect == "sqlite" else auto
+    if threads is None:
+        threads = 2 if processes == 1 else 1
+    return max(1, processes), max(1, threads)
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -112,6 +142,7 @@ def _serve_in_child(db_url: str | None, settings: Any, threads: int, batch_size:
 
     stop = threading.Event()
     _stop_on_signals(stop)
+    _stop_when_orphaned(stop)
     db = SyncDatabase.open(db_url)
     try:
         serve(
@@ -125,20 +156,38 @@ def _serve_in_child(db_url: str | None, settings: Any, threads: int, batch_size:
         db.dispose()
 
 
-def _serve_processes(args: argparse.Namespace, settings: Any) -> int:
-    """``--processes N``: N forked processes of ``--threads`` dispatchers each (the stages
-    are CPU-bound Python: threads of one process share one core). SIGTERM/SIGINT reach every
-    process, which finishes its batches; the exit status is 0 when all stopped cleanly."""
+def _stop_when_orphaned(stop: threading.Event, every: float = 0.5) -> None:
+    """A dispatcher process whose parent died (``kill -9`` of ``supplier-sync dispatch``)
+    finishes its batch and exits instead of dispatching on unwatched."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.wait(every):
+            if os.getppid() != parent:
+                print(
+                    "supplier-sync: dispatch: the parent process is gone, stopping", file=sys.stderr
+                )
+                stop.set()
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
+def _serve_processes(
+    args: argparse.Namespace, settings: Any, *, processes: int, threads: int
+) -> int:
+    """N forked processes of ``threads`` dispatchers each (the stages are CPU-bound Python:
+    threads of one process share one core). SIGTERM/SIGINT reach every process, which
+    finishes its batches; the exit status is 0 when all stopped cleanly."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     children = [
         ctx.Process(
             target=_serve_in_child,
-            args=(args.db_url, settings, args.threads, args.batch_size),
+            args=(args.db_url, settings, threads, args.batch_size),
             name=f"dispatch-process-{i}",
         )
-        for i in range(args.processes)
+        for i in range(processes)
     ]
     for child in children:
         child.start()
@@ -377,14 +426,25 @@ def _confirming_accounts(settings: Any, timeouts: dict[str, float]) -> dict[int,
 
 def add_commands(sub: Any) -> None:
     """Registers the commands on the ``supplier-sync`` subparsers."""
+    from supplier_sync_dagster.cli import _positive_int as _positive  # cli imports this module
+
     dispatch = sub.add_parser(
         "dispatch",
         help="drive the outbox: search index, cache and subscribers (until SIGTERM, or --once)",
     )
     dispatch.add_argument("--once", action="store_true", help="drain what is due, then exit")
-    dispatch.add_argument("--threads", type=int, default=2, help="dispatchers per process")
     dispatch.add_argument(
-        "--processes", type=int, default=1, help="processes of --threads dispatchers each"
+        "--threads",
+        type=_positive,
+        default=None,
+        help="dispatchers per process (default: 2 in one process, else 1)",
+    )
+    dispatch.add_argument(
+        "--processes",
+        type=_positive,
+        default=None,
+        help="processes of --threads dispatchers each (default: two per CPU core, at most "
+        f"{MAX_AUTO_PROCESSES}, on MySQL/MariaDB; one on SQLite)",
     )
     dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
     dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")

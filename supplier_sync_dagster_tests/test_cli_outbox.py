@@ -212,3 +212,80 @@ def test_serve_api_answers_over_http_after_a_sync(
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _running(pid: int) -> bool:
+    try:  # an orphan that exited may linger as a zombie until init reaps it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dispatch_defaults_to_two_processes_per_core_on_mariadb_which_stop_with_it(
+    fresh_mysql_db: str, tmp_path: Path
+):
+    """``supplier-sync dispatch`` with no flags on MariaDB: two dispatcher processes per
+    core (capped), which drain what a publish wrote; ``kill -9`` of the command leaves no
+    dispatcher behind: each child sees its parent gone and stops."""
+    from supplier_sync_dagster.cli_outbox import MAX_AUTO_PROCESSES
+    from supplier_sync_dagster_tests.core.test_catalog import hotel
+    from supplier_sync_dagster_tests.core.test_catalog import sync as publish
+
+    db = SyncDatabase.open(fresh_mysql_db)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
+    env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    expected = min(MAX_AUTO_PROCESSES, 2 * (os.cpu_count() or 1))
+    proc = cli_process("--db-url", fresh_mysql_db, "dispatch", "--batch-size", "20", env=env)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(children) < expected:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, children
+            time.sleep(0.1)
+            children = _children(proc.pid)
+        assert len(children) == expected
+        publish(db, "b1", [hotel(f"P{i}") for i in range(40)])
+        while outbox_status(db).total("SUCCEEDED") < 120:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, outbox_status(db)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(_running(c) for c in children):
+            assert time.monotonic() < deadline, [c for c in children if _running(c)]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in children:
+            if _running(c):
+                os.kill(c, signal.SIGKILL)
+        proc.communicate(timeout=10)
+    assert outbox_status(db).total("PROCESSING") == 0  # each finished its batch first
+    db.dispose()
+
+
+def test_dispatch_parallelism_by_database_and_flags():
+    from supplier_sync_dagster.cli_outbox import MAX_AUTO_PROCESSES, dispatch_parallelism
+
+    auto = min(MAX_AUTO_PROCESSES, 2 * (os.cpu_count() or 1))
+    assert dispatch_parallelism("mysql", processes=None, threads=None) == (auto, 1)
+    assert dispatch_parallelism("sqlite", processes=None, threads=None) == (1, 2)
+    assert dispatch_parallelism("mysql", processes=1, threads=None) == (1, 2)
+    assert dispatch_parallelism("sqlite", processes=3, threads=2) == (3, 2)
+
+
+def test_dispatch_refuses_a_count_below_one(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, "dispatch", "--processes", "0")
+    assert exit_info.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err

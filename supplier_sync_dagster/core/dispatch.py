@@ -142,6 +142,8 @@ class Dispatcher:
         self.batch_size = batch_size
         self.lease_seconds = lease_seconds
         self.stages = tuple(stages)
+        # (supplier id, city code) of the hotels this batch's SEARCH_INDEX read, for its CACHE.
+        self._cities: dict[int, tuple[int, str]] = {}
         self._runners: dict[Stage, StageRunner] = {
             "SEARCH_INDEX": self._search_index,
             "CACHE": self._cache,
@@ -152,6 +154,7 @@ class Dispatcher:
         """One batch claimed at ``stage``, carried through the rest of each event's chain
         (the stages this dispatcher runs; not a full SEARCH_INDEX batch), then settled."""
         report = DrainReport()
+        self._cities = {}
         events = claim(
             self.db,
             stage,
@@ -260,14 +263,19 @@ class Dispatcher:
         with self.db.engine.connect() as conn:
             docs = load_search_docs(conn, rids)
         self.projections.search.upsert(list(docs.values()))
+        self._cities = {rid: (d.supplier_id, d.city_code) for rid, d in docs.items()}
         # A hotel missing from the catalog has nothing to project (it never is: hotels are
         # unpublished, not deleted), so its event is done.
         return {}
 
     def _cache(self, events: Sequence[OutboxEvent]) -> dict[int, str]:
         rids = sorted({e.aggregate_id for e in events})
-        with self.db.engine.connect() as conn:
-            cities = hotel_cities(conn, rids)
+        # A batch carried on from SEARCH_INDEX read its hotels' cities moments ago.
+        cities = {rid: self._cities[rid] for rid in rids if rid in self._cities}
+        unknown = [rid for rid in rids if rid not in cities]
+        if unknown:
+            with self.db.engine.connect() as conn:
+                cities.update(hotel_cities(conn, unknown))
         self.projections.cache.invalidate(cache_keys(cities, rids))
         return {}
 

@@ -36,6 +36,7 @@ from supplier_sync_dagster.core.outbox import (
     stage_after,
 )
 from supplier_sync_dagster.core.projections import (
+    CITY_KEY,
     HOTEL_KEY,
     InProcessHotelCache,
     JsonLinesNotifier,
@@ -264,6 +265,50 @@ def test_a_claimed_batch_is_carried_through_its_chain_and_settled_once(
     others = [r for r in rows if r["event_type"] != "HotelResourceUpdated"]
     assert {(r["status"], r["next_stage"]) for r in others} == {("READY", "NOTIFY")}
     assert {m["message_id"] for m in notified(tmp_path)} == {r["event_id"] for r in hotels}
+
+
+class RecordingCache(InProcessHotelCache):
+    """A cache that remembers the keys it was told to invalidate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.invalidated: list[str] = []
+
+    def invalidate(self, keys: Sequence[str]) -> None:
+        self.invalidated.extend(keys)
+        super().invalidate(keys)
+
+
+def test_a_carried_batch_invalidates_the_cities_its_search_stage_read(
+    db: SyncDatabase, projections: Projections
+):
+    publish(db, "b1", 3)
+    cache = projections.cache = RecordingCache()
+    hotel_reads: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "platform_hotel_resource" in (
+            statement
+        ):
+            hotel_reads.append(statement)
+
+    sa.event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        Dispatcher(db, projections).run_from("SEARCH_INDEX")
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", count)
+    rids = sorted({r["aggregate_id"] for r in outbox_rows(db)})
+    city = CITY_KEY.format(supplier_id=1001, city_code="BKK")
+    assert sorted(cache.invalidated) == sorted(
+        [city, *(HOTEL_KEY.format(resource_id=rid) for rid in rids)]
+    )
+    assert len(hotel_reads) == 1  # the search documents' read; CACHE asked nothing more
+    # A batch claimed at CACHE (left there by a search-only dispatcher) reads its cities.
+    publish(db, "b2", 2, version=2, facilities=["wifi"])
+    Dispatcher(db, projections, stages=["SEARCH_INDEX"]).drain()
+    cache.invalidated.clear()
+    Dispatcher(db, projections).run_from("CACHE")
+    assert city in cache.invalidated and len(cache.invalidated) == 3
 
 
 def test_a_full_search_batch_is_projected_and_left_for_the_next_stage(

@@ -20,7 +20,7 @@ from supplier_sync_dagster_tests.helpers import BoundQueue, cli_process
 
 def _dispatch(db_url: str, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
     proc: subprocess.Popen[str] = cli_process(
-        "--db-url", db_url, "dispatch", "--batch-size", "25", *extra, env=env
+        "--db-url", db_url, "dispatch", "--batch-size", "25", "--processes", "1", *extra, env=env
     )
     return proc
 
