@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     out = done.stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    # The latency distribution's lines only: a stdev share such as "75.99%" ends in "99%" too.
+    p99 = _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     ok = rps >= TARGET_RPS and p99 <= TARGET_P99_MS and errors is None
     print(
