@@ -172,16 +172,26 @@ def _succeeded(db: SyncDatabase) -> int:
         )
 
 
+def _outbox_seconds(db: SyncDatabase, start: Any, end: Any) -> float:
+    """Seconds between two aggregates over the outbox, on the database's clock."""
+    with db.engine.connect() as conn:
+        first, last = conn.execute(sa.select(start, end)).one()
+    return float((last - first).total_seconds())
+
+
 def _last_finish_after_last_publish(db: SyncDatabase) -> float:
     """Seconds from the start of the last publish transaction (its events' ``created_at``)
     to the last event's end of chain: the drain as issue #17 states it, on the database's
     clock, whatever the sync command does after its last publish."""
     o = schema.outbox.c
-    with db.engine.connect() as conn:
-        created, finished = conn.execute(
-            sa.select(sa.func.max(o.created_at), sa.func.max(o.finished_at))
-        ).one()
-    return float((finished - created).total_seconds())
+    return _outbox_seconds(db, sa.func.max(o.created_at), sa.func.max(o.finished_at))
+
+
+def _first_and_last_done(db: SyncDatabase) -> float:
+    """Seconds from the first stage any event passed to the last event's end of chain
+    (database clock): the drain without the command's start-up."""
+    o = schema.outbox.c
+    return _outbox_seconds(db, sa.func.min(o.projected_at), sa.func.max(o.finished_at))
 
 
 def _fresh_pg() -> tuple[str, str]:
@@ -212,17 +222,6 @@ def _env(tmp: Path, db_url: str, settings: ProjectionSettings) -> dict[str, str]
     if settings.amqp_url:
         env["SUPPLIER_SYNC_AMQP_URL"] = settings.amqp_url
     return env
-
-
-def _first_and_last_done(db: SyncDatabase) -> float:
-    """Seconds from the first stage any event passed to the last event's end of chain
-    (database clock): the drain without the command's start-up."""
-    o = schema.outbox.c
-    with db.engine.connect() as conn:
-        first, last = conn.execute(
-            sa.select(sa.func.min(o.projected_at), sa.func.max(o.finished_at))
-        ).one()
-    return float((last - first).total_seconds())
 
 
 def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSettings) -> bool:
