@@ -230,7 +230,7 @@ def run_alone(args: argparse.Namespace, db_url: str, settings: ProjectionSetting
     try:
         seconds = publish_synthetic(db, args.hotels)
         events = outbox_status(db).total("READY")
-        flags = [*_parallelism_flags(args), "--batch-size", str(args.batch_size)]
+        flags = _dispatch_flags(args)
         print(
             f"published {args.hotels} hotels ({events} events) in {seconds:.1f}s; draining with "
             f"supplier-sync dispatch {' '.join(flags)}",
@@ -289,10 +289,10 @@ class _Nothing:
         return []
 
 
-def _parallelism_flags(args: argparse.Namespace) -> list[str]:
-    """``dispatch``'s flags as given; none given: the command's own defaults (on MariaDB two
-    processes per core, of one dispatcher each)."""
-    flags = []
+def _dispatch_flags(args: argparse.Namespace) -> list[str]:
+    """``dispatch``'s flags: the batch size, and the parallelism as given (none given: the
+    command's own defaults, on MariaDB two processes per core of one dispatcher each)."""
+    flags = ["--batch-size", str(args.batch_size)]
     if args.threads is not None:
         flags += ["--threads", str(args.threads)]
     if args.processes is not None:
@@ -321,7 +321,7 @@ def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSet
                 SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT="1000000",
             )
             dispatcher = subprocess.Popen(
-                [str(BIN / "supplier-sync"), "dispatch", *_parallelism_flags(args)],
+                [str(BIN / "supplier-sync"), "dispatch", *_dispatch_flags(args)],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -361,7 +361,7 @@ def run_with_sync(args: argparse.Namespace, db_url: str, settings: ProjectionSet
     rate = during / synced
     kept_up = rate >= TARGET_EVENTS_PER_S
     ok = kept_up and after_publish <= TARGET_DRAIN_S and (lag.p95 or 0) <= TARGET_LAG_P95_S
-    flags = " ".join(_parallelism_flags(args)) or "its defaults"
+    flags = " ".join(_dispatch_flags(args))
     print(
         f"sync --full of {args.hotels} hotels in {args.cities} cities: {synced:.1f}s, with "
         f"supplier-sync dispatch ({flags}) running; {during} events through every stage "
