@@ -23,7 +23,7 @@ import sqlalchemy as sa
 if TYPE_CHECKING:
     import dagster as dg
 
-    from supplier_sync_dagster.deployment import DagsterProcesses
+    from supplier_sync_dagster.dagster_instance.deployment import DagsterProcesses
 
 API_KEY = "bench-key"
 MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
@@ -138,7 +138,7 @@ def prewarm_changes(url: str, since: datetime) -> float:
 
 def published_catalog(db_url: str) -> dict[str, int]:
     """The published hotels of a sync database: supplier hotel id -> supplier version."""
-    from supplier_sync_dagster.core import schema
+    from supplier_sync_dagster.core.store import schema
 
     engine = sa.create_engine(db_url)
     try:

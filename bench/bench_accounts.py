@@ -97,11 +97,15 @@ def bench_budget(args: argparse.Namespace) -> int:
     """Four rate-limited accounts through the daemon; wall time against their budgets."""
     import dagster as dg
 
-    from supplier_sync_dagster.core import schema
-    from supplier_sync_dagster.core.db import SyncDatabase
+    from supplier_sync_dagster.core.store import schema
+    from supplier_sync_dagster.core.store.db import SyncDatabase
+    from supplier_sync_dagster.dagster_instance.deployment import (
+        ROOT,
+        DagsterProcesses,
+        profile_env,
+    )
     from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
     from supplier_sync_dagster.defs.partitions import encode_city_key
-    from supplier_sync_dagster.deployment import ROOT, DagsterProcesses, profile_env
     from supplier_sync_dagster.simulator import AccountSpec, SimulatorFleet, SupplierSpec
     from supplier_sync_dagster.simulator.server import running_fleet_server
 

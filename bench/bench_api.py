@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_dispatch import REDIS_URL, publish_synthetic
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.dispatch import Dispatcher
-from supplier_sync_dagster.core.projections import ProjectionSettings, open_projections
+from supplier_sync_dagster.core.outbox.dispatch import Dispatcher
+from supplier_sync_dagster.core.outbox.projections import ProjectionSettings, open_projections
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster_tests.helpers import free_port, wait_for_http
 
 BIN = Path(sys.executable).parent

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import API_KEY, MYSQL_URL, mariadb_databases, mariadb_url, run_backfill
 from bench_client import ServerProcess
 
-from supplier_sync_dagster.deployment import (
+from supplier_sync_dagster.dagster_instance.deployment import (
     ROOT,
     DagsterProcesses,
     migrate_instance,

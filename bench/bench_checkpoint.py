@@ -21,9 +21,14 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.leases import Checkpoint, LeaseSettings, PageCounts, claim_shard
+from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
+from supplier_sync_dagster.core.leasing.leases import (
+    Checkpoint,
+    LeaseSettings,
+    PageCounts,
+    claim_shard,
+)
+from supplier_sync_dagster.core.store.db import SyncDatabase
 
 
 def _timings(n: int, op: Callable[[int], None]) -> list[float]:

@@ -34,7 +34,7 @@ from supplier_sync_dagster.core.supplier import (
     RetryPolicy,
     SupplierClient,
 )
-from supplier_sync_dagster.deployment import free_port
+from supplier_sync_dagster.dagster_instance.deployment import free_port
 from supplier_sync_dagster.simulator import Simulator, SimulatorConfig, serve
 
 API_KEY = "bench-key"

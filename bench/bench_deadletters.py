@@ -43,9 +43,9 @@ from bench_client import ServerProcess
 from bench_incremental import _sync_db
 from bench_pipeline import calibrate
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.records.deadletters import DeadLetter, record_dead_letters
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 BIN = Path(sys.executable).parent
@@ -113,7 +113,7 @@ def _seed_dead_letters(db_url: str, hotels: list[str]) -> None:
                 )
         import sqlalchemy as sa
 
-        from supplier_sync_dagster.core import schema
+        from supplier_sync_dagster.core.store import schema
 
         with db.begin() as conn:  # the outage was a while ago: every row is due
             conn.execute(sa.update(schema.dead_letter).values(next_retry_at=db.clock.now(-60)))
@@ -124,7 +124,7 @@ def _seed_dead_letters(db_url: str, hotels: list[str]) -> None:
 def _statuses(db_url: str) -> dict[str, int]:
     import sqlalchemy as sa
 
-    from supplier_sync_dagster.core import schema
+    from supplier_sync_dagster.core.store import schema
 
     engine = sa.create_engine(db_url)
     try:

@@ -47,16 +47,16 @@ from _common import API_KEY, mariadb_databases, mariadb_url, prewarm
 from bench_client import ServerProcess
 from bench_pipeline import calibrate
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.diff import Candidate, compute_diffs, record_diffs
-from supplier_sync_dagster.core.mapping import ensure_hotel_mappings
-from supplier_sync_dagster.core.outbox import outbox_status
-from supplier_sync_dagster.core.projections import (
+from supplier_sync_dagster.core.outbox.machine import outbox_status
+from supplier_sync_dagster.core.outbox.projections import (
     DEFAULT_EXCHANGE,
     ProjectionSettings,
 )
-from supplier_sync_dagster.core.publish import publish_hotels
+from supplier_sync_dagster.core.records.diff import Candidate, compute_diffs, record_diffs
+from supplier_sync_dagster.core.records.mapping import ensure_hotel_mappings
+from supplier_sync_dagster.core.records.publish import publish_hotels
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig
 from supplier_sync_dagster_tests.helpers import BoundQueue
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from bench_normalize import fetch_pages
 
-from supplier_sync_dagster.core.gates import FieldCounts, profile_records
+from supplier_sync_dagster.core.records.gates import FieldCounts, profile_records
 from supplier_sync_dagster.simulator import Simulator, SimulatorConfig
 
 

@@ -39,10 +39,10 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MYSQL_URL, mariadb_databases, mariadb_url
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.metrics import sync_health
-from supplier_sync_dagster.metrics_server import serve
+from supplier_sync_dagster.core.health.metrics import sync_health
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.serve.metrics import serve
 
 TASK = "hotel_supplier_full_resource"
 TARGET_HEALTH_S = 2.0

@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from supplier_sync_dagster.core import normalize as n
-from supplier_sync_dagster.core import rules
+from supplier_sync_dagster.core.records import normalize as n
+from supplier_sync_dagster.core.records import rules
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,

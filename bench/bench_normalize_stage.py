@@ -23,10 +23,10 @@ from typing import Any
 
 from bench_normalize import fetch_pages_by_city
 
-from supplier_sync_dagster.core import quality, rules
-from supplier_sync_dagster.core.normalize import canonical_dumps, normalize_documents
-from supplier_sync_dagster.core.pipeline import SyncSettings, prepare_process
-from supplier_sync_dagster.core.quality import check_quality
+from supplier_sync_dagster.core.records import quality, rules
+from supplier_sync_dagster.core.records.normalize import canonical_dumps, normalize_documents
+from supplier_sync_dagster.core.records.quality import check_quality
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings, prepare_process
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 

@@ -30,7 +30,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from supplier_sync_dagster.core.payloads import LocalPayloadStore, PayloadStore, S3PayloadStore
+from supplier_sync_dagster.core.store.payloads import (
+    LocalPayloadStore,
+    PayloadStore,
+    S3PayloadStore,
+)
 from supplier_sync_dagster.simulator import Simulator, SimulatorConfig, encode_city_code
 
 MB = 1024 * 1024

@@ -20,10 +20,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from supplier_sync_dagster.core import quality
-from supplier_sync_dagster.core.normalize import canonical_json, normalize_records
-from supplier_sync_dagster.core.pipeline import prepare_process
-from supplier_sync_dagster.core.rules import phone_e164
+from supplier_sync_dagster.core.records import quality
+from supplier_sync_dagster.core.records.normalize import canonical_json, normalize_records
+from supplier_sync_dagster.core.records.rules import phone_e164
+from supplier_sync_dagster.core.sync.pipeline import prepare_process
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,

@@ -44,8 +44,8 @@ MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
 
 
 def _settings(page_size: int) -> Any:
-    from supplier_sync_dagster.core.leases import LeaseSettings
-    from supplier_sync_dagster.core.pipeline import SyncSettings
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+    from supplier_sync_dagster.core.sync.pipeline import SyncSettings
 
     return SyncSettings(
         task_code="bench",
@@ -68,11 +68,11 @@ def _worker(
 ) -> None:
     import redis
 
-    from supplier_sync_dagster.core.db import SyncDatabase
-    from supplier_sync_dagster.core.payloads import open_payload_store
-    from supplier_sync_dagster.core.pipeline import help_other_workers, sync_cities, sync_city
+    from supplier_sync_dagster.core.store.db import SyncDatabase
+    from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
     from supplier_sync_dagster.core.supplier.ratelimit import RedisTokenBucket
+    from supplier_sync_dagster.core.sync.pipeline import help_other_workers, sync_cities, sync_city
 
     db = SyncDatabase.open(db_url, create_schema=False)
     store = open_payload_store(f"file://{tmp}/payloads")
@@ -145,9 +145,9 @@ def _worker(
 
 
 def budget(args: argparse.Namespace) -> int:
-    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
-    from supplier_sync_dagster.core.db import SyncDatabase
-    from supplier_sync_dagster.core.pipeline import largest_first
+    from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
+    from supplier_sync_dagster.core.store.db import SyncDatabase
+    from supplier_sync_dagster.core.sync.pipeline import largest_first
 
     config = SimulatorConfig(
         seed=args.seed,
@@ -250,11 +250,11 @@ def budget(args: argparse.Namespace) -> int:
 
 
 def _memory_child(url: str, city: str, page_size: int, out: Any) -> None:
-    from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
-    from supplier_sync_dagster.core.db import SyncDatabase
-    from supplier_sync_dagster.core.payloads import open_payload_store
-    from supplier_sync_dagster.core.pipeline import prepare_process, sync_city
+    from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
+    from supplier_sync_dagster.core.store.db import SyncDatabase
+    from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
+    from supplier_sync_dagster.core.sync.pipeline import prepare_process, sync_city
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_mem_"))
     db = SyncDatabase.open(f"sqlite:///{tmp / 'sync.sqlite3'}")

@@ -200,13 +200,13 @@ def run_daemon_backfill(
     """A backfill of every city under ``supplier-sync daemon``, then what its instance recorded."""
     import dagster as dg
 
-    from supplier_sync_dagster.defs.partitions import encode_city_key
-    from supplier_sync_dagster.deployment import (
+    from supplier_sync_dagster.dagster_instance.deployment import (
         ROOT,
         DagsterProcesses,
         migrate_instance,
         profile_env,
     )
+    from supplier_sync_dagster.defs.partitions import encode_city_key
 
     home = tmp / "dagster_home"
     home.mkdir()
@@ -357,11 +357,11 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
     import httpx
     import sqlalchemy as sa
 
-    from supplier_sync_dagster.core import pipeline, run
-    from supplier_sync_dagster.core.db import SyncDatabase
-    from supplier_sync_dagster.core.payloads import open_payload_store
     from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+    from supplier_sync_dagster.core.store.db import SyncDatabase
+    from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
+    from supplier_sync_dagster.core.sync import pipeline, run
     from supplier_sync_dagster.simulator import Simulator
 
     n = args.count_statements

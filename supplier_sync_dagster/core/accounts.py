@@ -47,7 +47,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.gates import GateThresholds
+from supplier_sync_dagster.core.records.gates import GateThresholds
 
 SLUG = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")

@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 import dagster as dg
 
 from supplier_sync_dagster.core.accounts import Account, load_accounts
-from supplier_sync_dagster.core.compensation import DEFAULT_COMPENSATION_TASK
-from supplier_sync_dagster.core.incremental import DEFAULT_INCREMENTAL_TASK
+from supplier_sync_dagster.core.repair.compensation import DEFAULT_COMPENSATION_TASK
+from supplier_sync_dagster.core.repair.incremental import DEFAULT_INCREMENTAL_TASK
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, load_settings
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS
 

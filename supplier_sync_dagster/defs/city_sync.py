@@ -38,13 +38,15 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData as TargetMaterialization,
 )
 
-from supplier_sync_dagster.core.batches import TriggerSource, get_batch, progress_line
-from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
-from supplier_sync_dagster.core.gates import CHECK_NAMES
-from supplier_sync_dagster.core.leases import make_worker_id
-from supplier_sync_dagster.core.pipeline import Stage, SyncSettings
-from supplier_sync_dagster.core.run import (
+from supplier_sync_dagster.core.leasing.batches import TriggerSource, get_batch, progress_line
+from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
+from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync.pipeline import Stage, SyncSettings
+from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunRequest,
     WorkerIO,
@@ -54,8 +56,7 @@ from supplier_sync_dagster.core.run import (
     plan_run,
     run_cities,
 )
-from supplier_sync_dagster.core.settings import load_settings
-from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -69,7 +70,6 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.instance_storage import one_event_transaction
 
 TRIGGER_TAG = "supplier_sync/trigger_id"
 SOURCE_TAG = "supplier_sync/trigger_source"

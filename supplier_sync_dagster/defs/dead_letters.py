@@ -1,6 +1,6 @@
 """Dead letters in Dagster: compensation on a schedule, and their numbers over time.
 
-``dead_letter_compensation`` runs :func:`~supplier_sync_dagster.core.compensation.compensate`:
+``dead_letter_compensation`` runs :func:`~supplier_sync_dagster.core.repair.compensation.compensate`:
 the supplier's due retryable dead letters are re-fetched one hotel each and go through the
 sync's stages; its materialization says how each claimed row ended, and each city it
 published hotels in gets a ``published_hotels`` materialization on that city's partition.
@@ -21,8 +21,10 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core import deadletters
-from supplier_sync_dagster.core.compensation import (
+from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.records import deadletters
+from supplier_sync_dagster.core.repair.compensation import (
     DEFAULT_COMPENSATION_TASK,
     DEFAULT_FETCH_THREADS,
     DEFAULT_LIMIT,
@@ -31,10 +33,9 @@ from supplier_sync_dagster.core.compensation import (
     CompensationSettings,
     compensate,
 )
-from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
-from supplier_sync_dagster.core.incremental import published_cities
-from supplier_sync_dagster.core.leases import make_worker_id
-from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.core.repair.incremental import published_cities
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -57,7 +58,6 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.instance_storage import one_event_transaction
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
 SUMMARY = dg.AssetKey("dead_letter_summary")

@@ -1,12 +1,12 @@
 """Sync health and alerts in Dagster.
 
 - ``sync_health`` (schedule ``sync_health_schedule``, every 10 minutes): the task's figures
-  (:mod:`supplier_sync_dagster.core.metrics`) as numeric metadata, which the UI plots over
+  (:mod:`supplier_sync_dagster.core.health.metrics`) as numeric metadata, which the UI plots over
   time; and a ``city_freshness`` evaluation on every city's partition of ``published_hotels``
   (failed when the city was not synced successfully within the task's SLA; the check is
   declared with the city assets, whose runs cannot judge the syncs that did not happen).
 - ``alert_sensor`` (every minute) and ``alert_on_run_failure`` (when a run fails): judge the
-  alert conditions (:mod:`supplier_sync_dagster.core.alerts`), start or clear alerts, and
+  alert conditions (:mod:`supplier_sync_dagster.core.health.alerts`), start or clear alerts, and
   send what is due to the alert channel. The reconciliation's remaining differences and the
   failed run's link come from Dagster's own records.
 """
@@ -16,10 +16,11 @@ from typing import Any
 
 import dagster as dg
 
-from supplier_sync_dagster.core import alerts
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.metrics import SyncHealth, sync_health
+from supplier_sync_dagster.core.health import alerts
+from supplier_sync_dagster.core.health.metrics import SyncHealth, sync_health
 from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -36,7 +37,6 @@ from supplier_sync_dagster.defs.city_sync import (
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
-from supplier_sync_dagster.instance_storage import one_event_transaction
 
 HEALTH = dg.AssetKey("sync_health")
 EVENTS_PER_TRANSACTION = 250

@@ -1,6 +1,6 @@
 """The incremental sync in Dagster: one window of the supplier's change feed per run.
 
-``hotel_change_feed`` runs :func:`~supplier_sync_dagster.core.incremental.run_incremental`:
+``hotel_change_feed`` runs :func:`~supplier_sync_dagster.core.repair.incremental.run_incremental`:
 one window from the task's watermark (minus the overlap) until the feed is caught up. Its
 materialization carries the window (watermark before and after, records, what became of
 them, timings); every city the window published hotels in gets a ``published_hotels``
@@ -23,7 +23,8 @@ import dagster as dg
 from pydantic import Field
 
 from supplier_sync_dagster.core.errors import NoBaseline, TaskDisabled, TriggerSkipped
-from supplier_sync_dagster.core.incremental import (
+from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.repair.incremental import (
     DEFAULT_CHANGES_LIMIT,
     DEFAULT_INCREMENTAL_TASK,
     DEFAULT_MAX_PAGES,
@@ -33,8 +34,8 @@ from supplier_sync_dagster.core.incremental import (
     has_baseline,
     run_incremental,
 )
-from supplier_sync_dagster.core.leases import make_worker_id
-from supplier_sync_dagster.core.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -54,7 +55,6 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.instance_storage import one_event_transaction
 
 CHANGE_FEED = dg.AssetKey("hotel_change_feed")
 TASK_TAG = "supplier_sync/task"

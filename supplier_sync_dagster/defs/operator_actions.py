@@ -13,15 +13,15 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core import deadletters
-from supplier_sync_dagster.core.compensation import fix_dead_letter
 from supplier_sync_dagster.core.errors import SupplierSyncError
-from supplier_sync_dagster.core.gates import override_gate
-from supplier_sync_dagster.core.leases import make_worker_id
-from supplier_sync_dagster.core.outbox import operate
-from supplier_sync_dagster.core.pipeline import SyncSettings
-from supplier_sync_dagster.core.review import approve_reviews, reject_reviews
-from supplier_sync_dagster.core.tasks import change_task
+from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.outbox.machine import operate
+from supplier_sync_dagster.core.records import deadletters
+from supplier_sync_dagster.core.records.gates import override_gate
+from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
+from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -170,7 +170,7 @@ def fix_dead_letter_op(
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
     import sqlalchemy as sa
 
-    from supplier_sync_dagster.core import schema
+    from supplier_sync_dagster.core.store import schema
 
     try:
         patch = json.loads(config.patch)

@@ -12,9 +12,14 @@ run at once (each event is handled by one dispatcher at a time).
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.dispatch import DEFAULT_BATCH_SIZE, Dispatcher
-from supplier_sync_dagster.core.outbox import STAGES, make_owner, outbox_status, release_stuck
-from supplier_sync_dagster.core.projections import (
+from supplier_sync_dagster.core.outbox.dispatch import DEFAULT_BATCH_SIZE, Dispatcher
+from supplier_sync_dagster.core.outbox.machine import (
+    STAGES,
+    make_owner,
+    outbox_status,
+    release_stuck,
+)
+from supplier_sync_dagster.core.outbox.projections import (
     ProjectionSettings,
     open_projections,
     reconcile_projection,

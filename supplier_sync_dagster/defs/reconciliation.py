@@ -2,7 +2,7 @@
 and a full sync of exactly the cities that differ.
 
 ``hotel_catalog_reconciliation`` (downstream of ``published_hotels``) compares every city
-(:func:`~supplier_sync_dagster.core.reconcile.reconcile`) and records the differing cities
+(:func:`~supplier_sync_dagster.core.repair.reconcile.reconcile`) and records the differing cities
 as a table, with numbers the UI plots and an alert can use: cities compared, differing,
 re-pulled, and the **remaining differences** (cities that still differ although the previous
 reconciliation re-pulled them: a re-pull does not fix those, a person must look; they are not
@@ -17,7 +17,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
+from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,

@@ -18,16 +18,16 @@ import dagster as dg
 import httpx
 from pydantic import Field
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.diff import RiskRules
-from supplier_sync_dagster.core.leases import LeaseSettings
-from supplier_sync_dagster.core.payloads import PayloadStore, open_payload_store
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+from supplier_sync_dagster.core.records.diff import RiskRules
 from supplier_sync_dagster.core.settings import (
     DEFAULT_TASK_CODE,
     Settings,
     env_name,
     load_settings,
 )
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
     RateLimiter,

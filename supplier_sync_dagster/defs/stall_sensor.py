@@ -7,7 +7,7 @@ import json
 
 import dagster as dg
 
-from supplier_sync_dagster.core.leases import find_stalls
+from supplier_sync_dagster.core.leasing.leases import find_stalls
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 
 CHECKPOINT_STALL_SECONDS = 600.0

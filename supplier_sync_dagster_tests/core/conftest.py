@@ -9,8 +9,8 @@ from typing import TypeVar
 
 import pytest
 
-from supplier_sync_dagster.core.batches import Batch, TaskSpec, create_batch, upsert_task
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.leasing.batches import Batch, TaskSpec, create_batch, upsert_task
+from supplier_sync_dagster.core.store.db import SyncDatabase
 
 
 @pytest.fixture

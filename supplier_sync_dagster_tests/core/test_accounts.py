@@ -9,7 +9,7 @@ import pytest
 
 from supplier_sync_dagster.core.accounts import find_account, load_accounts, parse_accounts
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.gates import GateThresholds
+from supplier_sync_dagster.core.records.gates import GateThresholds
 
 
 def _file(**acme_eu: Any) -> dict[str, Any]:

@@ -9,11 +9,11 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
 from supplier_sync_dagster.core.accounts import load_accounts
-from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.definitions import defs
 from supplier_sync_dagster.defs.accounts import ACCOUNT_TAG, CATALOG, AccountScope, account_scopes
 from supplier_sync_dagster.defs.city_discovery_sensor import build_city_discovery_sensor

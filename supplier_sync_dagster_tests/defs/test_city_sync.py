@@ -14,10 +14,10 @@ import pytest
 import sqlalchemy as sa
 from moto.server import ThreadedMotoServer
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.run import resolve_batch
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.run import resolve_batch
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, trigger_of
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
@@ -269,7 +269,7 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
 def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started(
     db_url: str, tmp_path: Path
 ):
-    from supplier_sync_dagster.core.leases import list_shards
+    from supplier_sync_dagster.core.leasing.leases import list_shards
 
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
     resources = _resources(db_url, tmp_path, supplier)
@@ -314,7 +314,7 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
 def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Path):
     """The run's largest city is leased by someone else: the run syncs its other cities
     first, then waits for that lease to end and finishes the city itself."""
-    from supplier_sync_dagster.core.leases import LeaseSettings, claim_shard, list_shards
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings, claim_shard, list_shards
 
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"

@@ -13,11 +13,11 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.audit import list_audit
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.records.deadletters import DeadLetter, record_dead_letters
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.audit import list_audit
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
 from supplier_sync_dagster.defs.dead_letters import (
     dead_letter_compensation,
@@ -286,13 +286,13 @@ def test_operator_actions_run_from_the_launchpad_and_are_audited(
 def test_a_failed_city_is_resynced_by_the_sensor_and_its_ticket_resolved(
     db_url: str, tmp_path: Path, instance: dg.DagsterInstance
 ):
-    from supplier_sync_dagster.core.batches import (
+    from supplier_sync_dagster.core.leasing.batches import (
         TaskSpec,
         cancel_batch,
         create_batch,
         upsert_task,
     )
-    from supplier_sync_dagster.core.deadletters import record_city_failure
+    from supplier_sync_dagster.core.records.deadletters import record_city_failure
     from supplier_sync_dagster.defs.dead_letters import dead_letter_city_resync_sensor
     from supplier_sync_dagster.defs.partitions import decode_city_key
     from supplier_sync_dagster_tests.defs.test_reconciliation import _repo

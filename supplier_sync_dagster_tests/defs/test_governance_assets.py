@@ -8,9 +8,9 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.gates import override_gate
+from supplier_sync_dagster.core.records.gates import override_gate
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs.city_sync import (
     DIFFS,
     MAPPINGS,

@@ -12,9 +12,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from supplier_sync_dagster.core.alerts import set_thresholds
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.tasks import change_task
+from supplier_sync_dagster.core.health.alerts import set_thresholds
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.health import (
     alert_on_run_failure,

@@ -9,9 +9,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.outbox import outbox_status
-from supplier_sync_dagster.core.projections import SearchQuery, SqliteSearchIndex
+from supplier_sync_dagster.core.outbox.machine import outbox_status
+from supplier_sync_dagster.core.outbox.projections import SearchQuery, SqliteSearchIndex
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs.outbox import (
     ProjectionsResource,
     hotel_search_projection,
@@ -20,7 +20,7 @@ from supplier_sync_dagster.defs.outbox import (
     outbox_dispatch_schedule,
 )
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
-from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
+from supplier_sync_dagster_tests.core.records.test_catalog import hotel, sync
 
 
 @pytest.fixture

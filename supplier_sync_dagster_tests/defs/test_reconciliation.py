@@ -12,8 +12,8 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
 from supplier_sync_dagster.defs.health import alert_sensor
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key

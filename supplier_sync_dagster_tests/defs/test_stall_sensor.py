@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dagster as dg
 
-from supplier_sync_dagster.core.batches import TaskSpec, create_batch, upsert_task
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.leases import Checkpoint, LeaseSettings, PageCounts, claim_shard
+from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
+from supplier_sync_dagster.core.leasing.leases import (
+    Checkpoint,
+    LeaseSettings,
+    PageCounts,
+    claim_shard,
+)
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs import stall_sensor as mod
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 

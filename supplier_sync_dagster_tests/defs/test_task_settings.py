@@ -7,10 +7,10 @@ from pathlib import Path
 import dagster as dg
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.batches import get_task
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.tasks import change_task, task_audit
+from supplier_sync_dagster.core.leasing.batches import get_task
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.tasks import change_task, task_audit
 from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, Receiver, serve_simulator
-from supplier_sync_dagster_tests.test_cli import (
+from supplier_sync_dagster_tests.cli.test_main import (
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
     run,
 )
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, Receiver, serve_simulator
 
 TASK = "hotel_supplier_full_resource"
 

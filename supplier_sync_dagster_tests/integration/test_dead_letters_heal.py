@@ -20,16 +20,16 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
-from supplier_sync_dagster_tests.test_cli import (
+from supplier_sync_dagster_tests.cli.test_main import (
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
     published,
     query,
     run,
 )
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
 
 @pytest.fixture(params=["flaky", "hostile"])

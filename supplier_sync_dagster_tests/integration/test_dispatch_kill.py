@@ -11,10 +11,14 @@ import time
 import uuid
 from pathlib import Path
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.outbox import DEFAULT_LEASE_SECONDS, outbox_status, release_stuck
-from supplier_sync_dagster.core.projections import PostgresSearchIndex
-from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
+from supplier_sync_dagster.core.outbox.machine import (
+    DEFAULT_LEASE_SECONDS,
+    outbox_status,
+    release_stuck,
+)
+from supplier_sync_dagster.core.outbox.projections import PostgresSearchIndex
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster_tests.core.records.test_catalog import hotel, sync
 from supplier_sync_dagster_tests.helpers import BoundQueue, cli_process
 
 

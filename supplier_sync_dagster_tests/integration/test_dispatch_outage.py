@@ -10,11 +10,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.dispatch import Dispatcher
-from supplier_sync_dagster.core.outbox import STAGE_POLICIES, outbox_status
-from supplier_sync_dagster.core.projections import ProjectionSettings, open_projections
-from supplier_sync_dagster_tests.core.test_catalog import hotel, sync
+from supplier_sync_dagster.core.outbox.dispatch import Dispatcher
+from supplier_sync_dagster.core.outbox.machine import STAGE_POLICIES, outbox_status
+from supplier_sync_dagster.core.outbox.projections import ProjectionSettings, open_projections
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster_tests.core.records.test_catalog import hotel, sync
 from supplier_sync_dagster_tests.helpers import BoundQueue, TcpProxy
 
 

@@ -20,15 +20,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.incremental import IncrementalSettings, run_incremental
-from supplier_sync_dagster.core.leases import LeaseSettings
-from supplier_sync_dagster.core.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.pipeline import SyncSettings
-from supplier_sync_dagster.core.reconcile import Tolerance, reconcile
-from supplier_sync_dagster.core.run import RunRequest, plan_run, run_cities
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+from supplier_sync_dagster.core.repair.incremental import IncrementalSettings, run_incremental
+from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.run import RunRequest, plan_run, run_cities
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.helpers import (
     SIM_API_KEY,

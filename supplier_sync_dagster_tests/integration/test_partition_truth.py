@@ -25,18 +25,18 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.cli import main
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.batches import TaskSpec
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.core.tasks import change_task, ensure_task
-from supplier_sync_dagster.defs.partitions import encode_city_key
-from supplier_sync_dagster.deployment import (
+from supplier_sync_dagster.cli.main import main
+from supplier_sync_dagster.core.leasing.batches import TaskSpec
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.tasks import change_task, ensure_task
+from supplier_sync_dagster.dagster_instance.deployment import (
     ASSETS,
     ROOT,
     DagsterProcesses,
     profile_env,
 )
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 

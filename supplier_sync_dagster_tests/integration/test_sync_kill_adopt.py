@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 

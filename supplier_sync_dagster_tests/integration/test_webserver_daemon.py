@@ -18,15 +18,15 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core import schema
-from supplier_sync_dagster.core.db import SyncDatabase
-from supplier_sync_dagster.defs.partitions import encode_city_key
-from supplier_sync_dagster.deployment import (
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.dagster_instance.deployment import (
     ROOT,
     DagsterProcesses,
     migrate_instance,
     profile_env,
 )
+from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 

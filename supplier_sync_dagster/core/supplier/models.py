@@ -7,7 +7,7 @@ Two kinds of model live here:
   kept as raw dicts: real feeds contain bad records, and judging them is the normalization
   stage's job. One bad hotel never fails its page.
 * :class:`Hotel` and its parts: the shape of a good hotel record as the contract describes
-  it, with the platform's limits from :mod:`~supplier_sync_dagster.core.rules`. Nothing in a
+  it, with the platform's limits from :mod:`~supplier_sync_dagster.core.records.rules`. Nothing in a
   sync applies it: the client keeps records raw, and normalization walks them itself.
 """
 
@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from supplier_sync_dagster.core.rules import (
+from supplier_sync_dagster.core.records.rules import (
     LAT_MAX,
     LAT_MIN,
     LIMITS,
@@ -285,8 +285,8 @@ class Hotel(BaseModel):
 
     For callers that want one record typed. Nothing in a sync applies it: the client keeps the
     records of a page raw (:class:`HotelsPage`), and normalization
-    (:mod:`~supplier_sync_dagster.core.normalize`) walks them itself, to report the first
-    problem precisely. Its lengths and ranges are :mod:`~supplier_sync_dagster.core.rules`,
+    (:mod:`~supplier_sync_dagster.core.records.normalize`) walks them itself, to report the first
+    problem precisely. Its lengths and ranges are :mod:`~supplier_sync_dagster.core.records.rules`,
     so a record it accepts is never one normalization rejects for a length or a range; the
     rules it leaves to normalization are the value checks (code lists, phone, control
     characters, HTML).

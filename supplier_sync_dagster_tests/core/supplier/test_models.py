@@ -8,9 +8,9 @@ from typing import Any
 import pydantic
 import pytest
 
-from supplier_sync_dagster.core import rules
+from supplier_sync_dagster.core.records import rules
 from supplier_sync_dagster.core.supplier.models import Hotel
-from supplier_sync_dagster_tests.core.test_normalize import EXAMPLE
+from supplier_sync_dagster_tests.core.records.test_normalize import EXAMPLE
 
 
 def _with(field: str, value: Any) -> dict[str, Any]:

@@ -1,0 +1,688 @@
+"""The main demo and the CLI's sync: a full sync through Dagster, with progress and a summary.
+
+``supplier-sync demo`` (the embedded simulator) and ``supplier-sync sync --full`` (the
+configured supplier) run this. It discovers the supplier's cities as dynamic partitions,
+then materializes the city-sync assets over the whole range in one run on the local Dagster
+instance (``$DAGSTER_HOME``, default ``$SUPPLIER_SYNC_HOME/dagster_home``), so the run, its
+metadata and lineage show in the UI. A thread renders the batch's progress from the sync
+database while the run works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import dagster as dg
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger
+from supplier_sync_dagster.core.leasing.leases import list_shards
+from supplier_sync_dagster.core.leasing.processes import this_host
+from supplier_sync_dagster.core.records.deadletters import count_dead_letters
+from supplier_sync_dagster.core.records.gates import GATED_PREFIX, gate_check_names
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase, state_dir
+from supplier_sync_dagster.core.sync.tasks import require_enabled
+from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
+from supplier_sync_dagster.defs.city_sync import (
+    DIFFS,
+    MAPPINGS,
+    NORMALIZED,
+    PUBLISHED,
+    SOURCE_TAG,
+    TRIGGER_TAG,
+    build_city_sync,
+)
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+# The state folder's instance: Dagster's SQLite layout with pooled connections
+# (dagster_instance/storage.py: an event costs a fraction of Dagster's default), no telemetry, and run
+# monitoring as in the repository's dagster.yaml, so that `dagster dev` on it marks a run of
+# a killed `sync --full` FAILURE (see dagster_instance/run_launcher.py).
+EMBEDDED_DAGSTER_YAML = """\
+telemetry:
+  enabled: false
+instance_class:
+  module: supplier_sync_dagster.dagster_instance.storage
+  class: EmbeddedDagsterInstance
+run_launcher:
+  module: supplier_sync_dagster.dagster_instance.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+"""
+# What earlier versions wrote: replaced, since nobody edited it.
+_OLD_EMBEDDED_DAGSTER_YAMLS = (
+    """\
+telemetry:
+  enabled: false
+instance_class:
+  module: supplier_sync_dagster.instance_storage
+  class: EmbeddedDagsterInstance
+run_launcher:
+  module: supplier_sync_dagster.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+""",
+    "telemetry:\n  enabled: false\n",
+    """\
+telemetry:
+  enabled: false
+run_launcher:
+  module: supplier_sync_dagster.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  max_resume_run_attempts: 0
+  free_slots_after_run_end_seconds: 10
+""",
+)
+
+
+def dagster_instance() -> dg.DagsterInstance:
+    """The local Dagster instance: ``$DAGSTER_HOME``, or one in the state folder."""
+    if not os.environ.get("DAGSTER_HOME"):
+        home = state_dir() / "dagster_home"
+        home.mkdir(parents=True, exist_ok=True)
+        config = home / "dagster.yaml"
+        if not config.exists() or config.read_text() in _OLD_EMBEDDED_DAGSTER_YAMLS:
+            config.write_text(EMBEDDED_DAGSTER_YAML)
+        os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.get()
+
+
+@dataclass
+class SyncSummary:
+    """What a sync did, for the terminal and for ``--json``."""
+
+    batch_id: str
+    trigger_id: str
+    status: str
+    run_success: bool
+    # A trigger that made no batch (skipped, or failed before it) keeps these defaults.
+    cities: int = 0
+    cities_done: int = 0
+    records: int = 0
+    published: int = 0
+    dead_letters: int = 0
+    skipped: int = 0
+    counts_add_up: bool = True
+    dead_letters_by_code: dict[str, int] = field(default_factory=dict)
+    diffs_by_type: dict[str, int] = field(default_factory=dict)
+    diffs_by_action: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    hotels_per_second: float = 0.0
+    dagster_run_id: str = ""
+    dagster_home: str = ""
+    # city -> the gate's reason (a gated city publishes after an override and a re-run)
+    gated_cities: dict[str, str] = field(default_factory=dict)
+    # city -> its error (a re-run of the same trigger resumes it)
+    failed_cities: dict[str, str] = field(default_factory=dict)
+    # why the trigger made no batch (the concurrency policy's reason), if it did not
+    skip_reason: str = ""
+    # the Dagster run's failure, when the batch does not explain it
+    run_error: str = ""
+
+    def to_json(self) -> str:
+        """The summary as one JSON object."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def problem(self) -> str | None:
+        """Why the sync did not complete, in one line (None: it did).
+
+        The command line prints it after the summary and exits non-zero.
+        """
+        if not self.batch_id:
+            if self.skip_reason:
+                return f"sync skipped: {self.skip_reason}"
+            return f"sync failed before it made a batch: {self.run_error or 'no reason recorded'}"
+        parts = []
+        if self.failed_cities:
+            parts.append(
+                f"{_cities(len(self.failed_cities))} of {self.cities} failed "
+                f"({_some(self.failed_cities)}); run again with --trigger-id "
+                f"{shlex.quote(self.trigger_id)} to resume"
+            )
+        if self.gated_cities:
+            first = next(iter(self.gated_cities))
+            parts.append(
+                f"{_cities(len(self.gated_cities))} stopped by a quality gate "
+                f"({_some(self._gate_checks())}); see supplier-sync gate show --batch "
+                f"{self.batch_id} --city {shlex.quote(first)}"
+            )
+        if parts:
+            return "; ".join(parts)
+        if self.status != "SUCCESS":
+            why = self.run_error or f"run again with --trigger-id {shlex.quote(self.trigger_id)}"
+            return (
+                f"batch {self.batch_id} is {self.status} "
+                f"({self.cities_done}/{self.cities} cities): {why}"
+            )
+        if not self.run_success:
+            return f"the Dagster run failed: {self.run_error or 'no reason recorded'}"
+        if not self.counts_add_up:
+            return f"batch {self.batch_id}: the counts do not add up"
+        return None
+
+    def render(self) -> str:
+        """The summary as text for a terminal."""
+        if not self.batch_id:
+            return "\n".join(
+                [
+                    f"trigger {self.trigger_id}: no batch"
+                    + (f" (skipped: {self.skip_reason})" if self.skip_reason else ""),
+                    self._ui_line(),
+                ]
+            )
+        lines = [
+            f"batch {self.batch_id}: {self.status} ({self.cities_done}/{self.cities} cities)",
+            f"records {self.records} = published {self.published} + dead letters "
+            f"{self.dead_letters} + skipped {self.skipped}"
+            + ("" if self.counts_add_up else "   <-- DOES NOT ADD UP"),
+            "dead letters by code: " + _fmt(self.dead_letters_by_code),
+            "diffs by type:        " + _fmt(self.diffs_by_type),
+            "diffs by action:      " + _fmt(self.diffs_by_action),
+            f"elapsed {self.seconds:.1f} s, {self.hotels_per_second:.0f} hotels/s",
+        ]
+        for what, cities in (("gated", self._gate_checks()), ("failed", self.failed_cities)):
+            if cities:
+                lines.append(f"{what} cities: ".ljust(22) + _some(cities, limit=10))
+        lines.append(self._ui_line())
+        return "\n".join(lines)
+
+    def _gate_checks(self) -> dict[str, str]:
+        """City -> the names of the checks that stopped it."""
+        return {c: ", ".join(gate_check_names(r)) for c, r in self.gated_cities.items()}
+
+    def _ui_line(self) -> str:
+        return (
+            f"open the UI: DAGSTER_HOME={self.dagster_home} .venv/bin/dagster dev -w workspace.yaml "
+            f"(run {self.dagster_run_id})"
+        )
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def _cities(n: int) -> str:
+    return f"{n} city" if n == 1 else f"{n} cities"
+
+
+def _some(reasons: dict[str, str], limit: int = 3, width: int = 120) -> str:
+    """``'city': reason, ...`` on one line: city codes quoted (they are supplier data), at
+    most ``limit`` of them, each reason cut to ``width`` characters."""
+    shown = [
+        f"{city!r}: {' '.join(reason.split())[:width]}"
+        for city, reason in list(reasons.items())[:limit]
+    ]
+    more = len(reasons) - len(shown)
+    return "; ".join(shown) + (f"; {more} more" if more > 0 else "")
+
+
+def run_full_sync(
+    *,
+    supplier: SupplierResource,
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    trigger_id: str | None = None,
+    progress: TextIO | None = sys.stderr,
+    console_log_level: str = "WARNING",
+    cities: Sequence[str] | None = None,
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> SyncSummary:
+    """Syncs every city of the supplier in one Dagster run and returns the summary.
+
+    With ``cities``, only those (a reconciliation's re-pull): one run per city, all of one
+    trigger (one batch). ``scope`` is the account whose assets the run materializes (its
+    supplier resource is ``supplier``).
+
+    Raises:
+        TaskDisabled: The task is DISABLED (nothing is launched).
+    """
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    check = SyncDatabase.open(sync_db.db_url)
+    try:
+        with check.engine.connect() as conn:
+            # Refused before Dagster starts: one line for the terminal, not a failed run.
+            require_enabled(conn, supplier.task_code)
+    finally:
+        check.dispose()
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        if cities is None:
+            with supplier.client() as client:
+                codes = [c.city_code for c in client.list_cities().data.cities]
+        else:
+            codes = list(cities)
+        keys = _add_city_partitions(instance, codes, scope.partitions_name)
+        # A range covers the keys between its ends in the partition set's order.
+        ordered = [
+            k for k in instance.get_dynamic_partitions(scope.partitions_name) if k in set(keys)
+        ]
+        # A subset is not a range: one run per city (each an exact partition).
+        ranges = [(k, k) for k in keys] if cities is not None else [(ordered[0], ordered[-1])]
+        db = SyncDatabase.open(sync_db.db_url)
+        stop = threading.Event()
+        reporter = threading.Thread(
+            target=_report_progress,
+            args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
+            daemon=True,
+        )
+        started = time.perf_counter()
+        reporter.start()
+        try:
+            for start, end in ranges:
+                result = dg.materialize(
+                    [build_city_sync(scope)],
+                    instance=instance,
+                    resources=_run_resources(sync_db, payloads, supplier, scope),
+                    tags={
+                        **scope.tags,
+                        "dagster/asset_partition_range_start": start,
+                        "dagster/asset_partition_range_end": end,
+                        TRIGGER_TAG: trigger_id,
+                        SOURCE_TAG: "MANUAL",
+                        # The run executes in this process: run monitoring can tell when it dies.
+                        WORKER_HOST_TAG: this_host(),
+                    },
+                    raise_on_error=False,
+                    run_config=_console_config(console_log_level),
+                )
+                if not result.success:
+                    break
+        finally:
+            stop.set()
+            reporter.join(timeout=5)
+        seconds = time.perf_counter() - started
+        summary = summarize(db, supplier.task_code, trigger_id, seconds)
+        summary.run_success = result.success
+        summary.run_error = "" if result.success else run_failure(result)
+        summary.dagster_run_id = result.run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        db.dispose()
+        return summary
+
+
+@dataclass
+class IncrementalSummary:
+    """What an incremental run did (one window), for the terminal and for ``--json``."""
+
+    trigger_id: str
+    run_success: bool
+    batch_id: str = ""
+    status: str = ""
+    window: dict[str, Any] = field(default_factory=dict)
+    cities: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    dagster_run_id: str = ""
+    run_error: str = ""
+
+    def to_json(self) -> str:
+        """The summary as one JSON object."""
+        return json.dumps(asdict(self), sort_keys=True, default=str)
+
+    def problem(self) -> str | None:
+        """Why the window did not complete, in one line (None: it did)."""
+        if self.run_success:
+            return None
+        return f"incremental sync failed: {self.run_error or 'no reason recorded'}"
+
+    def render(self) -> str:
+        """The summary as text for a terminal."""
+        if not self.batch_id:
+            return f"trigger {self.trigger_id}: no window ({self.run_error})"
+        w = self.window
+        lines = [
+            f"window {self.batch_id}: {self.status}",
+            f"watermark {w.get('watermark_before') or '(none: from the last full sync)'} -> "
+            f"{w.get('watermark_after') or '(unchanged)'}",
+            f"changes {w.get('changes', 0)} in {w.get('pages', 0)} pages: published "
+            f"{w.get('published', 0)}, dead letters {w.get('dead_letters', 0)}, skipped "
+            f"{w.get('skipped', 0)} (held for review {w.get('held_for_review', 0)})",
+            f"cities touched: {len(self.cities)}"
+            + (f" ({_fmt(dict(list(self.cities.items())[:8]))})" if self.cities else ""),
+            f"elapsed {self.seconds:.1f} s",
+        ]
+        if w.get("held_window"):
+            lines.append(
+                "the window's volume was far above its usual: its diffs wait in "
+                f"supplier-sync review list --batch {self.batch_id}"
+            )
+        return "\n".join(lines)
+
+
+def run_incremental_sync(
+    *,
+    supplier: SupplierResource,
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    config: dict[str, Any] | None = None,
+    trigger_id: str | None = None,
+    console_log_level: str = "WARNING",
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> IncrementalSummary:
+    """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset)."""
+    from supplier_sync_dagster.defs.incremental_sync import (
+        CHANGE_FEED,
+        TASK_TAG,
+        IncrementalConfig,
+        build_hotel_change_feed,
+    )
+
+    feed = build_hotel_change_feed(scope)
+    feed_key = scope.key(CHANGE_FEED.path[-1])
+
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    task_code = (config or {}).get("task_code") or scope.incremental_task_code
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        started = time.perf_counter()
+        run_config = _console_config(console_log_level)
+        result = dg.materialize(
+            [feed],
+            instance=instance,
+            resources=_run_resources(sync_db, payloads, supplier, scope),
+            tags={
+                **scope.tags,
+                TRIGGER_TAG: trigger_id,
+                SOURCE_TAG: "MANUAL",
+                TASK_TAG: task_code,
+                WORKER_HOST_TAG: this_host(),
+            },
+            raise_on_error=False,
+            run_config=dg.RunConfig(
+                ops={feed.op.name: IncrementalConfig(**(config or {}))},
+                loggers=run_config.loggers,
+            ),
+        )
+        summary = IncrementalSummary(
+            trigger_id=trigger_id,
+            run_success=result.success,
+            seconds=time.perf_counter() - started,
+            dagster_run_id=result.run_id,
+            run_error="" if result.success else run_failure(result),
+        )
+        for event in result.get_asset_materialization_events():
+            m = event.step_materialization_data.materialization
+            values: dict[str, Any] = {k: v.value for k, v in m.metadata.items()}
+            if m.asset_key == feed_key:
+                summary.window = values
+                summary.batch_id = str(values.get("batch_id", ""))
+                summary.status = str(values.get("status", ""))
+            elif m.partition is not None:
+                summary.cities[str(values.get("city", m.partition))] = int(
+                    values.get("published", 0)
+                )
+        if not summary.batch_id:
+            db = SyncDatabase.open(sync_db.db_url)
+            try:
+                batch = _batch_of(db, task_code, trigger_id)
+            finally:
+                db.dispose()
+            if batch is not None:
+                summary.batch_id, summary.status = batch.batch_id, batch.status
+        return summary
+
+
+def _add_city_partitions(
+    instance: dg.DagsterInstance, cities: Sequence[str], partitions: str = CITY_PARTITIONS
+) -> list[str]:
+    """Adds the partitions of ``cities`` the instance does not have; returns their keys."""
+    keys = [encode_city_key(c) for c in cities]
+    existing = set(instance.get_dynamic_partitions(partitions))
+    missing = [k for k in keys if k not in existing]
+    if missing:
+        instance.add_dynamic_partitions(partitions, missing)
+    return keys
+
+
+def _run_resources(
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    supplier: SupplierResource,
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> dict[str, Any]:
+    """The resources of a command-line run (the definitions bind the same keys)."""
+    return {
+        "sync_db": sync_db,
+        "payloads": payloads,
+        scope.supplier_key: supplier,
+        "governance": GovernanceResource(),
+    }
+
+
+def _console_config(log_level: str) -> dg.RunConfig:
+    return dg.RunConfig(loggers={"console": {"config": {"log_level": log_level}}})
+
+
+def run_failure(result: dg.ExecuteInProcessResult) -> str:
+    """Why a run failed, in one line: its first step failure, else the run failure."""
+    for event in result.get_step_failure_events():
+        data = event.step_failure_data
+        if data.user_failure_data is not None and data.user_failure_data.description:
+            return _first_line(data.user_failure_data.description)
+        if data.error is not None:
+            # An exception raised in the asset is the cause of Dagster's wrapper error.
+            error = data.error.cause or data.error
+            return _first_line(error.message)
+    failure = result.get_run_failure_event()
+    if failure is not None:
+        return _first_line(failure.message or "")
+    return ""
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None:
+    # The trigger's own batch, or the abandoned batch it adopted and continued.
+    with db.engine.connect() as conn:
+        return batch_for_trigger(conn, task_code, trigger_id)
+
+
+def _report_progress(
+    db: SyncDatabase,
+    task_code: str,
+    trigger_id: str,
+    cities: int,
+    stop: threading.Event,
+    out: TextIO | None,
+) -> None:
+    if out is None:
+        return
+    started = time.monotonic()
+    tty = out.isatty()
+    last = ""
+    while not stop.wait(0.5 if tty else 5.0):
+        try:
+            batch = _batch_of(db, task_code, trigger_id)
+        except Exception:  # progress display only
+            continue
+        if batch is None:
+            continue
+        elapsed = time.monotonic() - started
+        rate = batch.fetched_count / elapsed if elapsed else 0.0
+        pct = float(batch.progress_percent)
+        eta = elapsed * (100 - pct) / pct if pct > 0 else float("nan")
+        width = 30
+        bar = "#" * int(width * pct / 100)
+        line = (
+            f"[{bar:<{width}}] {pct:5.1f}%  cities {batch.shards_done}/{cities}  "
+            f"pages {batch.pages_done}  hotels {batch.fetched_count}  {rate:,.0f}/s  "
+            f"ETA {eta:,.0f}s"
+        )
+        if line != last:
+            out.write(("\r" + line) if tty else (line + "\n"))
+            out.flush()
+            last = line
+    if tty and last:
+        out.write("\n")
+
+
+def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float) -> SyncSummary:
+    """The summary of the batch of a trigger, read back from the sync database."""
+    batch = _batch_of(db, task_code, trigger_id)
+    if batch is None:
+        log = schema.trigger_log.c
+        with db.engine.connect() as conn:
+            reason = conn.execute(
+                sa.select(log.reason).where(
+                    log.task_code == task_code,
+                    log.trigger_id == trigger_id,
+                    log.outcome == "SKIPPED",
+                )
+            ).scalar()
+        return SyncSummary(
+            "", trigger_id, "NOT_CREATED", False, seconds=seconds, skip_reason=reason or ""
+        )
+    gated: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for shard in list_shards(db, batch.batch_id):
+        if shard.status == "FAILED":
+            message = shard.error_message or "no error recorded"
+            if message.startswith(GATED_PREFIX):
+                gated[shard.shard_key] = message[len(GATED_PREFIX) :]
+            else:
+                failed[shard.shard_key] = message
+    with db.engine.connect() as conn:
+        by_code = count_dead_letters(conn, batch.batch_id)
+        by_type = _count_diffs(conn, batch.batch_id, schema.diff_log.c.diff_type)
+        by_action = _count_diffs(conn, batch.batch_id, schema.diff_log.c.action)
+    return SyncSummary(
+        batch_id=batch.batch_id,
+        trigger_id=trigger_id,
+        status=batch.status,
+        run_success=False,
+        cities=batch.shard_count,
+        cities_done=batch.shards_done,
+        records=batch.total_count,
+        published=batch.success_count,
+        dead_letters=batch.failed_count,
+        skipped=batch.skipped_count,
+        counts_add_up=batch.total_count
+        == batch.success_count + batch.failed_count + batch.skipped_count,
+        dead_letters_by_code=by_code,
+        diffs_by_type=by_type,
+        diffs_by_action=by_action,
+        seconds=seconds,
+        hotels_per_second=batch.total_count / seconds if seconds else 0.0,
+        gated_cities=gated,
+        failed_cities=failed,
+    )
+
+
+def _count_diffs(conn: sa.Connection, batch_id: str, column: sa.Column[Any]) -> dict[str, int]:
+    """A batch's diffs counted by ``column`` (their type, or the action taken)."""
+    d = schema.diff_log.c
+    rows = conn.execute(
+        sa.select(column, sa.func.count()).where(d.batch_id == batch_id).group_by(column)
+    ).all()
+    return {str(value): int(n) for value, n in rows}
+
+
+DEMO_STATE = "demo_state.json"
+
+
+def demo_day(advance: bool) -> int:
+    """The simulated supplier's day for the next demo run (each successful run moves it on)."""
+    path: Path = state_dir() / DEMO_STATE
+    state: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    day = int(state.get("next_day", 0))
+    if advance:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"next_day": day + 1}))
+    return day
+
+
+def run_replay(
+    *,
+    supplier: SupplierResource,
+    cities: Sequence[str],
+    sync_db: SyncDatabaseResource | None = None,
+    payloads: PayloadStoreResource | None = None,
+    trigger_id: str | None = None,
+    console_log_level: str = "WARNING",
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> SyncSummary:
+    """Re-materializes normalized_hotels and downstream for ``cities`` from stored raw pages.
+
+    Goes through Dagster like any sync: one run per city (a city need not be next to the
+    others in the partition order), every run of the call sharing one replay batch.
+    No supplier request is made. ``scope`` is the account whose assets are materialized.
+    """
+    sync_db = sync_db or SyncDatabaseResource()
+    payloads = payloads or PayloadStoreResource()
+    # Entering the instance makes it the one Dagster reads definitions state from,
+    # whatever another instance of this process left behind.
+    with dagster_instance() as instance:
+        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        keys = _add_city_partitions(instance, cities, scope.partitions_name)
+        started = time.perf_counter()
+        success = True
+        run_id = run_error = ""
+        selection = [scope.key(k.path[-1]) for k in (NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)]
+        for key in keys:
+            result = dg.materialize(
+                [build_city_sync(scope)],
+                selection=selection,
+                instance=instance,
+                partition_key=key,
+                resources=_run_resources(sync_db, payloads, supplier, scope),
+                tags={**scope.tags, TRIGGER_TAG: trigger_id, SOURCE_TAG: "COMPENSATION"},
+                raise_on_error=False,
+                run_config=_console_config(console_log_level),
+            )
+            success = success and result.success
+            run_id = result.run_id
+            if not (result.success or run_error):
+                run_error = run_failure(result)
+        db = SyncDatabase.open(sync_db.db_url)
+        try:
+            summary = summarize(
+                db, supplier.task_code, f"replay:{trigger_id}", time.perf_counter() - started
+            )
+        finally:
+            db.dispose()
+        summary.trigger_id = trigger_id  # what the caller passes to continue it, unprefixed
+        summary.run_success = success
+        summary.run_error = run_error
+        summary.dagster_run_id = run_id
+        summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        return summary

@@ -1,0 +1,275 @@
+"""Reconciliation: the catalog against what the supplier says it holds, city by city.
+
+Silent loss is the failure to fear (a change the feed never showed, a page a walk skipped):
+once a day the supplier's own summary of each city (``GET /v1/cities/{code}/summary``:
+hotel and active counts, newest ``updated_at``) is compared with the catalog (one grouped
+query over the supplier's published hotels, tombstones excluded), and a city that differs
+beyond the tolerance is re-pulled by a full sync of exactly that city (the caller launches
+it: a Dagster sensor's run requests, or ``supplier-sync reconcile``).
+
+What counts as different (:class:`Tolerance`): the hotel count or the active count apart by
+more than ``max(absolute, relative x supplier count)`` (records that break the contract stay
+dead letters and never reach the catalog: a few are expected), or the catalog's newest
+``updated_at`` more than ``max_lag_seconds`` behind the supplier's (changes the feed lost).
+
+Cost: one summary request per city (the supplier's budget: 1,000 cities, 1,000 requests,
+made ``threads`` at a time through the client's shared rate limiter) and one query.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.errors import ConfigError, SupplierError, SupplierNotFound
+from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import PayloadStore
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync.replay import stored_city_codes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_THREADS = 4
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far the catalog may be from the supplier's summary before a city is re-pulled.
+
+    Attributes:
+        absolute: Hotels (or active hotels) apart that never count as a difference.
+        relative: ...nor this share of the supplier's count, whichever is larger.
+        max_lag_seconds: The catalog's newest ``updated_at`` may trail the supplier's this long.
+    """
+
+    absolute: int = 2
+    relative: float = 0.02
+    max_lag_seconds: float = 6 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.absolute < 0 or not 0.0 <= self.relative <= 1.0 or self.max_lag_seconds < 0:
+            raise ConfigError(
+                "reconciliation tolerance needs absolute >= 0, relative in [0, 1] and "
+                f"max_lag_seconds >= 0; got {self!r}"
+            )
+
+    def allows(self, supplier: int, catalog: int) -> bool:
+        """Whether two counts are close enough."""
+        return abs(supplier - catalog) <= max(self.absolute, self.relative * supplier)
+
+
+@dataclass(frozen=True)
+class CityCounts:
+    """One side's numbers for a city."""
+
+    hotels: int = 0
+    active: int = 0
+    max_updated_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class CityComparison:
+    """A city's supplier summary against the catalog.
+
+    Attributes:
+        city_code: The supplier's city code.
+        supplier: What the supplier's summary says (None: the summary failed).
+        catalog: What the catalog holds.
+        reasons: Why the city differs (empty: it does not, within the tolerance).
+        error: The summary request's error, when it failed.
+    """
+
+    city_code: str
+    supplier: CityCounts | None
+    catalog: CityCounts
+    reasons: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def differs(self) -> bool:
+        """Beyond the tolerance: the city should be re-pulled."""
+        return bool(self.reasons)
+
+    def row(self) -> dict[str, Any]:
+        """The comparison as a flat row (tables in metadata, JSON lines)."""
+        s = self.supplier
+        return {
+            "city": self.city_code,
+            "supplier_hotels": s.hotels if s else None,
+            "catalog_hotels": self.catalog.hotels,
+            "supplier_active": s.active if s else None,
+            "catalog_active": self.catalog.active,
+            "supplier_max_updated_at": _iso(s.max_updated_at) if s else None,
+            "catalog_max_updated_at": _iso(self.catalog.max_updated_at),
+            "differs": self.differs,
+            "reasons": "; ".join(self.reasons),
+            "error": self.error or "",
+        }
+
+
+@dataclass
+class Reconciliation:
+    """Every city compared, and what it cost.
+
+    Attributes:
+        cities: One comparison per city, in the order asked.
+        requests: Supplier requests made.
+        seconds: Wall time.
+    """
+
+    cities: list[CityComparison] = field(default_factory=list)
+    requests: int = 0
+    seconds: float = 0.0
+
+    @property
+    def differing(self) -> list[CityComparison]:
+        """The cities beyond the tolerance (to re-pull)."""
+        return [c for c in self.cities if c.differs]
+
+    @property
+    def failed(self) -> list[CityComparison]:
+        """The cities whose summary could not be read (compared next time)."""
+        return [c for c in self.cities if c.error is not None]
+
+
+def catalog_counts(db: SyncDatabase, supplier_id: int) -> dict[str, CityCounts]:
+    """City -> the catalog's hotels, active hotels and newest ``updated_at`` (one query)."""
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(
+                h.city_code,
+                sa.func.count(),
+                sa.func.sum(sa.case((h.status == "ACTIVE", 1), else_=0)),
+                sa.func.max(h.supplier_updated_at),
+            )
+            .where(h.supplier_id == supplier_id, h.fingerprint != TOMBSTONE_FINGERPRINT)
+            .group_by(h.city_code)
+        ).all()
+    return {
+        str(city): CityCounts(int(n), int(active or 0), _aware(latest))
+        for city, n, active, latest in rows
+    }
+
+
+def compare(
+    city_code: str, supplier: CityCounts, catalog: CityCounts, tolerance: Tolerance
+) -> CityComparison:
+    """One city's comparison, with the reasons it differs."""
+    reasons = []
+    if not tolerance.allows(supplier.hotels, catalog.hotels):
+        reasons.append(f"hotels {catalog.hotels} in the catalog, {supplier.hotels} at the supplier")
+    if not tolerance.allows(supplier.active, catalog.active):
+        reasons.append(f"active {catalog.active} in the catalog, {supplier.active} at the supplier")
+    if supplier.max_updated_at is not None:
+        behind = (
+            None
+            if catalog.max_updated_at is None
+            else (supplier.max_updated_at - catalog.max_updated_at).total_seconds()
+        )
+        if behind is None or behind > tolerance.max_lag_seconds:
+            reasons.append(
+                "no hotel in the catalog"
+                if behind is None
+                else f"the catalog's newest change is {behind:.0f} s behind the supplier's"
+            )
+    return CityComparison(city_code, supplier, catalog, tuple(reasons))
+
+
+def reconcile(
+    db: SyncDatabase,
+    client: SupplierClient,
+    *,
+    supplier_id: int,
+    cities: Sequence[str] | None = None,
+    tolerance: Tolerance | None = None,
+    threads: int = DEFAULT_THREADS,
+    store: PayloadStore | None = None,
+    task_code: str | None = None,
+) -> Reconciliation:
+    """Compares every city (or ``cities``) of the supplier with the catalog.
+
+    A city whose summary request fails is reported with its error and not re-pulled (its
+    comparison waits for the next pass); an unknown city (404) has nothing at the supplier.
+
+    Args:
+        db: The sync database.
+        client: The supplier client (its rate limiter paces the summaries).
+        supplier_id: The platform's supplier id.
+        cities: The cities to compare; None: the city list that the full-sync task
+            ``task_code`` stored last (in ``store``), else the supplier's (one more request).
+        tolerance: What counts as different.
+        threads: Summary requests in flight.
+        store: The payload store holding the stored city lists.
+        task_code: The full-sync task whose stored city list to use.
+    """
+    began = time.perf_counter()
+    tolerance = tolerance or Tolerance()
+    before = client.stats().requests
+    if cities is None and store is not None and task_code is not None:
+        cities = stored_city_codes(db, store, task_code=task_code) or None
+    codes = (
+        list(cities)
+        if cities is not None
+        else [c.city_code for c in client.list_cities().data.cities]
+    )
+    catalog = catalog_counts(db, supplier_id)
+
+    def one(code: str) -> CityComparison:
+        mine = catalog.get(code, CityCounts())
+        try:
+            s = client.get_city_summary(code).data
+        except SupplierNotFound:
+            theirs = CityCounts()
+        except SupplierError as err:
+            return CityComparison(code, None, mine, (), f"{type(err).__name__}: {err}")
+        else:
+            theirs = CityCounts(
+                s.hotel_count,
+                s.active_count if s.active_count is not None else s.hotel_count,
+                s.max_updated_at.astimezone(UTC) if s.max_updated_at else None,
+            )
+        return compare(code, theirs, mine, tolerance)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reconcile") as pool:
+        results = list(pool.map(one, codes))
+    report = Reconciliation(results, client.stats().requests - before, time.perf_counter() - began)
+    log.info(
+        "reconciled %d cities in %.1f s (%d requests): %d differ, %d not compared",
+        len(results),
+        report.seconds,
+        report.requests,
+        len(report.differing),
+        len(report.failed),
+    )
+    return report
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+__all__ = [
+    "CityComparison",
+    "CityCounts",
+    "Reconciliation",
+    "Tolerance",
+    "catalog_counts",
+    "compare",
+    "reconcile",
+]

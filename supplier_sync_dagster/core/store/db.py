@@ -1,0 +1,960 @@
+"""Opening the sync database, and the database clock.
+
+One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL; see
+:mod:`~supplier_sync_dagster.core.settings`). Unset, the embedded default is a SQLite file in
+the local state folder (``SUPPLIER_SYNC_HOME``, default ``./.supplier_sync``), created on first
+use. MySQL 8 and MariaDB are reached through
+``mysql+pymysql://user:password@host:port/db``.
+
+Time has one seam: :class:`DbClock`. Lease expiry and "now" are SQL expressions evaluated by
+the database (invariant 2: workers on different machines drift, the database does not
+disagree with itself); tests shift the clock by an offset instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import functools
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+
+from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
+
+_SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# SQLite copies the WAL into the database (a checkpoint, with two fsyncs) at the first
+# commit past this many pages; at SQLite's default of 1,000 (4 MB) a publish of 1,000
+# hotels spread over the catalog (an incremental window's) checkpointed at nearly every
+# commit, under the one write lock, and re-copied the index pages every chunk touches. At
+# 10,000 pages (40 MB) commits checkpoint a tenth as often and each copies a page once for
+# many commits (a day's window, its last checkpoint at the last connection's close included,
+# was ~0.4 s faster in three interleaved pairs on a slow machine).
+SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
+WRITE_OPTION = "supplier_sync_write"
+
+
+def state_dir() -> Path:
+    """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
+    # Imported when read: pydantic-settings is slow to import, and a process given explicit
+    # URLs (the lease demo's spawned workers) never needs it.
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
+    return load_storage_settings().state_dir
+
+
+def resolve_db_url(url: str | None = None) -> str:
+    """Returns the sync database URL: ``url``, else ``$SUPPLIER_SYNC_DB_URL``, else SQLite.
+
+    Args:
+        url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
+    """
+    if url:
+        return url
+    from supplier_sync_dagster.core.settings import load_storage_settings
+
+    return load_storage_settings().sync_db_url()
+
+
+def _db_url_setting() -> str:
+    from supplier_sync_dagster.core.settings import env_name  # when read, as in state_dir
+
+    return env_name("db_url")
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError as err:
+        raise ConfigError(
+            f"{_db_url_setting()} is not a valid SQLAlchemy URL ({err}); "
+            "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
+        ) from None
+    if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
+        raise ConfigError(
+            f"{_db_url_setting()} uses backend {parsed.get_backend_name()!r}; "
+            f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
+        )
+    return parsed
+
+
+def make_engine(url: str) -> Engine:
+    """Creates an engine configured for the sync's concurrency rules.
+
+    SQLite: WAL and a busy timeout. Write transactions (:meth:`SyncDatabase.begin`) start
+    with ``BEGIN IMMEDIATE``, so a read-then-write transaction holds the write lock from its
+    start (SQLite's ``SELECT ... FOR UPDATE``) and waits for it instead of failing; plain
+    connections (reads) start a deferred ``BEGIN`` and, under WAL, never block a writer. MySQL/MariaDB: READ COMMITTED, so a statement that follows a
+    row lock sees the latest committed rows, and affected-row counts that count matched rows.
+
+    Args:
+        url: A SQLAlchemy URL of a supported backend.
+
+    Raises:
+        ConfigError: The URL is malformed or names an unsupported backend.
+    """
+    parsed = _parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        connect_args: dict[str, Any] = {
+            "check_same_thread": False,
+            "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
+        }
+        if parsed.database and parsed.database != ":memory:":
+            connect_args["factory"] = _WriterLockedConnection
+        engine = sa.create_engine(
+            parsed,
+            connect_args=connect_args,
+            json_serializer=json_text,
+            json_deserializer=orjson.loads,
+        )
+        _configure_sqlite(engine)
+        return engine
+    return sa.create_engine(
+        parsed,
+        isolation_level="READ COMMITTED",
+        pool_pre_ping=True,
+        pool_recycle=3600,
+        connect_args={"connect_timeout": 5},
+        json_serializer=json_text,
+        json_deserializer=orjson.loads,
+    )
+
+
+def json_text(value: Any) -> str:
+    """Compact JSON text of a value in primitive form: the JSON columns' encoder.
+
+    orjson, not ``json``: a publish writes a diff log entry per hotel, and the standard
+    library's encoder cost a tenth of a publishing process's CPU.
+    """
+    return orjson.dumps(value).decode()
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # The driver must not open transactions on its own: we emit BEGIN IMMEDIATE below.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        _enable_wal(cur)
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if not conn.get_execution_options().get(WRITE_OPTION, False):
+            conn.exec_driver_sql("BEGIN")
+            return
+        dbapi_conn = conn.connection.dbapi_connection
+        if isinstance(dbapi_conn, _WriterLockedConnection):
+            dbapi_conn.take_writer_lock()
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            if isinstance(dbapi_conn, _WriterLockedConnection):
+                dbapi_conn.release_writer_lock()
+            raise
+
+
+# Writer locks this thread holds (lock file paths): a second write transaction of the same
+# thread on another connection would wait for itself; it falls back to SQLite's busy timeout.
+_held_writer_locks = threading.local()
+
+
+class _WriterLockedConnection(sqlite3.Connection):
+    """A SQLite connection whose write transactions queue on a lock file first.
+
+    SQLite lets one writer in at a time, and a ``BEGIN IMMEDIATE`` that finds the write lock
+    taken waits in SQLite's busy handler, which *sleeps* in growing steps (up to 100 ms) and
+    polls: with several processes writing (a run's worker processes), a third of their time
+    went to those sleeps, most of it after the lock was already free. An exclusive
+    ``flock`` on ``<database>-writer`` taken before ``BEGIN IMMEDIATE`` and released after
+    ``COMMIT``/``ROLLBACK`` queues the writers in the kernel instead, which hands the lock on
+    the moment it is released. The busy timeout still guards against writers that do not
+    take the lock (another program, or a second write of the same thread).
+    """
+
+    def __init__(self, database: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(database, *args, **kwargs)
+        self._lock_path = f"{database}-writer"
+        self._lock_fd: int | None = None
+        # The holding thread's set of held locks (None: not held); released from any thread.
+        self._held_in: set[str] | None = None
+
+    def take_writer_lock(self) -> None:
+        """Waits for the database's writer lock (unless this thread already holds it)."""
+        held: set[str] = _held_writer_locks.__dict__.setdefault("paths", set())
+        if self._held_in is not None or self._lock_path in held:
+            return
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        held.add(self._lock_path)
+        self._held_in = held
+
+    def release_writer_lock(self) -> None:
+        """Releases the writer lock, if this connection holds it."""
+        held, self._held_in = self._held_in, None
+        if held is None:
+            return
+        held.discard(self._lock_path)
+        assert self._lock_fd is not None
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        finally:
+            self.release_writer_lock()
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        finally:
+            self.release_writer_lock()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.release_writer_lock()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+
+def _enable_wal(cur: sqlite3.Cursor) -> None:
+    # A file not yet in WAL mode is switched under its write lock, taken from a read lock.
+    # SQLite fails that upgrade at once ("database is locked") while another connection
+    # holds the write lock, without calling the busy handler (it could deadlock), so
+    # processes opening a new database together would fail: retry for the busy timeout.
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err).lower() or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
+class db_now(FunctionElement[datetime]):
+    """The database's current UTC time plus an offset in microseconds, as a SQL expression."""
+
+    type = sa.DateTime()
+    name = "db_now"
+    inherit_cache = True
+
+    def __init__(self, offset_us: int) -> None:
+        super().__init__(sa.literal(int(offset_us), sa.BigInteger()))
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    bind = next(iter(element.clauses))
+    if kw.get("literal_binds") and isinstance(bind, sa.BindParameter) and bind.value == 0:
+        # Written into bulk inserts' SQL, evaluated per row: without the zero offset's
+        # printf and modifier it costs half as much, for the same text.
+        return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+    offset = compiler.process(bind, **kw)
+    # SQLAlchemy stores SQLite datetimes as 'YYYY-MM-DD HH:MM:SS.ffffff': pad %f's millis.
+    return (
+        "(strftime('%Y-%m-%d %H:%M:%f', 'now', "
+        f"printf('%+.6f seconds', ({offset}) / 1000000.0)) || '000')"
+    )
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    offset = compiler.process(next(iter(element.clauses)), **kw)
+    return f"TIMESTAMPADD(MICROSECOND, {offset}, UTC_TIMESTAMP(6))"
+
+
+@functools.lru_cache(maxsize=256)
+def _db_now(offset_us: int) -> db_now:
+    # SQL elements are immutable: one per offset serves every statement. Building one costs
+    # more than running a small statement, and a city's writes name the time dozens of times.
+    return db_now(offset_us)
+
+
+@dataclass
+class DbClock:
+    """The one place where sync time comes from: the database clock plus a shiftable offset.
+
+    Production code never reads a worker's wall clock for leases. Tests call :meth:`advance`
+    to make leases expire without sleeping.
+    """
+
+    offset_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def now(self, plus_seconds: float = 0.0) -> db_now:
+        """SQL expression: database now + offset + ``plus_seconds``."""
+        return _db_now(round((self.offset_seconds + plus_seconds) * 1_000_000))
+
+    def advance(self, seconds: float) -> None:
+        """Shifts this clock forward (tests only: makes time pass without sleeping)."""
+        with self._lock:
+            self.offset_seconds += seconds
+
+    def read(self, conn: Connection) -> datetime:
+        """Reads the current time as the database sees it (with this clock's offset)."""
+        value = conn.execute(sa.select(self.now())).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+
+
+@dataclass
+class SyncDatabase:
+    """The sync database: an engine and the clock that every lease decision uses."""
+
+    engine: Engine
+    clock: DbClock = field(default_factory=DbClock)
+
+    @classmethod
+    def open(cls, url: str | None = None, *, create_schema: bool = True) -> SyncDatabase:
+        """Opens the sync database and, by default, brings its schema to the newest version.
+
+        Args:
+            url: SQLAlchemy URL; None resolves ``$SUPPLIER_SYNC_DB_URL`` or the SQLite default.
+            create_schema: Apply the pending migrations of ``sql/`` (an empty database gets
+                all of them; see :mod:`supplier_sync_dagster.core.store.migrations`). On an
+                up-to-date database this costs one read of the schema history.
+
+        Raises:
+            ConfigError: The URL is malformed or unsupported.
+            DatabaseUnavailable: The database cannot be reached or opened.
+            MigrationError: The schema cannot be brought to the newest version (an applied
+                migration file was edited, a MySQL migration stopped half-way, ...).
+        """
+        engine = make_engine(resolve_db_url(url))
+        db = cls(engine=engine)
+        try:
+            db.ping()
+            if create_schema:
+                # Imported here: the migrations module builds on this one.
+                from supplier_sync_dagster.core.store.migrations import migrate_on_open
+
+                migrate_on_open(db)
+        except BaseException:
+            engine.dispose()
+            raise
+        return db
+
+    @property
+    def dialect(self) -> str:
+        """``sqlite`` or ``mysql``/``mariadb``."""
+        return self.engine.dialect.name
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its password masked, for messages."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    def ping(self) -> None:
+        """Checks that the database answers.
+
+        Raises:
+            DatabaseUnavailable: It does not, with the reason and the (masked) URL.
+        """
+        with self.translate_errors("connecting"), self.engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+
+    @contextmanager
+    def translate_errors(self, doing: str) -> Iterator[None]:
+        """Turns driver connection errors into :class:`DatabaseUnavailable`."""
+        try:
+            yield
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as err:
+            if err.connection_invalidated or _is_connect_error(err):
+                raise DatabaseUnavailable(
+                    f"sync database {self.safe_url} is unavailable while {doing}: {err.orig}"
+                ) from err
+            raise
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A write transaction (``with db.begin() as conn:``): committed on success.
+
+        On SQLite it takes the write lock at its start; read-only work should use
+        ``db.engine.connect()`` instead, which does not block writers.
+        """
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                yield conn
+
+    def dispose(self) -> None:
+        """Closes pooled connections (call in tests and before forking)."""
+        self.engine.dispose()
+
+
+def _is_connect_error(err: sa.exc.DBAPIError) -> bool:
+    text = str(err.orig).lower()
+    return any(
+        marker in text
+        for marker in (
+            "can't connect",
+            "unable to open database",
+            "access denied",
+            "unknown database",
+            "lost connection",
+            "gone away",
+            "connection refused",
+            "timed out",
+        )
+    )
+
+
+# InnoDB's answers that roll a transaction back and invite it to run again: a deadlock
+# (1213) and a lock wait timeout (1205; MariaDB rolls back the statement, a retry of the whole
+# transaction is the safe reading).
+_RETRYABLE_MYSQL_ERRORS = frozenset({1205, 1213})
+DEADLOCK_ATTEMPTS = 5
+
+_R = TypeVar("_R")
+
+
+def is_deadlock(err: BaseException) -> bool:
+    """Whether ``err`` is InnoDB's deadlock or lock wait timeout (the transaction is gone)."""
+    if not isinstance(err, sa.exc.DBAPIError):
+        return False
+    orig = err.orig
+    code = getattr(orig, "errno", None)
+    if code is None and orig is not None and orig.args and isinstance(orig.args[0], int):
+        code = orig.args[0]
+    return code in _RETRYABLE_MYSQL_ERRORS
+
+
+def retry_deadlocks(
+    work: Callable[[], _R],
+    *,
+    attempts: int = DEADLOCK_ATTEMPTS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> _R:
+    """Runs ``work`` (which opens and commits its own transactions) again when InnoDB chose
+    its transaction as a deadlock's victim.
+
+    Two cities publishing at once may lock the same index ranges in opposite orders (a
+    hotel's publish clears its miss count while another city's finish counts misses); InnoDB
+    then rolls one transaction back whole, and the documented answer is to run it again.
+    ``work`` must be safe to repeat after a rollback: every write of this project is
+    idempotent or version-guarded. SQLite never raises these (its writers queue).
+
+    Args:
+        work: The transaction(s) to run.
+        attempts: How many times at most.
+        sleep: The pause between attempts (a short, growing, jittered one by default).
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return work()
+        except sa.exc.DBAPIError as err:
+            if attempt == attempts or not is_deadlock(err):
+                raise
+            sleep(0.01 * attempt * (1 + random.random()))
+    raise AssertionError("unreachable")
+
+
+_MYSQL_DIALECTS = ("mysql", "mariadb")
+
+_S = TypeVar("_S", sa.Select[Any], sa.Update)
+
+
+def use_index(stmt: _S, table: sa.Table, index: str) -> _S:
+    """The statement with MySQL/MariaDB told to read ``table`` through ``index``.
+
+    For lookups by a long ``IN (...)`` list on a non-unique index prefix. Past 200 values
+    (``eq_range_index_dive_limit``) MariaDB estimates the rows from the index statistics,
+    and while a table grows fast those lag it: it chose full scans of 560,000 offers, one
+    per chunk, that took two thirds of a sync's database time. SQLite ignores the hint.
+
+    Args:
+        stmt: A SELECT reading ``table`` or an UPDATE of it.
+        table: The table.
+        index: The index name.
+    """
+    hint = f"FORCE INDEX ({index})"
+    for name in _MYSQL_DIALECTS:
+        if isinstance(stmt, sa.Update):
+            stmt = stmt.with_hint(hint, dialect_name=name)
+        else:
+            stmt = stmt.with_hint(table, hint, dialect_name=name)
+    return stmt
+
+
+def guarded_update(
+    conn: Connection, stmt: sa.Update, on_miss: Callable[[], Exception], *, expected: int = 1
+) -> None:
+    """Runs a conditional UPDATE and raises ``on_miss()`` unless exactly ``expected`` rows matched.
+
+    Every state transition goes through here: the WHERE clause carries the state (and, for
+    leased rows, the owner) that the move requires, so a stale writer changes nothing.
+    MySQL dialects count matched rows (CLIENT_FOUND_ROWS), not only changed ones.
+    """
+    if conn.execute(stmt).rowcount != expected:
+        raise on_miss()
+
+
+def insert_ignore(
+    conn: Connection,
+    table: sa.Table,
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+    *,
+    columns: Sequence[str] | None = None,
+    **fixed: Any,
+) -> None:
+    """Inserts rows in one statement, skipping those whose unique key already exists.
+
+    Only duplicate keys are ignored (``ON DUPLICATE KEY UPDATE id=id`` / ``ON CONFLICT DO
+    NOTHING``), unlike MySQL's ``INSERT IGNORE``, which also truncates over-long values.
+
+    Args:
+        conn: Connection in the caller's transaction.
+        table: Target table.
+        rows: Plain column values, one mapping per row; every row has the same keys.
+        columns: When given, each row is a tuple of these columns' values instead.
+        **fixed: Column values shared by every row; may be SQL expressions (``clock.now()``).
+    """
+    if not rows:
+        return
+
+    def build() -> sa.ClauseElement:
+        if conn.dialect.name == "sqlite":
+            return sqlite_insert(table).on_conflict_do_nothing()
+        return mysql_insert(table).on_duplicate_key_update(id=table.c.id)
+
+    execute_many(conn, ("insert_ignore", table.name), build, rows, fixed=fixed, columns=columns)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sql: str
+    # A row's values in SQL order, bind-processed: (row, fixed values) -> tuple.
+    values: Callable[[Any, Mapping[str, Any]], tuple[Any, ...]]
+    fixed_processors: dict[str, Callable[[Any], Any]]  # applied once per call, not per row
+    # PyMySQL only: the statement as (head, one row's "(%s, ...)", tail), and a row's
+    # bind-processed values as SQL literals: (row, fixed literals, literal) -> "(...)".
+    literal_parts: tuple[str, str, str] | None = None
+    literal_row: Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str] | None = None
+
+
+# Longest multi-row statement sent to MySQL, in characters: at most 4 MB of UTF-8, far below
+# the servers' max_allowed_packet (16 MB on MariaDB, 64 MB on MySQL 8).
+MYSQL_MAX_STATEMENT_CHARS = 1_000_000
+
+
+_plans: dict[tuple[Any, ...], _Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def execute_many(
+    conn: Connection,
+    key: tuple[Any, ...],
+    build: Callable[[], sa.ClauseElement],
+    rows: Sequence[Mapping[str, Any]] | Sequence[Sequence[Any]],
+    *,
+    fixed: Mapping[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
+) -> int:
+    """Runs one INSERT/upsert for many rows through the driver's ``executemany``.
+
+    The statement is compiled once per (dialect, ``key``, column set) and the rows go to the
+    driver as plain tuples, after the same bind processing that SQLAlchemy applies (dates
+    and decimals on SQLite, for instance). That skips SQLAlchemy's per-row parameter
+    handling, which costs more than the database itself on bulk writes, while the SQL text
+    and the stored values are exactly what ``conn.execute(build(), rows)`` would produce.
+
+    Args:
+        conn: Connection in the caller's transaction.
+        key: Names the statement that ``build`` returns; equal keys must build equal SQL.
+        build: Builds the statement (called once per key and column set).
+        rows: Column values, one mapping per row; every row has the keys of the first.
+        columns: When given, each row is a tuple of these columns' values instead of a
+            mapping (no dict to build per row).
+        fixed: Values shared by every row. A SQL expression (``clock.now()``) is written
+            into the statement, so the database evaluates it, as it would in a plain
+            ``INSERT ... VALUES``: on SQLite in the compiled SQL, through PyMySQL as SQL text
+            in the multi-row statement; with a driver that takes only bound rows it is
+            evaluated once first (:func:`bind_values`).
+
+    Returns:
+        On SQLite, the rows inserted or updated (its change count: an upsert whose guard
+        left a row alone does not count it); -1 on other databases.
+
+    Raises:
+        ValueError: The statement has a bound parameter that neither the rows nor ``fixed``
+            provide (write constants as literal SQL instead).
+    """
+    if not rows:
+        return 0
+    fixed = fixed or {}
+    dialect = conn.dialect
+    # SQL expressions among the fixed values, as SQL text: evaluating them in a SELECT of
+    # their own would cost a statement per insert.
+    inline = {k: _sql_text(conn, v) for k, v in fixed.items() if isinstance(v, sa.ClauseElement)}
+    in_sql = bool(inline) and dialect.name == "sqlite"
+    if in_sql:
+        fixed = {k: v for k, v in fixed.items() if k not in inline}
+    plan_key = (
+        dialect.name,
+        dialect.driver,
+        key,
+        tuple(rows[0]) if columns is None else (None, *columns),
+        tuple(fixed),
+        tuple(inline.items()) if in_sql else (),
+    )
+    plan = _plans.get(plan_key)
+    if plan is None:
+        stmt = build()
+        if in_sql:
+            assert isinstance(stmt, sa.Insert)
+            stmt = stmt.values({k: sa.literal_column(text) for k, text in inline.items()})
+        plan = _compile_plan(
+            conn,
+            stmt,
+            list(rows[0] if columns is None else columns),
+            list(fixed),
+            positional=columns is not None,
+        )
+        with _plans_lock:
+            _plans[plan_key] = plan
+    literal = None
+    if plan.literal_row is not None and plan.literal_parts is not None:
+        literal = _pymysql_literal(conn)
+    if inline and not in_sql and literal is None:
+        fixed = bind_values(conn, fixed)
+        inline = {}
+    if plan.fixed_processors:
+        procs = plan.fixed_processors
+        fixed = {
+            k: v if v is None or k not in procs or k in inline else procs[k](v)
+            for k, v in fixed.items()
+        }
+    if literal is not None and plan.literal_row is not None and plan.literal_parts is not None:
+        _execute_literal_rows(
+            conn, plan.literal_parts, plan.literal_row, literal, rows, fixed, inline
+        )
+        return -1
+    values = plan.values
+    params = [values(row, fixed) for row in rows]
+    result = conn.exec_driver_sql(plan.sql, params)
+    return int(result.rowcount) if dialect.name == "sqlite" else -1
+
+
+def _pymysql_literal(conn: Connection) -> Callable[[Any], str] | None:
+    """A value as the SQL literal PyMySQL would send; None when the server's
+    NO_BACKSLASH_ESCAPES mode asks for another string escaping (the driver then escapes).
+
+    The common types are inlined. A string gets the escapes that matter inside a quoted
+    UTF-8 literal (backslash, quote, NUL, Ctrl-Z), each replaced only if present: the
+    driver's ``str.translate`` walks a Python table per character, and long JSON texts made
+    it the largest single cost of a MariaDB publish. The server stores the same text.
+    """
+    from pymysql.constants import SERVER_STATUS
+
+    dbapi = conn.connection.dbapi_connection
+    if dbapi is None or dbapi.server_status & SERVER_STATUS.SERVER_STATUS_NO_BACKSLASH_ESCAPES:
+        return None
+    escape = dbapi.escape
+
+    def literal(value: Any) -> str:
+        kind = type(value)
+        if kind is str:
+            if "\\" in value:
+                value = value.replace("\\", "\\\\")
+            if "'" in value:
+                value = value.replace("'", "\\'")
+            if "\0" in value:
+                value = value.replace("\0", "\\0")
+            if "\x1a" in value:
+                value = value.replace("\x1a", "\\Z")
+            return "'" + value + "'"
+        if value is None:
+            return "NULL"
+        if kind is int:
+            return str(value)
+        if kind is bool:
+            return "1" if value else "0"
+        if kind is Decimal and value.is_finite():
+            return format(value, "f")
+        return cast(str, escape(value))
+
+    return literal
+
+
+def _execute_literal_rows(
+    conn: Connection,
+    parts: tuple[str, str, str],
+    literal_row: Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str],
+    literal: Callable[[Any], str],
+    rows: Sequence[Any],
+    fixed: Mapping[str, Any],
+    inline: Mapping[str, str],
+) -> None:
+    """What PyMySQL's ``executemany`` does for an INSERT (multi-row statements of at most
+    about 1 MB), with the rows turned into SQL text by one generated function each instead
+    of a driver call per value: that escaping was most of a MariaDB publish's CPU.
+    ``inline`` holds fixed values that are SQL expressions, as SQL text."""
+    head, _, tail = parts
+    fixed_sql = {k: inline[k] if k in inline else literal(v) for k, v in fixed.items()}
+    batch: list[str] = []
+    size = len(head) + len(tail)
+    for row in rows:
+        text = literal_row(row, fixed_sql, literal)
+        if batch and size + len(text) + 1 > MYSQL_MAX_STATEMENT_CHARS:
+            _execute_text(conn, head + ",".join(batch) + tail)
+            batch, size = [], len(head) + len(tail)
+        batch.append(text)
+        size += len(text) + 1
+    _execute_text(conn, head + ",".join(batch) + tail)
+
+
+def _execute_text(conn: Connection, sql: str) -> None:
+    # no_parameters: the driver gets the text as it is (no %-formatting of the literals).
+    conn.exec_driver_sql(sql, execution_options={"no_parameters": True})
+
+
+_sql_texts: dict[tuple[str, str, int], str] = {}
+
+
+def _sql_text(conn: Connection, expr: sa.ClauseElement) -> str:
+    """A SQL expression as SQL text of the connection's dialect, its bound values inlined."""
+    dialect = conn.dialect
+    key = None
+    if isinstance(expr, db_now):
+        offset = next(iter(expr.clauses))
+        assert isinstance(offset, sa.BindParameter)
+        key = (dialect.name, dialect.driver, int(offset.value or 0))
+        text = _sql_texts.get(key)
+        if text is not None:
+            return text
+    text = str(expr.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+    if key is not None:
+        with _plans_lock:
+            if len(_sql_texts) > 10_000:  # tests shift the clock by many offsets
+                _sql_texts.clear()
+            _sql_texts[key] = text
+    return text
+
+
+def _compile_plan(
+    conn: Connection,
+    stmt: sa.ClauseElement,
+    row_keys: list[str],
+    fixed_keys: list[str],
+    *,
+    positional: bool = False,
+) -> _Plan:
+    keys = row_keys + fixed_keys
+    dialect = conn.dialect
+    if not dialect.positional and dialect.paramstyle == "pyformat":
+        # PyMySQL and mysqlclient take "format" (%s) as well as "pyformat" (%(name)s):
+        # compile positionally so rows can be sent as tuples. A copy keeps what the dialect
+        # learned from the server (MariaDB or MySQL, which upsert syntax).
+        dialect = copy.copy(dialect)
+        dialect.paramstyle, dialect.positional = "format", True
+    compiled = stmt.compile(dialect=dialect, column_keys=keys)
+    assert isinstance(compiled, SQLCompiler)
+    names = compiled.positiontup
+    if not names:
+        raise ValueError(f"{dialect.name}: execute_many needs a positional paramstyle")
+    missing = [name for name in names if name not in keys]
+    if missing:
+        raise ValueError(f"statement parameters {missing} are not columns of the rows")
+    processors: dict[int, Callable[[Any], Any]] = {}
+    fixed_processors: dict[str, Callable[[Any], Any]] = {}
+    mysql = dialect.name in ("mysql", "mariadb")
+    for i, name in enumerate(names):
+        bind_type = compiled.binds[name].type
+        proc = bind_type.dialect_impl(dialect).bind_processor(dialect)
+        if proc is None and mysql and isinstance(bind_type, sa.DateTime):
+            proc = _mysql_datetime
+        if proc is None:
+            continue
+        if name in row_keys:
+            processors[i] = proc
+        else:
+            fixed_processors[name] = proc
+    sql = compiled.string
+    booleans = {
+        i for i, name in enumerate(names) if isinstance(compiled.binds[name].type, sa.Boolean)
+    }
+    access = _accessors(row_keys, positional)
+    literal_parts = literal_row = None
+    if dialect.driver == "pymysql":
+        from pymysql.cursors import RE_INSERT_VALUES
+
+        m = RE_INSERT_VALUES.match(sql)
+        if m is not None:
+            # As PyMySQL splits it; "%%" in the SQL around the values is a literal "%".
+            literal_parts = (m.group(1) % (), m.group(2).rstrip(), (m.group(3) or "") % ())
+            literal_row = _literal_function(literal_parts[1], names, access, processors, booleans)
+    return _Plan(
+        sql,
+        _values_function(names, access, processors, booleans),
+        fixed_processors,
+        literal_parts,
+        literal_row,
+    )
+
+
+def _mysql_datetime(value: Any) -> Any:
+    """A datetime as the text MySQL reads back as the same DATETIME value.
+
+    Both MySQL drivers format datetimes in Python, value by value, which made that the
+    largest cost of a bulk insert; ``isoformat`` is C, and a string is escaped in C. The
+    time zone is dropped as the drivers drop it (values are UTC already).
+    """
+    if isinstance(value, datetime):
+        if value.tzinfo is not None:
+            value = value.replace(tzinfo=None)
+        return value.isoformat(" ")
+    return value
+
+
+def _accessors(row_keys: Sequence[str], positional: bool) -> dict[str, str]:
+    """The Python expression that reads each row value from ``r``: by key from a mapping,
+    or by position from a tuple (``positional``)."""
+    if positional:
+        return {name: f"r[{i}]" for i, name in enumerate(row_keys)}
+    return {name: f"r[{name!r}]" for name in row_keys}
+
+
+def _values_function(
+    names: Sequence[str],
+    access: Mapping[str, str],
+    processors: Mapping[int, Callable[[Any], Any]],
+    booleans: Collection[int] = (),
+) -> Callable[[Any, Mapping[str, Any]], tuple[Any, ...]]:
+    """One generated function that turns a row into its parameter tuple.
+
+    Generic code (merge the row with the fixed values, pick the values, then loop over bind
+    processors) costs more per row than SQLite's own insert; a function generated per
+    statement does it in one expression (``r``: the row, read through ``access``; ``f``:
+    the fixed values, already processed once per call). A ``bool`` of a Boolean column
+    takes the value its processor gives it, computed once here. Column names come from our
+    own schema, and are written as ``repr`` literals anyway.
+
+    Args:
+        names: The statement's parameters, in SQL order.
+        access: How a row holds each of its values (:func:`_accessors`); other
+            parameters are fixed values.
+        processors: Bind processors by parameter position.
+        booleans: Positions of the parameters of Boolean columns.
+    """
+    env: dict[str, Any] = {}
+    parts = []
+    for i, name in enumerate(names):
+        if name not in access:
+            parts.append(f"f[{name!r}]")
+            continue
+        v, get = f"v{i}", access[name]
+        if i not in processors:
+            parts.append(get)
+            continue
+        proc = processors[i]
+        env[f"p{i}"] = proc
+        slow = f"(None if {v} is None else p{i}({v}))"
+        if i in booleans:
+            env[f"t{i}"], env[f"n{i}"] = proc(True), proc(False)
+            parts.append(f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})")
+        else:
+            parts.append(f"(None if ({v} := {get}) is None else p{i}({v}))")
+    fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
+    return cast(Callable[[Any, Mapping[str, Any]], tuple[Any, ...]], fn)
+
+
+def _literal_function(
+    template: str,
+    names: Sequence[str],
+    access: Mapping[str, str],
+    processors: Mapping[int, Callable[[Any], Any]],
+    booleans: Collection[int] = (),
+) -> Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str]:
+    """One generated function that turns a row into its ``(...)`` of SQL literals.
+
+    ``template`` is the statement's ``(%s, %s, ...)``; a value goes through its bind
+    processor, then through ``L`` (the driver's escaping); fixed values arrive as literals
+    already (escaped once per call). The common values skip both calls, with the text
+    ``L`` would give them: ``None``, an ``int``, a ``str`` without a character to escape,
+    a finite ``Decimal`` without a processor, and a ``bool`` of a Boolean column (whose
+    processor keeps it as it is).
+
+    Args:
+        template: The statement's ``(%s, ...)``.
+        names: The statement's parameters, in SQL order.
+        access: How a row holds each of its values (:func:`_accessors`); other
+            parameters are fixed values.
+        processors: Bind processors by parameter position.
+        booleans: Positions of the parameters of Boolean columns.
+    """
+    env: dict[str, Any] = {"D": Decimal}
+    parts = []
+    for i, name in enumerate(names):
+        if name not in access:
+            parts.append(f"f[{name!r}]")
+            continue
+        v, get = f"v{i}", access[name]
+        if i in processors:
+            env[f"p{i}"] = processors[i]
+            slow = f"L(p{i}({v}))"
+        else:
+            slow = f"L({v})"
+        if i in booleans:
+            parts.append(
+                f"('1' if ({v} := {get}) is True else '0' if {v} is False"
+                f" else 'NULL' if {v} is None else {slow})"
+            )
+        elif i in processors:
+            parts.append(f"('NULL' if ({v} := {get}) is None else {slow})")
+        else:
+            parts.append(
+                f"('NULL' if ({v} := {get}) is None"
+                f' else "\'" + {v} + "\'" if {v}.__class__ is str'
+                f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
+                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
+                f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
+                f" else {slow})"
+            )
+    env["T"] = template
+    fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
+    return cast(Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str], fn)
+
+
+def bind_values(conn: Connection, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Evaluates SQL expressions among ``values`` (``clock.now()``) in one SELECT.
+
+    Multi-row statements then carry only bound parameters, which is what lets drivers send
+    them as one multi-row INSERT (PyMySQL batches an executemany only then) instead of a
+    round trip per row.
+    """
+    exprs = {k: v for k, v in values.items() if isinstance(v, sa.ClauseElement)}
+    if not exprs:
+        return dict(values)
+    row = conn.execute(sa.select(*(v.label(k) for k, v in exprs.items()))).one()  # type: ignore[attr-defined]
+    return {**values, **row._mapping}

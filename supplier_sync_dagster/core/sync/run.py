@@ -1,0 +1,711 @@
+"""One run's cities: its batch, the order of its cities, the cities other runs hold, helping
+them, and each city's outcome as it finishes.
+
+A run (a Dagster step over a range of city partitions, or any worker) asks :func:`plan_run`
+for its batch and the order of its cities, then iterates :func:`run_cities`, which yields one
+:class:`CityOutcome` per city **as the city finishes**: whoever runs the cities can report
+each one at once (Dagster marks each city's partitions with its own outcome), and a run that
+is interrupted has already reported the cities it completed.
+
+What a run does with its cities:
+
+- **own cities**, largest first, ``threads`` in flight; a city whose lease another worker
+  holds is deferred and waited for after the others (it helped out, or raced);
+- **helping**: when its own cities are done, the run syncs the largest cities of the batch
+  that no run has started (``help_other_runs``), and reports them too;
+- **replay** (``RunRequest.replay``): the cities' latest stored raw pages are normalized
+  and published again in a replay batch, without a supplier request; dead letters that
+  now pass are resolved.
+
+A city's outcome says which stages this run completed for it (``report.stages_done``) and
+the gate's results, so that a city that failed, was gated or lost its lease is not reported
+as done for anything it did not complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.errors import SupplierError, TriggerSkipped
+from supplier_sync_dagster.core.leasing.batches import (
+    Batch,
+    TaskSpec,
+    TriggerSource,
+    add_shards,
+    create_batch,
+    get_batch,
+)
+from supplier_sync_dagster.core.leasing.leases import get_shard
+from supplier_sync_dagster.core.leasing.processes import make_worker_id
+from supplier_sync_dagster.core.records.deadletters import record_city_failure
+from supplier_sync_dagster.core.records.gates import GateResult, gate_for_pipeline
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import PayloadStore
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync.pipeline import (
+    CityReport,
+    SyncSettings,
+    help_other_workers,
+    largest_first,
+    prepare_process,
+    sync_city,
+    usable_cpus,
+)
+from supplier_sync_dagster.core.sync.replay import (
+    prepare_replay,
+    record_city_list,
+    resolve_replayed_dead_letters,
+    stored_city_countries,
+)
+from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
+
+log = logging.getLogger(__name__)
+
+HELD_POLL_SECONDS = 2.0
+DONE_STATUSES = ("SUCCESS", "ALREADY_DONE")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def resolve_batch(
+    db: SyncDatabase,
+    *,
+    task_code: str,
+    supplier_id: int,
+    trigger_id: str,
+    source: TriggerSource,
+    cities: Sequence[str],
+) -> Batch:
+    """The batch of this trigger (created once, or adopted), with a shard per city of the run.
+
+    The run creates its task if it is missing and never changes it: policy, status, cron
+    and thresholds are the operator's (``supplier-sync task set``).
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+        TriggerSkipped: The task's concurrency policy skipped this trigger.
+    """
+    ensure_task(
+        db,
+        TaskSpec(task_code=task_code, supplier_id=supplier_id),
+        created_by=f"run {trigger_id}"[:64],
+        reason="created by its first run, with the default settings",
+    )
+    with db.engine.connect() as conn:
+        require_enabled(conn, task_code)
+    decision = create_batch(db, task_code=task_code, trigger_id=trigger_id, trigger_source=source)
+    if decision.batch is None:
+        raise TriggerSkipped(
+            f"sync skipped: {decision.reason}", blocking_batch_id=decision.blocking_batch_id
+        )
+    add_shards(db, decision.batch.batch_id, list(cities))
+    with db.engine.connect() as conn:
+        return get_batch(conn, decision.batch.batch_id)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a run was asked to do.
+
+    Attributes:
+        trigger_id: The batch's idempotency key (a backfill id, a CLI trigger, a run id).
+        source: Where the trigger came from.
+        cities: The run's cities (supplier codes, verbatim).
+        replay: Normalize and publish the cities' stored raw pages again, in a replay batch,
+            without calling the supplier.
+        threads: Cities in flight at once in the run's process.
+        processes: Worker processes to sync the cities in (0: the run's process); None
+            decides from the run's size (:func:`auto_processes`).
+        help_other_runs: Once its cities are done, sync cities of the batch that no run
+            has started.
+    """
+
+    trigger_id: str
+    source: TriggerSource
+    cities: Sequence[str]
+    replay: bool = False
+    threads: int = 1
+    processes: int | None = None
+    help_other_runs: bool = True
+
+
+@dataclass
+class RunPlan:
+    """A run's batch and its cities in the order to sync them.
+
+    Attributes:
+        batch: The batch (a replay batch for a replay).
+        cities: The run's cities to sync, largest first where sizes are known.
+        countries: City -> country code from the supplier's city list (or the stored one).
+        sizes: City -> the supplier's hotel count, where known.
+        sources: For a replay: city -> the batch whose raw pages are replayed.
+        missing: For a replay: cities with no stored raw pages (nothing to replay).
+        notes: Things the run's log should say (e.g. the city list was unavailable).
+    """
+
+    batch: Batch
+    cities: list[str]
+    countries: dict[str, str] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CityOutcome:
+    """One city of a run, when it finished (or failed).
+
+    Attributes:
+        report: What the city's sync did; ``report.status`` is SUCCESS, GATED, FAILED,
+            LEASE_LOST or ALREADY_DONE (an earlier run of the batch published it: the report
+            is that run's, as the database recorded it), and ``report.stages_done`` lists
+            the stages completed for it.
+        helped: The city belongs to another run of the batch that had not started it.
+        resolved_dead_letters: For a replayed city: dead letters that now pass.
+        seconds: Wall time this run spent on the city.
+        requests: Supplier requests the city cost (retries included); exact when the
+            process synced one city at a time.
+        throttled: Of those, 429 answers.
+        retries: Retries the client made for the city.
+    """
+
+    report: CityReport
+    helped: bool = False
+    resolved_dead_letters: int = 0
+    seconds: float = 0.0
+    requests: int = 0
+    throttled: int = 0
+    retries: int = 0
+
+    @property
+    def city_code(self) -> str:
+        """The supplier's city code."""
+        return self.report.city_code
+
+    @property
+    def checks(self) -> list[GateResult]:
+        """The batch gate's results for the city (empty when no gate ran); a city stopped
+        on its first pages by schema drift has that check only."""
+        return self.report.checks
+
+    @property
+    def status(self) -> str:
+        """The city's status (see ``report``)."""
+        return self.report.status
+
+    @property
+    def done(self) -> bool:
+        """The city is published in this batch (by this run or before it)."""
+        return self.report.status in DONE_STATUSES
+
+
+def plan_run(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    request: RunRequest,
+    settings: SyncSettings,
+) -> RunPlan:
+    """The run's batch (created, joined or adopted) and its cities in the order to sync them.
+
+    A sync reads the supplier's city list once (one request): it gives each city's country,
+    for the rule that a hotel's country is its city's, and size, to start the largest
+    cities first; its bytes are kept with the batch for replays. A replay reads that list
+    from the store and never calls the supplier.
+
+    Args:
+        db: The sync database.
+        store: The payload store.
+        client: The supplier client; None for a replay.
+        request: What the run was asked to do.
+        settings: The task and tuning settings (task code, supplier id).
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+        TriggerSkipped: The task's concurrency policy skipped this trigger.
+        ConfigError: A replay batch was refused.
+    """
+    cities = list(request.cities)
+    if request.replay:
+        replay = prepare_replay(
+            db, task_code=settings.task_code, trigger_id=request.trigger_id, cities=cities
+        )
+        return RunPlan(
+            batch=replay.batch,
+            cities=[c for c in cities if c in replay.sources],
+            countries=stored_city_countries(db, store, task_code=settings.task_code),
+            sources=dict(replay.sources),
+            missing=list(replay.missing),
+            notes=[
+                f"city {c!r} has no stored raw pages: nothing to replay" for c in replay.missing
+            ],
+        )
+    batch = resolve_batch(
+        db,
+        task_code=settings.task_code,
+        supplier_id=settings.supplier_id,
+        trigger_id=request.trigger_id,
+        source=request.source,
+        cities=cities,
+    )
+    plan = RunPlan(batch=batch, cities=cities)
+    if client is None:
+        return plan
+    try:
+        fetched = client.list_cities()
+    except Exception as err:  # the country rule is skipped, the sync is not
+        plan.notes.append(f"city list unavailable, country rule skipped: {err}")
+        return plan
+    record_city_list(
+        db, store, batch_id=batch.batch_id, supplier_id=settings.supplier_id, raw=fetched.raw
+    )
+    listed = fetched.data.cities
+    plan.countries = {c.city_code: c.country_code for c in listed if c.country_code}
+    plan.sizes = {c.city_code: c.hotel_count for c in listed if c.hotel_count is not None}
+    plan.cities = largest_first(cities, plan.sizes)
+    return plan
+
+
+@dataclass(frozen=True)
+class WorkerIO:
+    """What a process needs to sync cities: its own connections.
+
+    Attributes:
+        db: The sync database.
+        store: The payload store.
+        client: The supplier client; None for a replay.
+    """
+
+    db: SyncDatabase
+    store: PayloadStore
+    client: SupplierClient | None
+
+
+@dataclass(frozen=True)
+class WorkerProcesses:
+    """Sync a run's cities in worker processes (see :func:`run_cities`).
+
+    Attributes:
+        count: Worker processes; each syncs one city at a time.
+        open_io: Called once in each worker process: opens that process's own database,
+            payload store and supplier client (connections are never shared across a
+            fork), kept open until the process ends. The client should share the run's
+            rate limiter (an :class:`InProcessTokenBucket` made before the fork is shared).
+    """
+
+    count: int
+    open_io: Callable[[], AbstractContextManager[WorkerIO]]
+
+
+# Worker processes start one per CPU plus one, at most this many, for a run with at least
+# this many hotels: below it, the start of the processes costs more than the second core
+# gives. The one more: a worker waits on the supplier, on fsyncs and on the database's
+# write lock, and a third worker fills those waits on two cores (bench_user_path, 50k
+# hotels in 100 cities on a shared 2-core machine, alternating: 3 processes faster in 6 of
+# 8 pairs; best of 5, 2 processes 21.0 s, 3 processes 19.6 s).
+MAX_AUTO_PROCESSES = 4
+OVERSUBSCRIBE_PROCESSES = 1
+AUTO_PROCESSES_MIN_HOTELS = 5000
+
+
+def auto_processes(request: RunRequest, plan: RunPlan) -> int:
+    """How many worker processes a run uses (0: it syncs its cities itself).
+
+    ``request.processes`` when set; otherwise one per CPU plus ``OVERSUBSCRIBE_PROCESSES``
+    (at most ``MAX_AUTO_PROCESSES``, never more than the run's cities) when the supplier's hotel count of the run's cities
+    reaches ``AUTO_PROCESSES_MIN_HOTELS``. A replay stays in the run's process.
+    """
+    if request.replay:
+        return 0
+    if request.processes is not None:
+        return max(0, request.processes)
+    hotels = sum(plan.sizes.get(c, 0) for c in plan.cities)
+    if hotels < AUTO_PROCESSES_MIN_HOTELS or len(plan.cities) < 2:
+        return 0
+    wanted = usable_cpus() + OVERSUBSCRIBE_PROCESSES
+    return max(0, min(wanted, MAX_AUTO_PROCESSES, len(plan.cities)))
+
+
+class _CityWorker:
+    """Syncs one city at a time of a run's batch, in whichever process it lives in."""
+
+    def __init__(
+        self,
+        io: WorkerIO,
+        plan: RunPlan,
+        request: RunRequest,
+        settings: SyncSettings,
+        worker_id: str,
+    ) -> None:
+        self.io = io
+        self.plan = plan
+        self.request = request
+        self.settings = settings
+        self.worker_id = worker_id
+        self.gate = gate_for_pipeline()
+
+    def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+        """Syncs ``city``; never raises (a city that raises is FAILED, resumable)."""
+        db, batch = self.io.db, self.plan.batch
+        client = self.io.client
+        before = _counters(client)
+        started = time.perf_counter()
+        report = CityReport(city)
+        try:
+            while True:
+                report = CityReport(city)
+                sync_city(
+                    db,
+                    self.io.store,
+                    client,
+                    batch=batch,
+                    city_code=city,
+                    worker_id=self.worker_id,
+                    settings=self.settings,
+                    gate=self.gate,
+                    fetch=not self.request.replay,
+                    city_countries=self.plan.countries,
+                    report=report,
+                )
+                if report.status != "HELD_BY_OTHER" or not wait_if_held:
+                    break
+                # Another run of the batch is syncing it (it helped out, or raced): wait
+                # for its lease to end, then take the outcome or resume.
+                time.sleep(HELD_POLL_SECONDS)
+        except Exception as err:  # reported as the city's outcome; the others go on
+            report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
+            log.warning("city %r failed: %s", city, report.error)
+            if isinstance(err, SupplierError) and not self.request.replay:
+                # A ticket that compensation retries: it asks for a re-sync of the city
+                # and resolves the ticket once a sync of the city succeeds.
+                record_city_failure(
+                    db,
+                    batch_id=batch.batch_id,
+                    task_code=self.settings.task_code,
+                    sync_mode=self.settings.sync_mode,
+                    supplier_id=self.settings.supplier_id,
+                    city_code=city,
+                    error=report.error,
+                )
+        if report.status == "ALREADY_DONE":
+            report = published_report(db, batch.batch_id, city)
+        outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
+        if client is not None:
+            after = _counters(client)
+            outcome.requests, outcome.throttled, outcome.retries = (
+                a - b for a, b in zip(after, before, strict=True)
+            )
+        if self.request.replay and report.status == "SUCCESS":
+            outcome.resolved_dead_letters = resolve_replayed_dead_letters(
+                db,
+                source_batch_id=self.plan.sources[city],
+                replay_batch_id=batch.batch_id,
+                city_code=city,
+            )
+        return outcome
+
+
+def _counters(client: SupplierClient | None) -> tuple[int, int, int]:
+    """The client's (requests, 429 answers, retries) so far."""
+    if client is None:
+        return (0, 0, 0)
+    stats = client.stats()
+    return stats.requests, stats.rate_limited, sum(stats.retries_by_reason.values())
+
+
+def record_run_stats(
+    db: SyncDatabase,
+    *,
+    batch_id: str,
+    task_code: str,
+    worker_id: str,
+    outcomes: Sequence[CityOutcome],
+) -> None:
+    """One row of what a run's cities asked of the supplier and published (the metrics)."""
+    if not outcomes:
+        return
+    with db.begin() as conn:
+        conn.execute(
+            sa.insert(schema.run_stats).values(
+                batch_id=batch_id,
+                task_code=task_code,
+                worker_id=worker_id[:64],
+                cities=len(outcomes),
+                records=sum(o.report.records for o in outcomes),
+                published=sum(o.report.published for o in outcomes),
+                requests=sum(o.requests for o in outcomes),
+                throttled=sum(o.throttled for o in outcomes),
+                retries=sum(o.retries for o in outcomes),
+                seconds=round(sum(o.seconds for o in outcomes), 3),
+                created_at=db.clock.now(),
+            )
+        )
+
+
+def run_cities(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    plan: RunPlan,
+    request: RunRequest,
+    settings: SyncSettings,
+    *,
+    worker_id: str,
+    processes: WorkerProcesses | None = None,
+) -> Iterator[CityOutcome]:
+    """Syncs the plan's cities (then helps other runs of the batch); yields each city's
+    outcome as it finishes.
+
+    A city that raises is yielded as FAILED (its shard is FAILED and resumable); the other
+    cities go on. A city another worker holds is waited for after the others, and yielded
+    once this run has synced it or seen it finished.
+
+    With ``processes`` (and a count above 0), the cities are synced in that many worker
+    processes forked now, each with its own connections and worker id (its shard leases
+    are its own), one city at a time each; this process only hands out cities and yields
+    their outcomes, so whoever iterates (a Dagster step writing each city's events) works
+    while the workers sync. A sync is CPU-bound (parsing, normalizing, SQL): threads of
+    one process share one core. A worker that dies leaves its city FAILED here and its
+    lease to expire (a re-run resumes it); the processes end with the iteration.
+
+    Args:
+        db: The sync database.
+        store: The payload store.
+        client: The supplier client; None for a replay.
+        plan: From :func:`plan_run`.
+        request: What the run was asked to do.
+        settings: The task and tuning settings.
+        worker_id: This worker's id (one per run).
+        processes: Worker processes to sync in, or None to sync in this process
+            (``request.threads`` cities at once).
+    """
+    done: list[CityOutcome] = []
+    try:
+        if processes is not None and processes.count > 0:
+            with _ProcessPool(processes, plan, request, settings) as pool:
+                # One city more than there are workers: it waits in the pool's queue, so a
+                # worker that finishes a city takes the next at once instead of waiting for
+                # this process to receive the outcome and hand one out (this process is busy
+                # writing the finished city's events meanwhile, and shares the CPUs).
+                for outcome in _run(db, pool.sync, plan, request, processes.count + QUEUED_AHEAD):
+                    done.append(outcome)
+                    yield outcome
+            return
+        worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
+        for outcome in _run(db, worker.sync, plan, request, request.threads):
+            done.append(outcome)
+            yield outcome
+    finally:
+        # Also for a run that stops early: what it did ask of the supplier counts.
+        try:
+            record_run_stats(
+                db,
+                batch_id=plan.batch.batch_id,
+                task_code=settings.task_code,
+                worker_id=worker_id,
+                outcomes=done,
+            )
+        except Exception as err:  # metrics never fail a sync
+            log.warning("could not record the run's stats: %s", err)
+
+
+def _run(
+    db: SyncDatabase,
+    sync: Callable[..., CityOutcome],
+    plan: RunPlan,
+    request: RunRequest,
+    threads: int,
+) -> Iterator[CityOutcome]:
+    """The run's cities through ``sync``, ``threads`` at once: own, held, then helping."""
+    held: list[str] = []
+    for outcome in in_flight(plan.cities, lambda c: sync(c, wait_if_held=False), threads):
+        if outcome.status == "HELD_BY_OTHER":
+            held.append(outcome.city_code)
+        else:
+            yield outcome
+    yield from in_flight(held, lambda c: sync(c, wait_if_held=True), threads)
+    if request.help_other_runs and not request.replay:
+        helped: list[CityOutcome] = []
+
+        def help_one(city: str) -> CityReport:
+            outcome = sync(city, wait_if_held=False, helped=True)
+            if outcome.status == "FAILED":
+                # Left to its owner, which resumes it; help_other_workers goes on.
+                raise RuntimeError(outcome.report.error)
+            if outcome.status not in ("HELD_BY_OTHER", "ALREADY_DONE"):
+                helped.append(outcome)
+            return outcome.report
+
+        help_other_workers(
+            db,
+            plan.batch.batch_id,
+            skip=set(request.cities),
+            sync_one=help_one,
+            threads=threads,
+            hotel_counts=plan.sizes,
+        )
+        yield from helped
+
+
+# Cities handed to the worker processes beyond one each (see run_cities).
+QUEUED_AHEAD = 1
+
+# The worker of this process, when it is a worker process of a run (set at its start).
+_process_worker: _CityWorker | None = None
+PARENT_POLL_SECONDS = 1.0
+
+
+class _ProcessPool:
+    """A run's worker processes: forked, each with its own connections, one city each."""
+
+    def __init__(
+        self,
+        processes: WorkerProcesses,
+        plan: RunPlan,
+        request: RunRequest,
+        settings: SyncSettings,
+    ) -> None:
+        # Fork: the workers start at once with this process's modules and the run's rate
+        # limiter (a spawned process would import the project again, seconds of CPU).
+        # They never touch this process's connections: open_io opens their own.
+        self._pool = ProcessPoolExecutor(
+            max_workers=processes.count,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_start_worker,
+            initargs=(processes.open_io, plan, request, settings, os.getpid()),
+        )
+
+    def __enter__(self) -> _ProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+        """Syncs ``city`` in a worker process; a worker that died makes it FAILED."""
+        started = time.perf_counter()
+        try:
+            return self._pool.submit(_sync_in_worker, city, wait_if_held, helped).result()
+        except Exception as err:  # BrokenProcessPool: a worker was killed (OOM, signal)
+            report = CityReport(city, status="FAILED", error=f"worker process died: {err}")
+            log.warning("city %r failed: %s", city, report.error)
+            return CityOutcome(report, helped, seconds=time.perf_counter() - started)
+
+
+def _start_worker(
+    open_io: Callable[[], AbstractContextManager[WorkerIO]],
+    plan: RunPlan,
+    request: RunRequest,
+    settings: SyncSettings,
+    parent_pid: int,
+) -> None:
+    """A worker process's start: its own connections and worker id, kept until it ends."""
+    global _process_worker
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch"
+    ).start()
+    stack = ExitStack()
+    io = stack.enter_context(open_io())
+    # Never closed: the process ends with its pool, and its connections with it.
+    _open_stacks.append(stack)
+    _process_worker = _CityWorker(io, plan, request, settings, make_worker_id("supplier-sync"))
+    prepare_process()
+
+
+_open_stacks: list[ExitStack] = []
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # A worker whose run's process was killed stops too: its city's lease then expires
+    # and the next run resumes the city from its checkpoint.
+    while True:
+        time.sleep(PARENT_POLL_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _sync_in_worker(city: str, wait_if_held: bool, helped: bool) -> CityOutcome:
+    if _process_worker is None:  # pragma: no cover - only a worker process calls this
+        raise RuntimeError("not a worker process of a run")
+    return _process_worker.sync(city, wait_if_held=wait_if_held, helped=helped)
+
+
+def published_report(db: SyncDatabase, batch_id: str, city: str) -> CityReport:
+    """A city that an earlier run of the batch published, as the sync database records it.
+
+    Its status is ALREADY_DONE and every stage is done; counts and pages come from the
+    shard, diffs from the diff log (the dead letters' codes are not broken down per city).
+    """
+    shard = get_shard(db, batch_id, city)
+    d = schema.diff_log.c
+    where = (d.batch_id == batch_id, d.shard_key == city)
+    with db.engine.connect() as conn:
+        diffs = conn.execute(
+            sa.select(d.diff_type, d.action, sa.func.count())
+            .where(*where)
+            .group_by(d.diff_type, d.action)
+        ).all()
+    report = CityReport(
+        city,
+        status="ALREADY_DONE",
+        pages_fetched=shard.pages_done,
+        records=shard.total_count,
+        published=shard.success_count,
+        dead_letters=shard.failed_count,
+        skipped=shard.skipped_count,
+        stages_done=["fetch", "normalize", "publish"],
+    )
+    for diff_type, action, n in diffs:
+        report.diffs_by_type[diff_type] += int(n)
+        report.diffs_by_action[action] += int(n)
+    return report
+
+
+def in_flight(items: Iterable[T], fn: Callable[[T], R], threads: int) -> Iterator[R]:
+    """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they finish.
+
+    Items start in order. ``fn`` should not raise (an exception ends the iteration after
+    the calls in flight finish). Leaving the iteration early cancels the calls not started.
+    """
+    if threads <= 1:
+        for item in items:
+            yield fn(item)
+        return
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city")
+    try:
+        pending: set[Future[R]] = {pool.submit(fn, item) for item in items}
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def not_done(outcomes: Iterable[CityOutcome]) -> Mapping[str, list[CityOutcome]]:
+    """The outcomes of cities that did not publish, by status (FAILED, GATED, LEASE_LOST)."""
+    by_status: dict[str, list[CityOutcome]] = {}
+    for o in outcomes:
+        if not o.done:
+            by_status.setdefault(o.status, []).append(o)
+    return by_status

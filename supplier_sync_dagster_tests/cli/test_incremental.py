@@ -1,0 +1,94 @@
+"""``supplier-sync sync --incremental`` as a user calls it: after a full sync, over the
+simulator on real HTTP, on SQLite and MariaDB."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster_tests.cli.test_main import (  # noqa: F401  (cli_home: an autouse fixture)
+    assert_one_line_error,
+    cli_home,
+    published,
+    query,
+    run,
+    simulator,
+    supplier,
+    sync,
+)
+
+
+def test_sync_incremental_publishes_the_days_changes_and_moves_the_watermark(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db_url: str
+):
+    sim = simulator(n_cities=4, total_hotels=600, late_arrival_rate=0.0)
+    with supplier(sim, monkeypatch):
+        assert sync(capsys, db_url).code == 0
+        sim.advance_day()
+        out = run(capsys, "--db-url", db_url, "sync", "--incremental", "--json")
+        assert out.code == 0, out
+        summary = json.loads(out.out)
+        truth = sim.ground_truth()
+        pub = published(db_url)
+        assert {h: pub.get(h) for h in truth.valid} == dict(truth.valid)
+        window = summary["window"]
+        assert summary["status"] == "SUCCESS" and window["published"] > 0
+        assert window["watermark_after"] > window["watermark_before"]
+        assert summary["cities"] and sum(summary["cities"].values()) == window["published"]
+        # Nothing new: the next window re-reads the overlap only and publishes nothing.
+        again = run(capsys, "--db-url", db_url, "sync", "--incremental")
+        assert again.code == 0, again
+        assert "published 0" in again.out and "window " in again.out
+    w = schema.watermark.c
+    (row,) = query(db_url, sa.select(w.task_code, w.batch_id))
+    assert row.task_code == "hotel_supplier_incremental"
+
+
+def test_sync_incremental_before_any_full_sync_says_what_to_do(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db_url: str
+):
+    with supplier(simulator(), monkeypatch):
+        out = run(capsys, "--db-url", db_url, "sync", "--incremental")
+    line = assert_one_line_error(out)
+    assert "sync --full" in line
+
+
+def test_sync_needs_exactly_one_mode(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        run(capsys, "sync")
+    with pytest.raises(SystemExit):
+        run(capsys, "sync", "--full", "--incremental")
+
+
+def test_reconcile_reports_a_city_that_lost_hotels_and_repulls_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db_url: str
+):
+    sim = simulator(n_cities=4, total_hotels=600)
+    with supplier(sim, monkeypatch):
+        assert sync(capsys, db_url).code == 0
+        h = schema.platform_hotel.c
+        (city,) = query(
+            db_url,
+            sa.select(h.city_code).group_by(h.city_code).order_by(sa.func.count().desc()).limit(1),
+        )[0]
+        lost = [r[0] for r in query(db_url, sa.select(h.resource_id).where(h.city_code == city))][
+            :9
+        ]
+        from supplier_sync_dagster.core.store.db import SyncDatabase
+
+        db = SyncDatabase.open(db_url)
+        with db.begin() as conn:
+            conn.execute(sa.delete(schema.platform_hotel).where(h.resource_id.in_(lost)))
+        db.dispose()
+        out = run(capsys, "--db-url", db_url, "reconcile")
+        assert out.code == 0, out
+        assert f"{city!r}: hotels" in out.out and "1 differ" in out.out
+        assert "re-pulled 1 of 1 cities" in out.out
+        after = run(capsys, "--db-url", db_url, "reconcile", "--no-repull", "--json")
+        assert after.code == 0, after
+        rows = [json.loads(line) for line in after.out.splitlines()]
+        assert rows and not any(r["differs"] for r in rows)
+        assert {r["city"] for r in rows} == set(sim.ground_truth().listed_by_city)

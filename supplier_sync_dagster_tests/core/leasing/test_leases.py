@@ -1,0 +1,775 @@
+"""Shard leases: one writer per shard, fencing, reclaim, checkpoints, heartbeats, stalls; the
+shard state machine's table of moves; the lease lifecycle of a shard's work (resume, failure,
+lost lease and interruption, each with what it leaves behind)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import threading
+from collections.abc import Generator, Iterator
+from typing import Any, get_args
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from supplier_sync_dagster.core.errors import (
+    ConfigError,
+    InvalidCheckpoint,
+    InvalidTransition,
+    LeaseLost,
+    LeaseNotAcquired,
+    UnknownShard,
+)
+from supplier_sync_dagster.core.leasing.batches import cancel_batch, get_batch
+from supplier_sync_dagster.core.leasing.leases import (
+    Checkpoint,
+    HeartbeatRunner,
+    LeaseSettings,
+    PageCounts,
+    ShardWork,
+    claim_next_shard,
+    claim_shard,
+    find_stalls,
+    get_shard,
+    holder_is_dead_here,
+    list_shards,
+    make_worker_id,
+    reopen_shard,
+)
+from supplier_sync_dagster.core.leasing.shards import (
+    SHARD_MOVES,
+    ShardStatus,
+    move_shards,
+    sources_of,
+)
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
+from supplier_sync_dagster_tests.core.conftest import MakeBatch, run_concurrently
+from supplier_sync_dagster_tests.core.sync.page_loop import FetchedPage, run_shard
+from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES
+
+FAST = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.05)
+RACES = 50
+
+
+def _shard_row(db: SyncDatabase, batch_id: str, key: str) -> dict[str, Any]:
+    with db.engine.connect() as conn:
+        row = conn.execute(
+            sa.select(schema.shard).where(
+                schema.shard.c.batch_id == batch_id, schema.shard.c.shard_key == key
+            )
+        ).one()
+    return dict(row._mapping)
+
+
+# ---------------------------------------------------------------- claim races
+
+
+def test_threads_race_for_one_shard_exactly_one_wins(db: SyncDatabase, make_batch: MakeBatch):
+    n_threads = 8
+    for race in range(RACES):
+        batch = make_batch(["RACE"])
+        won, errors = run_concurrently(
+            n_threads,
+            lambda i, b=batch.batch_id: (
+                claim_shard(  # type: ignore[misc]
+                    db, b, "RACE", worker_id=f"thread-{i}", settings=FAST
+                ).worker_id
+            ),
+        )
+        assert len(won) == 1, (race, won, errors)
+        assert len(errors) == n_threads - 1
+        assert all(isinstance(e, LeaseNotAcquired) for e in errors), errors
+        row = _shard_row(db, batch.batch_id, "RACE")
+        assert row["worker_id"] == won[0]
+        assert row["claim_count"] == 1
+
+
+def _race_worker(
+    url: str, idx: int, jobs: Any, results: Any, barrier: Any
+) -> None:  # runs in a child process
+    db = SyncDatabase.open(url, create_schema=False)
+    while True:
+        batch_id = jobs.get()
+        if batch_id is None:
+            break
+        barrier.wait()
+        try:
+            claim_shard(db, batch_id, "RACE", worker_id=f"proc-{idx}", settings=FAST)
+            results.put((batch_id, idx, "won"))
+        except LeaseNotAcquired:
+            results.put((batch_id, idx, "lost"))
+        except Exception as err:
+            results.put((batch_id, idx, f"error: {err!r}"))
+    db.dispose()
+
+
+def test_processes_race_for_one_shard_exactly_one_wins(
+    db: SyncDatabase, make_batch: MakeBatch
+) -> None:
+    n_procs = 4
+    ctx = mp.get_context("spawn")
+    jobs = ctx.Queue()
+    results = ctx.Queue()
+    barrier = ctx.Barrier(n_procs)
+    url = db.engine.url.render_as_string(hide_password=False)
+    procs = [
+        ctx.Process(target=_race_worker, args=(url, i, jobs, results, barrier))
+        for i in range(n_procs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(RACES):
+            batch = make_batch(["RACE"])
+            for _ in range(n_procs):
+                jobs.put(batch.batch_id)
+            outcomes = [results.get(timeout=60) for _ in range(n_procs)]
+            assert all(o[0] == batch.batch_id for o in outcomes)
+            verdicts = sorted(o[2] for o in outcomes)
+            assert verdicts == ["lost"] * (n_procs - 1) + ["won"], outcomes
+            winner = next(o[1] for o in outcomes if o[2] == "won")
+            assert _shard_row(db, batch.batch_id, "RACE")["worker_id"] == f"proc-{winner}"
+    finally:
+        for _ in procs:
+            jobs.put(None)
+        for p in procs:
+            p.join(timeout=30)
+    assert all(p.exitcode == 0 for p in procs)
+
+
+# ---------------------------------------------------------------- fencing
+
+
+def test_reclaimed_lease_cannot_write_checkpoint_counts_heartbeat_or_finish(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    old = claim_shard(db, batch.batch_id, "BKK", worker_id="old", settings=FAST)
+    old.advance(
+        Checkpoint("BKK", page=2, cursor="c2", last_supplier_hotel_id="H100"),
+        PageCounts(success=98, failed=1, skipped=1),
+        total_pages=5,
+    )
+
+    db.clock.advance(FAST.lease_seconds + 1)  # old's lease expires: no sleeping
+    new = claim_shard(db, batch.batch_id, "BKK", worker_id="new", settings=FAST)
+    before = _shard_row(db, batch.batch_id, "BKK")
+
+    with pytest.raises(LeaseLost):
+        old.advance(Checkpoint("BKK", page=3), PageCounts(success=100))
+    for attempt in (
+        lambda: old.heartbeat("FETCHING", "page 3"),
+        lambda: old.advance(Checkpoint("BKK", page=3), PageCounts(success=1)),
+        lambda: old.finish("SUCCESS"),
+        lambda: old.release(),
+    ):
+        with pytest.raises(LeaseLost):
+            attempt()
+    assert old.lost
+    assert _shard_row(db, batch.batch_id, "BKK") == before  # nothing written by the old worker
+
+    new.advance(Checkpoint("BKK", page=3), PageCounts(success=100), total_pages=5)
+    assert new.finish("SUCCESS").status == "SUCCESS"
+
+
+def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    old = claim_shard(db, batch.batch_id, "BKK", worker_id="old", settings=FAST)
+    db.clock.advance(FAST.lease_seconds + 1)
+    claim_shard(db, batch.batch_id, "BKK", worker_id="new", settings=FAST)
+
+    with pytest.raises(LeaseLost), db.begin() as conn:
+        conn.execute(
+            sa.insert(schema.snapshot).values(
+                snapshot_id="page-2",
+                batch_id=batch.batch_id,
+                supplier_id=1001,
+                category_code="HOTEL",
+                snapshot_type="RAW",
+                snapshot_version=1,
+                payload_hash="0" * 64,
+                created_at=db.clock.now(),
+            )
+        )
+        old.advance(Checkpoint("BKK", page=2), PageCounts(success=1), conn=conn)
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(schema.snapshot)).scalar() == 0
+
+
+def test_heartbeat_runner_renews_then_detects_loss_and_signals_stop(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    lost = threading.Event()
+    with HeartbeatRunner(lease, on_lost=lambda err: lost.set()) as runner:
+        runner.report("FETCHING", "city=BKK page=1")
+        deadline = threading.Event()
+        while runner.beats < 2 and not deadline.wait(0.02):
+            pass
+        row = _shard_row(db, batch.batch_id, "BKK")
+        assert row["last_heartbeat_stage"] == "FETCHING"
+        assert row["last_heartbeat_message"] == "city=BKK page=1"
+
+        # Another worker, whose clock is past the lease (the runner's own clock is not
+        # shifted: were it shared, a beat landing now would renew the lease past the claim).
+        other = SyncDatabase(engine=db.engine, clock=DbClock(FAST.lease_seconds + 1))
+        claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+        assert lost.wait(5), "the heartbeat runner did not detect the lost lease"
+        assert runner.lost
+        with pytest.raises(LeaseLost):
+            runner.check()
+    assert _shard_row(db, batch.batch_id, "BKK")["worker_id"] == "w2"
+
+
+def test_heartbeat_runner_gives_up_when_renewals_fail_until_the_lease_could_expire(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    calls = {"n": 0}
+
+    def unreachable(*_a: object, **_k: object) -> None:
+        calls["n"] += 1
+        raise sa.exc.OperationalError("UPDATE supplier_sync_shard", {}, Exception("gone away"))
+
+    monkeypatch.setattr(lease, "heartbeat", unreachable)
+    ticks = iter(range(0, 10_000, 5))  # each reading of the local timer: 5 s later
+    lost = threading.Event()
+    with HeartbeatRunner(
+        lease, on_lost=lambda err: lost.set(), monotonic=lambda: float(next(ticks))
+    ):
+        assert lost.wait(5), "the runner kept going without a renewed lease"
+    # 30 s lease, renewal every 0.05 s: it gives up once failures span >= 29.95 s of timer.
+    assert 5 <= calls["n"] <= 8
+    assert lease.lost
+    with pytest.raises(LeaseLost, match="heartbeat failed"):
+        lease.ensure_held()
+
+
+def test_heartbeat_extends_lease_by_database_clock(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    first = _shard_row(db, batch.batch_id, "BKK")["lease_until"]
+    db.clock.advance(20)  # still inside the 30 s lease
+    lease.heartbeat()
+    second = _shard_row(db, batch.batch_id, "BKK")["lease_until"]
+    assert 19 <= (second - first).total_seconds() <= 25
+    db.clock.advance(20)  # 40 s after the claim, but 20 s after the renewal: still live
+    with pytest.raises(LeaseNotAcquired, match="live lease"):
+        claim_shard(db, batch.batch_id, "BKK", worker_id="thief", settings=FAST)
+
+
+def test_cancelled_batch_workers_lose_their_lease(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    cancel_batch(db, batch.batch_id, "operator cancelled")
+    with pytest.raises(LeaseLost):
+        lease.heartbeat()
+    with pytest.raises(LeaseNotAcquired, match="CANCELLED"):
+        claim_shard(db, batch.batch_id, "SIN", worker_id="w2", settings=FAST)
+    with db.engine.connect() as conn:
+        assert get_batch(conn, batch.batch_id).status == "CANCELLED"
+
+
+# ---------------------------------------------------------------- reclaim and resume
+
+
+def test_reclaim_resumes_from_stored_checkpoint_live_lease_never_reclaimed(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    first = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    assert first.checkpoint is None and not first.resumed
+    cp = Checkpoint("BKK", page=7, cursor="opaque==", last_supplier_hotel_id="H0600")
+    first.advance(cp, PageCounts(success=100), total_pages=12)
+
+    db.clock.advance(FAST.lease_seconds - 5)  # 5 s before expiry: still live
+    with pytest.raises(LeaseNotAcquired):
+        claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    assert claim_next_shard(db, batch.batch_id, worker_id="w2", settings=FAST) is None
+
+    db.clock.advance(6)  # now expired
+    stalls = find_stalls(db)
+    assert [(s.kind, s.shard_key) for s in stalls] == [("LEASE_EXPIRED", "BKK")]
+    second = claim_next_shard(db, batch.batch_id, worker_id="w2", settings=FAST)
+    assert second is not None
+    assert second.checkpoint == cp
+    assert second.resumed and second.claim_count == 2
+    row = _shard_row(db, batch.batch_id, "BKK")
+    assert (row["worker_id"], row["lease_token"]) == ("w2", second.lease_token)
+    assert row["success_count"] == 100 and row["pages_done"] == 1
+
+
+def test_release_returns_shard_to_pending_with_its_checkpoint(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    lease.advance(Checkpoint("BKK", page=4), PageCounts(success=3))
+    lease.release("run terminated")
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "PENDING" and info.checkpoint == Checkpoint("BKK", page=4)
+    again = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    assert again.checkpoint == Checkpoint("BKK", page=4)
+
+
+# ---------------------------------------------------------------- counts and batch derivation
+
+
+def test_counts_add_up_and_batch_status_derives_from_shards(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["A", "B", "C"])
+    pages = {
+        "A": [PageCounts(100, 0, 0), PageCounts(97, 2, 1), PageCounts(40, 0, 3)],
+        "B": [PageCounts(0, 100, 0)],
+        "C": [PageCounts(10, 5, 85), PageCounts(0, 0, 0)],
+    }
+    leases = {
+        k: claim_shard(db, batch.batch_id, k, worker_id=f"w-{k}", settings=FAST) for k in pages
+    }
+    with db.engine.connect() as conn:
+        assert get_batch(conn, batch.batch_id).status == "RUNNING"
+    for key, counts in pages.items():
+        for i, c in enumerate(counts, start=2):
+            leases[key].advance(Checkpoint(key, page=i), c, total_pages=len(counts))
+
+    after_a = leases["A"].finish("SUCCESS")
+    assert after_a.status == "RUNNING" and after_a.shards_done == 1
+    assert leases["B"].finish("FAILED", "supplier returned 500 for every page").status == "RUNNING"
+    final = leases["C"].finish("SUCCESS")
+    assert final.status == "PARTIAL_FAILED"
+    assert final.finished_at is not None and final.progress_percent == 100
+
+    for info in list_shards(db, batch.batch_id):
+        assert info.total_count == info.success_count + info.failed_count + info.skipped_count
+        assert info.total_count == sum(c.total for c in pages[info.shard_key])
+    everything = [c for cs in pages.values() for c in cs]
+    assert final.success_count == sum(c.success for c in everything)
+    assert final.failed_count == sum(c.failed for c in everything)
+    assert final.skipped_count == sum(c.skipped for c in everything)
+    assert final.total_count == final.success_count + final.failed_count + final.skipped_count
+
+
+@pytest.mark.parametrize(
+    ("finishes", "expected"),
+    [
+        (["SUCCESS", "SUCCESS"], "SUCCESS"),
+        (["FAILED", "FAILED"], "FAILED"),
+        (["SUCCESS", "FAILED"], "PARTIAL_FAILED"),
+    ],
+)
+def test_batch_terminal_status(
+    db: SyncDatabase, make_batch: MakeBatch, finishes: list[str], expected: str
+):
+    batch = make_batch(["X", "Y"])
+    result = None
+    for key, status in zip(("X", "Y"), finishes, strict=True):
+        lease = claim_shard(db, batch.batch_id, key, worker_id="w", settings=FAST)
+        result = lease.finish(status)  # type: ignore[arg-type]
+    assert result is not None and result.status == expected
+
+
+def test_progress_and_current_city_follow_checkpoints(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["A", "B"])
+    a = claim_shard(db, batch.batch_id, "A", worker_id="w", settings=FAST)
+    a.advance(Checkpoint("A", page=2), PageCounts(success=10), total_pages=4)
+    b = a.refresh_batch()
+    assert b.current_city_code == "A" and b.current_page == 2
+    assert float(b.progress_percent) == pytest.approx(12.5)  # (1/4) of one of two shards
+
+
+# ---------------------------------------------------------------- stalls
+
+
+def test_stall_query_finds_fresh_heartbeat_with_frozen_checkpoint(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["SLOW", "FINE"])
+    slow = claim_shard(db, batch.batch_id, "SLOW", worker_id="w1", settings=FAST)
+    fine = claim_shard(db, batch.batch_id, "FINE", worker_id="w2", settings=FAST)
+    slow.advance(Checkpoint("SLOW", page=2), PageCounts(success=1))
+    for _ in range(5):  # 100 s: heartbeats keep both alive, only FINE checkpoints
+        db.clock.advance(20)
+        slow.heartbeat("FETCHING", "waiting on supplier")
+        fine.advance(Checkpoint("FINE", page=2), PageCounts(success=1))
+    stalls = find_stalls(db, checkpoint_stall_seconds=60, heartbeat_fresh_seconds=30)
+    assert [(s.kind, s.shard_key) for s in stalls] == [("CHECKPOINT_STALLED", "SLOW")]
+    assert stalls[0].seconds_since_checkpoint >= 99
+    assert stalls[0].message == "waiting on supplier"
+    with pytest.raises(ConfigError):
+        find_stalls(db, checkpoint_stall_seconds=0)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_hostile_city_codes_stored_and_read_back_verbatim(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(HOSTILE_CITY_CODES)
+    assert {s.shard_key for s in list_shards(db, batch.batch_id)} == set(HOSTILE_CITY_CODES)
+    for code in HOSTILE_CITY_CODES:
+        lease = claim_shard(db, batch.batch_id, code, worker_id="w", settings=FAST)
+        cp = Checkpoint(code, page=3, cursor=code, last_supplier_hotel_id=code)
+        lease.advance(cp, PageCounts(success=1))
+        assert get_shard(db, batch.batch_id, code).checkpoint == cp
+        lease.finish("SUCCESS")
+    with db.engine.connect() as conn:
+        assert get_batch(conn, batch.batch_id).status == "SUCCESS"
+        # The hostile SQL did nothing: every table is still there.
+        assert set(sa.inspect(conn).get_table_names()) >= set(schema.metadata.tables)
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        '{"city_code": "BKK", "page": "two"}',
+        "not json",
+        "[1, 2]",
+        '{"page": 3}',
+        '{"city_code": "BKK", "page": 0}',
+        '{"city_code": "BKK", "page": 2, "evil": 1}',
+    ],
+)
+def test_malformed_stored_checkpoint_is_a_clear_error(
+    db: SyncDatabase, make_batch: MakeBatch, stored: str
+):
+    batch = make_batch(["BKK"])
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(schema.shard)
+            .where(schema.shard.c.batch_id == batch.batch_id)
+            .values(checkpoint=stored)
+        )
+    with pytest.raises(InvalidCheckpoint, match="BKK"):
+        claim_shard(db, batch.batch_id, "BKK", worker_id="w", settings=FAST)
+    assert _shard_row(db, batch.batch_id, "BKK")["status"] == "PENDING"  # nothing half-written
+
+
+def test_checkpoint_validation_writes_nothing(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w", settings=FAST)
+    before = _shard_row(db, batch.batch_id, "BKK")
+    with pytest.raises(InvalidCheckpoint, match="another city|SIN"):
+        lease.advance(Checkpoint("SIN", page=2), PageCounts(success=1))
+    with pytest.raises(InvalidCheckpoint, match="limit"):
+        lease.advance(Checkpoint("BKK", page=2, cursor="c" * 2000), PageCounts(success=1))
+    with pytest.raises(InvalidCheckpoint):
+        Checkpoint("BKK", page=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        PageCounts(success=-1)
+    assert _shard_row(db, batch.batch_id, "BKK") == before
+
+
+@pytest.mark.parametrize(("lease", "beat"), [(1, 0.1), (4000, 20), (180, 90), (180, 0)])
+def test_out_of_range_lease_settings_are_rejected(lease: float, beat: float):
+    with pytest.raises(ConfigError, match="lease|heartbeat"):
+        LeaseSettings(lease_seconds=lease, heartbeat_seconds=beat)
+
+
+def test_unknown_shard_and_worker_id(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    with pytest.raises(UnknownShard, match="NOPE"):
+        claim_shard(db, batch.batch_id, "NOPE", worker_id="w", settings=FAST)
+    with pytest.raises(ConfigError, match="worker_id"):
+        claim_shard(db, batch.batch_id, "BKK", worker_id="w" * 65, settings=FAST)
+
+
+def test_worker_id_is_service_host_pid_start(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POD_NAME", "hotel-sync-worker-pod-a1b2c3" + "x" * 80)
+    wid = make_worker_id("hotel-sync")
+    assert len(wid) <= 64
+    assert wid.startswith("hotel-sync-hotel-sync-worker-pod-a1b2c3")
+    import os
+
+    assert f"-{os.getpid()}-" in wid and wid.endswith("Z")
+
+
+def test_live_lease_of_a_dead_local_process_is_taken_at_once(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    import subprocess
+    import sys
+
+    batch = make_batch(["BKK"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_worker = make_worker_id("other").rsplit("-", 2)[0] + f"-{child.pid}-20260101T000000Z"
+        claim_shard(db, batch.batch_id, "BKK", worker_id=dead_worker, settings=FAST)
+        # Alive: its lease is respected.
+        with pytest.raises(LeaseNotAcquired, match="live lease"):
+            claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    finally:
+        child.kill()
+        child.wait()
+    assert holder_is_dead_here(dead_worker)
+    taken = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+    assert taken.claim_count == 2 and _shard_row(db, batch.batch_id, "BKK")["worker_id"] == "w2"
+    # Another host's worker, or an id that is not ours, is never presumed dead.
+    assert not holder_is_dead_here("supplier-sync-some-other-host-1-20260101T000000Z")
+    assert not holder_is_dead_here("not-a-worker-id")
+    with pytest.raises(LeaseNotAcquired):
+        claim_shard(
+            db, batch.batch_id, "BKK", worker_id="w3", settings=FAST, reclaim_dead_local=False
+        )
+
+
+# ---------------------------------------------------------------- the table of shard moves
+
+
+def _set_status(db: SyncDatabase, shard_id: int, status: str) -> None:
+    with db.begin() as conn:  # test setup: straight to a state, bypassing the state machine
+        conn.execute(
+            sa.update(schema.shard).where(schema.shard.c.id == shard_id).values(status=status)
+        )
+
+
+def test_the_table_of_moves_is_what_the_database_enforces(db: SyncDatabase, make_batch: MakeBatch):
+    states: tuple[ShardStatus, ...] = get_args(ShardStatus)
+    assert set(SHARD_MOVES) == set(states)
+    batch = make_batch(["BKK"])
+    shard_id = get_shard(db, batch.batch_id, "BKK").shard_id
+    for source, target in itertools.product(states, states):
+        _set_status(db, shard_id, source)
+        allowed = target in SHARD_MOVES[source]
+        assert (source in sources_of(target)) == allowed
+        with db.begin() as conn:
+            if allowed:
+                move_shards(
+                    conn, target, [schema.shard.c.id == shard_id], on_miss=lambda: AssertionError()
+                )
+            else:
+                with pytest.raises(InvalidTransition, match="refused"):
+                    move_shards(
+                        conn,
+                        target,
+                        [schema.shard.c.id == shard_id],
+                        on_miss=lambda: InvalidTransition("refused"),
+                    )
+                # A bulk move (no on_miss) reports the 0 rows instead of raising.
+                assert move_shards(conn, target, [schema.shard.c.id == shard_id]) == 0
+        expected = target if allowed else source
+        assert get_shard(db, batch.batch_id, "BKK").status == expected, (source, target)
+
+
+def test_a_move_the_table_does_not_have_is_refused_before_any_write(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    shard_id = get_shard(db, batch.batch_id, "BKK").shard_id
+    _set_status(db, shard_id, "SUCCESS")
+    with db.begin() as conn, pytest.raises(InvalidTransition, match="SUCCESS"):
+        move_shards(conn, "PENDING", [schema.shard.c.id == shard_id], sources=["SUCCESS"])
+    assert get_shard(db, batch.batch_id, "BKK").status == "SUCCESS"
+
+
+def test_a_fenced_move_needs_the_holder_and_its_token(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    where = [schema.shard.c.id == lease.shard_id]
+    with db.begin() as conn:
+        assert move_shards(conn, "PENDING", where, holder=("w1", "another token")) == 0
+        assert move_shards(conn, "PENDING", where, holder=("w2", lease.lease_token)) == 0
+    assert get_shard(db, batch.batch_id, "BKK").status == "RUNNING"
+    with db.begin() as conn:
+        assert move_shards(conn, "PENDING", where, holder=("w1", lease.lease_token)) == 1
+    assert get_shard(db, batch.batch_id, "BKK").status == "PENDING"
+
+
+# ---------------------------------------------------------------- the shard's work and its end
+
+SETTINGS = LeaseSettings(lease_seconds=30, heartbeat_seconds=0.5)
+PAGES = 6
+
+
+def source_for(city: str, seen: list[int]):
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            seen.append(n)
+            yield FetchedPage(n, Checkpoint(city, page=n + 1), PAGES, f"{city}:{n}".encode(), [n])
+
+    return source
+
+
+def handler(db: SyncDatabase, batch_id: str, fail_on: int | None = None):
+    def handle(conn: Connection, page: FetchedPage) -> PageCounts:
+        insert_ignore(
+            conn,
+            schema.snapshot,
+            [
+                {
+                    "snapshot_id": f"{batch_id[:40]}-{page.number}",
+                    "batch_id": batch_id,
+                    "supplier_id": 1,
+                    "category_code": "HOTEL",
+                    "snapshot_type": "RAW",
+                    "snapshot_version": 1,
+                    "payload_hash": "0" * 64,
+                }
+            ],
+            created_at=db.clock.now(),
+        )
+        if page.number == fail_on:
+            raise RuntimeError(f"supplier exploded on page {page.number}")
+        return PageCounts(success=10, failed=1, skipped=2)
+
+    return handle
+
+
+def stored_pages(db: SyncDatabase, batch_id: str) -> int:
+    with db.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count())
+                .select_from(schema.snapshot)
+                .where(schema.snapshot.c.batch_id == batch_id)
+            ).scalar_one()
+        )
+
+
+def test_failure_marks_shard_failed_and_reopen_resumes_from_checkpoint(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    seen: list[int] = []
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    with pytest.raises(RuntimeError, match="page 4"):
+        run_shard(lease, source_for("BKK", seen), handler(db, batch.batch_id, fail_on=4))
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "FAILED" and "page 4" in (info.error_message or "")
+    assert info.checkpoint == Checkpoint("BKK", page=4) and info.pages_done == 3
+    assert stored_pages(db, batch.batch_id) == 3  # page 4's data rolled back with it
+
+    after = reopen_shard(db, batch.batch_id, "BKK", "supplier fixed")
+    assert after.status == "RUNNING" and after.finished_at is None
+    with pytest.raises(InvalidTransition):
+        reopen_shard(db, batch.batch_id, "BKK", "again")
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+    outcome = run_shard(lease, source_for("BKK", seen), handler(db, batch.batch_id))
+    assert outcome.status == "SUCCESS" and outcome.resumed_from == Checkpoint("BKK", page=4)
+    assert seen == [1, 2, 3, 4, 4, 5, 6]
+    assert outcome.batch is not None and outcome.batch.status == "SUCCESS"
+    assert stored_pages(db, batch.batch_id) == PAGES
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert (
+        info.total_count
+        == PAGES * 13
+        == info.success_count + info.failed_count + info.skipped_count
+    )
+
+
+def test_lost_lease_stops_the_loop_and_writes_nothing_more(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    # The other worker's own clock is past the lease; w1's heartbeat thread keeps its own.
+    other = SyncDatabase(engine=db.engine, clock=DbClock(SETTINGS.lease_seconds + 1))
+
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            if n == 3:  # meanwhile the lease expired and another worker took over
+                claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+            yield FetchedPage(n, Checkpoint("BKK", page=n + 1), PAGES, b"", [])
+
+    outcome = run_shard(lease, source, handler(db, batch.batch_id))
+    assert outcome.status == "LEASE_LOST" and outcome.pages == 2
+    assert stored_pages(db, batch.batch_id) == 2
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.worker_id == "w2" and info.status == "RUNNING" and info.pages_done == 2
+
+
+def test_interrupt_releases_the_lease_for_an_immediate_resume(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+
+    def source(start: Checkpoint) -> Iterator[FetchedPage]:
+        for n in range(start.page, PAGES + 1):
+            if n == 3:
+                raise KeyboardInterrupt  # the run was terminated
+            yield FetchedPage(n, Checkpoint("BKK", page=n + 1), PAGES, b"", [])
+
+    with pytest.raises(KeyboardInterrupt):
+        run_shard(lease, source, handler(db, batch.batch_id))
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "PENDING" and info.checkpoint == Checkpoint("BKK", page=3)
+    again = claim_shard(db, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+    assert again.checkpoint == Checkpoint("BKK", page=3)
+
+
+def test_shard_work_suppresses_only_a_lost_lease_and_always_stops_the_heartbeat(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with work as heartbeat:
+        cancel_batch(db, batch.batch_id, "operator cancelled")
+        lease.heartbeat()  # LeaseLost: suppressed, kept
+    assert isinstance(work.lost, LeaseLost) and work.error is None
+    assert not heartbeat._thread.is_alive()
+
+    # Any exception once the lease is lost is the loss's doing: suppressed too.
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with work:
+        lease.mark_lost("taken over")
+        raise ValueError("a write that the loss made moot")
+    assert isinstance(work.lost, ValueError)
+    assert get_shard(db, batch.batch_id, "BKK").status == "RUNNING"  # nothing written
+
+
+def test_shard_work_fails_the_shard_and_raises_the_original_error(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    work = ShardWork(lease)
+    with pytest.raises(RuntimeError, match="boom"), work:
+        raise RuntimeError("boom")
+    assert work.error == "RuntimeError: boom" and work.lost is None
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "FAILED" and info.error_message == "RuntimeError: boom"
+
+    # Failing after another worker took the shard: its outcome stands, the error propagates.
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+    other = SyncDatabase(engine=db.engine, clock=DbClock(SETTINGS.lease_seconds + 1))
+    with pytest.raises(RuntimeError, match="late"), ShardWork(lease):
+        claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=SETTINGS)
+        raise RuntimeError("late")
+    info = get_shard(db, batch.batch_id, "BKK")
+    assert info.status == "RUNNING" and info.worker_id == "w2"
+
+
+def test_shard_work_releases_on_generator_close_and_keeps_the_interrupt_if_release_fails(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=SETTINGS)
+
+    def pages() -> Generator[int, None, None]:
+        with ShardWork(lease):
+            yield 1
+            yield 2
+
+    walk = pages()
+    next(walk)
+    walk.close()  # GeneratorExit inside the block
+    assert get_shard(db, batch.batch_id, "BKK").status == "PENDING"
+
+    lease = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=SETTINGS)
+
+    def unreachable(reason: str) -> None:
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr(lease, "release", unreachable)
+    with pytest.raises(KeyboardInterrupt), ShardWork(lease):
+        raise KeyboardInterrupt
+    assert get_shard(db, batch.batch_id, "SIN").status == "RUNNING"  # it expires instead

@@ -1,0 +1,734 @@
+"""Incremental windows over a change feed served by a MockTransport (SQLite and MariaDB).
+
+The feed honours the contract (ordered by ``(updated_at, hotel_id)``, ``next`` until caught
+up); a change can be added with an ``updated_at`` earlier than what was already handed out
+(late data). The simulator-backed scenario over real HTTP is in ``integration/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.errors import NoBaseline, TriggerSkipped
+from supplier_sync_dagster.core.leasing.batches import TaskSpec, upsert_task
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings, list_shards
+from supplier_sync_dagster.core.records.gates import GateThresholds, set_gate_thresholds
+from supplier_sync_dagster.core.records.review import approve_reviews
+from supplier_sync_dagster.core.repair.incremental import (
+    WINDOW_PUBLISH_CHUNK_HOTELS,
+    FeedPosition,
+    IncrementalSettings,
+    Watermark,
+    advance_watermark,
+    get_watermark,
+    quiet_windows,
+    run_incremental,
+)
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync.pipeline import (
+    DEFAULT_PUBLISH_CHUNK_HOTELS,
+    SyncSettings,
+    _judge_page,
+)
+
+T0 = datetime(2026, 11, 20, 10, 0, tzinfo=UTC)
+SETTINGS = SyncSettings(
+    task_code="full_task",
+    supplier_id=1001,
+    lease=LeaseSettings(lease_seconds=30, heartbeat_seconds=5),
+)
+TASK = "incr_task"
+_REAL_JUDGE_PAGE = _judge_page
+
+
+def _ts(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def hotel(num: int, at: float, version: int = 1, **extra: Any) -> dict[str, Any]:
+    """A valid hotel record of the contract, changed at ``T0 + at`` seconds."""
+    record: dict[str, Any] = {
+        "hotel_id": f"H{num:06d}",
+        "name": f"Riverside Hotel {num}",
+        "city_code": "BKK" if num % 2 else "CNX",
+        "country_code": "TH",
+        "address": {"line1": f"{num} Charoen Krung Rd", "postal_code": "10500"},
+        "geo": {"lat": 13.7234, "lng": 100.5143},
+        "star_rating": 4.0,
+        "phone": "+66 2 123 4567",
+        "facilities": ["wifi"],
+        "images": [],
+        "rooms": [
+            {
+                "room_code": "DLX",
+                "name": "Deluxe",
+                "bed_type": "KING",
+                "max_occupancy": 2,
+                "rate_plans": [
+                    {
+                        "code": "BAR",
+                        "board": "RO",
+                        "refundable": True,
+                        "available": True,
+                        "price": {"amount": f"{100 + version}.00", "currency": "USD"},
+                    }
+                ],
+            }
+        ],
+        "status": "ACTIVE",
+        "updated_at": _ts(at),
+        "version": version,
+    }
+    record.update(extra)
+    return record
+
+
+class Feed:
+    """``GET /v1/hotels/changes`` over a list of records (latest version per hotel)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+        self.requests = 0
+        self.fail_after: int | None = None  # raise this many requests from now
+
+    def change(self, record: dict[str, Any]) -> None:
+        self.records[record["hotel_id"]] = record
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/hotels/changes", request.url
+        if self.fail_after is not None:
+            if self.fail_after <= 0:
+                raise KeyboardInterrupt("killed mid-window")
+            self.fail_after -= 1
+        self.requests += 1
+        params = request.url.params
+        since = params["since"]
+        after = params.get("after_id") or ""
+        limit = int(params["limit"])
+        key = (datetime.fromisoformat(since.replace("Z", "+00:00")), after)
+        ordered = sorted(
+            self.records.values(),
+            key=lambda r: (
+                datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")),
+                r["hotel_id"],
+            ),
+        )
+        chosen = [
+            r
+            for r in ordered
+            if (datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")), r["hotel_id"]) > key
+        ][:limit]
+        rest = len(
+            [
+                r
+                for r in ordered
+                if (datetime.fromisoformat(r["updated_at"].replace("Z", "+00:00")), r["hotel_id"])
+                > key
+            ]
+        )
+        nxt = (
+            {"since": chosen[-1]["updated_at"], "after_id": chosen[-1]["hotel_id"]}
+            if chosen and rest > len(chosen)
+            else None
+        )
+        return httpx.Response(200, json={"changes": chosen, "next": nxt})
+
+
+@pytest.fixture
+def feed() -> Feed:
+    return Feed()
+
+
+@pytest.fixture
+def client(feed: Feed) -> Iterator[SupplierClient]:
+    with httpx.Client(
+        base_url="http://supplier", transport=httpx.MockTransport(feed.handle)
+    ) as http:
+        yield SupplierClient(http, api_key="k", supplier_id="fake")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalPayloadStore:
+    return LocalPayloadStore(tmp_path / "payloads")
+
+
+def _start_at(db: SyncDatabase, seconds: float) -> None:
+    with db.begin() as conn:
+        advance_watermark(
+            conn,
+            db.clock,
+            task_code=TASK,
+            supplier_id=1001,
+            to=Watermark(T0 + timedelta(seconds=seconds)),
+            batch_id="seed",
+        )
+
+
+def _run(db, store, client, trigger: str, **settings: Any):
+    incremental = IncrementalSettings(
+        task_code=TASK, full_task_code="full_task", **{"limit": 3, **settings}
+    )
+    return run_incremental(
+        db,
+        store,
+        client,
+        settings=SETTINGS,
+        incremental=incremental,
+        trigger_id=trigger,
+        source="MANUAL",
+        worker_id=f"worker-{trigger}",
+    )
+
+
+def _published(db: SyncDatabase) -> dict[str, int]:
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        return dict(conn.execute(sa.select(h.supplier_hotel_id, h.supplier_version)).all())
+
+
+def test_a_window_publishes_every_change_and_moves_the_watermark_to_its_last(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 10))
+    window = _run(db, store, client, "w1")
+    assert window.report.status == "SUCCESS"
+    assert window.report.records == 7 and window.report.published == 7
+    assert window.report.pages_fetched == 3  # 3 + 3 + 1
+    assert window.watermark_before == Watermark(T0)
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=70), "H000007")
+    assert window.cities == {"BKK": 4, "CNX": 3}
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 8)}
+    # The batch records where the window began and ended.
+    assert window.batch.sync_mode == "INCREMENTAL" and window.batch.status == "SUCCESS"
+
+
+def test_a_window_at_the_default_publishes_in_larger_transactions_than_a_full_sync(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    # Each publish call stamps its hotels with its own token, in one transaction: the
+    # tokens' groups are the transactions (not the publish times: two forked publishers may
+    # read the same microsecond). A window whose settings keep the full sync's default
+    # publishes up to WINDOW_PUBLISH_CHUNK_HOTELS a transaction, one set explicitly stays.
+    assert WINDOW_PUBLISH_CHUNK_HOTELS > DEFAULT_PUBLISH_CHUNK_HOTELS
+    _start_at(db, 0)
+    # Forked publishers split a window into equal chunks near the size (4,100 hotels: 4 of
+    # 975 and a last one at 1,000 a transaction; 2 of 1,950 at 2,000), one process into
+    # chunks of the size.
+    count = 2 * WINDOW_PUBLISH_CHUNK_HOTELS + 100
+    for n in range(1, count + 1):
+        feed.change(hotel(n, at=n))
+    window = _run(db, store, client, "w1", limit=1000)
+    assert window.report.status == "SUCCESS" and window.report.published == count
+    with db.engine.connect() as conn:
+        h = schema.platform_hotel.c
+        groups = Counter(conn.execute(sa.select(h.publish_token)).scalars())
+    assert DEFAULT_PUBLISH_CHUNK_HOTELS < max(groups.values()) <= WINDOW_PUBLISH_CHUNK_HOTELS
+    assert sum(groups.values()) == count
+
+
+def test_a_second_window_rereads_only_the_overlap_and_publishes_only_what_is_new(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 100))
+    _run(db, store, client, "w1")
+    feed.change(hotel(2, at=800, version=2))
+    second = _run(db, store, client, "w2", overlap_seconds=150)
+    # From 700 - 150 = 550: hotels 6 and 7 again (no-ops) and hotel 2's new version.
+    assert second.report.records == 3
+    assert second.report.published == 1 and second.report.skipped == 2
+    assert second.watermark_after == Watermark(T0 + timedelta(seconds=800), "H000002")
+    assert _published(db)["H000002"] == 2
+    third = _run(db, store, client, "w3", overlap_seconds=150)
+    assert third.report.published == 0
+    assert third.watermark_after == second.watermark_after
+    assert quiet_windows(db, TASK) == 1  # the third found nothing new
+
+
+@pytest.mark.parametrize("overlap, lost", [(0, True), (300, False)])
+def test_a_change_visible_late_is_found_only_by_looking_back(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    overlap: float,
+    lost: bool,
+):
+    _start_at(db, 0)
+    feed.change(hotel(1, at=100))
+    feed.change(hotel(3, at=300))
+    _run(db, store, client, "w1", overlap_seconds=overlap)
+    # The supplier's replication lag: hotel 2 changed at 200, visible only now.
+    feed.change(hotel(2, at=200))
+    _run(db, store, client, "w2", overlap_seconds=overlap)
+    assert ("H000002" in _published(db)) is not lost
+
+
+def test_a_window_killed_mid_way_resumes_from_its_checkpoint_and_publishes_each_change_once(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 11):
+        feed.change(hotel(n, at=n * 10))
+    feed.fail_after = 2  # pages 1 and 2 arrive, the third request kills the worker
+    with pytest.raises(KeyboardInterrupt):
+        _run(db, store, client, "w1")
+    with db.engine.connect() as conn:
+        assert get_watermark(conn, TASK) == Watermark(T0)  # not ahead of the catalog
+    assert _published(db) == {}
+    feed.fail_after = None
+    # The worker is gone: once its grace passes, the next trigger adopts the window.
+    db.clock.advance(120)
+    before = feed.requests
+    window = _run(db, store, client, "w2")
+    assert window.report.status == "SUCCESS"
+    assert window.report.resumed_from_page == 3
+    assert feed.requests - before == 2  # pages 3 and 4 only
+    assert window.report.published == 10
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=100), "H000010")
+    with db.engine.connect() as conn:
+        versions = (
+            conn.execute(sa.select(schema.platform_hotel.c.publish_version).distinct())
+            .scalars()
+            .all()
+        )
+    assert versions == [1]
+    shards = list_shards(db, window.batch.batch_id)
+    assert [s.status for s in shards] == ["SUCCESS"]
+
+
+def test_a_window_far_above_its_usual_volume_is_held_for_review(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    upsert_task(db, TaskSpec(task_code=TASK, supplier_id=1001, sync_mode="INCREMENTAL"))
+    with db.begin() as conn:
+        set_gate_thresholds(
+            conn,
+            db.clock,
+            task_code=TASK,
+            thresholds=GateThresholds(max_volume_factor=3.0, min_volume_records=5),
+            updated_by="test",
+        )
+    _start_at(db, 0)
+    at = 0
+    for i in range(3):  # three ordinary windows of 2 changes
+        for _ in range(2):
+            at += 10
+            feed.change(hotel(int(at), at=at))
+        assert _run(db, store, client, f"normal{i}", overlap_seconds=0).held is False
+    for _ in range(20):
+        at += 10
+        feed.change(hotel(int(at), at=at))
+    window = _run(db, store, client, "burst", overlap_seconds=0)
+    assert window.held and window.report.held_for_review == 20
+    assert window.report.published == 0
+    assert window.volume is not None and window.volume.metadata["trailing_median"] == 2
+    # Held is processed: the watermark moved, and a person's approval publishes them.
+    assert window.watermark_after is not None
+    assert window.watermark_after.updated_at == T0 + timedelta(seconds=at)
+    approve_reviews(
+        db, review_ids=None, who="ops", reason="a real bulk update", batch_id=window.batch.batch_id
+    )
+    assert len(_published(db)) == 26
+
+
+def test_a_bad_record_becomes_a_dead_letter_and_the_rest_publishes(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    feed.change(hotel(2, at=20, geo={"lat": 200.0, "lng": 100.0}))
+    feed.change(hotel(3, at=30))
+    window = _run(db, store, client, "w1")
+    r = window.report
+    assert (r.records, r.published, r.dead_letters) == (3, 2, 1)
+    assert dict(r.dead_letters_by_code) == {"LAT_OUT_OF_RANGE": 1}
+    # A dead letter is processed too: the watermark passes it.
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=30), "H000003")
+
+
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "forked"])
+def test_pages_judged_in_forked_processes_end_as_in_this_one(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+    processes: int,
+):
+    # Pages of 3 over 2 processes, and bad records of every kind: each ends in the same
+    # place, at the same position of the same raw page, as when this process judges them.
+    from dataclasses import replace
+
+    from supplier_sync_dagster.core.repair import incremental
+    from supplier_sync_dagster.core.sync import pipeline
+
+    if not processes:  # a one-CPU machine: the window's own process judges its pages
+        monkeypatch.setattr(incremental, "usable_cpus", lambda: 1)
+    submitted: list[int] = []
+    real = pipeline._Normalizer._submit
+
+    def counted(self: Any, raw: Any, records: list[Any]) -> None:
+        submitted.append(len(records))
+        real(self, raw, records)
+
+    monkeypatch.setattr(pipeline._Normalizer, "_submit", counted)
+    _start_at(db, 0)
+    for n in range(1, 21):
+        extra: dict[str, Any] = {}
+        if n == 4:
+            extra = {"geo": {"lat": 200.0, "lng": 100.0}}
+        elif n == 8:
+            extra = {"name": None}
+        elif n == 11:
+            extra = {"star_rating": 4.3}
+        feed.change(hotel(n, at=n, **extra))
+    window = run_incremental(
+        db,
+        store,
+        client,
+        settings=replace(SETTINGS, chunk_hotels=4, normalize_processes=processes),
+        incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=3),
+        trigger_id="w1",
+        source="MANUAL",
+        worker_id="worker-w1",
+    )
+    assert submitted == ([3, 3, 3, 3, 3, 3, 2] if processes else [])
+    r = window.report
+    assert r.status == "SUCCESS"
+    assert (r.records, r.published, r.dead_letters) == (20, 17, 3)
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 21) if n not in (4, 8, 11)}
+    d = schema.dead_letter.c
+    s = schema.snapshot.c
+    with db.engine.connect() as conn:
+        letters = conn.execute(
+            sa.select(d.supplier_resource_code, d.error_code, d.record_position, s.page_number)
+            .join_from(schema.dead_letter, schema.snapshot, s.payload_hash == d.raw_payload_hash)
+            .where(s.snapshot_type == "RAW")
+            .order_by(d.supplier_resource_code)
+        ).all()
+        normalized = conn.execute(
+            sa.select(sa.func.count(), sa.func.sum(s.record_count)).where(
+                s.snapshot_type == "NORMALIZED"
+            )
+        ).one()
+    # H000004 is the first record of the second page, H000008 the second of the third, ...
+    assert [tuple(row) for row in letters] == [
+        ("H000004", "LAT_OUT_OF_RANGE", "record#0", 2),
+        ("H000008", "MISSING_REQUIRED_FIELD", "record#1", 3),
+        ("H000011", "STAR_RATING_OUT_OF_RANGE", "record#1", 4),
+    ]
+    assert tuple(normalized) == (7, 17)
+
+
+def _judge_then_die_on_page_3(raw: Any, records: list[Any]) -> Any:
+    """A forked judge that is killed (SIGKILL: no clean-up) when it is given page 3."""
+    import os
+    import signal
+
+    if raw.page_number == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _REAL_JUDGE_PAGE(raw, records)
+
+
+def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_finishes_it(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from dataclasses import replace
+
+    from supplier_sync_dagster.core.repair import incremental
+    from supplier_sync_dagster.core.sync import pipeline
+
+    monkeypatch.setattr(incremental, "usable_cpus", lambda: 2)  # forked judges, any machine
+    monkeypatch.setattr(pipeline, "_judge_page", _judge_then_die_on_page_3)
+    settings = replace(SETTINGS, chunk_hotels=4)
+    _start_at(db, 0)
+    for n in range(1, 21):
+        feed.change(hotel(n, at=n))
+
+    def window(trigger: str) -> Any:
+        return run_incremental(
+            db,
+            store,
+            client,
+            settings=settings,
+            incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=3),
+            trigger_id=trigger,
+            source="MANUAL",
+            worker_id=f"worker-{trigger}",
+        )
+
+    # The window's own process survives the judge: it fails the window, with the cause on
+    # its shard, and moves nothing.
+    with pytest.raises(BrokenProcessPool):
+        window("w1")
+    k = schema.shard.c
+    with db.engine.connect() as conn:
+        assert get_watermark(conn, TASK) == Watermark(T0)  # not ahead of the catalog
+        ((status, error),) = conn.execute(sa.select(k.status, k.error_message)).all()
+    assert status == "FAILED" and error.startswith("BrokenProcessPool: "), error
+    assert _published(db) == {}  # page 3 never came back: its chunk was not published
+    # The next window starts from the watermark at once (no lease to wait for) and
+    # publishes every change once; what the failed one stored stays as evidence.
+    monkeypatch.setattr(pipeline, "_judge_page", _REAL_JUDGE_PAGE)
+    second = window("w2")
+    assert second.report.status == "SUCCESS", second.report
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 21)}
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        assert set(conn.execute(sa.select(h.publish_version)).scalars()) == {1}
+        assert get_watermark(conn, TASK) == Watermark(T0 + timedelta(seconds=20), "H000020")
+
+
+def test_without_a_watermark_or_a_full_sync_there_is_nothing_to_start_from(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient
+):
+    with pytest.raises(NoBaseline, match="sync --full"):
+        _run(db, store, client, "w1")
+
+
+def test_a_second_window_of_the_task_is_refused_while_one_runs(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    for n in range(1, 8):
+        feed.change(hotel(n, at=n * 10))
+    feed.fail_after = 1
+    with pytest.raises(KeyboardInterrupt):
+        _run(db, store, client, "w1")
+    feed.fail_after = None
+    # The first worker's grace has not passed: its window counts as running.
+    with pytest.raises(TriggerSkipped):
+        _run(db, store, client, "w2")
+
+
+def test_the_watermark_never_moves_back():
+    db = SyncDatabase.open("sqlite://")
+    try:
+        late, early = Watermark(T0 + timedelta(seconds=60), "H2"), Watermark(T0, "H9")
+        with db.begin() as conn:
+            assert advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b1"
+            )
+            assert not advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=early, batch_id="b2"
+            )
+            assert not advance_watermark(
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b3"
+            )
+            assert get_watermark(conn, TASK) == late
+    finally:
+        db.dispose()
+
+
+def test_a_feed_position_survives_the_checkpoint_column():
+    pos = FeedPosition(
+        start=T0,
+        since=T0 + timedelta(seconds=5),
+        after_id="H1",
+        high=Watermark(T0 + timedelta(seconds=5, microseconds=250), "H1"),
+        origin=Watermark(T0),
+    )
+    assert FeedPosition.from_cursor(pos.to_cursor()) == pos
+    assert json.loads(pos.to_cursor())["since"] == "2026-11-20T10:00:05Z"
+
+
+def _forked(**kw: Any) -> SyncSettings:
+    """Chunks of 5 published by 2 forked processes (the last chunk by the window's own)."""
+    from dataclasses import replace
+
+    return replace(SETTINGS, publish_chunk_hotels=5, publish_processes=2, **kw)
+
+
+def _run_forked(db, store, client, trigger: str):
+    return run_incremental(
+        db,
+        store,
+        client,
+        settings=_forked(),
+        incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=10),
+        trigger_id=trigger,
+        source="MANUAL",
+        worker_id=f"worker-{trigger}",
+    )
+
+
+def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from supplier_sync_dagster.core.sync import pipeline
+
+    forked: list[int] = []
+    real = pipeline._publish_in_processes
+
+    def counted(publisher: Any, parts: Any, *args: Any) -> None:
+        forked.append(len(parts))
+        real(publisher, parts, *args)
+
+    monkeypatch.setattr(pipeline, "_publish_in_processes", counted)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    first = _run_forked(db, store, client, "f1")
+    r = first.report
+    assert r.status == "SUCCESS" and (r.records, r.published, r.skipped) == (42, 42, 0)
+    assert r.diffs_by_type == {"NEW": 42} and r.diffs_by_action == {"AUTO_PUBLISH": 42}
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    assert first.watermark_after == Watermark(T0 + timedelta(seconds=42), "H000042")
+    assert first.batch.status == "SUCCESS" and first.cities == {"BKK": 21, "CNX": 21}
+    assert forked == [8]  # 9 chunks of 5: 8 in the processes, the last one here
+    o = schema.outbox.c
+    with db.engine.connect() as conn:
+        events: dict[str, int] = {
+            str(t): int(n)
+            for t, n in conn.execute(
+                sa.select(o.event_type, sa.func.count()).group_by(o.event_type)
+            ).all()
+        }
+    assert events["HotelResourceUpdated"] == 42
+    # A second window: half the hotels changed, the overlap re-reads the rest as no-ops.
+    for n in range(1, 43, 2):
+        feed.change(hotel(n, at=100 + n, version=2))
+    second = run_incremental(
+        db,
+        store,
+        client,
+        settings=_forked(),
+        incremental=IncrementalSettings(
+            task_code=TASK, full_task_code="full_task", limit=10, overlap_seconds=1000
+        ),
+        trigger_id="f2",
+        source="MANUAL",
+        worker_id="worker-f2",
+    )
+    r = second.report
+    assert (r.records, r.published, r.skipped) == (42, 21, 21)
+    assert r.published + r.dead_letters + r.skipped == r.records
+    assert _published(db) == {f"H{n:06d}": 2 if n % 2 else 1 for n in range(1, 43)}
+
+
+def test_a_window_publishes_its_changes_in_the_catalogs_order_not_the_feeds(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The feed lists changes by time, all over the catalog; the forked processes get
+    chunks of neighbouring hotels (ascending resource ids), and the window is the same."""
+    from supplier_sync_dagster.core.sync import pipeline
+
+    seen: list[list[str]] = []
+    real = pipeline._publish_in_processes
+
+    def spied(publisher: Any, parts: Any, *args: Any) -> None:
+        seen.extend([c.supplier_hotel_id for c in part] for part in parts)
+        real(publisher, parts, *args)
+
+    monkeypatch.setattr(pipeline, "_publish_in_processes", spied)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        # Hotel 42 changed first, hotel 1 last.
+        feed.change(hotel(n, at=43 - n))
+    window = _run_forked(db, store, client, "o1")
+    assert window.report.status == "SUCCESS" and window.report.published == 42
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    assert window.watermark_after == Watermark(T0 + timedelta(seconds=42), "H000001")
+    m = schema.hotel_mapping.c
+    with db.engine.connect() as conn:
+        rid = {str(h): int(i) for h, i in conn.execute(sa.select(m.supplier_hotel_id, m.id))}
+    order = [rid[h] for part in seen for h in part]
+    assert len(seen) == 8 and len(order) > 30
+    assert order == sorted(order)
+
+
+def test_forked_publishers_use_the_mappings_their_parent_made_without_reading_them(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    tmp_path: Path,
+):
+    """The window's own process makes every mapping before forking; the processes publish
+    with those ids and never query the mapping table (a round trip per chunk on MariaDB)."""
+    log = tmp_path / "mapping_reads"
+    parent = os.getpid()
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # Forked processes inherit this listener; a file is what they share with the test.
+        if statement.lstrip().upper().startswith("SELECT") and "hotel_mapping" in statement:
+            with log.open("a") as out:
+                out.write(f"{os.getpid()}\n")
+
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    sa.event.listen(db.engine, "before_cursor_execute", record)
+    try:
+        window = _run_forked(db, store, client, "m1")
+    finally:
+        sa.event.remove(db.engine, "before_cursor_execute", record)
+    assert window.report.status == "SUCCESS" and window.report.published == 42
+    assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 43)}
+    readers = set(log.read_text().split())
+    assert readers == {str(parent)}
+
+
+def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Another worker takes the window's shard as the forked publishers start: their fenced
+    writes fail, the window stops as LEASE_LOST and its watermark stays where it was."""
+    from supplier_sync_dagster.core.sync import pipeline
+
+    start = pipeline._start_forked_publisher
+
+    def stolen(publisher: Any, parts: Any) -> None:
+        start(publisher, parts)
+        lease = publisher.lease
+        with lease.db.begin() as conn:
+            conn.execute(
+                sa.update(schema.shard)
+                .where(schema.shard.c.id == lease.shard_id)
+                .values(worker_id="thief", lease_token="stolen")
+            )
+
+    monkeypatch.setattr(pipeline, "_start_forked_publisher", stolen)
+    _start_at(db, 0)
+    for n in range(1, 43):
+        feed.change(hotel(n, at=n))
+    window = _run_forked(db, store, client, "f1")
+    assert window.report.status == "LEASE_LOST"
+    assert window.watermark_after == Watermark(T0)
+    assert len(_published(db)) < 42
+    (shard,) = list_shards(db, window.batch.batch_id)
+    assert shard.status == "RUNNING" and shard.worker_id == "thief"

@@ -1,0 +1,95 @@
+"""The daemon entry point: the backfill daemon's tick, which Dagster does not let us configure."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import dagster as dg
+import pytest
+from dagster._daemon.backfill import execute_backfill_iteration_loop
+
+from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.dagster_instance import deployment
+from supplier_sync_dagster.dagster_instance.deployment import ROOT, set_backfill_daemon_interval
+
+
+class _Waits(threading.Event):
+    """A shutdown event that records how long the loop would sleep, and never sleeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(float(timeout or 0))
+        return False
+
+
+@pytest.fixture
+def interval() -> Iterator[None]:
+    previous = set_backfill_daemon_interval(deployment.BACKFILL_DAEMON_INTERVAL_SECONDS)
+    yield
+    set_backfill_daemon_interval(previous)
+
+
+def test_the_backfill_daemon_ticks_at_the_interval_we_set(interval: None) -> None:
+    # Dagster's own loop, on an instance with no backfill: it sleeps (interval - its work).
+    with dg.DagsterInstance.ephemeral() as instance:
+        waits = _Waits()
+        loop = execute_backfill_iteration_loop(
+            SimpleNamespace(instance=instance),  # type: ignore[arg-type]
+            logging.getLogger("test"),
+            shutdown_event=waits,
+        )
+        while len(waits.waits) < 2:  # two ticks, each ending with its sleep
+            next(loop)
+    tick = deployment.BACKFILL_DAEMON_INTERVAL_SECONDS
+    assert all(tick - 2 < w <= tick for w in waits.waits), waits.waits
+
+
+def test_a_non_positive_interval_is_refused(interval: None) -> None:
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="positive"):
+            set_backfill_daemon_interval(bad)
+
+
+def test_the_daemon_command_refuses_a_bad_interval_before_starting(
+    capsys: pytest.CaptureFixture[str], interval: None
+) -> None:
+    assert cli.main(["daemon", "--backfill-interval", "0"]) == 2
+    assert "--backfill-interval must be a positive number" in capsys.readouterr().err
+
+
+def test_supplier_sync_daemon_runs_dagster_daemon_with_its_arguments(
+    monkeypatch: pytest.MonkeyPatch, interval: None
+) -> None:
+    import dagster._daemon.cli as daemon_cli
+    from dagster._daemon import controller
+
+    seen: dict[str, Any] = {}
+
+    def fake_main() -> None:
+        seen["argv"] = list(sys.argv)
+        seen["interval"] = controller.DEFAULT_DAEMON_INTERVAL_SECONDS
+        raise SystemExit(0)
+
+    monkeypatch.setattr(daemon_cli, "main", fake_main)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli.main(["daemon", "--backfill-interval", "7", "-w", "workspace.yaml"]) == 0
+    assert seen == {"argv": ["dagster-daemon", "run", "-w", "workspace.yaml"], "interval": 7.0}
+
+
+def test_the_asset_daemon_keeps_dagster_s_interval(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "dagster.yaml", tmp_path / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert instance.auto_materialize_minimum_interval_seconds == 30
+    mysql_profile = (ROOT / "deploy" / "mysql" / "dagster.yaml").read_text()
+    assert "auto_materialize:\n  minimum_interval_seconds: 30" in mysql_profile
