@@ -16,7 +16,8 @@ requests / R (target <= 1.05). The catalog is checked against each supplier's gr
 Usage:
     .venv/bin/python bench/bench_accounts.py load [--accounts 50]
     .venv/bin/python bench/bench_accounts.py budget [--rate 4] [--hotels 20000]
-        [--cities 40] [--page-size 25] [--sync-db sqlite|mariadb]
+        [--cities 40] [--page-size 25] [--city-threads 1] [--sync-db sqlite|mariadb]
+        [--mysql-url URL] [--redis-url URL]
 """
 
 from __future__ import annotations

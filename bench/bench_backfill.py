@@ -1,12 +1,13 @@
 """A 1,000-city backfill under dagster-daemon: how much of its wall time is orchestration.
 
 The simulator serves its cities over HTTP from its own process; ``dagster-webserver`` and
-``supplier-sync daemon`` (dagster-daemon with a 5 s backfill tick) run on a fresh instance (the embedded profile's ``dagster.yaml``: SQLite
-instance; or ``--mysql`` for the MySQL profile); the backfill of every city is launched
-through GraphQL and the daemon runs it with the asset's backfill policy
-(``BackfillPolicy.multi_run``). Orchestration is the part of the wall time (launch to last
-run finished) during which no ``city_sync`` step was executing: run queueing, run worker
-start-up, code loading, and the daemon's polling. Target: <= 10 %.
+``supplier-sync daemon`` (dagster-daemon with a shorter backfill tick than Dagster's) run on
+a fresh instance (the embedded profile's ``dagster.yaml``: SQLite instance; or ``--mysql``
+for the MySQL profile); the backfill of every city is launched through GraphQL and the
+daemon runs it with the asset's backfill policy (``BackfillPolicy.multi_run``, cities per run
+from ``SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN``). Orchestration is the part of the wall time
+(launch to last run finished) during which no ``city_sync`` step was executing: run
+queueing, run worker start-up, code loading, and the daemon's polling. Target: <= 10 %.
 
 Usage:
     .venv/bin/python bench/bench_backfill.py [--cities 1000] [--hotels 100000]

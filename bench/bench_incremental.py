@@ -120,8 +120,7 @@ def _buffer_pool_note(db_url: str) -> str:
     """The MariaDB server's buffer pool against the sync database's size after the full sync.
 
     A window updates hotels all over the catalog: with a pool smaller than the database,
-    InnoDB reads most of their pages from disk and flushes others to make room (measured
-    here: the same window 7.7-8.1 s with the stock 128 MB, 5.7-5.9 s with 1 GB).
+    InnoDB reads most of their pages from disk and flushes others to make room.
     """
     engine = sa.create_engine(db_url)
     try:

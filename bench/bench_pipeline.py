@@ -1,4 +1,4 @@
-"""Benchmark a full sync end to end: hotels/s of ``core.pipeline.sync_city`` over every city.
+"""Benchmark a full sync end to end: hotels/s of ``sync_city`` over every city.
 
 The simulator runs in its own process behind uvicorn on loopback HTTP (clean profile, no
 rate limit), so its CPU is not counted in the sync; every city is walked once before timing
@@ -370,8 +370,8 @@ def _run_in_child(*args: Any) -> list[dict[str, Any]]:
 def calibrate() -> float:
     """Seconds for a fixed pure-Python loop (best of 3): how fast this machine is right now.
 
-    The same code measured 1,569 hotels/s one day and 823 another on this machine, whose
-    CPU speed varies; this figure makes such runs comparable.
+    A machine's CPU speed varies from day to day (shared or throttled cores); printing this
+    beside a run's figures makes runs of different days comparable.
     """
     best = float("inf")
     for _ in range(3):
@@ -413,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         rate_limit_rps=None,
         faults=FaultProfile.named("clean"),
         # Every hotel rendered by the pre-warm walk stays cached: the timed walk measures the
-        # sync, not the simulator re-rendering hotels that a smaller LRU evicted (with the
-        # default 50,000 it re-rendered half of 100,000 hotels, a fifth of the wall time).
+        # sync, not the simulator re-rendering hotels that a smaller LRU evicted.
         hotel_cache_size=max(50_000, args.hotels),
     )
     print(
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"machine speed: {calibrate():.2f}s for 10M Python additions (smaller is faster; "
-        "compare figures across sessions relative to it)",
+        "compare runs relative to it)",
         flush=True,
     )
     ok = True

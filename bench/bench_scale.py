@@ -2,8 +2,8 @@
 
 ``budget``: the simulator (its own process, HTTP) allows R requests/s per API key. W worker
 processes play a backfill's runs: each gets a contiguous range of the cities, as
-``BackfillPolicy.multi_run`` hands them out, and syncs them with ``core.pipeline.sync_city``
-into one batch, all pacing their requests through one Redis token bucket at R. With
+``BackfillPolicy.multi_run`` hands them out, and syncs them with ``sync_city`` into one
+batch, all pacing their requests through one Redis token bucket at R. With
 ``--steal`` a worker that finishes its range goes on with cities that nobody has started
 (the shard lease decides who syncs a city), as the Dagster asset does. Reported: achieved
 request rate / R (target >= 0.97), the simulator's 429 answers (target ~0), and wall time

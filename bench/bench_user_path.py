@@ -27,15 +27,15 @@ step: process start-up, imports, the instance, run start and end), and a correct
 truth).
 
 ``--count-statements N`` (default 20; 0 skips) also syncs N one-page cities in this process
-with ``core.run.run_cities``, the code a Dagster run calls per city, and counts the sync
+with ``run_cities``, the code a Dagster run calls per city, and counts the sync
 database's statements (``after_cursor_execute``) and commits per city, by stage, against the
 issue's aim (<= 20 statements and <= 4 commits for a one-page city).
 
 ``--rate R`` limits the simulator to R requests/s and passes ``--rate-limit R`` to the
 command (page size 100): the wall time is compared with the budget 1.05 x pages / R + 10 s.
 
-Exit status 1 when a target is missed or the catalog is wrong. Since 2026-12-03 every target
-is met on this machine (figures in the README's benchmark table).
+Exit status 1 when a target is missed or the catalog is wrong. Today's figures are in
+``docs/benchmarks.md``.
 
 Usage:
     .venv/bin/python bench/bench_user_path.py [--path sync|backfill]
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.page_size}, {args.backend} sync db, clean profile, "
                 + (f"supplier limited to {args.rate:g}/s" if args.rate else "no rate limit")
                 + f"; pre-warm {warm:.1f}s; machine speed {calibrate():.2f}s for 10M Python "
-                "additions (smaller is faster: this machine's speed varies by 30% within a day)",
+                "additions (smaller is faster: compare runs relative to it)",
                 flush=True,
             )
             if args.rate:
