@@ -31,6 +31,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.cli.parsers.sync import CLI_CITY_THREADS
 from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.leasing.leases import claim_shard, make_worker_id
 from supplier_sync_dagster.core.store import schema
@@ -793,7 +794,7 @@ def test_bad_input_and_unexpected_errors_are_one_line(
 def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.CaptureFixture[str]):
     parser = cli.build_parser()
     args = parser.parse_args(["sync", "--full"])
-    assert args.city_threads == cli.CLI_CITY_THREADS == 2
+    assert args.city_threads == CLI_CITY_THREADS == 2
     assert parser.parse_args(["sync", "--full", "--city-threads", "1"]).city_threads == 1
     assert parser.parse_args(["demo", "--city-threads", "3"]).city_threads == 3
     with pytest.raises(SystemExit) as exited:
