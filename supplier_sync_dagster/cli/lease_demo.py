@@ -194,28 +194,25 @@ class DemoReport:
         return out
 
 
-@dataclass(frozen=True)
-class _DemoBatch:
-    """The demo's batch: its cities (largest first), their pages and countries."""
-
-    batch_id: str
-    outcome: str
-    cities: list[str]
-    pages: dict[str, int]
-    countries: dict[str, str]
+def _demo_plan() -> tuple[list[str], dict[str, int], dict[str, str]]:
+    """The demo supplier's cities, largest first, with their pages and their countries."""
+    listed = _demo_client(0.0).list_cities().data.cities
+    sizes = {c.city_code: c.hotel_count or 0 for c in listed}
+    cities = largest_first(list(sizes), sizes)
+    pages = {city: max(1, math.ceil(sizes[city] / PAGE_SIZE)) for city in cities}
+    return cities, pages, {c.city_code: c.country_code for c in listed if c.country_code}
 
 
-def _create_demo_batch(db: SyncDatabase, trigger_id: str | None) -> _DemoBatch:
-    """The demo task and one batch with a shard per city of the demo supplier."""
+def _create_demo_batch(
+    db: SyncDatabase, cities: list[str], trigger_id: str | None
+) -> tuple[str, str]:
+    """The demo task and one batch with a shard per city: (its id, how the trigger went)."""
     upsert_task(
         db,
         TaskSpec(
             task_code=DEMO_TASK, supplier_id=DEMO_SUPPLIER_ID, concurrency_policy="ALLOW_PARALLEL"
         ),
     )
-    listed = _demo_client(0.0).list_cities().data.cities
-    sizes = {c.city_code: c.hotel_count or 0 for c in listed}
-    cities = largest_first(list(sizes), sizes)
     decision = create_batch(
         db,
         task_code=DEMO_TASK,
@@ -225,13 +222,7 @@ def _create_demo_batch(db: SyncDatabase, trigger_id: str | None) -> _DemoBatch:
     )
     if decision.batch is None:
         raise RuntimeError(f"the demo batch was not created: {decision.reason}")
-    return _DemoBatch(
-        batch_id=decision.batch.batch_id,
-        outcome=decision.outcome,
-        cities=cities,
-        pages={city: max(1, math.ceil(sizes[city] / PAGE_SIZE)) for city in cities},
-        countries={c.city_code: c.country_code for c in listed if c.country_code},
-    )
+    return decision.batch.batch_id, decision.outcome
 
 
 def _wait_until_running(db: SyncDatabase, batch_id: str, worker: BaseProcess) -> None:
@@ -307,8 +298,8 @@ def run_demo(
         page_size=PAGE_SIZE,
         lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
     )
-    demo = _create_demo_batch(db, trigger_id)
-    cities, plan = demo.cities, demo.pages
+    cities, plan, countries = _demo_plan()
+    batch_id, outcome = _create_demo_batch(db, cities, trigger_id)
     crash_at = (cities[0], plan[cities[0]] // 2 + 1) if crash else None
 
     log_lines: list[str] = []
@@ -319,7 +310,7 @@ def run_demo(
             print(line, flush=True)
 
     say(f"sync database: {db.safe_url}")
-    say(f"batch {demo.batch_id} ({demo.outcome}): {len(cities)} cities, {sum(plan.values())} pages")
+    say(f"batch {batch_id} ({outcome}): {len(cities)} cities, {sum(plan.values())} pages")
     if crash_at:
         say(f"worker A will be killed in the middle of {crash_at[0]!r} page {crash_at[1]}")
 
@@ -332,11 +323,11 @@ def run_demo(
             args=(
                 url,
                 payload_url,
-                demo.batch_id,
+                batch_id,
                 name,
                 settings,
                 order,
-                demo.countries,
+                countries,
                 crash_here,
                 page_delay,
                 events,
@@ -349,17 +340,17 @@ def run_demo(
         "B": worker("B", cities[::-1], None),
     }
     workers["A"].start()
-    _wait_until_running(db, demo.batch_id, workers["A"])
+    _wait_until_running(db, batch_id, workers["A"])
     workers["B"].start()
     reclaimed = _follow(workers, events, say, lease_seconds)
     with db.engine.connect() as conn:
-        batch = get_batch(conn, demo.batch_id)
+        batch = get_batch(conn, batch_id)
     report = DemoReport(
         db_url=db.safe_url,
         batch=batch,
-        shards=list_shards(db, demo.batch_id),
+        shards=list_shards(db, batch_id),
         expected_pages=plan,
-        snapshot_rows=_raw_snapshots(db, demo.batch_id),
+        snapshot_rows=_raw_snapshots(db, batch_id),
         crashed_worker_exit=workers["A"].exitcode if crash else None,
         reclaimed=reclaimed,
         seconds=time.monotonic() - started,

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Protocol
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
@@ -39,6 +39,7 @@ from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SimulatedSupplierResource,
+    SupplierResource,
     SyncDatabaseResource,
 )
 
@@ -83,10 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         sim_cities=args.cities,
         sim_hotels=args.hotels,
         sim_profile=args.profile,
-        sim_day=day,
-        rate_limit_rps=args.rate_limit,
-        city_threads=args.city_threads,
-        worker_processes=args.processes,
+        **_demo_tuning(args, day),
     )
     sync_db, payloads = storage_resources(args, config.load_storage_settings())
     print(
@@ -94,14 +92,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
         flush=True,
     )
-    summary = sync_runner.run_full_sync(
-        supplier=supplier,
-        sync_db=sync_db,
-        payloads=payloads,
-        progress=sys.stderr,
-        console_log_level=console_log_level(args),
-    )
-    status = finish_sync(summary, as_json=False)
+    status = _demo_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads)
     if status == 0 and args.second_hotels > 0:
         status = _demo_second_supplier(args, day, sync_db, payloads)
     if status == 0:
@@ -111,6 +102,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "changes publish"
         )
     return status
+
+
+def _demo_tuning(args: argparse.Namespace, day: int) -> dict[str, Any]:
+    """The fields both demo suppliers take from the options: the day, rate and parallelism."""
+    return {
+        "sim_day": day,
+        "rate_limit_rps": args.rate_limit,
+        "city_threads": args.city_threads,
+        "worker_processes": args.processes,
+    }
+
+
+def _demo_sync(
+    args: argparse.Namespace,
+    supplier: SupplierResource,
+    scope: AccountScope,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+) -> int:
+    """One of the demo's full syncs, with progress on stderr and its summary printed."""
+    summary = sync_runner.run_full_sync(
+        supplier=supplier,
+        scope=scope,
+        sync_db=sync_db,
+        payloads=payloads,
+        progress=sys.stderr,
+        console_log_level=console_log_level(args),
+    )
+    return finish_sync(summary, as_json=False)
 
 
 def _demo_second_supplier(
@@ -139,22 +159,8 @@ def _demo_second_supplier(
         f"{world.cities} cities, {world.hotels} hotels, clean profile)",
         flush=True,
     )
-    summary = sync_runner.run_full_sync(
-        supplier=account_supplier_now(
-            config.load_settings(),
-            scope,
-            sim_day=day,
-            rate_limit_rps=args.rate_limit,
-            city_threads=args.city_threads,
-            worker_processes=args.processes,
-        ),
-        scope=scope,
-        sync_db=sync_db,
-        payloads=payloads,
-        progress=sys.stderr,
-        console_log_level=console_log_level(args),
-    )
-    status = finish_sync(summary, as_json=False)
+    supplier = account_supplier_now(config.load_settings(), scope, **_demo_tuning(args, day))
+    status = _demo_sync(args, supplier, scope, sync_db, payloads)
     with open_db(sync_db.db_url) as db, db.engine.connect() as conn:
         h = schema.platform_hotel.c
         counts = conn.execute(
