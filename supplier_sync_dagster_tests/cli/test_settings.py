@@ -9,6 +9,7 @@ import pytest
 from supplier_sync_dagster.cli import main as cli
 from supplier_sync_dagster.cli.governance import threshold_changes
 from supplier_sync_dagster.core import settings as settings_module
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name
 
 
@@ -109,7 +110,6 @@ def test_sync_rate_limit_and_processes_option_then_setting_then_default(
 
 
 def test_parser_defaults_and_choices_come_from_their_one_place():
-    from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 
     parser = cli.build_parser()
     args = parser.parse_args(["gate", "thresholds"])
