@@ -21,12 +21,15 @@ shows the leases and checkpoints under the pipeline's own stages:
 
 from __future__ import annotations
 
+import argparse
 import math
 import multiprocessing as mp
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import httpx
@@ -191,6 +194,90 @@ class DemoReport:
         return out
 
 
+def _demo_plan() -> tuple[list[str], dict[str, int], dict[str, str]]:
+    """The demo supplier's cities, largest first, with their pages and their countries."""
+    listed = _demo_client(0.0).list_cities().data.cities
+    sizes = {c.city_code: c.hotel_count or 0 for c in listed}
+    cities = largest_first(list(sizes), sizes)
+    pages = {city: max(1, math.ceil(sizes[city] / PAGE_SIZE)) for city in cities}
+    return cities, pages, {c.city_code: c.country_code for c in listed if c.country_code}
+
+
+def _create_demo_batch(
+    db: SyncDatabase, cities: list[str], trigger_id: str | None
+) -> tuple[str, str]:
+    """The demo task and one batch with a shard per city: (its id, how the trigger went)."""
+    upsert_task(
+        db,
+        TaskSpec(
+            task_code=DEMO_TASK, supplier_id=DEMO_SUPPLIER_ID, concurrency_policy="ALLOW_PARALLEL"
+        ),
+    )
+    decision = create_batch(
+        db,
+        task_code=DEMO_TASK,
+        trigger_id=trigger_id or f"demo-{uuid.uuid4().hex[:12]}",
+        trigger_source="MANUAL",
+        shard_keys=cities,
+    )
+    if decision.batch is None:
+        raise RuntimeError(f"the demo batch was not created: {decision.reason}")
+    return decision.batch.batch_id, decision.outcome
+
+
+def _wait_until_running(db: SyncDatabase, batch_id: str, worker: BaseProcess) -> None:
+    """Returns once a shard of the batch is RUNNING (or the worker ended, or two minutes
+    passed): B starts then, so that the crash lands on the city A holds (a spawned worker
+    takes a while to start on a loaded machine)."""
+    deadline = time.monotonic() + 120
+    while worker.is_alive() and time.monotonic() < deadline:
+        if any(s.status == "RUNNING" for s in list_shards(db, batch_id)):
+            return
+        time.sleep(0.05)
+
+
+def _follow(
+    workers: dict[str, BaseProcess],
+    events: mp.Queue[tuple[str, str, str]],
+    say: Callable[[str], None],
+    lease_seconds: float,
+) -> list[str]:
+    """Says what the workers report until they have all exited; returns the lines of the
+    cities that were resumed after a reclaim."""
+    killed_reported: set[str] = set()
+    reclaimed: list[str] = []
+    while any(p.is_alive() for p in workers.values()) or not events.empty():
+        try:
+            name, kind, text = events.get(timeout=0.2)
+        except Exception:
+            for name, proc in workers.items():
+                if proc.exitcode == CRASH_EXIT_CODE and name not in killed_reported:
+                    killed_reported.add(name)
+                    say(
+                        f"[{name}] KILLED (exit {proc.exitcode}): its lease ends in "
+                        f"{lease_seconds:g} s, or as soon as a worker of this host sees it dead"
+                    )
+            continue
+        if kind == "finished" and "resuming at page" in text:
+            reclaimed.append(text)
+        say(f"[{name}] {kind} {text}".rstrip())
+    for proc in workers.values():
+        proc.join()
+    return reclaimed
+
+
+def _raw_snapshots(db: SyncDatabase, batch_id: str) -> int:
+    """The RAW page snapshots the batch stored."""
+    s = schema.snapshot.c
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(schema.snapshot)
+            .where(s.batch_id == batch_id, s.snapshot_type == RAW)
+        ).scalar_one()
+    return int(rows)
+
+
 def run_demo(
     *,
     db_url: str | None = None,
@@ -211,28 +298,8 @@ def run_demo(
         page_size=PAGE_SIZE,
         lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
     )
-    upsert_task(
-        db,
-        TaskSpec(
-            task_code=DEMO_TASK, supplier_id=DEMO_SUPPLIER_ID, concurrency_policy="ALLOW_PARALLEL"
-        ),
-    )
-    client = _demo_client(0.0)
-    listed = client.list_cities().data.cities
-    sizes = {c.city_code: c.hotel_count or 0 for c in listed}
-    countries = {c.city_code: c.country_code for c in listed if c.country_code}
-    cities = largest_first(list(sizes), sizes)
-    plan = {city: max(1, math.ceil(sizes[city] / PAGE_SIZE)) for city in cities}
-    decision = create_batch(
-        db,
-        task_code=DEMO_TASK,
-        trigger_id=trigger_id or f"demo-{uuid.uuid4().hex[:12]}",
-        trigger_source="MANUAL",
-        shard_keys=cities,
-    )
-    if decision.batch is None:
-        raise RuntimeError(f"the demo batch was not created: {decision.reason}")
-    batch_id = decision.batch.batch_id
+    cities, plan, countries = _demo_plan()
+    batch_id, outcome = _create_demo_batch(db, cities, trigger_id)
     crash_at = (cities[0], plan[cities[0]] // 2 + 1) if crash else None
 
     log_lines: list[str] = []
@@ -243,15 +310,14 @@ def run_demo(
             print(line, flush=True)
 
     say(f"sync database: {db.safe_url}")
-    say(f"batch {batch_id} ({decision.outcome}): {len(cities)} cities, {sum(plan.values())} pages")
+    say(f"batch {batch_id} ({outcome}): {len(cities)} cities, {sum(plan.values())} pages")
     if crash_at:
         say(f"worker A will be killed in the middle of {crash_at[0]!r} page {crash_at[1]}")
 
     ctx = mp.get_context("spawn")
     events: mp.Queue[tuple[str, str, str]] = ctx.Queue()
-    killed_reported: set[str] = set()
 
-    def worker(name: str, order: list[str], crash_here: int | None) -> Any:
+    def worker(name: str, order: list[str], crash_here: int | None) -> BaseProcess:
         return ctx.Process(
             target=_worker_main,
             args=(
@@ -274,47 +340,17 @@ def run_demo(
         "B": worker("B", cities[::-1], None),
     }
     workers["A"].start()
-    # B starts once A holds a city, so that the crash lands on the city A holds (a spawned
-    # worker's start-up takes seconds on a loaded machine).
-    deadline = time.monotonic() + 120
-    while workers["A"].is_alive() and time.monotonic() < deadline:
-        if any(s.status == "RUNNING" for s in list_shards(db, batch_id)):
-            break
-        time.sleep(0.05)
+    _wait_until_running(db, batch_id, workers["A"])
     workers["B"].start()
-    reclaimed: list[str] = []
-
-    while any(p.is_alive() for p in workers.values()) or not events.empty():
-        try:
-            name, kind, text = events.get(timeout=0.2)
-        except Exception:
-            for name, proc in workers.items():
-                if proc.exitcode == CRASH_EXIT_CODE and name not in killed_reported:
-                    killed_reported.add(name)
-                    say(
-                        f"[{name}] KILLED (exit {proc.exitcode}): its lease ends in "
-                        f"{lease_seconds:g} s, or as soon as a worker of this host sees it dead"
-                    )
-            continue
-        if kind == "finished" and "resuming at page" in text:
-            reclaimed.append(text)
-        say(f"[{name}] {kind} {text}".rstrip())
-    for proc in workers.values():
-        proc.join()
+    reclaimed = _follow(workers, events, say, lease_seconds)
     with db.engine.connect() as conn:
         batch = get_batch(conn, batch_id)
-        s = schema.snapshot.c
-        rows = conn.execute(
-            sa.select(sa.func.count())
-            .select_from(schema.snapshot)
-            .where(s.batch_id == batch_id, s.snapshot_type == RAW)
-        ).scalar_one()
     report = DemoReport(
         db_url=db.safe_url,
         batch=batch,
         shards=list_shards(db, batch_id),
         expected_pages=plan,
-        snapshot_rows=int(rows),
+        snapshot_rows=_raw_snapshots(db, batch_id),
         crashed_worker_exit=workers["A"].exitcode if crash else None,
         reclaimed=reclaimed,
         seconds=time.monotonic() - started,
@@ -351,3 +387,15 @@ def format_report(report: DemoReport) -> str:
     problems = report.problems
     lines.append("ALL CHECKS PASSED" if not problems else "PROBLEMS:\n  " + "\n  ".join(problems))
     return "\n".join(lines)
+
+
+def cmd_lease_demo(args: argparse.Namespace) -> int:
+    """``lease-demo``: runs the demonstration and prints its report; 1 when a check failed."""
+    report = run_demo(
+        db_url=args.db_url,
+        lease_seconds=args.lease_seconds,
+        crash=not args.no_crash,
+        trigger_id=args.trigger_id,
+    )
+    print(format_report(report))
+    return 0 if not report.problems else 1

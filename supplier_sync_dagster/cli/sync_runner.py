@@ -44,6 +44,12 @@ from supplier_sync_dagster.defs.city_sync import (
     TRIGGER_TAG,
     build_city_sync,
 )
+from supplier_sync_dagster.defs.incremental_sync import (
+    CHANGE_FEED,
+    TASK_TAG,
+    IncrementalConfig,
+    build_hotel_change_feed,
+)
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -397,13 +403,6 @@ def run_incremental_sync(
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> IncrementalSummary:
     """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset)."""
-    from supplier_sync_dagster.defs.incremental_sync import (
-        CHANGE_FEED,
-        TASK_TAG,
-        IncrementalConfig,
-        build_hotel_change_feed,
-    )
-
     feed = build_hotel_change_feed(scope)
     feed_key = scope.key(CHANGE_FEED.path[-1])
 

@@ -4,10 +4,13 @@ accounts each, over the simulator fleet on real HTTP, on SQLite and MariaDB."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -20,6 +23,7 @@ from supplier_sync_dagster_tests.cli.test_main import (  # noqa: F401  (cli_home
     query,
     run,
 )
+from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
 
 KEYS = {
     ("acme", "eu"): "k-acme-eu",
@@ -233,12 +237,6 @@ def test_serve_api_confirms_each_suppliers_offers_with_its_own_account(
 ):
     """With a suppliers file, an offer is confirmed through an account of its hotel's
     supplier (the first one listed whose key is set), never another supplier's."""
-    import os
-    import signal
-
-    import httpx
-
-    from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
 
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     sim = fleet()

@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster_tests.cli.test_main import (  # noqa: F401  (cli_home: an autouse fixture)
     assert_one_line_error,
     cli_home,
@@ -77,7 +78,6 @@ def test_reconcile_reports_a_city_that_lost_hotels_and_repulls_it(
         lost = [r[0] for r in query(db_url, sa.select(h.resource_id).where(h.city_code == city))][
             :9
         ]
-        from supplier_sync_dagster.core.store.db import SyncDatabase
 
         db = SyncDatabase.open(db_url)
         with db.begin() as conn:

@@ -3,6 +3,7 @@ user runs them; every other subcommand is in test_cli.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,8 +39,6 @@ def test_readme_main_command_syncs_then_publishes_only_changes(tmp_path: Path):
     published = int(second.stdout.split(" = published ")[1].split()[0])
     records = int(second.stdout.split("records ")[1].split()[0])
     assert 0 < published < records / 3  # a day's changes, not the catalog
-
-    import json
 
     hotels = subprocess.run(
         [str(cli), "export", "published", "--format", "jsonl"],

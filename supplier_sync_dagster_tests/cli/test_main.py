@@ -31,11 +31,13 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.cli.parsers.sync import CLI_CITY_THREADS
 from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.leasing.leases import claim_shard, make_worker_id
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.migrations import load_migrations
+from supplier_sync_dagster.core.sync.pipeline import GC_GEN0_THRESHOLD
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
@@ -793,7 +795,7 @@ def test_bad_input_and_unexpected_errors_are_one_line(
 def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.CaptureFixture[str]):
     parser = cli.build_parser()
     args = parser.parse_args(["sync", "--full"])
-    assert args.city_threads == cli.CLI_CITY_THREADS == 2
+    assert args.city_threads == CLI_CITY_THREADS == 2
     assert parser.parse_args(["sync", "--full", "--city-threads", "1"]).city_threads == 1
     assert parser.parse_args(["demo", "--city-threads", "3"]).city_threads == 3
     with pytest.raises(SystemExit) as exited:
@@ -896,7 +898,6 @@ def test_console_script_raises_the_collector_threshold_before_the_commands_impor
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert (done.returncode, done.stderr) == (0, "")
-    from supplier_sync_dagster.core.sync.pipeline import GC_GEN0_THRESHOLD
 
     assert int(done.stdout) == cli.START_GC_THRESHOLD == GC_GEN0_THRESHOLD
 

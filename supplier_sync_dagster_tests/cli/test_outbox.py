@@ -9,8 +9,11 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from supplier_sync_dagster.cli.outbox import dispatch_parallelism
+from supplier_sync_dagster.cli.parsers.outbox import MAX_AUTO_PROCESSES
 from supplier_sync_dagster.core.outbox.machine import claim, outbox_status
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster_tests.cli.test_main import (
@@ -21,6 +24,8 @@ from supplier_sync_dagster_tests.cli.test_main import (
     supplier,
     sync,
 )
+from supplier_sync_dagster_tests.core.records.test_catalog import hotel
+from supplier_sync_dagster_tests.core.records.test_catalog import sync as publish
 from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
 
 
@@ -84,8 +89,6 @@ def test_dispatch_outbox_search_and_audit_after_a_sync(
         run(capsys, "--db-url", db_url, "outbox", "retry", str(first["id"]))
 
     # A fresh READY event (a republished hotel) to cancel and retry.
-    from supplier_sync_dagster_tests.core.records.test_catalog import hotel
-    from supplier_sync_dagster_tests.core.records.test_catalog import sync as publish
 
     publish(db, "b-cli", [hotel("CLI-1")])
     new = json.loads(
@@ -143,9 +146,6 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, pr
         env=env,
     )
     try:
-        from supplier_sync_dagster_tests.core.records.test_catalog import hotel
-        from supplier_sync_dagster_tests.core.records.test_catalog import sync as publish
-
         publish(db, "b1", [hotel(f"S{i}") for i in range(60)])
         deadline = time.monotonic() + 60
         while outbox_status(db).total("SUCCEEDED") < 180:
@@ -170,7 +170,6 @@ def test_dispatch_serves_until_sigterm_and_finishes_its_batch(tmp_path: Path, pr
 def test_serve_api_answers_over_http_after_a_sync(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
-    import httpx
 
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     sim = simulator(total_hotels=60)
@@ -234,9 +233,6 @@ def test_dispatch_defaults_to_two_processes_per_core_on_mariadb_which_stop_with_
     """``supplier-sync dispatch`` with no flags on MariaDB: two dispatcher processes per
     core (capped), which drain what a publish wrote; ``kill -9`` of the command leaves no
     dispatcher behind: each child sees its parent gone and stops."""
-    from supplier_sync_dagster.cli.outbox import MAX_AUTO_PROCESSES
-    from supplier_sync_dagster_tests.core.records.test_catalog import hotel
-    from supplier_sync_dagster_tests.core.records.test_catalog import sync as publish
 
     db = SyncDatabase.open(fresh_mysql_db)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
@@ -275,7 +271,6 @@ def test_dispatch_defaults_to_two_processes_per_core_on_mariadb_which_stop_with_
 
 
 def test_dispatch_parallelism_by_database_and_flags():
-    from supplier_sync_dagster.cli.outbox import MAX_AUTO_PROCESSES, dispatch_parallelism
 
     auto = min(MAX_AUTO_PROCESSES, 2 * (os.cpu_count() or 1))
     assert dispatch_parallelism("mysql", processes=None, threads=None) == (auto, 1)

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.cli.governance import threshold_changes
 from supplier_sync_dagster.core import settings as settings_module
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name
 
 
@@ -108,7 +110,6 @@ def test_sync_rate_limit_and_processes_option_then_setting_then_default(
 
 
 def test_parser_defaults_and_choices_come_from_their_one_place():
-    from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 
     parser = cli.build_parser()
     args = parser.parse_args(["gate", "thresholds"])
@@ -121,7 +122,7 @@ def test_parser_defaults_and_choices_come_from_their_one_place():
         assert parser.parse_args([*argv, "--check", check]).check == check
     args = parser.parse_args(["gate", "thresholds", "--min-previous-records", "3"])
     assert args.min_previous_records == 3 and args.max_bad_ratio is None
-    assert cli._threshold_changes(args) == {"min_previous_records": 3}
+    assert threshold_changes(args) == {"min_previous_records": 3}
     assert {f for f in vars(args) if f in GateThresholds.__dataclass_fields__} == set(
         GateThresholds.__dataclass_fields__
     )

@@ -1,0 +1,104 @@
+"""The arguments of the operator commands: ``dead-letters``, ``trace`` and ``audit``
+(handlers: :mod:`supplier_sync_dagster.cli.operators`, :mod:`supplier_sync_dagster.cli.repair`)."""
+
+from __future__ import annotations
+
+from supplier_sync_dagster.cli.common import (
+    ACCOUNT_HELP,
+    Subcommands,
+    add_who_and_why,
+    handled_by,
+)
+
+_OPERATORS = "supplier_sync_dagster.cli.operators"
+_REPAIR = "supplier_sync_dagster.cli.repair"
+_STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED")
+
+
+def add_commands(sub: Subcommands) -> None:
+    """Registers ``dead-letters``, ``trace`` and ``audit``."""
+    dl = sub.add_parser(
+        "dead-letters",
+        help="records that could not be published: list, show, retry, ignore, fix, compensate",
+    )
+    _add_dead_letter_commands(dl.add_subparsers(dest="dl_command", required=True))
+
+    trace = sub.add_parser(
+        "trace", help="where a published hotel's fields came from, down to the supplier's bytes"
+    )
+    trace.add_argument("hotel", help="the supplier's hotel id")
+    trace.add_argument("--field", default=None, help="only diffs of this field (price_amount ...)")
+    trace.add_argument(
+        "--supplier-id", type=int, default=None, help="needed when two suppliers share the id"
+    )
+    trace.add_argument("--json", action="store_true")
+    handled_by(trace, f"{_OPERATORS}:cmd_trace")
+
+    audit = sub.add_parser(
+        "audit", help="every operator action: who, when, what, why, before and after"
+    )
+    audit.add_argument(
+        "--target-type", default=None, help="dead_letter, review, gate_check, task, outbox_event"
+    )
+    audit.add_argument("--target", default=None, help="the target's id")
+    audit.add_argument("--actor", default=None)
+    audit.add_argument("--action", default=None, help="dead_letter.fix, review.approve ...")
+    audit.add_argument("--limit", type=int, default=50)
+    audit.add_argument("--json", action="store_true")
+    handled_by(audit, f"{_OPERATORS}:cmd_audit")
+
+
+def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
+    listing = dl_sub.add_parser("list", help="dead letters, newest first")
+    listing.add_argument("--status", choices=_STATUSES, default=None)
+    listing.add_argument("--code", default=None, help="an error code (UNKNOWN_CURRENCY ...)")
+    listing.add_argument(
+        "--class", dest="error_class", choices=("RETRYABLE", "NEEDS_PERSON"), default=None
+    )
+    listing.add_argument("--city", default=None, help="the supplier's city code of the record")
+    listing.add_argument("--batch", default=None)
+    listing.add_argument("--hotel", default=None, help="the supplier's hotel id")
+    listing.add_argument("--older-than-hours", type=float, default=None)
+    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--json", action="store_true")
+    handled_by(listing, f"{_OPERATORS}:cmd_dead_letters")
+    show = dl_sub.add_parser("show", help="one dead letter with its audit history")
+    show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
+    show.add_argument("--json", action="store_true", help="one line instead of indented")
+    handled_by(show, f"{_OPERATORS}:cmd_dead_letters")
+    for name, what in (
+        ("retry", "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt"),
+        ("ignore", "close open rows for good"),
+    ):
+        act = dl_sub.add_parser(name, help=what + " (recorded in the audit trail)")
+        act.add_argument(
+            "ids", nargs="+", type=int, help="dead letter ids (the list's first column)"
+        )
+        add_who_and_why(act)
+        handled_by(act, f"{_OPERATORS}:cmd_dead_letters")
+    _add_repair_commands(dl_sub)
+
+
+def _add_repair_commands(dl_sub: Subcommands) -> None:
+    fix = dl_sub.add_parser(
+        "fix",
+        help="patch the supplier's record (JSON merge patch) and run it through every check "
+        "(recorded in the audit trail); exit 1 when it still fails",
+    )
+    fix.add_argument("id", type=int, help="the dead letter's id")
+    fix.add_argument(
+        "--patch", required=True, help='a JSON merge patch of the record: \'{"phone": "+66 2 1"}\''
+    )
+    add_who_and_why(fix)
+    fix.add_argument("--json", action="store_true")
+    handled_by(fix, f"{_REPAIR}:cmd_fix")
+    comp = dl_sub.add_parser(
+        "compensate",
+        help="re-fetch the hotels of due retryable dead letters and run them through every "
+        "stage (what the dead_letter_compensation schedule does)",
+    )
+    comp.add_argument("--limit", type=int, default=10_000, help="due rows taken at most")
+    comp.add_argument("--account", default=None, help=ACCOUNT_HELP)
+    comp.add_argument("--trigger-id", default=None, help="idempotency key (default: new)")
+    comp.add_argument("--json", action="store_true")
+    handled_by(comp, f"{_REPAIR}:cmd_compensate")

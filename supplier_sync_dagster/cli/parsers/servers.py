@@ -1,0 +1,43 @@
+"""The arguments of ``simulate`` and ``daemon``, the commands that serve until stopped
+(handlers: :mod:`supplier_sync_dagster.cli.simulate`, :mod:`supplier_sync_dagster.cli.daemon`)."""
+
+from __future__ import annotations
+
+from supplier_sync_dagster.cli.common import Subcommands, handled_by
+from supplier_sync_dagster.dagster_instance.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS
+
+
+def add_simulate_and_daemon(sub: Subcommands) -> None:
+    """Registers ``simulate`` and ``daemon``."""
+    sim = sub.add_parser("simulate", help="serve the supplier simulator over HTTP (uvicorn)")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8080)
+    sim.add_argument("--seed", type=int, default=42)
+    sim.add_argument("--cities", type=int, default=50)
+    sim.add_argument("--hotels", type=int, default=20_000)
+    sim.add_argument("--day", type=int, default=0)
+    sim.add_argument("--api-key", default="sim-key", help="the key clients must send")
+    sim.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key")
+    sim.add_argument("--profile", default="clean", help="fault profile: clean, flaky or hostile")
+    sim.add_argument("--hostile-city-codes", action="store_true")
+    handled_by(sim, "supplier_sync_dagster.cli.simulate:cmd_simulate")
+
+    daemon = sub.add_parser(
+        "daemon",
+        help="dagster-daemon run, with the backfill daemon looking for new backfills every "
+        "--backfill-interval seconds instead of Dagster's fixed 30",
+    )
+    daemon.add_argument(
+        "--backfill-interval",
+        type=float,
+        default=BACKFILL_DAEMON_INTERVAL_SECONDS,
+        help="seconds between backfill daemon ticks",
+    )
+    daemon.add_argument(
+        "-w",
+        "--workspace",
+        default="workspace.yaml",
+        help="the workspace file, as for dagster-daemon run",
+    )
+    # The daemon's loggers have their own handlers.
+    handled_by(daemon, "supplier_sync_dagster.cli.daemon:cmd_daemon", root_log=False)

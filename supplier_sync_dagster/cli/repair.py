@@ -1,0 +1,170 @@
+"""What ``dead-letters fix`` and ``dead-letters compensate`` do: a patched record, or the
+due retryable dead letters, run through every stage of the pipeline (and the failed cities
+re-synced through Dagster). A module of its own: these import the pipeline and Dagster,
+which the other operator commands (:mod:`supplier_sync_dagster.cli.operators`) do without.
+Their arguments: :mod:`supplier_sync_dagster.cli.parsers.operators`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.cli import sync_runner
+from supplier_sync_dagster.cli.common import dumps, open_db, warn
+from supplier_sync_dagster.cli.resources import (
+    account_scope,
+    configured_supplier,
+    storage_resources,
+)
+from supplier_sync_dagster.core.errors import ConfigError, NotFound
+from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.repair.compensation import (
+    CompensationReport,
+    CompensationSettings,
+    compensate,
+    fix_dead_letter,
+    resolve_synced_cities,
+)
+from supplier_sync_dagster.core.settings import load_settings, load_storage_settings
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.defs.resources import GovernanceResource, PayloadStoreResource
+
+
+def cmd_fix(args: argparse.Namespace) -> int:
+    """``dead-letters fix ID --patch JSON``: exit 1 when the patched record still fails."""
+    with open_db(args.db_url) as db:
+        return _fix(args, db)
+
+
+def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
+    try:
+        patch = json.loads(args.patch)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--patch is not JSON: {err}") from None
+    d = schema.dead_letter.c
+    with db.engine.connect() as conn:
+        row = conn.execute(sa.select(d.supplier_id, d.task_code).where(d.id == args.id)).first()
+    if row is None:
+        raise NotFound(f"no dead letter has id {args.id}")
+    store = PayloadStoreResource(url=load_storage_settings().payload_url).open()
+    outcome = fix_dead_letter(
+        db,
+        store,
+        dead_letter=args.id,
+        patch=patch,
+        actor=args.by,
+        reason=args.reason,
+        settings=SyncSettings(
+            task_code=str(row.task_code),
+            supplier_id=int(row.supplier_id),
+            risk_policy=GovernanceResource().risk_rules(),
+        ),
+        worker_id=make_worker_id("supplier-sync"),
+    )
+    if args.json:
+        print(dumps(vars(outcome)))
+    if outcome.accepted:
+        if not args.json:
+            print(
+                f"fix of dead letter {args.id} accepted in batch {outcome.batch_id} "
+                f"({outcome.action or 'unchanged'}); it is RESOLVED (recorded in the audit trail)"
+            )
+        return 0
+    warn(
+        f"the fixed record still fails {outcome.error_code}: "
+        f"{outcome.error_message}; dead letter {args.id} is unchanged"
+    )
+    return 1
+
+
+def cmd_compensate(args: argparse.Namespace) -> int:
+    """``dead-letters compensate``: the due retryable dead letters re-fetched and run through
+    every stage; the cities whose sync stopped re-synced through Dagster."""
+    settings = load_settings()
+    sync_db, payloads = storage_resources(args, settings)
+    scope = account_scope(args, settings)
+    supplier = configured_supplier(settings, scope=scope)
+    # An account heals its own dead letters; the one account of a deployment without a
+    # suppliers file, every one of its supplier's.
+    owned = () if scope.account is None else scope.account.task_codes
+    with open_db(sync_db.db_url) as db:
+        with supplier.client() as client:
+            out = compensate(
+                db,
+                payloads.open(),
+                client,
+                settings=SyncSettings(
+                    task_code=supplier.task_code,
+                    supplier_id=supplier.supplier_id,
+                    page_size=supplier.page_size,
+                    lease=sync_db.lease_settings(),
+                    risk_policy=GovernanceResource().risk_rules(),
+                ),
+                compensation=CompensationSettings(
+                    task_code=scope.compensation_task_code,
+                    full_task_code=supplier.task_code,
+                    limit=args.limit,
+                    owned_tasks=owned,
+                ),
+                trigger_id=args.trigger_id or f"cli-{uuid.uuid4().hex[:16]}",
+                source="MANUAL",
+                worker_id=make_worker_id("supplier-sync"),
+            )
+            requests = client.stats().requests
+        resync: dict[str, Any] = {}
+        if out.resync_cities:
+            # The cities whose sync stopped: a full sync of exactly those, through Dagster
+            # (each city's partition shows it), then their tickets resolve if it succeeded.
+            summary = sync_runner.run_full_sync(
+                supplier=supplier,
+                scope=scope,
+                sync_db=sync_db,
+                payloads=payloads,
+                cities=out.resync_cities,
+                progress=None,
+            )
+            resync = {
+                "batch_id": summary.batch_id,
+                "status": summary.status,
+                "cities": out.resync_cities,
+                "resolved": resolve_synced_cities(
+                    db, supplier_id=supplier.supplier_id, task_codes=owned
+                ),
+            }
+    return _report_compensation(out, requests, resync, as_json=args.json)
+
+
+def _report_compensation(
+    out: CompensationReport, requests: int, resync: dict[str, Any], *, as_json: bool
+) -> int:
+    if as_json:
+        print(dumps({**out.to_json(), "supplier_requests": requests, "resync": resync}))
+    elif out.batch is None:
+        if not resync:
+            print(
+                f"compensate: no retryable dead letter is due ({out.cities_synced} failed "
+                "cities found synced since)"
+            )
+    else:
+        print(
+            f"compensate: batch {out.batch.batch_id} {out.batch.status}: {out.claimed} claimed, "
+            f"{out.resolved} resolved ({out.refused_again} now refused with a new dead letter), "
+            f"{out.newer} already newer, {out.gone} gone (404), {out.rescheduled} rescheduled, "
+            f"{out.exhausted} to MANUAL_FIX, {requests} requests"
+        )
+    if resync and not as_json:
+        print(
+            f"compensate: re-synced {len(resync['cities'])} failed cities in batch "
+            f"{resync['batch_id']} ({resync['status']}): {resync['resolved']} tickets resolved"
+        )
+    if out.report is not None and out.report.status not in ("SUCCESS", "ALREADY_DONE"):
+        warn(f"compensation did not finish ({out.report.status}): {out.report.error or ''}")
+        return 1
+    return 0

@@ -1,0 +1,35 @@
+"""What ``simulate`` does: the supplier simulator served over HTTP until interrupted. Its
+arguments: :mod:`supplier_sync_dagster.cli.parsers.servers`."""
+
+from __future__ import annotations
+
+import argparse
+
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.simulator import FaultProfile, SimulatorConfig, serve
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """``simulate``: serves the simulator (uvicorn) on ``--host``/``--port``."""
+    try:
+        faults = FaultProfile.named(args.profile)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"unknown fault profile {args.profile!r}: {err}") from None
+    if args.hostile_city_codes:
+        faults = faults.with_(hostile_city_codes=True)
+    config = SimulatorConfig(
+        seed=args.seed,
+        n_cities=args.cities,
+        total_hotels=args.hotels,
+        api_key=args.api_key,
+        day=args.day,
+        rate_limit_rps=args.rate_limit,
+        faults=faults,
+    )
+    print(
+        f"supplier simulator on http://{args.host}:{args.port} ({args.cities} cities, "
+        f"{args.hotels} hotels, profile {args.profile}, day {args.day})",
+        flush=True,
+    )
+    serve(config, host=args.host, port=args.port)
+    return 0

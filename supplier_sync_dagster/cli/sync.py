@@ -1,0 +1,352 @@
+"""What ``demo``, ``sync``, ``reconcile`` and ``replay`` do: syncs through Dagster
+(:mod:`supplier_sync_dagster.cli.sync_runner`), with a summary and one line on stderr when
+the work did not complete. Their arguments: :mod:`supplier_sync_dagster.cli.parsers.sync`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from supplier_sync_dagster.cli import sync_runner
+from supplier_sync_dagster.cli.common import first, open_db, warn
+from supplier_sync_dagster.cli.resources import (
+    account_scope,
+    account_supplier_now,
+    configured_supplier,
+    storage_resources,
+)
+
+# The module, not its functions: a command reads the settings through what the module holds
+# when it runs (a test counts those reads).
+from supplier_sync_dagster.core import settings as config
+from supplier_sync_dagster.core.accounts import Account, SimulatedSupplier
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.leasing.batches import get_task
+from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.sync.replay import (
+    dry_run_city,
+    latest_raw_batch,
+    stored_city_countries,
+)
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
+from supplier_sync_dagster.defs.resources import (
+    PayloadStoreResource,
+    SimulatedSupplierResource,
+    SupplierResource,
+    SyncDatabaseResource,
+)
+
+
+class Summary(Protocol):
+    """What a sync's summary offers the terminal (a full, incremental or replay sync's)."""
+
+    def to_json(self) -> str:
+        """The summary as one JSON object."""
+        ...
+
+    def render(self) -> str:
+        """The summary as text."""
+        ...
+
+    def problem(self) -> str | None:
+        """Why the sync did not complete (None: it did)."""
+        ...
+
+
+def console_log_level(args: argparse.Namespace) -> str:
+    """The log level of the in-process Dagster run's console logger."""
+    # The summary and one line on stderr say what happened; the in-process run's own
+    # log (a step failure's stack trace among it) is for -v.
+    return "INFO" if args.verbose else "CRITICAL"
+
+
+def finish_sync(summary: Summary, *, as_json: bool) -> int:
+    """Prints a sync's summary; a sync that did not complete adds one line on stderr."""
+    print(summary.to_json() if as_json else summary.render())
+    problem = summary.problem()
+    if problem is None:
+        return 0
+    warn(problem)
+    return 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``: the simulated supplier synced through Dagster, then a second one."""
+    day = sync_runner.demo_day(advance=False)
+    supplier = SimulatedSupplierResource(
+        sim_cities=args.cities,
+        sim_hotels=args.hotels,
+        sim_profile=args.profile,
+        **_demo_tuning(args, day),
+    )
+    sync_db, payloads = storage_resources(args, config.load_storage_settings())
+    print(
+        f"demo: a full sync through Dagster of the simulated supplier (day {day}, "
+        f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
+        flush=True,
+    )
+    status = _demo_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads)
+    if status == 0 and args.second_hotels > 0:
+        status = _demo_second_supplier(args, day, sync_db, payloads)
+    if status == 0:
+        sync_runner.demo_day(advance=True)
+        print(
+            f"run `supplier-sync demo` again: the suppliers move to day {day + 1} and only "
+            "changes publish"
+        )
+    return status
+
+
+def _demo_tuning(args: argparse.Namespace, day: int) -> dict[str, Any]:
+    """The fields both demo suppliers take from the options: the day, rate and parallelism."""
+    return {
+        "sim_day": day,
+        "rate_limit_rps": args.rate_limit,
+        "city_threads": args.city_threads,
+        "worker_processes": args.processes,
+    }
+
+
+def _demo_sync(
+    args: argparse.Namespace,
+    supplier: SupplierResource,
+    scope: AccountScope,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+) -> int:
+    """One of the demo's full syncs, with progress on stderr and its summary printed."""
+    summary = sync_runner.run_full_sync(
+        supplier=supplier,
+        scope=scope,
+        sync_db=sync_db,
+        payloads=payloads,
+        progress=sys.stderr,
+        console_log_level=console_log_level(args),
+    )
+    return finish_sync(summary, as_json=False)
+
+
+def _demo_second_supplier(
+    args: argparse.Namespace,
+    day: int,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+) -> int:
+    """The demo's second supplier: its own account (tasks, partitions, assets, rate limit),
+    the same catalog in its own mapping namespace."""
+    world = SimulatedSupplier(
+        seed=7, cities=args.second_cities, hotels=args.second_hotels, profile="clean"
+    )
+    scope = AccountScope(
+        Account(
+            supplier="globex",
+            name="main",
+            supplier_id=2002,
+            simulator=world,
+            simulator_profile="clean",
+        )
+    )
+    print(
+        f"demo: a second supplier, globex (supplier 2002, account {scope.code}: its own tasks, "
+        f"partitions {scope.partitions_name} and assets {'/'.join(scope.prefix)}/...; day {day}, "
+        f"{world.cities} cities, {world.hotels} hotels, clean profile)",
+        flush=True,
+    )
+    supplier = account_supplier_now(config.load_settings(), scope, **_demo_tuning(args, day))
+    status = _demo_sync(args, supplier, scope, sync_db, payloads)
+    with open_db(sync_db.db_url) as db, db.engine.connect() as conn:
+        h = schema.platform_hotel.c
+        counts = conn.execute(
+            sa.select(h.supplier_id, sa.func.count())
+            .group_by(h.supplier_id)
+            .order_by(h.supplier_id)
+        ).all()
+    print(
+        "one catalog, a mapping namespace per supplier: "
+        + ", ".join(f"supplier {sid}: {n} hotels" for sid, n in counts)
+        + " (several suppliers and accounts in one deployment: README, "
+        '"Many suppliers, many accounts")'
+    )
+    return status
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    """``sync --full`` or ``sync --incremental`` against the configured supplier."""
+    settings = config.load_settings()
+    sync_db, payloads = storage_resources(args, settings)
+    scope = account_scope(args, settings)
+    if args.incremental:
+        return _sync_incremental(args, settings, sync_db, payloads, scope)
+    summary = sync_runner.run_full_sync(
+        supplier=configured_supplier(
+            settings,
+            scope=scope,
+            rate_limit=args.rate_limit,
+            page_size=args.page_size,
+            city_threads=args.city_threads,
+            worker_processes=first(args.processes, settings.worker_processes),
+        ),
+        scope=scope,
+        sync_db=sync_db,
+        payloads=payloads,
+        trigger_id=args.trigger_id,
+        progress=None if args.json else sys.stderr,
+        console_log_level=console_log_level(args),
+    )
+    return finish_sync(summary, as_json=args.json)
+
+
+def _sync_incremental(
+    args: argparse.Namespace,
+    settings: config.Settings,
+    sync_db: SyncDatabaseResource,
+    payloads: PayloadStoreResource,
+    scope: AccountScope,
+) -> int:
+    config = {
+        key: value
+        for key, value in (
+            ("task_code", args.task),
+            ("overlap_seconds", args.overlap_seconds),
+            ("max_pages", args.max_pages),
+            ("changes_per_request", args.changes_limit),
+        )
+        if value is not None
+    }
+    summary = sync_runner.run_incremental_sync(
+        supplier=configured_supplier(
+            settings, scope=scope, rate_limit=args.rate_limit, page_size=args.page_size
+        ),
+        scope=scope,
+        sync_db=sync_db,
+        payloads=payloads,
+        config=config,
+        trigger_id=args.trigger_id,
+        console_log_level=console_log_level(args),
+    )
+    return finish_sync(summary, as_json=args.json)
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """``reconcile``: each city's supplier summary against the catalog; a re-pull of the
+    cities that differ (unless ``--no-repull``)."""
+    settings = config.load_settings()
+    sync_db, payloads = storage_resources(args, settings)
+    scope = account_scope(args, settings)
+    supplier = configured_supplier(settings, scope=scope)
+    tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
+    with open_db(sync_db.db_url) as db, supplier.client() as client:
+        report = reconcile(
+            db,
+            client,
+            supplier_id=supplier.supplier_id,
+            cities=args.city,
+            tolerance=tolerance,
+            store=payloads.open(),
+            task_code=supplier.task_code,
+        )
+    differing = [c.city_code for c in report.differing]
+    if args.json:
+        for c in report.cities:
+            print(json.dumps(c.row(), ensure_ascii=False))
+    else:
+        for c in report.differing + report.failed:
+            print(f"{c.city_code!r}: {'; '.join(c.reasons) or c.error}")
+        print(
+            f"{len(report.cities)} cities compared in {report.seconds:.1f} s "
+            f"({report.requests} requests): {len(differing)} differ, "
+            f"{len(report.failed)} not compared"
+        )
+    status = 0
+    if differing and not args.no_repull:
+        summary = sync_runner.run_full_sync(
+            supplier=supplier,
+            scope=scope,
+            sync_db=sync_db,
+            payloads=payloads,
+            cities=differing,
+            progress=None if args.json else sys.stderr,
+            console_log_level=console_log_level(args),
+        )
+        problem = summary.problem()
+        message = (
+            f"re-pulled {summary.cities_done} of {len(differing)} cities in batch "
+            f"{summary.batch_id}: {summary.published} published"
+        )
+        print(json.dumps({"repull": dataclasses.asdict(summary)}) if args.json else message)
+        if problem is not None:
+            warn(problem)
+            status = 1
+    if report.failed and status == 0:
+        warn(f"{len(report.failed)} cities could not be compared ({report.failed[0].error})")
+        status = 1
+    return status
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``replay``: cities normalized, checked, diffed and published again from their stored
+    raw pages (``--dry-run``: their diffs reported, nothing published)."""
+    scope = DEFAULT_SCOPE
+    task_code = args.task or config.DEFAULT_TASK_CODE
+    if args.account is not None:
+        scope = account_scope(args, config.load_settings())
+        if args.task is not None and args.task != scope.full_task_code:
+            raise ConfigError(
+                f"--task {args.task} is not account {scope.code}'s full-sync task "
+                f"({scope.full_task_code}): give one of them"
+            )
+        task_code = scope.full_task_code
+    sync_db, payloads = storage_resources(args, config.load_storage_settings())
+    with open_db(sync_db.db_url) as db:
+        # A replay reads stored pages only: it needs the task and its supplier, no URL.
+        with db.engine.connect() as conn:
+            task = get_task(conn, task_code)
+        cities = list(dict.fromkeys(args.city))
+        missing = [
+            c for c in cities if latest_raw_batch(db, task_code=task.task_code, city_code=c) is None
+        ]
+        for city in missing:
+            warn(
+                f"city {city!r} has no stored raw pages for task {task.task_code!r}: "
+                "nothing to replay"
+            )
+        if len(missing) == len(cities):
+            return 1
+        cities = [c for c in cities if c not in missing]
+        if args.dry_run:
+            store = payloads.open()
+            countries = stored_city_countries(db, store, task_code=task.task_code)
+            for city in cities:
+                report = dry_run_city(
+                    db,
+                    store,
+                    task_code=task.task_code,
+                    supplier_id=task.supplier_id,
+                    city_code=city,
+                    city_countries=countries,
+                )
+                print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
+            return 1 if missing else 0
+    summary = sync_runner.run_replay(
+        # A replay never calls the supplier: the simulator stands in, never started.
+        supplier=SimulatedSupplierResource(
+            task_code=task.task_code,
+            supplier_id=task.supplier_id,
+            account=None if scope.account is None else scope.account.code,
+        ),
+        cities=cities,
+        sync_db=sync_db,
+        payloads=payloads,
+        trigger_id=args.trigger_id,
+        console_log_level=console_log_level(args),
+        scope=scope,
+    )
+    status = finish_sync(summary, as_json=args.json)
+    return status or (1 if missing else 0)
