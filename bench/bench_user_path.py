@@ -361,7 +361,8 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
-    from supplier_sync_dagster.core.sync import pipeline, run
+    from supplier_sync_dagster.core.sync import city, run, stages
+    from supplier_sync_dagster.core.sync.model import SyncSettings
     from supplier_sync_dagster.simulator import Simulator
 
     n = args.count_statements
@@ -374,10 +375,10 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
         empty_city_share=0.0,
     )
     counter = StatementCounter()
-    counter.wrap(pipeline, "_fetch", "fetch")
-    counter.wrap(pipeline._Normalizer, "add", "normalize")
-    counter.wrap(pipeline._Normalizer, "finish", "normalize")
-    counter.wrap(pipeline, "_publish", "publish")
+    counter.wrap(city, "fetch_pages", "fetch")
+    counter.wrap(stages.Normalizer, "add", "normalize")
+    counter.wrap(stages.Normalizer, "finish", "normalize")
+    counter.wrap(city, "publish_city", "publish")
     make_gate = run.gate_for_pipeline
 
     def counted_gate_for_pipeline(*a: Any, **kw: Any) -> Any:
@@ -399,7 +400,7 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
         with httpx.Client(base_url="http://simulator.local", transport=sim.transport()) as http:
             client = SupplierClient(http, api_key=API_KEY, supplier_id="1001")
             # The task and supplier of `sync --full` (a missing task is created on first use).
-            settings = pipeline.SyncSettings(
+            settings = SyncSettings(
                 task_code=DEFAULT_TASK_CODE, supplier_id=1001, page_size=args.page_size
             )
             listed = client.list_cities().data.cities

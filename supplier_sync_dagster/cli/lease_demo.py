@@ -7,7 +7,7 @@ shows the leases and checkpoints under the pipeline's own stages:
    (hostile city codes included), in the sync database (the embedded SQLite file unless
    ``SUPPLIER_SYNC_DB_URL`` says otherwise);
 2. two worker processes each run the cities as a sync run does (``run.run_cities``, which
-   calls ``pipeline.sync_city``: fetch, normalize, gate, map, diff, publish, under the
+   calls ``sync_city``: fetch, normalize, gate, map, diff, publish, under the
    city's shard lease); each page's raw snapshot row and the checkpoint past it commit in
    one fenced transaction;
 3. worker A is killed (``os._exit``, like ``kill -9``) halfway through the largest city,
@@ -45,8 +45,10 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import RAW, SyncSettings, largest_first
+from supplier_sync_dagster.core.sync.city import largest_first
+from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.core.sync.run import RunPlan, RunRequest, run_cities
+from supplier_sync_dagster.core.sync.snapshots import RAW
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 DEMO_TASK = "demo_hotel_full_resource"

@@ -86,7 +86,7 @@ def _fix(args: argparse.Namespace, db: Any) -> int:
     from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
     from supplier_sync_dagster.core.settings import load_storage_settings
     from supplier_sync_dagster.core.store import schema
-    from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+    from supplier_sync_dagster.core.sync.model import SyncSettings
     from supplier_sync_dagster.defs.resources import GovernanceResource, PayloadStoreResource
 
     try:
@@ -136,7 +136,7 @@ def _compensate(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.leasing.leases import make_worker_id
     from supplier_sync_dagster.core.repair.compensation import CompensationSettings, compensate
     from supplier_sync_dagster.core.settings import load_settings
-    from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+    from supplier_sync_dagster.core.sync.model import SyncSettings
     from supplier_sync_dagster.defs.resources import GovernanceResource
 
     settings = load_settings()

@@ -45,7 +45,7 @@ from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import Stage, SyncSettings
+from supplier_sync_dagster.core.sync.model import Stage, SyncSettings
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunRequest,

@@ -34,7 +34,7 @@ from supplier_sync_dagster.core.repair.incremental import (
     has_baseline,
     run_incremental,
 )
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,

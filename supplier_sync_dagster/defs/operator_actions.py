@@ -20,7 +20,7 @@ from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import override_gate
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,

@@ -896,7 +896,7 @@ def test_console_script_raises_the_collector_threshold_before_the_commands_impor
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert (done.returncode, done.stderr) == (0, "")
-    from supplier_sync_dagster.core.sync.pipeline import GC_GEN0_THRESHOLD
+    from supplier_sync_dagster.core.sync.runtime import GC_GEN0_THRESHOLD
 
     assert int(done.stdout) == cli.START_GC_THRESHOLD == GC_GEN0_THRESHOLD
 
