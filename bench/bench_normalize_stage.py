@@ -69,9 +69,7 @@ def main() -> None:
     pages = fetch_pages_by_city(sim, page_size=100)
     hotels = sum(len(json.loads(b)["hotels"]) for bodies in pages.values() for b in bodies)
     prepare_process()
-    best = min(
-        _round(pages, countries, SyncSettings("bench", 1).chunk_hotels) for _ in range(args.rounds)
-    )
+    best = min(_round(pages, countries, SyncSettings.chunk_hotels) for _ in range(args.rounds))
     print(
         f"{hotels} hotels in {len(pages)} cities (pages of 100): {best:.2f} s CPU = "
         f"{best / hotels * 1e6:.1f} µs/hotel, {best / len(pages) * 1e3:.2f} ms/city "

@@ -262,12 +262,21 @@ def _peak_rss_mb() -> float:
 
 
 def _settings(opts: dict[str, Any]) -> Any:
-    from supplier_sync_dagster.core.sync.model import SyncSettings
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.sync.model import SyncTuning, build_sync_settings
 
-    kw: dict[str, Any] = {"page_size": opts["page_size"]}
+    kw: SyncTuning = {}
     if opts["chunk_hotels"]:
         kw["chunk_hotels"] = opts["chunk_hotels"]
-    return SyncSettings(task_code="bench", supplier_id=1001, **kw)
+    return build_sync_settings(
+        task_code="bench",
+        supplier_id=1001,
+        page_size=opts["page_size"],
+        lease=LeaseSettings(),
+        risk_policy=default_risk_policy,
+        **kw,
+    )
 
 
 def _summarize(report: Any) -> dict[str, Any]:

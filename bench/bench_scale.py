@@ -45,13 +45,15 @@ MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
 
 def _settings(page_size: int) -> Any:
     from supplier_sync_dagster.core.leasing.leases import LeaseSettings
-    from supplier_sync_dagster.core.sync.model import SyncSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.sync.model import build_sync_settings
 
-    return SyncSettings(
+    return build_sync_settings(
         task_code="bench",
         supplier_id=1001,
         page_size=page_size,
         lease=LeaseSettings(lease_seconds=60, heartbeat_seconds=5),
+        risk_policy=default_risk_policy,
     )
 
 

@@ -357,12 +357,14 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
     import httpx
     import sqlalchemy as sa
 
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
     from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
     from supplier_sync_dagster.core.sync import city, run, stages
-    from supplier_sync_dagster.core.sync.model import SyncSettings
+    from supplier_sync_dagster.core.sync.model import build_sync_settings
     from supplier_sync_dagster.simulator import Simulator
 
     n = args.count_statements
@@ -400,8 +402,12 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
         with httpx.Client(base_url="http://simulator.local", transport=sim.transport()) as http:
             client = SupplierClient(http, api_key=API_KEY, supplier_id="1001")
             # The task and supplier of `sync --full` (a missing task is created on first use).
-            settings = SyncSettings(
-                task_code=DEFAULT_TASK_CODE, supplier_id=1001, page_size=args.page_size
+            settings = build_sync_settings(
+                task_code=DEFAULT_TASK_CODE,
+                supplier_id=1001,
+                page_size=args.page_size,
+                lease=LeaseSettings(),
+                risk_policy=default_risk_policy,
             )
             listed = client.list_cities().data.cities
             cities = [c.city_code for c in listed]

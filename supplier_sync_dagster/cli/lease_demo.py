@@ -41,12 +41,13 @@ from supplier_sync_dagster.core.leasing.batches import (
 )
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
+from supplier_sync_dagster.core.records.diff import default_risk_policy
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.city import largest_first
-from supplier_sync_dagster.core.sync.model import SyncSettings
+from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.core.sync.run import RunPlan, RunRequest, run_cities
 from supplier_sync_dagster.core.sync.snapshots import RAW
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
@@ -207,11 +208,12 @@ def run_demo(
     started = time.monotonic()
     db = SyncDatabase.open(db_url)
     url = db.engine.url.render_as_string(hide_password=False)
-    settings = SyncSettings(
+    settings = build_sync_settings(
         task_code=DEMO_TASK,
         supplier_id=DEMO_SUPPLIER_ID,
         page_size=PAGE_SIZE,
         lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
+        risk_policy=default_risk_policy,
     )
     upsert_task(
         db,

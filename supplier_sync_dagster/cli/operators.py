@@ -86,8 +86,12 @@ def _fix(args: argparse.Namespace, db: Any) -> int:
     from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
     from supplier_sync_dagster.core.settings import load_storage_settings
     from supplier_sync_dagster.core.store import schema
-    from supplier_sync_dagster.core.sync.model import SyncSettings
-    from supplier_sync_dagster.defs.resources import GovernanceResource, PayloadStoreResource
+    from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
+    from supplier_sync_dagster.defs.resources import (
+        GovernanceResource,
+        PayloadStoreResource,
+        SyncDatabaseResource,
+    )
 
     try:
         patch = json.loads(args.patch)
@@ -106,9 +110,11 @@ def _fix(args: argparse.Namespace, db: Any) -> int:
         patch=patch,
         actor=args.by,
         reason=args.reason,
-        settings=SyncSettings(
+        settings=build_sync_settings(
             task_code=str(row.task_code),
             supplier_id=int(row.supplier_id),
+            page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
+            lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
             risk_policy=GovernanceResource().risk_rules(),
         ),
         worker_id=make_worker_id("supplier-sync"),
@@ -136,8 +142,7 @@ def _compensate(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.leasing.leases import make_worker_id
     from supplier_sync_dagster.core.repair.compensation import CompensationSettings, compensate
     from supplier_sync_dagster.core.settings import load_settings
-    from supplier_sync_dagster.core.sync.model import SyncSettings
-    from supplier_sync_dagster.defs.resources import GovernanceResource
+    from supplier_sync_dagster.defs.resources import GovernanceResource, sync_settings
 
     settings = load_settings()
     sync_db, payloads = _resources(args, settings)
@@ -153,13 +158,7 @@ def _compensate(args: argparse.Namespace) -> int:
                 db,
                 payloads.open(),
                 client,
-                settings=SyncSettings(
-                    task_code=supplier.task_code,
-                    supplier_id=supplier.supplier_id,
-                    page_size=supplier.page_size,
-                    lease=sync_db.lease_settings(),
-                    risk_policy=GovernanceResource().risk_rules(),
-                ),
+                settings=sync_settings(supplier, sync_db, GovernanceResource()),
                 compensation=CompensationSettings(
                     task_code=scope.compensation_task_code,
                     full_task_code=supplier.task_code,

@@ -1,6 +1,8 @@
-"""The types a city's sync shares across its stages.
+"""The types a city's sync shares across its stages, and the one factory of its settings.
 
-:class:`SyncSettings` is what a sync needs to know besides its inputs.
+:class:`SyncSettings` is what a sync needs to know besides its inputs; every entry point (the
+Dagster jobs, the CLI, the demos, the benchmarks) builds it through
+:func:`build_sync_settings`, whose deployment-level inputs are required keywords.
 :class:`CityReport` is what a city's sync did, stage by stage (:data:`Stage`).
 :class:`FetchedPage` and :class:`PageSource` are a shard's pages when they are not a city's
 listing (a change feed window, a compensation's dead letters); :class:`Progress` is where a
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, TypedDict, Unpack
 
 from sqlalchemy.engine import Connection
 
@@ -24,11 +26,13 @@ from supplier_sync_dagster.core.supplier import SupplierClient
 
 # SyncSettings.publish_chunk_hotels unless set.
 DEFAULT_PUBLISH_CHUNK_HOTELS = 1000
+# SyncSettings.page_size of a sync that walks no city listing (a fixed record, a dry run).
+DEFAULT_PAGE_SIZE = 100
 
 
 @dataclass(frozen=True)
 class SyncSettings:
-    """What one sync needs to know besides its inputs.
+    """What one sync needs to know besides its inputs (built by :func:`build_sync_settings`).
 
     Attributes:
         task_code: The task being run (dead letters name it).
@@ -60,7 +64,7 @@ class SyncSettings:
     task_code: str
     supplier_id: int
     sync_mode: str = "FULL"
-    page_size: int = 100
+    page_size: int = DEFAULT_PAGE_SIZE
     chunk_hotels: int = 2000
     publish_chunk_hotels: int = DEFAULT_PUBLISH_CHUNK_HOTELS
     memory_hotels: int = 5000
@@ -69,6 +73,51 @@ class SyncSettings:
     missing_syncs: int = DEFAULT_MISSING_SYNCS
     publish_processes: int = 0
     normalize_processes: int = 0
+
+
+class SyncTuning(TypedDict, total=False):
+    """The settings a caller may leave at their defaults (see :class:`SyncSettings`)."""
+
+    sync_mode: str
+    chunk_hotels: int
+    publish_chunk_hotels: int
+    memory_hotels: int
+    missing_syncs: int
+    publish_processes: int
+    normalize_processes: int
+
+
+def build_sync_settings(
+    *,
+    task_code: str,
+    supplier_id: int,
+    page_size: int,
+    lease: LeaseSettings,
+    risk_policy: RiskPolicy,
+    **tuning: Unpack[SyncTuning],
+) -> SyncSettings:
+    """The settings of a sync, as every entry point builds them.
+
+    The deployment's settings (its supplier's page size, its lease settings, its risk
+    policy) are required: an entry point that left one out would sync with a default that
+    differs from the other entry points' without anyone noticing.
+
+    Args:
+        task_code: The task being run.
+        supplier_id: The platform's id of the supplier.
+        page_size: Hotels per supplier page (the supplier's configured page size).
+        lease: The deployment's lease duration and heartbeat interval.
+        risk_policy: The deployment's risk policy.
+        **tuning: Settings that keep their defaults unless given (:class:`SyncTuning`).
+    """
+    return SyncSettings(
+        task_code=task_code,
+        supplier_id=supplier_id,
+        page_size=page_size,
+        lease=lease,
+        risk_policy=risk_policy,
+        **tuning,
+    )
 
 
 Stage = Literal["fetch", "normalize", "publish"]

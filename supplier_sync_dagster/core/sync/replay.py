@@ -25,12 +25,13 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.batches import Batch, add_shards, create_batch, get_batch
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.sync.model import SyncSettings
+from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.core.sync.snapshots import RAW, snapshot_id
 from supplier_sync_dagster.core.sync.stages import DiffCollector, dry_run_stages
 
@@ -239,11 +240,14 @@ def dry_run_city(
     report = DryRunReport(city_code, source)
     if source is None:
         return report
-    settings = SyncSettings(
+    settings = build_sync_settings(
         task_code=task_code,
         supplier_id=supplier_id,
-        chunk_hotels=chunk_hotels,
+        # A dry run reads stored pages only, without a lease.
+        page_size=SyncSettings.page_size,
+        lease=LeaseSettings(),
         risk_policy=risk_policy,
+        chunk_hotels=chunk_hotels,
     )
     collector = DiffCollector(db, settings, sample=sample)
     done = dry_run_stages(
