@@ -2,13 +2,13 @@
 
 Run: ``.venv/bin/python bench/bench_normalize_stage.py [--hotels 20000] [--cities 40]
 [--rounds 3]``. Pages of 100 clean records are fetched once from the in-process simulator and
-kept as raw JSON bytes (not timed). Then, city by city, as a sync worker's normalize stage
-does without its I/O: each page is decoded (not timed) and normalized
-(``normalize_documents``), the city's documents are checked by ``quality.check_quality`` in
-chunks of ``SyncSettings.chunk_hotels``, and each kept document is encoded and fingerprinted
+kept as raw JSON bytes (not timed). Then, city by city, as ``stages.Normalizer`` does
+without its I/O: each page is decoded (not timed) and normalized (``normalize_documents``),
+the city's documents are checked by ``quality.check_quality`` in chunks of
+``SyncSettings.chunk_hotels``, and each kept document is encoded and fingerprinted
 (``canonical_dumps`` + sha256). Phone caches are cleared before each round, as a worker meets
-new numbers; the heap is frozen by ``prepare_process`` as in a worker. Prints the process CPU
-time per hotel and per city, best of ``--rounds``. Many small cities (e.g.
+new numbers; the heap is frozen by ``runtime.prepare_process`` as in a worker. Prints the
+process CPU time per hotel and per city, best of ``--rounds``. Many small cities (e.g.
 ``--hotels 3000 --cities 60``: one page each) show the fixed cost per city; few large ones
 the cost per hotel.
 """
@@ -26,7 +26,8 @@ from bench_normalize import fetch_pages_by_city
 from supplier_sync_dagster.core.records import quality, rules
 from supplier_sync_dagster.core.records.normalize import canonical_dumps, normalize_documents
 from supplier_sync_dagster.core.records.quality import check_quality
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings, prepare_process
+from supplier_sync_dagster.core.sync.model import SyncSettings
+from supplier_sync_dagster.core.sync.runtime import prepare_process
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 
@@ -68,9 +69,7 @@ def main() -> None:
     pages = fetch_pages_by_city(sim, page_size=100)
     hotels = sum(len(json.loads(b)["hotels"]) for bodies in pages.values() for b in bodies)
     prepare_process()
-    best = min(
-        _round(pages, countries, SyncSettings("bench", 1).chunk_hotels) for _ in range(args.rounds)
-    )
+    best = min(_round(pages, countries, SyncSettings.chunk_hotels) for _ in range(args.rounds))
     print(
         f"{hotels} hotels in {len(pages)} cities (pages of 100): {best:.2f} s CPU = "
         f"{best / hotels * 1e6:.1f} µs/hotel, {best / len(pages) * 1e3:.2f} ms/city "

@@ -1,4 +1,4 @@
-"""Benchmark a full sync end to end: hotels/s of ``sync_city`` over every city.
+"""Benchmark a full sync end to end: hotels/s of ``core.sync.city.sync_city`` over every city.
 
 The simulator runs in its own process behind uvicorn on loopback HTTP (clean profile, no
 rate limit), so its CPU is not counted in the sync; every city is walked once before timing
@@ -107,7 +107,7 @@ def run_backend(
     from supplier_sync_dagster.core.leasing.batches import TaskSpec, upsert_task
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
-    from supplier_sync_dagster.core.sync.pipeline import prepare_process
+    from supplier_sync_dagster.core.sync.runtime import prepare_process
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     db_url, mysql_db = _db_url(backend, opts["mysql_url"], tmp)
@@ -145,7 +145,7 @@ def _sync_day(
 
     from supplier_sync_dagster.core.leasing.batches import create_batch
     from supplier_sync_dagster.core.store import schema
-    from supplier_sync_dagster.core.sync.pipeline import sync_city
+    from supplier_sync_dagster.core.sync.city import sync_city
 
     batch = create_batch(
         db,
@@ -262,12 +262,21 @@ def _peak_rss_mb() -> float:
 
 
 def _settings(opts: dict[str, Any]) -> Any:
-    from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.sync.model import SyncTuning, build_sync_settings
 
-    kw: dict[str, Any] = {"page_size": opts["page_size"]}
+    kw: SyncTuning = {}
     if opts["chunk_hotels"]:
         kw["chunk_hotels"] = opts["chunk_hotels"]
-    return SyncSettings(task_code="bench", supplier_id=1001, **kw)
+    return build_sync_settings(
+        task_code="bench",
+        supplier_id=1001,
+        page_size=opts["page_size"],
+        lease=LeaseSettings(),
+        risk_policy=default_risk_policy,
+        **kw,
+    )
 
 
 def _summarize(report: Any) -> dict[str, Any]:
@@ -297,7 +306,7 @@ def _governance(client: Any) -> dict[str, Any]:
     """What a production sync runs with: the quality gates and the city -> country rule."""
     found = _GOVERNANCE.get(id(client))
     if found is None:
-        from supplier_sync_dagster.core.records.gates import gate_for_pipeline
+        from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
 
         cities = client.list_cities().data.cities
         found = {
@@ -311,7 +320,7 @@ def _governance(client: Any) -> dict[str, Any]:
 def _worker_init(db_url: str, tmp: str, opts: dict[str, Any], batch: Any) -> None:
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
-    from supplier_sync_dagster.core.sync.pipeline import prepare_process
+    from supplier_sync_dagster.core.sync.runtime import prepare_process
 
     http, client = _client(opts["sim_url"])
     _WORKER.update(
@@ -327,7 +336,7 @@ def _worker_init(db_url: str, tmp: str, opts: dict[str, Any], batch: Any) -> Non
 
 
 def _worker_city(city: str) -> dict[str, Any]:
-    from supplier_sync_dagster.core.sync.pipeline import sync_city
+    from supplier_sync_dagster.core.sync.city import sync_city
 
     w = _WORKER
     report = sync_city(

@@ -4,8 +4,7 @@ Run: ``.venv/bin/python bench/bench_quality.py [--rounds 5] [--sizes 500,2000,10
 Clean simulator hotels are fetched once, normalized and turned into canonical documents, as
 the pipeline holds them (not timed). Each chunk is then checked with
 ``quality.check_quality`` against the chunk's largest city (the others count as moved, which
-costs the same). The garbage collector is tuned by ``prepare_process`` as in a sync worker.
-Figures: best of ``--rounds``, with warm caches (phone numbers seen before), and a cold
+costs the same). The garbage collector is tuned by ``runtime.prepare_process`` as in a sync worker. Figures: best of ``--rounds``, with warm caches (phone numbers seen before), and a cold
 round (phone cache cleared) where every distinct number is parsed by libphonenumber once;
 ``parse_phones=False`` keeps only the vectorised E.164 shape check; a last round has one
 failing hotel, so that the frames are built and pandera validates them. Prints µs per hotel and
@@ -24,7 +23,7 @@ from typing import Any
 from supplier_sync_dagster.core.records import quality
 from supplier_sync_dagster.core.records.normalize import canonical_json, normalize_records
 from supplier_sync_dagster.core.records.rules import phone_e164
-from supplier_sync_dagster.core.sync.pipeline import prepare_process
+from supplier_sync_dagster.core.sync.runtime import prepare_process
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,

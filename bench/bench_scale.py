@@ -2,8 +2,8 @@
 
 ``budget``: the simulator (its own process, HTTP) allows R requests/s per API key. W worker
 processes play a backfill's runs: each gets a contiguous range of the cities, as
-``BackfillPolicy.multi_run`` hands them out, and syncs them with ``sync_city`` into one
-batch, all pacing their requests through one Redis token bucket at R. With
+``BackfillPolicy.multi_run`` hands them out, and syncs them with ``core.sync.city.sync_city``
+into one batch, all pacing their requests through one Redis token bucket at R. With
 ``--steal`` a worker that finishes its range goes on with cities that nobody has started
 (the shard lease decides who syncs a city), as the Dagster asset does. Reported: achieved
 request rate / R (target >= 0.97), the simulator's 429 answers (target ~0), and wall time
@@ -45,13 +45,15 @@ MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
 
 def _settings(page_size: int) -> Any:
     from supplier_sync_dagster.core.leasing.leases import LeaseSettings
-    from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.sync.model import build_sync_settings
 
-    return SyncSettings(
+    return build_sync_settings(
         task_code="bench",
         supplier_id=1001,
         page_size=page_size,
         lease=LeaseSettings(lease_seconds=60, heartbeat_seconds=5),
+        risk_policy=default_risk_policy,
     )
 
 
@@ -72,7 +74,7 @@ def _worker(
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
     from supplier_sync_dagster.core.supplier.ratelimit import RedisTokenBucket
-    from supplier_sync_dagster.core.sync.pipeline import help_other_workers, sync_cities, sync_city
+    from supplier_sync_dagster.core.sync.city import help_other_workers, sync_cities, sync_city
 
     db = SyncDatabase.open(db_url, create_schema=False)
     store = open_payload_store(f"file://{tmp}/payloads")
@@ -147,7 +149,7 @@ def _worker(
 def budget(args: argparse.Namespace) -> int:
     from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
     from supplier_sync_dagster.core.store.db import SyncDatabase
-    from supplier_sync_dagster.core.sync.pipeline import largest_first
+    from supplier_sync_dagster.core.sync.city import largest_first
 
     config = SimulatorConfig(
         seed=args.seed,
@@ -254,7 +256,8 @@ def _memory_child(url: str, city: str, page_size: int, out: Any) -> None:
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
-    from supplier_sync_dagster.core.sync.pipeline import prepare_process, sync_city
+    from supplier_sync_dagster.core.sync.city import sync_city
+    from supplier_sync_dagster.core.sync.runtime import prepare_process
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_mem_"))
     db = SyncDatabase.open(f"sqlite:///{tmp / 'sync.sqlite3'}")

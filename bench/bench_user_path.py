@@ -357,11 +357,14 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
     import httpx
     import sqlalchemy as sa
 
+    from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+    from supplier_sync_dagster.core.records.diff import default_risk_policy
     from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
-    from supplier_sync_dagster.core.sync import pipeline, run
+    from supplier_sync_dagster.core.sync import city, run, stages
+    from supplier_sync_dagster.core.sync.model import build_sync_settings
     from supplier_sync_dagster.simulator import Simulator
 
     n = args.count_statements
@@ -374,10 +377,10 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
         empty_city_share=0.0,
     )
     counter = StatementCounter()
-    counter.wrap(pipeline, "_fetch", "fetch")
-    counter.wrap(pipeline._Normalizer, "add", "normalize")
-    counter.wrap(pipeline._Normalizer, "finish", "normalize")
-    counter.wrap(pipeline, "_publish", "publish")
+    counter.wrap(city, "fetch_pages", "fetch")
+    counter.wrap(stages.Normalizer, "add", "normalize")
+    counter.wrap(stages.Normalizer, "finish", "normalize")
+    counter.wrap(city, "publish_city", "publish")
     make_gate = run.gate_for_pipeline
 
     def counted_gate_for_pipeline(*a: Any, **kw: Any) -> Any:
@@ -399,8 +402,12 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
         with httpx.Client(base_url="http://simulator.local", transport=sim.transport()) as http:
             client = SupplierClient(http, api_key=API_KEY, supplier_id="1001")
             # The task and supplier of `sync --full` (a missing task is created on first use).
-            settings = pipeline.SyncSettings(
-                task_code=DEFAULT_TASK_CODE, supplier_id=1001, page_size=args.page_size
+            settings = build_sync_settings(
+                task_code=DEFAULT_TASK_CODE,
+                supplier_id=1001,
+                page_size=args.page_size,
+                lease=LeaseSettings(),
+                risk_policy=default_risk_policy,
             )
             listed = client.list_cities().data.cities
             cities = [c.city_code for c in listed]

@@ -7,7 +7,7 @@ shows the leases and checkpoints under the pipeline's own stages:
    (hostile city codes included), in the sync database (the embedded SQLite file unless
    ``SUPPLIER_SYNC_DB_URL`` says otherwise);
 2. two worker processes each run the cities as a sync run does (``run.run_cities``, which
-   calls ``pipeline.sync_city``: fetch, normalize, gate, map, diff, publish, under the
+   calls ``sync_city``: fetch, normalize, gate, map, diff, publish, under the
    city's shard lease); each page's raw snapshot row and the checkpoint past it commit in
    one fenced transaction;
 3. worker A is killed (``os._exit``, like ``kill -9``) halfway through the largest city,
@@ -44,12 +44,15 @@ from supplier_sync_dagster.core.leasing.batches import (
 )
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
+from supplier_sync_dagster.core.records.diff import default_risk_policy
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import RAW, SyncSettings, largest_first
+from supplier_sync_dagster.core.sync.city import largest_first
+from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.core.sync.run import RunPlan, RunRequest, run_cities
+from supplier_sync_dagster.core.sync.snapshots import RAW
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 
 DEMO_TASK = "demo_hotel_full_resource"
@@ -292,11 +295,12 @@ def run_demo(
     started = time.monotonic()
     db = SyncDatabase.open(db_url)
     url = db.engine.url.render_as_string(hide_password=False)
-    settings = SyncSettings(
+    settings = build_sync_settings(
         task_code=DEMO_TASK,
         supplier_id=DEMO_SUPPLIER_ID,
         page_size=PAGE_SIZE,
         lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
+        risk_policy=default_risk_policy,
     )
     cities, plan, countries = _demo_plan()
     batch_id, outcome = _create_demo_batch(db, cities, trigger_id)

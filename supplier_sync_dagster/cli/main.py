@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # The young-generation threshold of the console script's process, from its start: the
-# one a sync sets anyway (``pipeline.GC_GEN0_THRESHOLD``, a heavy import to read).
+# one a sync sets anyway (``core.sync.runtime.GC_GEN0_THRESHOLD``, an import to avoid here).
 START_GC_THRESHOLD = 50_000
 
 

@@ -33,8 +33,13 @@ from supplier_sync_dagster.core.repair.compensation import (
 from supplier_sync_dagster.core.settings import load_settings, load_storage_settings
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
-from supplier_sync_dagster.defs.resources import GovernanceResource, PayloadStoreResource
+from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SyncDatabaseResource,
+    sync_settings,
+)
 
 
 def cmd_fix(args: argparse.Namespace) -> int:
@@ -61,9 +66,11 @@ def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
         patch=patch,
         actor=args.by,
         reason=args.reason,
-        settings=SyncSettings(
+        settings=build_sync_settings(
             task_code=str(row.task_code),
             supplier_id=int(row.supplier_id),
+            page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
+            lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
             risk_policy=GovernanceResource().risk_rules(),
         ),
         worker_id=make_worker_id("supplier-sync"),
@@ -100,13 +107,7 @@ def cmd_compensate(args: argparse.Namespace) -> int:
                 db,
                 payloads.open(),
                 client,
-                settings=SyncSettings(
-                    task_code=supplier.task_code,
-                    supplier_id=supplier.supplier_id,
-                    page_size=supplier.page_size,
-                    lease=sync_db.lease_settings(),
-                    risk_policy=GovernanceResource().risk_rules(),
-                ),
+                settings=sync_settings(supplier, sync_db, GovernanceResource()),
                 compensation=CompensationSettings(
                     task_code=scope.compensation_task_code,
                     full_task_code=supplier.task_code,

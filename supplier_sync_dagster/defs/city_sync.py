@@ -45,7 +45,7 @@ from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import Stage, SyncSettings
+from supplier_sync_dagster.core.sync.model import Stage
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunRequest,
@@ -69,6 +69,7 @@ from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
+    sync_settings,
 )
 
 TRIGGER_TAG = "supplier_sync/trigger_id"
@@ -294,13 +295,7 @@ def _sync_cities(
         processes=supplier.worker_processes,
         help_other_runs=supplier.help_other_runs,
     )
-    settings = SyncSettings(
-        task_code=supplier.task_code,
-        supplier_id=supplier.supplier_id,
-        page_size=supplier.page_size,
-        lease=sync_db.lease_settings(),
-        risk_policy=governance.risk_rules(),
-    )
+    settings = sync_settings(supplier, sync_db, governance)
     db = sync_db.open()
     store = payloads.open()
     outcomes: list[CityOutcome] = []

@@ -34,7 +34,6 @@ from supplier_sync_dagster.core.repair.compensation import (
     compensate,
 )
 from supplier_sync_dagster.core.repair.incremental import published_cities
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
 from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
@@ -57,6 +56,7 @@ from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
+    sync_settings,
 )
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
@@ -147,13 +147,7 @@ def _compensate(
     """Runs one compensation and reports how each claimed dead letter ended, and each city
     it published in."""
     trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = SyncSettings(
-        task_code=supplier.task_code,
-        supplier_id=supplier.supplier_id,
-        page_size=supplier.page_size,
-        lease=sync_db.lease_settings(),
-        risk_policy=governance.risk_rules(),
-    )
+    settings = sync_settings(supplier, sync_db, governance)
     db = sync_db.open()
     store = payloads.open()
     try:

@@ -34,7 +34,6 @@ from supplier_sync_dagster.core.repair.incremental import (
     has_baseline,
     run_incremental,
 )
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
 from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
@@ -54,6 +53,7 @@ from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
+    sync_settings,
 )
 
 CHANGE_FEED = dg.AssetKey("hotel_change_feed")
@@ -148,13 +148,7 @@ def _run_window(
 ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
     """Runs one window and reports it, and each city it published in."""
     trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = SyncSettings(
-        task_code=supplier.task_code,
-        supplier_id=supplier.supplier_id,
-        page_size=supplier.page_size,
-        lease=sync_db.lease_settings(),
-        risk_policy=governance.risk_rules(),
-    )
+    settings = sync_settings(supplier, sync_db, governance)
     incremental = IncrementalSettings(
         task_code=config.task_code or scope.incremental_task_code,
         full_task_code=supplier.task_code,

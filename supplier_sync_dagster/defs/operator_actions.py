@@ -20,7 +20,7 @@ from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import override_gate
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -193,9 +193,10 @@ def fix_dead_letter_op(
                 patch=patch,
                 actor=config.by,
                 reason=config.reason,
-                settings=SyncSettings(
+                settings=build_sync_settings(
                     task_code=str(row.task_code),
                     supplier_id=int(row.supplier_id),
+                    page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
                     lease=sync_db.lease_settings(),
                     risk_policy=governance.risk_rules(),
                 ),

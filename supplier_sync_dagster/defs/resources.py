@@ -34,6 +34,7 @@ from supplier_sync_dagster.core.supplier import (
     SupplierClient,
     make_rate_limiter,
 )
+from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes
 
 
@@ -382,4 +383,18 @@ def _projections(settings: Settings) -> dg.ConfigurableResource:
         search_url=_env(settings, "search_url"),
         cache_url=_env(settings, "redis_url"),
         amqp_url=_env(settings, "amqp_url"),
+    )
+
+
+def sync_settings(
+    supplier: SupplierResource, sync_db: SyncDatabaseResource, governance: GovernanceResource
+) -> SyncSettings:
+    """The settings of a sync run with these resources, a job's or a command's: the
+    supplier's task and page size, the database's lease settings, the risk policy."""
+    return build_sync_settings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
     )

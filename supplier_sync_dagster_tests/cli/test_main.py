@@ -37,7 +37,7 @@ from supplier_sync_dagster.core.leasing.leases import claim_shard, make_worker_i
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.migrations import load_migrations
-from supplier_sync_dagster.core.sync.pipeline import GC_GEN0_THRESHOLD
+from supplier_sync_dagster.core.sync.runtime import GC_GEN0_THRESHOLD
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator

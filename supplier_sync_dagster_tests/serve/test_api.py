@@ -25,7 +25,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.serve.api import REFRESH_EVENT, create_app
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
-from supplier_sync_dagster_tests.core.sync.test_pipeline import full_sync
+from supplier_sync_dagster_tests.core.sync.test_city import full_sync
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 

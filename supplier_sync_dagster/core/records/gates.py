@@ -20,8 +20,8 @@ counts and :class:`FieldCounts` built by :func:`profile_records` on every page.
 what. An operator who has looked can let a failed check pass with :func:`override_gate`,
 which is recorded (who, when, why); the check then counts as passed, marked overridden.
 
-Plain Python over SQLAlchemy Core; the Dagster asset checks and the pipeline's gate hook
-(:func:`gate_for_pipeline`) call these functions.
+Plain Python over SQLAlchemy Core; the Dagster asset checks and a city's sync (its gate,
+``core.sync.gate``) call these functions.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
@@ -51,9 +51,6 @@ from supplier_sync_dagster.core.leasing.batches import get_task
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
-
-if TYPE_CHECKING:
-    from supplier_sync_dagster.core.sync.pipeline import CityReport
 
 log = logging.getLogger(__name__)
 
@@ -765,15 +762,17 @@ def evaluate_gates(
         conn, task_code=task_code, shard_key=shard_key, before_batch_id=batch_id
     )
     overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
-    return _judge(current, previous, thresholds, overrides)
+    return judge_profile(current, previous, thresholds, overrides)
 
 
-def _judge(
+def judge_profile(
     current: CityProfile,
     previous: CityProfile | None,
     thresholds: GateThresholds,
     overrides: Iterable[GateOverride],
 ) -> list[GateResult]:
+    """Every check of a full sync's city: ``current`` against ``previous`` (None: no
+    baseline), a failed check with an override returned passed (:func:`apply_override`)."""
     by_check = {o.check_name: o for o in overrides}
     results = [
         check_bad_record_ratio(current, thresholds),
@@ -1021,73 +1020,3 @@ def gated_checks(message: str | None) -> list[tuple[str, str]] | None:
 def gate_check_names(reason: str) -> list[str]:
     """The checks a gate's reason names: ``"check: why | check: why"`` -> ``[check, ...]``."""
     return [name for name, _ in gated_checks(GATED_PREFIX + reason) or ()]
-
-
-PipelineGate = Callable[[SyncDatabase, str, str, "CityReport"], list[GateResult]]
-"""Called after normalization with (db, batch_id, city_code, report); any result that did
-not pass stops the city before anything is published."""
-
-
-def gate_for_pipeline(
-    thresholds_for_task: Callable[[str], GateThresholds] | None = None,
-    *,
-    on_results: Callable[[str, str, list[GateResult]], None] | None = None,
-) -> PipelineGate:
-    """A gate for ``pipeline.sync_city(gate=...)`` that runs :func:`evaluate_gates`.
-
-    It judges the profile that normalization recorded for the city (``report.profile``,
-    as recorded, or else read back). Without one (the normalize stage does not record
-    profiles) it judges the report's counts and cannot measure schema drift; it says so in
-    the log and in the check's metadata. The batch's task and baselines are read once per
-    batch in a process (:func:`batch_baselines`), the task's stored thresholds once per
-    gate (one gate per run); the city's overrides are read unless ``report.gate_overrides``
-    says it had none when it was claimed.
-
-    Args:
-        thresholds_for_task: Task code -> thresholds; None reads the task's stored ones.
-        on_results: Called with (batch_id, city_code, results) after every evaluation.
-
-    Returns:
-        ``gate(db, batch_id, city_code, report)``: one result per check (a failed check
-        that was overridden counts as passed).
-    """
-    stored: dict[str, GateThresholds] = {}
-
-    def gate(
-        db: SyncDatabase, batch_id: str, city_code: str, report: CityReport
-    ) -> list[GateResult]:
-        baselines = batch_baselines(db, batch_id)
-        task_code = baselines.task_code
-        if thresholds_for_task is not None:
-            thresholds = thresholds_for_task(task_code)
-        elif task_code in stored:
-            thresholds = stored[task_code]
-        else:
-            with db.engine.connect() as conn:
-                thresholds = stored[task_code] = get_gate_thresholds(conn, task_code)
-        current = report.profile
-        overrides: list[GateOverride] = []
-        if current is None or report.gate_overrides is not False:
-            with db.engine.connect() as conn:
-                if current is None:
-                    current = get_city_profile(conn, batch_id=batch_id, shard_key=city_code)
-                if report.gate_overrides is not False:
-                    overrides = list_overrides(conn, batch_id=batch_id, shard_key=city_code)
-        if current is None:
-            log.warning(
-                "no city profile for %r in batch %s: gating on the report's counts only",
-                city_code,
-                batch_id,
-            )
-            current = CityProfile(
-                batch_id, task_code, city_code, report.records, report.dead_letters, None
-            )
-        results = _judge(current, baselines.previous.get(city_code), thresholds, overrides)
-        if on_results is not None:
-            on_results(batch_id, city_code, results)
-        reason = failure_reason(results)
-        if reason is not None:
-            log.warning("quality gate stopped city %r of batch %s: %s", city_code, batch_id, reason)
-        return results
-
-    return gate

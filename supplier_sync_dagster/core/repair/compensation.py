@@ -73,12 +73,8 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json, page_records
-from supplier_sync_dagster.core.sync.pipeline import (
-    CityReport,
-    FetchedPage,
-    SyncSettings,
-    sync_city,
-)
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.model import CityReport, FetchedPage, SyncSettings
 from supplier_sync_dagster.core.sync.replay import stored_city_countries
 from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
 
@@ -465,7 +461,7 @@ class _Claimed:
 
 
 class DeadLetterPages:
-    """The page source of a compensation batch (``pipeline.PageSource``).
+    """The page source of a compensation batch (``core.sync.model.PageSource``).
 
     Its pages are the batch's claimed dead letters in id order, ``page_hotels`` hotels at a
     time (a hotel of several dead letters is fetched once); the checkpoint's cursor is the

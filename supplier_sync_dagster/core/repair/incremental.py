@@ -4,7 +4,7 @@ An incremental task (``sync_mode`` INCREMENTAL, its own batches) keeps one **wat
 the ``(updated_at, hotel_id)`` of the last change it published. Each run is one batch with
 one shard, the **window** (:data:`WINDOW_SHARD`): it reads ``GET /v1/hotels/changes`` from
 ``watermark - overlap`` until the feed says it is caught up (or ``max_pages``), and runs the
-same stages as a city of a full sync (``pipeline.sync_city`` with a :class:`ChangeWindow`
+same stages as a city of a full sync (``sync_city`` with a :class:`ChangeWindow`
 as its page source): each page's bytes are stored as a RAW snapshot and checkpointed under
 the shard's lease, then normalized, checked, mapped, diffed and published with their outbox
 events. Hotels of a window belong to their own cities (no listing city, nothing "moved").
@@ -58,7 +58,6 @@ from supplier_sync_dagster.core.records.diff import HotelDiff, RiskPolicy
 from supplier_sync_dagster.core.records.gates import (
     GateResult,
     GateThresholds,
-    PipelineGate,
     apply_override,
     check_bad_record_ratio,
     check_change_volume,
@@ -75,15 +74,16 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore, use_index
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import (
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.gate import PipelineGate
+from supplier_sync_dagster.core.sync.model import (
     DEFAULT_PUBLISH_CHUNK_HOTELS,
     CityReport,
     FetchedPage,
     SyncSettings,
-    sync_city,
-    usable_cpus,
 )
 from supplier_sync_dagster.core.sync.replay import CITIES, stored_city_countries
+from supplier_sync_dagster.core.sync.runtime import usable_cpus
 from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def hold_everything(policy: RiskPolicy) -> RiskPolicy:
 
 @dataclass
 class ChangeWindow:
-    """The page source of an incremental window (``pipeline.PageSource``).
+    """The page source of an incremental window (``core.sync.model.PageSource``).
 
     Attributes:
         db: The sync database.

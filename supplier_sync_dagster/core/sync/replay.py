@@ -3,7 +3,7 @@
 When a normalization or mapping rule is fixed, the records it mishandled are still in the
 payload store, byte for byte (invariant 6). A replay is a new batch (trigger
 ``replay:<id>``, source COMPENSATION) whose RAW snapshot rows point at the stored pages of
-each city's latest batch; ``pipeline.sync_city(fetch=False)`` then normalizes, gates,
+each city's latest batch; ``sync_city(fetch=False)`` then normalizes, gates,
 diffs and publishes them without a single supplier request. Dead letters of the source
 batch whose records now pass are RESOLVED.
 
@@ -25,18 +25,15 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.batches import Batch, add_shards, create_batch, get_batch
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.sync.pipeline import (
-    RAW,
-    DiffCollector,
-    SyncSettings,
-    dry_run_stages,
-    snapshot_id,
-)
+from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
+from supplier_sync_dagster.core.sync.snapshots import RAW, snapshot_id
+from supplier_sync_dagster.core.sync.stages import DiffCollector, dry_run_stages
 
 DEFAULT_CHUNK_HOTELS = SyncSettings.chunk_hotels
 
@@ -235,7 +232,7 @@ def dry_run_city(
 ) -> DryRunReport:
     """Normalizes, checks and diffs the city's latest stored raw pages; writes nothing.
 
-    It runs the sync's own normalize and publish stages (``pipeline.dry_run_stages``) with
+    It runs the sync's own normalize and publish stages (``stages.dry_run_stages``) with
     a publisher that only diffs: a chunk of ``chunk_hotels`` hotels at a time, as a sync.
     Hotels without a mapping yet are reported as NEW.
     """
@@ -243,11 +240,14 @@ def dry_run_city(
     report = DryRunReport(city_code, source)
     if source is None:
         return report
-    settings = SyncSettings(
+    settings = build_sync_settings(
         task_code=task_code,
         supplier_id=supplier_id,
-        chunk_hotels=chunk_hotels,
+        # A dry run reads stored pages only, without a lease.
+        page_size=SyncSettings.page_size,
+        lease=LeaseSettings(),
         risk_policy=risk_policy,
+        chunk_hotels=chunk_hotels,
     )
     collector = DiffCollector(db, settings, sample=sample)
     done = dry_run_stages(

@@ -25,18 +25,9 @@ as done for anything it did not complete.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import (
-    FIRST_COMPLETED,
-    Future,
-    ProcessPoolExecutor,
-    ThreadPoolExecutor,
-    wait,
-)
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -55,26 +46,21 @@ from supplier_sync_dagster.core.leasing.batches import (
 from supplier_sync_dagster.core.leasing.leases import get_shard
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
 from supplier_sync_dagster.core.records.deadletters import record_city_failure
-from supplier_sync_dagster.core.records.gates import GateResult, gate_for_pipeline
+from supplier_sync_dagster.core.records.gates import GateResult
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import (
-    CityReport,
-    SyncSettings,
-    help_other_workers,
-    largest_first,
-    prepare_process,
-    sync_city,
-    usable_cpus,
-)
+from supplier_sync_dagster.core.sync.city import help_other_workers, largest_first, sync_city
+from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
+from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
 from supplier_sync_dagster.core.sync.replay import (
     prepare_replay,
     record_city_list,
     resolve_replayed_dead_letters,
     stored_city_countries,
 )
+from supplier_sync_dagster.core.sync.runtime import ForkPool, prepare_process, usable_cpus
 from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
 
 log = logging.getLogger(__name__)
@@ -318,11 +304,10 @@ class WorkerProcesses:
 
 
 # Worker processes start one per CPU plus one, at most this many, for a run with at least
-# this many hotels: below it, the start of the processes costs more than the second core
+# this many hotels: below it, the start of the processes costs more than a second core
 # gives. The one more: a worker waits on the supplier, on fsyncs and on the database's
-# write lock, and a third worker fills those waits on two cores (bench_user_path, 50k
-# hotels in 100 cities on a shared 2-core machine, alternating: 3 processes faster in 6 of
-# 8 pairs; best of 5, 2 processes 21.0 s, 3 processes 19.6 s).
+# write lock, and one worker more than there are cores fills those waits
+# (``bench_user_path.py`` compares the counts).
 MAX_AUTO_PROCESSES = 4
 OVERSUBSCRIBE_PROCESSES = 1
 AUTO_PROCESSES_MIN_HOTELS = 5000
@@ -572,7 +557,6 @@ QUEUED_AHEAD = 1
 
 # The worker of this process, when it is a worker process of a run (set at its start).
 _process_worker: _CityWorker | None = None
-PARENT_POLL_SECONDS = 1.0
 
 
 class _ProcessPool:
@@ -585,21 +569,21 @@ class _ProcessPool:
         request: RunRequest,
         settings: SyncSettings,
     ) -> None:
-        # Fork: the workers start at once with this process's modules and the run's rate
-        # limiter (a spawned process would import the project again, seconds of CPU).
-        # They never touch this process's connections: open_io opens their own.
-        self._pool = ProcessPoolExecutor(
-            max_workers=processes.count,
-            mp_context=multiprocessing.get_context("fork"),
-            initializer=_start_worker,
-            initargs=(processes.open_io, plan, request, settings, os.getpid()),
+        # Forked with the run's rate limiter; they never touch this process's connections:
+        # open_io opens their own. A worker whose run's process was killed stops too: its
+        # city's lease then expires and the next run resumes the city from its checkpoint.
+        self._pool = ForkPool(
+            processes.count,
+            _start_worker,
+            (processes.open_io, plan, request, settings),
+            exit_with_parent=True,
         )
 
     def __enter__(self) -> _ProcessPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
 
     def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
         """Syncs ``city`` in a worker process; a worker that died makes it FAILED."""
@@ -617,13 +601,9 @@ def _start_worker(
     plan: RunPlan,
     request: RunRequest,
     settings: SyncSettings,
-    parent_pid: int,
 ) -> None:
     """A worker process's start: its own connections and worker id, kept until it ends."""
     global _process_worker
-    threading.Thread(
-        target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch"
-    ).start()
     stack = ExitStack()
     io = stack.enter_context(open_io())
     # Never closed: the process ends with its pool, and its connections with it.
@@ -633,15 +613,6 @@ def _start_worker(
 
 
 _open_stacks: list[ExitStack] = []
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    # A worker whose run's process was killed stops too: its city's lease then expires
-    # and the next run resumes the city from its checkpoint.
-    while True:
-        time.sleep(PARENT_POLL_SECONDS)
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 def _sync_in_worker(city: str, wait_if_held: bool, helped: bool) -> CityOutcome:

@@ -29,7 +29,6 @@ from supplier_sync_dagster.core.records.gates import (
     GateThresholds,
     evaluate_gates,
     failure_reason,
-    gate_for_pipeline,
     gated_checks,
     get_city_profile,
     get_gate_thresholds,
@@ -43,7 +42,9 @@ from supplier_sync_dagster.core.records.gates import (
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
-from supplier_sync_dagster.core.sync.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
+from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
 from supplier_sync_dagster.simulator import FaultProfile, running_server
 from supplier_sync_dagster_tests.core.conftest import MakeBatch
 from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES, make_simulator, supplier_client

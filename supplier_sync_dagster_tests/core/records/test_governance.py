@@ -23,7 +23,6 @@ from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, u
 from supplier_sync_dagster.core.records.diff import HotelDiff, RiskRules
 from supplier_sync_dagster.core.records.gates import (
     GateThresholds,
-    gate_for_pipeline,
     override_gate,
     set_gate_thresholds,
 )
@@ -32,14 +31,17 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import CityReport, Gate, sync_city
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.gate import PipelineGate as Gate
+from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
+from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.replay import (
     dry_run_city,
     prepare_replay,
     resolve_replayed_dead_letters,
 )
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
-from supplier_sync_dagster_tests.core.sync.test_pipeline import (
+from supplier_sync_dagster_tests.core.sync.test_city import (
     SUPPLIER,
     published,
     settings,
@@ -351,11 +353,11 @@ def test_large_price_moves_wait_for_review_and_approval_publishes_them(
 def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
     db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    import supplier_sync_dagster.core.sync.pipeline as pipeline
+    import supplier_sync_dagster.core.sync.stages as stages
 
     store = LocalPayloadStore(tmp_path / "payloads")
     sim = make_simulator(seed=61, n_cities=4, total_hotels=400)
-    fixed_rule = pipeline.normalize_documents
+    fixed_rule = stages.normalize_documents
 
     def buggy_rule(records: Any) -> Any:
         result = fixed_rule(records)
@@ -368,9 +370,9 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
         city = max(listing, key=lambda c: c.hotel_count or 0).city_code
         other = next(c.city_code for c in listing if c.city_code != city and c.hotel_count)
         wrong = {**right, other: "AQ"}
-        monkeypatch.setattr(pipeline, "normalize_documents", buggy_rule)
+        monkeypatch.setattr(stages, "normalize_documents", buggy_rule)
         source, _ = sync_all(db, store, client, "day-0", countries=wrong)
-        monkeypatch.setattr(pipeline, "normalize_documents", fixed_rule)
+        monkeypatch.setattr(stages, "normalize_documents", fixed_rule)
     names = _names(db)
     assert names and all(n == n.upper() for n in names.values())
     mismatched = [r for r in letter_rows(db, source) if r.error_code == "COUNTRY_CITY_MISMATCH"]
@@ -522,7 +524,7 @@ def test_many_hotels_turning_inactive_at_once_all_go_to_review():
 def test_dry_run_streams_chunks_through_the_sync_stages_and_writes_nothing(
     db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    import supplier_sync_dagster.core.sync.pipeline as pipeline
+    import supplier_sync_dagster.core.sync.stages as stages
 
     store = LocalPayloadStore(tmp_path / "payloads")
     with served(_day(62, 0, bad_record_rate=0.05)) as client:
@@ -543,7 +545,7 @@ def test_dry_run_streams_chunks_through_the_sync_stages_and_writes_nothing(
 
     monkeypatch.setattr(store, "put", no_put)
     sizes: list[int] = []
-    collector = pipeline.DiffCollector(db, settings(), sample=20)
+    collector = stages.DiffCollector(db, settings(), sample=20)
 
     def publisher(chunk: list[Any]) -> Any:
         sizes.append(len(chunk))
@@ -554,7 +556,7 @@ def test_dry_run_streams_chunks_through_the_sync_stages_and_writes_nothing(
         chunked = dry_run_city(
             db, store, task_code=TASK, supplier_id=SUPPLIER, city_code=city, chunk_hotels=40
         )
-        report = pipeline.dry_run_stages(
+        report = stages.dry_run_stages(
             db,
             store,
             batch_id=source,

@@ -19,7 +19,8 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import CityReport, SyncSettings, sync_city
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
 from supplier_sync_dagster_tests.core.repair.test_incremental import hotel
 
 SETTINGS = SyncSettings(

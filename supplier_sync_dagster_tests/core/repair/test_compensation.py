@@ -31,7 +31,8 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import RetryPolicy, SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings, page_records
+from supplier_sync_dagster.core.supplier.models import page_records
+from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster_tests.core.repair.test_incremental import hotel
 
 SETTINGS = SyncSettings(

@@ -39,11 +39,8 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import (
-    DEFAULT_PUBLISH_CHUNK_HOTELS,
-    SyncSettings,
-    _judge_page,
-)
+from supplier_sync_dagster.core.sync.model import DEFAULT_PUBLISH_CHUNK_HOTELS, SyncSettings
+from supplier_sync_dagster.core.sync.stages import _judge_page
 
 T0 = datetime(2026, 11, 20, 10, 0, tzinfo=UTC)
 SETTINGS = SyncSettings(
@@ -378,18 +375,18 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
     from dataclasses import replace
 
     from supplier_sync_dagster.core.repair import incremental
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import stages
 
     if not processes:  # a one-CPU machine: the window's own process judges its pages
         monkeypatch.setattr(incremental, "usable_cpus", lambda: 1)
     submitted: list[int] = []
-    real = pipeline._Normalizer._submit
+    real = stages.Normalizer._submit
 
     def counted(self: Any, raw: Any, records: list[Any]) -> None:
         submitted.append(len(records))
         real(self, raw, records)
 
-    monkeypatch.setattr(pipeline._Normalizer, "_submit", counted)
+    monkeypatch.setattr(stages.Normalizer, "_submit", counted)
     _start_at(db, 0)
     for n in range(1, 21):
         extra: dict[str, Any] = {}
@@ -458,10 +455,10 @@ def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_fini
     from dataclasses import replace
 
     from supplier_sync_dagster.core.repair import incremental
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import stages
 
     monkeypatch.setattr(incremental, "usable_cpus", lambda: 2)  # forked judges, any machine
-    monkeypatch.setattr(pipeline, "_judge_page", _judge_then_die_on_page_3)
+    monkeypatch.setattr(stages, "_judge_page", _judge_then_die_on_page_3)
     settings = replace(SETTINGS, chunk_hotels=4)
     _start_at(db, 0)
     for n in range(1, 21):
@@ -491,7 +488,7 @@ def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_fini
     assert _published(db) == {}  # page 3 never came back: its chunk was not published
     # The next window starts from the watermark at once (no lease to wait for) and
     # publishes every change once; what the failed one stored stays as evidence.
-    monkeypatch.setattr(pipeline, "_judge_page", _REAL_JUDGE_PAGE)
+    monkeypatch.setattr(stages, "_judge_page", _REAL_JUDGE_PAGE)
     second = window("w2")
     assert second.report.status == "SUCCESS", second.report
     assert _published(db) == {f"H{n:06d}": 1 for n in range(1, 21)}
@@ -581,16 +578,16 @@ def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
     feed: Feed,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import stages
 
     forked: list[int] = []
-    real = pipeline._publish_in_processes
+    real = stages._publish_in_processes
 
     def counted(publisher: Any, parts: Any, *args: Any) -> None:
         forked.append(len(parts))
         real(publisher, parts, *args)
 
-    monkeypatch.setattr(pipeline, "_publish_in_processes", counted)
+    monkeypatch.setattr(stages, "_publish_in_processes", counted)
     _start_at(db, 0)
     for n in range(1, 43):
         feed.change(hotel(n, at=n))
@@ -641,16 +638,16 @@ def test_a_window_publishes_its_changes_in_the_catalogs_order_not_the_feeds(
 ):
     """The feed lists changes by time, all over the catalog; the forked processes get
     chunks of neighbouring hotels (ascending resource ids), and the window is the same."""
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import stages
 
     seen: list[list[str]] = []
-    real = pipeline._publish_in_processes
+    real = stages._publish_in_processes
 
     def spied(publisher: Any, parts: Any, *args: Any) -> None:
         seen.extend([c.supplier_hotel_id for c in part] for part in parts)
         real(publisher, parts, *args)
 
-    monkeypatch.setattr(pipeline, "_publish_in_processes", spied)
+    monkeypatch.setattr(stages, "_publish_in_processes", spied)
     _start_at(db, 0)
     for n in range(1, 43):
         # Hotel 42 changed first, hotel 1 last.
@@ -708,9 +705,9 @@ def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
 ):
     """Another worker takes the window's shard as the forked publishers start: their fenced
     writes fail, the window stops as LEASE_LOST and its watermark stays where it was."""
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import stages
 
-    start = pipeline._start_forked_publisher
+    start = stages._start_forked_publisher
 
     def stolen(publisher: Any, parts: Any) -> None:
         start(publisher, parts)
@@ -722,7 +719,7 @@ def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
                 .values(worker_id="thief", lease_token="stolen")
             )
 
-    monkeypatch.setattr(pipeline, "_start_forked_publisher", stolen)
+    monkeypatch.setattr(stages, "_start_forked_publisher", stolen)
     _start_at(db, 0)
     for n in range(1, 43):
         feed.change(hotel(n, at=n))

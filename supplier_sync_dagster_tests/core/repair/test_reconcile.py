@@ -14,7 +14,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.simulator import FaultProfile
-from supplier_sync_dagster_tests.core.sync.test_pipeline import SUPPLIER, full_sync
+from supplier_sync_dagster_tests.core.sync.test_city import SUPPLIER, full_sync
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 
@@ -63,8 +63,8 @@ def test_a_city_that_lost_hotels_differs_and_a_repull_makes_it_equal(
 
 def full_sync_cities(db, store, client, trigger: str, cities: list[str]) -> None:
     from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
-    from supplier_sync_dagster.core.sync.pipeline import sync_city
-    from supplier_sync_dagster_tests.core.sync.test_pipeline import settings
+    from supplier_sync_dagster.core.sync.city import sync_city
+    from supplier_sync_dagster_tests.core.sync.test_city import settings
 
     upsert_task(db, TaskSpec(task_code="hotel_full", supplier_id=SUPPLIER))
     decision = create_batch(

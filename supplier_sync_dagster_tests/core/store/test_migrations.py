@@ -39,7 +39,7 @@ from supplier_sync_dagster.core.store.migrations import (
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.simulator import FaultProfile
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
-from supplier_sync_dagster_tests.core.sync.test_pipeline import full_sync, published
+from supplier_sync_dagster_tests.core.sync.test_city import full_sync, published
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 HEAD = load_migrations("mysql")[-1].version

@@ -16,7 +16,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import InProcessTokenBucket, SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
+from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunRequest,

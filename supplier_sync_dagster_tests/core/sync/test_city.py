@@ -29,13 +29,8 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import (
-    LAST_CHUNK_HOTELS,
-    CityReport,
-    SyncSettings,
-    split_for_processes,
-    sync_city,
-)
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 from supplier_sync_dagster_tests.helpers import (
@@ -383,7 +378,7 @@ def test_sigkill_mid_run_then_rerun_reaches_the_same_end_state(db_url: str, tmp_
 
 def test_helpers_take_the_largest_pending_city_first(db: SyncDatabase):
     """A helper starts the biggest city that no run has started, so the batch ends small."""
-    from supplier_sync_dagster.core.sync.pipeline import help_other_workers
+    from supplier_sync_dagster.core.sync.city import help_other_workers
 
     upsert_task(db, TaskSpec(task_code="help", supplier_id=1, concurrency_policy="ALLOW_PARALLEL"))
     cities = ["own", "s1", "big", "s2", "mid", "started"]
@@ -418,7 +413,7 @@ def test_helpers_take_the_largest_pending_city_first(db: SyncDatabase):
 
 
 def test_cities_are_synced_largest_first_unknown_sizes_last():
-    from supplier_sync_dagster.core.sync.pipeline import largest_first
+    from supplier_sync_dagster.core.sync.city import largest_first
 
     order = largest_first(["a", "b", "c", "d", "e"], {"a": 5, "b": 50, "d": 50, "e": 0})
     assert order == ["b", "d", "a", "e", "c"]
@@ -430,12 +425,12 @@ def test_a_deadlock_victim_publish_runs_again_and_counts_once(
     """InnoDB rolls a deadlock's victim back whole: the city's chunk and its finish (the
     miss counts of tombstones, taken in the last chunk's transaction) run again, and the
     counts of the rolled-back attempt are not kept (they must still add up)."""
-    from supplier_sync_dagster.core.sync import pipeline
+    from supplier_sync_dagster.core.sync import city
 
     deadlock = sa.exc.OperationalError(
         "UPDATE platform_hotel_resource ...", {}, Exception(1213, "Deadlock found")
     )
-    real = pipeline.record_presence
+    real = city.record_presence
     victims: list[str] = []
 
     def presence_once(conn: Any, *args: Any, **kw: Any) -> Any:
@@ -444,7 +439,7 @@ def test_a_deadlock_victim_publish_runs_again_and_counts_once(
             raise deadlock
         return real(conn, *args, **kw)
 
-    monkeypatch.setattr(pipeline, "record_presence", presence_once)
+    monkeypatch.setattr(city, "record_presence", presence_once)
     sim = make_simulator(seed=5, n_cities=3, total_hotels=300)
     store = LocalPayloadStore(tmp_path / "payloads")
     with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
@@ -568,20 +563,3 @@ def test_a_gated_small_city_keeps_the_profile_and_dead_letters_it_was_judged_on(
             assert profile is not None and profile.record_count == r.records
             assert profile.bad_count == r.dead_letters
     assert {s.status for s in list_shards(db, batch_id)} == {"FAILED"}
-
-
-@pytest.mark.parametrize("hotels", [4001, 5000, 8373, 20000])
-def test_split_for_processes_gives_each_process_equal_chunks_and_a_short_last(
-    hotels: int,
-) -> None:
-    cands = list(range(hotels))
-    head, last = split_for_processes(cands, 2000, 2)  # type: ignore[arg-type]
-    assert [x for part in head for x in part] + list(last) == cands  # each hotel once, in order
-    assert 0 < len(last) <= LAST_CHUNK_HOTELS
-    assert len(head) % 2 == 0
-    sizes = [len(p) for p in head]
-    assert max(sizes) - min(sizes) <= 1 or sizes[-1] < sizes[0]
-    assert all(1000 <= n <= 3000 for n in sizes[:-1])
-    # Each of the two processes publishes the same number of hotels, give or take a chunk's
-    # rounding.
-    assert abs(sum(sizes[0::2]) - sum(sizes[1::2])) <= max(sizes) // 2

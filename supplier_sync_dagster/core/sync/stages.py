@@ -1,96 +1,59 @@
-"""One city's sync, stage by stage, under one shard lease.
+"""The stages after the fetch: normalize (and judge), then map, diff and publish.
 
-``fetch → normalize → (gate) → map → diff → publish``, as plain Python over the sync
-database, the payload store and the supplier client; the Dagster assets call these stages
-and report what they return.
-
-- **fetch**: walks the city page by page (cursor or page numbers) from the shard's
-  checkpoint; each page's exact bytes go to the payload store, a RAW snapshot row and the
-  checkpoint past the page commit in one fenced transaction (a crash re-fetches at most the
-  page in flight).
 - **normalize**: a walk from the city's first page normalizes each page as soon as it is
-  committed; a resumed walk or a replay reads the RAW snapshots back from the store (never
-  the supplier: replay is free). Each page's normalized hotels are stored as a NORMALIZED
-  snapshot (JSON lines), every rejected record as a dead letter.
-- **map/diff/publish**: chunk by chunk, from memory for a small city, else read back from
-  its NORMALIZED snapshots (memory stays bounded whatever the city's size): allocates
-  mappings, diffs against what is published, builds every row, then writes the diff log
-  and publishes AUTO_PUBLISH diffs with their outbox events in one transaction per chunk.
+  committed (:meth:`Normalizer.add`); a resumed walk or a replay reads the RAW snapshots
+  back from the store (never the supplier: replay is free). Row-level quality judges the
+  documents a chunk at a time; each page's kept documents are stored as a NORMALIZED
+  snapshot (JSON lines), every rejected record as a dead letter (:class:`NormalizedWriter`).
+  For one large shard, forked processes normalize and judge its pages while the fetch goes on.
+- **map/diff/publish** (:func:`publish_city`): chunk by chunk, from memory for a small city,
+  else read back from its NORMALIZED snapshots (memory stays bounded whatever the city's
+  size): allocates mappings, diffs against what is published, builds every row, then writes
+  the diff log and publishes AUTO_PUBLISH diffs with their outbox events in one transaction
+  per chunk; for one large shard, in forked processes.
 
 A dry run (:func:`dry_run_stages`, used by ``replay.dry_run_city``) runs the same normalize
 and publish stages over stored raw pages without a lease: no writer, and a publisher
 (:class:`DiffCollector`) that diffs each validated chunk through read-only connections, so
 it writes nothing and its memory stays bounded by a chunk.
 
-Every record fetched ends in exactly one bucket (invariant 4): published (success), dead
-letter (failed), or skipped: unchanged, stale, a duplicate of a record on another page, or
-held for review. The shard finishes with those counts, and ``total = success + failed +
-skipped = records in the city's stored pages``.
+Every record ends in exactly one bucket (invariant 4): published (success), dead letter
+(failed), or skipped: unchanged, stale, a duplicate of a record on another page, or held for
+review (:func:`check_counts`).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
 import hashlib
 import itertools
-import logging
-import multiprocessing
-import os
-import threading
 import time
-from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.errors import (
-    CountsDoNotAddUp,
-    LeaseLost,
-    LeaseNotAcquired,
-    SupplierError,
-    SupplierNotFound,
-)
-from supplier_sync_dagster.core.leasing.batches import Batch
-from supplier_sync_dagster.core.leasing.leases import (
-    Checkpoint,
-    LeaseSettings,
-    PageCounts,
-    ShardInfo,
-    ShardLease,
-    ShardWork,
-    claim_shard,
-    list_shards,
-    reopen_shard,
-)
-from supplier_sync_dagster.core.records.deadletters import (
-    DeadLetter,
-    record_dead_letters,
-    supplier_error_code,
-)
+from supplier_sync_dagster.core.errors import CountsDoNotAddUp, LeaseLost
+from supplier_sync_dagster.core.leasing.leases import ShardLease
+from supplier_sync_dagster.core.records.deadletters import DeadLetter, record_dead_letters
 from supplier_sync_dagster.core.records.diff import (
     Candidate,
     HotelDiff,
-    RiskPolicy,
     collapse_duplicates,
     compute_diffs,
-    default_risk_policy,
     record_diffs,
 )
 from supplier_sync_dagster.core.records.gates import (
-    GATED_PREFIX,
     CityProfile,
     FieldCounts,
     GateResult,
-    PipelineGate,
     check_first_pages,
-    failure_reason,
     record_city_profile,
 )
 from supplier_sync_dagster.core.records.mapping import (
@@ -113,854 +76,35 @@ from supplier_sync_dagster.core.records.publish import (
 )
 from supplier_sync_dagster.core.records.quality import check_quality
 from supplier_sync_dagster.core.records.review import hold_for_review
-from supplier_sync_dagster.core.records.tombstones import (
-    DEFAULT_MISSING_SYNCS,
-    Presence,
-    record_presence,
-    unpublish_missing,
-)
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import SyncDatabase, insert_ignore, retry_deadlocks
-from supplier_sync_dagster.core.store.payloads import PayloadStore, StoredPayload
-from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
-from supplier_sync_dagster.core.supplier.models import (
-    MALFORMED_RECORD_KEY,
-    decode_json,
-    page_records,
+from supplier_sync_dagster.core.store.db import SyncDatabase, retry_deadlocks
+from supplier_sync_dagster.core.store.payloads import PayloadStore
+from supplier_sync_dagster.core.supplier.models import decode_json, page_records
+from supplier_sync_dagster.core.sync.model import NO_PROGRESS, CityReport, Progress, SyncSettings
+from supplier_sync_dagster.core.sync.runtime import ForkPool, collect_garbage, prepare_process
+from supplier_sync_dagster.core.sync.snapshots import (
+    NORMALIZED,
+    PAGE_COMPRESSLEVEL,
+    RAW,
+    StoredPage,
+    record_snapshots,
+    snapshot_row,
+    stored_pages,
 )
 
-log = logging.getLogger(__name__)
-
-RAW = schema.RAW
-NORMALIZED = schema.NORMALIZED
-# gzip level of stored RAW and NORMALIZED pages: much cheaper than the store's default of 6
-# for somewhat larger objects. Any level reads
-# back the same bytes and hashes, so replay and traceability do not depend on it.
-PAGE_COMPRESSLEVEL = 1
-# Young-generation GC threshold set by prepare_process (CPython's default is 700).
-GC_GEN0_THRESHOLD = 50_000
-
-_prepared = False
-_prepare_lock = threading.Lock()
-
-
-def prepare_process() -> None:
-    """Tunes the cyclic garbage collector for a long sync in this process; idempotent.
-
-    A sync keeps many long-lived objects (modules, compiled statements, a chunk of
-    documents) while allocating millions of short-lived ones, and CPython's collector keeps
-    re-scanning the long-lived heap: that nearly doubles the cost of normalization. So, once
-    per process: collect the young generations' garbage, ``gc.freeze()`` everything that
-    survives (it is never scanned again; frozen objects are still freed by reference
-    counting) and raise the young-generation threshold so collections run less often.
-    The oldest generation is not collected first: it holds what survived every earlier
-    collection (the imports' modules and classes), and a full collection of a start-up heap
-    costs ~0.2 s of a command and freed a few hundred objects, which stay frozen.
-    Reference counting still frees every acyclic object at once; only cyclic garbage waits
-    a little longer. :func:`sync_city` calls this itself; entry points may call it earlier,
-    after their imports, to freeze more of the start-up heap.
-    """
-    global _prepared
-    with _prepare_lock:
-        if _prepared:
-            return
-        _prepared = True
-        gc.collect(1)
-        gc.freeze()
-        gen0, gen1, gen2 = gc.get_threshold()
-        gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the platform tells it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-GC_INTERVAL_SECONDS = 2.0
-# SyncSettings.publish_chunk_hotels unless set.
-DEFAULT_PUBLISH_CHUNK_HOTELS = 1000
-_last_collect = 0.0
-
-
-def collect_garbage() -> None:
-    """A full collection at most every ``GC_INTERVAL_SECONDS``; call it once per page or chunk.
-
-    With the young generation's threshold raised (:func:`prepare_process`), cyclic garbage
-    (HTTP responses, parsed pages) that survives into the oldest generation would wait for
-    a rare full collection, and a large city's peak memory would grow with its size. After
-    ``gc.freeze()`` a full collection only scans what the sync itself holds, so doing it on
-    a clock bounds memory by what two seconds of work leave behind (a shorter interval costs
-    more CPU for the same peak: ``bench_scale.py memory``).
-    """
-    global _last_collect
-    now = time.monotonic()
-    if now - _last_collect >= GC_INTERVAL_SECONDS:
-        gc.collect()
-        _last_collect = time.monotonic()
-
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """What one sync needs to know besides its inputs.
-
-    Attributes:
-        task_code: The task being run (dead letters name it).
-        supplier_id: The platform's id of the supplier.
-        sync_mode: FULL or INCREMENTAL (dead letters name it).
-        page_size: Hotels per supplier page (1-500).
-        chunk_hotels: Hotels normalized and checked per quality pass (its cost is mostly
-            per call), and normalized pages written per flush.
-        publish_chunk_hotels: Hotels per map/diff/publish transaction. Each event of a
-            chunk carries the transaction's database time and no dispatcher sees it before
-            the commit, so the chunk's length is a floor under the search index's lag
-            while a sync runs (1,000: p95 1.3 s against 2.3 s with 2,000 on this 2-core
-            machine, ``bench_dispatch.py --mode with-sync``). An incremental window left at
-            this default publishes ``WINDOW_PUBLISH_CHUNK_HOTELS`` instead
-            (``core.incremental``).
-        memory_hotels: Normalized hotels of a city kept in memory for publishing; a larger
-            city's are read back from its NORMALIZED pages (memory stays bounded).
-        lease: Lease duration and heartbeat interval.
-        risk_policy: Decides each diff's risk level and action.
-        missing_syncs: Complete syncs of a city without a hotel before it is unpublished.
-        publish_processes: Forked processes that publish a shard's chunks held in memory
-            (all but the last, which finishes the shard here); 0 or 1 publishes them in
-            this process. For one large shard (an incremental window): a full sync's cities
-            already run in worker processes of their own.
-        normalize_processes: Forked processes that normalize and judge a shard's pages
-            while this process fetches and stores them (0: this process does). For one
-            large shard (an incremental window), as ``publish_processes``.
-    """
-
-    task_code: str
-    supplier_id: int
-    sync_mode: str = "FULL"
-    page_size: int = 100
-    chunk_hotels: int = 2000
-    publish_chunk_hotels: int = DEFAULT_PUBLISH_CHUNK_HOTELS
-    memory_hotels: int = 5000
-    lease: LeaseSettings = field(default_factory=LeaseSettings)
-    risk_policy: RiskPolicy = default_risk_policy
-    missing_syncs: int = DEFAULT_MISSING_SYNCS
-    publish_processes: int = 0
-    normalize_processes: int = 0
-
-
-Stage = Literal["fetch", "normalize", "publish"]
-"""A city's stages as a worker completes them: every page fetched and stored; every record
-normalized (or dead-lettered) and checked; mapped, diffed and published."""
-
-
-@dataclass
-class CityReport:
-    """What a city's sync did, stage by stage (counts, timings), for metadata and summaries."""
-
-    city_code: str
-    status: str = "SUCCESS"
-    resumed_from_page: int | None = None
-    pages_fetched: int = 0
-    records: int = 0
-    published: int = 0
-    dead_letters: int = 0
-    skipped: int = 0
-    duplicates: int = 0
-    moved: int = 0  # listed in this city but located in another: published under their own
-    held_for_review: int = 0
-    checks: list[GateResult] = field(default_factory=list)  # the gate's, when it ran
-    dead_letters_by_code: Counter[str] = field(default_factory=Counter)
-    diffs_by_type: Counter[str] = field(default_factory=Counter)
-    diffs_by_action: Counter[str] = field(default_factory=Counter)
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    error: str | None = None
-    stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
-    # For the gate: the profile normalization recorded, and whether the city had gate
-    # overrides when claimed (None: unknown, read them).
-    profile: CityProfile | None = None
-    gate_overrides: bool | None = None
-    # What the complete listing did to the catalog's presence marks (tombstones).
-    presence: Presence | None = None
-
-    @property
-    def gate_failures(self) -> list[str]:
-        """The checks that stopped the city (failed and not overridden)."""
-        return [r.check_name for r in self.checks if not r.passed]
-
-    @property
-    def counts(self) -> PageCounts:
-        """The shard's outcome counts: published, dead letters, everything else."""
-        return PageCounts(success=self.published, failed=self.dead_letters, skipped=self.skipped)
-
-
-Gate = PipelineGate
-
-
-class FetchedPage(NamedTuple):
-    """One page of a shard's walk, as the fetch stores and checkpoints it.
-
-    Attributes:
-        raw: The page's exact bytes (stored and hashed).
-        page_number: Its number in the walk (1-based).
-        records: Its records as decoded (non-object entries unwrapped by the client).
-        total_pages: The supplier's page count, when it says.
-        checkpoint: Where the walk goes on once this page is committed.
-    """
-
-    raw: bytes
-    page_number: int
-    records: list[dict[str, Any]]
-    total_pages: int | None
-    checkpoint: Checkpoint
-
-
-class PageSource(Protocol):
-    """Where a shard's pages come from when it is not a city listing (a change feed window).
-
-    ``sync_city`` runs the same stages over its pages; the source says where the walk starts
-    and goes on, may change the settings publishing runs with once every page is normalized
-    (a window far above its usual volume is held for review), and writes its own state in
-    the transaction that finishes the shard (an incremental task's watermark).
-    """
-
-    def pages(
-        self, client: SupplierClient | None, start: Checkpoint | None, shard_key: str
-    ) -> Iterator[FetchedPage]:
-        """The pages from ``start`` (None: the beginning) on (``client`` None: a source that
-        needs no supplier, an operator's fixed record)."""
-
-    def publish_settings(self, report: CityReport, settings: SyncSettings) -> SyncSettings:
-        """The settings to publish with, given what fetching and normalizing found."""
-
-    def finish(self, conn: Connection, report: CityReport) -> None:
-        """Runs in the transaction that finishes the shard SUCCESS."""
-
-
-def sync_city(
-    db: SyncDatabase,
-    store: PayloadStore,
-    client: SupplierClient | None,
-    *,
-    batch: Batch,
-    city_code: str,
-    worker_id: str,
-    settings: SyncSettings,
-    gate: Gate | None = None,
-    fetch: bool = True,
-    city_countries: Mapping[str, str] | None = None,
-    report: CityReport | None = None,
-    source: PageSource | None = None,
-) -> CityReport:
-    """Runs every stage of one city under its shard lease and finishes the shard.
-
-    Args:
-        db: The sync database.
-        store: The payload store for raw and normalized pages.
-        client: The supplier client (unused when ``fetch`` is False; None with a ``source``
-            that needs none).
-        batch: The batch this city belongs to (it must have a shard for the city).
-        city_code: The supplier's city code, verbatim.
-        worker_id: This worker's id.
-        settings: Task and tuning settings.
-        gate: Optional batch-level quality gate run before publishing.
-        fetch: False replays the stored raw pages of this batch without calling the supplier.
-        city_countries: The supplier's city -> country codes (``/v1/cities``), for the rule
-            that a hotel's country is its city's; cities missing here skip that rule.
-        report: The report to fill in; a caller passes its own to see what a city that
-            raised had completed (``stages_done``).
-        source: The shard's pages when they are not the listing of city ``city_code`` (an
-            incremental window: ``core.incremental``); its records then belong to their
-            own cities.
-
-    Returns:
-        The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
-        LEASE_LOST, HELD_BY_OTHER (a live lease elsewhere) or GATED.
-
-    Raises:
-        SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
-    """
-    prepare_process()
-    report = report if report is not None else CityReport(city_code)
-    try:
-        lease = _claim(db, batch.batch_id, city_code, worker_id, settings)
-    except LeaseNotAcquired as err:
-        report.status, report.error = "HELD_BY_OTHER", str(err)
-        return report
-    if lease is None:
-        report.status = "ALREADY_DONE"
-        return report
-    if lease.checkpoint is not None:
-        report.resumed_from_page = lease.checkpoint.page
-    report.gate_overrides = lease.gate_overrides
-    work = ShardWork(lease)
-    normalizer: _Normalizer | None = None
-    try:
-        with work as heartbeat:
-            normalizer = _Normalizer(
-                db,
-                batch.batch_id,
-                city_code,
-                store,
-                heartbeat,
-                settings,
-                report,
-                city_countries or {},
-                writer=_NormalizedWriter(lease, store, settings),
-                drift_check=gate is not None,
-                listing_city=city_code if source is None else None,
-            )
-            if fetch:
-                if client is None and source is None:
-                    raise ValueError("fetching needs a supplier client")
-                # A walk from the city's first page normalizes each page as it arrives (no
-                # re-read of what was just fetched); a resumed walk normalizes afterwards,
-                # in page order, with the pages stored by the earlier attempt.
-                fresh = lease.checkpoint is None
-                # Every stored page of a fresh walk reaches the normalizer as it is fetched:
-                # it has none to read back.
-                normalizer.stored_pages_seen = fresh
-                _fetch(
-                    lease,
-                    store,
-                    _walk(client, lease, settings, source),
-                    heartbeat,
-                    settings,
-                    report,
-                    on_page=normalizer.add if fresh else None,
-                )
-            report.stages_done.append("fetch")
-            if gate is not None:
-                drift = normalizer.drift()
-                if drift is not None:
-                    # Stop before normalizing: a renamed field would otherwise turn every
-                    # record of the city into a dead letter.
-                    report.records = sum(
-                        int(r.record_count or 0)
-                        for r in _snapshots(db, batch.batch_id, city_code, RAW)
-                    )
-                    _stop_gated(lease, report, [drift])
-                    return report
-            writer = normalizer.writer
-            if (
-                writer is not None
-                and source is None
-                and normalizer.candidates is not None
-                and report.records <= ONE_TRANSACTION_HOTELS
-            ):
-                # A small city: its last normalize writes go with the shard's end.
-                writer.defer = True
-            normalizer.finish()
-            report.stages_done.append("normalize")
-            if gate is not None:
-                report.checks = gate(db, batch.batch_id, city_code, report)
-                if report.gate_failures:
-                    _stop_gated(lease, report, report.checks, writer)
-                    return report
-
-            def finish(conn: Connection) -> None:
-                _check_counts(report)
-                heartbeat.check()
-                if writer is not None:
-                    writer.write_deferred(conn)
-                lease.finish_in(conn, "SUCCESS", counts=report.counts)
-                if source is not None:
-                    source.finish(conn, report)
-                elif fetch:
-                    # The city's listing is complete: what it lacks counts a miss.
-                    report.presence = record_presence(
-                        conn,
-                        db.clock,
-                        supplier_id=settings.supplier_id,
-                        city_code=city_code,
-                        listed=normalizer.listed,
-                        batch_id=batch.batch_id,
-                        at=db.clock.now(),
-                        missing_syncs=settings.missing_syncs,
-                    )
-
-            publishing = settings if source is None else source.publish_settings(report, settings)
-            if _publish(
-                lease, store, heartbeat, publishing, report, normalizer.candidates, finish=finish
-            ):
-                lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
-            else:
-
-                def finish_alone() -> None:
-                    with db.begin() as conn:
-                        finish(conn)
-
-                retry_deadlocks(finish_alone)
-                lease.mark_lost(f"shard {city_code!r} already finished", expected=True)
-            report.stages_done.append("publish")
-    except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
-        report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
-        raise
-    finally:
-        if normalizer is not None:
-            normalizer.close()
-    if work.lost is not None:
-        report.status, report.error = "LEASE_LOST", str(work.lost)
-    elif client is not None and report.presence is not None and report.presence.missing:
-        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings)
-    return report
-
-
-# A city's newly missing hotels asked for one by one at most (each costs a request).
-CONFIRM_MISSING_MAX = 50
-
-
-def confirm_missing(
-    db: SyncDatabase,
-    client: SupplierClient,
-    report: CityReport,
-    *,
-    batch_id: str,
-    settings: SyncSettings,
-) -> None:
-    """Asks the supplier for each hotel the city's listing newly lacked: a 404 is certain,
-    and the hotel is unpublished now (a 200 leaves the count: it may be listed elsewhere).
-    A failed request changes nothing; the next complete sync counts again."""
-    assert report.presence is not None
-    gone: list[str] = []
-    unconfirmed: list[DeadLetter] = []
-    for hotel_id in report.presence.missing[:CONFIRM_MISSING_MAX]:
-        try:
-            client.get_hotel(hotel_id)
-        except SupplierNotFound:
-            gone.append(hotel_id)
-        except SupplierError as err:
-            log.info("could not confirm missing hotel %r: %s", hotel_id, err)
-            # A retryable dead letter: compensation asks again, and a 404 then unpublishes.
-            code = supplier_error_code(err)
-            unconfirmed.append(
-                DeadLetter(
-                    hotel_id,
-                    "ADAPTER",
-                    "RETRYABLE",
-                    code,
-                    f"GET /v1/hotels/{{id}} for a hotel its city no longer lists: {err}",
-                    None,
-                    None,
-                    record_position="confirm_missing",
-                    city_code=report.city_code,
-                )
-            )
-    if unconfirmed:
-        with db.begin() as conn:
-            record_dead_letters(
-                conn,
-                db.clock,
-                batch_id=batch_id,
-                task_code=settings.task_code,
-                sync_mode=settings.sync_mode,
-                supplier_id=settings.supplier_id,
-                letters=unconfirmed,
-            )
-    if not gone:
-        return
-    with db.begin() as conn:
-        done = unpublish_missing(
-            conn,
-            db.clock,
-            supplier_id=settings.supplier_id,
-            supplier_hotel_ids=gone,
-            batch_id=batch_id,
-            at=db.clock.now(),
-            missing_syncs=settings.missing_syncs,
-        )
-    report.presence.unpublished += done
-    gone_now = set(done)
-    report.presence.missing = [h for h in report.presence.missing if h not in gone_now]
-
-
+# The first pages of a city on which schema drift is judged before any is normalized.
 DRIFT_SAMPLE_PAGES = 2
-
-
-def _claim(
-    db: SyncDatabase, batch_id: str, city: str, worker_id: str, settings: SyncSettings
-) -> ShardLease | None:
-    """Claims the city's shard; None when it finished SUCCESS. A FAILED shard is reopened
-    and claimed (a retry resumes it from its checkpoint).
-
-    Raises:
-        LeaseNotAcquired: A live lease holds it (or it was cancelled).
-    """
-    try:
-        return claim_shard(db, batch_id, city, worker_id=worker_id, settings=settings.lease)
-    except LeaseNotAcquired as err:
-        # The claim read the shard: no read of its own before claiming.
-        if not isinstance(err.shard, ShardInfo) or err.shard.status not in ("SUCCESS", "FAILED"):
-            raise
-        if err.shard.status == "SUCCESS":
-            return None
-    reopen_shard(db, batch_id, city, f"retried by {worker_id}")
-    return claim_shard(db, batch_id, city, worker_id=worker_id, settings=settings.lease)
-
-
-def _stop_gated(
-    lease: ShardLease,
-    report: CityReport,
-    checks: list[GateResult],
-    writer: _NormalizedWriter | None = None,
-) -> None:
-    """Ends a city that a gate stopped: nothing is published, the shard is FAILED (with the
-    profile the gate judged, when ``writer`` deferred it)."""
-    reason = failure_reason(checks) or ""
-    report.status, report.error, report.checks = "GATED", reason, checks
-    counts = _gated_counts(report)
-    if writer is None or writer.deferred is None:
-        lease.finish("FAILED", GATED_PREFIX + reason, counts=counts)
-        return
-
-    def end() -> None:
-        with lease.db.begin() as conn:
-            writer.write_deferred(conn)
-            lease.finish_in(conn, "FAILED", GATED_PREFIX + reason, counts=counts)
-
-    retry_deadlocks(end)
-    lease.mark_lost(f"shard {lease.shard_key!r} already finished", expected=True)
-
-
-def largest_first(cities: Sequence[str], hotel_counts: Mapping[str, int]) -> list[str]:
-    """The cities in the order to sync them: largest first (unknown sizes last, in order).
-
-    A city's normalize and publish run after its last page is fetched; ending a run with
-    small cities keeps that tail, when no request can use the supplier's budget, short.
-    """
-    position = {city: i for i, city in enumerate(cities)}
-    return sorted(cities, key=lambda c: (-hotel_counts.get(c, -1), position[c]))
-
-
-def sync_cities(
-    cities: Sequence[str],
-    *,
-    sync_one: Callable[[str], CityReport],
-    threads: int = 2,
-    on_error: Callable[[str, Exception], None] | None = None,
-) -> list[CityReport]:
-    """Syncs cities with ``threads`` cities in flight at once; returns their reports.
-
-    One city's normalize and publish are CPU work during which it makes no supplier
-    request; with two cities in flight the other one fetches meanwhile, so a worker keeps
-    the supplier's request budget busy on its own. Each city runs under its own lease and
-    connection; the client, its rate limiter and breaker are shared and thread-safe.
-
-    Args:
-        cities: In the order to start them (see :func:`largest_first`).
-        sync_one: Syncs one city (``sync_city`` with the worker's arguments).
-        threads: Cities in flight (1: one after the other).
-        on_error: Called with (city, exception) when ``sync_one`` raises; the other cities
-            go on. Without it the first exception is raised after all cities ran.
-    """
-    reports: list[CityReport] = []
-    errors: list[Exception] = []
-
-    def one(city: str) -> None:
-        try:
-            reports.append(sync_one(city))
-        except Exception as err:  # reported; the other cities go on
-            if on_error is None:
-                errors.append(err)
-            else:
-                on_error(city, err)
-
-    if threads <= 1:
-        for city in cities:
-            one(city)
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city") as pool:
-            list(pool.map(one, cities))
-    if errors:
-        raise errors[0]
-    return reports
-
-
-def help_other_workers(
-    db: SyncDatabase,
-    batch_id: str,
-    *,
-    skip: Collection[str],
-    sync_one: Callable[[str], CityReport],
-    threads: int = 2,
-    hotel_counts: Mapping[str, int] | None = None,
-) -> list[CityReport]:
-    """Syncs cities of the batch that no worker has started yet; returns their reports.
-
-    A worker (a Dagster run) that has finished its own cities would otherwise leave the
-    supplier's request budget unused while cities of slower workers wait. With
-    ``hotel_counts``, the largest pending city is taken first: a big city that its owner
-    has not reached yet (it is busy with a bigger one) would otherwise start last and
-    keep the batch running, fetching at a fraction of the budget and then publishing,
-    long after the small cities are done. Without sizes, cities are taken from the end of
-    the batch. The shard lease decides who syncs each city; an owner that reaches a city
-    being helped with gets HELD_BY_OTHER and goes on with its other cities first.
-
-    Args:
-        db: The sync database.
-        batch_id: The batch whose PENDING shards may be taken.
-        skip: Cities not to take (the worker's own).
-        sync_one: Syncs one city (``sync_city`` with the worker's arguments); its
-            exceptions are logged and the city is left to its owner.
-        threads: Cities in flight at once (see :func:`sync_cities`).
-        hotel_counts: The supplier's hotel count per city, when known.
-    """
-    done: list[CityReport] = []
-
-    def loop() -> None:
-        while True:
-            pending = [
-                s.shard_key
-                for s in reversed(list_shards(db, batch_id))
-                if s.status == "PENDING" and s.shard_key not in skip
-            ]
-            if hotel_counts:
-                pending = largest_first(pending, hotel_counts)
-            progressed = False
-            for city in pending:
-                try:
-                    report = sync_one(city)
-                except Exception as err:  # the owner retries or resumes it
-                    log.warning("helping with city %r failed: %s", city, err)
-                    continue
-                if report.status not in ("HELD_BY_OTHER", "ALREADY_DONE"):
-                    done.append(report)
-                    progressed = True
-                    break  # re-read: the picture changes as owners progress
-            if not progressed:
-                return
-
-    if threads <= 1:
-        loop()
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
-            for future in [pool.submit(loop) for _ in range(threads)]:
-                future.result()
-    return done
-
-
-def _gated_counts(report: CityReport) -> PageCounts:
-    # Nothing published: valid records are held (skipped) until the gate is overridden.
-    return PageCounts(
-        success=0, failed=report.dead_letters, skipped=report.records - report.dead_letters
-    )
-
-
-def snapshot_id(batch_id: str, city_code: str, kind: str, payload_hash: str) -> str:
-    """Deterministic snapshot id: one row per (batch, city, kind, page bytes)."""
-    key = f"{batch_id}\0{city_code}\0{kind}\0{payload_hash}"
-    return ("rs_" if kind == RAW else "ns_") + hashlib.sha256(key.encode()).hexdigest()[:61]
-
-
-def _snapshot_row(
-    lease: ShardLease,
-    *,
-    kind: str,
-    key_hash: str,
-    stored: StoredPayload,
-    page_number: int | None,
-    record_count: int,
-    source_hash: str | None = None,
-) -> dict[str, Any]:
-    return {
-        "snapshot_id": snapshot_id(lease.batch_id, lease.shard_key, kind, key_hash),
-        "payload_ref": stored.ref,
-        "payload_hash": stored.sha256,
-        "page_number": page_number,
-        "record_count": record_count,
-        # For a NORMALIZED page: the raw page it came from (the trace to the supplier).
-        "derived_from": source_hash,
-    }
-
-
-def _record_snapshots(
-    conn: Connection,
-    lease: ShardLease,
-    settings: SyncSettings,
-    kind: str,
-    rows: Sequence[dict[str, Any]],
-) -> None:
-    """Snapshot rows for stored pages (idempotent: their ids derive from their content)."""
-    insert_ignore(
-        conn,
-        schema.snapshot,
-        rows,
-        batch_id=lease.batch_id,
-        supplier_id=settings.supplier_id,
-        category_code="HOTEL",
-        shard_key=lease.shard_key,
-        snapshot_type=kind,
-        snapshot_version=1,
-        created_at=lease.db.clock.now(),
-    )
-
-
-class _RawPage(NamedTuple):
-    """A stored page: the fields of its snapshot row that normalization needs."""
-
-    payload_ref: str
-    payload_hash: str
-    page_number: int | None
-    record_count: int | None
-
-
-PageSink = Callable[[_RawPage, list[Any]], None]
-"""Takes each page right after it is committed: its RAW snapshot and its records."""
-
-
-def _walk(
-    client: SupplierClient | None,
-    lease: ShardLease,
-    settings: SyncSettings,
-    source: PageSource | None,
-) -> Iterator[FetchedPage]:
-    """The shard's pages from its checkpoint: the city's listing, or ``source``'s pages."""
-    cp = lease.checkpoint
-    if cp is not None and cp.done:
-        return iter(())
-    if source is not None:
-        return source.pages(client, cp, lease.shard_key)
-    if client is None:
-        raise ValueError("fetching needs a supplier client")
-    start = (
-        PagePosition(page=cp.page, cursor=cp.cursor, last_hotel_id=cp.last_supplier_hotel_id)
-        if cp is not None
-        else None
-    )
-    city = lease.shard_key
-    return (
-        FetchedPage(
-            page.raw,
-            page.page_number,
-            page.page.hotels,
-            page.page.total_pages,
-            Checkpoint(
-                city,
-                page=page.position.page,
-                cursor=page.position.cursor,
-                last_supplier_hotel_id=page.position.last_hotel_id,
-                done=page.position.done,
-            ),
-        )
-        for page in client.iter_city(city, page_size=settings.page_size, start=start)
-    )
-
-
-def _fetch(
-    lease: ShardLease,
-    store: PayloadStore,
-    pages: Iterator[FetchedPage],
-    heartbeat: Progress,
-    settings: SyncSettings,
-    report: CityReport,
-    *,
-    on_page: PageSink | None = None,
-) -> None:
-    """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
-
-    The next page is requested while ``on_page`` works on the current one, but only after
-    the current one is committed: a crash re-fetches at most one page, as without overlap.
-    """
-    city = lease.shard_key
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as ahead:
-        pending = ahead.submit(next, pages, None)
-        try:
-            while True:
-                began = time.perf_counter()
-                page = pending.result()
-                if page is None:
-                    report.seconds["fetch"] += time.perf_counter() - began
-                    break
-                heartbeat.check()
-                heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
-                stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
-                row = _snapshot_row(
-                    lease,
-                    kind=RAW,
-                    key_hash=stored.sha256,
-                    stored=stored,
-                    page_number=page.page_number,
-                    record_count=len(page.records),
-                )
-                with lease.db.begin() as conn:
-                    _record_snapshots(conn, lease, settings, RAW, [row])
-                    lease.advance(
-                        page.checkpoint,
-                        PageCounts(),
-                        total_pages=page.total_pages,
-                        fetched=len(page.records),
-                        conn=conn,
-                    )
-                report.pages_fetched += 1
-                pending = ahead.submit(next, pages, None)
-                report.seconds["fetch"] += time.perf_counter() - began
-                if on_page is not None:
-                    on_page(
-                        _RawPage(stored.ref, stored.sha256, page.page_number, row["record_count"]),
-                        _unwrap(page.records),
-                    )
-                collect_garbage()
-        finally:
-            # The generator must not be closed while the prefetch thread is inside it.
-            with contextlib.suppress(Exception):  # that error is already on its way
-                pending.result()
-            close = getattr(pages, "close", None)
-            if close is not None:
-                close()
-
-
-def _unwrap(records: list[dict[str, Any]]) -> list[Any]:
-    """The page's records as decoded from JSON (the client wraps non-object entries)."""
-    return [
-        r[MALFORMED_RECORD_KEY] if len(r) == 1 and MALFORMED_RECORD_KEY in r else r for r in records
-    ]
-
-
-def _snapshots(db: SyncDatabase, batch_id: str, city: str, kind: str) -> list[_RawPage]:
-    s = schema.snapshot.c
-    with db.engine.connect() as conn:
-        return [
-            _RawPage(*row)
-            for row in conn.execute(
-                sa.select(s.payload_ref, s.payload_hash, s.page_number, s.record_count)
-                .where(s.batch_id == batch_id, s.shard_key == city, s.snapshot_type == kind)
-                .order_by(s.id)
-            )
-        ]
-
-
-class Progress(Protocol):
-    """Where a stage says what it is doing and learns whether it may go on.
-
-    A :class:`HeartbeatRunner` for a sync under a lease; :data:`NO_PROGRESS` for a dry run,
-    which holds no lease.
-    """
-
-    def check(self) -> None:
-        """Raises when the work must stop (the lease is lost)."""
-
-    def report(self, stage: str, message: str = "") -> None:
-        """Says what the work is doing now."""
-
-
-class _NoProgress:
-    def check(self) -> None:
-        return None
-
-    def report(self, stage: str, message: str = "") -> None:
-        return None
-
-
-NO_PROGRESS: Progress = _NoProgress()
 
 
 @dataclass
 class _Page:
     """A raw page being normalized: its snapshot, outcomes and canonical documents."""
 
-    raw: _RawPage
+    raw: StoredPage
     result: NormalizedDocuments
 
 
-class _NormalizedWriter:
+class NormalizedWriter:
     """Writes what normalization produced under the lease: NORMALIZED pages, dead letters
     and the city's profile. A dry run has none and writes nothing."""
 
@@ -971,7 +115,7 @@ class _NormalizedWriter:
         self.done = (
             {
                 row.payload_hash
-                for row in _snapshots(lease.db, lease.batch_id, self.city, NORMALIZED)
+                for row in stored_pages(lease.db, lease.batch_id, self.city, NORMALIZED)
             }
             if lease.resumed
             else set()
@@ -984,14 +128,14 @@ class _NormalizedWriter:
         self.defer = False
         self.deferred: tuple[int, int, FieldCounts] | None = None
 
-    def page(self, raw: _RawPage, lines: list[bytes], letters: list[DeadLetter]) -> None:
+    def page(self, raw: StoredPage, lines: list[bytes], letters: list[DeadLetter]) -> None:
         """Stores a page's kept documents (JSON lines) and keeps its rows for :meth:`flush`."""
         body = b"\n".join(lines)
         if hashlib.sha256(body).hexdigest() in self.done and not letters:
             return
         stored = self.store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
         self.rows.append(
-            _snapshot_row(
+            snapshot_row(
                 self.lease,
                 kind=NORMALIZED,
                 key_hash=raw.payload_hash,
@@ -1016,7 +160,7 @@ class _NormalizedWriter:
 
     def _write(self, conn: Connection, *, clear: bool = True) -> None:
         lease, settings = self.lease, self.settings
-        _record_snapshots(conn, lease, settings, NORMALIZED, self.rows)
+        record_snapshots(conn, lease, settings.supplier_id, NORMALIZED, self.rows)
         if self.letters:
             record_dead_letters(
                 conn,
@@ -1081,7 +225,7 @@ KeptSink = Callable[[list[Candidate]], None]
 """Takes each validated chunk's kept documents as publish candidates."""
 
 
-class _Normalizer:
+class Normalizer:
     """Normalizes a city's raw pages, page by page, validating them a chunk at a time.
 
     Pages come from the fetch as they are committed (:meth:`add`) and, in :meth:`finish`,
@@ -1108,7 +252,7 @@ class _Normalizer:
         report: CityReport,
         city_countries: Mapping[str, str],
         *,
-        writer: _NormalizedWriter | None,
+        writer: NormalizedWriter | None,
         drift_check: bool,
         on_kept: KeptSink | None = None,
         listing_city: str | None = None,
@@ -1131,13 +275,13 @@ class _Normalizer:
         self.buffered = 0
         self.candidates: list[Candidate] | None = None if on_kept is not None else []
         # Pages waiting for the drift judgement; None once judged (or with no drift check).
-        self._pending: list[tuple[_RawPage, list[Any]]] | None = [] if drift_check else None
+        self._pending: list[tuple[StoredPage, list[Any]]] | None = [] if drift_check else None
         self._drift: GateResult | None = None
         # True when every stored RAW page was given to add(): finish() reads none back.
         self.stored_pages_seen = False
         # Pages being normalized and judged in forked processes (settings.normalize_processes).
-        self._workers: ProcessPoolExecutor | None = None
-        self._inflight: deque[tuple[_RawPage, Future[_JudgedPage]]] = deque()
+        self._workers: ForkPool | None = None
+        self._inflight: deque[tuple[StoredPage, Future[_JudgedPage]]] = deque()
 
     def drift(self) -> GateResult | None:
         """Judges schema drift (once) on the first pages; the failed check, or None."""
@@ -1147,7 +291,7 @@ class _Normalizer:
         if pending:
             sample = [records for _, records in pending]
         else:  # nothing arrived from a fetch: the stored pages (resumed walk, replay)
-            raws = _snapshots(self.db, self.batch_id, self.city, RAW)
+            raws = stored_pages(self.db, self.batch_id, self.city, RAW)
             sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
         self._drift = check_first_pages(
             self.db,
@@ -1161,7 +305,7 @@ class _Normalizer:
                 self._normalize(raw, records)
         return self._drift
 
-    def add(self, raw: _RawPage, records: list[Any]) -> None:
+    def add(self, raw: StoredPage, records: list[Any]) -> None:
         """Takes a page just committed by the fetch."""
         if self._pending is not None:
             self._pending.append((raw, records))
@@ -1175,7 +319,7 @@ class _Normalizer:
         if self.drift() is not None:
             raise RuntimeError("a city with schema drift is not normalized")
         if not self.stored_pages_seen:
-            for raw in _snapshots(self.db, self.batch_id, self.city, RAW):
+            for raw in stored_pages(self.db, self.batch_id, self.city, RAW):
                 if raw.payload_hash not in self.seen:
                     self._normalize(raw, self._load(raw))
         began = time.perf_counter()
@@ -1185,10 +329,10 @@ class _Normalizer:
             self.writer.profile(self.report, self.fields)  # with the rows not flushed
         self.report.seconds["normalize"] += time.perf_counter() - began
 
-    def _load(self, raw: _RawPage) -> list[Any]:
+    def _load(self, raw: StoredPage) -> list[Any]:
         return page_records(decode_json(self.store.get(raw.payload_ref)))
 
-    def _normalize(self, raw: _RawPage, records: list[Any]) -> None:
+    def _normalize(self, raw: StoredPage, records: list[Any]) -> None:
         if raw.payload_hash in self.seen:
             return  # the same page bytes again (a walk re-reads overlapping pages)
         began = time.perf_counter()
@@ -1235,7 +379,7 @@ class _Normalizer:
 
     def _keep(
         self,
-        raw: _RawPage,
+        raw: StoredPage,
         lines: list[bytes],
         kept: Sequence[dict[str, Any]] | None,
         letters: list[DeadLetter],
@@ -1269,14 +413,13 @@ class _Normalizer:
 
     # -- pages judged in forked processes ----------------------------------------------
 
-    def _submit(self, raw: _RawPage, records: list[Any]) -> None:
+    def _submit(self, raw: StoredPage, records: list[Any]) -> None:
         """Hands a page to a forked process, which normalizes and judges it."""
         if self._workers is None:
-            self._workers = ProcessPoolExecutor(
-                max_workers=self.settings.normalize_processes,
-                mp_context=multiprocessing.get_context("fork"),
-                initializer=_start_forked_judge,
-                initargs=(self.db, self.listing_city, self.city_countries),
+            self._workers = ForkPool(
+                self.settings.normalize_processes,
+                _start_forked_judge,
+                (self.db, self.listing_city, self.city_countries),
             )
         self._inflight.append((raw, self._workers.submit(_judge_page, raw, records)))
         # Two pages ahead per process: enough to keep them busy, and memory bounded.
@@ -1303,7 +446,7 @@ class _Normalizer:
         """Stops the forked processes, if any ran (idempotent)."""
         workers, self._workers = self._workers, None
         if workers is not None:
-            workers.shutdown(wait=True, cancel_futures=True)
+            workers.close()
         self._inflight.clear()
 
 
@@ -1329,7 +472,7 @@ def _start_forked_judge(
     _judge_context = (listing_city, city_countries)
 
 
-def _judge_page(raw: _RawPage, records: list[Any]) -> _JudgedPage:
+def _judge_page(raw: StoredPage, records: list[Any]) -> _JudgedPage:
     assert _judge_context is not None, "not a forked judge"
     listing_city, city_countries = _judge_context
     moved, judged = _judge([_Page(raw, normalize_documents(records))], listing_city, city_countries)
@@ -1349,8 +492,7 @@ def _judge(
     if docs:
         # Every document comes straight from normalize_documents, whose phone rule
         # already parsed and validated its number with libphonenumber; the second net
-        # keeps the vectorised E.164 shape check without a second parse of each number
-        # (bench_quality, chunks of 2,000 new numbers: 57 -> 32 us per hotel).
+        # keeps the vectorised E.164 shape check without a second parse of each number.
         quality = check_quality(
             docs,
             city_code=listing_city,
@@ -1807,12 +949,7 @@ def _publish_in_processes(
     """
     lease = publisher.lease
     workers = min(publisher.settings.publish_processes, len(parts))
-    pool = ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=multiprocessing.get_context("fork"),
-        initializer=_start_forked_publisher,
-        initargs=(publisher, parts),
-    )
+    pool = ForkPool(workers, _start_forked_publisher, (publisher, parts))
     try:
         futures = [pool.submit(_publish_forked_part, i) for i in range(len(parts))]
         for future in futures:
@@ -1825,7 +962,7 @@ def _publish_in_processes(
         lease.mark_lost(str(err))
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.close()
 
 
 def _start_forked_publisher(
@@ -1875,7 +1012,12 @@ def split_for_processes(
     return [p for p in chunks(rest, each) if p], last
 
 
-def _check_counts(report: CityReport) -> None:
+def check_counts(report: CityReport) -> None:
+    """Checks that every record of the city ended in exactly one bucket (invariant 4).
+
+    Raises:
+        CountsDoNotAddUp: ``published + dead letters + skipped`` is not ``records``.
+    """
     if report.published + report.dead_letters + report.skipped != report.records:
         raise CountsDoNotAddUp(
             f"city {report.city_code!r}: {report.records} records but {report.published} "
@@ -1883,7 +1025,7 @@ def _check_counts(report: CityReport) -> None:
         )
 
 
-def _publish(
+def publish_city(
     lease: ShardLease,
     store: PayloadStore,
     progress: Progress,
@@ -1920,8 +1062,7 @@ def _publish(
             # matter (the shard finishes with the last chunk): they go in the catalog's
             # order. An incremental window's changes lie all over the catalog, and a chunk
             # of neighbouring hotels reads and writes fewer pages, each in fewer
-            # transactions (a day's 8,373 changes of 100k hotels on SQLite: publish 1.85 s
-            # -> 1.58 s). A stable sort keeps two versions of one hotel in feed order.
+            # transactions. A stable sort keeps two versions of one hotel in feed order.
             candidates = sorted(candidates, key=lambda c: ids[c.supplier_hotel_id])
             head, tail = split_for_processes(candidates, size, settings.publish_processes)
             _publish_in_processes(publisher, head, progress, report)
@@ -1931,7 +1072,7 @@ def _publish(
             then = finish if i == last else None
             _publish_chunk(publisher, part, progress, report, then)
             finished = then is not None
-    _check_counts(report)
+    check_counts(report)
     report.seconds["publish"] += time.perf_counter() - began
     return finished
 
@@ -1967,7 +1108,7 @@ def dry_run_stages(
     """
     report = CityReport(city_code)
     _start_publish(report)
-    normalizer = _Normalizer(
+    normalizer = Normalizer(
         db,
         batch_id,
         city_code,
@@ -1982,5 +1123,5 @@ def dry_run_stages(
         listing_city=city_code,
     )
     normalizer.finish()
-    _check_counts(report)
+    check_counts(report)
     return report

@@ -1,0 +1,162 @@
+"""The fetch stage: a shard's walk, page by page, each page stored and checkpointed.
+
+A city's listing is walked from the shard's checkpoint (cursor or page numbers); a
+:class:`~supplier_sync_dagster.core.sync.model.PageSource` gives the pages of a shard that
+is not a listing. Each page's exact bytes go to the payload store, and its RAW snapshot row
+and the checkpoint past it commit in one fenced transaction: a crash re-fetches at most the
+page in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from supplier_sync_dagster.core.leasing.leases import Checkpoint, PageCounts, ShardLease
+from supplier_sync_dagster.core.store.payloads import PayloadStore
+from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
+from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY
+from supplier_sync_dagster.core.sync.model import (
+    CityReport,
+    FetchedPage,
+    PageSource,
+    Progress,
+    SyncSettings,
+)
+from supplier_sync_dagster.core.sync.runtime import collect_garbage
+from supplier_sync_dagster.core.sync.snapshots import (
+    PAGE_COMPRESSLEVEL,
+    RAW,
+    StoredPage,
+    record_snapshots,
+    snapshot_row,
+)
+
+PageSink = Callable[[StoredPage, list[Any]], None]
+"""Takes each page right after it is committed: its RAW snapshot and its records."""
+
+
+def walk(
+    client: SupplierClient | None,
+    lease: ShardLease,
+    settings: SyncSettings,
+    source: PageSource | None,
+) -> Iterator[FetchedPage]:
+    """The shard's pages from its checkpoint: the city's listing, or ``source``'s pages.
+
+    Raises:
+        ValueError: A city's listing without a supplier client.
+    """
+    cp = lease.checkpoint
+    if cp is not None and cp.done:
+        return iter(())
+    if source is not None:
+        return source.pages(client, cp, lease.shard_key)
+    if client is None:
+        raise ValueError("fetching needs a supplier client")
+    start = (
+        PagePosition(page=cp.page, cursor=cp.cursor, last_hotel_id=cp.last_supplier_hotel_id)
+        if cp is not None
+        else None
+    )
+    city = lease.shard_key
+    return (
+        FetchedPage(
+            page.raw,
+            page.page_number,
+            page.page.hotels,
+            page.page.total_pages,
+            Checkpoint(
+                city,
+                page=page.position.page,
+                cursor=page.position.cursor,
+                last_supplier_hotel_id=page.position.last_hotel_id,
+                done=page.position.done,
+            ),
+        )
+        for page in client.iter_city(city, page_size=settings.page_size, start=start)
+    )
+
+
+def fetch_pages(
+    lease: ShardLease,
+    store: PayloadStore,
+    pages: Iterator[FetchedPage],
+    heartbeat: Progress,
+    settings: SyncSettings,
+    report: CityReport,
+    *,
+    on_page: PageSink | None = None,
+) -> None:
+    """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
+
+    The next page is requested while ``on_page`` works on the current one, but only after
+    the current one is committed: a crash re-fetches at most one page, as without overlap.
+
+    Args:
+        lease: The shard's lease (every write is fenced by it).
+        store: Where the pages' bytes go.
+        pages: The walk (:func:`walk`).
+        heartbeat: Says what the fetch is doing; raises once the lease is lost.
+        settings: The sync's settings (the supplier's id).
+        report: Counts the pages and the fetch's time.
+        on_page: Takes each page once it is committed (a fresh walk's normalizer).
+    """
+    city = lease.shard_key
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as ahead:
+        pending = ahead.submit(next, pages, None)
+        try:
+            while True:
+                began = time.perf_counter()
+                page = pending.result()
+                if page is None:
+                    report.seconds["fetch"] += time.perf_counter() - began
+                    break
+                heartbeat.check()
+                heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
+                stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
+                row = snapshot_row(
+                    lease,
+                    kind=RAW,
+                    key_hash=stored.sha256,
+                    stored=stored,
+                    page_number=page.page_number,
+                    record_count=len(page.records),
+                )
+                with lease.db.begin() as conn:
+                    record_snapshots(conn, lease, settings.supplier_id, RAW, [row])
+                    lease.advance(
+                        page.checkpoint,
+                        PageCounts(),
+                        total_pages=page.total_pages,
+                        fetched=len(page.records),
+                        conn=conn,
+                    )
+                report.pages_fetched += 1
+                pending = ahead.submit(next, pages, None)
+                report.seconds["fetch"] += time.perf_counter() - began
+                if on_page is not None:
+                    on_page(
+                        StoredPage(
+                            stored.ref, stored.sha256, page.page_number, row["record_count"]
+                        ),
+                        _unwrap(page.records),
+                    )
+                collect_garbage()
+        finally:
+            # The generator must not be closed while the prefetch thread is inside it.
+            with contextlib.suppress(Exception):  # that error is already on its way
+                pending.result()
+            close = getattr(pages, "close", None)
+            if close is not None:
+                close()
+
+
+def _unwrap(records: list[dict[str, Any]]) -> list[Any]:
+    """The page's records as decoded from JSON (the client wraps non-object entries)."""
+    return [
+        r[MALFORMED_RECORD_KEY] if len(r) == 1 and MALFORMED_RECORD_KEY in r else r for r in records
+    ]

@@ -1,0 +1,150 @@
+"""The process a sync runs in: its garbage collector, its CPUs, and the one fork pool.
+
+:func:`prepare_process` tunes the cyclic collector once per process and
+:func:`collect_garbage` bounds the memory that tuning would let grow; :func:`usable_cpus` is
+what the process may run on. :class:`ForkPool` is every forked worker process of a sync: a
+run's city workers, a shard's normalizing judges and its publishers.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Young-generation GC threshold set by prepare_process (CPython's default is 700).
+GC_GEN0_THRESHOLD = 50_000
+
+_prepared = False
+_prepare_lock = threading.Lock()
+
+
+def prepare_process() -> None:
+    """Tunes the cyclic garbage collector for a long sync in this process; idempotent.
+
+    A sync keeps many long-lived objects (modules, compiled statements, a chunk of
+    documents) while allocating millions of short-lived ones, and CPython's collector keeps
+    re-scanning the long-lived heap: that nearly doubles the cost of normalization. So, once
+    per process: collect the young generations' garbage, ``gc.freeze()`` everything that
+    survives (it is never scanned again; frozen objects are still freed by reference
+    counting) and raise the young-generation threshold so collections run less often.
+    The oldest generation is not collected first: it holds what survived every earlier
+    collection (the imports' modules and classes), and a full collection of a start-up heap
+    costs a command more time than the little it frees, which stays frozen.
+    Reference counting still frees every acyclic object at once; only cyclic garbage waits
+    a little longer. ``sync_city`` calls this itself; entry points may call it earlier,
+    after their imports, to freeze more of the start-up heap.
+    """
+    global _prepared
+    with _prepare_lock:
+        if _prepared:
+            return
+        _prepared = True
+        gc.collect(1)
+        gc.freeze()
+        gen0, gen1, gen2 = gc.get_threshold()
+        gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+GC_INTERVAL_SECONDS = 2.0
+_last_collect = 0.0
+
+
+def collect_garbage() -> None:
+    """A full collection at most every ``GC_INTERVAL_SECONDS``; call it once per page or chunk.
+
+    With the young generation's threshold raised (:func:`prepare_process`), cyclic garbage
+    (HTTP responses, parsed pages) that survives into the oldest generation would wait for
+    a rare full collection, and a large city's peak memory would grow with its size. After
+    ``gc.freeze()`` a full collection only scans what the sync itself holds, so doing it on
+    a clock bounds memory by what two seconds of work leave behind (a shorter interval costs
+    more CPU for the same peak: ``bench_scale.py memory``).
+    """
+    global _last_collect
+    now = time.monotonic()
+    if now - _last_collect >= GC_INTERVAL_SECONDS:
+        gc.collect()
+        _last_collect = time.monotonic()
+
+
+PARENT_POLL_SECONDS = 1.0
+
+
+class ForkPool:
+    """Forked worker processes that run calls submitted from this process.
+
+    Fork, not spawn: the processes start at once with this process's modules (a spawned
+    process would import the project again) and read their input from the fork's memory
+    instead of having it pickled. They must never use this process's connections: the
+    initializer opens or disposes of them. Closing the pool waits for the calls running,
+    cancels the others and ends the processes.
+
+    Args:
+        workers: How many processes.
+        initializer: Called once in each process at its start, with ``initargs``.
+        initargs: The initializer's arguments.
+        exit_with_parent: Each process exits once this process is gone (killed): a city
+            worker then leaves its lease to expire, and the next run resumes its city.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        initializer: Callable[..., None],
+        initargs: tuple[Any, ...],
+        *,
+        exit_with_parent: bool = False,
+    ) -> None:
+        if exit_with_parent:
+            initializer, initargs = _start_watched, (os.getpid(), initializer, initargs)
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=initializer,
+            initargs=initargs,
+        )
+
+    def __enter__(self) -> ForkPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Runs ``fn(*args, **kwargs)`` in one of the processes."""
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Waits for the running calls, cancels the queued ones, ends the processes."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_watched(
+    parent_pid: int, initializer: Callable[..., None], initargs: tuple[Any, ...]
+) -> None:
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch"
+    ).start()
+    initializer(*initargs)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(1)

@@ -1,0 +1,65 @@
+"""The one fork pool: its initializer runs first in each process; a watched process ends with
+its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from supplier_sync_dagster.core.sync.runtime import PARENT_POLL_SECONDS, ForkPool
+
+_started: list[int] = []
+
+
+def _start(value: int) -> None:
+    _started.append(value)
+
+
+def _state() -> tuple[list[int], int]:
+    return list(_started), os.getpid()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie that nobody reaped has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_each_process_runs_the_initializer_before_its_calls():
+    with ForkPool(2, _start, (7,)) as pool:
+        seen = [pool.submit(_state).result() for _ in range(6)]
+    assert all(state == [7] for state, _ in seen)  # once per process, before any call
+    assert {pid for _, pid in seen}.isdisjoint({os.getpid()})
+    assert _started == []  # this process's memory is its own
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_watched_process_exits_once_its_parent_is_killed():
+    read, write = os.pipe()
+    parent = os.fork()
+    if parent == 0:  # the pool's parent: dies at once, as if killed, once its worker runs
+        try:
+            os.close(read)
+            pool = ForkPool(1, _start, (1,), exit_with_parent=True)
+            os.write(write, str(pool.submit(_state).result()[1]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(parent, 0)
+    # Not read to its end: the worker holds the pipe's other end as long as it runs.
+    worker = int(os.read(read, 32))
+    os.close(read)
+    deadline = time.monotonic() + 10 * PARENT_POLL_SECONDS
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphaned = _running(worker)
+    if orphaned:
+        os.kill(worker, signal.SIGKILL)
+    assert not orphaned
