@@ -147,7 +147,7 @@ def test_two_bad_values_are_named_on_one_line(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from supplier_sync_dagster.core.store.db import resolve_db_url, state_dir
+    from supplier_sync_dagster.core.store.engine import resolve_db_url, state_dir
     from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, open_payload_store
 
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
@@ -161,7 +161,7 @@ def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
-    from supplier_sync_dagster.core.store.db import resolve_db_url
+    from supplier_sync_dagster.core.store.engine import resolve_db_url
 
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test")

@@ -14,7 +14,8 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.store.db import SyncDatabase, make_engine, resolve_db_url
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.engine import make_engine, resolve_db_url
 
 
 def test_default_is_a_sqlite_file_in_the_state_folder(
