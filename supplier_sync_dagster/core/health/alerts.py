@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth
+from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth, sync_health
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
@@ -713,8 +713,6 @@ def check(
     dagster_url: str | None = None,
 ) -> Round:
     """Evaluates the task's conditions, records the episodes and sends what is due."""
-    from supplier_sync_dagster.core.health.metrics import sync_health
-
     health = sync_health(db, task_code=task_code)
     findings = evaluate(db, health, context=context)
     changes = record(db, task_code, findings, run_url=dagster_url)

@@ -370,3 +370,25 @@ def test_a_real_innodb_deadlock_is_recognised_and_its_work_runs_again(fresh_mysq
     with pytest.raises(sa.exc.OperationalError):
         retry_deadlocks(always(denied), sleep=pauses.append)
     assert len(calls) == 1
+
+
+def test_a_process_on_sqlite_does_not_import_pymysql(tmp_path: Path):
+    """PyMySQL costs ~45 ms to import: the bulk-insert code that needs it (its escaping, its
+    INSERT splitting) imports it where it runs, which is only on a PyMySQL connection, so a
+    command on the embedded SQLite default never loads it."""
+    script = (
+        "import sys\n"
+        "from supplier_sync_dagster.core.leasing.batches import TaskSpec, upsert_task\n"
+        "from supplier_sync_dagster.core.store.db import SyncDatabase\n"
+        "db = SyncDatabase.open(sys.argv[1])\n"
+        "upsert_task(db, TaskSpec(task_code='t', supplier_id=1))\n"
+        "print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] == 'pymysql'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{tmp_path / 'sync.sqlite3'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: []" in done.stdout, done.stdout
