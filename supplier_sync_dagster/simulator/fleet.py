@@ -48,15 +48,20 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
 from supplier_sync_dagster.simulator import paths
-from supplier_sync_dagster.simulator.app import handle_httpx
 from supplier_sync_dagster.simulator.config import FaultProfile, SimulatorConfig
-from supplier_sync_dagster.simulator.core import SimResponse, Simulator, error_body
+from supplier_sync_dagster.simulator.core import (
+    SimRequest,
+    SimResponse,
+    Simulator,
+    error_body,
+    handle_httpx,
+)
 from supplier_sync_dagster.simulator.data import GroundTruth
 from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
 
@@ -352,38 +357,23 @@ class SimulatorFleet:
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    def dispatch(
-        self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
-    ) -> SimResponse:
-        """Route one request to its account (see the module docstring) and answer it.
-
-        Args:
-            method: HTTP method.
-            raw_path: the path exactly as on the wire (still percent-encoded), no query.
-            query: the raw query string.
-            headers: request headers with lower-case names.
-            body: the request body.
-        """
-        segments = paths.split_raw_path(raw_path)
+    def dispatch(self, request: SimRequest) -> SimResponse:
+        """Route one request to its account (see the module docstring) and answer it."""
+        segments = paths.split_raw_path(request.raw_path)
         if segments[0] == _ADMIN:
-            if segments[1:] == [b"refused"] and method == "GET":
+            if segments[1:] == [b"refused"] and request.method == "GET":
                 return _json_response(self.refused())
-            return self._broadcast(method, raw_path, query, headers, body, self._sims)
+            return self._broadcast(request, self._sims)
         supplier = self._supplier_named(segments[0])
         if supplier is None:
             with self._refused_lock:
                 self._unknown_supplier += 1
             return SimResponse(404, [_JSON], error_body("NOT_FOUND", "no such supplier"))
         # Rejoined from the raw segments: the account sees every escape as it was sent.
-        rest = b"/" + b"/".join(segments[1:])
+        rest = replace(request, raw_path=b"/" + b"/".join(segments[1:]))
         if segments[1:2] == [_ADMIN]:
-            return self._broadcast(method, rest, query, headers, body, self._sims[supplier])
-        key = headers.get("x-api-key", "").encode()
+            return self._broadcast(rest, self._sims[supplier])
+        key = request.headers.get("x-api-key", "").encode()
         sim = None
         for account_key, candidate in self._keys[supplier]:
             # Every key is compared, so the time taken says nothing about which matched.
@@ -393,7 +383,7 @@ class SimulatorFleet:
             with self._refused_lock:
                 self._unauthorized[supplier] += 1
             return self._unauthorized_response(supplier)
-        return sim.dispatch(method, rest, query, headers, body)
+        return sim.dispatch(rest)
 
     def _supplier_named(self, raw: bytes) -> str | None:
         try:
@@ -418,11 +408,7 @@ class SimulatorFleet:
 
     def _broadcast(
         self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
+        request: SimRequest,
         targets: Mapping[str, Simulator] | Mapping[str, Mapping[str, Simulator]],
     ) -> SimResponse:
         """Send one admin request to every simulator of ``targets``; answers keyed alike.
@@ -431,27 +417,23 @@ class SimulatorFleet:
         comes from the first one, before any clock moved; it is returned as it is.
         """
         with self._admin_lock:
-            answers = self._broadcast_locked(method, raw_path, query, headers, body, targets)
+            answers = self._broadcast_locked(request, targets)
         return answers if isinstance(answers, SimResponse) else _json_response(answers)
 
     def _broadcast_locked(
         self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
+        request: SimRequest,
         targets: Mapping[str, Simulator] | Mapping[str, Mapping[str, Simulator]],
     ) -> SimResponse | dict[str, Any]:
         answers: dict[str, Any] = {}
         for name, target in targets.items():
             if isinstance(target, Simulator):
-                resp = target.dispatch(method, raw_path, query, headers, body)
+                resp = target.dispatch(request)
                 if resp.status != 200:
                     return resp
                 answers[name] = json.loads(resp.body)
             else:
-                nested = self._broadcast_locked(method, raw_path, query, headers, body, target)
+                nested = self._broadcast_locked(request, target)
                 if isinstance(nested, SimResponse):
                     return nested
                 answers[name] = nested
