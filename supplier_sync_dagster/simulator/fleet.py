@@ -47,9 +47,9 @@ import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -68,6 +68,7 @@ from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
 _SLUG = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ADMIN = b"_sim"
 _JSON = ("content-type", "application/json")
+_T = TypeVar("_T")
 
 
 def _check_slug(kind: str, name: object) -> str:
@@ -307,11 +308,7 @@ class SimulatorFleet:
         """
         if seconds < 0:
             raise ValueError("advance needs seconds >= 0")
-        with self._admin_lock:
-            return {
-                supplier: {account: sim.advance(seconds) for account, sim in accounts.items()}
-                for supplier, accounts in self._sims.items()
-            }
+        return self._on_every_account(lambda sim: sim.advance(seconds))
 
     def advance_day(self, days: int = 1) -> dict[str, dict[str, int]]:
         """Move every account's clock to the start of its day ``day + days``.
@@ -324,9 +321,13 @@ class SimulatorFleet:
         """
         if days < 1:
             raise ValueError("advance_day needs days >= 1")
+        return self._on_every_account(lambda sim: sim.advance_day(days))
+
+    def _on_every_account(self, act: Callable[[Simulator], _T]) -> dict[str, dict[str, _T]]:
+        """Supplier -> account -> what ``act`` returned for its simulator (under the admin lock)."""
         with self._admin_lock:
             return {
-                supplier: {account: sim.advance_day(days) for account, sim in accounts.items()}
+                supplier: {account: act(sim) for account, sim in accounts.items()}
                 for supplier, accounts in self._sims.items()
             }
 

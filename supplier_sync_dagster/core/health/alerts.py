@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import httpx
 import sqlalchemy as sa
@@ -58,16 +58,7 @@ Condition = Literal[
     "rate_limit_storm",
     "breaker_open",
 ]
-CONDITIONS: Final[tuple[Condition, ...]] = (
-    "consecutive_failed_batches",
-    "dead_letter_spike",
-    "city_emptied",
-    "reconciliation_diff",
-    "freshness_sla",
-    "stuck_outbox",
-    "rate_limit_storm",
-    "breaker_open",
-)
+CONDITIONS: Final[tuple[Condition, ...]] = get_args(Condition)
 
 DEFAULTS: Final[Mapping[str, float]] = {
     "consecutive_failed_batches": 3,

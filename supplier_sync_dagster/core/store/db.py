@@ -524,6 +524,17 @@ def _accessors(row_keys: Sequence[str], positional: bool) -> dict[str, str]:
     return {name: f"r[{name!r}]" for name in row_keys}
 
 
+def _parts(
+    names: Sequence[str], access: Mapping[str, str], row_value: Callable[[int, str, str], str]
+) -> list[str]:
+    """Each parameter's expression in a generated function, in SQL order: a fixed value is
+    read from ``f``; a row value is ``row_value(position, its variable, how to read it)``."""
+    return [
+        row_value(i, f"v{i}", access[name]) if name in access else f"f[{name!r}]"
+        for i, name in enumerate(names)
+    ]
+
+
 def _values_function(
     names: Sequence[str],
     access: Mapping[str, str],
@@ -547,24 +558,19 @@ def _values_function(
         booleans: Positions of the parameters of Boolean columns.
     """
     env: dict[str, Any] = {}
-    parts = []
-    for i, name in enumerate(names):
-        if name not in access:
-            parts.append(f"f[{name!r}]")
-            continue
-        v, get = f"v{i}", access[name]
+
+    def value(i: int, v: str, get: str) -> str:
         if i not in processors:
-            parts.append(get)
-            continue
+            return get
         proc = processors[i]
         env[f"p{i}"] = proc
-        slow = f"(None if {v} is None else p{i}({v}))"
         if i in booleans:
             env[f"t{i}"], env[f"n{i}"] = proc(True), proc(False)
-            parts.append(f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})")
-        else:
-            parts.append(f"(None if ({v} := {get}) is None else p{i}({v}))")
-    fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
+            slow = f"(None if {v} is None else p{i}({v}))"
+            return f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})"
+        return f"(None if ({v} := {get}) is None else p{i}({v}))"
+
+    fn = eval(f"lambda r, f: ({', '.join(_parts(names, access, value))},)", env)
     return cast(Callable[[Any, Mapping[str, Any]], tuple[Any, ...]], fn)
 
 
@@ -592,36 +598,31 @@ def _literal_function(
         processors: Bind processors by parameter position.
         booleans: Positions of the parameters of Boolean columns.
     """
-    env: dict[str, Any] = {"D": Decimal}
-    parts = []
-    for i, name in enumerate(names):
-        if name not in access:
-            parts.append(f"f[{name!r}]")
-            continue
-        v, get = f"v{i}", access[name]
+    env: dict[str, Any] = {"D": Decimal, "T": template}
+
+    def literal(i: int, v: str, get: str) -> str:
         if i in processors:
             env[f"p{i}"] = processors[i]
             slow = f"L(p{i}({v}))"
         else:
             slow = f"L({v})"
         if i in booleans:
-            parts.append(
+            return (
                 f"('1' if ({v} := {get}) is True else '0' if {v} is False"
                 f" else 'NULL' if {v} is None else {slow})"
             )
-        elif i in processors:
-            parts.append(f"('NULL' if ({v} := {get}) is None else {slow})")
-        else:
-            parts.append(
-                f"('NULL' if ({v} := {get}) is None"
-                f' else "\'" + {v} + "\'" if {v}.__class__ is str'
-                f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
-                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
-                f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
-                f" else {slow})"
-            )
-    env["T"] = template
-    fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
+        if i in processors:
+            return f"('NULL' if ({v} := {get}) is None else {slow})"
+        return (
+            f"('NULL' if ({v} := {get}) is None"
+            f' else "\'" + {v} + "\'" if {v}.__class__ is str'
+            f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
+            f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
+            f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
+            f" else {slow})"
+        )
+
+    fn = eval(f"lambda r, f, L: T % ({', '.join(_parts(names, access, literal))},)", env)
     return cast(Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str], fn)
 
 

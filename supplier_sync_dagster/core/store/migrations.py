@@ -95,7 +95,20 @@ history = sa.Table(
 
 
 @dataclass(frozen=True)
-class Migration:
+class _Version:
+    """A schema version: its number and its name in words."""
+
+    version: int
+    description: str
+
+    @property
+    def label(self) -> str:
+        """``008 outbox event key``."""
+        return f"{self.version:03d} {self.description}"
+
+
+@dataclass(frozen=True)
+class Migration(_Version):
     """One numbered migration file of a dialect.
 
     Attributes:
@@ -106,16 +119,9 @@ class Migration:
         checksum: sha256 of the statements (comments and spacing outside quotes ignored).
     """
 
-    version: int
-    description: str
     script: str
     statements: tuple[str, ...] = field(repr=False)
     checksum: str
-
-    @property
-    def label(self) -> str:
-        """``008 outbox event key``."""
-        return f"{self.version:03d} {self.description}"
 
 
 @dataclass(frozen=True)
@@ -134,17 +140,10 @@ class HistoryRow:
 
 
 @dataclass(frozen=True)
-class Applied:
+class Applied(_Version):
     """A migration that :func:`migrate` ran (or, in a dry run, would run)."""
 
-    version: int
-    description: str
     seconds: float
-
-    @property
-    def label(self) -> str:
-        """``008 outbox event key``."""
-        return f"{self.version:03d} {self.description}"
 
 
 @dataclass(frozen=True)
@@ -453,20 +452,7 @@ def _read_history(conn: Connection) -> list[HistoryRow] | None:
             conn.rollback()
             return None
         raise
-    return [
-        HistoryRow(
-            version=r.version,
-            description=r.description,
-            script=r.script,
-            checksum=r.checksum,
-            kind=r.kind,
-            success=bool(r.success),
-            installed_by=r.installed_by,
-            installed_at=r.installed_at,
-            execution_ms=r.execution_ms,
-        )
-        for r in rows
-    ]
+    return [HistoryRow(**{**r._mapping, "success": bool(r.success)}) for r in rows]
 
 
 def _compare(

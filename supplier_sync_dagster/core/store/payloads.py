@@ -559,15 +559,7 @@ class S3PayloadStore(PayloadStore):
         return stored
 
     def put_many(self, items: Sequence[BytesLike], *, kind: str) -> list[StoredPayload]:
-        """Stores several payloads with a small thread pool; the result is in input order.
-
-        Args:
-            items: The payloads.
-            kind: As for :meth:`put`.
-
-        Returns:
-            One :class:`StoredPayload` per item, in order.
-        """
+        """See :meth:`PayloadStore.put_many`; here with a small thread pool."""
         _check_kind(kind)
         if len(items) <= 1:
             return [self.put(item, kind=kind) for item in items]
