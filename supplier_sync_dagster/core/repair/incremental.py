@@ -43,15 +43,13 @@ from supplier_sync_dagster.core.errors import (
     ConfigError,
     NoBaseline,
     SupplierProtocolError,
-    TriggerSkipped,
 )
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
     TaskSpec,
     TriggerSource,
-    add_shards,
-    create_batch,
     get_batch,
+    start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import Checkpoint
 from supplier_sync_dagster.core.records.diff import HotelDiff, RiskPolicy
@@ -683,23 +681,17 @@ def run_incremental(
     if resumed is not None and resumed.trigger_id is not None:
         log.info("resuming window %s: its gate failures were overridden", resumed.batch_id)
         trigger_id = resumed.trigger_id
-    decision = create_batch(
+    _, batch = start_batch(
         db,
         task_code=task_code,
         trigger_id=trigger_id,
         trigger_source=source,
+        shard_keys=[WINDOW_SHARD],
+        skipped="incremental sync skipped",
         worker_id=worker_id,
         lease_seconds=settings.lease.lease_seconds,
     )
-    if decision.batch is None:
-        raise TriggerSkipped(
-            f"incremental sync skipped: {decision.reason}",
-            blocking_batch_id=decision.blocking_batch_id,
-        )
-    batch_id = decision.batch.batch_id
-    add_shards(db, batch_id, [WINDOW_SHARD])
-    with db.engine.connect() as conn:
-        batch = get_batch(conn, batch_id)
+    batch_id = batch.batch_id
     window = ChangeWindow(db, store, batch_id, settings.supplier_id, incremental, thresholds)
     cpus = usable_cpus()
     run_settings = replace(
