@@ -97,8 +97,7 @@ WINDOW_MEMORY_HOTELS = 20_000
 # Hotels per publish transaction of a window whose settings keep the full sync's default.
 # A window's hotels lie all over the catalog, so each transaction writes pages all over the
 # tables and their indexes; with fewer, larger ones, the pages they share (index pages, the
-# outbox's and the diff log's last pages) are written less often. A day's window (8,373
-# changes) published in 2.0-2.3 s instead of 2.3-2.7 s (4,000: 2.5-2.8 s).
+# outbox's and the diff log's last pages) are written less often.
 WINDOW_PUBLISH_CHUNK_HOTELS = 2000
 # Successful windows the change_volume median is taken over.
 VOLUME_HISTORY = 12
@@ -747,8 +746,7 @@ def published_cities(conn: Connection, batch_id: str) -> dict[str, int]:
     d = schema.diff_log.c
     # The batch's hotels through its diff log (every publish writes its diffs in its own
     # transaction), not a scan of the catalog for its last_batch_id: on InnoDB with a buffer
-    # pool smaller than the catalog that scan read the whole hotel table from disk (a day's
-    # window of 100k hotels: 0.23 s -> 0.05 s warm, the IN-subquery form 0.20 s).
+    # pool smaller than the catalog, that scan reads the whole hotel table from disk.
     stmt = use_index(
         sa.select(h.city_code, sa.func.count(sa.distinct(h.resource_id)))
         .select_from(

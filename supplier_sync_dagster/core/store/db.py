@@ -169,8 +169,8 @@ def use_index(stmt: _S, table: sa.Table, index: str) -> _S:
 
     For lookups by a long ``IN (...)`` list on a non-unique index prefix. Past 200 values
     (``eq_range_index_dive_limit``) MariaDB estimates the rows from the index statistics,
-    and while a table grows fast those lag it: it chose full scans of 560,000 offers, one
-    per chunk, that took two thirds of a sync's database time. SQLite ignores the hint.
+    and while a table grows fast those lag it, so it may choose a full scan per chunk.
+    SQLite ignores the hint.
 
     Args:
         stmt: A SELECT reading ``table`` or an UPDATE of it.
@@ -351,8 +351,8 @@ def _pymysql_literal(conn: Connection) -> Callable[[Any], str] | None:
 
     The common types are inlined. A string gets the escapes that matter inside a quoted
     UTF-8 literal (backslash, quote, NUL, Ctrl-Z), each replaced only if present: the
-    driver's ``str.translate`` walks a Python table per character, and long JSON texts made
-    it the largest single cost of a MariaDB publish. The server stores the same text.
+    driver's ``str.translate`` walks a Python table per character, which is slow on long
+    JSON texts. The server stores the same text.
     """
     from pymysql.constants import SERVER_STATUS
 
@@ -397,7 +397,7 @@ def _execute_literal_rows(
 ) -> None:
     """What PyMySQL's ``executemany`` does for an INSERT (multi-row statements of at most
     about 1 MB), with the rows turned into SQL text by one generated function each instead
-    of a driver call per value: that escaping was most of a MariaDB publish's CPU.
+    of a driver call per value, whose escaping would dominate a MariaDB publish's CPU.
     ``inline`` holds fixed values that are SQL expressions, as SQL text."""
     head, _, tail = parts
     fixed_sql = {k: inline[k] if k in inline else literal(v) for k, v in fixed.items()}
@@ -505,8 +505,8 @@ def _compile_plan(
 def _mysql_datetime(value: Any) -> Any:
     """A datetime as the text MySQL reads back as the same DATETIME value.
 
-    Both MySQL drivers format datetimes in Python, value by value, which made that the
-    largest cost of a bulk insert; ``isoformat`` is C, and a string is escaped in C. The
+    Both MySQL drivers format datetimes in Python, value by value, which is slow in bulk
+    inserts; ``isoformat`` is C, and a string is escaped in C. The
     time zone is dropped as the drivers drop it (values are UTC already).
     """
     if isinstance(value, datetime):

@@ -38,13 +38,11 @@ from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-# SQLite copies the WAL into the database (a checkpoint, with two fsyncs) at the first
-# commit past this many pages; at SQLite's default of 1,000 (4 MB) a publish of 1,000
-# hotels spread over the catalog (an incremental window's) checkpointed at nearly every
-# commit, under the one write lock, and re-copied the index pages every chunk touches. At
-# 10,000 pages (40 MB) commits checkpoint a tenth as often and each copies a page once for
-# many commits (a day's window, its last checkpoint at the last connection's close included,
-# was ~0.4 s faster in three interleaved pairs on a slow machine).
+# SQLite copies the WAL into the database (a checkpoint, two fsyncs, under the one write
+# lock) at the first commit past this many pages. A publish spread over the catalog touches
+# index pages all over it: with SQLite's default (1,000 pages) it checkpoints at nearly
+# every commit and copies the same pages again each time; ten times as many pages copy a
+# page once for many commits.
 SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
 WRITE_OPTION = "supplier_sync_write"
 
@@ -129,7 +127,7 @@ def json_text(value: Any) -> str:
     """Compact JSON text of a value in primitive form: the JSON columns' encoder.
 
     orjson, not ``json``: a publish writes a diff log entry per hotel, and the standard
-    library's encoder cost a tenth of a publishing process's CPU.
+    library's encoder is far slower.
     """
     return orjson.dumps(value).decode()
 
@@ -172,8 +170,8 @@ class _WriterLockedConnection(sqlite3.Connection):
 
     SQLite lets one writer in at a time, and a ``BEGIN IMMEDIATE`` that finds the write lock
     taken waits in SQLite's busy handler, which *sleeps* in growing steps (up to 100 ms) and
-    polls: with several processes writing (a run's worker processes), a third of their time
-    went to those sleeps, most of it after the lock was already free. An exclusive
+    polls: with several processes writing (a run's worker processes), they spend much of
+    their time in those sleeps, most of it after the lock was already free. An exclusive
     ``flock`` on ``<database>-writer`` taken before ``BEGIN IMMEDIATE`` and released after
     ``COMMIT``/``ROLLBACK`` queues the writers in the kernel instead, which hands the lock on
     the moment it is released. The busy timeout still guards against writers that do not
