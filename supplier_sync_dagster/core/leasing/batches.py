@@ -302,51 +302,26 @@ def create_batch(
 
 
 def start_batch(
-    db: SyncDatabase,
-    *,
-    task_code: str,
-    trigger_id: str,
-    trigger_source: TriggerSource,
-    shard_keys: Sequence[str],
-    skipped: str,
-    worker_id: str | None = None,
-    lease_seconds: float = DEFAULT_LEASE_SECONDS,
-    adopt: bool = True,
-) -> tuple[BatchDecision, Batch]:
-    """:func:`create_batch` for a run that works the batch now: a skip raises, and the batch
-    gets ``shard_keys`` (:func:`add_shards`, idempotent: a batch this trigger created before,
-    or adopted, may have them already).
+    db: SyncDatabase, decision: BatchDecision, shard_keys: Sequence[str], *, skipped: str
+) -> Batch:
+    """The batch of a :func:`create_batch` decision, for a run that works it now: a skip
+    raises, and the batch gets ``shard_keys`` (:func:`add_shards`, idempotent: a batch this
+    trigger created before, or adopted, may have them already).
 
     Args:
         db: The sync database.
-        task_code: The task to run.
-        trigger_id: The caller's idempotency key.
-        trigger_source: Where the trigger came from.
+        decision: What :func:`create_batch` decided for the run's trigger.
         shard_keys: The shards the run works.
         skipped: What the skip's message starts with (``"compensation skipped"``).
-        worker_id: As for :func:`create_batch`.
-        lease_seconds: As for :func:`create_batch`.
-        adopt: As for :func:`create_batch`.
 
     Returns:
-        The decision, and the batch as it stands with its shards.
+        The batch as it stands with its shards.
 
     Raises:
         TriggerSkipped: The task's policy skipped the trigger (with the blocking batch).
-        UnknownTask: The task does not exist.
-        TaskDisabled: The task is DISABLED.
         InvalidTransition: The batch is cancelled.
-        ConfigError: A trigger field or shard key is malformed.
+        ConfigError: A shard key is malformed.
     """
-    decision = create_batch(
-        db,
-        task_code=task_code,
-        trigger_id=trigger_id,
-        trigger_source=trigger_source,
-        worker_id=worker_id,
-        lease_seconds=lease_seconds,
-        adopt=adopt,
-    )
     if decision.batch is None:
         raise TriggerSkipped(
             f"{skipped}: {decision.reason}", blocking_batch_id=decision.blocking_batch_id
@@ -354,7 +329,7 @@ def start_batch(
     batch_id = decision.batch.batch_id
     add_shards(db, batch_id, shard_keys)
     with db.engine.connect() as conn:
-        return decision, get_batch(conn, batch_id)
+        return get_batch(conn, batch_id)
 
 
 @dataclass(frozen=True)

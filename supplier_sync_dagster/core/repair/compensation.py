@@ -56,6 +56,7 @@ from supplier_sync_dagster.core.leasing.batches import (
     Batch,
     TaskSpec,
     TriggerSource,
+    create_batch,
     get_batch,
     start_batch,
 )
@@ -232,16 +233,15 @@ def compensate(
         unfinished = _unfinished_claims(conn, task_code)
     if not due and not unfinished:
         return out
-    decision, batch = start_batch(
+    decision = create_batch(
         db,
         task_code=task_code,
         trigger_id=trigger_id,
         trigger_source=source,
-        shard_keys=[COMPENSATION_SHARD],
-        skipped="compensation skipped",
         worker_id=worker_id,
         lease_seconds=settings.lease.lease_seconds,
     )
+    batch = start_batch(db, decision, [COMPENSATION_SHARD], skipped="compensation skipped")
     batch_id = batch.batch_id
     if decision.outcome == "CREATED":
         out.newer = _claim(db, batch_id, due)
@@ -763,16 +763,15 @@ def fix_dead_letter(
         created_by=who,
         reason="created by the first operator fix, with the default settings",
     )
-    _, batch = start_batch(
+    decision = create_batch(
         db,
         task_code=task_code,
         trigger_id=f"fix:{dead_letter}:{digest}"[:64],
         trigger_source="MANUAL",
-        shard_keys=[FIX_SHARD],
-        skipped="fix not run",
         worker_id=worker_id,
         adopt=False,
     )
+    batch = start_batch(db, decision, [FIX_SHARD], skipped="fix not run")
     batch_id = batch.batch_id
     source = _PatchedRecord(db, batch_id, row, body, record, who=who, why=why, patch=patch)
     report = _sync_shard(

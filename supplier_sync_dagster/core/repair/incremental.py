@@ -48,6 +48,7 @@ from supplier_sync_dagster.core.leasing.batches import (
     Batch,
     TaskSpec,
     TriggerSource,
+    create_batch,
     get_batch,
     start_batch,
 )
@@ -680,16 +681,15 @@ def run_incremental(
     if resumed is not None and resumed.trigger_id is not None:
         log.info("resuming window %s: its gate failures were overridden", resumed.batch_id)
         trigger_id = resumed.trigger_id
-    _, batch = start_batch(
+    decision = create_batch(
         db,
         task_code=task_code,
         trigger_id=trigger_id,
         trigger_source=source,
-        shard_keys=[WINDOW_SHARD],
-        skipped="incremental sync skipped",
         worker_id=worker_id,
         lease_seconds=settings.lease.lease_seconds,
     )
+    batch = start_batch(db, decision, [WINDOW_SHARD], skipped="incremental sync skipped")
     batch_id = batch.batch_id
     window = ChangeWindow(db, store, batch_id, settings.supplier_id, incremental, thresholds)
     cpus = usable_cpus()
