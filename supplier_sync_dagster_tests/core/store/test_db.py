@@ -8,13 +8,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+import supplier_sync_dagster.core.store.db as db_module
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import (
+    SyncDatabase,
+    execute_many,
+    is_deadlock,
+    retry_deadlocks,
+)
 from supplier_sync_dagster.core.store.engine import make_engine, resolve_db_url
 
 
@@ -232,13 +241,6 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(
     db: SyncDatabase, monkeypatch: pytest.MonkeyPatch
 ):
     """The generated bind step (dates as text on MySQL included) matches SQLAlchemy's own."""
-    from datetime import UTC, datetime
-    from decimal import Decimal
-
-    import supplier_sync_dagster.core.store.db as db_module
-    from supplier_sync_dagster.core.store import schema
-    from supplier_sync_dagster.core.store.db import execute_many
-
     # Small statements: the rows of one call are split over several of them on MySQL.
     monkeypatch.setattr(db_module, "MYSQL_MAX_STATEMENT_CHARS", 1000)
     inserts: list[str] = []
@@ -334,8 +336,6 @@ def _deadlock_on_mariadb(url: str) -> sa.exc.DBAPIError:
 
 
 def test_a_real_innodb_deadlock_is_recognised_and_its_work_runs_again(fresh_mysql_db: str):
-    from supplier_sync_dagster.core.store.db import is_deadlock, retry_deadlocks
-
     err = _deadlock_on_mariadb(fresh_mysql_db)
     assert is_deadlock(err)
     assert not is_deadlock(ValueError("no")) and not is_deadlock(

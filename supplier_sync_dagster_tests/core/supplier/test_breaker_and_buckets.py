@@ -10,6 +10,9 @@ import time
 import uuid
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from supplier_sync_dagster.core.errors import CircuitOpen, ConfigError, RateLimiterUnavailable
 from supplier_sync_dagster.core.supplier import (
@@ -186,8 +189,6 @@ def test_bucket_rejects_bad_settings() -> None:
 
 
 def redis_client(url: str):
-    import redis
-
     return redis.Redis.from_url(url)
 
 
@@ -287,10 +288,6 @@ def test_an_in_process_limiter_does_not_import_redis() -> None:
 
 
 def test_unreachable_redis_is_a_clear_error() -> None:
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     r = redis.Redis(
         host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )
