@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from supplier_sync_dagster.simulator import _extra  # noqa: F401  (first: checks the extra)
+from supplier_sync_dagster.simulator import extra  # noqa: F401  (first: checks the extra)
 from supplier_sync_dagster.simulator.app import SimulatorApp, create_app
 from supplier_sync_dagster.simulator.config import FaultProfile, SimulatorConfig
 from supplier_sync_dagster.simulator.core import Dispatcher, SimRequest, SimResponse, Simulator
