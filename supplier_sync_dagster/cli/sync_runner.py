@@ -31,7 +31,8 @@ from supplier_sync_dagster.core.leasing.processes import this_host
 from supplier_sync_dagster.core.records.deadletters import count_dead_letters
 from supplier_sync_dagster.core.records.gates import GATED_PREFIX, gate_check_names
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import SyncDatabase, state_dir
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.engine import state_dir
 from supplier_sync_dagster.core.sync.tasks import require_enabled
 from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supplier_sync_dagster.core.errors import ConfigError
@@ -31,11 +31,14 @@ ENV_PREFIX = "SUPPLIER_SYNC_"
 # The task that `sync --full`, the Dagster resources and the task commands mean unless told.
 DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
 
-_SUPPLIER_SCHEMES = ("http", "https")
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
-_SEARCH_SCHEMES = ("postgresql", "postgres", "sqlite")
-_ALERT_SCHEMES = ("http", "https", "file")
-_AMQP_SCHEMES = ("amqp", "amqps")
+# The URL settings, each with the schemes it accepts.
+_URL_SCHEMES: dict[str, tuple[str, ...]] = {
+    "supplier_url": ("http", "https"),
+    "redis_url": ("redis", "rediss", "unix"),
+    "search_url": ("postgresql", "postgres", "sqlite"),
+    "amqp_url": ("amqp", "amqps"),
+    "alert_url": ("http", "https", "file"),
+}
 S = TypeVar("S", bound="StorageSettings")
 
 
@@ -129,30 +132,10 @@ class Settings(StorageSettings):
         "definitions load); unset: 1000",
     )
 
-    @field_validator("supplier_url")
+    @field_validator(*_URL_SCHEMES)
     @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        return _with_scheme(value, _SUPPLIER_SCHEMES)
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, value: str | None) -> str | None:
-        return _with_scheme(value, _REDIS_SCHEMES)
-
-    @field_validator("search_url")
-    @classmethod
-    def _search_url(cls, value: str | None) -> str | None:
-        return _with_scheme(value, _SEARCH_SCHEMES)
-
-    @field_validator("amqp_url")
-    @classmethod
-    def _amqp_url(cls, value: str | None) -> str | None:
-        return _with_scheme(value, _AMQP_SCHEMES)
-
-    @field_validator("alert_url")
-    @classmethod
-    def _alert_url(cls, value: str | None) -> str | None:
-        return _with_scheme(value, _ALERT_SCHEMES)
+    def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _with_scheme(value, _URL_SCHEMES[str(info.field_name)])
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""

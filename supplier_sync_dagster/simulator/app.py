@@ -1,7 +1,7 @@
 """A thin ASGI application around ``Simulator.dispatch``, for uvicorn.
 
-It serves anything with that ``dispatch`` signature (a ``Dispatcher``): one ``Simulator``, or
-a ``SimulatorFleet`` of several suppliers. It passes the raw request path
+It serves anything with that ``dispatch`` (a ``core.Dispatcher``): one ``Simulator``, or a
+``SimulatorFleet`` of several suppliers. It passes the raw request path
 (``scope["raw_path"]``) to the core, so percent-encoded slashes and dots in city codes survive
 exactly (see ``paths``). The core runs in a worker
 thread so that generating a big city never stalls the event loop; slow faults sleep with
@@ -11,65 +11,16 @@ thread so that generating a big city never stalls the event loop; slow faults sl
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 from urllib.parse import quote
 
-import httpx
-
-from supplier_sync_dagster.simulator.core import SimResponse
+from supplier_sync_dagster.simulator.core import Dispatcher, SimRequest
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-
-class Dispatcher(Protocol):
-    """Anything that answers a request from its raw parts, as ``Simulator.dispatch`` does."""
-
-    def dispatch(
-        self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
-    ) -> SimResponse:
-        """Answer one request.
-
-        Args:
-            method: HTTP method.
-            raw_path: the path exactly as on the wire (still percent-encoded), no query.
-            query: the raw query string.
-            headers: request headers with lower-case names.
-            body: the request body.
-        """
-        ...
-
-
-def handle_httpx(target: Dispatcher, request: httpx.Request) -> httpx.Response:
-    """Answer an ``httpx`` request in-process with ``target`` (sleeping for the slow fault).
-
-    Args:
-        target: what answers (``httpx.MockTransport(lambda r: handle_httpx(target, r))``).
-        request: the request.
-
-    Returns:
-        The response, exactly as the ASGI app would send it.
-    """
-    raw_path, _, query = request.url.raw_path.partition(b"?")
-    resp = target.dispatch(
-        request.method,
-        raw_path,
-        query,
-        {k.lower(): v for k, v in request.headers.items()},
-        request.read(),
-    )
-    if resp.delay:
-        time.sleep(resp.delay)
-    return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
 
 
 class SimulatorApp:
@@ -111,14 +62,10 @@ class SimulatorApp:
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
-        resp = await asyncio.to_thread(
-            self.sim.dispatch,
-            scope["method"],
-            raw_path,
-            scope.get("query_string", b""),
-            headers,
-            b"".join(chunks),
+        request = SimRequest(
+            scope["method"], raw_path, scope.get("query_string", b""), headers, b"".join(chunks)
         )
+        resp = await asyncio.to_thread(self.sim.dispatch, request)
         if resp.delay:
             await asyncio.sleep(resp.delay)
         out_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]

@@ -1,9 +1,10 @@
 """The simulator's core: one object that answers contract requests, faults included.
 
-``Simulator.dispatch`` takes the parts of an HTTP request (method, raw path, raw query,
-headers, body) and returns a ``SimResponse``. ``Simulator.handle`` adapts it to ``httpx``
-(``httpx.MockTransport(sim.handle)`` is the in-process transport) and ``app.SimulatorApp`` to
-ASGI (uvicorn), so both behave the same. City codes in paths: see ``paths``.
+``Simulator.dispatch`` takes the parts of an HTTP request (a ``SimRequest``: method, raw
+path, raw query, headers, body) and returns a ``SimResponse``. :func:`handle_httpx` adapts
+anything that dispatches so (a ``Dispatcher``) to ``httpx`` (``httpx.MockTransport(sim.handle)``
+is the in-process transport) and ``app.SimulatorApp`` to ASGI (uvicorn), so both behave the
+same. City codes in paths: see ``paths``.
 
 Order of checks for a contract request: route, API key (401), rate limit (429), injected
 transient fault (decided by a seeded RNG, so a retry can succeed), then the endpoint itself
@@ -31,7 +32,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 import httpx
@@ -96,6 +97,56 @@ class SimResponse:
         """The first value of header ``name`` (case-insensitive), if any."""
         name = name.lower()
         return next((v for k, v in self.headers if k == name), None)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """A request as the simulator reads it: its raw parts.
+
+    Attributes:
+        method: HTTP method.
+        raw_path: the path exactly as on the wire (still percent-encoded), no query.
+        query: the raw query string.
+        headers: request headers with lower-case names.
+        body: the request body.
+    """
+
+    method: str
+    raw_path: bytes
+    query: bytes
+    headers: Mapping[str, str]
+    body: bytes
+
+    @classmethod
+    def from_httpx(cls, request: httpx.Request) -> SimRequest:
+        """The parts of an ``httpx`` request."""
+        raw_path, _, query = request.url.raw_path.partition(b"?")
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        return cls(request.method, raw_path, query, headers, request.read())
+
+
+class Dispatcher(Protocol):
+    """Anything that answers a request from its raw parts: a ``Simulator``, a fleet of them."""
+
+    def dispatch(self, request: SimRequest) -> SimResponse:
+        """Answer one request."""
+        ...
+
+
+def handle_httpx(target: Dispatcher, request: httpx.Request) -> httpx.Response:
+    """Answer an ``httpx`` request in-process with ``target`` (sleeping for the slow fault).
+
+    Args:
+        target: what answers (``httpx.MockTransport(lambda r: handle_httpx(target, r))``).
+        request: the request.
+
+    Returns:
+        The response, exactly as the ASGI app would send it.
+    """
+    resp = target.dispatch(SimRequest.from_httpx(request))
+    if resp.delay:
+        time.sleep(resp.delay)
+    return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
 
 
 class _HttpError(Exception):
@@ -270,17 +321,7 @@ class Simulator:
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         """Answer an ``httpx`` request in-process (sleeping for the slow fault)."""
-        raw_path, _, query = request.url.raw_path.partition(b"?")
-        resp = self.dispatch(
-            request.method,
-            raw_path,
-            query,
-            {k.lower(): v for k, v in request.headers.items()},
-            request.read(),
-        )
-        if resp.delay:
-            time.sleep(resp.delay)
-        return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
+        return handle_httpx(self, request)
 
     def transport(self) -> httpx.MockTransport:
         """An ``httpx`` transport that calls this simulator in-process."""
@@ -295,24 +336,10 @@ class Simulator:
 
     # -- dispatch -------------------------------------------------------------------------
 
-    def dispatch(
-        self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
-    ) -> SimResponse:
-        """Answer one request.
-
-        Args:
-            method: HTTP method.
-            raw_path: the path exactly as on the wire (still percent-encoded), no query.
-            query: the raw query string.
-            headers: request headers with lower-case names.
-            body: the request body.
-        """
-        segments = paths.split_raw_path(raw_path)
+    def dispatch(self, request: SimRequest) -> SimResponse:
+        """Answer one request."""
+        method, query, headers = request.method, request.query, request.headers
+        segments = paths.split_raw_path(request.raw_path)
         if segments[:1] == [b"_sim"]:
             return self._admin(method, segments[1:], query)
         endpoint, args = self._route(segments)
@@ -347,7 +374,7 @@ class Simulator:
             self._stats.fault(fault)
             return self._finish(self._fault_response(fault, u_param), decision, headers)
         try:
-            resp = self._endpoint(endpoint, method, args, query, body)
+            resp = self._endpoint(endpoint, method, args, query, request.body)
         except _HttpError as err:
             resp = SimResponse(err.status, body=error_body(err.code, err.message))
         if fault == FAULT_SLOW:

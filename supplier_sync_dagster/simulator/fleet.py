@@ -47,22 +47,28 @@ import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import httpx
 
 from supplier_sync_dagster.simulator import paths
-from supplier_sync_dagster.simulator.app import handle_httpx
 from supplier_sync_dagster.simulator.config import FaultProfile, SimulatorConfig
-from supplier_sync_dagster.simulator.core import SimResponse, Simulator, error_body
+from supplier_sync_dagster.simulator.core import (
+    SimRequest,
+    SimResponse,
+    Simulator,
+    error_body,
+    handle_httpx,
+)
 from supplier_sync_dagster.simulator.data import GroundTruth
 from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
 
 _SLUG = re.compile(r"[a-z0-9][a-z0-9_-]*")
 _ADMIN = b"_sim"
 _JSON = ("content-type", "application/json")
+_T = TypeVar("_T")
 
 
 def _check_slug(kind: str, name: object) -> str:
@@ -302,11 +308,7 @@ class SimulatorFleet:
         """
         if seconds < 0:
             raise ValueError("advance needs seconds >= 0")
-        with self._admin_lock:
-            return {
-                supplier: {account: sim.advance(seconds) for account, sim in accounts.items()}
-                for supplier, accounts in self._sims.items()
-            }
+        return self._on_every_account(lambda sim: sim.advance(seconds))
 
     def advance_day(self, days: int = 1) -> dict[str, dict[str, int]]:
         """Move every account's clock to the start of its day ``day + days``.
@@ -319,9 +321,13 @@ class SimulatorFleet:
         """
         if days < 1:
             raise ValueError("advance_day needs days >= 1")
+        return self._on_every_account(lambda sim: sim.advance_day(days))
+
+    def _on_every_account(self, act: Callable[[Simulator], _T]) -> dict[str, dict[str, _T]]:
+        """Supplier -> account -> what ``act`` returned for its simulator (under the admin lock)."""
         with self._admin_lock:
             return {
-                supplier: {account: sim.advance_day(days) for account, sim in accounts.items()}
+                supplier: {account: act(sim) for account, sim in accounts.items()}
                 for supplier, accounts in self._sims.items()
             }
 
@@ -352,38 +358,23 @@ class SimulatorFleet:
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    def dispatch(
-        self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
-    ) -> SimResponse:
-        """Route one request to its account (see the module docstring) and answer it.
-
-        Args:
-            method: HTTP method.
-            raw_path: the path exactly as on the wire (still percent-encoded), no query.
-            query: the raw query string.
-            headers: request headers with lower-case names.
-            body: the request body.
-        """
-        segments = paths.split_raw_path(raw_path)
+    def dispatch(self, request: SimRequest) -> SimResponse:
+        """Route one request to its account (see the module docstring) and answer it."""
+        segments = paths.split_raw_path(request.raw_path)
         if segments[0] == _ADMIN:
-            if segments[1:] == [b"refused"] and method == "GET":
+            if segments[1:] == [b"refused"] and request.method == "GET":
                 return _json_response(self.refused())
-            return self._broadcast(method, raw_path, query, headers, body, self._sims)
+            return self._broadcast(request, self._sims)
         supplier = self._supplier_named(segments[0])
         if supplier is None:
             with self._refused_lock:
                 self._unknown_supplier += 1
             return SimResponse(404, [_JSON], error_body("NOT_FOUND", "no such supplier"))
         # Rejoined from the raw segments: the account sees every escape as it was sent.
-        rest = b"/" + b"/".join(segments[1:])
+        rest = replace(request, raw_path=b"/" + b"/".join(segments[1:]))
         if segments[1:2] == [_ADMIN]:
-            return self._broadcast(method, rest, query, headers, body, self._sims[supplier])
-        key = headers.get("x-api-key", "").encode()
+            return self._broadcast(rest, self._sims[supplier])
+        key = request.headers.get("x-api-key", "").encode()
         sim = None
         for account_key, candidate in self._keys[supplier]:
             # Every key is compared, so the time taken says nothing about which matched.
@@ -393,7 +384,7 @@ class SimulatorFleet:
             with self._refused_lock:
                 self._unauthorized[supplier] += 1
             return self._unauthorized_response(supplier)
-        return sim.dispatch(method, rest, query, headers, body)
+        return sim.dispatch(rest)
 
     def _supplier_named(self, raw: bytes) -> str | None:
         try:
@@ -418,11 +409,7 @@ class SimulatorFleet:
 
     def _broadcast(
         self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
+        request: SimRequest,
         targets: Mapping[str, Simulator] | Mapping[str, Mapping[str, Simulator]],
     ) -> SimResponse:
         """Send one admin request to every simulator of ``targets``; answers keyed alike.
@@ -431,27 +418,23 @@ class SimulatorFleet:
         comes from the first one, before any clock moved; it is returned as it is.
         """
         with self._admin_lock:
-            answers = self._broadcast_locked(method, raw_path, query, headers, body, targets)
+            answers = self._broadcast_locked(request, targets)
         return answers if isinstance(answers, SimResponse) else _json_response(answers)
 
     def _broadcast_locked(
         self,
-        method: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: Mapping[str, str],
-        body: bytes,
+        request: SimRequest,
         targets: Mapping[str, Simulator] | Mapping[str, Mapping[str, Simulator]],
     ) -> SimResponse | dict[str, Any]:
         answers: dict[str, Any] = {}
         for name, target in targets.items():
             if isinstance(target, Simulator):
-                resp = target.dispatch(method, raw_path, query, headers, body)
+                resp = target.dispatch(request)
                 if resp.status != 200:
                     return resp
                 answers[name] = json.loads(resp.body)
             else:
-                nested = self._broadcast_locked(method, raw_path, query, headers, body, target)
+                nested = self._broadcast_locked(request, target)
                 if isinstance(nested, SimResponse):
                     return nested
                 answers[name] = nested

@@ -1,7 +1,7 @@
 """Fast rendering of valid hotel records straight to JSON bytes.
 
-A benchmark pulls a million hotels through the simulator, so a record must cost tens of
-microseconds, not hundreds: every random choice of a hotel comes from one BLAKE2b digest of
+A benchmark pulls a million hotels through the simulator, so a record must be cheap to
+render: every random choice of a hotel comes from one BLAKE2b digest of
 ``(seed, hotel, content epoch)`` (and one of ``(seed, hotel, price epoch)`` for prices), and
 the JSON is assembled from fragments that were escaped once per city. Bad records are derived
 from these bytes by the slower dict path in ``data.py``.

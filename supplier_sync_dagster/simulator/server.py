@@ -1,6 +1,6 @@
 """Run the simulator as a real HTTP server: blocking (CLI) or in a background thread (tests).
 
-Both forms serve anything with ``Simulator.dispatch``'s signature (``app.Dispatcher``): one
+Both forms serve anything with ``Simulator.dispatch``'s signature (``core.Dispatcher``): one
 ``Simulator`` (``serve``, ``running_server``) or a ``SimulatorFleet`` of several suppliers
 (``serve_fleet``, ``running_fleet_server``).
 """
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from supplier_sync_dagster.simulator.app import Dispatcher, create_app
+from supplier_sync_dagster.simulator.app import create_app
 from supplier_sync_dagster.simulator.config import SimulatorConfig
-from supplier_sync_dagster.simulator.core import Simulator
+from supplier_sync_dagster.simulator.core import Dispatcher, Simulator
 from supplier_sync_dagster.simulator.fleet import SimulatorFleet
 
 

@@ -16,6 +16,8 @@ from supplier_sync_dagster.core.settings import (
     load_settings,
     load_storage_settings,
 )
+from supplier_sync_dagster.core.store.engine import resolve_db_url, state_dir
+from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, open_payload_store
 
 ALL = [env_name(field) for field in Settings.model_fields]
 
@@ -147,9 +149,6 @@ def test_two_bad_values_are_named_on_one_line(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from supplier_sync_dagster.core.store.db import resolve_db_url, state_dir
-    from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, open_payload_store
-
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
     assert state_dir() == tmp_path / "home"
     assert resolve_db_url() == f"sqlite:///{tmp_path / 'home' / 'sync.sqlite3'}"
@@ -161,8 +160,6 @@ def test_core_fallbacks_read_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
-    from supplier_sync_dagster.core.store.db import resolve_db_url
-
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test")
     assert load_storage_settings().state_dir == tmp_path / "home"

@@ -33,14 +33,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import httpx
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth
+from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth, sync_health
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
@@ -58,16 +58,7 @@ Condition = Literal[
     "rate_limit_storm",
     "breaker_open",
 ]
-CONDITIONS: Final[tuple[Condition, ...]] = (
-    "consecutive_failed_batches",
-    "dead_letter_spike",
-    "city_emptied",
-    "reconciliation_diff",
-    "freshness_sla",
-    "stuck_outbox",
-    "rate_limit_storm",
-    "breaker_open",
-)
+CONDITIONS: Final[tuple[Condition, ...]] = get_args(Condition)
 
 DEFAULTS: Final[Mapping[str, float]] = {
     "consecutive_failed_batches": 3,
@@ -713,8 +704,6 @@ def check(
     dagster_url: str | None = None,
 ) -> Round:
     """Evaluates the task's conditions, records the episodes and sends what is due."""
-    from supplier_sync_dagster.core.health.metrics import sync_health
-
     health = sync_health(db, task_code=task_code)
     findings = evaluate(db, health, context=context)
     changes = record(db, task_code, findings, run_url=dagster_url)

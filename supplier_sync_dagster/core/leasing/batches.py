@@ -40,6 +40,7 @@ from supplier_sync_dagster.core.errors import (
     ConfigError,
     InvalidTransition,
     TaskDisabled,
+    TriggerSkipped,
     UnknownBatch,
     UnknownTask,
 )
@@ -277,142 +278,186 @@ def create_batch(
     _check_code("worker_id", creator, MAX_WORKER_ID_LEN)
     if not 0 < lease_seconds <= 86_400:
         raise ConfigError(f"lease_seconds must be in (0, 86400]; got {lease_seconds!r}")
+    trigger = _Trigger(task_code, trigger_id, trigger_source, keys, creator, lease_seconds)
     clock = db.clock
     with db.begin() as conn:
         task = get_task(conn, task_code, for_update=True)
-        existing = _batch_by_trigger(conn, task_code, trigger_id)
-        if existing is not None:
-            return BatchDecision("EXISTING", existing, "this trigger already created the batch")
-        adopted = _adopted_by_trigger(conn, task_code, trigger_id)
-        if adopted is not None:
-            return BatchDecision(
-                "EXISTING", adopted, f"this trigger adopted batch {adopted.batch_id}"
-            )
-        skipped = conn.execute(
-            sa.select(schema.trigger_log.c.blocking_batch_id, schema.trigger_log.c.reason).where(
-                schema.trigger_log.c.task_code == task_code,
-                schema.trigger_log.c.trigger_id == trigger_id,
-                schema.trigger_log.c.outcome == "SKIPPED",
-            )
-        ).first()
-        if skipped is not None:
-            return BatchDecision("SKIPPED", None, skipped.reason, skipped.blocking_batch_id)
+        recorded = _recorded_decision(conn, trigger)
+        if recorded is not None:
+            return recorded
         if task.status != "ENABLED":
             raise TaskDisabled(f"task {task_code!r} is DISABLED; enable it to create batches")
-
-        def skip(blocking_batch_id: str, reason: str) -> BatchDecision:
-            _log_trigger(
-                conn,
-                clock,
-                task_code,
-                trigger_id,
-                trigger_source,
-                "SKIPPED",
-                None,
-                blocking_batch_id,
-                reason,
-            )
-            return BatchDecision("SKIPPED", None, reason, blocking_batch_id)
-
+        blocked = _blocking_decision(conn, clock, task, trigger, adopt=adopt)
+        if blocked is not None:
+            return blocked
         cancelled: tuple[str, ...] = ()
-        active = _active_batches(conn, schema.batch.c.task_code == task.task_code)
-        if task.concurrency_policy == "SKIP_IF_RUNNING" and active:
-            states = [(b, batch_liveness(conn, clock, b.batch_id)) for b in active]
-            for candidate, state in states:
-                if state.live:
-                    reason = (
-                        f"SKIP_IF_RUNNING: batch {candidate.batch_id} is {candidate.status} "
-                        f"({state.reason})"
-                    )
-                    return skip(candidate.batch_id, reason)
-            # Every unfinished batch is abandoned: continue the newest one.
-            newest, state = states[0]
-            if adopt:
-                return _adopt(
-                    conn,
-                    clock,
-                    newest,
-                    trigger_id=trigger_id,
-                    trigger_source=trigger_source,
-                    keys=keys,
-                    creator=creator,
-                    lease_seconds=lease_seconds,
-                    why=state.reason,
-                )
         if task.concurrency_policy == "CANCEL_PREVIOUS":
+            active = _active_batches(conn, schema.batch.c.task_code == task.task_code)
             cancelled = tuple(b.batch_id for b in active)
             for old in cancelled:
                 _cancel(conn, clock, old, f"cancelled by trigger {trigger_id} (CANCEL_PREVIOUS)")
-        if task.concurrency_policy == "ALLOW_PARALLEL":
-            # Any task syncing the same supplier, category and data scope can overlap.
-            in_scope = _active_batches(
-                conn,
-                schema.batch.c.supplier_id == task.supplier_id,
-                schema.batch.c.category_code == task.category_code,
-                schema.batch.c.data_scope == task.data_scope,
-            )
-            # ...while it runs: an abandoned batch blocks nobody (nor does it get adopted:
-            # it may be another task's).
-            for other in in_scope:
-                if not _overlaps(other.city_scope, keys):
-                    continue
-                state = batch_liveness(conn, clock, other.batch_id)
-                if state.live:
-                    reason = (
-                        f"ALLOW_PARALLEL: batch {other.batch_id} ({other.status}) covers "
-                        f"an overlapping {task.data_scope} scope ({state.reason})"
-                    )
-                    return skip(other.batch_id, reason)
-
-        batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
-        version = conn.execute(
-            sa.select(
-                sa.func.coalesce(sa.func.max(schema.batch.c.sync_batch_version), 0) + 1
-            ).where(schema.batch.c.task_code == task_code)
-        ).scalar_one()
-        now = clock.now()
-        conn.execute(
-            sa.insert(schema.batch).values(
-                batch_id=batch_id,
-                task_code=task_code,
-                trigger_source=trigger_source,
-                trigger_id=trigger_id,
-                supplier_id=task.supplier_id,
-                category_code=task.category_code,
-                sync_mode=task.sync_mode,
-                data_scope=task.data_scope,
-                city_scope=json.dumps(list(keys), ensure_ascii=False) if keys is not None else None,
-                status="PENDING",
-                sync_batch_version=version,
-                shard_count=len(keys) if keys else 0,
-                # The creator's grace (see batch_liveness); shard leases take over from it.
-                worker_id=creator,
-                lease_until=clock.now(lease_seconds),
-                created_at=now,
-                updated_at=now,
-            )
-        )
-        if keys:
-            _insert_shards(conn, clock, batch_id, keys)
-        conn.execute(
-            sa.update(schema.task)
-            .where(schema.task.c.task_code == task_code)
-            .values(last_batch_id=batch_id, updated_at=now)
-        )
-        _log_trigger(
-            conn,
-            clock,
-            task_code,
-            trigger_id,
-            trigger_source,
-            "CREATED",
-            batch_id,
-            None,
-            "batch created",
-        )
-        batch = get_batch(conn, batch_id)
+        batch = _insert_batch(conn, clock, task, trigger)
     reason = "batch created" + (f"; cancelled {', '.join(cancelled)}" if cancelled else "")
     return BatchDecision("CREATED", batch, reason, cancelled_batch_ids=cancelled)
+
+
+def start_batch(
+    db: SyncDatabase, decision: BatchDecision, shard_keys: Sequence[str], *, skipped: str
+) -> Batch:
+    """The batch of a :func:`create_batch` decision, for a run that works it now: a skip
+    raises, and the batch gets ``shard_keys`` (:func:`add_shards`, idempotent: a batch this
+    trigger created before, or adopted, may have them already).
+
+    Args:
+        db: The sync database.
+        decision: What :func:`create_batch` decided for the run's trigger.
+        shard_keys: The shards the run works.
+        skipped: What the skip's message starts with (``"compensation skipped"``).
+
+    Returns:
+        The batch as it stands with its shards.
+
+    Raises:
+        TriggerSkipped: The task's policy skipped the trigger (with the blocking batch).
+        InvalidTransition: The batch is cancelled.
+        ConfigError: A shard key is malformed.
+    """
+    if decision.batch is None:
+        raise TriggerSkipped(
+            f"{skipped}: {decision.reason}", blocking_batch_id=decision.blocking_batch_id
+        )
+    batch_id = decision.batch.batch_id
+    add_shards(db, batch_id, shard_keys)
+    with db.engine.connect() as conn:
+        return get_batch(conn, batch_id)
+
+
+@dataclass(frozen=True)
+class _Trigger:
+    """One checked request of :func:`create_batch`: what its decision and its log row name."""
+
+    task_code: str
+    trigger_id: str
+    source: str
+    keys: tuple[str, ...] | None
+    creator: str
+    lease_seconds: float
+
+
+def _recorded_decision(conn: Connection, trigger: _Trigger) -> BatchDecision | None:
+    """The answer this trigger got before (its batch, the batch it adopted, its skip), if any."""
+    existing = _batch_by_trigger(conn, trigger.task_code, trigger.trigger_id)
+    if existing is not None:
+        return BatchDecision("EXISTING", existing, "this trigger already created the batch")
+    adopted = _adopted_by_trigger(conn, trigger.task_code, trigger.trigger_id)
+    if adopted is not None:
+        return BatchDecision("EXISTING", adopted, f"this trigger adopted batch {adopted.batch_id}")
+    log = schema.trigger_log.c
+    skipped = conn.execute(
+        sa.select(log.blocking_batch_id, log.reason).where(
+            log.task_code == trigger.task_code,
+            log.trigger_id == trigger.trigger_id,
+            log.outcome == "SKIPPED",
+        )
+    ).first()
+    if skipped is not None:
+        return BatchDecision("SKIPPED", None, skipped.reason, skipped.blocking_batch_id)
+    return None
+
+
+def _blocking_decision(
+    conn: Connection, clock: DbClock, task: TaskSpec, trigger: _Trigger, *, adopt: bool
+) -> BatchDecision | None:
+    """What the task's policy makes of the unfinished batches, unless a new batch may start.
+
+    SKIP_IF_RUNNING: skipped for a live batch, else the newest abandoned one adopted (when
+    ``adopt``). ALLOW_PARALLEL: skipped for a live batch whose scope overlaps.
+    """
+    if task.concurrency_policy == "SKIP_IF_RUNNING":
+        active = _active_batches(conn, schema.batch.c.task_code == task.task_code)
+        if not active:
+            return None
+        states = [(b, batch_liveness(conn, clock, b.batch_id)) for b in active]
+        for candidate, state in states:
+            if state.live:
+                reason = (
+                    f"SKIP_IF_RUNNING: batch {candidate.batch_id} is {candidate.status} "
+                    f"({state.reason})"
+                )
+                return _skip(conn, clock, trigger, candidate.batch_id, reason)
+        # Every unfinished batch is abandoned: continue the newest one.
+        newest, state = states[0]
+        return _adopt(conn, clock, newest, trigger, why=state.reason) if adopt else None
+    if task.concurrency_policy == "ALLOW_PARALLEL":
+        # Any task syncing the same supplier, category and data scope can overlap.
+        in_scope = _active_batches(
+            conn,
+            schema.batch.c.supplier_id == task.supplier_id,
+            schema.batch.c.category_code == task.category_code,
+            schema.batch.c.data_scope == task.data_scope,
+        )
+        # ...while it runs: an abandoned batch blocks nobody (nor does it get adopted:
+        # it may be another task's).
+        for other in in_scope:
+            if not _overlaps(other.city_scope, trigger.keys):
+                continue
+            state = batch_liveness(conn, clock, other.batch_id)
+            if state.live:
+                reason = (
+                    f"ALLOW_PARALLEL: batch {other.batch_id} ({other.status}) covers "
+                    f"an overlapping {task.data_scope} scope ({state.reason})"
+                )
+                return _skip(conn, clock, trigger, other.batch_id, reason)
+    return None
+
+
+def _skip(
+    conn: Connection, clock: DbClock, trigger: _Trigger, blocking_batch_id: str, reason: str
+) -> BatchDecision:
+    _log_trigger(conn, clock, trigger, "SKIPPED", reason, blocking_batch_id=blocking_batch_id)
+    return BatchDecision("SKIPPED", None, reason, blocking_batch_id)
+
+
+def _insert_batch(conn: Connection, clock: DbClock, task: TaskSpec, trigger: _Trigger) -> Batch:
+    """A new PENDING batch of the trigger, with its shards, its log row and the task's pointer."""
+    keys = trigger.keys
+    batch_id = f"b_{uuid.uuid4().hex}"[:MAX_CODE_LEN]
+    version = conn.execute(
+        sa.select(sa.func.coalesce(sa.func.max(schema.batch.c.sync_batch_version), 0) + 1).where(
+            schema.batch.c.task_code == task.task_code
+        )
+    ).scalar_one()
+    now = clock.now()
+    conn.execute(
+        sa.insert(schema.batch).values(
+            batch_id=batch_id,
+            task_code=task.task_code,
+            trigger_source=trigger.source,
+            trigger_id=trigger.trigger_id,
+            supplier_id=task.supplier_id,
+            category_code=task.category_code,
+            sync_mode=task.sync_mode,
+            data_scope=task.data_scope,
+            city_scope=json.dumps(list(keys), ensure_ascii=False) if keys is not None else None,
+            status="PENDING",
+            sync_batch_version=version,
+            shard_count=len(keys) if keys else 0,
+            # The creator's grace (see batch_liveness); shard leases take over from it.
+            worker_id=trigger.creator,
+            lease_until=clock.now(trigger.lease_seconds),
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    if keys:
+        _insert_shards(conn, clock, batch_id, keys)
+    conn.execute(
+        sa.update(schema.task)
+        .where(schema.task.c.task_code == task.task_code)
+        .values(last_batch_id=batch_id, updated_at=now)
+    )
+    _log_trigger(conn, clock, trigger, "CREATED", "batch created", batch_id=batch_id)
+    return get_batch(conn, batch_id)
 
 
 @dataclass(frozen=True)
@@ -761,16 +806,7 @@ def _adopted_by_trigger(conn: Connection, task_code: str, trigger_id: str) -> Ba
 
 
 def _adopt(
-    conn: Connection,
-    clock: DbClock,
-    batch: Batch,
-    *,
-    trigger_id: str,
-    trigger_source: str,
-    keys: tuple[str, ...] | None,
-    creator: str,
-    lease_seconds: float,
-    why: str,
+    conn: Connection, clock: DbClock, batch: Batch, trigger: _Trigger, *, why: str
 ) -> BatchDecision:
     """Hands an abandoned batch to a new trigger: its shards, the creator's grace, a log row.
 
@@ -779,9 +815,10 @@ def _adopt(
     by the adopter's workers as usual (``claim_shard``).
     """
     current = lock_batch(conn, batch.batch_id)
+    keys = trigger.keys
     values: dict[str, Any] = {
-        "worker_id": creator,
-        "lease_until": clock.now(lease_seconds),
+        "worker_id": trigger.creator,
+        "lease_until": clock.now(trigger.lease_seconds),
         "updated_at": clock.now(),
     }
     if current.city_scope is not None:
@@ -800,17 +837,7 @@ def _adopt(
         _insert_shards(conn, clock, batch.batch_id, keys)
         refresh_batch(conn, clock, batch.batch_id)
     reason = f"adopted batch {batch.batch_id} of trigger {batch.trigger_id} ({why})"
-    _log_trigger(
-        conn,
-        clock,
-        batch.task_code,
-        trigger_id,
-        trigger_source,
-        "ADOPTED",
-        batch.batch_id,
-        None,
-        reason,
-    )
+    _log_trigger(conn, clock, trigger, "ADOPTED", reason, batch_id=batch.batch_id)
     return BatchDecision("ADOPTED", get_batch(conn, batch.batch_id), reason)
 
 
@@ -834,22 +861,21 @@ def _overlaps(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> bool:
 def _log_trigger(
     conn: Connection,
     clock: DbClock,
-    task_code: str,
-    trigger_id: str,
-    trigger_source: str,
-    outcome: str,
-    batch_id: str | None,
-    blocking_batch_id: str | None,
+    trigger: _Trigger,
+    outcome: DecisionOutcome,
     reason: str,
+    *,
+    batch_id: str | None = None,
+    blocking_batch_id: str | None = None,
 ) -> None:
     insert_ignore(
         conn,
         schema.trigger_log,
         [
             {
-                "task_code": task_code,
-                "trigger_id": trigger_id,
-                "trigger_source": trigger_source,
+                "task_code": trigger.task_code,
+                "trigger_id": trigger.trigger_id,
+                "trigger_source": trigger.source,
                 "outcome": outcome,
                 "batch_id": batch_id,
                 "blocking_batch_id": blocking_batch_id,

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -215,6 +215,7 @@ class ShardInfo:
     error_message: str | None
 
 
+@dataclass(eq=False, repr=False)
 class ShardLease:
     """Ownership of one shard by one worker; every write it makes is fenced.
 
@@ -223,32 +224,20 @@ class ShardLease:
     touching the database.
     """
 
-    def __init__(
-        self,
-        db: SyncDatabase,
-        *,
-        shard_id: int,
-        batch_id: str,
-        shard_key: str,
-        worker_id: str,
-        lease_token: str,
-        settings: LeaseSettings,
-        checkpoint: Checkpoint | None,
-        claim_count: int,
-    ) -> None:
-        self.db = db
-        self.shard_id = shard_id
-        self.batch_id = batch_id
-        self.shard_key = shard_key
-        self.worker_id = worker_id
-        self.lease_token = lease_token
-        self.settings = settings
-        self.checkpoint = checkpoint
-        self.claim_count = claim_count
-        # Whether the city had quality gate overrides when claimed (None: not known).
-        self.gate_overrides: bool | None = None
-        self._lost = threading.Event()
-        self._lost_reason = ""
+    db: SyncDatabase
+    _: KW_ONLY
+    shard_id: int
+    batch_id: str
+    shard_key: str
+    worker_id: str
+    lease_token: str
+    settings: LeaseSettings
+    checkpoint: Checkpoint | None
+    claim_count: int
+    # Whether the city had quality gate overrides when claimed (None: not known).
+    gate_overrides: bool | None = field(default=None, init=False)
+    _lost: threading.Event = field(default_factory=threading.Event, init=False)
+    _lost_reason: str = field(default="", init=False)
 
     def __repr__(self) -> str:
         return (

@@ -31,9 +31,9 @@ from supplier_sync_dagster.core.store.db import (
     DbClock,
     execute_many,
     insert_ignore,
-    json_text,
     use_index,
 )
+from supplier_sync_dagster.core.store.engine import json_text
 
 # PyMySQL batches an executemany into one multi-row INSERT only if the ON DUPLICATE KEY
 # tail has no bound parameters: constants there are written as literal SQL.

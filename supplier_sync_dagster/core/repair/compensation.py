@@ -50,16 +50,15 @@ from supplier_sync_dagster.core.errors import (
     NotFound,
     SupplierError,
     SupplierNotFound,
-    TriggerSkipped,
 )
 from supplier_sync_dagster.core.leasing.batches import (
     TERMINAL_BATCH_STATUSES,
     Batch,
     TaskSpec,
     TriggerSource,
-    add_shards,
     create_batch,
     get_batch,
+    start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import Checkpoint
 from supplier_sync_dagster.core.records import deadletters
@@ -74,7 +73,7 @@ from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json, page_records
 from supplier_sync_dagster.core.sync.city import sync_city
-from supplier_sync_dagster.core.sync.model import CityReport, FetchedPage, SyncSettings
+from supplier_sync_dagster.core.sync.model import CityReport, FetchedPage, PageSource, SyncSettings
 from supplier_sync_dagster.core.sync.replay import stored_city_countries
 from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
 
@@ -237,29 +236,15 @@ def compensate(
         worker_id=worker_id,
         lease_seconds=settings.lease.lease_seconds,
     )
-    if decision.batch is None:
-        raise TriggerSkipped(
-            f"compensation skipped: {decision.reason}",
-            blocking_batch_id=decision.blocking_batch_id,
-        )
-    batch_id = decision.batch.batch_id
-    add_shards(db, batch_id, [COMPENSATION_SHARD])
+    batch = start_batch(db, decision, [COMPENSATION_SHARD], skipped="compensation skipped")
+    batch_id = batch.batch_id
     if decision.outcome == "CREATED":
         out.newer = _claim(db, batch_id, due)
     with db.engine.connect() as conn:
-        batch = get_batch(conn, batch_id)
         out.claimed = _count_claimed(conn, batch_id)
     pages = DeadLetterPages(db, batch_id, settings.supplier_id, compensation, out)
-    out.report = sync_city(
-        db,
-        store,
-        client,
-        batch=batch,
-        city_code=COMPENSATION_SHARD,
-        worker_id=worker_id,
-        settings=replace(settings, task_code=task_code, sync_mode="REFRESH"),
-        city_countries=stored_city_countries(db, store, task_code=compensation.full_task_code),
-        source=pages,
+    out.report = _sync_shard(
+        db, store, client, batch, COMPENSATION_SHARD, pages, settings, compensation, worker_id
     )
     with db.engine.connect() as conn:
         out.batch = get_batch(conn, batch_id)
@@ -773,38 +758,48 @@ def fix_dead_letter(
         created_by=who,
         reason="created by the first operator fix, with the default settings",
     )
-    trigger = f"fix:{dead_letter}:{digest}"[:64]
     decision = create_batch(
         db,
         task_code=task_code,
-        trigger_id=trigger,
+        trigger_id=f"fix:{dead_letter}:{digest}"[:64],
         trigger_source="MANUAL",
         worker_id=worker_id,
         adopt=False,
     )
-    if decision.batch is None:
-        raise TriggerSkipped(
-            f"fix not run: {decision.reason}", blocking_batch_id=decision.blocking_batch_id
-        )
-    batch_id = decision.batch.batch_id
-    add_shards(db, batch_id, [FIX_SHARD])
-    with db.engine.connect() as conn:
-        batch = get_batch(conn, batch_id)
+    batch = start_batch(db, decision, [FIX_SHARD], skipped="fix not run")
+    batch_id = batch.batch_id
     source = _PatchedRecord(db, batch_id, row, body, record, who=who, why=why, patch=patch)
-    report = sync_city(
-        db,
-        store,
-        None,
-        batch=batch,
-        city_code=FIX_SHARD,
-        worker_id=worker_id,
-        settings=replace(settings, task_code=task_code, sync_mode="REFRESH"),
-        city_countries=stored_city_countries(db, store, task_code=compensation.full_task_code),
-        source=source,
+    report = _sync_shard(
+        db, store, None, batch, FIX_SHARD, source, settings, compensation, worker_id
     )
     if source.outcome is None:
         raise RuntimeError(f"fix batch {batch_id} ended {report.status}: {report.error or ''}")
     return replace(source.outcome, batch_id=batch_id)
+
+
+def _sync_shard(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    batch: Batch,
+    shard: str,
+    source: PageSource,
+    settings: SyncSettings,
+    compensation: CompensationSettings,
+    worker_id: str,
+) -> CityReport:
+    """The stages of a sync over the one shard of a compensation's or a fix's batch."""
+    return sync_city(
+        db,
+        store,
+        client,
+        batch=batch,
+        city_code=shard,
+        worker_id=worker_id,
+        settings=replace(settings, task_code=compensation.task_code, sync_mode="REFRESH"),
+        city_countries=stored_city_countries(db, store, task_code=compensation.full_task_code),
+        source=source,
+    )
 
 
 class _PatchedRecord:

@@ -1,297 +1,44 @@
-"""Opening the sync database, and the database clock.
+"""The sync database and its clock, and the writes every module shares.
 
-One setting selects the database: ``SUPPLIER_SYNC_DB_URL`` (a SQLAlchemy URL; see
-:mod:`~supplier_sync_dagster.core.settings`). Unset, the embedded default is a SQLite file in
-the local state folder (``SUPPLIER_SYNC_HOME``, default ``./.supplier_sync``), created on first
-use. MySQL 8 and MariaDB are reached through
-``mysql+pymysql://user:password@host:port/db``.
+:class:`SyncDatabase` is the database as the sync uses it: an engine
+(:mod:`~supplier_sync_dagster.core.store.engine`) whose schema :meth:`SyncDatabase.open`
+brings to the newest version (:mod:`~supplier_sync_dagster.core.store.migrations`), and the
+clock that every lease decision uses.
 
 Time has one seam: :class:`DbClock`. Lease expiry and "now" are SQL expressions evaluated by
 the database (invariant 2: workers on different machines drift, the database does not
 disagree with itself); tests shift the clock by an offset instead of sleeping.
+
+The shared writes: guarded updates (:func:`guarded_update`), bulk inserts
+(:func:`insert_ignore`, :func:`execute_many`) and deadlock retries (:func:`retry_deadlocks`).
 """
 
 from __future__ import annotations
 
 import copy
-import fcntl
 import functools
-import os
 import random
-import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import URL, Connection, Engine
-from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.engine import Connection
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.functions import FunctionElement
 
-from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-
-_SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
-SQLITE_BUSY_TIMEOUT_MS = 30_000
-# SQLite copies the WAL into the database (a checkpoint, with two fsyncs) at the first
-# commit past this many pages; at SQLite's default of 1,000 (4 MB) a publish of 1,000
-# hotels spread over the catalog (an incremental window's) checkpointed at nearly every
-# commit, under the one write lock, and re-copied the index pages every chunk touches. At
-# 10,000 pages (40 MB) commits checkpoint a tenth as often and each copies a page once for
-# many commits (a day's window, its last checkpoint at the last connection's close included,
-# was ~0.4 s faster in three interleaved pairs on a slow machine).
-SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
-WRITE_OPTION = "supplier_sync_write"
-
-
-def state_dir() -> Path:
-    """The local folder for embedded state (SQLite file, payloads): ``$SUPPLIER_SYNC_HOME``."""
-    # Imported when read: pydantic-settings is slow to import, and a process given explicit
-    # URLs (the lease demo's spawned workers) never needs it.
-    from supplier_sync_dagster.core.settings import load_storage_settings
-
-    return load_storage_settings().state_dir
-
-
-def resolve_db_url(url: str | None = None) -> str:
-    """Returns the sync database URL: ``url``, else ``$SUPPLIER_SYNC_DB_URL``, else SQLite.
-
-    Args:
-        url: An explicit SQLAlchemy URL; empty or None falls through to the environment.
-    """
-    if url:
-        return url
-    from supplier_sync_dagster.core.settings import load_storage_settings
-
-    return load_storage_settings().sync_db_url()
-
-
-def _db_url_setting() -> str:
-    from supplier_sync_dagster.core.settings import env_name  # when read, as in state_dir
-
-    return env_name("db_url")
-
-
-def _parse_url(url: str) -> URL:
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa.exc.ArgumentError as err:
-        raise ConfigError(
-            f"{_db_url_setting()} is not a valid SQLAlchemy URL ({err}); "
-            "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
-        ) from None
-    if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
-        raise ConfigError(
-            f"{_db_url_setting()} uses backend {parsed.get_backend_name()!r}; "
-            f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
-        )
-    return parsed
-
-
-def make_engine(url: str) -> Engine:
-    """Creates an engine configured for the sync's concurrency rules.
-
-    SQLite: WAL and a busy timeout. Write transactions (:meth:`SyncDatabase.begin`) start
-    with ``BEGIN IMMEDIATE``, so a read-then-write transaction holds the write lock from its
-    start (SQLite's ``SELECT ... FOR UPDATE``) and waits for it instead of failing; plain
-    connections (reads) start a deferred ``BEGIN`` and, under WAL, never block a writer. MySQL/MariaDB: READ COMMITTED, so a statement that follows a
-    row lock sees the latest committed rows, and affected-row counts that count matched rows.
-
-    Args:
-        url: A SQLAlchemy URL of a supported backend.
-
-    Raises:
-        ConfigError: The URL is malformed or names an unsupported backend.
-    """
-    parsed = _parse_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        connect_args: dict[str, Any] = {
-            "check_same_thread": False,
-            "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
-        }
-        if parsed.database and parsed.database != ":memory:":
-            connect_args["factory"] = _WriterLockedConnection
-        engine = sa.create_engine(
-            parsed,
-            connect_args=connect_args,
-            json_serializer=json_text,
-            json_deserializer=orjson.loads,
-        )
-        _configure_sqlite(engine)
-        return engine
-    return sa.create_engine(
-        parsed,
-        isolation_level="READ COMMITTED",
-        pool_pre_ping=True,
-        pool_recycle=3600,
-        connect_args={"connect_timeout": 5},
-        json_serializer=json_text,
-        json_deserializer=orjson.loads,
-    )
-
-
-def json_text(value: Any) -> str:
-    """Compact JSON text of a value in primitive form: the JSON columns' encoder.
-
-    orjson, not ``json``: a publish writes a diff log entry per hotel, and the standard
-    library's encoder cost a tenth of a publishing process's CPU.
-    """
-    return orjson.dumps(value).decode()
-
-
-def _configure_sqlite(engine: Engine) -> None:
-    @sa.event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # The driver must not open transactions on its own: we emit BEGIN IMMEDIATE below.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        _enable_wal(cur)
-        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
-        cur.close()
-
-    @sa.event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        if not conn.get_execution_options().get(WRITE_OPTION, False):
-            conn.exec_driver_sql("BEGIN")
-            return
-        dbapi_conn = conn.connection.dbapi_connection
-        if isinstance(dbapi_conn, _WriterLockedConnection):
-            dbapi_conn.take_writer_lock()
-        try:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-        except BaseException:
-            if isinstance(dbapi_conn, _WriterLockedConnection):
-                dbapi_conn.release_writer_lock()
-            raise
-
-
-# Writer locks this thread holds (lock file paths): a second write transaction of the same
-# thread on another connection would wait for itself; it falls back to SQLite's busy timeout.
-_held_writer_locks = threading.local()
-
-
-class _WriterLockedConnection(sqlite3.Connection):
-    """A SQLite connection whose write transactions queue on a lock file first.
-
-    SQLite lets one writer in at a time, and a ``BEGIN IMMEDIATE`` that finds the write lock
-    taken waits in SQLite's busy handler, which *sleeps* in growing steps (up to 100 ms) and
-    polls: with several processes writing (a run's worker processes), a third of their time
-    went to those sleeps, most of it after the lock was already free. An exclusive
-    ``flock`` on ``<database>-writer`` taken before ``BEGIN IMMEDIATE`` and released after
-    ``COMMIT``/``ROLLBACK`` queues the writers in the kernel instead, which hands the lock on
-    the moment it is released. The busy timeout still guards against writers that do not
-    take the lock (another program, or a second write of the same thread).
-    """
-
-    def __init__(self, database: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(database, *args, **kwargs)
-        self._lock_path = f"{database}-writer"
-        self._lock_fd: int | None = None
-        # The holding thread's set of held locks (None: not held); released from any thread.
-        self._held_in: set[str] | None = None
-
-    def take_writer_lock(self) -> None:
-        """Waits for the database's writer lock (unless this thread already holds it)."""
-        held: set[str] = _held_writer_locks.__dict__.setdefault("paths", set())
-        if self._held_in is not None or self._lock_path in held:
-            return
-        if self._lock_fd is None:
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        held.add(self._lock_path)
-        self._held_in = held
-
-    def release_writer_lock(self) -> None:
-        """Releases the writer lock, if this connection holds it."""
-        held, self._held_in = self._held_in, None
-        if held is None:
-            return
-        held.discard(self._lock_path)
-        assert self._lock_fd is not None
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def commit(self) -> None:
-        try:
-            super().commit()
-        finally:
-            self.release_writer_lock()
-
-    def rollback(self) -> None:
-        try:
-            super().rollback()
-        finally:
-            self.release_writer_lock()
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.release_writer_lock()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-
-
-def _enable_wal(cur: sqlite3.Cursor) -> None:
-    # A file not yet in WAL mode is switched under its write lock, taken from a read lock.
-    # SQLite fails that upgrade at once ("database is locked") while another connection
-    # holds the write lock, without calling the busy handler (it could deadlock), so
-    # processes opening a new database together would fail: retry for the busy timeout.
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
-    while True:
-        try:
-            cur.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as err:
-            if "locked" not in str(err).lower() or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.005)
-
-
-class db_now(FunctionElement[datetime]):
-    """The database's current UTC time plus an offset in microseconds, as a SQL expression."""
-
-    type = sa.DateTime()
-    name = "db_now"
-    inherit_cache = True
-
-    def __init__(self, offset_us: int) -> None:
-        super().__init__(sa.literal(int(offset_us), sa.BigInteger()))
-
-
-@compiles(db_now, "sqlite")
-def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    bind = next(iter(element.clauses))
-    if kw.get("literal_binds") and isinstance(bind, sa.BindParameter) and bind.value == 0:
-        # Written into bulk inserts' SQL, evaluated per row: without the zero offset's
-        # printf and modifier it costs half as much, for the same text.
-        return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
-    offset = compiler.process(bind, **kw)
-    # SQLAlchemy stores SQLite datetimes as 'YYYY-MM-DD HH:MM:SS.ffffff': pad %f's millis.
-    return (
-        "(strftime('%Y-%m-%d %H:%M:%f', 'now', "
-        f"printf('%+.6f seconds', ({offset}) / 1000000.0)) || '000')"
-    )
-
-
-@compiles(db_now, "mysql")
-@compiles(db_now, "mariadb")
-def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    offset = compiler.process(next(iter(element.clauses)), **kw)
-    return f"TIMESTAMPADD(MICROSECOND, {offset}, UTC_TIMESTAMP(6))"
+from supplier_sync_dagster.core.store.engine import (
+    Database,
+    db_now,
+    make_engine,
+    resolve_db_url,
+)
+from supplier_sync_dagster.core.store.migrations import migrate_on_open
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,10 +76,9 @@ class DbClock:
 
 
 @dataclass
-class SyncDatabase:
+class SyncDatabase(Database):
     """The sync database: an engine and the clock that every lease decision uses."""
 
-    engine: Engine
     clock: DbClock = field(default_factory=DbClock)
 
     @classmethod
@@ -356,78 +102,11 @@ class SyncDatabase:
         try:
             db.ping()
             if create_schema:
-                # Imported here: the migrations module builds on this one.
-                from supplier_sync_dagster.core.store.migrations import migrate_on_open
-
                 migrate_on_open(db)
         except BaseException:
             engine.dispose()
             raise
         return db
-
-    @property
-    def dialect(self) -> str:
-        """``sqlite`` or ``mysql``/``mariadb``."""
-        return self.engine.dialect.name
-
-    @property
-    def safe_url(self) -> str:
-        """The URL with its password masked, for messages."""
-        return self.engine.url.render_as_string(hide_password=True)
-
-    def ping(self) -> None:
-        """Checks that the database answers.
-
-        Raises:
-            DatabaseUnavailable: It does not, with the reason and the (masked) URL.
-        """
-        with self.translate_errors("connecting"), self.engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-
-    @contextmanager
-    def translate_errors(self, doing: str) -> Iterator[None]:
-        """Turns driver connection errors into :class:`DatabaseUnavailable`."""
-        try:
-            yield
-        except (sa.exc.OperationalError, sa.exc.InterfaceError) as err:
-            if err.connection_invalidated or _is_connect_error(err):
-                raise DatabaseUnavailable(
-                    f"sync database {self.safe_url} is unavailable while {doing}: {err.orig}"
-                ) from err
-            raise
-
-    @contextmanager
-    def begin(self) -> Iterator[Connection]:
-        """A write transaction (``with db.begin() as conn:``): committed on success.
-
-        On SQLite it takes the write lock at its start; read-only work should use
-        ``db.engine.connect()`` instead, which does not block writers.
-        """
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(**{WRITE_OPTION: True})
-            with conn.begin():
-                yield conn
-
-    def dispose(self) -> None:
-        """Closes pooled connections (call in tests and before forking)."""
-        self.engine.dispose()
-
-
-def _is_connect_error(err: sa.exc.DBAPIError) -> bool:
-    text = str(err.orig).lower()
-    return any(
-        marker in text
-        for marker in (
-            "can't connect",
-            "unable to open database",
-            "access denied",
-            "unknown database",
-            "lost connection",
-            "gone away",
-            "connection refused",
-            "timed out",
-        )
-    )
 
 
 # InnoDB's answers that roll a transaction back and invite it to run again: a deadlock
@@ -490,8 +169,8 @@ def use_index(stmt: _S, table: sa.Table, index: str) -> _S:
 
     For lookups by a long ``IN (...)`` list on a non-unique index prefix. Past 200 values
     (``eq_range_index_dive_limit``) MariaDB estimates the rows from the index statistics,
-    and while a table grows fast those lag it: it chose full scans of 560,000 offers, one
-    per chunk, that took two thirds of a sync's database time. SQLite ignores the hint.
+    and while a table grows fast those lag it, so it may choose a full scan per chunk.
+    SQLite ignores the hint.
 
     Args:
         stmt: A SELECT reading ``table`` or an UPDATE of it.
@@ -672,8 +351,8 @@ def _pymysql_literal(conn: Connection) -> Callable[[Any], str] | None:
 
     The common types are inlined. A string gets the escapes that matter inside a quoted
     UTF-8 literal (backslash, quote, NUL, Ctrl-Z), each replaced only if present: the
-    driver's ``str.translate`` walks a Python table per character, and long JSON texts made
-    it the largest single cost of a MariaDB publish. The server stores the same text.
+    driver's ``str.translate`` walks a Python table per character, which is slow on long
+    JSON texts. The server stores the same text.
     """
     from pymysql.constants import SERVER_STATUS
 
@@ -718,7 +397,7 @@ def _execute_literal_rows(
 ) -> None:
     """What PyMySQL's ``executemany`` does for an INSERT (multi-row statements of at most
     about 1 MB), with the rows turned into SQL text by one generated function each instead
-    of a driver call per value: that escaping was most of a MariaDB publish's CPU.
+    of a driver call per value, whose escaping would dominate a MariaDB publish's CPU.
     ``inline`` holds fixed values that are SQL expressions, as SQL text."""
     head, _, tail = parts
     fixed_sql = {k: inline[k] if k in inline else literal(v) for k, v in fixed.items()}
@@ -826,8 +505,8 @@ def _compile_plan(
 def _mysql_datetime(value: Any) -> Any:
     """A datetime as the text MySQL reads back as the same DATETIME value.
 
-    Both MySQL drivers format datetimes in Python, value by value, which made that the
-    largest cost of a bulk insert; ``isoformat`` is C, and a string is escaped in C. The
+    Both MySQL drivers format datetimes in Python, value by value, which is slow in bulk
+    inserts; ``isoformat`` is C, and a string is escaped in C. The
     time zone is dropped as the drivers drop it (values are UTC already).
     """
     if isinstance(value, datetime):
@@ -843,6 +522,17 @@ def _accessors(row_keys: Sequence[str], positional: bool) -> dict[str, str]:
     if positional:
         return {name: f"r[{i}]" for i, name in enumerate(row_keys)}
     return {name: f"r[{name!r}]" for name in row_keys}
+
+
+def _parts(
+    names: Sequence[str], access: Mapping[str, str], row_value: Callable[[int, str, str], str]
+) -> list[str]:
+    """Each parameter's expression in a generated function, in SQL order: a fixed value is
+    read from ``f``; a row value is ``row_value(position, its variable, how to read it)``."""
+    return [
+        row_value(i, f"v{i}", access[name]) if name in access else f"f[{name!r}]"
+        for i, name in enumerate(names)
+    ]
 
 
 def _values_function(
@@ -868,24 +558,19 @@ def _values_function(
         booleans: Positions of the parameters of Boolean columns.
     """
     env: dict[str, Any] = {}
-    parts = []
-    for i, name in enumerate(names):
-        if name not in access:
-            parts.append(f"f[{name!r}]")
-            continue
-        v, get = f"v{i}", access[name]
+
+    def value(i: int, v: str, get: str) -> str:
         if i not in processors:
-            parts.append(get)
-            continue
+            return get
         proc = processors[i]
         env[f"p{i}"] = proc
-        slow = f"(None if {v} is None else p{i}({v}))"
         if i in booleans:
             env[f"t{i}"], env[f"n{i}"] = proc(True), proc(False)
-            parts.append(f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})")
-        else:
-            parts.append(f"(None if ({v} := {get}) is None else p{i}({v}))")
-    fn = eval(f"lambda r, f: ({', '.join(parts)},)", env)
+            slow = f"(None if {v} is None else p{i}({v}))"
+            return f"(t{i} if ({v} := {get}) is True else n{i} if {v} is False else {slow})"
+        return f"(None if ({v} := {get}) is None else p{i}({v}))"
+
+    fn = eval(f"lambda r, f: ({', '.join(_parts(names, access, value))},)", env)
     return cast(Callable[[Any, Mapping[str, Any]], tuple[Any, ...]], fn)
 
 
@@ -913,36 +598,31 @@ def _literal_function(
         processors: Bind processors by parameter position.
         booleans: Positions of the parameters of Boolean columns.
     """
-    env: dict[str, Any] = {"D": Decimal}
-    parts = []
-    for i, name in enumerate(names):
-        if name not in access:
-            parts.append(f"f[{name!r}]")
-            continue
-        v, get = f"v{i}", access[name]
+    env: dict[str, Any] = {"D": Decimal, "T": template}
+
+    def literal(i: int, v: str, get: str) -> str:
         if i in processors:
             env[f"p{i}"] = processors[i]
             slow = f"L(p{i}({v}))"
         else:
             slow = f"L({v})"
         if i in booleans:
-            parts.append(
+            return (
                 f"('1' if ({v} := {get}) is True else '0' if {v} is False"
                 f" else 'NULL' if {v} is None else {slow})"
             )
-        elif i in processors:
-            parts.append(f"('NULL' if ({v} := {get}) is None else {slow})")
-        else:
-            parts.append(
-                f"('NULL' if ({v} := {get}) is None"
-                f' else "\'" + {v} + "\'" if {v}.__class__ is str'
-                f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
-                f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
-                f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
-                f" else {slow})"
-            )
-    env["T"] = template
-    fn = eval(f"lambda r, f, L: T % ({', '.join(parts)},)", env)
+        if i in processors:
+            return f"('NULL' if ({v} := {get}) is None else {slow})"
+        return (
+            f"('NULL' if ({v} := {get}) is None"
+            f' else "\'" + {v} + "\'" if {v}.__class__ is str'
+            f" and '\\\\' not in {v} and \"'\" not in {v} and '\\0' not in {v}"
+            f" and '\\x1a' not in {v} else str({v}) if {v}.__class__ is int"
+            f" else format({v}, 'f') if {v}.__class__ is D and {v}.is_finite()"
+            f" else {slow})"
+        )
+
+    fn = eval(f"lambda r, f, L: T % ({', '.join(_parts(names, access, literal))},)", env)
     return cast(Callable[[Any, Mapping[str, Any], Callable[[Any], str]], str], fn)
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import (
@@ -46,10 +47,10 @@ from supplier_sync_dagster.core.errors import (
     MigrationFailed,
     MigrationLocked,
 )
-from supplier_sync_dagster.core.store.db import (
+from supplier_sync_dagster.core.store.engine import (
     SQLITE_BUSY_TIMEOUT_MS,
     WRITE_OPTION,
-    SyncDatabase,
+    Database,
     db_now,
 )
 
@@ -83,7 +84,7 @@ history = sa.Table(
     sa.Column("installed_by", sa.String(128), nullable=False),
     sa.Column(
         "installed_at",
-        sa.DateTime().with_variant(sa.dialects.mysql.DATETIME(fsp=6), "mysql", "mariadb"),
+        sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb"),
         nullable=False,
     ),
     sa.Column("execution_ms", sa.Integer, nullable=False, server_default="0"),
@@ -94,7 +95,20 @@ history = sa.Table(
 
 
 @dataclass(frozen=True)
-class Migration:
+class _Version:
+    """A schema version: its number and its name in words."""
+
+    version: int
+    description: str
+
+    @property
+    def label(self) -> str:
+        """``008 outbox event key``."""
+        return f"{self.version:03d} {self.description}"
+
+
+@dataclass(frozen=True)
+class Migration(_Version):
     """One numbered migration file of a dialect.
 
     Attributes:
@@ -105,16 +119,9 @@ class Migration:
         checksum: sha256 of the statements (comments and spacing outside quotes ignored).
     """
 
-    version: int
-    description: str
     script: str
     statements: tuple[str, ...] = field(repr=False)
     checksum: str
-
-    @property
-    def label(self) -> str:
-        """``008 outbox event key``."""
-        return f"{self.version:03d} {self.description}"
 
 
 @dataclass(frozen=True)
@@ -133,17 +140,10 @@ class HistoryRow:
 
 
 @dataclass(frozen=True)
-class Applied:
+class Applied(_Version):
     """A migration that :func:`migrate` ran (or, in a dry run, would run)."""
 
-    version: int
-    description: str
     seconds: float
-
-    @property
-    def label(self) -> str:
-        """``008 outbox event key``."""
-        return f"{self.version:03d} {self.description}"
 
 
 @dataclass(frozen=True)
@@ -452,20 +452,7 @@ def _read_history(conn: Connection) -> list[HistoryRow] | None:
             conn.rollback()
             return None
         raise
-    return [
-        HistoryRow(
-            version=r.version,
-            description=r.description,
-            script=r.script,
-            checksum=r.checksum,
-            kind=r.kind,
-            success=bool(r.success),
-            installed_by=r.installed_by,
-            installed_at=r.installed_at,
-            execution_ms=r.execution_ms,
-        )
-        for r in rows
-    ]
+    return [HistoryRow(**{**r._mapping, "success": bool(r.success)}) for r in rows]
 
 
 def _compare(
@@ -533,7 +520,7 @@ def _check(
     return pending
 
 
-def migration_status(db: SyncDatabase, *, sql_dir: Path | None = None) -> MigrationStatus:
+def migration_status(db: Database, *, sql_dir: Path | None = None) -> MigrationStatus:
     """Where the database stands: its history against the files. Changes nothing.
 
     Args:
@@ -568,7 +555,7 @@ def _installed_by() -> str:
 
 
 @contextmanager
-def _locked(db: SyncDatabase, timeout: float) -> Iterator[Connection]:
+def _locked(db: Database, timeout: float) -> Iterator[Connection]:
     """A connection that holds the migration lock of this database.
 
     SQLite: a write transaction (BEGIN IMMEDIATE), committed when the block ends; other
@@ -636,7 +623,7 @@ def _row(m: Migration, kind: Kind, success: bool) -> dict[str, object]:
     }
 
 
-def _apply(conn: Connection, db: SyncDatabase, m: Migration) -> Applied:
+def _apply(conn: Connection, db: Database, m: Migration) -> Applied:
     started = time.perf_counter()
     conn.execute(sa.insert(history).values(_row(m, "SQL", success=False)))
     _commit(conn, db.dialect)
@@ -681,7 +668,7 @@ def _apply(conn: Connection, db: SyncDatabase, m: Migration) -> Applied:
 
 
 def migrate(
-    db: SyncDatabase,
+    db: Database,
     *,
     dry_run: bool = False,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
@@ -735,7 +722,7 @@ def migrate(
     return MigrationResult(baseline=baseline, applied=applied, version=head, head=head)
 
 
-def migrate_on_open(db: SyncDatabase, *, sql_dir: Path | None = None) -> MigrationResult | None:
+def migrate_on_open(db: Database, *, sql_dir: Path | None = None) -> MigrationResult | None:
     """What :meth:`SyncDatabase.open` runs: one read of the history, and :func:`migrate`
     only when something is pending.
 
@@ -772,7 +759,7 @@ def migrate_on_open(db: SyncDatabase, *, sql_dir: Path | None = None) -> Migrati
 
 
 def repair(
-    db: SyncDatabase, *, mark_applied: bool = False, sql_dir: Path | None = None
+    db: Database, *, mark_applied: bool = False, sql_dir: Path | None = None
 ) -> list[HistoryRow]:
     """Clears the record of MySQL migrations that stopped half-way.
 

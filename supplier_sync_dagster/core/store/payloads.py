@@ -50,6 +50,7 @@ from supplier_sync_dagster.core.errors import (
     PayloadError,
     PayloadNotFound,
 )
+from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
 MAX_REF_LENGTH = 512  # supplier_sync_snapshot.payload_ref is VARCHAR(512)
@@ -258,7 +259,7 @@ def _foreign(ref: object, store: PayloadStore) -> ConfigError:
     return ConfigError(
         f"{_show(ref)} is not a payload reference of the store at {store.url} "
         f"(expected {store.url}/<kind>/<xx>/<sha256>{SUFFIX}); "
-        f"check {_payload_url_setting()} points at the store that wrote it"
+        f"check {env_name('payload_url')} points at the store that wrote it"
     )
 
 
@@ -558,15 +559,7 @@ class S3PayloadStore(PayloadStore):
         return stored
 
     def put_many(self, items: Sequence[BytesLike], *, kind: str) -> list[StoredPayload]:
-        """Stores several payloads with a small thread pool; the result is in input order.
-
-        Args:
-            items: The payloads.
-            kind: As for :meth:`put`.
-
-        Returns:
-            One :class:`StoredPayload` per item, in order.
-        """
+        """See :meth:`PayloadStore.put_many`; here with a small thread pool."""
         _check_kind(kind)
         if len(items) <= 1:
             return [self.put(item, kind=kind) for item in items]
@@ -660,12 +653,6 @@ def _server_message(err: BaseException) -> str:
 # -- opening ----------------------------------------------------------------------------------
 
 
-def _payload_url_setting() -> str:
-    from supplier_sync_dagster.core.settings import env_name  # when read, as in core.db
-
-    return env_name("payload_url")
-
-
 def open_payload_store(
     url: str | None = None, *, s3_client_factory: Callable[[], Any] | None = None
 ) -> PayloadStore:
@@ -686,9 +673,6 @@ def open_payload_store(
         ConfigError: The URL is not one of the accepted forms, or boto3 is missing.
     """
     if not url:
-        # Imported when read, as in core.db.state_dir.
-        from supplier_sync_dagster.core.settings import load_storage_settings
-
         settings = load_storage_settings()
         if settings.payload_url is None:
             return LocalPayloadStore(settings.state_dir / "payloads")
@@ -697,7 +681,7 @@ def open_payload_store(
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
-            f"{_payload_url_setting()} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
+            f"{env_name('payload_url')} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
         )
 
     try:
@@ -733,7 +717,7 @@ def _default_s3_client() -> Any:
         import boto3  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
-            f"{_payload_url_setting()} names an s3:// store but boto3 is not installed "
+            f"{env_name('payload_url')} names an s3:// store but boto3 is not installed "
             "(it comes with dagster-aws)"
         ) from None
     return boto3.client("s3", endpoint_url=os.environ.get(ENDPOINT_URL_ENV) or None)

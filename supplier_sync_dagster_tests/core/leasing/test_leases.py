@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Generator, Iterator
 from typing import Any, get_args
@@ -485,17 +488,12 @@ def test_worker_id_is_service_host_pid_start(monkeypatch: pytest.MonkeyPatch):
     wid = make_worker_id("hotel-sync")
     assert len(wid) <= 64
     assert wid.startswith("hotel-sync-hotel-sync-worker-pod-a1b2c3")
-    import os
-
     assert f"-{os.getpid()}-" in wid and wid.endswith("Z")
 
 
 def test_live_lease_of_a_dead_local_process_is_taken_at_once(
     db: SyncDatabase, make_batch: MakeBatch
 ):
-    import subprocess
-    import sys
-
     batch = make_batch(["BKK"])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

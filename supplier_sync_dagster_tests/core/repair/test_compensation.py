@@ -15,11 +15,17 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.leasing.batches import TaskSpec, cancel_batch, upsert_task
+from supplier_sync_dagster.core.leasing.batches import (
+    TaskSpec,
+    cancel_batch,
+    create_batch,
+    upsert_task,
+)
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.deadletters import (
     BACKOFF_SECONDS,
     DeadLetter,
+    record_city_failure,
     record_dead_letters,
 )
 from supplier_sync_dagster.core.repair.compensation import (
@@ -93,8 +99,6 @@ def store(tmp_path: Path) -> LocalPayloadStore:
 @pytest.fixture
 def source_batch(db: SyncDatabase) -> str:
     """A batch of the full task whose dead letters compensation takes."""
-    from supplier_sync_dagster.core.leasing.batches import create_batch
-
     upsert_task(db, TaskSpec(task_code="full_task", supplier_id=1001))
     decision = create_batch(
         db, task_code="full_task", trigger_id="source", trigger_source="MANUAL", shard_keys=["BKK"]
@@ -371,9 +375,6 @@ def test_rows_of_a_batch_that_ended_without_them_are_released(
 def test_a_failed_city_is_handed_back_for_a_resync_and_resolved_once_it_synced(
     db, store, client, details, source_batch
 ):
-    from supplier_sync_dagster.core.leasing.batches import create_batch
-    from supplier_sync_dagster.core.records.deadletters import record_city_failure
-
     record_city_failure(
         db,
         batch_id=source_batch,
@@ -424,8 +425,6 @@ def test_a_failed_city_is_handed_back_for_a_resync_and_resolved_once_it_synced(
 
 def test_an_account_heals_only_its_own_dead_letters(db, store, client, details):
     """Two accounts of one supplier: each compensation claims its account's rows only."""
-    from supplier_sync_dagster.core.leasing.batches import create_batch
-
     batches = {}
     for account in ("eu", "us"):
         upsert_task(db, TaskSpec(task_code=f"acme.{account}.full", supplier_id=1001))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from supplier_sync_dagster.core.leasing.batches import TaskSpec, upsert_task
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, list_shards
 from supplier_sync_dagster.core.records.gates import GateThresholds, set_gate_thresholds
 from supplier_sync_dagster.core.records.review import approve_reviews
+from supplier_sync_dagster.core.repair import incremental
 from supplier_sync_dagster.core.repair.incremental import (
     WINDOW_PUBLISH_CHUNK_HOTELS,
     FeedPosition,
@@ -39,6 +42,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync import stages
 from supplier_sync_dagster.core.sync.model import DEFAULT_PUBLISH_CHUNK_HOTELS, SyncSettings
 from supplier_sync_dagster.core.sync.stages import _judge_page
 
@@ -372,11 +376,6 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
 ):
     # Pages of 3 over 2 processes, and bad records of every kind: each ends in the same
     # place, at the same position of the same raw page, as when this process judges them.
-    from dataclasses import replace
-
-    from supplier_sync_dagster.core.repair import incremental
-    from supplier_sync_dagster.core.sync import stages
-
     if not processes:  # a one-CPU machine: the window's own process judges its pages
         monkeypatch.setattr(incremental, "usable_cpus", lambda: 1)
     submitted: list[int] = []
@@ -437,9 +436,6 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
 
 def _judge_then_die_on_page_3(raw: Any, records: list[Any]) -> Any:
     """A forked judge that is killed (SIGKILL: no clean-up) when it is given page 3."""
-    import os
-    import signal
-
     if raw.page_number == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return _REAL_JUDGE_PAGE(raw, records)
@@ -452,11 +448,6 @@ def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_fini
     feed: Feed,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    from dataclasses import replace
-
-    from supplier_sync_dagster.core.repair import incremental
-    from supplier_sync_dagster.core.sync import stages
-
     monkeypatch.setattr(incremental, "usable_cpus", lambda: 2)  # forked judges, any machine
     monkeypatch.setattr(stages, "_judge_page", _judge_then_die_on_page_3)
     settings = replace(SETTINGS, chunk_hotels=4)
@@ -553,8 +544,6 @@ def test_a_feed_position_survives_the_checkpoint_column():
 
 def _forked(**kw: Any) -> SyncSettings:
     """Chunks of 5 published by 2 forked processes (the last chunk by the window's own)."""
-    from dataclasses import replace
-
     return replace(SETTINGS, publish_chunk_hotels=5, publish_processes=2, **kw)
 
 
@@ -578,8 +567,6 @@ def test_a_window_publishes_its_chunks_in_forked_processes_and_counts_each_once(
     feed: Feed,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    from supplier_sync_dagster.core.sync import stages
-
     forked: list[int] = []
     real = stages._publish_in_processes
 
@@ -638,8 +625,6 @@ def test_a_window_publishes_its_changes_in_the_catalogs_order_not_the_feeds(
 ):
     """The feed lists changes by time, all over the catalog; the forked processes get
     chunks of neighbouring hotels (ascending resource ids), and the window is the same."""
-    from supplier_sync_dagster.core.sync import stages
-
     seen: list[list[str]] = []
     real = stages._publish_in_processes
 
@@ -705,8 +690,6 @@ def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
 ):
     """Another worker takes the window's shard as the forked publishers start: their fenced
     writes fail, the window stops as LEASE_LOST and its watermark stays where it was."""
-    from supplier_sync_dagster.core.sync import stages
-
     start = stages._start_forked_publisher
 
     def stolen(publisher: Any, parts: Any) -> None:

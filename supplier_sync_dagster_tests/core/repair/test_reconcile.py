@@ -9,12 +9,14 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
+from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
 from supplier_sync_dagster.core.repair.reconcile import CityCounts, Tolerance, compare, reconcile
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.sync.city import sync_city
 from supplier_sync_dagster.simulator import FaultProfile
-from supplier_sync_dagster_tests.core.sync.test_city import SUPPLIER, full_sync
+from supplier_sync_dagster_tests.core.sync.test_city import SUPPLIER, full_sync, settings
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
 
@@ -62,10 +64,6 @@ def test_a_city_that_lost_hotels_differs_and_a_repull_makes_it_equal(
 
 
 def full_sync_cities(db, store, client, trigger: str, cities: list[str]) -> None:
-    from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
-    from supplier_sync_dagster.core.sync.city import sync_city
-    from supplier_sync_dagster_tests.core.sync.test_city import settings
-
     upsert_task(db, TaskSpec(task_code="hotel_full", supplier_id=SUPPLIER))
     decision = create_batch(
         db, task_code="hotel_full", trigger_id=trigger, trigger_source="MANUAL", shard_keys=cities

@@ -8,13 +8,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+import supplier_sync_dagster.core.store.db as db_module
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
-from supplier_sync_dagster.core.store.db import SyncDatabase, make_engine, resolve_db_url
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import (
+    SyncDatabase,
+    execute_many,
+    is_deadlock,
+    retry_deadlocks,
+)
+from supplier_sync_dagster.core.store.engine import make_engine, resolve_db_url
 
 
 def test_default_is_a_sqlite_file_in_the_state_folder(
@@ -231,13 +241,6 @@ def test_execute_many_stores_exactly_what_sqlalchemy_stores(
     db: SyncDatabase, monkeypatch: pytest.MonkeyPatch
 ):
     """The generated bind step (dates as text on MySQL included) matches SQLAlchemy's own."""
-    from datetime import UTC, datetime
-    from decimal import Decimal
-
-    import supplier_sync_dagster.core.store.db as db_module
-    from supplier_sync_dagster.core.store import schema
-    from supplier_sync_dagster.core.store.db import execute_many
-
     # Small statements: the rows of one call are split over several of them on MySQL.
     monkeypatch.setattr(db_module, "MYSQL_MAX_STATEMENT_CHARS", 1000)
     inserts: list[str] = []
@@ -333,8 +336,6 @@ def _deadlock_on_mariadb(url: str) -> sa.exc.DBAPIError:
 
 
 def test_a_real_innodb_deadlock_is_recognised_and_its_work_runs_again(fresh_mysql_db: str):
-    from supplier_sync_dagster.core.store.db import is_deadlock, retry_deadlocks
-
     err = _deadlock_on_mariadb(fresh_mysql_db)
     assert is_deadlock(err)
     assert not is_deadlock(ValueError("no")) and not is_deadlock(
@@ -369,3 +370,25 @@ def test_a_real_innodb_deadlock_is_recognised_and_its_work_runs_again(fresh_mysq
     with pytest.raises(sa.exc.OperationalError):
         retry_deadlocks(always(denied), sleep=pauses.append)
     assert len(calls) == 1
+
+
+def test_a_process_on_sqlite_does_not_import_pymysql(tmp_path: Path):
+    """PyMySQL costs ~45 ms to import: the bulk-insert code that needs it (its escaping, its
+    INSERT splitting) imports it where it runs, which is only on a PyMySQL connection, so a
+    command on the embedded SQLite default never loads it."""
+    script = (
+        "import sys\n"
+        "from supplier_sync_dagster.core.leasing.batches import TaskSpec, upsert_task\n"
+        "from supplier_sync_dagster.core.store.db import SyncDatabase\n"
+        "db = SyncDatabase.open(sys.argv[1])\n"
+        "upsert_task(db, TaskSpec(task_code='t', supplier_id=1))\n"
+        "print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] == 'pymysql'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, f"sqlite:///{tmp_path / 'sync.sqlite3'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: []" in done.stdout, done.stdout

@@ -21,7 +21,8 @@ from supplier_sync_dagster.core.errors import (
     MigrationLocked,
 )
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import WRITE_OPTION, SyncDatabase, make_engine
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.engine import WRITE_OPTION, make_engine
 from supplier_sync_dagster.core.store.migrations import (
     HISTORY_TABLE,
     LOCK_PREFIX,

@@ -9,7 +9,10 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -19,6 +22,8 @@ from typing import Any
 
 import boto3  # type: ignore[import-untyped]
 import pytest
+from botocore.config import Config  # type: ignore[import-untyped]
+from botocore.exceptions import ClientError  # type: ignore[import-untyped]
 from moto.server import ThreadedMotoServer
 
 from supplier_sync_dagster.core.errors import (
@@ -234,8 +239,6 @@ def test_put_is_idempotent(backend: Backend) -> None:
 
 
 def test_key_is_built_only_from_kind_and_hash(backend: Backend) -> None:
-    import re
-
     refs = []
     for code in HOSTILE_CITY_CODES:
         data = _page(2, city=code)
@@ -524,8 +527,6 @@ def test_s3_missing_bucket_is_a_payload_error_not_not_found(s3_client: Any) -> N
 
 
 def test_s3_unreachable_endpoint_is_a_payload_error() -> None:
-    from botocore.config import Config  # type: ignore[import-untyped]
-
     client = boto3.client(
         "s3",
         endpoint_url="http://127.0.0.1:9",
@@ -556,8 +557,6 @@ class _Recording:
 
 
 def _client_error(code: str, status: int) -> Exception:
-    from botocore.exceptions import ClientError  # type: ignore[import-untyped]
-
     return ClientError(
         {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
         "PutObject",
@@ -712,9 +711,6 @@ def test_open_bad_url_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_core_payloads_does_not_import_dagster() -> None:
-    import subprocess
-    import sys
-
     code = (
         "import sys, supplier_sync_dagster.core.store.payloads; "
         "sys.exit(1 if any(m == 'dagster' or m.startswith('dagster.') for m in sys.modules) else 0)"

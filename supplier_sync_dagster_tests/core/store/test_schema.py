@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.store.db import SyncDatabase, make_engine
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.engine import make_engine
 from supplier_sync_dagster.core.store.migrations import HISTORY_TABLE, load_migrations
 from supplier_sync_dagster.core.store.schema import metadata
 

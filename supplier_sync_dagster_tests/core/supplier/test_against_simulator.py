@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from supplier_sync_dagster.core.errors import SupplierAuthError
 from supplier_sync_dagster.core.supplier import CircuitBreaker, RetryPolicy, SupplierClient
@@ -112,8 +113,6 @@ def run_workers(url: str, redis_url: str | None, duration: float) -> tuple[float
         ]
         results = [f.result(timeout=duration + 60) for f in futures]
     if redis_url is not None:
-        import redis
-
         redis.Redis.from_url(redis_url).delete(key)
     sent = sorted(t for r in results for t in r["sent"])
     rate = len(sent) / duration

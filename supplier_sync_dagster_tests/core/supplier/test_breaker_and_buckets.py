@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from supplier_sync_dagster.core.errors import CircuitOpen, ConfigError, RateLimiterUnavailable
 from supplier_sync_dagster.core.supplier import (
@@ -184,8 +189,6 @@ def test_bucket_rejects_bad_settings() -> None:
 
 
 def redis_client(url: str):
-    import redis
-
     return redis.Redis.from_url(url)
 
 
@@ -267,11 +270,24 @@ def test_make_rate_limiter_uses_redis_when_given_a_url(redis_url: str) -> None:
     )
 
 
-def test_unreachable_redis_is_a_clear_error() -> None:
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+def test_an_in_process_limiter_does_not_import_redis() -> None:
+    """redis-py costs ~65 ms to import: only a Redis URL loads it, so a command on the
+    embedded default (an in-process bucket) does not pay for it."""
+    script = (
+        "import sys\n"
+        "from supplier_sync_dagster.core.supplier import make_city_rate_limiters, make_rate_limiter\n"
+        "make_rate_limiter(redis_url=None, supplier_id='s', api_key='k', rate=5).acquire()\n"
+        "make_city_rate_limiters(redis_url=None, supplier_id='s', api_key='k', rate=5)\n"
+        "print('loaded:', sorted(m for m in sys.modules if m.split('.')[0] == 'redis'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: []" in done.stdout, done.stdout
 
+
+def test_unreachable_redis_is_a_clear_error() -> None:
     r = redis.Redis(
         host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )

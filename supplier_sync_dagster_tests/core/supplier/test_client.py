@@ -8,12 +8,14 @@ import json
 import logging
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from urllib.parse import unquote
 
 import httpx
 import pytest
 
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
+    ConfigError,
     CursorExpired,
     RetryBudgetExhausted,
     SupplierAuthError,
@@ -151,8 +153,6 @@ def test_hostile_city_codes_are_one_encoded_path_segment(code: str) -> None:
     assert (prefix, suffix) == ("cities", "summary")
     assert raw_path.count("/") == 5  # nothing in the code became a path separator
     assert segment == encode_segment(code)
-    from urllib.parse import unquote
-
     assert unquote(segment) == code
     assert "?" not in raw_path and "#" not in raw_path and "'" not in raw_path
 
@@ -393,8 +393,6 @@ def test_retry_after_counts_against_the_total_wait() -> None:
 
 
 def test_retry_policy_rejects_nonsense() -> None:
-    from supplier_sync_dagster.core.errors import ConfigError
-
     with pytest.raises(ConfigError):
         RetryPolicy(max_attempts=0)
     with pytest.raises(ConfigError):

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import httpx
+import redis
 
 from supplier_sync_dagster.core.supplier import (
     InProcessTokenBucket,
@@ -32,8 +33,6 @@ def hammer(
     """
     limiter: RateLimiter
     if redis_url is not None:
-        import redis
-
         limiter = RedisTokenBucket(redis.Redis.from_url(redis_url), bucket_key, rate=rate, burst=1)
     else:
         limiter = InProcessTokenBucket(rate, 1)
