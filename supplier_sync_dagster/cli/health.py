@@ -104,7 +104,7 @@ def cmd_alerts(args: argparse.Namespace) -> int:
                 else "\n".join(f"{k:<32} {v:g}" for k, v in sorted(current.items()))
             )
             return 0
-        from supplier_sync_dagster.cli.sync_runner import dagster_instance
+        from supplier_sync_dagster.dagster_instance.home import dagster_instance
         from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
         from supplier_sync_dagster.defs.health import RECONCILIATION, alert_context
 

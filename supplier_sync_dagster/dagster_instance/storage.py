@@ -30,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -509,19 +509,6 @@ def _inserted_id(result: sa.CursorResult[Any]) -> int:
     if key is None or key[0] is None:
         raise DagsterInvariantViolationError("Cannot store an asset event without its id.")
     return int(key[0])
-
-
-def one_event_transaction(instance: DagsterInstance) -> AbstractContextManager[None]:
-    """The instance's events stored in the block share one transaction per shard.
-
-    With the pooled SQLite event log (the embedded instance), a city's events cost one
-    commit per shard instead of one or two per event (about a quarter of the CPU a
-    ``sync --full`` spends on Dagster events); any other event log stores them as before.
-    """
-    storage = instance.event_log_storage
-    if isinstance(storage, PooledSqliteEventLogStorage):
-        return storage.one_transaction()
-    return nullcontext()
 
 
 class _WalAwareWatchdog(SqliteEventLogStorageWatchdog):

@@ -12,59 +12,18 @@ run at once (each event is handled by one dispatcher at a time).
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.outbox.dispatch import DEFAULT_BATCH_SIZE, Dispatcher
+from supplier_sync_dagster.core.outbox.dispatch import Dispatcher
 from supplier_sync_dagster.core.outbox.machine import (
     STAGES,
     make_owner,
     outbox_status,
     release_stuck,
 )
-from supplier_sync_dagster.core.outbox.projections import (
-    ProjectionSettings,
-    open_projections,
-    reconcile_projection,
-)
-from supplier_sync_dagster.core.settings import env_name, load_storage_settings
+from supplier_sync_dagster.core.outbox.projections import reconcile_projection
 from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
-from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED
-from supplier_sync_dagster.defs.resources import SyncDatabaseResource
-
-
-class ProjectionsResource(dg.ConfigurableResource):
-    """Where the outbox's stages write: the search index, the hotel cache, subscribers."""
-
-    search_url: str | None = Field(
-        default=None,
-        description=(
-            f"The hotel search read model, postgresql://user@host:5432/db ({env_name('search_url')}). "
-            "Unset: a SQLite FTS5 file in the state folder."
-        ),
-    )
-    cache_url: str | None = Field(
-        default=None,
-        description=f"Redis for the hotel cache ({env_name('redis_url')}). Unset: in-process.",
-    )
-    amqp_url: str | None = Field(
-        default=None,
-        description=(
-            f"RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost ({env_name('amqp_url')}). "
-            "Unset: a JSON-lines file in the state folder."
-        ),
-    )
-    exchange: str = Field(
-        default="supplier_sync.events", description="The subscribers' topic exchange."
-    )
-    batch_size: int = Field(default=DEFAULT_BATCH_SIZE, description="Events per claim.")
-
-    def settings(self) -> ProjectionSettings:
-        """The targets, with the embedded defaults in the state folder."""
-        return ProjectionSettings(
-            state_dir=load_storage_settings().state_dir,
-            search_url=self.search_url,
-            cache_url=self.cache_url,
-            amqp_url=self.amqp_url,
-            exchange=self.exchange,
-        )
+from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
+from supplier_sync_dagster.defs.resources import ProjectionsResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.triggers import every
 
 
 class DrainConfig(dg.Config):
@@ -89,9 +48,7 @@ def hotel_search_projection(
     projections: ProjectionsResource,
 ) -> dg.MaterializeResult:
     """Frees stuck events, then dispatches until nothing is due; reports what moved."""
-    db = sync_db.open()
-    targets = open_projections(projections.settings())
-    try:
+    with sync_db.opened() as db, projections.opened() as targets:
         released = release_stuck(db)
         for stage, n in released.items():
             context.log.warning(f"{n} stuck {stage} events returned to READY")
@@ -100,9 +57,6 @@ def hotel_search_projection(
         )
         report = dispatcher.drain(max_seconds=config.max_seconds)
         status = outbox_status(db)
-    finally:
-        targets.close()
-        db.dispose()
     metadata: dict[str, dg.RawMetadataValue] = {
         "stuck_released": sum(released.values()),
         "ready_left": status.total("READY"),
@@ -136,16 +90,12 @@ outbox_dispatch_job = dg.define_asset_job(
 )
 
 
-outbox_dispatch_schedule = dg.ScheduleDefinition(
-    name="outbox_dispatch_schedule",
-    job=outbox_dispatch_job,
-    cron_schedule="* * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description=(
-        "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
-        "subscribers), so the read models follow the catalog with the daemon alone."
-    ),
+outbox_dispatch_schedule = every(
+    outbox_dispatch_job,
+    "outbox_dispatch_schedule",
+    "* * * * *",
+    "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
+    "subscribers), so the read models follow the catalog with the daemon alone.",
 )
 
 
@@ -164,13 +114,8 @@ def hotel_search_reconciliation(
     projections: ProjectionsResource,
 ) -> dg.MaterializeResult:
     """Compares and repairs; the differing cities are a table in the metadata."""
-    db = sync_db.open()
-    targets = open_projections(projections.settings())
-    try:
+    with sync_db.opened() as db, projections.opened() as targets:
         report = reconcile_projection(db, targets)
-    finally:
-        targets.close()
-        db.dispose()
     for d in report.differences:
         context.log.warning(
             f"city {d.city_code!r}: {d.missing} missing, {d.stale} stale, {d.extra} extra"
@@ -215,13 +160,11 @@ projection_reconciliation_job = dg.define_asset_job(
     description="Check the search index against the catalog and repair what differs.",
 )
 
-projection_reconciliation_schedule = dg.ScheduleDefinition(
-    name="projection_reconciliation_schedule",
-    job=projection_reconciliation_job,
-    cron_schedule="30 3 * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Daily: the search index against the catalog, repaired where it differs.",
+projection_reconciliation_schedule = every(
+    projection_reconciliation_job,
+    "projection_reconciliation_schedule",
+    "30 3 * * *",
+    "Daily: the search index against the catalog, repaired where it differs.",
 )
 
 

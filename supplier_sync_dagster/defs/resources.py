@@ -1,4 +1,5 @@
-"""Resources: the sync database, the payload store, the supplier and the risk policy.
+"""Resources: the sync database, the payload store, the supplier, the risk policy and the
+outbox's read models.
 
 The settings (:mod:`supplier_sync_dagster.core.settings`) are read when the definitions
 load; each one that is set reaches its resource as ``dg.EnvVar`` (secrets never land in run
@@ -19,12 +20,19 @@ import httpx
 from pydantic import Field
 
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
+from supplier_sync_dagster.core.outbox.dispatch import DEFAULT_BATCH_SIZE
+from supplier_sync_dagster.core.outbox.projections import (
+    Projections,
+    ProjectionSettings,
+    open_projections,
+)
 from supplier_sync_dagster.core.records.diff import RiskRules
 from supplier_sync_dagster.core.settings import (
     DEFAULT_TASK_CODE,
     Settings,
     env_name,
     load_settings,
+    load_storage_settings,
 )
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
@@ -34,6 +42,7 @@ from supplier_sync_dagster.core.supplier import (
     SupplierClient,
     make_rate_limiter,
 )
+from supplier_sync_dagster.core.sync.pipeline import SyncSettings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes
 
 
@@ -59,6 +68,15 @@ class SyncDatabaseResource(dg.ConfigurableResource):
     def open(self) -> SyncDatabase:
         """Opens the database (creating missing tables)."""
         return SyncDatabase.open(self.db_url)
+
+    @contextmanager
+    def opened(self) -> Iterator[SyncDatabase]:
+        """The database for the block, its connections closed at the end."""
+        db = self.open()
+        try:
+            yield db
+        finally:
+            db.dispose()
 
     def lease_settings(self) -> LeaseSettings:
         """The configured lease settings, validated."""
@@ -295,6 +313,66 @@ class GovernanceResource(dg.ConfigurableResource):
         )
 
 
+class ProjectionsResource(dg.ConfigurableResource):
+    """Where the outbox's stages write: the search index, the hotel cache, subscribers."""
+
+    search_url: str | None = Field(
+        default=None,
+        description=(
+            f"The hotel search read model, postgresql://user@host:5432/db ({env_name('search_url')}). "
+            "Unset: a SQLite FTS5 file in the state folder."
+        ),
+    )
+    cache_url: str | None = Field(
+        default=None,
+        description=f"Redis for the hotel cache ({env_name('redis_url')}). Unset: in-process.",
+    )
+    amqp_url: str | None = Field(
+        default=None,
+        description=(
+            f"RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost ({env_name('amqp_url')}). "
+            "Unset: a JSON-lines file in the state folder."
+        ),
+    )
+    exchange: str = Field(
+        default="supplier_sync.events", description="The subscribers' topic exchange."
+    )
+    batch_size: int = Field(default=DEFAULT_BATCH_SIZE, description="Events per claim.")
+
+    def settings(self) -> ProjectionSettings:
+        """The targets, with the embedded defaults in the state folder."""
+        return ProjectionSettings(
+            state_dir=load_storage_settings().state_dir,
+            search_url=self.search_url,
+            cache_url=self.cache_url,
+            amqp_url=self.amqp_url,
+            exchange=self.exchange,
+        )
+
+    @contextmanager
+    def opened(self) -> Iterator[Projections]:
+        """The targets for the block, closed at the end."""
+        targets = open_projections(self.settings())
+        try:
+            yield targets
+        finally:
+            targets.close()
+
+
+def run_settings(
+    sync_db: SyncDatabaseResource, supplier: SupplierResource, governance: GovernanceResource
+) -> SyncSettings:
+    """The settings of a run's sync work: the supplier's task and pages, the leases, the
+    risk policy."""
+    return SyncSettings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
+    )
+
+
 def _env(settings: Settings, name: str) -> dg.EnvVar | None:
     # The variable itself, not its value: secrets never land in run config or the UI.
     return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
@@ -374,10 +452,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     return supplier_resource(**fields)
 
 
-def _projections(settings: Settings) -> dg.ConfigurableResource:
-    # Imported here: defs/outbox.py defines the resource and imports this module.
-    from supplier_sync_dagster.defs.outbox import ProjectionsResource
-
+def _projections(settings: Settings) -> ProjectionsResource:
     return ProjectionsResource(
         search_url=_env(settings, "search_url"),
         cache_url=_env(settings, "redis_url"),

@@ -18,7 +18,7 @@ from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.run import resolve_batch
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, trigger_of
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -27,6 +27,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG, trigger_of
 from supplier_sync_dagster.simulator import FaultProfile
 from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES, SIM_API_KEY, make_simulator
 

@@ -18,7 +18,7 @@ from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.dead_letters import (
     dead_letter_compensation,
     dead_letter_compensation_schedule,
@@ -40,6 +40,7 @@ from supplier_sync_dagster.defs.resources import (
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 
 
 @pytest.fixture

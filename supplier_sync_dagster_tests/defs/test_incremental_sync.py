@@ -11,10 +11,10 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from supplier_sync_dagster.defs.city_sync import PUBLISHED, TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_keys import PUBLISHED
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.incremental_sync import (
     CHANGE_FEED,
-    TASK_TAG,
     IncrementalConfig,
     hotel_change_feed,
     incremental_sync_job,
@@ -27,6 +27,7 @@ from supplier_sync_dagster.defs.resources import (
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TASK_TAG, TRIGGER_TAG
 
 
 @pytest.fixture

@@ -14,13 +14,14 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.health import alert_sensor
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.reconciliation import (
     hotel_catalog_reconciliation,
     reconciliation_repull_sensor,
 )
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
 from supplier_sync_dagster_tests.helpers import Receiver
 

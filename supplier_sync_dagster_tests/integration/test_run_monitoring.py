@@ -28,8 +28,8 @@ from supplier_sync_dagster.dagster_instance.run_launcher import (
     LocalRunLauncher,
     worker_pid,
 )
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
@@ -162,7 +162,7 @@ def test_runs_whose_worker_died_are_marked_failed_under_the_daemon(
 def test_the_state_folders_instance_monitors_runs_as_the_repositorys_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    from supplier_sync_dagster.cli.sync_runner import dagster_instance
+    from supplier_sync_dagster.dagster_instance.home import dagster_instance
 
     monkeypatch.setenv("DAGSTER_HOME", "")  # unset for dagster_instance; restored after
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path))
