@@ -27,9 +27,7 @@ from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.pipeline import SyncSettings
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunPlan,
@@ -220,7 +218,13 @@ def _sync_cities(
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
         with nullcontext(None) if request.replay else supplier.client() as client:
-            plan = _plan(context, db, store, client, request, settings)
+            try:
+                plan = plan_run(db, store, client, request, settings)
+            except TaskDisabled as err:
+                raise refused("sync refused", err) from None
+            except TriggerSkipped as err:
+                raise refused(None, err) from None
+            _log_plan(context, plan, request)
             progress = _Progress()
             processes = auto_processes(request, plan)
             if processes:
@@ -290,28 +294,13 @@ def _run_request(
     )
 
 
-def _plan(
-    context: dg.AssetExecutionContext,
-    db: SyncDatabase,
-    store: PayloadStore,
-    client: SupplierClient | None,
-    request: RunRequest,
-    settings: SyncSettings,
-) -> RunPlan:
-    """The run's batch and cities; a trigger the task's policy refuses fails the run."""
-    try:
-        plan = plan_run(db, store, client, request, settings)
-    except TaskDisabled as err:
-        raise refused("sync refused", err) from None
-    except TriggerSkipped as err:
-        raise refused(None, err) from None
+def _log_plan(context: dg.AssetExecutionContext, plan: RunPlan, request: RunRequest) -> None:
     for note in plan.notes:
         context.log.warning(note)
     context.log.info(
         f"batch {plan.batch.batch_id} (trigger {request.trigger_id}, {request.source}"
         f"{', replay' if request.replay else ''}): {len(plan.cities)} cities"
     )
-    return plan
 
 
 def _not_published(

@@ -96,8 +96,8 @@ class PayloadStoreResource(dg.ConfigurableResource):
         ),
     )
     # The S3 settings are dagster-aws's S3Resource's own, flat: a nested S3Resource field
-    # would import dagster_aws (and boto3) in every run and command, ~0.3 s each, where
-    # only an s3:// store needs it.
+    # would import dagster_aws (and boto3) in every run and command, where only an s3://
+    # store needs them.
     s3_endpoint_url: str | None = Field(
         default=None,
         description="S3 endpoint (MinIO or any S3-compatible store). Unset: AWS_ENDPOINT_URL, else AWS.",
