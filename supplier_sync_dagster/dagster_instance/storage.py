@@ -491,7 +491,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             observer = Observer()
             observer.start()
             self._obs = observer
-        watchdog = _WalAwareWatchdog(self, run_id, callback, cursor)
+        watchdog = WalAwareWatchdog(self, run_id, callback, cursor)
         self._watchers[run_id][callback] = (
             watchdog,
             observer.schedule(watchdog, self._base_dir, recursive=True),
@@ -510,7 +510,7 @@ def _inserted_id(result: sa.CursorResult[Any]) -> int:
     return int(key[0])
 
 
-class _WalAwareWatchdog(SqliteEventLogStorageWatchdog):
+class WalAwareWatchdog(SqliteEventLogStorageWatchdog):
     """Dagster's run-shard watchdog, also woken by writes to the shard's WAL file."""
 
     def __init__(
