@@ -1,5 +1,6 @@
-"""The outbox's read models in Dagster: the search projection as an asset downstream of the
-catalog, a job that drains the outbox (and frees stuck events), and its schedule.
+"""The outbox's read models in Dagster: their resource, the search projection as an asset
+downstream of the catalog, a job that drains the outbox (and frees stuck events), and its
+schedule.
 
 ``hotel_search_projection`` depends on ``published_hotels``, so lineage shows catalog ->
 search. Materializing it runs one dispatcher until the outbox has nothing due (bounded by
@@ -9,21 +10,76 @@ it every minute; ``supplier-sync dispatch`` runs dispatchers outside Dagster, an
 run at once (each event is handled by one dispatcher at a time).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.outbox.dispatch import Dispatcher
+from supplier_sync_dagster.core.outbox.dispatch import DEFAULT_BATCH_SIZE, Dispatcher
 from supplier_sync_dagster.core.outbox.machine import (
     STAGES,
     make_owner,
     outbox_status,
     release_stuck,
 )
-from supplier_sync_dagster.core.outbox.projections import reconcile_projection
+from supplier_sync_dagster.core.outbox.projections import (
+    Projections,
+    ProjectionSettings,
+    open_projections,
+    reconcile_projection,
+)
+from supplier_sync_dagster.core.settings import env_name, load_settings, load_storage_settings
 from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
 from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
-from supplier_sync_dagster.defs.resources import ProjectionsResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var
 from supplier_sync_dagster.defs.triggers import every
+
+
+class ProjectionsResource(dg.ConfigurableResource):
+    """Where the outbox's stages write: the search index, the hotel cache, subscribers."""
+
+    search_url: str | None = Field(
+        default=None,
+        description=(
+            f"The hotel search read model, postgresql://user@host:5432/db ({env_name('search_url')}). "
+            "Unset: a SQLite FTS5 file in the state folder."
+        ),
+    )
+    cache_url: str | None = Field(
+        default=None,
+        description=f"Redis for the hotel cache ({env_name('redis_url')}). Unset: in-process.",
+    )
+    amqp_url: str | None = Field(
+        default=None,
+        description=(
+            f"RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost ({env_name('amqp_url')}). "
+            "Unset: a JSON-lines file in the state folder."
+        ),
+    )
+    exchange: str = Field(
+        default="supplier_sync.events", description="The subscribers' topic exchange."
+    )
+    batch_size: int = Field(default=DEFAULT_BATCH_SIZE, description="Events per claim.")
+
+    def settings(self) -> ProjectionSettings:
+        """The targets, with the embedded defaults in the state folder."""
+        return ProjectionSettings(
+            state_dir=load_storage_settings().state_dir,
+            search_url=self.search_url,
+            cache_url=self.cache_url,
+            amqp_url=self.amqp_url,
+            exchange=self.exchange,
+        )
+
+    @contextmanager
+    def opened(self) -> Iterator[Projections]:
+        """The targets for the block, closed at the end."""
+        targets = open_projections(self.settings())
+        try:
+            yield targets
+        finally:
+            targets.close()
 
 
 class DrainConfig(dg.Config):
@@ -191,8 +247,18 @@ def defs() -> dg.Definitions:
         projection = hotel_search_projection.map_asset_specs(
             lambda spec: spec.replace_attributes(deps=[CATALOG])
         )
+    settings = load_settings()
     return dg.Definitions(
         assets=[*extra, projection, hotel_search_reconciliation],
         jobs=[outbox_dispatch_job, projection_reconciliation_job],
         schedules=[outbox_dispatch_schedule, projection_reconciliation_schedule],
+        # Bound here, not in resources.py: only the outbox's assets use the read models,
+        # and the commands that import resources.py need not import them.
+        resources={
+            "projections": ProjectionsResource(
+                search_url=env_var(settings, "search_url"),
+                cache_url=env_var(settings, "redis_url"),
+                amqp_url=env_var(settings, "amqp_url"),
+            )
+        },
     )

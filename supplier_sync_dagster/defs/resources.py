@@ -1,5 +1,5 @@
-"""Resources: the sync database, the payload store, the supplier, the risk policy and the
-outbox's read models.
+"""Resources: the sync database, the payload store, the supplier and the risk policy (the
+outbox's read models are ``outbox.py``'s).
 
 The settings (:mod:`supplier_sync_dagster.core.settings`) are read when the definitions
 load; each one that is set reaches its resource as ``dg.EnvVar`` (secrets never land in run
@@ -20,19 +20,12 @@ import httpx
 from pydantic import Field
 
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
-from supplier_sync_dagster.core.outbox.dispatch import DEFAULT_BATCH_SIZE
-from supplier_sync_dagster.core.outbox.projections import (
-    Projections,
-    ProjectionSettings,
-    open_projections,
-)
 from supplier_sync_dagster.core.records.diff import RiskRules
 from supplier_sync_dagster.core.settings import (
     DEFAULT_TASK_CODE,
     Settings,
     env_name,
     load_settings,
-    load_storage_settings,
 )
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
@@ -313,52 +306,6 @@ class GovernanceResource(dg.ConfigurableResource):
         )
 
 
-class ProjectionsResource(dg.ConfigurableResource):
-    """Where the outbox's stages write: the search index, the hotel cache, subscribers."""
-
-    search_url: str | None = Field(
-        default=None,
-        description=(
-            f"The hotel search read model, postgresql://user@host:5432/db ({env_name('search_url')}). "
-            "Unset: a SQLite FTS5 file in the state folder."
-        ),
-    )
-    cache_url: str | None = Field(
-        default=None,
-        description=f"Redis for the hotel cache ({env_name('redis_url')}). Unset: in-process.",
-    )
-    amqp_url: str | None = Field(
-        default=None,
-        description=(
-            f"RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost ({env_name('amqp_url')}). "
-            "Unset: a JSON-lines file in the state folder."
-        ),
-    )
-    exchange: str = Field(
-        default="supplier_sync.events", description="The subscribers' topic exchange."
-    )
-    batch_size: int = Field(default=DEFAULT_BATCH_SIZE, description="Events per claim.")
-
-    def settings(self) -> ProjectionSettings:
-        """The targets, with the embedded defaults in the state folder."""
-        return ProjectionSettings(
-            state_dir=load_storage_settings().state_dir,
-            search_url=self.search_url,
-            cache_url=self.cache_url,
-            amqp_url=self.amqp_url,
-            exchange=self.exchange,
-        )
-
-    @contextmanager
-    def opened(self) -> Iterator[Projections]:
-        """The targets for the block, closed at the end."""
-        targets = open_projections(self.settings())
-        try:
-            yield targets
-        finally:
-            targets.close()
-
-
 def run_settings(
     sync_db: SyncDatabaseResource, supplier: SupplierResource, governance: GovernanceResource
 ) -> SyncSettings:
@@ -373,7 +320,7 @@ def run_settings(
     )
 
 
-def _env(settings: Settings, name: str) -> dg.EnvVar | None:
+def env_var(settings: Settings, name: str) -> dg.EnvVar | None:
     # The variable itself, not its value: secrets never land in run config or the UI.
     return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
 
@@ -389,11 +336,10 @@ def resources() -> dg.Definitions:
     settings = load_settings()
     return dg.Definitions(
         resources={
-            "sync_db": SyncDatabaseResource(db_url=_env(settings, "db_url")),
-            "payloads": PayloadStoreResource(url=_env(settings, "payload_url")),
+            "sync_db": SyncDatabaseResource(db_url=env_var(settings, "db_url")),
+            "payloads": PayloadStoreResource(url=env_var(settings, "payload_url")),
             **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),
-            "projections": _projections(settings),
         }
     )
 
@@ -412,9 +358,9 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     if account is None:
         return supplier_resource(
             **{
-                "base_url": _env(settings, "supplier_url"),
-                "api_key": _env(settings, "supplier_api_key"),
-                "redis_url": _env(settings, "redis_url"),
+                "base_url": env_var(settings, "supplier_url"),
+                "api_key": env_var(settings, "supplier_api_key"),
+                "redis_url": env_var(settings, "redis_url"),
                 # Numbers, not secrets: their values show in the resource's config.
                 **_set(
                     rate_limit_rps=settings.supplier_rate_limit,
@@ -436,7 +382,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     fields: dict[str, Any] = {
         "base_url": account.base_url,
         "api_key": dg.EnvVar(account.api_key_env) if account.api_key_env else None,
-        "redis_url": _env(settings, "redis_url"),
+        "redis_url": env_var(settings, "redis_url"),
         "supplier_id": account.supplier_id,
         "account": account.code,
         "task_code": account.full_task_code,
@@ -450,11 +396,3 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     if fields["base_url"] is None:
         fields.pop("api_key")
     return supplier_resource(**fields)
-
-
-def _projections(settings: Settings) -> ProjectionsResource:
-    return ProjectionsResource(
-        search_url=_env(settings, "search_url"),
-        cache_url=_env(settings, "redis_url"),
-        amqp_url=_env(settings, "amqp_url"),
-    )

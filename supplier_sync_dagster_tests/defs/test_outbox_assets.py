@@ -13,12 +13,13 @@ from supplier_sync_dagster.core.outbox.machine import outbox_status
 from supplier_sync_dagster.core.outbox.projections import SearchQuery, SqliteSearchIndex
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.defs.outbox import (
+    ProjectionsResource,
     hotel_search_projection,
     hotel_search_reconciliation,
     outbox_dispatch_job,
     outbox_dispatch_schedule,
 )
-from supplier_sync_dagster.defs.resources import ProjectionsResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 from supplier_sync_dagster_tests.core.records.test_catalog import hotel, sync
 
 
