@@ -105,8 +105,8 @@ def bench_budget(args: argparse.Namespace) -> int:
         DagsterProcesses,
         profile_env,
     )
-    from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
     from supplier_sync_dagster.defs.partitions import encode_city_key
+    from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
     from supplier_sync_dagster.simulator import AccountSpec, SimulatorFleet, SupplierSpec
     from supplier_sync_dagster.simulator.server import running_fleet_server
 

@@ -11,12 +11,12 @@ import threading
 
 from supplier_sync_dagster.cli.common import open_db
 from supplier_sync_dagster.cli.resources import full_task_scopes
-from supplier_sync_dagster.cli.sync_runner import dagster_instance
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.health import RECONCILIATION, alert_context
 from supplier_sync_dagster.serve.metrics import serve

@@ -38,7 +38,7 @@ from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
     SyncDatabaseResource,
-    sync_settings,
+    run_settings,
 )
 
 
@@ -107,7 +107,7 @@ def cmd_compensate(args: argparse.Namespace) -> int:
                 db,
                 payloads.open(),
                 client,
-                settings=sync_settings(supplier, sync_db, GovernanceResource()),
+                settings=run_settings(sync_db, supplier, GovernanceResource()),
                 compensation=CompensationSettings(
                     task_code=scope.compensation_task_code,
                     full_task_code=supplier.task_code,

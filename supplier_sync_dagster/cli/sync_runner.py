@@ -34,20 +34,13 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import state_dir
 from supplier_sync_dagster.core.sync.tasks import require_enabled
+from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
-from supplier_sync_dagster.defs.city_sync import (
-    DIFFS,
-    MAPPINGS,
-    NORMALIZED,
-    PUBLISHED,
-    SOURCE_TAG,
-    TRIGGER_TAG,
-    build_city_sync,
-)
+from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED
+from supplier_sync_dagster.defs.city_sync import build_city_sync
 from supplier_sync_dagster.defs.incremental_sync import (
     CHANGE_FEED,
-    TASK_TAG,
     IncrementalConfig,
     build_hotel_change_feed,
 )
@@ -58,75 +51,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-
-# The state folder's instance: Dagster's SQLite layout with pooled connections
-# (dagster_instance/storage.py: an event costs a fraction of Dagster's default), no telemetry, and run
-# monitoring as in the repository's dagster.yaml, so that `dagster dev` on it marks a run of
-# a killed `sync --full` FAILURE (see dagster_instance/run_launcher.py).
-EMBEDDED_DAGSTER_YAML = """\
-telemetry:
-  enabled: false
-instance_class:
-  module: supplier_sync_dagster.dagster_instance.storage
-  class: EmbeddedDagsterInstance
-run_launcher:
-  module: supplier_sync_dagster.dagster_instance.run_launcher
-  class: LocalRunLauncher
-run_monitoring:
-  enabled: true
-  poll_interval_seconds: 5
-  start_timeout_seconds: 180
-  cancel_timeout_seconds: 180
-  max_resume_run_attempts: 0
-  free_slots_after_run_end_seconds: 10
-"""
-# What earlier versions wrote: replaced, since nobody edited it.
-_OLD_EMBEDDED_DAGSTER_YAMLS = (
-    """\
-telemetry:
-  enabled: false
-instance_class:
-  module: supplier_sync_dagster.instance_storage
-  class: EmbeddedDagsterInstance
-run_launcher:
-  module: supplier_sync_dagster.run_launcher
-  class: LocalRunLauncher
-run_monitoring:
-  enabled: true
-  poll_interval_seconds: 5
-  start_timeout_seconds: 180
-  cancel_timeout_seconds: 180
-  max_resume_run_attempts: 0
-  free_slots_after_run_end_seconds: 10
-""",
-    "telemetry:\n  enabled: false\n",
-    """\
-telemetry:
-  enabled: false
-run_launcher:
-  module: supplier_sync_dagster.run_launcher
-  class: LocalRunLauncher
-run_monitoring:
-  enabled: true
-  poll_interval_seconds: 5
-  start_timeout_seconds: 180
-  cancel_timeout_seconds: 180
-  max_resume_run_attempts: 0
-  free_slots_after_run_end_seconds: 10
-""",
-)
-
-
-def dagster_instance() -> dg.DagsterInstance:
-    """The local Dagster instance: ``$DAGSTER_HOME``, or one in the state folder."""
-    if not os.environ.get("DAGSTER_HOME"):
-        home = state_dir() / "dagster_home"
-        home.mkdir(parents=True, exist_ok=True)
-        config = home / "dagster.yaml"
-        if not config.exists() or config.read_text() in _OLD_EMBEDDED_DAGSTER_YAMLS:
-            config.write_text(EMBEDDED_DAGSTER_YAML)
-        os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.get()
+from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TASK_TAG, TRIGGER_TAG
 
 
 @dataclass

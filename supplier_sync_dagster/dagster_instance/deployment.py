@@ -9,6 +9,7 @@ the GraphQL API and waits for them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -169,8 +170,7 @@ class PartitionView:
 
 
 # How often the backfill daemon looks for new backfills under ``supplier-sync daemon``.
-# Dagster's own is 30 s, and a launched backfill's first run waits for that tick: most of a
-# backfill's orchestration time (bench/bench_backfill.py).
+# Dagster's own is 30 s, and a launched backfill's first run waits for that tick.
 BACKFILL_DAEMON_INTERVAL_SECONDS = 2
 
 FINAL_BACKFILL_STATES = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
@@ -366,8 +366,6 @@ class DagsterProcesses:
 
     def partitions(self, asset: str, partition_keys: Sequence[str]) -> PartitionView:
         """An asset's partition statuses, latest metadata per partition and check statuses."""
-        import json
-
         node = self.graphql(
             _PARTITION_STATUSES, {"key": {"path": [asset]}, "partitions": list(partition_keys)}
         )["assetNodeOrError"]

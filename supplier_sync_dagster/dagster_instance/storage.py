@@ -4,10 +4,10 @@ Checked in Dagster 1.13.27's source: ``SqliteEventLogStorage._connect`` creates 
 SQLAlchemy engine with ``NullPool`` for every statement, so SQLAlchemy's compiled-statement
 cache (kept per engine) is never reused, and the connection closed after each statement is
 the process's last one on that file, so SQLite checkpoints the WAL every time; commits run
-with ``synchronous=FULL``. Measured with 1,000 planned events and 1,000 materializations,
-that costs ~9.5-12 ms of CPU per event, and a ``sync --full`` writes 5 planned events per
-city before its step and 8 events per city in it. ``SqliteRunStorage.connect`` follows the
-same pattern for the run database.
+with ``synchronous=FULL``. A ``sync --full`` pays that for every one of its events, several
+per city (planned materializations before its step; materializations, check evaluations and
+a log line in it). ``SqliteRunStorage.connect`` follows the same pattern for the run
+database.
 
 :class:`PooledSqliteEventLogStorage` and :class:`PooledSqliteRunStorage` keep one engine
 per database file (per run shard: a bounded LRU, disposed on eviction) with a small pool
@@ -30,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -77,12 +77,12 @@ from watchdog.observers import Observer
 # Run shards whose engine stays open besides the index shard's. A run writes its own shard
 # and the index; a webserver reads the shards of the runs people look at: a few at a time.
 DEFAULT_MAX_CACHED_SHARDS = 8
-# Events Dagster hands over in one batch at most (a run of 1,000 cities plans 8,000).
+# Events Dagster hands over in one batch at most: a run's planned events, several per city.
 PLANNED_EVENT_BATCH = 20_000
 
 # The events stored by :meth:`PooledSqliteEventLogStorage.store_event` itself; Dagster's
-# code stores every other kind. A run writes these by the thousand (per city: a log line,
-# five materializations, three check evaluations, and five planned materializations).
+# code stores every other kind. A run writes these for every city: a log line, a
+# materialization per asset and a check evaluation per gate, planned materializations.
 _FAST_ASSET_EVENTS = frozenset(
     {DagsterEventType.ASSET_MATERIALIZATION, DagsterEventType.ASSET_MATERIALIZATION_PLANNED}
 )
@@ -252,10 +252,9 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
 
         Dagster's ``store_event`` serializes a materialization twice (the event row, and
         again for the asset's ``last_materialization``), a check evaluation twice, and builds
-        a new statement per row, with its values bound as literals; that was most of the
-        ~2-3 ms of CPU a city's materialization or check evaluation cost. Here each event is
-        serialized once (the asset's and the check's copies are made from that text) and
-        written through statements built once. Kinds other than log lines, run and step
+        a new statement per row, with its values bound as literals, which costs more than the
+        insert itself. Here each event is serialized once (the asset's and the check's
+        copies are made from that text) and written through statements built once. Kinds other than log lines, run and step
         events, materializations, planned materializations and run-scoped check evaluations
         go to Dagster's code.
         """
@@ -332,8 +331,8 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         self, event: EventLogEntry, event_id: int | None
     ) -> None:
         """Dagster's rows of a planned check, one per partition of the run; the event is
-        serialized once, not once per partition (a run of 1,000 cities plans each check on
-        1,000 partitions, and the event carries their list)."""
+        serialized once, not once per partition (a ranged run plans each check on every
+        partition of the run, and the event carries their list)."""
         assert event.dagster_event is not None
         planned = event.dagster_event.event_specific_data
         assert isinstance(planned, AssetCheckEvaluationPlanned)
@@ -416,7 +415,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
                     conn.close()
 
     def _has_asset_key_col_on_connection(self, conn: Connection, column_name: str) -> bool:
-        # Dagster inspects the table's columns for every asset event (~0.6 ms). A migration
+        # Dagster inspects the table's columns for every asset event. A migration
         # adds columns and none removes them, so only a column found is remembered.
         if column_name in self._asset_key_columns:
             return True
@@ -430,8 +429,8 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
 
         Dagster asks for every asset check evaluation (``supports_asset_checks``) and every
         tagged materialization, and each time creates an engine and opens a connection to
-        the index shard: ~10% of a ``sync --full`` step's CPU with 1,000 cities. A migration
-        adds tables and none removes them, so only a table found is remembered.
+        the index shard. A migration adds tables and none removes them, so only a table
+        found is remembered.
         """
         if table_name in self._tables:
             return True
@@ -492,7 +491,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             observer = Observer()
             observer.start()
             self._obs = observer
-        watchdog = _WalAwareWatchdog(self, run_id, callback, cursor)
+        watchdog = WalAwareWatchdog(self, run_id, callback, cursor)
         self._watchers[run_id][callback] = (
             watchdog,
             observer.schedule(watchdog, self._base_dir, recursive=True),
@@ -511,20 +510,7 @@ def _inserted_id(result: sa.CursorResult[Any]) -> int:
     return int(key[0])
 
 
-def one_event_transaction(instance: DagsterInstance) -> AbstractContextManager[None]:
-    """The instance's events stored in the block share one transaction per shard.
-
-    With the pooled SQLite event log (the embedded instance), a city's events cost one
-    commit per shard instead of one or two per event (about a quarter of the CPU a
-    ``sync --full`` spends on Dagster events); any other event log stores them as before.
-    """
-    storage = instance.event_log_storage
-    if isinstance(storage, PooledSqliteEventLogStorage):
-        return storage.one_transaction()
-    return nullcontext()
-
-
-class _WalAwareWatchdog(SqliteEventLogStorageWatchdog):
+class WalAwareWatchdog(SqliteEventLogStorageWatchdog):
     """Dagster's run-shard watchdog, also woken by writes to the shard's WAL file."""
 
     def __init__(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,7 +39,7 @@ from supplier_sync_dagster.core.accounts import Account, load_accounts
 from supplier_sync_dagster.core.repair.compensation import DEFAULT_COMPENSATION_TASK
 from supplier_sync_dagster.core.repair.incremental import DEFAULT_INCREMENTAL_TASK
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, load_settings
-from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS
+from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 
 F = TypeVar("F", bound=Callable[..., Any])
 ACCOUNT_TAG = "supplier_sync/account"
@@ -133,6 +133,19 @@ class AccountScope:
     def tags(self) -> dict[str, str]:
         """Run tags of every run of the account (its concurrency limit's key)."""
         return {} if self.account is None else {ACCOUNT_TAG: self.account.code}
+
+    def new_city_keys(self, instance: dg.DagsterInstance, cities: Iterable[str]) -> list[str]:
+        """The partition keys of the supplier city codes ``cities`` that are not yet city
+        partitions of the account."""
+        known = set(instance.get_dynamic_partitions(self.partitions_name))
+        return [key for key in (encode_city_key(c) for c in cities) if key not in known]
+
+    def add_cities(self, instance: dg.DagsterInstance, cities: Iterable[str]) -> None:
+        """Makes the supplier city codes ``cities`` city partitions of the account (a run
+        reports on a city's partition only once it exists)."""
+        new = self.new_city_keys(instance, cities)
+        if new:
+            instance.add_dynamic_partitions(self.partitions_name, new)
 
 
 DEFAULT_SCOPE = AccountScope()

@@ -10,7 +10,6 @@ from supplier_sync_dagster.defs.accounts import (
     per_account,
     with_resource_key,
 )
-from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import SupplierResource
 
 
@@ -31,8 +30,7 @@ def build_city_discovery_sensor(scope: AccountScope) -> dg.SensorDefinition:
         """One call to the supplier's city list; new cities become partitions (keys encoded safely)."""
         with supplier.client() as client:
             codes = [c.city_code for c in client.list_cities().data.cities]
-        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-        new = [key for key in (encode_city_key(c) for c in codes) if key not in known]
+        new = scope.new_city_keys(context.instance, codes)
         context.log.info(f"supplier serves {len(codes)} cities, {len(new)} new")
         return dg.SensorResult(
             dynamic_partitions_requests=[scope.partitions.build_add_request(new)] if new else [],

@@ -34,39 +34,35 @@ from supplier_sync_dagster.core.repair.compensation import (
     compensate,
 )
 from supplier_sync_dagster.core.repair.incremental import published_cities
-from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
     per_account,
     resources_of,
 )
-from supplier_sync_dagster.defs.city_sync import (
-    GROUP,
-    PUBLISHED,
-    SOURCE_TAG,
-    TRIGGER_TAG,
-    trigger_of,
-)
+from supplier_sync_dagster.defs.city_events import published_city
+from supplier_sync_dagster.defs.city_keys import GROUP
 from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
-from supplier_sync_dagster.defs.incremental_sync import TASK_TAG
-from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
-    sync_settings,
+    run_settings,
+)
+from supplier_sync_dagster.defs.triggers import (
+    TASK_TAG,
+    active_run,
+    asset_job,
+    every,
+    refused,
+    scheduled_run,
+    trigger_of,
 )
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
 SUMMARY = dg.AssetKey("dead_letter_summary")
-_ACTIVE = [
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-]
 
 
 class CompensationConfig(dg.Config):
@@ -147,39 +143,31 @@ def _compensate(
     """Runs one compensation and reports how each claimed dead letter ended, and each city
     it published in."""
     trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = sync_settings(supplier, sync_db, governance)
-    db = sync_db.open()
+    settings = run_settings(sync_db, supplier, governance)
     store = payloads.open()
-    try:
-        with supplier.client() as client:
-            try:
-                out = compensate(
-                    db,
-                    store,
-                    client,
-                    settings=settings,
-                    compensation=CompensationSettings(
-                        task_code=config.task_code or scope.compensation_task_code,
-                        # An account heals its own dead letters, never another account's.
-                        owned_tasks=() if scope.account is None else scope.account.task_codes,
-                        full_task_code=supplier.task_code,
-                        limit=config.limit,
-                        page_hotels=config.page_hotels,
-                        fetch_threads=config.fetch_threads,
-                    ),
-                    trigger_id=trigger_id,
-                    source=source,
-                    worker_id=make_worker_id("supplier-sync"),
-                )
-            except (TaskDisabled, TriggerSkipped) as err:
-                raise dg.Failure(
-                    description=f"compensation not run: {err}",
-                    metadata={"blocking_batch_id": getattr(err, "blocking_batch_id", "") or ""},
-                    allow_retries=False,
-                ) from None
-            requests = client.stats().requests
-    finally:
-        db.dispose()
+    with sync_db.opened() as db, supplier.client() as client:
+        try:
+            out = compensate(
+                db,
+                store,
+                client,
+                settings=settings,
+                compensation=CompensationSettings(
+                    task_code=config.task_code or scope.compensation_task_code,
+                    # An account heals its own dead letters, never another account's.
+                    owned_tasks=() if scope.account is None else scope.account.task_codes,
+                    full_task_code=supplier.task_code,
+                    limit=config.limit,
+                    page_hotels=config.page_hotels,
+                    fetch_threads=config.fetch_threads,
+                ),
+                trigger_id=trigger_id,
+                source=source,
+                worker_id=make_worker_id("supplier-sync"),
+            )
+        except (TaskDisabled, TriggerSkipped) as err:
+            raise refused("compensation not run", err) from None
+        requests = client.stats().requests
     context.log.info(
         f"compensation: {out.claimed} claimed, {out.resolved} resolved "
         f"({out.refused_again} refused again), {out.newer} newer, {out.gone} gone, "
@@ -196,39 +184,24 @@ def _compensate(
     if out.batch is not None:
         # Each city it published hotels in is reported on that city's partition, as a full
         # sync reports it: the UI shows what compensation changed, city by city.
-        db = sync_db.open()
-        try:
-            with db.engine.connect() as conn:
-                cities = published_cities(conn, out.batch.batch_id)
-        finally:
-            db.dispose()
-        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-        new = [encode_city_key(c) for c in cities if encode_city_key(c) not in known]
-        if new:
-            context.instance.add_dynamic_partitions(scope.partitions_name, new)
+        with sync_db.opened() as db, db.engine.connect() as conn:
+            cities = published_cities(conn, out.batch.batch_id)
+        scope.add_cities(context.instance, cities)
         with one_event_transaction(context.instance):
             for city, published in cities.items():
-                yield dg.AssetMaterialization(
-                    scope.key(PUBLISHED.path[-1]),
-                    partition=encode_city_key(city),
-                    metadata={
-                        "batch_id": out.batch.batch_id,
-                        "city": city,
-                        "sync_mode": "REFRESH",
-                        "published": published,
-                    },
-                )
+                yield published_city(scope, city, out.batch.batch_id, "REFRESH", published)
     yield dg.MaterializeResult(metadata=compensation_metadata(out, requests))
 
 
 @functools.cache
 def build_compensation_job(scope: AccountScope) -> Any:
     """The account's compensation job, tagged with its task (one run at a time)."""
-    return dg.define_asset_job(
-        scope.name("compensate_dead_letters"),
-        selection=dg.AssetSelection.assets(scope.key(COMPENSATION.path[-1])),
-        tags={TASK_TAG: scope.compensation_task_code, **scope.tags},
-        description="Re-fetch and re-publish the hotels of due retryable dead letters.",
+    return asset_job(
+        scope,
+        "compensate_dead_letters",
+        COMPENSATION,
+        "Re-fetch and re-publish the hotels of due retryable dead letters.",
+        tags={TASK_TAG: scope.compensation_task_code},
     )
 
 
@@ -254,34 +227,19 @@ def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     ) -> dg.RunRequest | dg.SkipReason:
         """Requests a compensation when a row is due (or a claimed one waits); its tick time
         is its trigger."""
-        db = sync_db.open()
-        try:
-            with db.engine.connect() as conn:
-                due = deadletters.due_for_retry(
-                    conn, db.clock, limit=1, supplier_id=supplier_id, task_codes=owned
-                )
-                claimed = deadletters.list_dead_letters(
-                    conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
-                )
-        finally:
-            db.dispose()
+        with sync_db.opened() as db, db.engine.connect() as conn:
+            due = deadletters.due_for_retry(
+                conn, db.clock, limit=1, supplier_id=supplier_id, task_codes=owned
+            )
+            claimed = deadletters.list_dead_letters(
+                conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
+            )
         if not due and not claimed:
             return dg.SkipReason("no retryable dead letter is due")
-        active = context.instance.get_runs(
-            filters=dg.RunsFilter(job_name=job.name, statuses=_ACTIVE), limit=1
-        )
-        if active:
-            return dg.SkipReason(f"run {active[0].run_id} of the previous compensation is active")
-        fired = (
-            context.scheduled_execution_time.isoformat()
-            if context.scheduled_execution_time
-            else "now"
-        )
-        trigger = f"compensate:{fired}"[:64]
-        return dg.RunRequest(
-            run_key=trigger,
-            tags={TRIGGER_TAG: trigger, SOURCE_TAG: "COMPENSATION", **scope.tags},
-        )
+        active = active_run(context.instance, job.name)
+        if active is not None:
+            return dg.SkipReason(f"run {active.run_id} of the previous compensation is active")
+        return scheduled_run(context, "compensate", "COMPENSATION", scope.tags)
 
     return dead_letter_compensation_schedule
 
@@ -342,12 +300,8 @@ def dead_letter_summary(
     context: dg.AssetExecutionContext, sync_db: SyncDatabaseResource
 ) -> dg.MaterializeResult:
     """Counts the dead letters (a few grouped queries)."""
-    db = sync_db.open()
-    try:
-        with db.engine.connect() as conn:
-            summary = deadletters.summarize(conn, db.clock)
-    finally:
-        db.dispose()
+    with sync_db.opened() as db, db.engine.connect() as conn:
+        summary = deadletters.summarize(conn, db.clock)
     context.log.info(
         f"dead letters: {summary.open} open (oldest {summary.oldest_open_hours} h), fix rate "
         f"{summary.fix_rate_24h:.1%} over 24 h, {summary.fix_rate_7d:.1%} over 7 d"
@@ -361,13 +315,11 @@ dead_letter_summary_job = dg.define_asset_job(
     description="Count the dead letters and their fix rate.",
 )
 
-dead_letter_summary_schedule = dg.ScheduleDefinition(
-    name="dead_letter_summary_schedule",
-    job=dead_letter_summary_job,
-    cron_schedule="*/15 * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
+dead_letter_summary_schedule = every(
+    dead_letter_summary_job,
+    "dead_letter_summary_schedule",
+    "*/15 * * * *",
+    "Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
 )
 
 

@@ -6,8 +6,9 @@ from typing import Any
 import dagster as dg
 
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
-from supplier_sync_dagster.defs.city_sync import SOURCE_TAG, TRIGGER_TAG, build_city_sync
+from supplier_sync_dagster.defs.city_sync import build_city_sync
 from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TRIGGER_TAG, scheduled_run
 
 
 @functools.cache
@@ -39,19 +40,13 @@ def build_nightly_full_sync(scope: AccountScope) -> dg.ScheduleDefinition:
         keys = context.instance.get_dynamic_partitions(scope.partitions_name)
         if not keys:
             return dg.SkipReason("no city partitions yet: the city discovery sensor adds them")
-        fired = (
-            context.scheduled_execution_time.isoformat()
-            if context.scheduled_execution_time
-            else "now"
-        )
-        trigger = f"nightly:{fired}"[:64]
-        return dg.RunRequest(
-            run_key=trigger,
-            tags={
+        return scheduled_run(
+            context,
+            "nightly",
+            "CRON",
+            {
                 "dagster/asset_partition_range_start": keys[0],
                 "dagster/asset_partition_range_end": keys[-1],
-                TRIGGER_TAG: trigger,
-                SOURCE_TAG: "CRON",
                 **scope.tags,
             },
         )
@@ -91,8 +86,7 @@ def build_city_resync_sensor(
             return dg.SensorResult(skip_reason=dg.SkipReason("no city to re-sync"))
         trigger = f"{trigger_prefix}:{asset_event.run_id}"[:64]
         keys = [encode_city_key(c) for c in cities]
-        known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-        new = [k for k in keys if k not in known]
+        new = scope.new_city_keys(context.instance, cities)
         return dg.SensorResult(
             run_requests=[
                 dg.RunRequest(

@@ -20,7 +20,7 @@ from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.health.metrics import SyncHealth, sync_health
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -28,15 +28,11 @@ from supplier_sync_dagster.defs.accounts import (
     resources_of,
     with_resource_key,
 )
-from supplier_sync_dagster.defs.city_sync import (
-    BACKFILL_TAG,
-    FRESHNESS_CHECK,
-    PUBLISHED,
-    TRIGGER_TAG,
-)
+from supplier_sync_dagster.defs.city_keys import FRESHNESS_CHECK, PUBLISHED
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.triggers import BACKFILL_TAG, TRIGGER_TAG, asset_job, every
 
 HEALTH = dg.AssetKey("sync_health")
 EVENTS_PER_TRANSACTION = 250
@@ -101,12 +97,9 @@ def _health(
     supplier: SupplierResource,
 ) -> Any:
     """Computes the figures (bounded queries) and each city's freshness."""
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         health = sync_health(db, task_code=supplier.task_code, supplier_id=supplier.supplier_id)
         sla = _sla_hours(db, supplier.task_code)
-    finally:
-        db.dispose()
     known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
     cities = [(c, lag) for c, lag in health.city_lag_hours.items() if encode_city_key(c) in known]
     published = scope.key(PUBLISHED.path[-1])
@@ -125,24 +118,22 @@ def _health(
 @functools.cache
 def build_sync_health_job(scope: AccountScope) -> Any:
     """The account's health job."""
-    return dg.define_asset_job(
-        scope.name("sync_health_job"),
-        selection=dg.AssetSelection.assets(scope.key(HEALTH.path[-1])),
-        tags=scope.tags,
-        description="Compute the sync's health figures and each city's freshness.",
+    return asset_job(
+        scope,
+        "sync_health_job",
+        HEALTH,
+        "Compute the sync's health figures and each city's freshness.",
     )
 
 
 @functools.cache
 def build_sync_health_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's health schedule, every 10 minutes."""
-    return dg.ScheduleDefinition(
-        name=scope.name("sync_health_schedule"),
-        job=build_sync_health_job(scope),
-        cron_schedule="*/10 * * * *",
-        execution_timezone="UTC",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description="Every 10 minutes: the health figures, plotted over time, and city freshness.",
+    return every(
+        build_sync_health_job(scope),
+        scope.name("sync_health_schedule"),
+        "*/10 * * * *",
+        "Every 10 minutes: the health figures, plotted over time, and city freshness.",
     )
 
 
@@ -205,8 +196,7 @@ def run_alerts(
     """One alert round for the configured supplier's task (what both sensors do)."""
     settings = load_settings()
     channel = alerts.open_channel(settings.alert_url, settings.state_dir)
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         return alerts.check(
             db,
             channel,
@@ -220,8 +210,6 @@ def run_alerts(
             ),
             dagster_url=settings.dagster_url or "http://localhost:3000",
         )
-    finally:
-        db.dispose()
 
 
 def _said(done: alerts.Round) -> str:

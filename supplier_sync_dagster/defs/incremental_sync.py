@@ -34,30 +34,31 @@ from supplier_sync_dagster.core.repair.incremental import (
     has_baseline,
     run_incremental,
 )
-from supplier_sync_dagster.dagster_instance.storage import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
     per_account,
     resources_of,
 )
-from supplier_sync_dagster.defs.city_sync import (
-    PUBLISHED,
-    SOURCE_TAG,
-    TRIGGER_TAG,
-    trigger_of,
-)
-from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.city_events import published_city
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
-    sync_settings,
+    run_settings,
+)
+from supplier_sync_dagster.defs.triggers import (
+    TASK_TAG,
+    active_run,
+    asset_job,
+    refused,
+    scheduled_run,
+    trigger_of,
 )
 
 CHANGE_FEED = dg.AssetKey("hotel_change_feed")
-TASK_TAG = "supplier_sync/task"
 VOLUME_CHECK = "change_volume"
 QUIET_CHECK = "quiet_windows"
 EVENTS_PER_TRANSACTION = 250
@@ -148,7 +149,7 @@ def _run_window(
 ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
     """Runs one window and reports it, and each city it published in."""
     trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = sync_settings(supplier, sync_db, governance)
+    settings = run_settings(sync_db, supplier, governance)
     incremental = IncrementalSettings(
         task_code=config.task_code or scope.incremental_task_code,
         full_task_code=supplier.task_code,
@@ -156,30 +157,22 @@ def _run_window(
         limit=config.changes_per_request,
         max_pages=config.max_pages,
     )
-    db = sync_db.open()
     store = payloads.open()
-    try:
-        with supplier.client() as client:
-            try:
-                window = run_incremental(
-                    db,
-                    store,
-                    client,
-                    settings=settings,
-                    incremental=incremental,
-                    trigger_id=trigger_id,
-                    source=source,
-                    worker_id=make_worker_id("supplier-sync"),
-                )
-            except (NoBaseline, TaskDisabled, TriggerSkipped) as err:
-                raise dg.Failure(
-                    description=f"incremental sync not run: {err}",
-                    metadata={"blocking_batch_id": getattr(err, "blocking_batch_id", "") or ""},
-                    allow_retries=False,
-                ) from None
-            requests = client.stats().requests
-    finally:
-        db.dispose()
+    with sync_db.opened() as db, supplier.client() as client:
+        try:
+            window = run_incremental(
+                db,
+                store,
+                client,
+                settings=settings,
+                incremental=incremental,
+                trigger_id=trigger_id,
+                source=source,
+                worker_id=make_worker_id("supplier-sync"),
+            )
+        except (NoBaseline, TaskDisabled, TriggerSkipped) as err:
+            raise refused("incremental sync not run", err) from None
+        requests = client.stats().requests
     r = window.report
     context.log.info(
         f"window {window.batch.batch_id}: {r.status}, {r.records} changes in {r.pages_fetched} "
@@ -196,11 +189,7 @@ def _run_window(
             metadata={"batch_id": window.batch.batch_id, "status": r.status},
             allow_retries=False,
         )
-    known = set(context.instance.get_dynamic_partitions(scope.partitions_name))
-    new = [encode_city_key(c) for c in window.cities if encode_city_key(c) not in known]
-    if new:
-        context.instance.add_dynamic_partitions(scope.partitions_name, new)
-    published_key = scope.key(PUBLISHED.path[-1])
+    scope.add_cities(context.instance, window.cities)
     touched = list(window.cities.items())
     watermark = _text(window.watermark_after)
     for start in range(0, len(touched), EVENTS_PER_TRANSACTION):
@@ -208,18 +197,15 @@ def _run_window(
         with one_event_transaction(context.instance):
             for city, published in touched[start : start + EVENTS_PER_TRANSACTION]:
                 # Logged, not yielded: a yielded event passes Dagster's per-yield error and
-                # interrupt boundaries, ~10 % of each of these ~0.6 ms events.
+                # interrupt boundaries, which these many small events need not pay.
                 context.log_event(
-                    dg.AssetMaterialization(
-                        published_key,
-                        partition=encode_city_key(city),
-                        metadata={
-                            "batch_id": window.batch.batch_id,
-                            "city": city,
-                            "sync_mode": "INCREMENTAL",
-                            "published": published,
-                            "watermark": watermark,
-                        },
+                    published_city(
+                        scope,
+                        city,
+                        window.batch.batch_id,
+                        "INCREMENTAL",
+                        published,
+                        watermark=watermark,
                     )
                 )
     yield dg.MaterializeResult(
@@ -279,11 +265,12 @@ def _text(mark: object) -> str:
 @functools.cache
 def build_incremental_sync_job(scope: AccountScope) -> Any:
     """The account's incremental job: one window, tagged with its task (one at a time)."""
-    return dg.define_asset_job(
-        scope.name("incremental_sync"),
-        selection=dg.AssetSelection.assets(scope.key(CHANGE_FEED.path[-1])),
-        tags={TASK_TAG: scope.incremental_task_code, **scope.tags},
-        description="One window of the supplier's change feed, from the watermark until caught up.",
+    return asset_job(
+        scope,
+        "incremental_sync",
+        CHANGE_FEED,
+        "One window of the supplier's change feed, from the watermark until caught up.",
+        tags={TASK_TAG: scope.incremental_task_code},
     )
 
 
@@ -309,48 +296,22 @@ def build_incremental_sync_schedule(scope: AccountScope) -> dg.ScheduleDefinitio
     ) -> dg.RunRequest | dg.SkipReason:
         """Requests a window unless one is queued or running, or there is nothing to be
         incremental to yet (no full sync); its tick time is its trigger."""
-        db = sync_db.open()
-        try:
+        with sync_db.opened() as db:
             ready = has_baseline(
                 db,
                 IncrementalSettings(
                     task_code=scope.incremental_task_code, full_task_code=scope.full_task_code
                 ),
             )
-        finally:
-            db.dispose()
         if not ready:
             return dg.SkipReason(
                 "no watermark and no successful full sync yet: nothing to start from"
             )
-        active = context.instance.get_runs(
-            filters=dg.RunsFilter(
-                job_name=job.name,
-                statuses=[
-                    dg.DagsterRunStatus.QUEUED,
-                    dg.DagsterRunStatus.NOT_STARTED,
-                    dg.DagsterRunStatus.STARTING,
-                    dg.DagsterRunStatus.STARTED,
-                ],
-            ),
-            limit=1,
-        )
-        if active:
-            return dg.SkipReason(f"run {active[0].run_id} of the previous window is still active")
-        fired = (
-            context.scheduled_execution_time.isoformat()
-            if context.scheduled_execution_time
-            else "now"
-        )
-        trigger = f"incremental:{fired}"[:64]
-        return dg.RunRequest(
-            run_key=trigger,
-            tags={
-                TRIGGER_TAG: trigger,
-                SOURCE_TAG: "CRON",
-                TASK_TAG: scope.incremental_task_code,
-                **scope.tags,
-            },
+        active = active_run(context.instance, job.name)
+        if active is not None:
+            return dg.SkipReason(f"run {active.run_id} of the previous window is still active")
+        return scheduled_run(
+            context, "incremental", "CRON", {TASK_TAG: scope.incremental_task_code, **scope.tags}
         )
 
     return incremental_sync_schedule

@@ -11,6 +11,7 @@ import json
 from typing import Any, Literal
 
 import dagster as dg
+import sqlalchemy as sa
 from pydantic import Field
 
 from supplier_sync_dagster.core.errors import SupplierSyncError
@@ -20,6 +21,7 @@ from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import override_gate
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
+from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
@@ -109,8 +111,7 @@ def _dead_letter_action(
     sync_db: SyncDatabaseResource,
     action: str,
 ) -> dg.Output[int]:
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         with db.engine.connect() as conn:
             before = deadletters.snapshot(conn, config.ids)
         try:
@@ -127,8 +128,6 @@ def _dead_letter_action(
             raise _refused(err) from None
         with db.engine.connect() as conn:
             after = deadletters.snapshot(conn, config.ids)
-    finally:
-        db.dispose()
     context.log.info(f"dead letters {config.ids}: {action} by {config.by} ({moved} moved)")
     return dg.Output(
         moved,
@@ -168,16 +167,11 @@ def fix_dead_letter_op(
     governance: GovernanceResource,
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
-    import sqlalchemy as sa
-
-    from supplier_sync_dagster.core.store import schema
-
     try:
         patch = json.loads(config.patch)
     except json.JSONDecodeError as err:
         raise dg.Failure(description=f"patch is not JSON: {err}", allow_retries=False) from None
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         d = schema.dead_letter.c
         with db.engine.connect() as conn:
             row = conn.execute(
@@ -204,8 +198,6 @@ def fix_dead_letter_op(
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
-    finally:
-        db.dispose()
     metadata: dict[str, Any] = {
         "dead_letter": config.id,
         "batch_id": outcome.batch_id,
@@ -230,8 +222,7 @@ def _review(
 ) -> dg.Output[int]:
     if not config.review_ids and not config.batch_id:
         raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         decide = approve_reviews if approve else reject_reviews
         try:
             decision = decide(
@@ -243,8 +234,6 @@ def _review(
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
-    finally:
-        db.dispose()
     values = {k: v for k, v in vars(decision).items() if isinstance(v, int)}
     return dg.Output(decision.approved if approve else decision.rejected, metadata=values)
 
@@ -268,8 +257,7 @@ def reject_reviews_op(
 @dg.op(description="Let a failed gate check of one city pass; re-running the city publishes it.")
 def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) -> dg.Output[str]:
     """An operator's gate override."""
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         try:
             with db.begin() as conn:
                 override = override_gate(
@@ -283,8 +271,6 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
                 )
         except SupplierSyncError as err:
             raise _refused(err) from None
-    finally:
-        db.dispose()
     return dg.Output(
         config.check_name,
         metadata={k: str(v) for k, v in vars(override).items()},
@@ -298,8 +284,7 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
         thresholds = json.loads(config.thresholds_json) if config.thresholds_json else None
     except json.JSONDecodeError as err:
         raise dg.Failure(description=f"thresholds_json: {err}", allow_retries=False) from None
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         try:
             changes = change_task(
                 db,
@@ -313,8 +298,6 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
-    finally:
-        db.dispose()
     return dg.Output(
         len(changes),
         metadata={
@@ -329,14 +312,11 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
 def _outbox(
     config: OutboxActionConfig, sync_db: SyncDatabaseResource, action: Literal["retry", "cancel"]
 ) -> dg.Output[int]:
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         try:
             moved = operate(db, action, config.ids, actor=config.by, reason=config.reason)
         except SupplierSyncError as err:
             raise _refused(err) from None
-    finally:
-        db.dispose()
     return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
 
 

@@ -1,5 +1,6 @@
-"""The outbox's read models in Dagster: the search projection as an asset downstream of the
-catalog, a job that drains the outbox (and frees stuck events), and its schedule.
+"""The outbox's read models in Dagster: their resource, the search projection as an asset
+downstream of the catalog, a job that drains the outbox (and frees stuck events), and its
+schedule.
 
 ``hotel_search_projection`` depends on ``published_hotels``, so lineage shows catalog ->
 search. Materializing it runs one dispatcher until the outbox has nothing due (bounded by
@@ -8,6 +9,9 @@ the backlog left and the lag, as numeric metadata the UI plots over time. The sc
 it every minute; ``supplier-sync dispatch`` runs dispatchers outside Dagster, and both can
 run at once (each event is handled by one dispatcher at a time).
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import dagster as dg
 from pydantic import Field
@@ -20,14 +24,16 @@ from supplier_sync_dagster.core.outbox.machine import (
     release_stuck,
 )
 from supplier_sync_dagster.core.outbox.projections import (
+    Projections,
     ProjectionSettings,
     open_projections,
     reconcile_projection,
 )
-from supplier_sync_dagster.core.settings import env_name, load_storage_settings
+from supplier_sync_dagster.core.settings import env_name, load_settings, load_storage_settings
 from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
-from supplier_sync_dagster.defs.city_sync import GROUP, PUBLISHED
-from supplier_sync_dagster.defs.resources import SyncDatabaseResource
+from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
+from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var
+from supplier_sync_dagster.defs.triggers import every
 
 
 class ProjectionsResource(dg.ConfigurableResource):
@@ -66,6 +72,15 @@ class ProjectionsResource(dg.ConfigurableResource):
             exchange=self.exchange,
         )
 
+    @contextmanager
+    def opened(self) -> Iterator[Projections]:
+        """The targets for the block, closed at the end."""
+        targets = open_projections(self.settings())
+        try:
+            yield targets
+        finally:
+            targets.close()
+
 
 class DrainConfig(dg.Config):
     """How long one materialization may drain."""
@@ -89,9 +104,7 @@ def hotel_search_projection(
     projections: ProjectionsResource,
 ) -> dg.MaterializeResult:
     """Frees stuck events, then dispatches until nothing is due; reports what moved."""
-    db = sync_db.open()
-    targets = open_projections(projections.settings())
-    try:
+    with sync_db.opened() as db, projections.opened() as targets:
         released = release_stuck(db)
         for stage, n in released.items():
             context.log.warning(f"{n} stuck {stage} events returned to READY")
@@ -100,9 +113,6 @@ def hotel_search_projection(
         )
         report = dispatcher.drain(max_seconds=config.max_seconds)
         status = outbox_status(db)
-    finally:
-        targets.close()
-        db.dispose()
     metadata: dict[str, dg.RawMetadataValue] = {
         "stuck_released": sum(released.values()),
         "ready_left": status.total("READY"),
@@ -136,16 +146,12 @@ outbox_dispatch_job = dg.define_asset_job(
 )
 
 
-outbox_dispatch_schedule = dg.ScheduleDefinition(
-    name="outbox_dispatch_schedule",
-    job=outbox_dispatch_job,
-    cron_schedule="* * * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description=(
-        "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
-        "subscribers), so the read models follow the catalog with the daemon alone."
-    ),
+outbox_dispatch_schedule = every(
+    outbox_dispatch_job,
+    "outbox_dispatch_schedule",
+    "* * * * *",
+    "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
+    "subscribers), so the read models follow the catalog with the daemon alone.",
 )
 
 
@@ -164,13 +170,8 @@ def hotel_search_reconciliation(
     projections: ProjectionsResource,
 ) -> dg.MaterializeResult:
     """Compares and repairs; the differing cities are a table in the metadata."""
-    db = sync_db.open()
-    targets = open_projections(projections.settings())
-    try:
+    with sync_db.opened() as db, projections.opened() as targets:
         report = reconcile_projection(db, targets)
-    finally:
-        targets.close()
-        db.dispose()
     for d in report.differences:
         context.log.warning(
             f"city {d.city_code!r}: {d.missing} missing, {d.stale} stale, {d.extra} extra"
@@ -215,13 +216,11 @@ projection_reconciliation_job = dg.define_asset_job(
     description="Check the search index against the catalog and repair what differs.",
 )
 
-projection_reconciliation_schedule = dg.ScheduleDefinition(
-    name="projection_reconciliation_schedule",
-    job=projection_reconciliation_job,
-    cron_schedule="30 3 * * *",
-    execution_timezone="UTC",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Daily: the search index against the catalog, repaired where it differs.",
+projection_reconciliation_schedule = every(
+    projection_reconciliation_job,
+    "projection_reconciliation_schedule",
+    "30 3 * * *",
+    "Daily: the search index against the catalog, repaired where it differs.",
 )
 
 
@@ -248,8 +247,18 @@ def defs() -> dg.Definitions:
         projection = hotel_search_projection.map_asset_specs(
             lambda spec: spec.replace_attributes(deps=[CATALOG])
         )
+    settings = load_settings()
     return dg.Definitions(
         assets=[*extra, projection, hotel_search_reconciliation],
         jobs=[outbox_dispatch_job, projection_reconciliation_job],
         schedules=[outbox_dispatch_schedule, projection_reconciliation_schedule],
+        # Bound here, not in resources.py: only the outbox's assets use the read models,
+        # and the commands that import resources.py need not import them.
+        resources={
+            "projections": ProjectionsResource(
+                search_url=env_var(settings, "search_url"),
+                cache_url=env_var(settings, "redis_url"),
+                amqp_url=env_var(settings, "amqp_url"),
+            )
+        },
     )

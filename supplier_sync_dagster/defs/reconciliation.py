@@ -24,13 +24,14 @@ from supplier_sync_dagster.defs.accounts import (
     per_account,
     resources_of,
 )
-from supplier_sync_dagster.defs.city_sync import PUBLISHED
+from supplier_sync_dagster.defs.city_keys import PUBLISHED
 from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import asset_job, every
 
 RECONCILIATION = dg.AssetKey("hotel_catalog_reconciliation")
 REPULL = "repull_cities"
@@ -92,20 +93,16 @@ def _reconcile(
         relative=config.relative,
         max_lag_seconds=config.max_lag_hours * 3600,
     )
-    db = sync_db.open()
-    try:
-        with supplier.client() as client:
-            # The city list the last full sync stored: a summary per city is the whole cost.
-            report = reconcile(
-                db,
-                client,
-                supplier_id=supplier.supplier_id,
-                tolerance=tolerance,
-                store=payloads.open(),
-                task_code=supplier.task_code,
-            )
-    finally:
-        db.dispose()
+    with sync_db.opened() as db, supplier.client() as client:
+        # The city list the last full sync stored: a summary per city is the whole cost.
+        report = reconcile(
+            db,
+            client,
+            supplier_id=supplier.supplier_id,
+            tolerance=tolerance,
+            store=payloads.open(),
+            task_code=supplier.task_code,
+        )
     before = set(_previous_repull(context.instance, key))
     differing = [c.city_code for c in report.differing]
     remaining = [c for c in differing if c in before]
@@ -159,11 +156,11 @@ def _previous_repull(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[str
 @functools.cache
 def build_reconciliation_job(scope: AccountScope) -> Any:
     """The account's reconciliation job."""
-    return dg.define_asset_job(
-        scope.name("catalog_reconciliation_job"),
-        selection=dg.AssetSelection.assets(scope.key(RECONCILIATION.path[-1])),
-        tags=scope.tags,
-        description="Compare every city's supplier summary with the catalog.",
+    return asset_job(
+        scope,
+        "catalog_reconciliation_job",
+        RECONCILIATION,
+        "Compare every city's supplier summary with the catalog.",
     )
 
 
@@ -171,13 +168,11 @@ def build_reconciliation_job(scope: AccountScope) -> Any:
 def build_reconciliation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's daily reconciliation (its ``schedules.reconciliation``; 04:00 UTC)."""
     cron = "0 4 * * *" if scope.account is None else scope.account.schedules.reconciliation
-    return dg.ScheduleDefinition(
-        name=scope.name("catalog_reconciliation_schedule"),
-        job=build_reconciliation_job(scope),
-        cron_schedule=cron or "0 4 * * *",
-        execution_timezone="UTC",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description="Every city's supplier summary against the catalog (a request per city).",
+    return every(
+        build_reconciliation_job(scope),
+        scope.name("catalog_reconciliation_schedule"),
+        cron or "0 4 * * *",
+        "Every city's supplier summary against the catalog (a request per city).",
     )
 
 

@@ -1,4 +1,5 @@
-"""Resources: the sync database, the payload store, the supplier and the risk policy.
+"""Resources: the sync database, the payload store, the supplier and the risk policy (the
+outbox's read models are ``outbox.py``'s).
 
 The settings (:mod:`supplier_sync_dagster.core.settings`) are read when the definitions
 load; each one that is set reaches its resource as ``dg.EnvVar`` (secrets never land in run
@@ -61,6 +62,15 @@ class SyncDatabaseResource(dg.ConfigurableResource):
         """Opens the database (creating missing tables)."""
         return SyncDatabase.open(self.db_url)
 
+    @contextmanager
+    def opened(self) -> Iterator[SyncDatabase]:
+        """The database for the block, its connections closed at the end."""
+        db = self.open()
+        try:
+            yield db
+        finally:
+            db.dispose()
+
     def lease_settings(self) -> LeaseSettings:
         """The configured lease settings, validated."""
         return LeaseSettings(
@@ -79,8 +89,8 @@ class PayloadStoreResource(dg.ConfigurableResource):
         ),
     )
     # The S3 settings are dagster-aws's S3Resource's own, flat: a nested S3Resource field
-    # would import dagster_aws (and boto3) in every run and command, ~0.3 s each, where
-    # only an s3:// store needs it.
+    # would import dagster_aws (and boto3) in every run and command, where only an s3://
+    # store needs them.
     s3_endpoint_url: str | None = Field(
         default=None,
         description="S3 endpoint (MinIO or any S3-compatible store). Unset: AWS_ENDPOINT_URL, else AWS.",
@@ -296,7 +306,21 @@ class GovernanceResource(dg.ConfigurableResource):
         )
 
 
-def _env(settings: Settings, name: str) -> dg.EnvVar | None:
+def run_settings(
+    sync_db: SyncDatabaseResource, supplier: SupplierResource, governance: GovernanceResource
+) -> SyncSettings:
+    """The settings of a run's sync work: the supplier's task and pages, the leases, the
+    risk policy."""
+    return build_sync_settings(
+        task_code=supplier.task_code,
+        supplier_id=supplier.supplier_id,
+        page_size=supplier.page_size,
+        lease=sync_db.lease_settings(),
+        risk_policy=governance.risk_rules(),
+    )
+
+
+def env_var(settings: Settings, name: str) -> dg.EnvVar | None:
     # The variable itself, not its value: secrets never land in run config or the UI.
     return dg.EnvVar(env_name(name)) if getattr(settings, name) is not None else None
 
@@ -312,11 +336,10 @@ def resources() -> dg.Definitions:
     settings = load_settings()
     return dg.Definitions(
         resources={
-            "sync_db": SyncDatabaseResource(db_url=_env(settings, "db_url")),
-            "payloads": PayloadStoreResource(url=_env(settings, "payload_url")),
+            "sync_db": SyncDatabaseResource(db_url=env_var(settings, "db_url")),
+            "payloads": PayloadStoreResource(url=env_var(settings, "payload_url")),
             **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),
-            "projections": _projections(settings),
         }
     )
 
@@ -335,9 +358,9 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     if account is None:
         return supplier_resource(
             **{
-                "base_url": _env(settings, "supplier_url"),
-                "api_key": _env(settings, "supplier_api_key"),
-                "redis_url": _env(settings, "redis_url"),
+                "base_url": env_var(settings, "supplier_url"),
+                "api_key": env_var(settings, "supplier_api_key"),
+                "redis_url": env_var(settings, "redis_url"),
                 # Numbers, not secrets: their values show in the resource's config.
                 **_set(
                     rate_limit_rps=settings.supplier_rate_limit,
@@ -359,7 +382,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     fields: dict[str, Any] = {
         "base_url": account.base_url,
         "api_key": dg.EnvVar(account.api_key_env) if account.api_key_env else None,
-        "redis_url": _env(settings, "redis_url"),
+        "redis_url": env_var(settings, "redis_url"),
         "supplier_id": account.supplier_id,
         "account": account.code,
         "task_code": account.full_task_code,
@@ -373,28 +396,3 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
     if fields["base_url"] is None:
         fields.pop("api_key")
     return supplier_resource(**fields)
-
-
-def _projections(settings: Settings) -> dg.ConfigurableResource:
-    # Imported here: defs/outbox.py defines the resource and imports this module.
-    from supplier_sync_dagster.defs.outbox import ProjectionsResource
-
-    return ProjectionsResource(
-        search_url=_env(settings, "search_url"),
-        cache_url=_env(settings, "redis_url"),
-        amqp_url=_env(settings, "amqp_url"),
-    )
-
-
-def sync_settings(
-    supplier: SupplierResource, sync_db: SyncDatabaseResource, governance: GovernanceResource
-) -> SyncSettings:
-    """The settings of a sync run with these resources, a job's or a command's: the
-    supplier's task and page size, the database's lease settings, the risk policy."""
-    return build_sync_settings(
-        task_code=supplier.task_code,
-        supplier_id=supplier.supplier_id,
-        page_size=supplier.page_size,
-        lease=sync_db.lease_settings(),
-        risk_policy=governance.risk_rules(),
-    )

@@ -27,11 +27,8 @@ def shard_stall_sensor(
     context: dg.SensorEvaluationContext, sync_db: SyncDatabaseResource
 ) -> dg.SkipReason:
     """Reports new stalls in the sensor log and its skip reason; requests no runs."""
-    db = sync_db.open()
-    try:
+    with sync_db.opened() as db:
         stalls = find_stalls(db, checkpoint_stall_seconds=CHECKPOINT_STALL_SECONDS)
-    finally:
-        db.dispose()
     seen = set(json.loads(context.cursor)) if context.cursor else set()
     current = {f"{s.kind}|{s.batch_id}|{s.shard_key}|{s.last_checkpoint_at}" for s in stalls}
     new = [

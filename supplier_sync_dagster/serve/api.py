@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -132,8 +133,30 @@ def create_app(
             None for that supplier: 503).
         ttl_seconds: How long a hotel stays cached.
     """
+    api = ReadApi(db=db, search=search, cache=cache, supplier=supplier, ttl_seconds=ttl_seconds)
+    return Starlette(
+        routes=[
+            Route("/hotels", api.hotels, methods=["GET"]),
+            Route("/hotels/{resource_id:int}", api.hotel, methods=["GET"]),
+            Route("/offers/confirm", api.confirm, methods=["POST"]),
+            Route("/openapi.json", _openapi, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _on_api_error, Exception: _on_error},
+    )
 
-    def hotels(request: Request) -> JSONResponse:
+
+@dataclass(frozen=True)
+class ReadApi:
+    """The read API's routes over its stores (see :func:`create_app` for each field)."""
+
+    db: SyncDatabase
+    search: SearchIndex
+    cache: HotelCache
+    supplier: Callable[[int], SupplierClient | None] | None
+    ttl_seconds: float
+
+    def hotels(self, request: Request) -> JSONResponse:
+        """``GET /hotels``: the search read model."""
         stars = _number(request, "stars")
         query = SearchQuery(
             text=_text(request, "q", 256) or "",
@@ -145,7 +168,7 @@ def create_app(
         )
         if not (query.text or query.city_code or query.country_code):
             raise ApiError(400, "INVALID_PARAMETER", "give q, city or country")
-        hits = search.search(query)
+        hits = self.search.search(query)
         return JSONResponse(
             {
                 "count": len(hits),
@@ -153,42 +176,46 @@ def create_app(
             }
         )
 
-    async def hotel(request: Request) -> Response:
+    async def hotel(self, request: Request) -> Response:
+        """``GET /hotels/{id}``: the cache first, else the catalog, cached."""
         # A hit is answered on the event loop (one cache read, no worker thread: the hot
         # path of a read API); a miss reads the catalog in a worker thread.
         resource_id = int(request.path_params["resource_id"])
         key = HOTEL_KEY.format(resource_id=resource_id)
         try:
-            cached = cache.get(key)
+            cached = self.cache.get(key)
         except ProjectionUnavailable as err:  # the cache is an optimisation, not a source
             log.warning("hotel cache unavailable, reading the catalog: %s", err)
             cached = None
         if cached is not None:
             return Response(cached, media_type="application/json", headers={"X-Cache": "HIT"})
-        body = await run_in_threadpool(_hotel_json, db, resource_id)
+        body = await run_in_threadpool(_hotel_json, self.db, resource_id)
         if body is None:
             raise ApiError(404, "HOTEL_NOT_FOUND", f"no hotel {resource_id}")
         try:
-            cache.set(key, body, ttl_seconds)
+            self.cache.set(key, body, self.ttl_seconds)
         except ProjectionUnavailable as err:
             log.warning("hotel cache unavailable, not cached: %s", err)
         return Response(body, media_type="application/json", headers={"X-Cache": "MISS"})
 
-    async def confirm(request: Request) -> JSONResponse:
+    async def confirm(self, request: Request) -> JSONResponse:
+        """``POST /offers/confirm``: the supplier's live quote against the catalog."""
         try:
             body = await request.json()
         except ValueError:
             raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
-        return await run_in_threadpool(_confirm, body)
+        return await run_in_threadpool(self.confirm_body, body)
 
-    def _confirm(body: Any) -> JSONResponse:
+    def confirm_body(self, body: Any) -> JSONResponse:
+        """The answer to a confirmation request's body (in a worker thread: it waits for the
+        supplier)."""
         req = _confirm_request(body)
-        if supplier is None:
+        if self.supplier is None:
             raise ApiError(503, "SUPPLIER_UNAVAILABLE", "no supplier is configured")
-        offer = _catalog_offer(db, req["hotel_id"], req["room_code"], req["rate_plan_code"])
+        offer = _catalog_offer(self.db, req["hotel_id"], req["room_code"], req["rate_plan_code"])
         if offer is None:
             raise ApiError(404, "OFFER_NOT_FOUND", "no such hotel, room and rate plan")
-        client = supplier(int(offer["supplier_id"]))
+        client = self.supplier(int(offer["supplier_id"]))
         if client is None:
             raise ApiError(
                 503,
@@ -224,7 +251,7 @@ def create_app(
                 and abs(per_night - catalog_price) > catalog_price * PRICE_TOLERANCE
             )
         )
-        enqueued = _enqueue_refresh(db, offer) if differs else False
+        enqueued = _enqueue_refresh(self.db, offer) if differs else False
         return JSONResponse(
             {
                 "hotel_id": req["hotel_id"],
@@ -246,33 +273,26 @@ def create_app(
             headers={"Cache-Control": "no-store"},
         )
 
-    def openapi(_: Request) -> JSONResponse:
-        return JSONResponse(OPENAPI)
 
-    async def on_api_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = (
-            exc.code
-            if isinstance(exc, ApiError)
-            else ("NOT_FOUND" if exc.status_code == 404 else "HTTP_ERROR")
-        )
-        return _error(exc.status_code, code, str(exc.detail))
+def _openapi(_: Request) -> JSONResponse:
+    return JSONResponse(OPENAPI)
 
-    async def on_error(_: Request, exc: Exception) -> Response:
-        if isinstance(exc, ProjectionUnavailable):
-            return _error(503, "READ_MODEL_UNAVAILABLE", str(exc))
-        log.exception("unexpected error in the read API")
-        return _error(500, "INTERNAL", "an unexpected error; it has been logged")
 
-    return Starlette(
-        routes=[
-            Route("/hotels", hotels, methods=["GET"]),
-            Route("/hotels/{resource_id:int}", hotel, methods=["GET"]),
-            Route("/offers/confirm", confirm, methods=["POST"]),
-            Route("/openapi.json", openapi, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: on_api_error, Exception: on_error},
+async def _on_api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = (
+        exc.code
+        if isinstance(exc, ApiError)
+        else ("NOT_FOUND" if exc.status_code == 404 else "HTTP_ERROR")
     )
+    return _error(exc.status_code, code, str(exc.detail))
+
+
+async def _on_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, ProjectionUnavailable):
+        return _error(503, "READ_MODEL_UNAVAILABLE", str(exc))
+    log.exception("unexpected error in the read API")
+    return _error(500, "INTERNAL", "an unexpected error; it has been logged")
 
 
 def _confirm_request(body: Any) -> dict[str, Any]:

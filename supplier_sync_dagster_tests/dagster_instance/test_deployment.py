@@ -12,7 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import dagster as dg
+import dagster._daemon.cli as daemon_cli
 import pytest
+from dagster._daemon import controller
 from dagster._daemon.backfill import execute_backfill_iteration_loop
 
 from supplier_sync_dagster.cli import main as cli
@@ -71,9 +73,6 @@ def test_the_daemon_command_refuses_a_bad_interval_before_starting(
 def test_supplier_sync_daemon_runs_dagster_daemon_with_its_arguments(
     monkeypatch: pytest.MonkeyPatch, interval: None
 ) -> None:
-    import dagster._daemon.cli as daemon_cli
-    from dagster._daemon import controller
-
     seen: dict[str, Any] = {}
 
     def fake_main() -> None:

@@ -30,18 +30,18 @@ from dagster._core.storage.tags import (
 )
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.cli.sync_runner import (
-    _OLD_EMBEDDED_DAGSTER_YAMLS,
+from supplier_sync_dagster.dagster_instance.deployment import ROOT
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction
+from supplier_sync_dagster.dagster_instance.home import (
     EMBEDDED_DAGSTER_YAML,
+    OLD_EMBEDDED_DAGSTER_YAMLS,
     dagster_instance,
 )
-from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.dagster_instance.storage import (
     DEFAULT_MAX_CACHED_SHARDS,
     EmbeddedDagsterInstance,
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
-    one_event_transaction,
 )
 
 PARTITIONS = dg.StaticPartitionsDefinition(["a", "b", "c", "d"])
@@ -106,7 +106,7 @@ def test_the_embedded_yaml_makes_the_pooled_storages(home: Path) -> None:
         assert instance.get_ref().custom_instance_class_data is not None
 
 
-@pytest.mark.parametrize("earlier", [*_OLD_EMBEDDED_DAGSTER_YAMLS, None, "edited"])
+@pytest.mark.parametrize("earlier", [*OLD_EMBEDDED_DAGSTER_YAMLS, None, "edited"])
 def test_the_state_folder_s_instance_is_the_embedded_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier: str | None
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ import sqlalchemy as sa
 from moto.server import ThreadedMotoServer
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings, claim_shard, list_shards
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.run import resolve_batch
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync, trigger_of
+from supplier_sync_dagster.definitions import defs
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -27,7 +30,8 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.simulator import FaultProfile
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG, trigger_of
+from supplier_sync_dagster.simulator import FaultProfile, running_server
 from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES, SIM_API_KEY, make_simulator
 
 CODES = [*HOSTILE_CITY_CODES, "a~7Cb", "~", "São Paulo", "x" * 64, "a,b", "a b\tc"]
@@ -269,8 +273,6 @@ def test_runs_of_one_backfill_share_one_batch(tmp_path: Path):
 def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started(
     db_url: str, tmp_path: Path
 ):
-    from supplier_sync_dagster.core.leasing.leases import list_shards
-
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
     resources = _resources(db_url, tmp_path, supplier)
     mine, theirs = keys[0], keys[3]
@@ -314,8 +316,6 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
 def test_a_city_held_by_another_run_is_waited_for_after_the_others(tmp_path: Path):
     """The run's largest city is leased by someone else: the run syncs its other cities
     first, then waits for that lease to end and finishes the city itself."""
-    from supplier_sync_dagster.core.leasing.leases import LeaseSettings, claim_shard, list_shards
-
     instance, supplier, keys = _setup(tmp_path, cities=4, hotels=400)
     db_url = f"sqlite:///{tmp_path}/sync.sqlite3"
     resources = _resources(db_url, tmp_path, supplier)
@@ -408,8 +408,6 @@ def test_a_range_run_with_two_cities_in_flight_ends_at_the_ground_truth(
 def full_sync_job() -> dg.JobDefinition:
     """The project's full-sync job, resources from the SUPPLIER_SYNC_* environment
     (module level: re-execution needs a reconstructable job)."""
-    from supplier_sync_dagster.definitions import defs
-
     return defs().resolve_job_def("full_sync_job")
 
 
@@ -418,9 +416,6 @@ def test_reexecuting_a_failed_range_run_from_failure_resyncs_only_the_failed_cit
 ):
     """What "Re-execute from failure" on a run in the UI does: the same batch continues,
     the cities it published are not synced again, the failed one resumes."""
-    from dataclasses import replace
-
-    from supplier_sync_dagster.simulator import running_server
 
     sim = make_simulator(seed=7, n_cities=4, total_hotels=400)
     broken = sim.city_codes()[1]

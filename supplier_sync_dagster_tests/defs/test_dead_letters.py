@@ -13,13 +13,24 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.records.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.leasing.batches import (
+    TaskSpec,
+    cancel_batch,
+    create_batch,
+    upsert_task,
+)
+from supplier_sync_dagster.core.records.deadletters import (
+    DeadLetter,
+    record_city_failure,
+    record_dead_letters,
+)
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.dead_letters import (
+    dead_letter_city_resync_sensor,
     dead_letter_compensation,
     dead_letter_compensation_schedule,
     dead_letter_summary,
@@ -33,13 +44,15 @@ from supplier_sync_dagster.defs.operator_actions import (
     review_approve_job,
     task_settings_job,
 )
-from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
+from supplier_sync_dagster_tests.defs.test_reconciliation import repository
 
 
 @pytest.fixture
@@ -286,17 +299,6 @@ def test_operator_actions_run_from_the_launchpad_and_are_audited(
 def test_a_failed_city_is_resynced_by_the_sensor_and_its_ticket_resolved(
     db_url: str, tmp_path: Path, instance: dg.DagsterInstance
 ):
-    from supplier_sync_dagster.core.leasing.batches import (
-        TaskSpec,
-        cancel_batch,
-        create_batch,
-        upsert_task,
-    )
-    from supplier_sync_dagster.core.records.deadletters import record_city_failure
-    from supplier_sync_dagster.defs.dead_letters import dead_letter_city_resync_sensor
-    from supplier_sync_dagster.defs.partitions import decode_city_key
-    from supplier_sync_dagster_tests.defs.test_reconciliation import _repo
-
     with _supplier().client() as client:
         city = client.list_cities().data.cities[0].city_code
     db = SyncDatabase.open(db_url)
@@ -326,7 +328,7 @@ def test_a_failed_city_is_resynced_by_the_sensor_and_its_ticket_resolved(
         instance.add_dynamic_partitions("supplier_city", [encode_city_key(city)])
         with (
             dg.partition_loading_context(dynamic_partitions_store=instance),
-            dg.build_sensor_context(instance=instance, repository_def=_repo()) as ctx,
+            dg.build_sensor_context(instance=instance, repository_def=repository()) as ctx,
         ):
             tick = dead_letter_city_resync_sensor.evaluate_tick(ctx)
         (request,) = tick.run_requests or []

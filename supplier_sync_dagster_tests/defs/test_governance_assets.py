@@ -11,15 +11,8 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core.records.gates import override_gate
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.city_sync import (
-    DIFFS,
-    MAPPINGS,
-    NORMALIZED,
-    PUBLISHED,
-    RAW,
-    TRIGGER_TAG,
-    city_sync,
-)
+from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED, RAW
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -27,6 +20,7 @@ from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 

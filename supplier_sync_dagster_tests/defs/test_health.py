@@ -21,7 +21,10 @@ from supplier_sync_dagster.defs.health import (
     alert_sensor,
     sync_health_asset,
 )
-from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
+from supplier_sync_dagster_tests.defs.test_incremental_sync import (
+    full_sync_of_every_city,
+    simulated_resources,
+)
 
 
 @pytest.fixture
@@ -31,7 +34,7 @@ def instance() -> Iterator[dg.DagsterInstance]:
 
 
 def _health(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dg.ExecuteInJobResult:
-    resources = _resources(db_url, tmp_path, 0)
+    resources = simulated_resources(db_url, tmp_path, 0)
     result = dg.materialize(
         [sync_health_asset],
         instance=instance,
@@ -52,7 +55,7 @@ def _freshness(result: dg.ExecuteInJobResult) -> dict[str, bool]:
 def test_sync_health_plots_the_figures_and_judges_each_city(
     db_url: str, tmp_path: Path, instance: dg.DagsterInstance
 ):
-    keys = _full_sync(instance, db_url, tmp_path)
+    keys = full_sync_of_every_city(instance, db_url, tmp_path)
     first = _health(instance, db_url, tmp_path)
     (m,) = first.asset_materializations_for_node("sync_health")
     meta: dict[str, Any] = {k: v.value for k, v in m.metadata.items()}
@@ -80,8 +83,8 @@ def test_the_alert_sensors_send_once_and_clear(
     channel = tmp_path / "alerts.jsonl"
     monkeypatch.setenv("SUPPLIER_SYNC_ALERT_URL", f"file://{channel}")
     monkeypatch.setenv("SUPPLIER_SYNC_DAGSTER_URL", "http://dagster.example:3000")
-    keys = _full_sync(instance, db_url, tmp_path)
-    resources = _resources(db_url, tmp_path, 0)
+    keys = full_sync_of_every_city(instance, db_url, tmp_path)
+    resources = simulated_resources(db_url, tmp_path, 0)
     sensor_resources = {k: resources[k] for k in ("sync_db", "supplier")}
 
     def tick() -> str:

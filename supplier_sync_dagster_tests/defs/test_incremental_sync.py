@@ -10,11 +10,12 @@ from typing import Any
 
 import dagster as dg
 import pytest
+from dagster._core.test_utils import create_run_for_test
 
-from supplier_sync_dagster.defs.city_sync import PUBLISHED, TRIGGER_TAG, city_sync
+from supplier_sync_dagster.defs.city_keys import PUBLISHED
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.incremental_sync import (
     CHANGE_FEED,
-    TASK_TAG,
     IncrementalConfig,
     hotel_change_feed,
     incremental_sync_job,
@@ -27,6 +28,7 @@ from supplier_sync_dagster.defs.resources import (
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
+from supplier_sync_dagster.defs.triggers import TASK_TAG, TRIGGER_TAG
 
 
 @pytest.fixture
@@ -43,7 +45,7 @@ def _supplier(day: int) -> SimulatedSupplierResource:
     )
 
 
-def _resources(db_url: str, tmp_path: Path, day: int) -> dict[str, Any]:
+def simulated_resources(db_url: str, tmp_path: Path, day: int) -> dict[str, Any]:
     return {
         "sync_db": SyncDatabaseResource(db_url=db_url),
         "payloads": PayloadStoreResource(url=f"file://{tmp_path}/payloads"),
@@ -52,14 +54,14 @@ def _resources(db_url: str, tmp_path: Path, day: int) -> dict[str, Any]:
     }
 
 
-def _full_sync(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> list[str]:
+def full_sync_of_every_city(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> list[str]:
     with _supplier(0).client() as client:
         keys = [encode_city_key(c.city_code) for c in client.list_cities().data.cities]
     instance.add_dynamic_partitions("supplier_city", keys)
     result = dg.materialize(
         [city_sync],
         instance=instance,
-        resources=_resources(db_url, tmp_path, 0),
+        resources=simulated_resources(db_url, tmp_path, 0),
         tags={
             "dagster/asset_partition_range_start": keys[0],
             "dagster/asset_partition_range_end": keys[-1],
@@ -72,11 +74,11 @@ def _full_sync(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> lis
 def test_a_window_materializes_the_feed_and_each_city_it_published_in(
     db_url: str, tmp_path: Path, instance: dg.DagsterInstance
 ):
-    keys = _full_sync(instance, db_url, tmp_path)
+    keys = full_sync_of_every_city(instance, db_url, tmp_path)
     result = dg.materialize(
         [hotel_change_feed],
         instance=instance,
-        resources=_resources(db_url, tmp_path, 1),
+        resources=simulated_resources(db_url, tmp_path, 1),
         run_config=dg.RunConfig(ops={"hotel_change_feed": IncrementalConfig(overlap_seconds=600)}),
     )
     assert result.success
@@ -117,7 +119,7 @@ def test_without_a_full_sync_the_window_fails_with_what_to_do(
     result = dg.materialize(
         [hotel_change_feed],
         instance=instance,
-        resources=_resources(db_url, tmp_path, 0),
+        resources=simulated_resources(db_url, tmp_path, 0),
         raise_on_error=False,
     )
     assert not result.success
@@ -137,7 +139,7 @@ def test_the_schedule_runs_one_window_at_a_time_and_waits_for_a_full_sync(
         with _schedule_context(instance, when, sync_db) as ctx:
             skipped = incremental_sync_schedule(ctx)
         assert isinstance(skipped, dg.SkipReason) and "full sync" in (skipped.skip_message or "")
-        _full_sync(instance, db_url, tmp_path)
+        full_sync_of_every_city(instance, db_url, tmp_path)
         with _schedule_context(instance, when, sync_db) as ctx:
             request = incremental_sync_schedule(ctx)
         assert isinstance(request, dg.RunRequest)
@@ -161,8 +163,6 @@ def _schedule_context(
 
 def _started_run(instance: dg.DagsterInstance) -> None:
     """Records a STARTED run of the job, as the daemon would while a window runs."""
-    from dagster._core.test_utils import create_run_for_test
-
     create_run_for_test(
         instance, job_name=incremental_sync_job.name, status=dg.DagsterRunStatus.STARTED
     )
@@ -170,11 +170,9 @@ def _started_run(instance: dg.DagsterInstance) -> None:
 
 @pytest.mark.parametrize("status", [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE])
 def test_finished_windows_do_not_hold_the_schedule(db_url: str, tmp_path: Path, status: Any):
-    from dagster._core.test_utils import create_run_for_test
-
     sync_db = SyncDatabaseResource(db_url=db_url)
     with dg.instance_for_test() as instance:
-        _full_sync(instance, db_url, tmp_path)
+        full_sync_of_every_city(instance, db_url, tmp_path)
         create_run_for_test(instance, job_name=incremental_sync_job.name, status=status)
         # Entered and left: a context left open keeps the instance it opened as the current
         # definitions state storage, which a later test then reads from a deleted folder.

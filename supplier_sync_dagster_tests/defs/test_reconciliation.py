@@ -14,14 +14,19 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG, city_sync
+from supplier_sync_dagster.definitions import defs
+from supplier_sync_dagster.defs.city_sync import city_sync
 from supplier_sync_dagster.defs.health import alert_sensor
 from supplier_sync_dagster.defs.partitions import decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.reconciliation import (
     hotel_catalog_reconciliation,
     reconciliation_repull_sensor,
 )
-from supplier_sync_dagster_tests.defs.test_incremental_sync import _full_sync, _resources
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
+from supplier_sync_dagster_tests.defs.test_incremental_sync import (
+    full_sync_of_every_city,
+    simulated_resources,
+)
 from supplier_sync_dagster_tests.helpers import Receiver
 
 
@@ -40,7 +45,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dict[str, Any]:
-    resources = _resources(db_url, tmp_path, 0)
+    resources = simulated_resources(db_url, tmp_path, 0)
     result = dg.materialize(
         [hotel_catalog_reconciliation],
         instance=instance,
@@ -51,9 +56,7 @@ def _reconcile(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> dic
     return {k: v.value for k, v in m.metadata.items()}
 
 
-def _repo() -> dg.RepositoryDefinition:
-    from supplier_sync_dagster.definitions import defs
-
+def repository() -> dg.RepositoryDefinition:
     return defs().get_repository_def()
 
 
@@ -81,7 +84,7 @@ def _lose_city(db_url: str) -> str:
 
 
 def _alert_round(instance: dg.DagsterInstance, db_url: str, tmp_path: Path) -> str:
-    resources = _resources(db_url, tmp_path, 0)
+    resources = simulated_resources(db_url, tmp_path, 0)
     with dg.build_sensor_context(
         instance=instance, resources={k: resources[k] for k in ("sync_db", "supplier")}
     ) as ctx:
@@ -97,7 +100,7 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     receiver: Receiver,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    _full_sync(instance, db_url, tmp_path)
+    full_sync_of_every_city(instance, db_url, tmp_path)
     clean = _reconcile(instance, db_url, tmp_path)
     assert clean["cities_differing"] == 0 and clean["repull_cities"] == []
     lost = _lose_city(db_url)
@@ -113,7 +116,7 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     # The daemon evaluates a sensor in a partition loading context of its instance.
     with (
         dg.partition_loading_context(dynamic_partitions_store=instance),
-        dg.build_sensor_context(instance=instance, repository_def=_repo()) as ctx,
+        dg.build_sensor_context(instance=instance, repository_def=repository()) as ctx,
     ):
         tick = reconciliation_repull_sensor.evaluate_tick(ctx)
     (request,) = tick.run_requests or []
@@ -123,7 +126,7 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     repull = dg.materialize(
         [city_sync],
         instance=instance,
-        resources=_resources(db_url, tmp_path, 0),
+        resources=simulated_resources(db_url, tmp_path, 0),
         partition_key=request.partition_key,
         tags=request.tags,
     )
@@ -137,7 +140,7 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     again = _reconcile(instance, db_url, tmp_path)
     assert again["remaining_differences"] == 1 and again["repull_cities"] == []
     with dg.build_sensor_context(
-        instance=instance, cursor=tick.cursor, repository_def=_repo()
+        instance=instance, cursor=tick.cursor, repository_def=repository()
     ) as ctx:
         # The newest reconciliation re-pulls nothing: no run.
         later = reconciliation_repull_sensor.evaluate_tick(ctx)
@@ -152,7 +155,7 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     fixed = dg.materialize(
         [city_sync],
         instance=instance,
-        resources=_resources(db_url, tmp_path, 0),
+        resources=simulated_resources(db_url, tmp_path, 0),
         partition_key=encode_city_key(lost),
     )
     assert fixed.success

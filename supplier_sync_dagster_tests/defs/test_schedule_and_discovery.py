@@ -7,10 +7,10 @@ from datetime import UTC, datetime
 import dagster as dg
 
 from supplier_sync_dagster.defs.city_discovery_sensor import city_discovery_sensor
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.full_sync_schedule import nightly_full_sync
 from supplier_sync_dagster.defs.partitions import decode_city_key
 from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster.simulator import HOSTILE_CITY_CODES
 
 

@@ -23,8 +23,8 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.deployment import ROOT, DagsterProcesses, profile_env
 from supplier_sync_dagster.defs.accounts import ACCOUNT_TAG
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster.simulator import (
     AccountSpec,
     FaultProfile,

@@ -23,13 +23,14 @@ import pytest
 import yaml
 
 from supplier_sync_dagster.dagster_instance.deployment import ROOT, DagsterProcesses, profile_env
+from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.run_launcher import (
     WORKER_HOST_TAG,
     LocalRunLauncher,
     worker_pid,
 )
-from supplier_sync_dagster.defs.city_sync import TRIGGER_TAG
 from supplier_sync_dagster.defs.partitions import encode_city_key
+from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
 
@@ -162,8 +163,6 @@ def test_runs_whose_worker_died_are_marked_failed_under_the_daemon(
 def test_the_state_folders_instance_monitors_runs_as_the_repositorys_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    from supplier_sync_dagster.cli.sync_runner import dagster_instance
-
     monkeypatch.setenv("DAGSTER_HOME", "")  # unset for dagster_instance; restored after
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path))
     home = tmp_path / "dagster_home"

@@ -1,0 +1,47 @@
+"""What ``defs/`` may use of Dagster's internals: the whole interface, two names.
+
+- :func:`one_event_transaction`: the events an asset stores in a block share one
+  transaction per shard of the embedded instance's event log; any other instance stores them
+  as before.
+- :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
+  its record as Dagster's own ``AssetCheckResult`` builds it for a partition (Dagster does
+  not export the class).
+
+``supplier_sync_dagster_tests/dagster_instance/test_dagster_internals.py`` fails when a
+Dagster upgrade breaks what this package uses of Dagster's private modules.
+"""
+
+from contextlib import AbstractContextManager, nullcontext
+
+import dagster as dg
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
+
+from supplier_sync_dagster.dagster_instance.storage import PooledSqliteEventLogStorage
+
+# What ``dg.AssetCheckEvaluation(target_materialization_data=...)`` takes.
+CheckTarget = AssetCheckEvaluationTargetMaterializationData
+
+
+def one_event_transaction(instance: dg.DagsterInstance) -> AbstractContextManager[None]:
+    """The instance's events stored in the block share one transaction per shard.
+
+    With the pooled SQLite event log (the embedded instance), a city's events cost one
+    commit per shard instead of one or two per event; any other event log stores them as
+    before.
+    """
+    storage = instance.event_log_storage
+    if isinstance(storage, PooledSqliteEventLogStorage):
+        return storage.one_transaction()
+    return nullcontext()
+
+
+def check_target(record: dg.EventLogRecord) -> CheckTarget:
+    """The target of a check evaluation that judges the materialization of ``record``: the
+    partition's check status in the UI follows that materialization."""
+    return CheckTarget(
+        run_id=record.event_log_entry.run_id,
+        storage_id=record.storage_id,
+        timestamp=record.timestamp,
+    )

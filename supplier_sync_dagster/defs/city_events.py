@@ -1,0 +1,212 @@
+"""The Dagster events of one city's outcome, for that city's partition only.
+
+- an ``AssetMaterialization`` per stage the run completed for the city, with the city's own
+  metadata (a city that published: all five; one stopped by a quality gate: raw snapshots,
+  and normalized hotels when it was normalized; one that failed or lost its lease: what it
+  completed before). The assets are ``skippable``, so a ranged run marks exactly the
+  partitions it reports (``MaterializeResult`` would mark the whole range: Dagster #17836,
+  #18123);
+- an ``AssetCheckEvaluation`` per gate and city, on the partitioned (blocking) checks of
+  ``normalized_hotels``.
+"""
+
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import dagster as dg
+
+from supplier_sync_dagster.core.sync.run import CityOutcome
+from supplier_sync_dagster.dagster_instance.events import CheckTarget, check_target
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
+from supplier_sync_dagster.defs.city_keys import (
+    DIFFS,
+    MAPPINGS,
+    NORMALIZED,
+    PUBLISHED,
+    RAW,
+    STAGE_ASSETS,
+)
+from supplier_sync_dagster.defs.partitions import encode_city_key
+
+
+def city_events(
+    outcome: CityOutcome,
+    batch_id: str,
+    selected: AbstractSet[dg.AssetKey],
+    *,
+    target: Callable[[str], CheckTarget | None] = lambda _: None,
+    reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+    """The Dagster events of one city's outcome, for its partition only.
+
+    One materialization per selected asset of each stage the run completed for the city,
+    each with the city's own metadata, and one evaluation per gate that judged it.
+
+    Args:
+        outcome: The city's outcome.
+        batch_id: The run's batch.
+        selected: The assets the run materializes.
+        target: Partition -> the latest materialization of ``normalized_hotels`` for it,
+            read after this city's materializations are stored. An evaluation that targets
+            it is the partition's current check status in the UI; one without a target is
+            ignored once the partition has any materialization.
+        reported: (asset, partition) -> the partition's latest materialization is of this
+            batch already. A city an earlier run of the batch published (ALREADY_DONE) is
+            reported only for the assets that are not: a backfill may have asked that run
+            for some of its assets and this one for the others.
+    """
+    partition = encode_city_key(outcome.city_code)
+    metadata = city_metadata(outcome, batch_id)
+    earlier = outcome.status == "ALREADY_DONE"
+    for stage in outcome.report.stages_done:
+        for plain in STAGE_ASSETS[stage]:
+            key = scope.key(plain.path[-1])
+            if key in selected and not (earlier and reported(key, partition)):
+                yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
+    # The gates run whenever a city is normalized or published, selected or not (a
+    # backfill's re-execution of a gated city asks for its downstream assets only, and its
+    # overridden gate passes then): every result is reported on the city's partition.
+    judged = target(partition) if outcome.checks else None
+    for result in outcome.checks:
+        yield dg.AssetCheckEvaluation(
+            asset_key=scope.key(NORMALIZED.path[-1]),
+            check_name=result.check_name,
+            passed=result.passed,
+            severity=(
+                dg.AssetCheckSeverity.WARN
+                if result.severity == "WARN"
+                else dg.AssetCheckSeverity.ERROR
+            ),
+            description=result.description,
+            metadata={
+                "batch_id": batch_id,
+                "city": outcome.city_code,
+                "overridden": result.overridden,
+                "measured": dg.MetadataValue.json(result.metadata),
+            },
+            blocking=True,
+            partition=partition,
+            target_materialization_data=judged,
+        )
+
+
+def latest_record(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str
+) -> dg.EventLogRecord | None:
+    """The partition's latest materialization of ``key``, if any."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
+    ).records
+    return records[0] if records else None
+
+
+def latest_target(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str
+) -> CheckTarget | None:
+    """The partition's latest materialization of ``key``, as a check evaluation's target."""
+    record = latest_record(instance, key, partition)
+    return check_target(record) if record is not None else None
+
+
+def reported(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str, batch_id: str) -> bool:
+    """Whether the partition's latest materialization of ``key`` is of ``batch_id``."""
+    record = latest_record(instance, key, partition)
+    mat = record.asset_materialization if record is not None else None
+    found = mat.metadata.get("batch_id") if mat is not None else None
+    return found is not None and found.value == batch_id
+
+
+def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict[str, Any]]:
+    """Each asset's metadata for one city: its own counts, timings and batch."""
+    r = outcome.report
+    common: dict[str, Any] = {
+        "batch_id": batch_id,
+        "city": r.city_code,
+        "city_status": r.status,
+        "seconds": round(outcome.seconds, 3),
+    }
+    if outcome.helped:
+        common["helped_another_run"] = True
+    if r.status == "ALREADY_DONE":
+        common["reported_from"] = "the sync database: an earlier run of the batch published it"
+    normalized_ok = r.records - r.dead_letters
+    return {
+        RAW: {
+            **common,
+            "pages": r.pages_fetched,
+            "records": r.records,
+            "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
+            "fetch_seconds": round(r.seconds.get("fetch", 0.0), 3),
+        },
+        NORMALIZED: {
+            **common,
+            "records": r.records,
+            "dead_letters": r.dead_letters,
+            "dead_letters_by_code": dg.MetadataValue.json(dict(r.dead_letters_by_code)),
+            "bad_record_ratio": round(r.dead_letters / r.records, 4) if r.records else 0.0,
+            "moved_hotels": r.moved,
+            "gate": r.error if r.status == "GATED" and r.error else "passed",
+            "normalize_seconds": round(r.seconds.get("normalize", 0.0), 3),
+            **(
+                {"dead_letters_resolved_by_replay": outcome.resolved_dead_letters}
+                if outcome.resolved_dead_letters
+                else {}
+            ),
+        },
+        MAPPINGS: {
+            **common,
+            "hotels": normalized_ok - r.duplicates,
+            "duplicates": r.duplicates,
+        },
+        DIFFS: {
+            **common,
+            "diffs_by_type": dg.MetadataValue.json(dict(r.diffs_by_type)),
+            "diffs_by_action": dg.MetadataValue.json(dict(r.diffs_by_action)),
+            "held_for_review": r.held_for_review,
+            "review_command": f"supplier-sync review list --batch {batch_id}",
+        },
+        PUBLISHED: {
+            **common,
+            "records": r.records,
+            "published": r.published,
+            "skipped": r.skipped,
+            "dead_letters": r.dead_letters,
+            "dead_letters_by_code": dg.MetadataValue.json(dict(r.dead_letters_by_code)),
+            "bad_record_ratio": round(r.dead_letters / r.records, 4) if r.records else 0.0,
+            "diffs_by_type": dg.MetadataValue.json(dict(r.diffs_by_type)),
+            "diffs_by_action": dg.MetadataValue.json(dict(r.diffs_by_action)),
+            "pages": r.pages_fetched,
+            "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
+            "counts_add_up": r.records == r.published + r.skipped + r.dead_letters,
+            "publish_seconds": round(r.seconds.get("publish", 0.0), 3),
+        },
+    }
+
+
+def published_city(
+    scope: AccountScope, city: str, batch_id: str, mode: str, published: int, **more: str
+) -> dg.AssetMaterialization:
+    """A city's ``published_hotels`` materialization by a run that is not a full sync
+    (compensation, a change-feed window): what it published there, on that city's partition.
+
+    Args:
+        scope: The account.
+        city: The supplier's city code.
+        batch_id: The run's batch.
+        mode: The batch's sync mode (``REFRESH``, ``INCREMENTAL``).
+        published: Hotels the run published in the city.
+        **more: Further metadata (the window's watermark).
+    """
+    return dg.AssetMaterialization(
+        scope.key(PUBLISHED.path[-1]),
+        partition=encode_city_key(city),
+        metadata={
+            "batch_id": batch_id,
+            "city": city,
+            "sync_mode": mode,
+            "published": published,
+            **more,
+        },
+    )

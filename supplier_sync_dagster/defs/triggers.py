@@ -1,0 +1,135 @@
+"""What starts a run and how the run knows its batch: run tags, the trigger of a run, and the
+run requests and jobs that schedules and sensors share.
+
+The batch is the run's trigger: an explicit ``supplier_sync/trigger_id`` tag (CLI, schedules,
+sensors), else the backfill id (a re-executed backfill's root backfill id), else a re-executed
+run's original run's trigger, else the run id (:func:`trigger_of`).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import dagster as dg
+
+from supplier_sync_dagster.core.errors import SupplierSyncError
+from supplier_sync_dagster.core.leasing.batches import TriggerSource
+from supplier_sync_dagster.defs.accounts import AccountScope
+
+TRIGGER_TAG = "supplier_sync/trigger_id"
+SOURCE_TAG = "supplier_sync/trigger_source"
+TASK_TAG = "supplier_sync/task"
+ROOT_BACKFILL_TAG = "dagster/root_backfill_id"
+BACKFILL_TAG = "dagster/backfill"
+
+_SOURCES: tuple[TriggerSource, ...] = ("CRON", "MANUAL", "COMPENSATION", "SENSOR", "BACKFILL")
+# A run of these has not finished: a schedule that runs one job at a time waits for it.
+ACTIVE_STATUSES = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def trigger_of(
+    tags: Mapping[str, str],
+    run_id: str,
+    *,
+    root: tuple[Mapping[str, str], str] | None = None,
+) -> tuple[str, TriggerSource]:
+    """The batch trigger of a run: (trigger id, trigger source).
+
+    Args:
+        tags: The run's tags.
+        run_id: The run's id.
+        root: For a re-execution, the original (root) run's tags and id: a re-execution
+            continues the batch of its original, whose backfill tags Dagster drops when the
+            backfill has ended.
+    """
+    if tags.get(TRIGGER_TAG):
+        source = tags.get(SOURCE_TAG, "MANUAL")
+        return tags[TRIGGER_TAG], next((s for s in _SOURCES if s == source), "MANUAL")
+    backfill = tags.get(ROOT_BACKFILL_TAG) or tags.get(BACKFILL_TAG)
+    if backfill:
+        return backfill, "BACKFILL"
+    if root is not None:
+        return trigger_of(root[0], root[1])
+    if tags.get("dagster/schedule_name"):
+        return run_id, "CRON"
+    if tags.get("dagster/sensor_name"):
+        return run_id, "SENSOR"
+    return run_id, "MANUAL"
+
+
+def refused(what: str | None, err: SupplierSyncError) -> dg.Failure:
+    """The run's failure when its task refused the trigger (disabled, its concurrency policy,
+    no baseline): no retry, which would be refused again; the batch that blocked it, if any.
+
+    Args:
+        what: What did not run, before the reason (None: the reason alone).
+        err: The refusal.
+    """
+    return dg.Failure(
+        description=f"{what}: {err}" if what else str(err),
+        metadata={"blocking_batch_id": getattr(err, "blocking_batch_id", "") or ""},
+        allow_retries=False,
+    )
+
+
+def active_run(instance: dg.DagsterInstance, job_name: str) -> dg.DagsterRun | None:
+    """A run of the job that is queued or running, if any."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(job_name=job_name, statuses=ACTIVE_STATUSES), limit=1
+    )
+    return runs[0] if runs else None
+
+
+def scheduled_run(
+    context: dg.ScheduleEvaluationContext,
+    prefix: str,
+    source: TriggerSource,
+    tags: Mapping[str, str],
+) -> dg.RunRequest:
+    """A schedule's run request whose trigger is its tick time: a tick evaluated again asks
+    for the same run (its run key) and the same batch (its trigger).
+
+    Args:
+        context: The schedule's evaluation.
+        prefix: What the trigger id starts with (``nightly``, ``incremental``...).
+        source: The trigger source recorded on the batch.
+        tags: Further run tags (the account's, the task's, a partition range).
+    """
+    fired = (
+        context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else "now"
+    )
+    trigger = f"{prefix}:{fired}"[:64]
+    return dg.RunRequest(run_key=trigger, tags={**tags, TRIGGER_TAG: trigger, SOURCE_TAG: source})
+
+
+def asset_job(
+    scope: AccountScope,
+    name: str,
+    asset: dg.AssetKey,
+    description: str,
+    tags: Mapping[str, str] | None = None,
+) -> Any:
+    """The account's job that materializes its own ``asset`` (a key of the default account),
+    with ``tags`` and the account's run tags."""
+    return dg.define_asset_job(
+        scope.name(name),
+        selection=dg.AssetSelection.assets(scope.key(asset.path[-1])),
+        tags={**(tags or {}), **scope.tags},
+        description=description,
+    )
+
+
+def every(job: Any, name: str, cron: str, description: str) -> dg.ScheduleDefinition:
+    """A schedule that runs ``job`` on ``cron`` (UTC), on as soon as the daemon runs."""
+    return dg.ScheduleDefinition(
+        name=name,
+        job=job,
+        cron_schedule=cron,
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description=description,
+    )
