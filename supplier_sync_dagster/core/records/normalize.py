@@ -992,6 +992,9 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     updated_at = parse_timestamp(ts)
     if updated_at is None:
         return None
+    if not (len(ts) == 20 and ts[19] == "Z" and ts[10] == "T"):
+        # A valid timestamp spelled YYYY-MM-DDTHH:MM:SSZ is already its canonical form.
+        ts = _timestamp(updated_at)
     line1, postal, phone, email = contact
     return {
         "supplier_hotel_id": hotel_id,
@@ -1010,7 +1013,7 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         "images": images,
         "rooms": rooms,
         "status": status,
-        "updated_at": _timestamp(updated_at),
+        "updated_at": ts,
         "version": version,
     }
 
