@@ -277,9 +277,9 @@ def active_offers(resource_ids: Sequence[int], *columns: sa.Column[Any]) -> sa.S
     return use_index(query, schema.platform_offer, schema.OFFER_IDENTITY)
 
 
-# What a diff reads of a published hotel and of its active offers, by position: a row's
-# ``_mapping`` and the columns a diff does not compare (timestamps parsed row by row on
-# SQLite) were half the cost of the read, which an incremental window pays for every hotel.
+# What a diff reads of a published hotel and of its active offers, by position and only the
+# columns it compares: a row's ``_mapping`` and unused columns (SQLite parses timestamps row
+# by row) would cost more than the comparison, and an incremental window reads every hotel.
 # A document's fields, as a diff compares them, and the column each is stored in.
 _DOC_FIELDS = (*CONTENT_FIELDS, "status")
 _DOC_COLUMNS = tuple("phone" if name == "phone_e164" else name for name in _DOC_FIELDS)

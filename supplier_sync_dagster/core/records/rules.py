@@ -278,9 +278,9 @@ def currency(raw: str) -> str | None:
     return code if code in MONEY_CODES else None
 
 
-# phonenumbers compiles its metadata's patterns through re.compile, whose cache holds 512:
-# numbers of many countries (a supplier's cities) evicted them and each parse recompiled a
-# few (~5% of a sync's normalize CPU). Its own unbounded pattern cache is a few MB.
+# phonenumbers compiles its metadata's patterns through re.compile, whose cache is bounded:
+# numbers of many countries (a supplier's cities) would evict them, and parses recompile
+# them. Its own pattern cache keeps every one.
 phonenumbers.enable_pattern_cache()
 
 
