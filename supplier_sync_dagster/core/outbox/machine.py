@@ -51,6 +51,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, UnknownOutboxEvent
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase, use_index
 
 OutboxStatus = Literal["READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -535,8 +536,6 @@ def operate(
         UnknownOutboxEvent: An id is not in the outbox.
         InvalidTransition: An event is not in a state the action applies to.
     """
-    from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
-
     who, why = require_who_and_why(actor, reason)
     wanted = sorted(set(ids))
     if not wanted:

@@ -40,7 +40,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import orjson
 import sqlalchemy as sa
@@ -332,6 +332,8 @@ class PostgresSearchIndex:
 
     @contextmanager
     def _cursor(self) -> Iterator[Any]:
+        # The driver is imported by the deployments that use it, not by every command that
+        # imports this module (the embedded search index needs none).
         import psycopg
 
         with self._lock:
@@ -643,20 +645,21 @@ class RedisHotelCache:
     """The hotel cache in Redis (``redis://host:6379/0``)."""
 
     def __init__(self, url: str, *, socket_timeout: float = 2.0) -> None:
+        # The driver is imported by the deployments that use it, not by every command that
+        # imports this module (the embedded cache needs none).
         import redis
 
         self.url = url
         self._client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
+        self._redis_error: type[Exception] = redis.RedisError
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        import redis
-
         try:
             yield
-        except redis.RedisError as err:
+        except self._redis_error as err:
             raise ProjectionUnavailable(
                 f"hotel cache {_safe(self.url)} is unavailable: {_first_line(err)}"
             ) from err
@@ -837,8 +840,6 @@ class _AmqpChannel:
     """
 
     def __init__(self, url: str, exchange: str, timeout: float) -> None:
-        from urllib.parse import unquote
-
         parts = urlsplit(url)
         self.exchange = exchange
         self._sock = socket.create_connection(
