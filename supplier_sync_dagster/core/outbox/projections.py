@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -214,25 +214,41 @@ class SearchIndex(Protocol):
         """Releases connections."""
 
 
-_DOC_COLUMNS = (
-    "resource_id",
-    "publish_version",
-    "supplier_id",
-    "supplier_hotel_id",
-    "name",
-    "name_local",
-    "address",
-    "postal_code",
-    "city_code",
-    "country_code",
-    "star_rating",
-    "status",
-    "lowest_price",
-    "currency",
-    "lat",
-    "lng",
-    "published_at",
+# The search table's columns: (name, PostgreSQL type, SQLite type; None: not in that one).
+# The first ones are a SearchDoc's fields, in its order; SQLite sorts prices by a number
+# kept beside their exact text.
+_SEARCH_COLUMNS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("resource_id", "BIGINT PRIMARY KEY", "INTEGER PRIMARY KEY"),
+    ("publish_version", "BIGINT NOT NULL", "INTEGER NOT NULL"),
+    ("supplier_id", "BIGINT NOT NULL", "INTEGER NOT NULL"),
+    ("supplier_hotel_id", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("name", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("name_local", "TEXT", "TEXT"),
+    ("address", "TEXT", "TEXT"),
+    ("postal_code", "TEXT", "TEXT"),
+    ("city_code", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("country_code", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("star_rating", "NUMERIC(2, 1)", "REAL"),
+    ("status", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("lowest_price", "NUMERIC(18, 2)", "TEXT"),
+    ("lowest_price_num", None, "REAL"),
+    ("currency", "TEXT", "TEXT"),
+    ("lat", "DOUBLE PRECISION NOT NULL", "REAL NOT NULL"),
+    ("lng", "DOUBLE PRECISION NOT NULL", "REAL NOT NULL"),
+    ("published_at", "TIMESTAMP NOT NULL", "TEXT NOT NULL"),
+    ("projected_at", "TIMESTAMP NOT NULL DEFAULT (now() AT TIME ZONE 'utc')", "TEXT NOT NULL"),
 )
+_DOC_COLUMNS = tuple(f.name for f in fields(SearchDoc))
+
+
+def _create_table(dialect: int, *extra: str) -> str:
+    """The search table's CREATE statement, with the types of ``dialect`` (1: PostgreSQL,
+    2: SQLite) and ``extra`` column definitions."""
+    columns = [f"{c[0]} {c[dialect]}" for c in _SEARCH_COLUMNS if c[dialect] is not None]
+    body = ",\n        ".join([*columns, *extra])
+    return f"CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (\n        {body}\n    )"
+
+
 _HIT_COLUMNS = (
     "resource_id",
     "publish_version",
@@ -268,33 +284,16 @@ def _hit(row: Sequence[Any]) -> SearchHit:
 
 _PG_DDL = (
     "CREATE EXTENSION IF NOT EXISTS pg_trgm",
-    f"""CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (
-        resource_id BIGINT PRIMARY KEY,
-        publish_version BIGINT NOT NULL,
-        supplier_id BIGINT NOT NULL,
-        supplier_hotel_id TEXT NOT NULL,
-        name TEXT NOT NULL,
-        name_local TEXT,
-        address TEXT,
-        postal_code TEXT,
-        city_code TEXT NOT NULL,
-        country_code TEXT NOT NULL,
-        star_rating NUMERIC(2, 1),
-        status TEXT NOT NULL,
-        lowest_price NUMERIC(18, 2),
-        currency TEXT,
-        lat DOUBLE PRECISION NOT NULL,
-        lng DOUBLE PRECISION NOT NULL,
-        published_at TIMESTAMP NOT NULL,
-        projected_at TIMESTAMP NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-        names TEXT GENERATED ALWAYS AS (
+    _create_table(
+        1,
+        """names TEXT GENERATED ALWAYS AS (
             lower(name || ' ' || coalesce(name_local, '') || ' ' || coalesce(address, ''))
-        ) STORED,
-        words TSVECTOR GENERATED ALWAYS AS (
+        ) STORED""",
+        """words TSVECTOR GENERATED ALWAYS AS (
             to_tsvector('simple', name || ' ' || coalesce(name_local, '') || ' '
                 || coalesce(address, ''))
-        ) STORED
-    )""",
+        ) STORED""",
+    ),
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_words ON {SEARCH_TABLE} USING GIN (words)",
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_names ON {SEARCH_TABLE} "
     "USING GIN (names gin_trgm_ops)",
@@ -414,27 +413,7 @@ class PostgresSearchIndex:
 # -- SQLite (the embedded default) -------------------------------------------------------
 
 _SQLITE_DDL = (
-    f"""CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (
-        resource_id INTEGER PRIMARY KEY,
-        publish_version INTEGER NOT NULL,
-        supplier_id INTEGER NOT NULL,
-        supplier_hotel_id TEXT NOT NULL,
-        name TEXT NOT NULL,
-        name_local TEXT,
-        address TEXT,
-        postal_code TEXT,
-        city_code TEXT NOT NULL,
-        country_code TEXT NOT NULL,
-        star_rating REAL,
-        status TEXT NOT NULL,
-        lowest_price TEXT,
-        lowest_price_num REAL,
-        currency TEXT,
-        lat REAL NOT NULL,
-        lng REAL NOT NULL,
-        published_at TEXT NOT NULL,
-        projected_at TEXT NOT NULL
-    )""",
+    _create_table(2),
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_city ON {SEARCH_TABLE} "
     "(city_code, status, star_rating)",
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_country ON {SEARCH_TABLE} (country_code, status)",
@@ -495,7 +474,7 @@ class SqliteSearchIndex:
             now = datetime.now(UTC).replace(tzinfo=None).isoformat(" ")
             conn.executemany(
                 f"INSERT OR REPLACE INTO {SEARCH_TABLE} ({', '.join(_DOC_COLUMNS)}, "  # noqa: S608 (constant names)
-                f"lowest_price_num, projected_at) VALUES ({','.join('?' * 19)})",
+                f"lowest_price_num, projected_at) VALUES ({','.join('?' * (len(_DOC_COLUMNS) + 2))})",
                 [
                     (
                         *(_sqlite_value(getattr(d, c)) for c in _DOC_COLUMNS),
