@@ -42,10 +42,11 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost (``bench/bench_quality.py`` measures it): reading the documents into columns and the string rules dominate a clean chunk; each distinct phone
-number not seen before costs a libphonenumber parse (``parse_phones=False`` skips it). A
-chunk with a failing row also pays for the frames and pandera's passes, whose fixed cost per
-``validate`` call is why this runs once per chunk of many hotels, not per page.
+Cost (``bench/bench_quality.py`` measures it): reading the documents into columns and the
+string rules dominate a clean chunk; each distinct phone number not seen before costs a
+libphonenumber parse (``parse_phones=False`` skips it). A chunk with a failing row also pays
+for the frames and pandera's passes, whose fixed cost per ``validate`` call is why this runs
+once per chunk of many hotels, not per page.
 
 Every limit, code list and value check here comes from
 :mod:`~supplier_sync_dagster.core.records.rules`, as normalization's do.
