@@ -52,12 +52,12 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core.errors import ConfigError, ProjectionUnavailable
 from supplier_sync_dagster.core.store import schema
 
-# SQL text below is built from this module's own constant names (tables, columns) only;
-# every value is a bound parameter.
 if TYPE_CHECKING:
     from supplier_sync_dagster.core.settings import Settings
     from supplier_sync_dagster.core.store.db import SyncDatabase
 
+# SQL text below is built from this module's own constant names (tables, columns) only;
+# every value is a bound parameter.
 SEARCH_TABLE = "hotel_search"
 HOTEL_KEY = "supplier_sync:hotel:{resource_id}"
 CITY_KEY = "supplier_sync:city:{supplier_id}:{city_code}"
