@@ -1,9 +1,9 @@
 """Dispatchers: claim the outbox's READY events stage by stage, run the stage, move them on.
 
 A :class:`Dispatcher` owns one set of targets (:class:`~.projections.Projections`) and one
-lease owner id. It claims up to ``batch_size`` READY events of one stage (:func:`.outbox.claim`),
+lease owner id. It claims up to ``batch_size`` READY events of one stage (:func:`.machine.claim`),
 runs the stage on the batch, carries the events that passed on to the next stages of their
-chain under the same lease, and records the outcome once (:func:`.outbox.settle`): one claim
+chain under the same lease, and records the outcome once (:func:`.machine.settle`): one claim
 and one guarded move per event rather than two per stage, which is most of what dispatching
 costs the sync database. A stage that fails stops its events there, to retry after a backoff;
 the stages are independent: a search index that is down holds back only SEARCH_INDEX events,

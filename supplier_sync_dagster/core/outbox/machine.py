@@ -51,6 +51,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, UnknownOutboxEvent
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase, use_index
 
 OutboxStatus = Literal["READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -175,8 +176,8 @@ _STAGE_COLUMNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 
 def _event(row: Sequence[Any], stage: str) -> OutboxEvent:
     """The event of a claim's row: the columns ``_LEAN_COLUMNS``, then the rest of
-    ``_FULL_COLUMNS`` when the claim read every field (by position: a claim makes
-    thousands of these a second)."""
+    ``_FULL_COLUMNS`` when the claim read every field (by position: a claim makes one per
+    event, on every dispatcher's hot path)."""
     event_id = batch_id = payload = ""
     if len(row) > len(_LEAN_COLUMNS):
         event_id, batch_id, payload = row[5], row[6], row[7]
@@ -535,8 +536,6 @@ def operate(
         UnknownOutboxEvent: An id is not in the outbox.
         InvalidTransition: An event is not in a state the action applies to.
     """
-    from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
-
     who, why = require_who_and_why(actor, reason)
     wanted = sorted(set(ids))
     if not wanted:

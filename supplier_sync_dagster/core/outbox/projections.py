@@ -35,12 +35,12 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import orjson
 import sqlalchemy as sa
@@ -52,12 +52,12 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core.errors import ConfigError, ProjectionUnavailable
 from supplier_sync_dagster.core.store import schema
 
-# SQL text below is built from this module's own constant names (tables, columns) only;
-# every value is a bound parameter.
 if TYPE_CHECKING:
     from supplier_sync_dagster.core.settings import Settings
     from supplier_sync_dagster.core.store.db import SyncDatabase
 
+# SQL text below is built from this module's own constant names (tables, columns) only;
+# every value is a bound parameter.
 SEARCH_TABLE = "hotel_search"
 HOTEL_KEY = "supplier_sync:hotel:{resource_id}"
 CITY_KEY = "supplier_sync:city:{supplier_id}:{city_code}"
@@ -214,25 +214,41 @@ class SearchIndex(Protocol):
         """Releases connections."""
 
 
-_DOC_COLUMNS = (
-    "resource_id",
-    "publish_version",
-    "supplier_id",
-    "supplier_hotel_id",
-    "name",
-    "name_local",
-    "address",
-    "postal_code",
-    "city_code",
-    "country_code",
-    "star_rating",
-    "status",
-    "lowest_price",
-    "currency",
-    "lat",
-    "lng",
-    "published_at",
+# The search table's columns: (name, PostgreSQL type, SQLite type; None: not in that one).
+# The first ones are a SearchDoc's fields, in its order; SQLite sorts prices by a number
+# kept beside their exact text.
+_SEARCH_COLUMNS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("resource_id", "BIGINT PRIMARY KEY", "INTEGER PRIMARY KEY"),
+    ("publish_version", "BIGINT NOT NULL", "INTEGER NOT NULL"),
+    ("supplier_id", "BIGINT NOT NULL", "INTEGER NOT NULL"),
+    ("supplier_hotel_id", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("name", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("name_local", "TEXT", "TEXT"),
+    ("address", "TEXT", "TEXT"),
+    ("postal_code", "TEXT", "TEXT"),
+    ("city_code", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("country_code", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("star_rating", "NUMERIC(2, 1)", "REAL"),
+    ("status", "TEXT NOT NULL", "TEXT NOT NULL"),
+    ("lowest_price", "NUMERIC(18, 2)", "TEXT"),
+    ("lowest_price_num", None, "REAL"),
+    ("currency", "TEXT", "TEXT"),
+    ("lat", "DOUBLE PRECISION NOT NULL", "REAL NOT NULL"),
+    ("lng", "DOUBLE PRECISION NOT NULL", "REAL NOT NULL"),
+    ("published_at", "TIMESTAMP NOT NULL", "TEXT NOT NULL"),
+    ("projected_at", "TIMESTAMP NOT NULL DEFAULT (now() AT TIME ZONE 'utc')", "TEXT NOT NULL"),
 )
+_DOC_COLUMNS = tuple(f.name for f in fields(SearchDoc))
+
+
+def _create_table(dialect: int, *extra: str) -> str:
+    """The search table's CREATE statement, with the types of ``dialect`` (1: PostgreSQL,
+    2: SQLite) and ``extra`` column definitions."""
+    columns = [f"{c[0]} {c[dialect]}" for c in _SEARCH_COLUMNS if c[dialect] is not None]
+    body = ",\n        ".join([*columns, *extra])
+    return f"CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (\n        {body}\n    )"
+
+
 _HIT_COLUMNS = (
     "resource_id",
     "publish_version",
@@ -268,33 +284,16 @@ def _hit(row: Sequence[Any]) -> SearchHit:
 
 _PG_DDL = (
     "CREATE EXTENSION IF NOT EXISTS pg_trgm",
-    f"""CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (
-        resource_id BIGINT PRIMARY KEY,
-        publish_version BIGINT NOT NULL,
-        supplier_id BIGINT NOT NULL,
-        supplier_hotel_id TEXT NOT NULL,
-        name TEXT NOT NULL,
-        name_local TEXT,
-        address TEXT,
-        postal_code TEXT,
-        city_code TEXT NOT NULL,
-        country_code TEXT NOT NULL,
-        star_rating NUMERIC(2, 1),
-        status TEXT NOT NULL,
-        lowest_price NUMERIC(18, 2),
-        currency TEXT,
-        lat DOUBLE PRECISION NOT NULL,
-        lng DOUBLE PRECISION NOT NULL,
-        published_at TIMESTAMP NOT NULL,
-        projected_at TIMESTAMP NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-        names TEXT GENERATED ALWAYS AS (
+    _create_table(
+        1,
+        """names TEXT GENERATED ALWAYS AS (
             lower(name || ' ' || coalesce(name_local, '') || ' ' || coalesce(address, ''))
-        ) STORED,
-        words TSVECTOR GENERATED ALWAYS AS (
+        ) STORED""",
+        """words TSVECTOR GENERATED ALWAYS AS (
             to_tsvector('simple', name || ' ' || coalesce(name_local, '') || ' '
                 || coalesce(address, ''))
-        ) STORED
-    )""",
+        ) STORED""",
+    ),
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_words ON {SEARCH_TABLE} USING GIN (words)",
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_names ON {SEARCH_TABLE} "
     "USING GIN (names gin_trgm_ops)",
@@ -332,6 +331,8 @@ class PostgresSearchIndex:
 
     @contextmanager
     def _cursor(self) -> Iterator[Any]:
+        # The driver is imported by the deployments that use it, not by every command that
+        # imports this module (the embedded search index needs none).
         import psycopg
 
         with self._lock:
@@ -412,27 +413,7 @@ class PostgresSearchIndex:
 # -- SQLite (the embedded default) -------------------------------------------------------
 
 _SQLITE_DDL = (
-    f"""CREATE TABLE IF NOT EXISTS {SEARCH_TABLE} (
-        resource_id INTEGER PRIMARY KEY,
-        publish_version INTEGER NOT NULL,
-        supplier_id INTEGER NOT NULL,
-        supplier_hotel_id TEXT NOT NULL,
-        name TEXT NOT NULL,
-        name_local TEXT,
-        address TEXT,
-        postal_code TEXT,
-        city_code TEXT NOT NULL,
-        country_code TEXT NOT NULL,
-        star_rating REAL,
-        status TEXT NOT NULL,
-        lowest_price TEXT,
-        lowest_price_num REAL,
-        currency TEXT,
-        lat REAL NOT NULL,
-        lng REAL NOT NULL,
-        published_at TEXT NOT NULL,
-        projected_at TEXT NOT NULL
-    )""",
+    _create_table(2),
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_city ON {SEARCH_TABLE} "
     "(city_code, status, star_rating)",
     f"CREATE INDEX IF NOT EXISTS {SEARCH_TABLE}_country ON {SEARCH_TABLE} (country_code, status)",
@@ -493,7 +474,7 @@ class SqliteSearchIndex:
             now = datetime.now(UTC).replace(tzinfo=None).isoformat(" ")
             conn.executemany(
                 f"INSERT OR REPLACE INTO {SEARCH_TABLE} ({', '.join(_DOC_COLUMNS)}, "  # noqa: S608 (constant names)
-                f"lowest_price_num, projected_at) VALUES ({','.join('?' * 19)})",
+                f"lowest_price_num, projected_at) VALUES ({','.join('?' * (len(_DOC_COLUMNS) + 2))})",
                 [
                     (
                         *(_sqlite_value(getattr(d, c)) for c in _DOC_COLUMNS),
@@ -643,20 +624,21 @@ class RedisHotelCache:
     """The hotel cache in Redis (``redis://host:6379/0``)."""
 
     def __init__(self, url: str, *, socket_timeout: float = 2.0) -> None:
+        # The driver is imported by the deployments that use it, not by every command that
+        # imports this module (the embedded cache needs none).
         import redis
 
         self.url = url
         self._client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
+        self._redis_error: type[Exception] = redis.RedisError
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        import redis
-
         try:
             yield
-        except redis.RedisError as err:
+        except self._redis_error as err:
             raise ProjectionUnavailable(
                 f"hotel cache {_safe(self.url)} is unavailable: {_first_line(err)}"
             ) from err
@@ -800,7 +782,7 @@ _HEADER_KEYS = tuple(
 def content_header_frame(note: Notification, body_size: int, stamp: bytes) -> bytes:
     """The content header frame of ``note`` on channel 1: the bytes pamqp's
     ``ContentHeader.marshal`` makes of these properties (``stamp``: the encoded timestamp),
-    a few times faster (the broker's frames were most of a dispatcher's NOTIFY time)."""
+    written directly, since one frame per message is most of what NOTIFY costs a dispatcher."""
     headers = b"".join(
         (
             _HEADER_KEYS[0],
@@ -837,8 +819,6 @@ class _AmqpChannel:
     """
 
     def __init__(self, url: str, exchange: str, timeout: float) -> None:
-        from urllib.parse import unquote
-
         parts = urlsplit(url)
         self.exchange = exchange
         self._sock = socket.create_connection(

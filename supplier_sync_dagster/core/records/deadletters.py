@@ -39,6 +39,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierProtocolError,
     SupplierRateLimited,
 )
+from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import ERROR_CODES
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
@@ -333,7 +334,7 @@ def move(
             f"or are not {'/'.join(sources)}"
         )
 
-    for part in _chunks(unique):
+    for part in chunks(unique):
         guarded_update(
             conn,
             sa.update(schema.dead_letter)
@@ -343,10 +344,6 @@ def move(
             expected=len(part),
         )
     return len(unique)
-
-
-def _chunks(ids: Sequence[int], size: int = 500) -> list[Sequence[int]]:
-    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def fail_attempt(

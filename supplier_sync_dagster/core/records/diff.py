@@ -277,9 +277,9 @@ def active_offers(resource_ids: Sequence[int], *columns: sa.Column[Any]) -> sa.S
     return use_index(query, schema.platform_offer, schema.OFFER_IDENTITY)
 
 
-# What a diff reads of a published hotel and of its active offers, by position: a row's
-# ``_mapping`` and the columns a diff does not compare (timestamps parsed row by row on
-# SQLite) were half the cost of the read, which an incremental window pays for every hotel.
+# What a diff reads of a published hotel and of its active offers, by position and only the
+# columns it compares: a row's ``_mapping`` and unused columns (SQLite parses timestamps row
+# by row) would cost more than the comparison, and an incremental window reads every hotel.
 # A document's fields, as a diff compares them, and the column each is stored in.
 _DOC_FIELDS = (*CONTENT_FIELDS, "status")
 _DOC_COLUMNS = tuple("phone" if name == "phone_e164" else name for name in _DOC_FIELDS)
@@ -361,6 +361,41 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
     return out
 
 
+def _diff(cand: Candidate, rid: int, pub: Mapping[str, Any] | None) -> HotelDiff:
+    """The candidate against its published version (None: never published), before risk."""
+    if pub is None:
+        return HotelDiff(
+            cand.supplier_hotel_id,
+            rid,
+            None,
+            None,
+            cand.version,
+            "NEW",
+            [{"field": "*", "old": None, "new": "created"}],
+        )
+    diff_type: DiffType
+    changes: list[dict[str, Any]] = []
+    drops_offers = True
+    if pub["supplier_version"] > cand.version:
+        diff_type = "STALE"
+        changes = [{"field": "version", "old": pub["supplier_version"], "new": cand.version}]
+    elif pub["fingerprint"] == cand.fingerprint:
+        diff_type = "NO_CHANGE"
+    else:
+        changes, kinds = _changes(pub["doc"], cand.doc)
+        diff_type, drops_offers = _primary(kinds), _DROPPED in kinds
+    return HotelDiff(
+        cand.supplier_hotel_id,
+        rid,
+        pub["publish_version"],
+        pub["supplier_version"],
+        cand.version,
+        diff_type,
+        changes,
+        drops_offers=drops_offers,
+    )
+
+
 def compute_diffs(
     conn: Connection,
     candidates: Sequence[Candidate],
@@ -381,48 +416,7 @@ def compute_diffs(
     out = []
     for cand in candidates:
         rid = resource_ids[cand.supplier_hotel_id]
-        pub = published.get(rid)
-        if pub is None:
-            diff = HotelDiff(
-                cand.supplier_hotel_id,
-                rid,
-                None,
-                None,
-                cand.version,
-                "NEW",
-                [{"field": "*", "old": None, "new": "created"}],
-            )
-        elif pub["supplier_version"] > cand.version:
-            diff = HotelDiff(
-                cand.supplier_hotel_id,
-                rid,
-                pub["publish_version"],
-                pub["supplier_version"],
-                cand.version,
-                "STALE",
-                [{"field": "version", "old": pub["supplier_version"], "new": cand.version}],
-            )
-        elif pub["fingerprint"] == cand.fingerprint:
-            diff = HotelDiff(
-                cand.supplier_hotel_id,
-                rid,
-                pub["publish_version"],
-                pub["supplier_version"],
-                cand.version,
-                "NO_CHANGE",
-            )
-        else:
-            changes, kinds = _changes(pub["doc"], cand.doc)
-            diff = HotelDiff(
-                cand.supplier_hotel_id,
-                rid,
-                pub["publish_version"],
-                pub["supplier_version"],
-                cand.version,
-                _primary(kinds),
-                changes,
-                drops_offers=_DROPPED in kinds,
-            )
+        diff = _diff(cand, rid, published.get(rid))
         risk, action = policy(diff)
         out.append(dataclasses.replace(diff, risk_level=risk, action=action))
     if isinstance(policy, RiskRules):

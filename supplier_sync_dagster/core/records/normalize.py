@@ -26,14 +26,18 @@ Lone surrogates (not encodable as UTF-8) are ``INVALID_UNICODE``. Identifiers an
 character in them (tab and newline included) is rejected. HTML markup in a name
 (``name``, ``name_local``, room names) is ``HTML_IN_NAME``. Length limits (in characters,
 checked on the value as sent) are in :data:`rules.LIMITS`; over them is ``OVERSIZED_STRING``.
-Every limit, code list and check is stated once in :mod:`~supplier_sync_dagster.core.records.rules`;
-this module applies them to a record and reports the first problem.
+Every limit, code list and check is stated once in :mod:`~supplier_sync_dagster.core.records.rules`,
+each string field's rule as its row of :data:`rules.STRING_FIELDS`; this module applies them
+to a record and reports the first problem.
 
-Speed: this runs on the hot path of a sync, so values are checked in plain Python with
-fast paths for the usual clean values, phone and ISO code lookups are cached, and models are
-assembled without re-validation (:func:`_assemble`). The models still carry full validators,
-so ``NormalizedHotel(**fields)`` and ``model_validate`` enforce the same rules; the tests
-check that every normalized hotel survives a full re-validation unchanged.
+Speed: this runs on the hot path of a sync, so values are checked in plain Python, phone and
+ISO code lookups are cached, and models are assembled without re-validation
+(:func:`_assemble`). :func:`normalize_documents`, what a sync runs, first tries a fast path
+that builds the usual clean record's document directly from the same rows of rules, and
+leaves every other record to the reference walk; the tests compare both on every row. The
+models still carry full validators, so ``NormalizedHotel(**fields)`` and ``model_validate``
+enforce the same rules; the tests check that every normalized hotel survives a full
+re-validation unchanged.
 """
 
 from __future__ import annotations
@@ -50,18 +54,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from supplier_sync_dagster.core.records import rules
 from supplier_sync_dagster.core.records.rules import (
-    ADDRESS_MAX,
     AMOUNT_MAX,
     AMOUNT_RE,
-    CAPTION_MAX,
-    CITY_CODE_MAX,
-    CODE_MAX,
     COUNTRY_CODES,
-    EMAIL_MAX,
     EMAIL_RE,
     FACILITIES_MAX,
-    FACILITY_MAX,
-    HOTEL_ID_MAX,
     IMAGES_MAX,
     LAT_MAX,
     LAT_MIN,
@@ -72,18 +69,16 @@ from supplier_sync_dagster.core.records.rules import (
     MAX_VERSION,
     MESSAGE_MAX,
     MONEY_CODES,
-    NAME_MAX,
     OCCUPANCY_MAX,
-    PHONE_MAX,
-    POSTAL_CODE_MAX,
     RATE_PLANS_MAX,
     REQUIRED_FIELDS,
     ROOMS_MAX,
     STAR_BY_VALUE,
     STATUSES,
-    URL_MAX,
+    STRING_FIELDS_BY_SOURCE,
     URL_RE,
     WS_RE,
+    StringField,
     collapse,
     email_ok,
     might_hold_html,
@@ -174,21 +169,45 @@ ERROR_STAGES: Final[dict[str, Stage]] = {
 # Known renames of required fields seen in real feeds (schema drift): name -> new names.
 _RENAMES: Final[dict[str, tuple[str, ...]]] = {"geo": ("location",)}
 
+# -- the string fields (rules.STRING_FIELDS: one row each, read by every path here) ----------
+
+_STRING = STRING_FIELDS_BY_SOURCE
+_HOTEL_ID: Final = _STRING["hotel_id"]
+_NAME: Final = _STRING["name"]
+_NAME_LOCAL: Final = _STRING["name_local"]
+_CITY_CODE: Final = _STRING["city_code"]
+_LINE1: Final = _STRING["address.line1"]
+_POSTAL_CODE: Final = _STRING["address.postal_code"]
+_PHONE: Final = _STRING["phone"]
+_EMAIL: Final = _STRING["email"]
+_FACILITY: Final = _STRING["facilities[]"]
+_URL: Final = _STRING["images[].url"]
+_CAPTION: Final = _STRING["images[].caption"]
+_ROOM_CODE: Final = _STRING["rooms[].room_code"]
+_ROOM_NAME: Final = _STRING["rooms[].name"]
+_BED_TYPE: Final = _STRING["rooms[].bed_type"]
+_PLAN_CODE: Final = _STRING["rooms[].rate_plans[].code"]
+_BOARD: Final = _STRING["rooms[].rate_plans[].board"]
+
 # -- model validators (full validation when a model is built directly) ----------------------
 
 
-def _text_validator(
-    limit: int, *, html: bool = False, required: bool = True
-) -> Callable[[Any], Any]:
+def _string_validator(rule: StringField, *, item: bool = False) -> Callable[[Any], Any]:
+    """The model's check of a string field by its rule; ``item``: a list's item (blank: None)."""
+
     def check(value: str | None) -> str | None:
         if value is None:
             return None
-        problem = string_problem(value, limit, html=html)
+        if rule.verbatim and not value:
+            raise ValueError("MISSING_REQUIRED_FIELD: empty")
+        problem = string_problem(value, rule.limit, verbatim=rule.verbatim, html=rule.html)
         if problem is not None:
             raise ValueError(f"{problem[0]}: {problem[1]}")
+        if rule.verbatim:
+            return value
         value = collapse(value)
         if not value:
-            if required:
+            if rule.required and not item:
                 raise ValueError("MISSING_REQUIRED_FIELD: blank")
             return None
         return value
@@ -196,18 +215,9 @@ def _text_validator(
     return check
 
 
-def _code_validator(limit: int) -> Callable[[Any], Any]:
-    def check(value: str | None) -> str | None:
-        if value is None:
-            return None
-        if not value:
-            raise ValueError("MISSING_REQUIRED_FIELD: empty")
-        problem = string_problem(value, limit, verbatim=True)
-        if problem is not None:
-            raise ValueError(f"{problem[0]}: {problem[1]}")
-        return value
-
-    return check
+def _checked(rule: StringField) -> Any:
+    """A model's annotation of a string field by its rule."""
+    return AfterValidator(_string_validator(rule))
 
 
 def _validate_country(value: str) -> str:
@@ -259,9 +269,11 @@ def _validate_utc(value: dt.datetime) -> dt.datetime:
     return value if value.tzinfo is dt.UTC else value.astimezone(dt.UTC)
 
 
+_facility_item = _string_validator(_FACILITY, item=True)
+
+
 def _validate_facilities(value: tuple[str, ...]) -> tuple[str, ...]:
-    check = _text_validator(FACILITY_MAX, required=False)
-    out = (check(f) for f in value)
+    out = (_facility_item(f) for f in value)
     return tuple(dict.fromkeys(f.lower() for f in out if f))
 
 
@@ -281,9 +293,7 @@ class Image(BaseModel):
     model_config = _FROZEN
 
     url: Annotated[str, AfterValidator(_validate_url)]
-    caption: Annotated[str | None, AfterValidator(_text_validator(CAPTION_MAX, required=False))] = (
-        None
-    )
+    caption: Annotated[str | None, _checked(_CAPTION)] = None
 
 
 class RatePlan(BaseModel):
@@ -291,8 +301,8 @@ class RatePlan(BaseModel):
 
     model_config = _FROZEN
 
-    code: Annotated[str, AfterValidator(_code_validator(CODE_MAX))]
-    board: Annotated[str | None, AfterValidator(_code_validator(CODE_MAX))] = None
+    code: Annotated[str, _checked(_PLAN_CODE)]
+    board: Annotated[str | None, _checked(_BOARD)] = None
     refundable: _StrictBool
     available: _StrictBool
     price: Annotated[Decimal, Field(ge=0), AfterValidator(_validate_money)]
@@ -304,9 +314,9 @@ class Room(BaseModel):
 
     model_config = _FROZEN
 
-    room_code: Annotated[str, AfterValidator(_code_validator(CODE_MAX))]
-    name: Annotated[str, AfterValidator(_text_validator(NAME_MAX, html=True))]
-    bed_type: Annotated[str | None, AfterValidator(_code_validator(CODE_MAX))] = None
+    room_code: Annotated[str, _checked(_ROOM_CODE)]
+    name: Annotated[str, _checked(_ROOM_NAME)]
+    bed_type: Annotated[str | None, _checked(_BED_TYPE)] = None
     max_occupancy: Annotated[int, Field(strict=True, ge=1, le=OCCUPANCY_MAX)]
     rate_plans: tuple[RatePlan, ...] = ()
 
@@ -320,19 +330,13 @@ class NormalizedHotel(BaseModel):
 
     model_config = _FROZEN
 
-    supplier_hotel_id: Annotated[str, AfterValidator(_code_validator(HOTEL_ID_MAX))]
-    name: Annotated[str, AfterValidator(_text_validator(NAME_MAX, html=True))]
-    name_local: Annotated[
-        str | None, AfterValidator(_text_validator(NAME_MAX, html=True, required=False))
-    ] = None
-    city_code: Annotated[str, AfterValidator(_code_validator(CITY_CODE_MAX))]
+    supplier_hotel_id: Annotated[str, _checked(_HOTEL_ID)]
+    name: Annotated[str, _checked(_NAME)]
+    name_local: Annotated[str | None, _checked(_NAME_LOCAL)] = None
+    city_code: Annotated[str, _checked(_CITY_CODE)]
     country_code: Annotated[str, AfterValidator(_validate_country)]
-    address_line1: Annotated[
-        str | None, AfterValidator(_text_validator(ADDRESS_MAX, required=False))
-    ] = None
-    postal_code: Annotated[
-        str | None, AfterValidator(_text_validator(POSTAL_CODE_MAX, required=False))
-    ] = None
+    address_line1: Annotated[str | None, _checked(_LINE1)] = None
+    postal_code: Annotated[str | None, _checked(_POSTAL_CODE)] = None
     lat: Annotated[float, Field(ge=LAT_MIN, le=LAT_MAX)]
     lng: Annotated[float, Field(ge=LNG_MIN, le=LNG_MAX)]
     star_rating: Annotated[Decimal | None, AfterValidator(_validate_star)] = None
@@ -454,7 +458,7 @@ def _readable_id(record: object) -> str | None:
     if not isinstance(record, dict):
         return None
     hid = record.get("hotel_id")
-    if isinstance(hid, str) and 0 < len(hid) <= HOTEL_ID_MAX and hid.isprintable():
+    if isinstance(hid, str) and 0 < len(hid) <= _HOTEL_ID.limit and hid.isprintable():
         return hid
     return None
 
@@ -471,43 +475,40 @@ def _readable_version(record: object) -> int | None:
 # -- field parsers: ADAPTER problems raise, VALIDATION problems go to ``errs`` ---------------
 
 
-def _text(
-    value: object, path: Path, limit: int, errs: _Errors, *, html: bool = False
+def _source(rule: StringField, k: int, j: int) -> str:
+    """The dotted path of a string field in the record: ``k``, ``j`` fill its ``[]`` in turn."""
+    return rule.source.replace("[]", f"[{k}]", 1).replace("[]", f"[{j}]", 1)
+
+
+def _string(
+    rule: StringField, value: object, errs: _Errors, k: int = 0, j: int = 0, *, item: bool = False
 ) -> str | None:
-    """Normalized free text; None when a VALIDATION problem was recorded."""
-    if not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    if len(value) > limit or not value.isprintable() or html:
-        # Only then can string_problem find anything (names always need its HTML check).
-        problem = string_problem(value, limit, html=html)
+    """A string field by its rule, as the document holds it (verbatim, or free text collapsed).
+
+    ``k`` and ``j`` are the positions of its list items (:func:`_source`). None when it has no
+    value (null, empty or blank) or when a VALIDATION problem was recorded. A required field
+    without a value raises; a list's ``item`` without one is to be dropped (null is no item:
+    a wrong type).
+    """
+    if value is None and not item:
+        if rule.required:
+            raise _missing(_source(rule, k, j))
+        return None
+    if type(value) is not str and not isinstance(value, str):
+        raise _wrong_type(_source(rule, k, j), "a string", value)
+    # Only a long or unprintable string can have a problem (names always need the HTML check).
+    if len(value) > rule.limit or not value.isprintable() or rule.html:
+        problem = string_problem(value, rule.limit, verbatim=rule.verbatim, html=rule.html)
         if problem is not None:
-            errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
+            errs.append((problem[0], _source(rule, k, j), f"{problem[1]}: {show(value)}"))
             return None
-    return collapse(value)
-
-
-def _opt_text(
-    value: object, path: Path, limit: int, errs: _Errors, *, html: bool = False
-) -> str | None:
-    """Optional free text: null, blank or a recorded problem give None."""
-    if value is None:
-        return None
-    return _text(value, path, limit, errs, html=html) or None
-
-
-def _code(value: object, path: Path, limit: int, errs: _Errors) -> str | None:
-    """A verbatim identifier (non-empty); None when a VALIDATION problem was recorded."""
-    if not isinstance(value, str):
-        raise _wrong_type(path, "a string", value)
-    if not value:
-        raise _missing(path, "is empty")
-    if len(value) <= limit and value.isprintable():
-        return value  # string_problem finds nothing in a short printable code
-    problem = string_problem(value, limit, verbatim=True)
-    if problem is not None:
-        errs.append((problem[0], path, f"{problem[1]}: {show(value)}"))
-        return None
-    return value
+    if not rule.verbatim:
+        value = collapse(value)
+    if value:
+        return value
+    if rule.required and not item:
+        raise _missing(_source(rule, k, j), "is empty" if rule.verbatim else "is blank")
+    return None
 
 
 def _number(value: object, path: Path) -> int | float:
@@ -520,6 +521,13 @@ def _integer(value: object, path: Path) -> int:
     if type(value) is int:
         return value
     raise _wrong_type(path, "an integer", value)
+
+
+def _present(value: object, path: Path) -> object:
+    """``value``; a required field that is absent or null raises."""
+    if value is None:
+        raise _missing(path)
+    return value
 
 
 def _boolean(value: object, path: Path) -> bool:
@@ -547,6 +555,18 @@ def _array(value: object, path: Path, limit_key: str, errs: _Errors) -> list[Any
         errs.append(("TOO_MANY_ITEMS", path, f"has {len(value)} items, over the limit of {limit}"))
         return []
     return value
+
+
+_LAT_RANGE: Final = f"[{LAT_MIN}, {LAT_MAX}]"
+_LNG_RANGE: Final = f"[{LNG_MIN}, {LNG_MAX}]"
+
+
+def _in_range(
+    value: int | float, low: int, high: int, code: str, path: Path, why: str, errs: _Errors
+) -> None:
+    """Records ``code`` when ``value`` is not within ``low..high`` (NaN is not)."""
+    if not low <= value <= high:
+        errs.append((code, path, f"must be within {why}: {show(value)}"))
 
 
 def _amount(value: object, path: Path, errs: _Errors) -> Decimal | None:
@@ -603,21 +623,9 @@ def _currency_field(value: object, path: Path, errs: _Errors) -> str | None:
 
 
 def _rate_plan(raw: object, ri: int, pi: int, errs: _Errors) -> RatePlan | None:
-    p = _obj(raw, ("rooms", ri, "rate_plans", pi))
-    get = p.get
-    # The many codes of a record's rooms and plans: a clean one skips the call (as in _code).
-    code = get("code")
-    if not (type(code) is str and 0 < len(code) <= CODE_MAX and code.isprintable()):
-        if code is None:
-            raise _missing(("rooms", ri, "rate_plans", pi, "code"))
-        code = _code(code, ("rooms", ri, "rate_plans", pi, "code"), CODE_MAX, errs)
-    board = get("board")
-    if board == "":  # an optional code: absent, null or empty
-        board = None
-    elif not (
-        board is None or (type(board) is str and len(board) <= CODE_MAX and board.isprintable())
-    ):
-        board = _code(board, ("rooms", ri, "rate_plans", pi, "board"), CODE_MAX, errs)
+    get = _obj(raw, ("rooms", ri, "rate_plans", pi)).get
+    code = _string(_PLAN_CODE, get("code"), errs, ri, pi)
+    board = _string(_BOARD, get("board"), errs, ri, pi)
     refundable = _boolean(get("refundable"), ("rooms", ri, "rate_plans", pi, "refundable"))
     available = _boolean(get("available"), ("rooms", ri, "rate_plans", pi, "available"))
     price_raw = get("price")
@@ -644,24 +652,10 @@ def _rate_plan(raw: object, ri: int, pi: int, errs: _Errors) -> RatePlan | None:
 
 
 def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
-    r = _obj(raw, ("rooms", ri))
-    get = r.get
-    room_code = get("room_code")
-    if not (type(room_code) is str and 0 < len(room_code) <= CODE_MAX and room_code.isprintable()):
-        if room_code is None:
-            raise _missing(("rooms", ri, "room_code"))
-        room_code = _code(room_code, ("rooms", ri, "room_code"), CODE_MAX, errs)
-    name = get("name")
-    if name is None:
-        raise _missing(("rooms", ri, "name"))
-    name = _text(name, ("rooms", ri, "name"), NAME_MAX, errs, html=True)
-    if name == "":
-        raise _missing(("rooms", ri, "name"), "is blank")
-    bed = get("bed_type")
-    if bed == "":
-        bed = None
-    elif not (bed is None or (type(bed) is str and len(bed) <= CODE_MAX and bed.isprintable())):
-        bed = _code(bed, ("rooms", ri, "bed_type"), CODE_MAX, errs)
+    get = _obj(raw, ("rooms", ri)).get
+    room_code = _string(_ROOM_CODE, get("room_code"), errs, ri)
+    name = _string(_ROOM_NAME, get("name"), errs, ri)
+    bed = _string(_BED_TYPE, get("bed_type"), errs, ri)
     occupancy = get("max_occupancy")
     if occupancy is None:
         raise _missing(("rooms", ri, "max_occupancy"))
@@ -704,150 +698,10 @@ def _room(raw: object, ri: int, errs: _Errors) -> Room | None:
     )
 
 
-def _facilities(value: object, errs: _Errors) -> tuple[str, ...]:
-    items = _array(value, "facilities", "facilities", errs)
-    out: dict[str, None] = {}
-    for i, item in enumerate(items):
-        if type(item) is str and len(item) <= FACILITY_MAX and item.isprintable():
-            text: str | None = collapse(item)  # clean: _text would only collapse it
-        else:
-            text = _text(item, ("facilities", i), FACILITY_MAX, errs)
-        if text:
-            out[text.lower()] = None
-    return tuple(out)
-
-
-def _images(value: object, errs: _Errors) -> tuple[Image, ...]:
-    items = _array(value, "images", "images", errs)
-    out: list[Image] = []
-    for i, item in enumerate(items):
-        img = _obj(item, ("images", i))
-        url = img.get("url")
-        if url is None:
-            raise _missing(("images", i, "url"))
-        if not isinstance(url, str):
-            raise _wrong_type(("images", i, "url"), "a string", url)
-        if not url_ok(url):
-            problem = string_problem(url, URL_MAX, verbatim=True)
-            code, why = problem or ("INVALID_URL", "is not an absolute http(s) URL")
-            errs.append((code, ("images", i, "url"), f"{why}: {show(url)}"))
-            continue
-        caption = img.get("caption")
-        if type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable():
-            caption = collapse(caption) or None
-        else:
-            caption = _opt_text(caption, ("images", i, "caption"), CAPTION_MAX, errs)
-        out.append(_assemble(Image, {"url": url, "caption": caption}))
-    return tuple(out)
-
-
-def _normalize(rec: object) -> NormalizedHotel:
-    if not isinstance(rec, dict):
-        raise _Reject(ADAPTER, "NOT_AN_OBJECT", None, f"the record is {_kind(rec)}, not an object")
-    get = rec.get
-    for required in REQUIRED_FIELDS:
-        if get(required) is None:
-            if required in rec:
-                raise _missing(required, "is null")
-            for new in _RENAMES.get(required, ()):
-                if new in rec:
-                    raise _Reject(
-                        ADAPTER,
-                        "FIELD_RENAMED",
-                        required,
-                        f"{required} is missing but {new!r} is present: the field was renamed to {new}",
-                    )
-            raise _missing(required)
-    errs: _Errors = []
-
-    hotel_id = _code(rec["hotel_id"], "hotel_id", HOTEL_ID_MAX, errs)
-
-    name = _text(rec["name"], "name", NAME_MAX, errs, html=True)
-    if name == "":
-        raise _missing("name", "is blank")
-    name_local = _opt_text(get("name_local"), "name_local", NAME_MAX, errs, html=True)
-
-    city_code = _code(rec["city_code"], "city_code", CITY_CODE_MAX, errs)
-
-    country_raw = rec["country_code"]
-    if not isinstance(country_raw, str):
-        raise _wrong_type("country_code", "a string", country_raw)
-    country = rules.country(country_raw) if len(country_raw) == 2 else None
-    if country is None:
-        errs.append(
-            (
-                "INVALID_COUNTRY",
-                "country_code",
-                f"is not an ISO 3166-1 alpha-2 code: {show(country_raw)}",
-            )
-        )
-
-    line1 = postal = None
-    address = get("address")
-    if address is not None:
-        address = _obj(address, "address")
-        line1 = _opt_text(address.get("line1"), "address.line1", ADDRESS_MAX, errs)
-        postal = _opt_text(address.get("postal_code"), "address.postal_code", POSTAL_CODE_MAX, errs)
-
-    geo = _obj(rec["geo"], "geo")
-    lat = geo.get("lat")
-    if lat is None:
-        raise _missing("geo.lat")
-    lat = _number(lat, "geo.lat")
-    lng = geo.get("lng")
-    if lng is None:
-        raise _missing("geo.lng")
-    lng = _number(lng, "geo.lng")
-    if not LAT_MIN <= lat <= LAT_MAX:  # NaN fails this too
-        errs.append(
-            ("LAT_OUT_OF_RANGE", "geo.lat", f"must be within [{LAT_MIN}, {LAT_MAX}]: {show(lat)}")
-        )
-    if not LNG_MIN <= lng <= LNG_MAX:
-        errs.append(
-            ("LNG_OUT_OF_RANGE", "geo.lng", f"must be within [{LNG_MIN}, {LNG_MAX}]: {show(lng)}")
-        )
-
-    star: Decimal | None = None
-    star_raw = get("star_rating")
-    if star_raw is not None:
-        star = rules.star(_number(star_raw, "star_rating"))
-        if star is None:
-            errs.append(
-                (
-                    "STAR_RATING_OUT_OF_RANGE",
-                    "star_rating",
-                    f"must be within [0, 5] in half steps: {show(star_raw)}",
-                )
-            )
-
-    phone: str | None = None
-    phone_raw = get("phone")
-    if phone_raw is not None:
-        text = _text(phone_raw, "phone", PHONE_MAX, errs)
-        if text and country is not None:
-            phone = phone_e164(text, country)
-            if phone is None:
-                errs.append(
-                    (
-                        "INVALID_PHONE",
-                        "phone",
-                        f"is not a valid phone number in {country}: {show(phone_raw)}",
-                    )
-                )
-
-    email: str | None = None
-    email_raw = get("email")
-    if email_raw is not None:
-        email = _text(email_raw, "email", EMAIL_MAX, errs) or None
-        if email is not None and EMAIL_RE.fullmatch(email) is None:
-            errs.append(("INVALID_EMAIL", "email", f"is not an email address: {show(email_raw)}"))
-
-    facilities = _facilities(get("facilities"), errs)
-    images = _images(get("images"), errs)
-
+def _rooms(value: object, errs: _Errors) -> tuple[Room, ...]:
     rooms: list[Room] = []
     seen: set[str] = set()
-    for ri, room_raw in enumerate(_array(get("rooms"), "rooms", "rooms", errs)):
+    for ri, room_raw in enumerate(_array(value, "rooms", "rooms", errs)):
         room = _room(room_raw, ri, errs)
         if room is not None:
             if room.room_code in seen:
@@ -860,31 +714,163 @@ def _normalize(rec: object) -> NormalizedHotel:
                 )
             seen.add(room.room_code)
             rooms.append(room)
+    return tuple(rooms)
 
-    status = rec["status"]
-    if not isinstance(status, str):
-        raise _wrong_type("status", "a string", status)
-    if status not in STATUSES:
-        errs.append(("UNKNOWN_STATUS", "status", f"must be ACTIVE or INACTIVE: {show(status)}"))
 
-    ts_raw = rec["updated_at"]
-    if not isinstance(ts_raw, str):
-        raise _wrong_type("updated_at", "a string", ts_raw)
-    updated_at = parse_timestamp(ts_raw)
+def _facilities(value: object, errs: _Errors) -> tuple[str, ...]:
+    out: dict[str, None] = {}
+    for i, item in enumerate(_array(value, "facilities", "facilities", errs)):
+        text = _string(_FACILITY, item, errs, i, item=True)
+        if text is not None:
+            out[text.lower()] = None
+    return tuple(out)
+
+
+def _images(value: object, errs: _Errors) -> tuple[Image, ...]:
+    items = _array(value, "images", "images", errs)
+    out: list[Image] = []
+    for i, item in enumerate(items):
+        img = _obj(item, ("images", i))
+        url = _present(img.get("url"), ("images", i, "url"))
+        if not isinstance(url, str):
+            raise _wrong_type(("images", i, "url"), "a string", url)
+        if not url_ok(url):
+            problem = string_problem(url, _URL.limit, verbatim=True)
+            code, why = problem or ("INVALID_URL", "is not an absolute http(s) URL")
+            errs.append((code, ("images", i, "url"), f"{why}: {show(url)}"))
+            continue
+        caption = _string(_CAPTION, img.get("caption"), errs, i)
+        out.append(_assemble(Image, {"url": url, "caption": caption}))
+    return tuple(out)
+
+
+def _required(rec: dict[str, Any]) -> None:
+    """Raises for the first required field, in the contract's order, that has no value."""
+    for required in REQUIRED_FIELDS:
+        if rec.get(required) is None:
+            if required in rec:
+                raise _missing(required, "is null")
+            for new in _RENAMES.get(required, ()):
+                if new in rec:
+                    raise _Reject(
+                        ADAPTER,
+                        "FIELD_RENAMED",
+                        required,
+                        f"{required} is missing but {new!r} is present: the field was renamed to {new}",
+                    )
+            raise _missing(required)
+
+
+def _country(value: object, errs: _Errors) -> str | None:
+    if not isinstance(value, str):
+        raise _wrong_type("country_code", "a string", value)
+    country = rules.country(value) if len(value) == 2 else None
+    if country is None:
+        errs.append(
+            ("INVALID_COUNTRY", "country_code", f"is not an ISO 3166-1 alpha-2 code: {show(value)}")
+        )
+    return country
+
+
+def _address(value: object, errs: _Errors) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, None
+    address = _obj(value, "address")
+    line1 = _string(_LINE1, address.get("line1"), errs)
+    postal = _string(_POSTAL_CODE, address.get("postal_code"), errs)
+    return line1, postal
+
+
+def _geo(value: object, errs: _Errors) -> tuple[int | float, int | float]:
+    geo = _obj(value, "geo")
+    lat = _number(_present(geo.get("lat"), "geo.lat"), "geo.lat")
+    lng = _number(_present(geo.get("lng"), "geo.lng"), "geo.lng")
+    _in_range(lat, LAT_MIN, LAT_MAX, "LAT_OUT_OF_RANGE", "geo.lat", _LAT_RANGE, errs)
+    _in_range(lng, LNG_MIN, LNG_MAX, "LNG_OUT_OF_RANGE", "geo.lng", _LNG_RANGE, errs)
+    return lat, lng
+
+
+def _star(value: object, errs: _Errors) -> Decimal | None:
+    if value is None:
+        return None
+    star = rules.star(_number(value, "star_rating"))
+    if star is None:
+        errs.append(
+            (
+                "STAR_RATING_OUT_OF_RANGE",
+                "star_rating",
+                f"must be within [0, 5] in half steps: {show(value)}",
+            )
+        )
+    return star
+
+
+def _phone(value: object, country: str | None, errs: _Errors) -> str | None:
+    text = _string(_PHONE, value, errs)
+    if text is None or country is None:
+        return None
+    phone = phone_e164(text, country)
+    if phone is None:
+        errs.append(
+            ("INVALID_PHONE", "phone", f"is not a valid phone number in {country}: {show(value)}")
+        )
+    return phone
+
+
+def _email(value: object, errs: _Errors) -> str | None:
+    email = _string(_EMAIL, value, errs)
+    if email is not None and EMAIL_RE.fullmatch(email) is None:
+        errs.append(("INVALID_EMAIL", "email", f"is not an email address: {show(value)}"))
+    return email
+
+
+def _status(value: object, errs: _Errors) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type("status", "a string", value)
+    if value not in STATUSES:
+        errs.append(("UNKNOWN_STATUS", "status", f"must be ACTIVE or INACTIVE: {show(value)}"))
+    return value
+
+
+def _updated_at(value: object) -> dt.datetime:
+    if not isinstance(value, str):
+        raise _wrong_type("updated_at", "a string", value)
+    updated_at = parse_timestamp(value)
     if updated_at is None:
         raise _Reject(
             ADAPTER,
             "INVALID_TIMESTAMP",
             "updated_at",
-            f"updated_at is not an RFC 3339 timestamp with a time zone: {show(ts_raw)}",
+            f"updated_at is not an RFC 3339 timestamp with a time zone: {show(value)}",
         )
+    return updated_at
 
+
+def _normalize(rec: object) -> NormalizedHotel:
+    """The reference normalizer: the record walked in the contract's order (see the module's
+    docstring); the first ADAPTER problem raises at once, VALIDATION ones are collected."""
+    if not isinstance(rec, dict):
+        raise _Reject(ADAPTER, "NOT_AN_OBJECT", None, f"the record is {_kind(rec)}, not an object")
+    _required(rec)
+    get = rec.get
+    errs: _Errors = []
+    hotel_id = _string(_HOTEL_ID, rec["hotel_id"], errs)
+    name = _string(_NAME, rec["name"], errs)
+    name_local = _string(_NAME_LOCAL, get("name_local"), errs)
+    city_code = _string(_CITY_CODE, rec["city_code"], errs)
+    country = _country(rec["country_code"], errs)
+    line1, postal = _address(get("address"), errs)
+    lat, lng = _geo(rec["geo"], errs)
+    star = _star(get("star_rating"), errs)
+    phone = _phone(get("phone"), country, errs)
+    email = _email(get("email"), errs)
+    facilities = _facilities(get("facilities"), errs)
+    images = _images(get("images"), errs)
+    rooms = _rooms(get("rooms"), errs)
+    status = _status(rec["status"], errs)
+    updated_at = _updated_at(rec["updated_at"])
     version = _integer(rec["version"], "version")
-    if not 0 <= version <= MAX_VERSION:
-        errs.append(
-            ("VALUE_OUT_OF_RANGE", "version", f"must be within 0..2**63-1: {show(version)}")
-        )
-
+    _in_range(version, 0, MAX_VERSION, "VALUE_OUT_OF_RANGE", "version", "0..2**63-1", errs)
     if errs:
         code, path, why = errs[0]
         raise _Reject(VALIDATION, code, _path(path), f"{_path(path)} {why}")
@@ -905,7 +891,7 @@ def _normalize(rec: object) -> NormalizedHotel:
             "email": email,
             "facilities": facilities,
             "images": images,
-            "rooms": tuple(rooms),
+            "rooms": rooms,
             "status": status,
             "updated_at": updated_at,
             "version": version,
@@ -913,39 +899,38 @@ def _normalize(rec: object) -> NormalizedHotel:
     )
 
 
-# -- fast path ------------------------------------------------------------------------------
+# -- fast path: the usual clean record, built straight into its document -------------------
+#
+# Each value's shape is tested inline against its row of rules.STRING_FIELDS, since a call per
+# value would cost more than the test; anything unusual is left to _normalize. A printable
+# string holds no tab/CR/LF, so collapsing it is stripping and squeezing spaces.
 
 
 def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """The usual clean record, normalized with as few calls as possible; None if unusual.
+    """The usual clean record, as ``to_primitive(_normalize(rec))``; None if unusual.
 
     It accepts only what :func:`_normalize` (the reference) accepts, and returns what
     ``to_primitive(_normalize(rec))`` returns, built directly (no model objects on the way);
     anything else (a problem, or merely an unusual spelling such as a lower-case country, an
     integer amount or a tab in a name) returns None and goes through :func:`_normalize`. The
-    tests compare both paths on simulator records and on fuzzed ones.
-
-    Each value's shape is tested inline (type, length from :mod:`rules`, ``isprintable``: a
-    call per value would cost more than the test), and a name's markup through
-    :func:`rules.might_hold_html`. A printable string holds no tab/CR/LF, so collapsing free
-    text here is stripping and squeezing spaces.
+    tests compare both paths on simulator records, on fuzzed ones and on each shape of every
+    string field's row.
     """
     get = rec.get
     hotel_id = get("hotel_id")
     name = get("name")
-    name_local = get("name_local")
     city_code = get("city_code")
     country = get("country_code")
     if not (
         type(hotel_id) is str
-        and 0 < len(hotel_id) <= HOTEL_ID_MAX
+        and 0 < len(hotel_id) <= _HOTEL_ID.limit
         and hotel_id.isprintable()
         and type(name) is str
-        and len(name) <= NAME_MAX
+        and len(name) <= _NAME.limit
         and name.isprintable()
         and not might_hold_html(name)
         and type(city_code) is str
-        and 0 < len(city_code) <= CITY_CODE_MAX
+        and 0 < len(city_code) <= _CITY_CODE.limit
         and city_code.isprintable()
         and type(country) is str
         and country in COUNTRY_CODES
@@ -956,33 +941,16 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         name = WS_RE.sub(" ", name)
     if not name:
         return None
+    name_local = get("name_local")
     if name_local is not None:
         if not (
             type(name_local) is str
-            and len(name_local) <= NAME_MAX
+            and len(name_local) <= _NAME_LOCAL.limit
             and name_local.isprintable()
             and not might_hold_html(name_local)
         ):
             return None
         name_local = collapse(name_local) or None
-
-    line1 = postal = None
-    address = get("address")
-    if address is not None:
-        if type(address) is not dict:
-            return None
-        line1 = address.get("line1")
-        if line1 is not None:
-            if not (type(line1) is str and len(line1) <= ADDRESS_MAX and line1.isprintable()):
-                return None
-            line1 = collapse(line1) or None
-        postal = address.get("postal_code")
-        if postal is not None:
-            if not (
-                type(postal) is str and len(postal) <= POSTAL_CODE_MAX and postal.isprintable()
-            ):
-                return None
-            postal = collapse(postal) or None
 
     geo = get("geo")
     if type(geo) is not dict:
@@ -996,7 +964,6 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         and LNG_MIN <= lng <= LNG_MAX
     ):
         return None
-
     star = get("star_rating")
     if star is not None:
         if type(star) is not float and type(star) is not int:
@@ -1005,172 +972,12 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         if star is None:
             return None
 
-    phone = get("phone")
-    if phone is not None:
-        if not (type(phone) is str and len(phone) <= PHONE_MAX and phone.isprintable()):
-            return None
-        text = collapse(phone)
-        phone = phone_e164(text, country) if text else None
-        if text and phone is None:
-            return None
-
-    email = get("email")
-    if email is not None:
-        if not (type(email) is str and len(email) <= EMAIL_MAX and email.isprintable()):
-            return None
-        email = collapse(email) or None
-        if email is not None and EMAIL_RE.fullmatch(email) is None:
-            return None
-
-    facilities: dict[str, None] = {}
-    raw_facilities = get("facilities")
-    if raw_facilities is not None:
-        if type(raw_facilities) is not list or len(raw_facilities) > FACILITIES_MAX:
-            return None
-        for item in raw_facilities:
-            if not (type(item) is str and len(item) <= FACILITY_MAX and item.isprintable()):
-                return None
-            item = item.strip(" ")
-            if "  " in item:
-                item = WS_RE.sub(" ", item)
-            if item:
-                facilities[item.lower()] = None
-
-    images: list[dict[str, Any]] = []
-    raw_images = get("images")
-    if raw_images is not None:
-        if type(raw_images) is not list or len(raw_images) > IMAGES_MAX:
-            return None
-        for img in raw_images:
-            if type(img) is not dict:
-                return None
-            url = img.get("url")
-            caption = img.get("caption")
-            if not (
-                type(url) is str
-                and len(url) <= URL_MAX
-                and url.isprintable()
-                and URL_RE.fullmatch(url) is not None
-            ):
-                return None
-            if caption is not None:
-                if not (
-                    type(caption) is str and len(caption) <= CAPTION_MAX and caption.isprintable()
-                ):
-                    return None
-                caption = caption.strip(" ")
-                if "  " in caption:
-                    caption = WS_RE.sub(" ", caption)
-                caption = caption or None
-            images.append({"url": url, "caption": caption})
-
-    rooms: list[dict[str, Any]] = []
-    raw_rooms = get("rooms")
-    if raw_rooms is not None:
-        if type(raw_rooms) is not list or len(raw_rooms) > ROOMS_MAX:
-            return None
-        room_codes: set[str] = set()
-        for room in raw_rooms:
-            if type(room) is not dict:
-                return None
-            rget = room.get
-            room_code = rget("room_code")
-            room_name = rget("name")
-            bed = rget("bed_type")
-            occupancy = rget("max_occupancy")
-            raw_plans = rget("rate_plans")
-            if not (
-                type(room_code) is str
-                and 0 < len(room_code) <= CODE_MAX
-                and room_code.isprintable()
-                and room_code not in room_codes
-                and type(room_name) is str
-                and len(room_name) <= NAME_MAX
-                and room_name.isprintable()
-                and not might_hold_html(room_name)
-                and (
-                    bed is None
-                    or (type(bed) is str and 0 < len(bed) <= CODE_MAX and bed.isprintable())
-                )
-                and type(occupancy) is int
-                and 1 <= occupancy <= OCCUPANCY_MAX
-                and (
-                    raw_plans is None
-                    or (type(raw_plans) is list and len(raw_plans) <= RATE_PLANS_MAX)
-                )
-            ):
-                return None
-            room_codes.add(room_code)
-            room_name = room_name.strip(" ")
-            if "  " in room_name:
-                room_name = WS_RE.sub(" ", room_name)
-            if not room_name:
-                return None
-            plans: list[dict[str, Any]] = []
-            plan_codes: set[str] = set()
-            for plan in raw_plans or ():
-                if type(plan) is not dict:
-                    return None
-                pget = plan.get
-                code = pget("code")
-                board = pget("board")
-                refundable = pget("refundable")
-                available = pget("available")
-                price = pget("price")
-                if not (
-                    type(code) is str
-                    and 0 < len(code) <= CODE_MAX
-                    and code.isprintable()
-                    and code not in plan_codes
-                    and (
-                        board is None
-                        or (
-                            type(board) is str
-                            and 0 < len(board) <= CODE_MAX
-                            and board.isprintable()
-                        )
-                    )
-                    and (refundable is True or refundable is False)
-                    and (available is True or available is False)
-                    and type(price) is dict
-                ):
-                    return None
-                amount = price.get("amount")
-                currency = price.get("currency")
-                if not (
-                    type(amount) is str
-                    and len(amount) <= AMOUNT_MAX
-                    and amount[:1] != "-"
-                    and AMOUNT_RE.fullmatch(amount) is not None
-                    and type(currency) is str
-                    and currency in MONEY_CODES
-                ):
-                    return None
-                plan_codes.add(code)
-                if amount[0] == "0" and amount[:2] != "0." and amount != "0":
-                    # "007.50" is "7.50", as the model says. A plain amount without a
-                    # leading zero (at most 6 fraction digits) is its Decimal's own string.
-                    amount = str(Decimal(amount))
-                plans.append(
-                    {
-                        "code": code,
-                        "board": board,
-                        "refundable": refundable,
-                        "available": available,
-                        "price": amount,
-                        "currency": currency,
-                    }
-                )
-            rooms.append(
-                {
-                    "room_code": room_code,
-                    "name": room_name,
-                    "bed_type": bed,
-                    "max_occupancy": occupancy,
-                    "rate_plans": plans,
-                }
-            )
-
+    contact = _fast_contact(get("address"), get("phone"), get("email"), country)
+    facilities = _fast_facilities(get("facilities"))
+    images = _fast_images(get("images"))
+    rooms = _fast_rooms(get("rooms"))
+    if contact is None or facilities is None or images is None or rooms is None:
+        return None
     status = get("status")
     ts = get("updated_at")
     version = get("version")
@@ -1185,7 +992,10 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
     updated_at = parse_timestamp(ts)
     if updated_at is None:
         return None
-
+    if not (len(ts) == 20 and ts[19] == "Z" and ts[10] == "T"):
+        # A valid timestamp spelled YYYY-MM-DDTHH:MM:SSZ is already its canonical form.
+        ts = _timestamp(updated_at)
+    line1, postal, phone, email = contact
     return {
         "supplier_hotel_id": hotel_id,
         "name": name,
@@ -1199,13 +1009,216 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         "star_rating": None if star is None else str(star),
         "phone_e164": phone,
         "email": email,
-        "facilities": list(facilities),
+        "facilities": facilities,
         "images": images,
         "rooms": rooms,
         "status": status,
-        "updated_at": _timestamp(updated_at),
+        "updated_at": ts,
         "version": version,
     }
+
+
+_NO_CONTACT: Final = (None, None, None, None)
+
+
+def _fast_contact(
+    address: object, phone: object, email: object, country: str
+) -> tuple[str | None, str | None, str | None, str | None] | None:
+    """(address line 1, postal code, E.164 phone, email), or None if one is unusual."""
+    if address is None and phone is None and email is None:
+        return _NO_CONTACT
+    line1 = postal = None
+    if address is not None:
+        if type(address) is not dict:
+            return None
+        line1 = address.get("line1")
+        if line1 is not None:
+            if not (type(line1) is str and len(line1) <= _LINE1.limit and line1.isprintable()):
+                return None
+            line1 = collapse(line1) or None
+        postal = address.get("postal_code")
+        if postal is not None:
+            if not (
+                type(postal) is str and len(postal) <= _POSTAL_CODE.limit and postal.isprintable()
+            ):
+                return None
+            postal = collapse(postal) or None
+    if phone is not None:
+        if not (type(phone) is str and len(phone) <= _PHONE.limit and phone.isprintable()):
+            return None
+        text = collapse(phone)
+        phone = phone_e164(text, country) if text else None
+        if text and phone is None:
+            return None
+    if email is not None:
+        if not (type(email) is str and len(email) <= _EMAIL.limit and email.isprintable()):
+            return None
+        email = collapse(email) or None
+        if email is not None and EMAIL_RE.fullmatch(email) is None:
+            return None
+    return line1, postal, phone, email
+
+
+def _fast_facilities(raw: object) -> list[str] | None:
+    """The facilities, trimmed, lower-cased and deduplicated; None if one is unusual."""
+    if raw is None:
+        return []
+    if type(raw) is not list or len(raw) > FACILITIES_MAX:
+        return None
+    facilities: dict[str, None] = {}
+    limit = _FACILITY.limit
+    for item in raw:
+        if not (type(item) is str and len(item) <= limit and item.isprintable()):
+            return None
+        item = item.strip(" ")
+        if "  " in item:
+            item = WS_RE.sub(" ", item)
+        if item:
+            facilities[item.lower()] = None
+    return list(facilities)
+
+
+def _fast_images(raw: object) -> list[dict[str, Any]] | None:
+    """The images as documents; None if one is unusual."""
+    if raw is None:
+        return []
+    if type(raw) is not list or len(raw) > IMAGES_MAX:
+        return None
+    images: list[dict[str, Any]] = []
+    for img in raw:
+        if type(img) is not dict:
+            return None
+        url = img.get("url")
+        caption = img.get("caption")
+        if not (
+            type(url) is str
+            and len(url) <= _URL.limit
+            and url.isprintable()
+            and URL_RE.fullmatch(url) is not None
+        ):
+            return None
+        if caption is not None:
+            if not (
+                type(caption) is str and len(caption) <= _CAPTION.limit and caption.isprintable()
+            ):
+                return None
+            caption = caption.strip(" ")
+            if "  " in caption:
+                caption = WS_RE.sub(" ", caption)
+            caption = caption or None
+        images.append({"url": url, "caption": caption})
+    return images
+
+
+def _fast_rooms(raw: object) -> list[dict[str, Any]] | None:
+    """The rooms as documents, each with its rate plans; None if one is unusual."""
+    if raw is None:
+        return []
+    if type(raw) is not list or len(raw) > ROOMS_MAX:
+        return None
+    rooms: list[dict[str, Any]] = []
+    room_codes: set[str] = set()
+    for room in raw:
+        if type(room) is not dict:
+            return None
+        rget = room.get
+        room_code = rget("room_code")
+        room_name = rget("name")
+        bed = rget("bed_type")
+        occupancy = rget("max_occupancy")
+        if not (
+            type(room_code) is str
+            and 0 < len(room_code) <= _ROOM_CODE.limit
+            and room_code.isprintable()
+            and room_code not in room_codes
+            and type(room_name) is str
+            and len(room_name) <= _ROOM_NAME.limit
+            and room_name.isprintable()
+            and not might_hold_html(room_name)
+            and (
+                bed is None
+                or (type(bed) is str and 0 < len(bed) <= _BED_TYPE.limit and bed.isprintable())
+            )
+            and type(occupancy) is int
+            and 1 <= occupancy <= OCCUPANCY_MAX
+        ):
+            return None
+        room_codes.add(room_code)
+        room_name = room_name.strip(" ")
+        if "  " in room_name:
+            room_name = WS_RE.sub(" ", room_name)
+        if not room_name:
+            return None
+        raw_plans = rget("rate_plans")
+        if raw_plans is None:
+            raw_plans = ()
+        elif type(raw_plans) is not list or len(raw_plans) > RATE_PLANS_MAX:
+            return None
+        plans: list[dict[str, Any]] = []
+        plan_codes: set[str] = set()
+        for plan in raw_plans:
+            if type(plan) is not dict:
+                return None
+            pget = plan.get
+            code = pget("code")
+            board = pget("board")
+            refundable = pget("refundable")
+            available = pget("available")
+            price = pget("price")
+            if not (
+                type(code) is str
+                and 0 < len(code) <= _PLAN_CODE.limit
+                and code.isprintable()
+                and code not in plan_codes
+                and (
+                    board is None
+                    or (
+                        type(board) is str
+                        and 0 < len(board) <= _BOARD.limit
+                        and board.isprintable()
+                    )
+                )
+                and (refundable is True or refundable is False)
+                and (available is True or available is False)
+                and type(price) is dict
+            ):
+                return None
+            amount = price.get("amount")
+            currency = price.get("currency")
+            if not (
+                type(amount) is str
+                and len(amount) <= AMOUNT_MAX
+                and amount[:1] != "-"
+                and AMOUNT_RE.fullmatch(amount) is not None
+                and type(currency) is str
+                and currency in MONEY_CODES
+            ):
+                return None
+            plan_codes.add(code)
+            if amount[0] == "0" and amount[:2] != "0." and amount != "0":
+                # "007.50" is "7.50", as the model says. A plain amount without a leading zero
+                # (at most 6 fraction digits) is its Decimal's own string.
+                amount = str(Decimal(amount))
+            plans.append(
+                {
+                    "code": code,
+                    "board": board,
+                    "refundable": refundable,
+                    "available": available,
+                    "price": amount,
+                    "currency": currency,
+                }
+            )
+        rooms.append(
+            {
+                "room_code": room_code,
+                "name": room_name,
+                "bed_type": bed,
+                "max_occupancy": occupancy,
+                "rate_plans": plans,
+            }
+        )
+    return rooms
 
 
 # -- public API -----------------------------------------------------------------------------

@@ -327,51 +327,54 @@ def _hotel_tail(cand: Candidate, supplier_id: int, batch_id: str) -> tuple[Any, 
     )
 
 
+def _newer(incoming: Any, cur: Any) -> Any:
+    """The upsert's guard: the incoming version is newer, or the same version with another
+    fingerprint (a fixed normalization rule replayed)."""
+    return sa.or_(
+        incoming.supplier_version > cur.supplier_version,
+        sa.and_(
+            incoming.supplier_version == cur.supplier_version,
+            incoming.fingerprint != cur.fingerprint,
+        ),
+    )
+
+
+def _written(incoming: Any, cur: Any) -> list[tuple[str, Any]]:
+    """What a newer version writes over the hotel row, column by column.
+
+    MySQL applies ON DUPLICATE KEY assignments left to right, each seeing the ones before
+    it: every column that the guard reads (fingerprint, supplier_version) comes last, so the
+    guard sees the old row in every earlier assignment.
+    """
+    return [
+        *((name, incoming[name]) for name in _HOTEL_COLUMNS),
+        # Published again: present at the supplier (core/records/tombstones.py).
+        ("missing_count", _ZERO),
+        ("missing_since", sa.null()),
+        ("publish_version", cur.publish_version + _ONE),
+        ("fingerprint", incoming.fingerprint),
+        ("supplier_version", incoming.supplier_version),
+    ]
+
+
 def _hotel_upsert(conn: Connection) -> Any:
     """The version-guarded upsert of platform hotels, in the connection's dialect."""
+    cur = schema.platform_hotel.c
     if conn.dialect.name == "sqlite":
         ins = sqlite_insert(schema.platform_hotel)
-        ex = ins.excluded
-        cur = schema.platform_hotel.c
-        newer = sa.or_(
-            ex.supplier_version > cur.supplier_version,
-            sa.and_(ex.supplier_version == cur.supplier_version, ex.fingerprint != cur.fingerprint),
-        )
         return ins.on_conflict_do_update(
             index_elements=[cur.resource_id],
-            set_={
-                **{name: ex[name] for name in _HOTEL_COLUMNS},
-                "publish_version": cur.publish_version + _ONE,
-                "fingerprint": ex.fingerprint,
-                "supplier_version": ex.supplier_version,
-                # Published again: present at the supplier (core/records/tombstones.py).
-                "missing_count": _ZERO,
-                "missing_since": sa.null(),
-            },
-            where=newer,
+            set_=dict(_written(ins.excluded, cur)),
+            where=_newer(ins.excluded, cur),
         )
     ins_m = mysql_insert(schema.platform_hotel)
-    new = ins_m.inserted
-    cur = schema.platform_hotel.c
-    newer = sa.or_(
-        new.supplier_version > cur.supplier_version,
-        sa.and_(new.supplier_version == cur.supplier_version, new.fingerprint != cur.fingerprint),
+    newer = _newer(ins_m.inserted, cur)
+    return ins_m.on_duplicate_key_update(
+        [
+            (name, sa.func.IF(newer, value, cur[name]))
+            for name, value in _written(ins_m.inserted, cur)
+        ]
     )
-    # MySQL applies ON DUPLICATE KEY assignments left to right, each seeing the ones
-    # before it: every column that the guard reads (fingerprint, supplier_version) is
-    # assigned last, so the guard sees the old row in every earlier assignment.
-    assignments: list[tuple[str, Any]] = [
-        (name, sa.func.IF(newer, new[name], cur[name])) for name in _HOTEL_COLUMNS
-    ]
-    assignments += [
-        # Published again: present at the supplier (core/records/tombstones.py).
-        ("missing_count", sa.func.IF(newer, _ZERO, cur.missing_count)),
-        ("missing_since", sa.func.IF(newer, sa.null(), cur.missing_since)),
-        ("publish_version", sa.func.IF(newer, cur.publish_version + _ONE, cur.publish_version)),
-        ("fingerprint", sa.func.IF(newer, new.fingerprint, cur.fingerprint)),
-        ("supplier_version", sa.func.IF(newer, new.supplier_version, cur.supplier_version)),
-    ]
-    return ins_m.on_duplicate_key_update(assignments)
 
 
 def _offer_parts(cand: Candidate) -> list[tuple[Any, ...]]:

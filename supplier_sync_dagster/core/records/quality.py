@@ -42,11 +42,11 @@ same failure) except ``COUNTRY_CITY_MISMATCH``, which is MAPPING_REQUIRED: the r
 right and the city list wrong (or the other way round), and an operator has to map the
 city or the hotel before a replay can publish it.
 
-Cost: see ``bench/bench_quality.py`` and the README's benchmark table. Reading the
-documents into columns and the string rules dominate a clean chunk; each distinct phone
-number not seen before costs a libphonenumber parse (``parse_phones=False`` skips it). A
-chunk with a failing row also pays for the frames and pandera's passes, whose fixed cost per
-``validate`` call is why this runs once per chunk of many hotels, not per page.
+Cost (``bench/bench_quality.py`` measures it): reading the documents into columns and the
+string rules dominate a clean chunk; each distinct phone number not seen before costs a
+libphonenumber parse (``parse_phones=False`` skips it). A chunk with a failing row also pays
+for the frames and pandera's passes, whose fixed cost per ``validate`` call is why this runs
+once per chunk of many hotels, not per page.
 
 Every limit, code list and value check here comes from
 :mod:`~supplier_sync_dagster.core.records.rules`, as normalization's do.
@@ -84,6 +84,7 @@ from supplier_sync_dagster.core.records.rules import (
     MESSAGE_MAX,
     MONEY_CODES,
     STATUSES,
+    STRING_FIELDS,
     phone_e164,
     show,
 )
@@ -294,31 +295,21 @@ class QualityResult:
 
 # -- the frames ------------------------------------------------------------------------------
 
-# String fields checked for length and control characters: (path template, limit). The first
-# block is top-level (one value per hotel, in document order); the rest are nested.
-_STRING_FIELDS: Final[tuple[tuple[str, int], ...]] = (
-    ("supplier_hotel_id", LIMITS["hotel_id"]),
-    ("name", LIMITS["name"]),
-    ("name_local", LIMITS["name"]),
-    ("city_code", LIMITS["city_code"]),
-    ("address_line1", LIMITS["address_line1"]),
-    ("postal_code", LIMITS["postal_code"]),
-    ("phone_e164", LIMITS["phone"]),
-    ("email", LIMITS["email"]),
-    ("updated_at", LIMITS["timestamp"]),
-    ("facilities[{k}]", LIMITS["facility"]),
-    ("images[{k}].url", LIMITS["url"]),
-    ("images[{k}].caption", LIMITS["caption"]),
-    ("rooms[{k}].room_code", LIMITS["code"]),
-    ("rooms[{k}].name", LIMITS["name"]),
-    ("rooms[{k}].bed_type", LIMITS["code"]),
-    ("rooms[{k}].rate_plans[{j}].code", LIMITS["code"]),
-    ("rooms[{k}].rate_plans[{j}].board", LIMITS["code"]),
+# String fields checked for length and control characters: (path template, limit), one per
+# row of rules.STRING_FIELDS (top-level ones first, one value per hotel; then nested ones).
+_STRING_FIELDS: Final[tuple[tuple[str, int], ...]] = tuple(
+    (f.field, f.limit) for f in STRING_FIELDS
 )
-_N_TOP = 9
-_F_FACILITY, _F_URL, _F_CAPTION, _F_ROOM, _F_ROOM_NAME, _F_BED, _F_PLAN, _F_BOARD = range(
-    _N_TOP, len(_STRING_FIELDS)
-)
+_FID: Final = {f.source: fid for fid, f in enumerate(STRING_FIELDS)}
+_N_TOP: Final = sum("[" not in f.source for f in STRING_FIELDS)
+_F_FACILITY = _FID["facilities[]"]
+_F_URL = _FID["images[].url"]
+_F_CAPTION = _FID["images[].caption"]
+_F_ROOM = _FID["rooms[].room_code"]
+_F_ROOM_NAME = _FID["rooms[].name"]
+_F_BED = _FID["rooms[].bed_type"]
+_F_PLAN = _FID["rooms[].rate_plans[].code"]
+_F_BOARD = _FID["rooms[].rate_plans[].board"]
 _LIMITS: Final = np.array([limit for _, limit in _STRING_FIELDS], dtype=np.int64)
 
 _COUNTRIES: Final = frozenset(COUNTRY_CODES)
@@ -590,7 +581,7 @@ _OPT_STR = frozenset({"string", "empty"})
 _NUMBER = frozenset({"floating", "integer", "mixed-integer-float"})
 _INTEGER = frozenset({"integer"})
 _REQUIRED_STR: Final = frozenset(
-    {"supplier_hotel_id", "name", "city_code", "updated_at", "country_code", "status"}
+    {f.field for f in STRING_FIELDS[:_N_TOP] if f.required} | {"country_code", "status"}
 )
 
 
@@ -622,10 +613,7 @@ def _expect(key: str) -> tuple[frozenset[str], bool, Any]:
 
 
 _EXPECT: Final = {key: _expect(key) for key in _TOP_KEYS}
-_REQUIRED_FIDS: Final = frozenset(
-    {fid for fid, (name, _) in enumerate(_STRING_FIELDS[:_N_TOP]) if name in _REQUIRED_STR}
-    | {_F_FACILITY, _F_URL, _F_ROOM, _F_ROOM_NAME, _F_PLAN}
-)
+_REQUIRED_FIDS: Final = frozenset(fid for fid, f in enumerate(STRING_FIELDS) if f.required)
 """String fields whose values must be strings (the others may be null)."""
 
 
@@ -668,8 +656,8 @@ def _collect(docs: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> _Co
 
     Per-hotel Python work is a handful of list extends (no per-string tuples): the row
     coordinates (hotel, room k, plan j) are derived afterwards from the list lengths with
-    numpy, which is what keeps this at a few microseconds per hotel. Every value's type is
-    checked here, so the rules and the frames only ever see the types they expect.
+    numpy, not built value by value. Every value's type is checked here
+    (:func:`_wrong_types`), so the rules and the frames only ever see the types they expect.
     """
     problems: dict[int, tuple[str, str]] = {}
     tops: list[tuple[Any, ...]] = []
@@ -761,13 +749,26 @@ def _collect(docs: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> _Co
         (_F_BOARD, boards, plan_hotel, plan_k, plan_j),
     ]
 
+    cols = _Columns(columns, hotel_of, blocks, plan_hotel, plan_k, plan_j, currencies, prices)
+    _wrong_types(cols, hpos, problems)
+    if problems:
+        raise _Malformed(problems)
+    return cols
+
+
+def _wrong_types(cols: _Columns, hpos: Sequence[int], problems: dict[int, tuple[str, str]]) -> None:
+    """Adds to ``problems`` each document (by position) with a value of the wrong type.
+
+    A column whose values all have the expected type is cleared by one pandas pass; only a
+    column that fails it is read value by value, to name the first offending document.
+    """
     for key, (accepted, skipna, test) in _EXPECT.items():
-        values = columns[key]
+        values = cols.top[key]
         if values and pd.api.types.infer_dtype(values, skipna=skipna) not in accepted:
             for pos, value in zip(hpos, values, strict=True):
                 if not test(value) and pos not in problems:
                     problems[pos] = (key, f"has the wrong type: {show(value)}")
-    for fid, values, hotel, k, j in blocks[_N_TOP:]:
+    for fid, values, hotel, k, j in cols.blocks[_N_TOP:]:
         required = fid in _REQUIRED_FIDS
         if values and pd.api.types.infer_dtype(values, skipna=not required) not in (
             _STR if required else _OPT_STR
@@ -778,16 +779,14 @@ def _collect(docs: Sequence[Mapping[str, Any]], positions: Sequence[int]) -> _Co
                 if not test(value) and pos not in problems:
                     path = _field(fid, int(k[i]), int(j[i]))
                     problems[pos] = (path, f"has the wrong type: {show(value)}")
-    for values, what in ((currencies, "currency"), (prices, "price")):
+    plan_hotel, plan_k, plan_j = cols.plan_hotel, cols.plan_k, cols.plan_j
+    for values, what in ((cols.currencies, "currency"), (cols.prices, "price")):
         if values and pd.api.types.infer_dtype(values, skipna=False) != "string":
             for i, value in enumerate(values):
                 pos = int(plan_hotel[i])
                 if type(value) is not str and pos not in problems:
                     path = f"rooms[{plan_k[i]}].rate_plans[{plan_j[i]}].{what}"
                     problems[pos] = (path, f"has the wrong type: {show(value)}")
-    if problems:
-        raise _Malformed(problems)
-    return _Columns(columns, hotel_of, blocks, plan_hotel, plan_k, plan_j, currencies, prices)
 
 
 # Prices as normalization writes them (``str`` of a Decimal): digits with an optional
@@ -1023,6 +1022,40 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _highest(
+    docs: Sequence[Mapping[str, Any]], failures: dict[int, QualityFailure]
+) -> tuple[list[int], list[Duplicate]]:
+    """The positions of each hotel's highest version, and the lower ones as duplicates.
+
+    A document without a readable id and version is a MALFORMED_DOCUMENT, added to
+    ``failures``.
+    """
+    keys: list[tuple[str, int]] = []
+    key_pos: list[int] = []
+    for pos, doc in enumerate(docs):
+        hotel_id, version = _readable(doc)
+        if hotel_id is None or version is None:
+            failures[pos] = _failure(
+                pos,
+                doc,
+                "MALFORMED_DOCUMENT",
+                "supplier_hotel_id" if hotel_id is None else "version",
+                "supplier_hotel_id or version is missing or has the wrong type",
+            )
+            continue
+        keys.append((hotel_id, version))
+        key_pos.append(pos)
+    kept = [key_pos[i] for i in highest_versions(keys)]
+    kept_by_id = {docs[pos]["supplier_hotel_id"]: pos for pos in kept}
+    kept_set = set(kept)
+    duplicates = [
+        Duplicate(pos, hotel_id, version, kept_by_id[hotel_id])
+        for (hotel_id, version), pos in zip(keys, key_pos, strict=True)
+        if pos not in kept_set
+    ]
+    return kept, duplicates
+
+
 def check_quality(
     docs: Sequence[Mapping[str, Any]],
     *,
@@ -1055,30 +1088,7 @@ def check_quality(
     failures: dict[int, QualityFailure] = {}
 
     # Duplicates first: only the highest version of a hotel is validated and reported.
-    keys: list[tuple[str, int]] = []
-    key_pos: list[int] = []
-    for pos, doc in enumerate(docs):
-        hotel_id, version = _readable(doc)
-        if hotel_id is None or version is None:
-            failures[pos] = _failure(
-                pos,
-                doc,
-                "MALFORMED_DOCUMENT",
-                "supplier_hotel_id" if hotel_id is None else "version",
-                "supplier_hotel_id or version is missing or has the wrong type",
-            )
-            continue
-        keys.append((hotel_id, version))
-        key_pos.append(pos)
-    kept = [key_pos[i] for i in highest_versions(keys)]
-    kept_by_id = {docs[pos]["supplier_hotel_id"]: pos for pos in kept}
-    kept_set = set(kept)
-    duplicates = [
-        Duplicate(pos, hotel_id, version, kept_by_id[hotel_id])
-        for (hotel_id, version), pos in zip(keys, key_pos, strict=True)
-        if pos not in kept_set
-    ]
-
+    kept, duplicates = _highest(docs, failures)
     positions = sorted(kept)
     while True:
         try:

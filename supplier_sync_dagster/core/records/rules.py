@@ -11,6 +11,9 @@ What is here:
 
 - :data:`LIMITS`, the length limits of strings and lists, and :data:`MAX_VERSION`,
   :data:`MAX_AMOUNT_INT`, the coordinate bounds and :data:`STATUSES`;
+- :data:`STRING_FIELDS`, every string field of a hotel with its place in a supplier's record
+  and in a normalized document, its limit and the rule it follows (identifier or free text,
+  name, required or not);
 - the code lists: :data:`COUNTRY_CODES` (ISO 3166-1 alpha-2 plus Kosovo) and
   :data:`MONEY_CODES` (ISO 4217 minus what is not money), and the half-step star ratings;
 - predicates on one value: :func:`string_problem` (length, control characters, lone
@@ -29,6 +32,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Final
 
@@ -51,6 +55,9 @@ __all__ = [
     "STARS",
     "STAR_BY_VALUE",
     "STATUSES",
+    "STRING_FIELDS",
+    "STRING_FIELDS_BY_SOURCE",
+    "StringField",
     "collapse",
     "country",
     "currency",
@@ -119,6 +126,71 @@ IMAGES_MAX: Final = LIMITS["images"]
 ROOMS_MAX: Final = LIMITS["rooms"]
 RATE_PLANS_MAX: Final = LIMITS["rate_plans"]
 OCCUPANCY_MAX: Final = LIMITS["max_occupancy"]
+
+
+@dataclass(frozen=True, slots=True)
+class StringField:
+    """A string field of a hotel and the rule it follows, wherever it is checked.
+
+    Attributes:
+        source: where a supplier's record holds it, ``[]`` standing for each item of a list
+            (``rooms[].rate_plans[].board``).
+        field: where a normalized document holds it, ``{k}`` and ``{j}`` standing for the
+            position of the item and of its rate plan (``rooms[{k}].rate_plans[{j}].board``).
+        limit: its length limit in characters (:data:`LIMITS`).
+        verbatim: an identifier or a code, kept as sent: no control character at all (tab
+            and newline included), and an empty one is no value. Otherwise free text: tab,
+            CR and LF are allowed (:func:`collapse` turns each run of white space into one
+            space), and a blank one is no value.
+        html: a name, where HTML markup is not allowed.
+        required: a record needs a value here, and a document always holds a string here
+            (a list's blank item is dropped instead); otherwise "no value" is null.
+    """
+
+    source: str
+    field: str
+    limit: int
+    verbatim: bool = False
+    html: bool = False
+    required: bool = True
+
+
+STRING_FIELDS: Final = (
+    StringField("hotel_id", "supplier_hotel_id", HOTEL_ID_MAX, verbatim=True),
+    StringField("name", "name", NAME_MAX, html=True),
+    StringField("name_local", "name_local", NAME_MAX, html=True, required=False),
+    StringField("city_code", "city_code", CITY_CODE_MAX, verbatim=True),
+    StringField("address.line1", "address_line1", ADDRESS_MAX, required=False),
+    StringField("address.postal_code", "postal_code", POSTAL_CODE_MAX, required=False),
+    StringField("phone", "phone_e164", PHONE_MAX, required=False),
+    StringField("email", "email", EMAIL_MAX, required=False),
+    StringField("updated_at", "updated_at", TIMESTAMP_MAX, verbatim=True),
+    StringField("facilities[]", "facilities[{k}]", FACILITY_MAX),
+    StringField("images[].url", "images[{k}].url", URL_MAX, verbatim=True),
+    StringField("images[].caption", "images[{k}].caption", CAPTION_MAX, required=False),
+    StringField("rooms[].room_code", "rooms[{k}].room_code", CODE_MAX, verbatim=True),
+    StringField("rooms[].name", "rooms[{k}].name", NAME_MAX, html=True),
+    StringField("rooms[].bed_type", "rooms[{k}].bed_type", CODE_MAX, verbatim=True, required=False),
+    StringField(
+        "rooms[].rate_plans[].code", "rooms[{k}].rate_plans[{j}].code", CODE_MAX, verbatim=True
+    ),
+    StringField(
+        "rooms[].rate_plans[].board",
+        "rooms[{k}].rate_plans[{j}].board",
+        CODE_MAX,
+        verbatim=True,
+        required=False,
+    ),
+)
+"""Every string field of a hotel, top-level ones first, each part in document order.
+
+Normalization (both paths, and the models' validators) and the row-level quality checks
+read these rows; quality reports the first failing field in this order. A timestamp and an
+image URL have rules of their own beyond these (:func:`parse_timestamp`, :func:`url_ok`)."""
+
+STRING_FIELDS_BY_SOURCE: Final = {f.source: f for f in STRING_FIELDS}
+""":data:`STRING_FIELDS` by their ``source``."""
+
 
 MAX_VERSION: Final = 2**63 - 1  # a signed BIGINT
 MAX_AMOUNT_INT: Final = 10**15  # an integer amount must be below this (15 integer digits)
@@ -206,9 +278,9 @@ def currency(raw: str) -> str | None:
     return code if code in MONEY_CODES else None
 
 
-# phonenumbers compiles its metadata's patterns through re.compile, whose cache holds 512:
-# numbers of many countries (a supplier's cities) evicted them and each parse recompiled a
-# few (~5% of a sync's normalize CPU). Its own unbounded pattern cache is a few MB.
+# phonenumbers compiles its metadata's patterns through re.compile, whose cache is bounded:
+# numbers of many countries (a supplier's cities) would evict them, and parses recompile
+# them. Its own pattern cache keeps every one.
 phonenumbers.enable_pattern_cache()
 
 

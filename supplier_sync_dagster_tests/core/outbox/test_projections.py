@@ -3,6 +3,8 @@ in Redis, subscribers on RabbitMQ; and the dispatcher driving all three from Mar
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
 from collections import Counter
@@ -370,3 +372,18 @@ def test_dispatchers_starting_together_create_the_postgres_schema_once(fresh_pos
     for index in indexes:
         index.close()
     assert errors == []
+
+
+def test_the_embedded_projections_import_no_driver_of_a_real_component() -> None:
+    """Commands that import the projections (dispatch, outbox, search, serve-api, the Dagster
+    definitions) start without PostgreSQL's or Redis's driver: only their targets import it."""
+    code = (
+        "import pathlib, sys, tempfile\n"
+        "import supplier_sync_dagster.core.outbox.projections as p\n"
+        "state = pathlib.Path(tempfile.mkdtemp())\n"
+        "t = p.open_projections(p.ProjectionSettings(state_dir=state))\n"
+        "t.close()\n"
+        "print(sorted({'psycopg', 'redis'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

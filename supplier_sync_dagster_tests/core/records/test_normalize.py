@@ -821,3 +821,96 @@ def test_the_fast_path_writes_each_amount_as_the_reference_does(amount: str) -> 
     fast = n._fast(rec)
     assert fast is not None and fast == to_primitive(out)
     assert fast["rooms"][0]["rate_plans"][0]["price"] == str(Decimal(amount))
+
+
+# -- the table of string fields: every row, every shape, alike on both paths -------------------
+
+_ABSENT = object()
+_SHAPES: list[Any] = [
+    _ABSENT,
+    None,
+    "",
+    " ",
+    "  Two  Words ",
+    "a\tb",
+    "a\nb",
+    "a\x00b",
+    "a\x1bb",
+    "a\x85b",
+    "\ud800",
+    "<b>Hotel</b>",
+    "Hotel <3",
+    "Café\xa0Bar",
+    "ÉCOLE",
+    5,
+    4.5,
+    True,
+    ["x"],
+    {"x": 1},
+]
+
+
+def _at_source(source: str) -> tuple[Any, ...]:
+    """The path into EXAMPLE of a string field's ``source``, item 0 for each ``[]``."""
+    path: list[Any] = []
+    for part in source.split("."):
+        if part.endswith("[]"):
+            path += [part[:-2], 0]
+        else:
+            path.append(part)
+    return tuple(path)
+
+
+def _with_value(source: str, value: Any) -> dict[str, Any]:
+    rec = record()
+    path = _at_source(source)
+    parent: Any = rec
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is _ABSENT:
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+        else:
+            del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return rec
+
+
+@pytest.mark.parametrize("rule", rules.STRING_FIELDS, ids=lambda r: r.source)
+def test_each_string_field_is_treated_alike_by_both_paths(rule: rules.StringField) -> None:
+    """The fast path tests each value's shape inline: the table's rows must hold for it too."""
+    limit = rule.limit
+    shapes = [*_SHAPES, "x" * limit, "x" * (limit + 1), "x" * (limit - 1) + "\t", " " * limit]
+    for value in shapes:
+        rec = _with_value(rule.source, value)
+        out = _paths_agree(rec)
+        fast = n._fast(copy.deepcopy(rec))
+        if fast is not None:
+            assert isinstance(out, NormalizedHotel) and fast == to_primitive(out), (rule, value)
+
+
+@pytest.mark.parametrize(
+    "updated_at",
+    [
+        "2026-11-20T10:00:00Z",
+        "2026-11-20t10:00:00z",
+        "2026-11-20 10:00:00Z",
+        "2026-11-20T10:00:00.5Z",
+        "2026-11-20T10:00:00.000000Z",
+        "2026-11-20T10:00:00+00:00",
+        "2026-11-20T10:00:00-03:30",
+        "0001-01-01T00:00:00Z",
+        "9999-12-31T23:59:59Z",
+        "2026-02-30T00:00:00Z",
+        "2026-11-20T24:00:00Z",
+        "2026-11-20T10:00:60Z",
+        "2026-11-20X10:00:00Z",
+    ],
+)
+def test_the_fast_path_writes_each_timestamp_as_the_reference_does(updated_at: str) -> None:
+    rec = record(updated_at=updated_at)
+    out = _paths_agree(rec)
+    fast = n._fast(copy.deepcopy(rec))
+    if isinstance(out, NormalizedHotel):
+        assert fast == to_primitive(out)
