@@ -1,12 +1,12 @@
 """What ``daemon`` does: ``dagster-daemon run`` with the project's backfill interval
-(:func:`supplier_sync_dagster.dagster_instance.deployment.run_daemon`). Its arguments:
+(:func:`supplier_sync_dagster.dagster_instance.daemon.run_daemon`). Its arguments:
 :mod:`supplier_sync_dagster.cli.parsers.servers`."""
 
 from __future__ import annotations
 
 import argparse
 
-from supplier_sync_dagster.dagster_instance.deployment import run_daemon
+from supplier_sync_dagster.dagster_instance.daemon import run_daemon
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:

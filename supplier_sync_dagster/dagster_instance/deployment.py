@@ -2,7 +2,7 @@
 
 Used by the integration test and the backfill benchmark, and usable from a shell session:
 it starts ``dagster-webserver`` and the daemon (``supplier-sync daemon``, see
-:func:`run_daemon`) as their own process groups (a background job of a shell script would
+:func:`supplier_sync_dagster.dagster_instance.daemon.run_daemon`) as their own process groups (a background job of a shell script would
 ignore SIGTERM), waits until the webserver answers, launches partition backfills through
 the GraphQL API and waits for them.
 """
@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import httpx
-
-from supplier_sync_dagster.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = (
@@ -168,10 +167,6 @@ class PartitionView:
     latest_run: dict[str, str]
     checks: dict[str, dict[str, set[str]]]
 
-
-# How often the backfill daemon looks for new backfills under ``supplier-sync daemon``.
-# Dagster's own is 30 s, and a launched backfill's first run waits for that tick.
-BACKFILL_DAEMON_INTERVAL_SECONDS = 2
 
 FINAL_BACKFILL_STATES = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
 
@@ -430,8 +425,6 @@ class DagsterProcesses:
         Raises:
             TimeoutError: Not finished in time (with the end of the daemon's log).
         """
-        import dagster as dg
-
         by_backfill = dg.RunsFilter(tags={"dagster/backfill": backfill_id})
         deadline = time.monotonic() + timeout
         status = ""
@@ -450,49 +443,6 @@ class DagsterProcesses:
 def _by_status(found: Mapping[str, Any], *fields: str) -> dict[str, set[str]]:
     """GraphQL's ``<status>Partitions`` lists as sets of keys by status (``failed``...)."""
     return {name.removesuffix("Partitions"): set(found.get(name) or ()) for name in fields}
-
-
-def set_backfill_daemon_interval(seconds: float) -> float:
-    """Sets how often the backfill daemon of this process ticks; returns the previous value.
-
-    Dagster 1.13 has no setting for it: ``execute_backfill_iteration_loop`` reads
-    ``dagster._daemon.controller.DEFAULT_DAEMON_INTERVAL_SECONDS`` when the loop starts, so
-    this must run before the daemon does. Only the backfill daemon (and the asset daemon
-    when ``auto_materialize.minimum_interval_seconds`` is unset; both ``dagster.yaml``
-    files set it) reads that constant. ``test_deployment`` fails if Dagster stops reading it.
-
-    Raises:
-        ConfigError: ``seconds`` is not a positive, finite number.
-    """
-    from dagster._daemon import controller
-
-    if not 0 < seconds < float("inf"):
-        raise ConfigError(
-            f"--backfill-interval must be a positive number of seconds, not {seconds}"
-        )
-    previous = float(controller.DEFAULT_DAEMON_INTERVAL_SECONDS)
-    controller.DEFAULT_DAEMON_INTERVAL_SECONDS = seconds  # type: ignore[assignment]
-    return previous
-
-
-def run_daemon(
-    args: Sequence[str], *, backfill_interval_seconds: float = BACKFILL_DAEMON_INTERVAL_SECONDS
-) -> int:
-    """``dagster-daemon run ARGS`` with the backfill daemon ticking every
-    ``backfill_interval_seconds``: what ``supplier-sync daemon`` runs.
-
-    Returns:
-        The daemon's exit status (it runs until it is stopped).
-    """
-    from dagster._daemon.cli import main as dagster_daemon
-
-    set_backfill_daemon_interval(backfill_interval_seconds)
-    sys.argv = ["dagster-daemon", "run", *args]
-    try:
-        dagster_daemon()
-    except SystemExit as done:
-        return done.code if isinstance(done.code, int) else int(done.code is not None)
-    return 0
 
 
 def profile_env(*, dagster_home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:

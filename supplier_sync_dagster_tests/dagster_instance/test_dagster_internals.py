@@ -29,6 +29,7 @@ from dagster._core.storage.event_log.sqlite.sqlite_event_log import (
 )
 from dagster._core.storage.runs.sqlite.sqlite_run_storage import SqliteRunStorage
 from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
+from dagster._daemon import cli as daemon_cli
 from dagster._daemon import controller
 from dagster._serdes import serialize_value
 
@@ -327,6 +328,19 @@ def test_the_daemon_interval_is_a_module_constant() -> None:
     assert isinstance(controller.DEFAULT_DAEMON_INTERVAL_SECONDS, (int, float)), (
         f"Dagster {VERSION}: dagster._daemon.controller.DEFAULT_DAEMON_INTERVAL_SECONDS is gone"
     )
+
+
+def test_the_daemon_command_is_a_function_of_no_arguments() -> None:
+    """``run_daemon`` sets ``sys.argv`` and calls ``dagster._daemon.cli.main()``."""
+    main = getattr(daemon_cli, "main", None)
+    assert callable(main), f"Dagster {VERSION}: dagster._daemon.cli.main is gone"
+    required = [
+        p
+        for p in inspect.signature(main).parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    assert not required, f"Dagster {VERSION}: dagster._daemon.cli.main() now needs {required}"
 
 
 def test_no_module_outside_dagster_instance_imports_a_private_dagster_module() -> None:

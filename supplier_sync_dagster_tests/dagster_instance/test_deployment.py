@@ -18,9 +18,10 @@ from dagster._daemon import controller
 from dagster._daemon.backfill import execute_backfill_iteration_loop
 
 from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.cli.parsers.servers import BACKFILL_DAEMON_INTERVAL_SECONDS
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.dagster_instance import deployment
-from supplier_sync_dagster.dagster_instance.deployment import ROOT, set_backfill_daemon_interval
+from supplier_sync_dagster.dagster_instance.daemon import set_backfill_daemon_interval
+from supplier_sync_dagster.dagster_instance.deployment import ROOT
 
 
 class _Waits(threading.Event):
@@ -37,7 +38,7 @@ class _Waits(threading.Event):
 
 @pytest.fixture
 def interval() -> Iterator[None]:
-    previous = set_backfill_daemon_interval(deployment.BACKFILL_DAEMON_INTERVAL_SECONDS)
+    previous = set_backfill_daemon_interval(BACKFILL_DAEMON_INTERVAL_SECONDS)
     yield
     set_backfill_daemon_interval(previous)
 
@@ -53,7 +54,7 @@ def test_the_backfill_daemon_ticks_at_the_interval_we_set(interval: None) -> Non
         )
         while len(waits.waits) < 2:  # two ticks, each ending with its sleep
             next(loop)
-    tick = deployment.BACKFILL_DAEMON_INTERVAL_SECONDS
+    tick = BACKFILL_DAEMON_INTERVAL_SECONDS
     assert all(tick - 2 < w <= tick for w in waits.waits), waits.waits
 
 

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from supplier_sync_dagster.cli.common import Subcommands, handled_by
-from supplier_sync_dagster.dagster_instance.deployment import BACKFILL_DAEMON_INTERVAL_SECONDS
+
+# How often the backfill daemon looks for new backfills (Dagster's own tick is 30 s, and a
+# launched backfill's first run waits for it).
+BACKFILL_DAEMON_INTERVAL_SECONDS = 2
 
 
 def add_simulate_and_daemon(sub: Subcommands) -> None:
