@@ -75,7 +75,7 @@ from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json,
 from supplier_sync_dagster.core.sync.city import sync_city
 from supplier_sync_dagster.core.sync.model import CityReport, FetchedPage, PageSource, SyncSettings
 from supplier_sync_dagster.core.sync.replay import stored_city_countries
-from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
+from supplier_sync_dagster.core.sync.tasks import ensure_task, open_task
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,10 @@ class CompensationSettings:
         for name in ("limit", "page_hotels", "fetch_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)!r}")
+
+    def task(self, supplier_id: int) -> TaskSpec:
+        """The compensation task as its first run (or an operator's first fix) creates it."""
+        return TaskSpec(task_code=self.task_code, supplier_id=supplier_id, sync_mode="REFRESH")
 
 
 @dataclass
@@ -201,14 +205,9 @@ def compensate(
         TriggerSkipped: Another compensation of the task is running.
     """
     task_code = compensation.task_code
-    ensure_task(
-        db,
-        TaskSpec(task_code=task_code, supplier_id=settings.supplier_id, sync_mode="REFRESH"),
-        created_by=f"run {trigger_id}"[:64],
-        reason="created by its first compensation run, with the default settings",
+    open_task(
+        db, compensation.task(settings.supplier_id), trigger_id=trigger_id, run="compensation run"
     )
-    with db.engine.connect() as conn:
-        require_enabled(conn, task_code)
     out = CompensationReport()
     owned = compensation.owned_tasks
     out.released = release_ended(db, supplier_id=settings.supplier_id, task_codes=owned)
@@ -754,7 +753,7 @@ def fix_dead_letter(
     task_code = compensation.task_code
     ensure_task(
         db,
-        TaskSpec(task_code=task_code, supplier_id=settings.supplier_id, sync_mode="REFRESH"),
+        compensation.task(settings.supplier_id),
         created_by=who,
         reason="created by the first operator fix, with the default settings",
     )

@@ -83,7 +83,7 @@ from supplier_sync_dagster.core.sync.model import (
 )
 from supplier_sync_dagster.core.sync.replay import CITIES, stored_city_countries
 from supplier_sync_dagster.core.sync.runtime import usable_cpus
-from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
+from supplier_sync_dagster.core.sync.tasks import open_task
 
 log = logging.getLogger(__name__)
 
@@ -667,14 +667,13 @@ def run_incremental(
         SupplierError: The feed failed beyond retries (the window resumes next run).
     """
     task_code = incremental.task_code
-    ensure_task(
+    open_task(
         db,
         TaskSpec(task_code=task_code, supplier_id=settings.supplier_id, sync_mode="INCREMENTAL"),
-        created_by=f"run {trigger_id}"[:64],
-        reason="created by its first incremental run, with the default settings",
+        trigger_id=trigger_id,
+        run="incremental run",
     )
     with db.engine.connect() as conn:
-        require_enabled(conn, task_code)
         thresholds = get_gate_thresholds(conn, task_code)
         before = get_watermark(conn, task_code)
     resumed = overridden_window(db, task_code)

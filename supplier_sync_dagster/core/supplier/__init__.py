@@ -38,6 +38,7 @@ from supplier_sync_dagster.core.supplier.models import (
     RateLimitInfo,
 )
 from supplier_sync_dagster.core.supplier.ratelimit import (
+    BucketOptions,
     CityRateLimiters,
     InProcessTokenBucket,
     RateLimiter,
@@ -54,6 +55,7 @@ __all__ = [
     "NO_RETRY",
     "BreakerState",
     "BreakerStats",
+    "BucketOptions",
     "ChangeWatermark",
     "ChangesPage",
     "CircuitBreaker",

@@ -188,6 +188,20 @@ class _Ok:
 
 
 @dataclass(frozen=True, slots=True)
+class _Request:
+    """One call of the API, as every attempt of it sends it."""
+
+    method: str
+    path: str
+    params: Mapping[str, str | int] | None = None
+    json_body: Any = None
+    # A city endpoint: paced by the city's bucket too.
+    city: str | None = None
+    # Sent with a cursor: a 410 means the cursor expired.
+    with_cursor: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class _Transient:
     """A failure worth retrying."""
 
@@ -311,7 +325,7 @@ class SupplierClient:
         Raises:
             SupplierError: See the module docstring of ``core.errors``.
         """
-        return self._typed("GET", "/v1/cities", CityList)
+        return self._typed(_Request("GET", "/v1/cities"), CityList)
 
     def get_hotels_page(
         self,
@@ -351,9 +365,10 @@ class SupplierClient:
         if page_size is not None:
             params["page_size"] = page_size
         path = f"/v1/cities/{encode_segment(city_code)}/hotels"
-        return self._typed(
-            "GET", path, HotelsPage, params=params, city=city_code, with_cursor=cursor is not None
+        request = _Request(
+            "GET", path, params=params, city=city_code, with_cursor=cursor is not None
         )
+        return self._typed(request, HotelsPage)
 
     def get_hotel(self, hotel_id: str) -> Fetched[dict[str, Any]]:
         """``GET /v1/hotels/{hotel_id}``: one hotel, full detail.
@@ -374,7 +389,7 @@ class SupplierClient:
         if not hotel_id:
             raise ValueError("hotel_id must not be empty")
         path = f"/v1/hotels/{encode_segment(hotel_id)}"
-        ok = self._call("GET", path, breaker=self.detail_breaker)
+        ok = self._call(_Request("GET", path), breaker=self.detail_breaker)
         body = ok.body
         # Some suppliers wrap the record: {"hotel": {...}}.
         if set(body) == {"hotel"} and isinstance(body["hotel"], dict):
@@ -404,7 +419,7 @@ class SupplierClient:
         params: dict[str, str | int] = {"since": _format_time(since), "limit": limit}
         if after_id is not None:
             params["after_id"] = after_id
-        return self._typed("GET", "/v1/hotels/changes", ChangesPage, params=params)
+        return self._typed(_Request("GET", "/v1/hotels/changes", params=params), ChangesPage)
 
     def get_city_summary(self, city_code: str) -> Fetched[CitySummary]:
         """``GET /v1/cities/{city_code}/summary``: counts for reconciliation.
@@ -421,7 +436,7 @@ class SupplierClient:
         """
         _check_city(city_code)
         path = f"/v1/cities/{encode_segment(city_code)}/summary"
-        return self._typed("GET", path, CitySummary, city=city_code)
+        return self._typed(_Request("GET", path, city=city_code), CitySummary)
 
     def confirm_offer(
         self,
@@ -464,12 +479,9 @@ class SupplierClient:
             check_out=check_out,
             guests=guests,
         )
+        body = request.model_dump(mode="json")
         return self._typed(
-            "POST",
-            "/v1/offers/confirm",
-            OfferConfirmation,
-            json_body=request.model_dump(mode="json"),
-            retry=retry,
+            _Request("POST", "/v1/offers/confirm", json_body=body), OfferConfirmation, retry=retry
         )
 
     # --- city walk ------------------------------------------------------------------------
@@ -633,27 +645,9 @@ class SupplierClient:
     # --- the request loop -----------------------------------------------------------------
 
     def _typed(
-        self,
-        method: str,
-        path: str,
-        model: type[ModelT],
-        *,
-        params: Mapping[str, str | int] | None = None,
-        json_body: Any = None,
-        city: str | None = None,
-        with_cursor: bool = False,
-        retry: RetryPolicy | None = None,
+        self, request: _Request, model: type[ModelT], *, retry: RetryPolicy | None = None
     ) -> Fetched[ModelT]:
-        ok = self._call(
-            method,
-            path,
-            params=params,
-            json_body=json_body,
-            city=city,
-            with_cursor=with_cursor,
-            retry=retry,
-            model=model,
-        )
+        ok = self._call(request, retry=retry, model=model)
         # _call validated the body already (a malformed body is retried like a broken one).
         data = ok.parsed
         assert isinstance(data, model)
@@ -661,13 +655,8 @@ class SupplierClient:
 
     def _call(
         self,
-        method: str,
-        path: str,
+        request: _Request,
         *,
-        params: Mapping[str, str | int] | None = None,
-        json_body: Any = None,
-        city: str | None = None,
-        with_cursor: bool = False,
         retry: RetryPolicy | None = None,
         model: type[pydantic.BaseModel] | None = None,
         breaker: CircuitBreaker | None = None,
@@ -680,12 +669,12 @@ class SupplierClient:
             attempts += 1
             token = breaker.before_request()
             try:
-                self._wait_for_token(city)
+                self._wait_for_token(request.city)
             except BaseException:
                 breaker.release(token)
                 raise
             try:
-                outcome = self._attempt(method, path, params, json_body, with_cursor, attempts)
+                outcome = self._attempt(request, attempts)
                 if isinstance(outcome, _Ok) and model is not None:
                     outcome = self._check_shape(outcome, model)
             except SupplierError:
@@ -704,7 +693,7 @@ class SupplierClient:
 
             wait = self._next_wait(outcome, policy, attempts, slept)
             if wait is None:
-                raise self._exhausted(method, path, outcome, attempts, slept)
+                raise self._exhausted(request, outcome, attempts, slept)
             with self._c.lock:
                 self._c.retries_by_reason[outcome.reason] = (
                     self._c.retries_by_reason.get(outcome.reason, 0) + 1
@@ -713,8 +702,8 @@ class SupplierClient:
             logger.warning(
                 "supplier %s: %s %s attempt %d failed (%s); retrying in %.2fs",
                 self.supplier_id,
-                method,
-                path,
+                request.method,
+                request.path,
                 attempts,
                 outcome.reason,
                 wait,
@@ -753,9 +742,9 @@ class SupplierClient:
         return max(0.0, min(wait, remaining))
 
     def _exhausted(
-        self, method: str, path: str, outcome: _Transient, attempts: int, slept: float
+        self, request: _Request, outcome: _Transient, attempts: int, slept: float
     ) -> SupplierError:
-        what = f"{method} {path}: {outcome.message}"
+        what = f"{request.method} {request.path}: {outcome.message}"
         if outcome.retry_after is not None:
             what += f" (Retry-After {outcome.retry_after:.1f}s)"
         msg = self._redact(f"{what}; gave up after {attempts} attempt(s), {slept:.1f}s waiting")
@@ -773,24 +762,16 @@ class SupplierClient:
             retry_after=outcome.retry_after,
         )
 
-    def _attempt(
-        self,
-        method: str,
-        path: str,
-        params: Mapping[str, str | int] | None,
-        json_body: Any,
-        with_cursor: bool,
-        attempt: int,
-    ) -> _Ok | _Transient:
+    def _attempt(self, request: _Request, attempt: int) -> _Ok | _Transient:
         """Send one request and classify the answer; raises the non-retryable errors."""
         with self._c.lock:
             self._c.requests += 1
         try:
             response = self._http.request(
-                method,
-                path,
-                params=params,
-                json=json_body,
+                request.method,
+                request.path,
+                params=request.params,
+                json=request.json_body,
                 headers={"X-Api-Key": self._key.reveal(), "Accept": "application/json"},
                 timeout=self._timeout,
             )
@@ -842,23 +823,21 @@ class SupplierClient:
                 return _Ok(body=body, raw=raw, status=status, rate_limit=rate_limit)
 
         return self._classify_error(
-            method, path, status, effective, code, message, response.headers, with_cursor, attempt
+            request, status, effective, code, message, response.headers, attempt
         )
 
     def _classify_error(
         self,
-        method: str,
-        path: str,
+        request: _Request,
         status: int,
         effective: int,
         code: str | None,
         message: str,
         headers: httpx.Headers,
-        with_cursor: bool,
         attempt: int,
     ) -> _Transient:
         label = f"{status}" + (f" {code}" if code else "")
-        detail = f"{method} {path} -> {label}" + (f": {message}" if message else "")
+        detail = f"{request.method} {request.path} -> {label}" + (f": {message}" if message else "")
         detail = self._redact(detail)
         if effective == 429 or effective == 503:
             retry_after = parse_retry_after(headers.get("Retry-After"), now=self._wall_clock())
@@ -879,7 +858,7 @@ class SupplierClient:
             )
         if effective == 404:
             raise SupplierNotFound(detail, status=status, code=code, attempts=attempt)
-        if effective == 410 and (code == "CURSOR_EXPIRED" or with_cursor):
+        if effective == 410 and (code == "CURSOR_EXPIRED" or request.with_cursor):
             with self._c.lock:
                 self._c.cursor_expired += 1
             raise CursorExpired(detail, status=status, code=code, attempts=attempt)

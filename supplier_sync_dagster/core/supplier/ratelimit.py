@@ -19,7 +19,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
 from supplier_sync_dagster.core.errors import ConfigError, RateLimiterUnavailable
 
@@ -279,64 +279,63 @@ def _redis_from_url(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
 
 
-def make_rate_limiter(
-    *,
-    redis_url: str | None,
-    supplier_id: str,
-    api_key: str,
-    rate: float,
-    burst: float = 1.0,
-    key_prefix: str = "supplier-sync:ratelimit",
-) -> RateLimiter:
-    """Build the request limiter of one supplier API key.
+DEFAULT_KEY_PREFIX = "supplier-sync:ratelimit"
 
-    Args:
-        redis_url: Redis URL (the ``redis_url`` setting); None for an
-            in-process bucket, which only paces the threads of this process.
+
+class BucketOptions(TypedDict):
+    """Which supplier API key the buckets pace, and how fast: the arguments of
+    :func:`make_rate_limiter` and :func:`make_city_rate_limiters`.
+
+    Attributes:
+        redis_url: Redis URL (the ``redis_url`` setting); None for in-process buckets,
+            which only pace the threads of this process.
         supplier_id: The supplier's id.
-        api_key: The supplier API key (hashed into the Redis key).
-        rate: Requests per second allowed for the key, all workers together.
-        burst: Bucket capacity.
-        key_prefix: Namespace of the Redis keys.
+        api_key: The supplier API key (hashed into the Redis keys).
+        rate: Requests per second allowed for a bucket, all workers together.
+        burst: Capacity of a bucket (default 1).
+        key_prefix: Namespace of the Redis keys (default :data:`DEFAULT_KEY_PREFIX`).
+    """
+
+    redis_url: str | None
+    supplier_id: str
+    api_key: str
+    rate: float
+    burst: NotRequired[float]
+    key_prefix: NotRequired[str]
+
+
+def make_rate_limiter(**options: Unpack[BucketOptions]) -> RateLimiter:
+    """Build the request limiter of one supplier API key (see :class:`BucketOptions`).
 
     Returns:
         A :class:`RedisTokenBucket` when ``redis_url`` is given, else an
         :class:`InProcessTokenBucket`.
     """
-    if redis_url is None:
-        return InProcessTokenBucket(rate, burst)
-    key = bucket_key(key_prefix, supplier_id, api_key)
-    return RedisTokenBucket(_redis_from_url(redis_url), key, rate, burst)
+    return _bucket_maker(options)(None)
 
 
-def make_city_rate_limiters(
-    *,
-    redis_url: str | None,
-    supplier_id: str,
-    api_key: str,
-    rate: float,
-    burst: float = 1.0,
-    key_prefix: str = "supplier-sync:ratelimit",
-) -> CityRateLimiters:
-    """Build per-city buckets (a second throttle on top of the per-key one).
-
-    Args:
-        redis_url: Redis URL, or None for in-process buckets.
-        supplier_id: The supplier's id.
-        api_key: The supplier API key (hashed into the Redis keys).
-        rate: Requests per second allowed per city.
-        burst: Capacity of each city's bucket.
-        key_prefix: Namespace of the Redis keys.
+def make_city_rate_limiters(**options: Unpack[BucketOptions]) -> CityRateLimiters:
+    """Build per-city buckets, a second throttle on top of the per-key one (see
+    :class:`BucketOptions`: ``rate`` and ``burst`` are each city's).
 
     Returns:
         A :class:`CityRateLimiters` registry.
     """
-    if redis_url is None:
-        return CityRateLimiters(lambda _city: InProcessTokenBucket(rate, burst))
-    client = _redis_from_url(redis_url)
+    return CityRateLimiters(_bucket_maker(options))
 
-    def factory(city_code: str) -> RateLimiter:
-        key = bucket_key(key_prefix, supplier_id, api_key, scope=city_code)
+
+def _bucket_maker(options: BucketOptions) -> Callable[[str | None], RateLimiter]:
+    """Builds a bucket of ``options`` per scope (None: the whole key; else a city code)."""
+    rate, burst = options["rate"], options.get("burst", 1.0)
+    redis_url = options["redis_url"]
+    if redis_url is None:
+        return lambda _scope: InProcessTokenBucket(rate, burst)
+    client = _redis_from_url(redis_url)
+    prefix = options.get("key_prefix", DEFAULT_KEY_PREFIX)
+    supplier_id, api_key = options["supplier_id"], options["api_key"]
+
+    def bucket(scope: str | None) -> RateLimiter:
+        key = bucket_key(prefix, supplier_id, api_key, scope=scope)
         return RedisTokenBucket(client, key, rate, burst)
 
-    return CityRateLimiters(factory)
+    return bucket

@@ -34,14 +34,13 @@ from typing import TypeVar
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.errors import SupplierError, TriggerSkipped
+from supplier_sync_dagster.core.errors import SupplierError
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
     TaskSpec,
     TriggerSource,
-    add_shards,
     create_batch,
-    get_batch,
+    start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import get_shard
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
@@ -61,7 +60,7 @@ from supplier_sync_dagster.core.sync.replay import (
     stored_city_countries,
 )
 from supplier_sync_dagster.core.sync.runtime import ForkPool, prepare_process, usable_cpus
-from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
+from supplier_sync_dagster.core.sync.tasks import open_task
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +89,11 @@ def resolve_batch(
         TaskDisabled: The task is DISABLED.
         TriggerSkipped: The task's concurrency policy skipped this trigger.
     """
-    ensure_task(
-        db,
-        TaskSpec(task_code=task_code, supplier_id=supplier_id),
-        created_by=f"run {trigger_id}"[:64],
-        reason="created by its first run, with the default settings",
+    open_task(
+        db, TaskSpec(task_code=task_code, supplier_id=supplier_id), trigger_id=trigger_id, run="run"
     )
-    with db.engine.connect() as conn:
-        require_enabled(conn, task_code)
     decision = create_batch(db, task_code=task_code, trigger_id=trigger_id, trigger_source=source)
-    if decision.batch is None:
-        raise TriggerSkipped(
-            f"sync skipped: {decision.reason}", blocking_batch_id=decision.blocking_batch_id
-        )
-    add_shards(db, decision.batch.batch_id, list(cities))
-    with db.engine.connect() as conn:
-        return get_batch(conn, decision.batch.batch_id)
+    return start_batch(db, decision, list(cities), skipped="sync skipped")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ A run needs its task to exist, so it creates a missing one with the defaults
 undo what an operator set (a CANCEL_PREVIOUS policy, a DISABLED status). Settings change
 through :func:`change_task` (``supplier-sync task set``), which writes one audit row per
 changed field, with who and why, in the transaction that changes it. A DISABLED task
-refuses runs (:func:`require_enabled`) with the reason the operator gave.
+refuses runs (:func:`require_enabled`) with the reason the operator gave. A run starts with
+both (:func:`open_task`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,29 @@ def require_enabled(conn: Connection, task_code: str) -> None:
         f"task {task_code!r} is DISABLED{why}; enable it with `supplier-sync task set "
         f"--task {task_code} --status ENABLED --by WHO --reason WHY`"
     )
+
+
+def open_task(db: SyncDatabase, spec: TaskSpec, *, trigger_id: str, run: str) -> None:
+    """What every run of a task does first: creates the task if it is missing
+    (:func:`ensure_task`), then refuses to go on if it is DISABLED (:func:`require_enabled`).
+
+    Args:
+        db: The sync database.
+        spec: The task with the defaults it is created with.
+        trigger_id: The run's trigger (the creator recorded in the task's audit).
+        run: What kind of run creates it (``"incremental run"``), for the audit's reason.
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+    """
+    ensure_task(
+        db,
+        spec,
+        created_by=f"run {trigger_id}"[:64],
+        reason=f"created by its first {run}, with the default settings",
+    )
+    with db.engine.connect() as conn:
+        require_enabled(conn, spec.task_code)
 
 
 def change_task(
