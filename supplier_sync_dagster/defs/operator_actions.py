@@ -18,7 +18,7 @@ from supplier_sync_dagster.core.errors import SupplierSyncError
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
-from supplier_sync_dagster.core.records.gates import override_gate
+from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
 from supplier_sync_dagster.core.store import schema
@@ -259,16 +259,12 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
     """An operator's gate override."""
     with sync_db.opened() as db:
         try:
-            with db.begin() as conn:
-                override = override_gate(
-                    conn,
-                    db.clock,
-                    batch_id=config.batch_id,
-                    shard_key=config.city,
-                    check_name=config.check_name,
-                    who=config.by,
-                    reason=config.reason,
-                )
+            override = override_gate_check(
+                db,
+                GateCheck(config.batch_id, config.city, config.check_name),
+                who=config.by,
+                reason=config.reason,
+            )
         except SupplierSyncError as err:
             raise _refused(err) from None
     return dg.Output(
