@@ -6,6 +6,7 @@ from __future__ import annotations
 from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
     Subcommands,
+    add_audited_actions,
     add_who_and_why,
     handled_by,
 )
@@ -66,16 +67,15 @@ def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
     show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
     show.add_argument("--json", action="store_true", help="one line instead of indented")
     handled_by(show, f"{_OPERATORS}:cmd_dead_letters")
-    for name, what in (
-        ("retry", "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt"),
-        ("ignore", "close open rows for good"),
-    ):
-        act = dl_sub.add_parser(name, help=what + " (recorded in the audit trail)")
-        act.add_argument(
-            "ids", nargs="+", type=int, help="dead letter ids (the list's first column)"
-        )
-        add_who_and_why(act)
-        handled_by(act, f"{_OPERATORS}:cmd_dead_letters")
+    add_audited_actions(
+        dl_sub,
+        {
+            "retry": "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt",
+            "ignore": "close open rows for good",
+        },
+        f"{_OPERATORS}:cmd_dead_letters",
+        ids_help="dead letter ids (the list's first column)",
+    )
     _add_repair_commands(dl_sub)
 
 

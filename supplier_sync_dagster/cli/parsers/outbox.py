@@ -9,7 +9,7 @@ from decimal import Decimal, InvalidOperation
 
 from supplier_sync_dagster.cli.common import (
     Subcommands,
-    add_who_and_why,
+    add_audited_actions,
     handled_by,
     positive_int,
 )
@@ -94,14 +94,15 @@ def _add_outbox_commands(sub: Subcommands) -> None:
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--json", action="store_true")
     handled_by(listing, f"{_OUTBOX}:cmd_outbox")
-    for name, what in (
-        ("retry", "FAILED or CANCELLED events run again from the stage they stopped at"),
-        ("cancel", "READY or FAILED events stop (until retried)"),
-    ):
-        act = outbox_sub.add_parser(name, help=what + " (recorded in the audit trail)")
-        act.add_argument("ids", type=int, nargs="+", help="outbox event ids (outbox list)")
-        add_who_and_why(act)
-        handled_by(act, f"{_OUTBOX}:cmd_outbox")
+    add_audited_actions(
+        outbox_sub,
+        {
+            "retry": "FAILED or CANCELLED events run again from the stage they stopped at",
+            "cancel": "READY or FAILED events stop (until retried)",
+        },
+        f"{_OUTBOX}:cmd_outbox",
+        ids_help="outbox event ids (outbox list)",
+    )
 
     reconcile = outbox_sub.add_parser(
         "reconcile",
