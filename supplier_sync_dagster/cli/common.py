@@ -78,6 +78,11 @@ def non_negative_int(text: str) -> int:
     return positive_int(text, least=0)
 
 
+def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """The ``--json`` option of a command that prints JSON instead of text when given."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
 def add_who_and_why(parser: argparse.ArgumentParser, who: str = "who (recorded)") -> None:
     """The ``--by`` and ``--reason`` options of an action that the audit trail records."""
     parser.add_argument("--by", required=True, help=who)
