@@ -54,16 +54,20 @@ def account_rows(settings: Settings) -> list[dict[str, Any]]:
     ]
 
 
+def print_result(result: dict[str, Any], text: str, *, as_json: bool) -> None:
+    """One line of an ``accounts`` command's output: ``result`` as JSON (keys sorted), else
+    ``text``."""
+    print(json.dumps(result, sort_keys=True) if as_json else text)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """``accounts list``: each account's supplier, key variable and limits."""
     for row in account_rows(load_settings()):
-        if args.json:
-            print(json.dumps(row, sort_keys=True))
-        else:
-            print(
-                f"{row['account']:<28} supplier {row['supplier_id']:<6} "
-                f"{row['rate_limit_rps']:g} req/s  key {row['api_key']}  {row['base_url']}"
-            )
+        text = (
+            f"{row['account']:<28} supplier {row['supplier_id']:<6} "
+            f"{row['rate_limit_rps']:g} req/s  key {row['api_key']}  {row['base_url']}"
+        )
+        print_result(row, text, as_json=args.json)
     return 0
 
 

@@ -5,12 +5,11 @@ which ``accounts list`` and ``accounts apply`` do without."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import dagster as dg
 
-from supplier_sync_dagster.cli.accounts import account_rows
+from supplier_sync_dagster.cli.accounts import account_rows, print_result
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.definitions import defs
 
@@ -34,11 +33,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         "assets": len(repo.asset_graph.get_all_asset_keys()),
         "load_seconds": round(seconds, 3),
     }
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        print(
-            f"{len(accounts)} accounts: {len(jobs)} jobs, {result['schedules']} schedules, "
-            f"{result['sensors']} sensors, {result['assets']} assets; loaded in {seconds:.2f} s"
-        )
+    text = (
+        f"{len(accounts)} accounts: {len(jobs)} jobs, {result['schedules']} schedules, "
+        f"{result['sensors']} sensors, {result['assets']} assets; loaded in {seconds:.2f} s"
+    )
+    print_result(result, text, as_json=args.json)
     return 0

@@ -78,10 +78,34 @@ def non_negative_int(text: str) -> int:
     return positive_int(text, least=0)
 
 
+def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """The ``--json`` option of a command that prints JSON instead of text when given."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
 def add_who_and_why(parser: argparse.ArgumentParser, who: str = "who (recorded)") -> None:
     """The ``--by`` and ``--reason`` options of an action that the audit trail records."""
     parser.add_argument("--by", required=True, help=who)
     parser.add_argument("--reason", required=True, help="why (recorded)")
+
+
+def add_audited_actions(
+    group: Subcommands, actions: dict[str, str], handler: str, *, ids_help: str
+) -> None:
+    """Commands that act on rows named by id, each recorded in the audit trail with who and
+    why (``dead-letters retry|ignore``, ``outbox retry|cancel``).
+
+    Args:
+        group: The command group's subparsers.
+        actions: Each command's name and what it does (its help).
+        handler: The handler of every one of them (:func:`handled_by`).
+        ids_help: The help of their ``ids`` argument.
+    """
+    for name, what in actions.items():
+        act = group.add_parser(name, help=what + " (recorded in the audit trail)")
+        act.add_argument("ids", type=int, nargs="+", help=ids_help)
+        add_who_and_why(act)
+        handled_by(act, handler)
 
 
 def first(*values: T | None) -> T | None:

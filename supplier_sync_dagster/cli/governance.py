@@ -18,13 +18,14 @@ from supplier_sync_dagster.core.leasing.batches import get_batch, get_task
 from supplier_sync_dagster.core.leasing.leases import get_shard
 from supplier_sync_dagster.core.records.gates import (
     CHECK_NAMES,
+    GateCheck,
     GateResult,
     GateThresholds,
     evaluate_gates,
     gated_checks,
     get_gate_thresholds,
     list_overrides,
-    override_gate,
+    override_gate_check,
     set_gate_thresholds,
 )
 from supplier_sync_dagster.core.records.review import (
@@ -79,16 +80,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
     """``gate show|override|thresholds``."""
     with open_db(args.db_url) as db:
         if args.gate_command == "override":
-            with db.begin() as conn:
-                done = override_gate(
-                    conn,
-                    db.clock,
-                    batch_id=args.batch,
-                    shard_key=args.city,
-                    check_name=args.check,
-                    who=args.by,
-                    reason=args.reason,
-                )
+            done = override_gate_check(
+                db, GateCheck(args.batch, args.city, args.check), who=args.by, reason=args.reason
+            )
             print(json.dumps(done.__dict__, default=str, ensure_ascii=False))
             print("re-run the city (the same launch) to publish it", file=sys.stderr)
             return 0

@@ -12,8 +12,6 @@ import json
 import uuid
 from typing import Any
 
-import sqlalchemy as sa
-
 from supplier_sync_dagster.cli import sync_runner
 from supplier_sync_dagster.cli.common import dumps, open_db, warn
 from supplier_sync_dagster.cli.resources import (
@@ -21,7 +19,7 @@ from supplier_sync_dagster.cli.resources import (
     configured_supplier,
     storage_resources,
 )
-from supplier_sync_dagster.core.errors import ConfigError, NotFound
+from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.repair.compensation import (
     CompensationReport,
@@ -31,9 +29,7 @@ from supplier_sync_dagster.core.repair.compensation import (
     resolve_synced_cities,
 )
 from supplier_sync_dagster.core.settings import load_settings, load_storage_settings
-from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -53,26 +49,15 @@ def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
         patch = json.loads(args.patch)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--patch is not JSON: {err}") from None
-    d = schema.dead_letter.c
-    with db.engine.connect() as conn:
-        row = conn.execute(sa.select(d.supplier_id, d.task_code).where(d.id == args.id)).first()
-    if row is None:
-        raise NotFound(f"no dead letter has id {args.id}")
-    store = PayloadStoreResource(url=load_storage_settings().payload_url).open()
     outcome = fix_dead_letter(
         db,
-        store,
+        PayloadStoreResource(url=load_storage_settings().payload_url).open(),
         dead_letter=args.id,
         patch=patch,
         actor=args.by,
         reason=args.reason,
-        settings=build_sync_settings(
-            task_code=str(row.task_code),
-            supplier_id=int(row.supplier_id),
-            page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
-            lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
-            risk_policy=GovernanceResource().risk_rules(),
-        ),
+        lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
+        risk_policy=GovernanceResource().risk_rules(),
         worker_id=make_worker_id("supplier-sync"),
     )
     if args.json:

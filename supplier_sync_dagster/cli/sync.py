@@ -92,7 +92,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
         flush=True,
     )
-    status = _demo_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads)
+    status = finish_sync(
+        _full_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads), as_json=False
+    )
     if status == 0 and args.second_hotels > 0:
         status = _demo_second_supplier(args, day, sync_db, payloads)
     if status == 0:
@@ -114,23 +116,29 @@ def _demo_tuning(args: argparse.Namespace, day: int) -> dict[str, Any]:
     }
 
 
-def _demo_sync(
+def _full_sync(
     args: argparse.Namespace,
     supplier: SupplierResource,
     scope: AccountScope,
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
-) -> int:
-    """One of the demo's full syncs, with progress on stderr and its summary printed."""
-    summary = sync_runner.run_full_sync(
+    *,
+    as_json: bool = False,
+    cities: list[str] | None = None,
+    trigger_id: str | None = None,
+) -> sync_runner.SyncSummary:
+    """A full sync through Dagster of the supplier's cities (only ``cities``, when given),
+    with progress on stderr unless the output is JSON."""
+    return sync_runner.run_full_sync(
         supplier=supplier,
-        scope=scope,
         sync_db=sync_db,
         payloads=payloads,
-        progress=sys.stderr,
+        trigger_id=trigger_id,
+        progress=None if as_json else sys.stderr,
         console_log_level=console_log_level(args),
+        cities=cities,
+        scope=scope,
     )
-    return finish_sync(summary, as_json=False)
 
 
 def _demo_second_supplier(
@@ -160,7 +168,7 @@ def _demo_second_supplier(
         flush=True,
     )
     supplier = account_supplier_now(config.load_settings(), scope, **_demo_tuning(args, day))
-    status = _demo_sync(args, supplier, scope, sync_db, payloads)
+    status = finish_sync(_full_sync(args, supplier, scope, sync_db, payloads), as_json=False)
     with open_db(sync_db.db_url) as db, db.engine.connect() as conn:
         h = schema.platform_hotel.c
         counts = conn.execute(
@@ -184,21 +192,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
     scope = account_scope(args, settings)
     if args.incremental:
         return _sync_incremental(args, settings, sync_db, payloads, scope)
-    summary = sync_runner.run_full_sync(
-        supplier=configured_supplier(
-            settings,
-            scope=scope,
-            rate_limit=args.rate_limit,
-            page_size=args.page_size,
-            city_threads=args.city_threads,
-            worker_processes=first(args.processes, settings.worker_processes),
-        ),
+    supplier = configured_supplier(
+        settings,
         scope=scope,
-        sync_db=sync_db,
-        payloads=payloads,
-        trigger_id=args.trigger_id,
-        progress=None if args.json else sys.stderr,
-        console_log_level=console_log_level(args),
+        rate_limit=args.rate_limit,
+        page_size=args.page_size,
+        city_threads=args.city_threads,
+        worker_processes=first(args.processes, settings.worker_processes),
+    )
+    summary = _full_sync(
+        args, supplier, scope, sync_db, payloads, as_json=args.json, trigger_id=args.trigger_id
     )
     return finish_sync(summary, as_json=args.json)
 
@@ -266,14 +269,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         )
     status = 0
     if differing and not args.no_repull:
-        summary = sync_runner.run_full_sync(
-            supplier=supplier,
-            scope=scope,
-            sync_db=sync_db,
-            payloads=payloads,
-            cities=differing,
-            progress=None if args.json else sys.stderr,
-            console_log_level=console_log_level(args),
+        summary = _full_sync(
+            args, supplier, scope, sync_db, payloads, as_json=args.json, cities=differing
         )
         problem = summary.problem()
         message = (

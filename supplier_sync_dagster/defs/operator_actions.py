@@ -11,18 +11,15 @@ import json
 from typing import Any, Literal
 
 import dagster as dg
-import sqlalchemy as sa
 from pydantic import Field
 
-from supplier_sync_dagster.core.errors import SupplierSyncError
+from supplier_sync_dagster.core.errors import NotFound, SupplierSyncError
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
-from supplier_sync_dagster.core.records.gates import override_gate
+from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
-from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.sync.model import DEFAULT_PAGE_SIZE, build_sync_settings
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -105,6 +102,14 @@ def _refused(err: Exception) -> dg.Failure:
     return dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False)
 
 
+def _json_field(text: str, refusal: str) -> Any:
+    """A form's JSON field parsed; text that is no JSON fails the run with ``refusal``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise dg.Failure(description=f"{refusal}: {err}", allow_retries=False) from None
+
+
 def _dead_letter_action(
     context: dg.OpExecutionContext,
     config: DeadLetterActionConfig,
@@ -167,18 +172,8 @@ def fix_dead_letter_op(
     governance: GovernanceResource,
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
-    try:
-        patch = json.loads(config.patch)
-    except json.JSONDecodeError as err:
-        raise dg.Failure(description=f"patch is not JSON: {err}", allow_retries=False) from None
+    patch = _json_field(config.patch, "patch is not JSON")
     with sync_db.opened() as db:
-        d = schema.dead_letter.c
-        with db.engine.connect() as conn:
-            row = conn.execute(
-                sa.select(d.supplier_id, d.task_code).where(d.id == config.id)
-            ).first()
-        if row is None:
-            raise dg.Failure(description=f"no dead letter has id {config.id}", allow_retries=False)
         try:
             outcome = fix_dead_letter(
                 db,
@@ -187,15 +182,12 @@ def fix_dead_letter_op(
                 patch=patch,
                 actor=config.by,
                 reason=config.reason,
-                settings=build_sync_settings(
-                    task_code=str(row.task_code),
-                    supplier_id=int(row.supplier_id),
-                    page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
-                    lease=sync_db.lease_settings(),
-                    risk_policy=governance.risk_rules(),
-                ),
+                lease=sync_db.lease_settings(),
+                risk_policy=governance.risk_rules(),
                 worker_id=make_worker_id("supplier-sync"),
             )
+        except NotFound as err:
+            raise dg.Failure(description=str(err), allow_retries=False) from None
         except SupplierSyncError as err:
             raise _refused(err) from None
     metadata: dict[str, Any] = {
@@ -259,16 +251,12 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
     """An operator's gate override."""
     with sync_db.opened() as db:
         try:
-            with db.begin() as conn:
-                override = override_gate(
-                    conn,
-                    db.clock,
-                    batch_id=config.batch_id,
-                    shard_key=config.city,
-                    check_name=config.check_name,
-                    who=config.by,
-                    reason=config.reason,
-                )
+            override = override_gate_check(
+                db,
+                GateCheck(config.batch_id, config.city, config.check_name),
+                who=config.by,
+                reason=config.reason,
+            )
         except SupplierSyncError as err:
             raise _refused(err) from None
     return dg.Output(
@@ -280,10 +268,9 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
 @dg.op(description="Change a sync task's settings (one audit row per field that changed).")
 def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) -> dg.Output[int]:
     """An operator's task settings change."""
-    try:
-        thresholds = json.loads(config.thresholds_json) if config.thresholds_json else None
-    except json.JSONDecodeError as err:
-        raise dg.Failure(description=f"thresholds_json: {err}", allow_retries=False) from None
+    thresholds = (
+        _json_field(config.thresholds_json, "thresholds_json") if config.thresholds_json else None
+    )
     with sync_db.opened() as db:
         try:
             changes = change_task(

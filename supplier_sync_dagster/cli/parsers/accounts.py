@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, add_who_and_why, handled_by
+from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, add_who_and_why, handled_by
 
 
 def add_commands(sub: Subcommands) -> None:
@@ -14,12 +14,12 @@ def add_commands(sub: Subcommands) -> None:
     )
     commands = accounts.add_subparsers(dest="accounts_command", required=True)
     listing = commands.add_parser("list", help="each account: supplier, key variable, limits")
-    listing.add_argument("--json", action="store_true", help="one JSON object per account")
+    add_json_flag(listing, help="one JSON object per account")
     handled_by(listing, "supplier_sync_dagster.cli.accounts:cmd_list")
     check = commands.add_parser(
         "check", help="load the Dagster definitions from the file, as a code location does"
     )
-    check.add_argument("--json", action="store_true")
+    add_json_flag(check)
     handled_by(check, "supplier_sync_dagster.cli.accounts_check:cmd_check")
     apply = commands.add_parser(
         "apply",

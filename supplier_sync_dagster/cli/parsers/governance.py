@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from supplier_sync_dagster.cli.common import Subcommands, add_who_and_why, handled_by
+from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, add_who_and_why, handled_by
 from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 
@@ -31,7 +31,7 @@ def add_review(sub: Subcommands) -> None:
     )
     rlist.add_argument("--batch", default=None)
     rlist.add_argument("--limit", type=int, default=100)
-    rlist.add_argument("--json", action="store_true")
+    add_json_flag(rlist)
     handled_by(rlist, f"{_GOVERNANCE}:cmd_review")
     for name, what in (
         ("approve", "publish them (version-guarded)"),
@@ -81,7 +81,7 @@ def add_task(sub: Subcommands) -> None:
         p.add_argument("--task", default=DEFAULT_TASK_CODE, help="the task code")
         handled_by(p, f"{_GOVERNANCE}:cmd_task")
     task_show.add_argument("--history", type=int, default=10, help="change-log rows to show")
-    task_show.add_argument("--json", action="store_true")
+    add_json_flag(task_show)
     task_set.add_argument(
         "--policy", choices=["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"], default=None
     )

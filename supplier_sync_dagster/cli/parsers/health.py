@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, handled_by
+from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, handled_by
 
 _HEALTH = "supplier_sync_dagster.cli.health"
 _TASKS = "a task (repeat; default every account's full sync)"
@@ -15,7 +15,7 @@ def add_commands(sub: Subcommands) -> None:
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True)
     show = metrics_sub.add_parser("show", help="every figure of each task, now")
     show.add_argument("--task", action="append", help=_TASKS)
-    show.add_argument("--json", action="store_true")
+    add_json_flag(show)
     handled_by(show, f"{_HEALTH}:cmd_metrics")
     serve = metrics_sub.add_parser(
         "serve",
@@ -34,7 +34,7 @@ def add_commands(sub: Subcommands) -> None:
     listing = al_sub.add_parser("list", help="open alerts and those of the last days")
     listing.add_argument("--days", type=float, default=7.0)
     listing.add_argument("--open", action="store_true", help="only the open ones")
-    listing.add_argument("--json", action="store_true")
+    add_json_flag(listing)
     handled_by(listing, f"{_HEALTH}:cmd_alerts")
     check = al_sub.add_parser(
         "check",
@@ -42,12 +42,12 @@ def add_commands(sub: Subcommands) -> None:
         "(what the alert sensor does each minute)",
     )
     check.add_argument("--task", default=None, help="the task (default every account's full sync)")
-    check.add_argument("--json", action="store_true")
+    add_json_flag(check)
     handled_by(check, f"{_HEALTH}:cmd_alerts")
     th = al_sub.add_parser("thresholds", help="show or set a task's alert thresholds (audited)")
     th.add_argument("--task", default=None, help="the task (default the full sync)")
     th.add_argument("--set", action="append", metavar="NAME=NUMBER", help="repeat to set several")
     th.add_argument("--by", default=None, help="who (recorded; needed with --set)")
     th.add_argument("--reason", default=None, help="why (recorded; needed with --set)")
-    th.add_argument("--json", action="store_true")
+    add_json_flag(th)
     handled_by(th, f"{_HEALTH}:cmd_alerts")

@@ -6,6 +6,8 @@ from __future__ import annotations
 from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
     Subcommands,
+    add_audited_actions,
+    add_json_flag,
     add_who_and_why,
     handled_by,
 )
@@ -31,7 +33,7 @@ def add_commands(sub: Subcommands) -> None:
     trace.add_argument(
         "--supplier-id", type=int, default=None, help="needed when two suppliers share the id"
     )
-    trace.add_argument("--json", action="store_true")
+    add_json_flag(trace)
     handled_by(trace, f"{_OPERATORS}:cmd_trace")
 
     audit = sub.add_parser(
@@ -44,7 +46,7 @@ def add_commands(sub: Subcommands) -> None:
     audit.add_argument("--actor", default=None)
     audit.add_argument("--action", default=None, help="dead_letter.fix, review.approve ...")
     audit.add_argument("--limit", type=int, default=50)
-    audit.add_argument("--json", action="store_true")
+    add_json_flag(audit)
     handled_by(audit, f"{_OPERATORS}:cmd_audit")
 
 
@@ -60,22 +62,21 @@ def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
     listing.add_argument("--hotel", default=None, help="the supplier's hotel id")
     listing.add_argument("--older-than-hours", type=float, default=None)
     listing.add_argument("--limit", type=int, default=100)
-    listing.add_argument("--json", action="store_true")
+    add_json_flag(listing)
     handled_by(listing, f"{_OPERATORS}:cmd_dead_letters")
     show = dl_sub.add_parser("show", help="one dead letter with its audit history")
     show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
-    show.add_argument("--json", action="store_true", help="one line instead of indented")
+    add_json_flag(show, help="one line instead of indented")
     handled_by(show, f"{_OPERATORS}:cmd_dead_letters")
-    for name, what in (
-        ("retry", "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt"),
-        ("ignore", "close open rows for good"),
-    ):
-        act = dl_sub.add_parser(name, help=what + " (recorded in the audit trail)")
-        act.add_argument(
-            "ids", nargs="+", type=int, help="dead letter ids (the list's first column)"
-        )
-        add_who_and_why(act)
-        handled_by(act, f"{_OPERATORS}:cmd_dead_letters")
+    add_audited_actions(
+        dl_sub,
+        {
+            "retry": "re-queue MANUAL_FIX/FAILED rows, due now, with one more attempt",
+            "ignore": "close open rows for good",
+        },
+        f"{_OPERATORS}:cmd_dead_letters",
+        ids_help="dead letter ids (the list's first column)",
+    )
     _add_repair_commands(dl_sub)
 
 
@@ -90,7 +91,7 @@ def _add_repair_commands(dl_sub: Subcommands) -> None:
         "--patch", required=True, help='a JSON merge patch of the record: \'{"phone": "+66 2 1"}\''
     )
     add_who_and_why(fix)
-    fix.add_argument("--json", action="store_true")
+    add_json_flag(fix)
     handled_by(fix, f"{_REPAIR}:cmd_fix")
     comp = dl_sub.add_parser(
         "compensate",
@@ -100,5 +101,5 @@ def _add_repair_commands(dl_sub: Subcommands) -> None:
     comp.add_argument("--limit", type=int, default=10_000, help="due rows taken at most")
     comp.add_argument("--account", default=None, help=ACCOUNT_HELP)
     comp.add_argument("--trigger-id", default=None, help="idempotency key (default: new)")
-    comp.add_argument("--json", action="store_true")
+    add_json_flag(comp)
     handled_by(comp, f"{_REPAIR}:cmd_compensate")

@@ -9,7 +9,8 @@ from decimal import Decimal, InvalidOperation
 
 from supplier_sync_dagster.cli.common import (
     Subcommands,
-    add_who_and_why,
+    add_audited_actions,
+    add_json_flag,
     handled_by,
     positive_int,
 )
@@ -53,7 +54,7 @@ def add_commands(sub: Subcommands) -> None:
     )
     dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
     dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")
-    dispatch.add_argument("--json", action="store_true")
+    add_json_flag(dispatch)
     handled_by(dispatch, f"{_OUTBOX}:cmd_dispatch", preload=True)
 
     _add_outbox_commands(sub)
@@ -66,7 +67,7 @@ def add_commands(sub: Subcommands) -> None:
     search.add_argument("--max-price", type=_price, default=None, help="lowest price at most")
     search.add_argument("--all-statuses", action="store_true", help="INACTIVE hotels too")
     search.add_argument("--limit", type=int, default=20)
-    search.add_argument("--json", action="store_true")
+    add_json_flag(search)
     handled_by(search, f"{_OUTBOX}:cmd_search")
 
     api = sub.add_parser(
@@ -86,22 +87,23 @@ def _add_outbox_commands(sub: Subcommands) -> None:
     outbox = sub.add_parser("outbox", help="the outbox's events: status, list, retry, cancel")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
     status = outbox_sub.add_parser("status", help="counts by status and stage, stuck, lag")
-    status.add_argument("--json", action="store_true")
+    add_json_flag(status)
     handled_by(status, f"{_OUTBOX}:cmd_outbox")
     listing = outbox_sub.add_parser("list", help="events, newest first")
     listing.add_argument("--status", choices=_STATUSES, default=None)
     listing.add_argument("--stage", choices=_STAGES, default=None, help="the next stage")
     listing.add_argument("--limit", type=int, default=50)
-    listing.add_argument("--json", action="store_true")
+    add_json_flag(listing)
     handled_by(listing, f"{_OUTBOX}:cmd_outbox")
-    for name, what in (
-        ("retry", "FAILED or CANCELLED events run again from the stage they stopped at"),
-        ("cancel", "READY or FAILED events stop (until retried)"),
-    ):
-        act = outbox_sub.add_parser(name, help=what + " (recorded in the audit trail)")
-        act.add_argument("ids", type=int, nargs="+", help="outbox event ids (outbox list)")
-        add_who_and_why(act)
-        handled_by(act, f"{_OUTBOX}:cmd_outbox")
+    add_audited_actions(
+        outbox_sub,
+        {
+            "retry": "FAILED or CANCELLED events run again from the stage they stopped at",
+            "cancel": "READY or FAILED events stop (until retried)",
+        },
+        f"{_OUTBOX}:cmd_outbox",
+        ids_help="outbox event ids (outbox list)",
+    )
 
     reconcile = outbox_sub.add_parser(
         "reconcile",
@@ -109,5 +111,5 @@ def _add_outbox_commands(sub: Subcommands) -> None:
         "(resource, publish version)) and re-project what differs",
     )
     reconcile.add_argument("--no-repair", action="store_true", help="only report (exit 1)")
-    reconcile.add_argument("--json", action="store_true")
+    add_json_flag(reconcile)
     handled_by(reconcile, f"{_OUTBOX}:cmd_outbox")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
     Subcommands,
+    add_json_flag,
     handled_by,
     non_negative_int,
     positive_int,
@@ -83,7 +84,7 @@ def add_sync(sub: Subcommands) -> None:
         default=None,
         help="incremental: the incremental task (default hotel_supplier_incremental)",
     )
-    sync.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_json_flag(sync, help="print the summary as JSON")
     sync.add_argument("--account", default=None, help=ACCOUNT_HELP)
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
     sync.add_argument("--page-size", type=int, default=None, help="hotels per page (default 100)")
@@ -120,7 +121,7 @@ def add_replay(sub: Subcommands) -> None:
     )
     replay.add_argument("--city", action="append", required=True, help="a city code (repeatable)")
     replay.add_argument("--dry-run", action="store_true", help="report the diffs, publish nothing")
-    replay.add_argument("--json", action="store_true")
+    add_json_flag(replay)
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
     replay.add_argument(
         "--task",
@@ -152,6 +153,6 @@ def add_reconcile(sub: Subcommands) -> None:
     recon.add_argument(
         "--no-repull", action="store_true", help="report only; do not re-pull what differs"
     )
-    recon.add_argument("--json", action="store_true", help="JSON lines: one per city, a summary")
+    add_json_flag(recon, help="JSON lines: one per city, a summary")
     recon.add_argument("--account", default=None, help=ACCOUNT_HELP)
     handled_by(recon, f"{_SYNC}:cmd_reconcile", preload=True)

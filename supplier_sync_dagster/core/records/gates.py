@@ -257,6 +257,15 @@ class GateOverride:
 
 
 @dataclass(frozen=True)
+class GateCheck:
+    """One check of one city of a batch: what an operator's override names."""
+
+    batch_id: str
+    shard_key: str
+    check_name: str
+
+
+@dataclass(frozen=True)
 class GateResult:
     """The outcome of one check for one city of one batch.
 
@@ -927,6 +936,20 @@ def override_gate(
         override.reason,
     )
     return override
+
+
+def override_gate_check(
+    db: SyncDatabase, check: GateCheck, *, who: str, reason: str
+) -> GateOverride:
+    """An operator's override (:func:`override_gate`) in a transaction of its own, as the
+    ``gate override`` command and the ``gate_override`` job make it.
+
+    Raises:
+        InvalidGateOverride: Unknown check name, or an empty or over-long who or reason.
+        UnknownShard: The batch has no shard for this city.
+    """
+    with db.begin() as conn:
+        return override_gate(conn, db.clock, **asdict(check), who=who, reason=reason)
 
 
 def list_overrides(

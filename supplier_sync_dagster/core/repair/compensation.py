@@ -60,8 +60,9 @@ from supplier_sync_dagster.core.leasing.batches import (
     get_batch,
     start_batch,
 )
-from supplier_sync_dagster.core.leasing.leases import Checkpoint
+from supplier_sync_dagster.core.leasing.leases import Checkpoint, LeaseSettings
 from supplier_sync_dagster.core.records import deadletters
+from supplier_sync_dagster.core.records.diff import RiskPolicy
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import canonical_dumps
 from supplier_sync_dagster.core.records.tombstones import unpublish_missing
@@ -73,7 +74,14 @@ from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json, page_records
 from supplier_sync_dagster.core.sync.city import sync_city
-from supplier_sync_dagster.core.sync.model import CityReport, FetchedPage, PageSource, SyncSettings
+from supplier_sync_dagster.core.sync.model import (
+    DEFAULT_PAGE_SIZE,
+    CityReport,
+    FetchedPage,
+    PageSource,
+    SyncSettings,
+    build_sync_settings,
+)
 from supplier_sync_dagster.core.sync.replay import stored_city_countries
 from supplier_sync_dagster.core.sync.tasks import ensure_task, open_task
 
@@ -715,7 +723,8 @@ def fix_dead_letter(
     patch: Any,
     actor: str,
     reason: str,
-    settings: SyncSettings,
+    lease: LeaseSettings,
+    risk_policy: RiskPolicy,
     compensation: CompensationSettings = CompensationSettings(),
     worker_id: str,
 ) -> FixOutcome:
@@ -725,7 +734,8 @@ def fix_dead_letter(
     ``fix:<id>:<patch hash>``), normalized, checked, diffed and published like any record:
     a fix cannot bypass governance. Accepted, the dead letter is RESOLVED; refused, it stays
     as it was and the refusal (the new error code) is returned. Either way one audit row
-    says who, why, the patch and the outcome.
+    says who, why, the patch and the outcome. The sync settings are those of the dead
+    letter's own task and supplier, with the deployment's ``lease`` and ``risk_policy``.
 
     Raises:
         ConfigError: No actor or reason, a patch that is not an object or changes the hotel
@@ -734,14 +744,21 @@ def fix_dead_letter(
         DeadLetterStateError: The dead letter is closed (RESOLVED or IGNORED).
         TriggerSkipped: A compensation run holds the task; try again when it ends.
     """
-    who, why = require_who_and_why(actor, reason)
-    if not isinstance(patch, dict):
-        raise ConfigError("a fix is a JSON object (a merge patch of the supplier's record)")
     d = schema.dead_letter.c
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(schema.dead_letter).where(d.id == dead_letter)).first()
     if row is None:
         raise NotFound(f"no dead letter has id {dead_letter}")
+    who, why = require_who_and_why(actor, reason)
+    if not isinstance(patch, dict):
+        raise ConfigError("a fix is a JSON object (a merge patch of the supplier's record)")
+    settings = build_sync_settings(
+        task_code=str(row.task_code),
+        supplier_id=int(row.supplier_id),
+        page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
+        lease=lease,
+        risk_policy=risk_policy,
+    )
     if row.status not in deadletters.OPEN_STATUSES:
         raise DeadLetterStateError(f"dead letter {dead_letter} is {row.status}: nothing to fix")
     record = merge_patch(stored_record(store, row), patch)
