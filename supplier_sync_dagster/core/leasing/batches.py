@@ -113,6 +113,15 @@ class TaskSpec:
         if self.schedule_type == "CRON" and not self.cron_expr:
             raise ConfigError(f"task {self.task_code!r}: schedule_type CRON needs a cron_expr")
 
+    def scope(self) -> dict[str, Any]:
+        """What the task syncs, as each of its batches copies it into its own row."""
+        return {
+            "supplier_id": self.supplier_id,
+            "category_code": self.category_code,
+            "sync_mode": self.sync_mode,
+            "data_scope": self.data_scope,
+        }
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -434,10 +443,7 @@ def _insert_batch(conn: Connection, clock: DbClock, task: TaskSpec, trigger: _Tr
             task_code=task.task_code,
             trigger_source=trigger.source,
             trigger_id=trigger.trigger_id,
-            supplier_id=task.supplier_id,
-            category_code=task.category_code,
-            sync_mode=task.sync_mode,
-            data_scope=task.data_scope,
+            **task.scope(),
             city_scope=json.dumps(list(keys), ensure_ascii=False) if keys is not None else None,
             status="PENDING",
             sync_batch_version=version,
