@@ -85,6 +85,10 @@ def _check_code(name: str, value: str, max_len: int = MAX_CODE_LEN) -> None:
         raise ConfigError(f"{name} must be a string of 1-{max_len} characters; got {value!r}")
 
 
+# The fields of a task that say what it syncs.
+_TASK_SCOPE = ("supplier_id", "category_code", "sync_mode", "data_scope")
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """A sync task definition (a row of ``supplier_sync_task``)."""
@@ -115,12 +119,7 @@ class TaskSpec:
 
     def scope(self) -> dict[str, Any]:
         """What the task syncs, as each of its batches copies it into its own row."""
-        return {
-            "supplier_id": self.supplier_id,
-            "category_code": self.category_code,
-            "sync_mode": self.sync_mode,
-            "data_scope": self.data_scope,
-        }
+        return {name: getattr(self, name) for name in _TASK_SCOPE}
 
 
 @dataclass(frozen=True)
