@@ -97,6 +97,14 @@ def _platform_ids() -> tuple[sa.Column[int], ...]:
     )
 
 
+def _raw_page() -> tuple[sa.Column[str], ...]:
+    """The raw page a record came from: where its bytes are stored, and their sha256."""
+    return (
+        sa.Column("raw_payload_ref", sa.String(512)),
+        sa.Column("raw_payload_hash", sa.String(64)),
+    )
+
+
 def _table(name: str, *items: SchemaItem, comment: str) -> sa.Table:
     return sa.Table(
         name,
@@ -260,8 +268,7 @@ dead_letter = _table(
     sa.Column("error_type", sa.String(64), nullable=False),
     sa.Column("error_code", sa.String(128), nullable=False),
     sa.Column("error_message", sa.String(1024), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("normalized_payload_ref", sa.String(512)),
     sa.Column("status", sa.String(32), nullable=False, server_default="PENDING"),
     _counter("retry_count"),
@@ -332,8 +339,7 @@ platform_hotel = sa.Table(
     sa.Column("images", sa.Text),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("supplier_updated_at", _ts(), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("last_batch_id", sa.String(64), nullable=False),
     sa.Column("publish_token", sa.String(64), nullable=False),
     sa.Column("published_at", _ts(), nullable=False),
@@ -482,8 +488,7 @@ review = _table(
     sa.Column("changed_fields", sa.JSON, nullable=False),
     sa.Column("candidate", sa.Text().with_variant(mysql.MEDIUMTEXT(), *_MYSQL), nullable=False),
     sa.Column("fingerprint", sa.String(64), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("status", sa.String(32), nullable=False),
     sa.Column("decided_by", sa.String(128)),
     sa.Column("decision_reason", sa.String(1024)),
