@@ -85,6 +85,10 @@ def _check_code(name: str, value: str, max_len: int = MAX_CODE_LEN) -> None:
         raise ConfigError(f"{name} must be a string of 1-{max_len} characters; got {value!r}")
 
 
+# The fields of a task that say what it syncs.
+_TASK_SCOPE = ("supplier_id", "category_code", "sync_mode", "data_scope")
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """A sync task definition (a row of ``supplier_sync_task``)."""
@@ -112,6 +116,10 @@ class TaskSpec:
         _check_choice("concurrency_policy", self.concurrency_policy, ConcurrencyPolicy)
         if self.schedule_type == "CRON" and not self.cron_expr:
             raise ConfigError(f"task {self.task_code!r}: schedule_type CRON needs a cron_expr")
+
+    def scope(self) -> dict[str, Any]:
+        """What the task syncs, as each of its batches copies it into its own row."""
+        return {name: getattr(self, name) for name in _TASK_SCOPE}
 
 
 @dataclass(frozen=True)
@@ -434,10 +442,7 @@ def _insert_batch(conn: Connection, clock: DbClock, task: TaskSpec, trigger: _Tr
             task_code=task.task_code,
             trigger_source=trigger.source,
             trigger_id=trigger.trigger_id,
-            supplier_id=task.supplier_id,
-            category_code=task.category_code,
-            sync_mode=task.sync_mode,
-            data_scope=task.data_scope,
+            **task.scope(),
             city_scope=json.dumps(list(keys), ensure_ascii=False) if keys is not None else None,
             status="PENDING",
             sync_batch_version=version,

@@ -498,6 +498,18 @@ def _ratio(x: float) -> float:
     return round(x, 6)
 
 
+_NO_EARLIER_BATCH = (
+    "no earlier successful batch of this task for this city (first batch: no baseline)"
+)
+
+
+def _no_baseline(
+    check_name: CheckName, description: str, meta: dict[str, Any], severity: Severity = "ERROR"
+) -> GateResult:
+    """A check that passes: there is nothing yet to measure against."""
+    return GateResult(check_name, True, severity, description, {**meta, "baseline": "none"})
+
+
 def check_bad_record_ratio(current: CityProfile, thresholds: GateThresholds) -> GateResult:
     """``bad_record_ratio``: dead letters / records against ``max_bad_ratio``."""
     records, bad = current.record_count, current.bad_count
@@ -530,15 +542,7 @@ def check_record_count(
         "min_previous_records": thresholds.min_previous_records,
     }
     if previous is None:
-        meta["baseline"] = "none"
-        return GateResult(
-            "record_count",
-            True,
-            "ERROR",
-            f"{cur} records; no earlier successful batch of this task for this city "
-            "(first batch: no baseline)",
-            meta,
-        )
+        return _no_baseline("record_count", f"{cur} records; {_NO_EARLIER_BATCH}", meta)
     prev = previous.record_count
     drop = (prev - cur) / prev if prev else 0.0
     meta.update(previous_batch_id=previous.batch_id, previous_records=prev, drop=_ratio(drop))
@@ -594,13 +598,11 @@ def check_change_volume(
         "windows_in_baseline": len(history),
     }
     if len(history) < 3:
-        meta["baseline"] = "none"
-        return GateResult(
+        return _no_baseline(
             "change_volume",
-            True,
-            "WARN",
             f"{records} changes; fewer than 3 earlier windows (no baseline yet)",
             meta,
+            "WARN",
         )
     ordered = sorted(history)
     mid = len(ordered) // 2
@@ -643,14 +645,7 @@ def check_schema_drift(
         "drift_absent_ratio": thresholds.drift_absent_ratio,
     }
     if previous is None:
-        meta["baseline"] = "none"
-        return GateResult(
-            "schema_drift",
-            True,
-            "ERROR",
-            "no earlier successful batch of this task for this city (first batch: no baseline)",
-            meta,
-        )
+        return _no_baseline("schema_drift", _NO_EARLIER_BATCH, meta)
     meta["previous_batch_id"] = previous.batch_id
     cur, prev = current.field_counts, previous.field_counts
     if cur is None or prev is None or cur.records == 0 or prev.records == 0:

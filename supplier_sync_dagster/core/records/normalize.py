@@ -1149,66 +1149,9 @@ def _fast_rooms(raw: object) -> list[dict[str, Any]] | None:
             room_name = WS_RE.sub(" ", room_name)
         if not room_name:
             return None
-        raw_plans = rget("rate_plans")
-        if raw_plans is None:
-            raw_plans = ()
-        elif type(raw_plans) is not list or len(raw_plans) > RATE_PLANS_MAX:
+        plans = _fast_plans(rget("rate_plans"))
+        if plans is None:
             return None
-        plans: list[dict[str, Any]] = []
-        plan_codes: set[str] = set()
-        for plan in raw_plans:
-            if type(plan) is not dict:
-                return None
-            pget = plan.get
-            code = pget("code")
-            board = pget("board")
-            refundable = pget("refundable")
-            available = pget("available")
-            price = pget("price")
-            if not (
-                type(code) is str
-                and 0 < len(code) <= _PLAN_CODE.limit
-                and code.isprintable()
-                and code not in plan_codes
-                and (
-                    board is None
-                    or (
-                        type(board) is str
-                        and 0 < len(board) <= _BOARD.limit
-                        and board.isprintable()
-                    )
-                )
-                and (refundable is True or refundable is False)
-                and (available is True or available is False)
-                and type(price) is dict
-            ):
-                return None
-            amount = price.get("amount")
-            currency = price.get("currency")
-            if not (
-                type(amount) is str
-                and len(amount) <= AMOUNT_MAX
-                and amount[:1] != "-"
-                and AMOUNT_RE.fullmatch(amount) is not None
-                and type(currency) is str
-                and currency in MONEY_CODES
-            ):
-                return None
-            plan_codes.add(code)
-            if amount[0] == "0" and amount[:2] != "0." and amount != "0":
-                # "007.50" is "7.50", as the model says. A plain amount without a leading zero
-                # (at most 6 fraction digits) is its Decimal's own string.
-                amount = str(Decimal(amount))
-            plans.append(
-                {
-                    "code": code,
-                    "board": board,
-                    "refundable": refundable,
-                    "available": available,
-                    "price": amount,
-                    "currency": currency,
-                }
-            )
         rooms.append(
             {
                 "room_code": room_code,
@@ -1219,6 +1162,66 @@ def _fast_rooms(raw: object) -> list[dict[str, Any]] | None:
             }
         )
     return rooms
+
+
+def _fast_plans(raw: object) -> list[dict[str, Any]] | None:
+    """A room's rate plans as documents; None if one is unusual."""
+    if raw is None:
+        return []
+    if type(raw) is not list or len(raw) > RATE_PLANS_MAX:
+        return None
+    plans: list[dict[str, Any]] = []
+    plan_codes: set[str] = set()
+    for plan in raw:
+        if type(plan) is not dict:
+            return None
+        pget = plan.get
+        code = pget("code")
+        board = pget("board")
+        refundable = pget("refundable")
+        available = pget("available")
+        price = pget("price")
+        if not (
+            type(code) is str
+            and 0 < len(code) <= _PLAN_CODE.limit
+            and code.isprintable()
+            and code not in plan_codes
+            and (
+                board is None
+                or (type(board) is str and 0 < len(board) <= _BOARD.limit and board.isprintable())
+            )
+            and (refundable is True or refundable is False)
+            and (available is True or available is False)
+            and type(price) is dict
+        ):
+            return None
+        amount = price.get("amount")
+        currency = price.get("currency")
+        if not (
+            type(amount) is str
+            and len(amount) <= AMOUNT_MAX
+            and amount[:1] != "-"
+            and AMOUNT_RE.fullmatch(amount) is not None
+            and type(currency) is str
+            and currency in MONEY_CODES
+        ):
+            return None
+        plan_codes.add(code)
+        if amount[0] == "0" and amount[:2] != "0." and amount != "0":
+            # "007.50" is "7.50", as the model says. A plain amount without a leading zero
+            # (at most 6 fraction digits) is its Decimal's own string.
+            amount = str(Decimal(amount))
+        plans.append(
+            {
+                "code": code,
+                "board": board,
+                "refundable": refundable,
+                "available": available,
+                "price": amount,
+                "currency": currency,
+            }
+        )
+    return plans
 
 
 # -- public API -----------------------------------------------------------------------------

@@ -186,25 +186,15 @@ def prepare_publish(
     todo = [(d, c) for d, c in items if d.action == "AUTO_PUBLISH"]
     if rows is None:
         rows = candidate_rows([c for _, c in todo], supplier_id=supplier_id, batch_id=batch_id)
-    expected: dict[int, tuple[int, int]] = {}
-    offer_rows: dict[int, list[tuple[Any, ...]]] = {}
-    events: dict[int, list[tuple[Any, ...]]] = {}
-    hotel_rows = []
+    plan = PublishPlan(todo=todo, hotel_rows=[], offer_rows={}, events={}, expected={}, rows=rows)
     for d, c in todo:
         rid = d.platform_resource_id
         own = rows[c.supplier_hotel_id]
-        versions = expected[rid] = ((d.old_publish_version or 0) + 1, c.version)
-        hotel_rows.append((rid, *own.hotel))
-        offer_rows[rid] = _offer_rows(rid, own, versions)
-        events[rid] = _hotel_events(batch_id, d, c, versions)
-    return PublishPlan(
-        todo=todo,
-        hotel_rows=hotel_rows,
-        offer_rows=offer_rows,
-        events=events,
-        expected=expected,
-        rows=rows,
-    )
+        versions = plan.expected[rid] = ((d.old_publish_version or 0) + 1, c.version)
+        plan.hotel_rows.append((rid, *own.hotel))
+        plan.offer_rows[rid] = _offer_rows(rid, own, versions)
+        plan.events[rid] = _hotel_events(batch_id, d, c, versions)
+    return plan
 
 
 def publish_hotels(

@@ -19,6 +19,7 @@ refused it because something newer is already live).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,61 +145,55 @@ def count_reviews(conn: Connection, *, batch_id: str | None = None) -> dict[str,
     return {str(s): int(n) for s, n in conn.execute(query)}
 
 
-def approve_reviews(
+Verdict = Literal["APPROVED", "REJECTED"]
+
+
+def decide_reviews(
     db: SyncDatabase,
+    verdict: Verdict,
     *,
     review_ids: Sequence[str] | None,
     who: str,
     reason: str,
     batch_id: str | None = None,
 ) -> Decision:
-    """Approves PENDING reviews and publishes their hotels through the version guard.
+    """Approves or rejects PENDING reviews.
+
+    An approved review's hotel publishes through the version guard; a rejected review's hotel
+    stays as published.
 
     Args:
         db: The sync database.
-        review_ids: The reviews to approve; None approves every PENDING review (of
+        verdict: APPROVED or REJECTED.
+        review_ids: The reviews to decide; None decides every PENDING review (of
             ``batch_id`` when given).
         who: Who decided (recorded).
         reason: Why (recorded).
-        batch_id: Limits a bulk approval to one batch.
+        batch_id: Limits a bulk decision to one batch.
 
     Raises:
         ReviewStateError: A named review does not exist or is not PENDING (nothing of that
-            transaction's chunk is approved).
+            transaction's chunk is decided).
     """
     _require(who, reason)
-    approved = published = superseded = 0
+    decided = published = superseded = 0
     for part in _targets(db, review_ids, batch_id):
         with db.begin() as conn:
-            reviews = _load(conn, part)
-            _move(conn, db.clock, part, "PENDING", "APPROVED", who, reason)
-            by_supplier: dict[int, list[Review]] = {}
-            for rv in reviews:
-                by_supplier.setdefault(rv.supplier_id, []).append(rv)
-            for supplier_id, group in by_supplier.items():
-                p, s = _publish(conn, db.clock, supplier_id, group)
+            if verdict == "APPROVED":
+                p, s = _approve(conn, db.clock, part, who, reason)
                 published += p
                 superseded += s
-            approved += len(part)
-    return Decision(approved=approved, published=published, superseded=superseded)
+            else:
+                _move(conn, db.clock, part, "PENDING", "REJECTED", who, reason)
+            decided += len(part)
+    if verdict == "REJECTED":
+        return Decision(rejected=decided)
+    return Decision(approved=decided, published=published, superseded=superseded)
 
 
-def reject_reviews(
-    db: SyncDatabase,
-    *,
-    review_ids: Sequence[str] | None,
-    who: str,
-    reason: str,
-    batch_id: str | None = None,
-) -> Decision:
-    """Rejects PENDING reviews: their hotels stay as published. Same arguments as approval."""
-    _require(who, reason)
-    rejected = 0
-    for part in _targets(db, review_ids, batch_id):
-        with db.begin() as conn:
-            _move(conn, db.clock, part, "PENDING", "REJECTED", who, reason)
-            rejected += len(part)
-    return Decision(rejected=rejected)
+# The two verdicts by name, as operators ask for them.
+approve_reviews = functools.partial(decide_reviews, verdict="APPROVED")
+reject_reviews = functools.partial(decide_reviews, verdict="REJECTED")
 
 
 def _require(who: str, reason: str) -> None:
@@ -225,6 +220,23 @@ def _load(conn: Connection, ids: Sequence[str]) -> list[Review]:
     if missing:
         raise ReviewStateError(f"no such review: {', '.join(missing[:10])}")
     return [_review(row._mapping) for row in rows]
+
+
+def _approve(
+    conn: Connection, clock: DbClock, ids: Sequence[str], who: str, reason: str
+) -> tuple[int, int]:
+    """Approves one chunk of reviews and publishes their hotels; returns (published, superseded)."""
+    reviews = _load(conn, ids)
+    _move(conn, clock, ids, "PENDING", "APPROVED", who, reason)
+    by_supplier: dict[int, list[Review]] = {}
+    for rv in reviews:
+        by_supplier.setdefault(rv.supplier_id, []).append(rv)
+    published = superseded = 0
+    for supplier_id, group in by_supplier.items():
+        p, s = _publish(conn, clock, supplier_id, group)
+        published += p
+        superseded += s
+    return published, superseded
 
 
 def _move(

@@ -44,6 +44,67 @@ def _big_id() -> sa.types.TypeEngine[int]:
     return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
+def _counter(name: str) -> sa.Column[int]:
+    """A count that starts at zero."""
+    return sa.Column(name, sa.Integer, nullable=False, server_default="0")
+
+
+def _task_scope() -> tuple[sa.Column[Any], ...]:
+    """What a task syncs; its batches copy it, so a batch says what it covered."""
+    return (
+        sa.Column("supplier_id", sa.BigInteger, nullable=False),
+        sa.Column("category_code", sa.String(32), nullable=False),
+        sa.Column("sync_mode", sa.String(32), nullable=False),
+        sa.Column("data_scope", sa.String(64), nullable=False),
+    )
+
+
+def _record_counts() -> tuple[sa.Column[int], ...]:
+    """A batch's or shard's records; ``total = success + failed + skipped`` (no silent loss)."""
+    return tuple(
+        _counter(name) for name in ("total_count", "success_count", "failed_count", "skipped_count")
+    )
+
+
+def _lease() -> tuple[sa.Column[Any], ...]:
+    """Who holds a batch or shard and until when, and what its last heartbeat and checkpoint said."""
+    return (
+        sa.Column("worker_id", sa.String(64)),
+        sa.Column("lease_token", sa.String(64)),
+        sa.Column("lease_until", _ts()),
+        sa.Column("heartbeat_at", _ts()),
+        sa.Column("last_heartbeat_stage", sa.String(64)),
+        sa.Column("last_heartbeat_message", sa.String(512)),
+        sa.Column("last_checkpoint_at", _ts()),
+    )
+
+
+def _run_times() -> tuple[sa.Column[Any], ...]:
+    """When a batch or shard was created, started, finished and last written."""
+    return (
+        sa.Column("created_at", _ts(), nullable=False),
+        sa.Column("started_at", _ts()),
+        sa.Column("finished_at", _ts()),
+        sa.Column("updated_at", _ts(), nullable=False),
+    )
+
+
+def _platform_ids() -> tuple[sa.Column[int], ...]:
+    """The platform entities a supplier record maps to (NULL until it is mapped)."""
+    return tuple(
+        sa.Column(name, sa.BigInteger)
+        for name in ("platform_resource_id", "spu_id", "sku_id", "offer_id")
+    )
+
+
+def _raw_page() -> tuple[sa.Column[str], ...]:
+    """The raw page a record came from: where its bytes are stored, and their sha256."""
+    return (
+        sa.Column("raw_payload_ref", sa.String(512)),
+        sa.Column("raw_payload_hash", sa.String(64)),
+    )
+
+
 def _table(name: str, *items: SchemaItem, comment: str) -> sa.Table:
     return sa.Table(
         name,
@@ -59,10 +120,7 @@ def _table(name: str, *items: SchemaItem, comment: str) -> sa.Table:
 task = _table(
     "supplier_sync_task",
     sa.Column("task_code", _code(64), nullable=False),
-    sa.Column("supplier_id", sa.BigInteger, nullable=False),
-    sa.Column("category_code", sa.String(32), nullable=False),
-    sa.Column("sync_mode", sa.String(32), nullable=False),
-    sa.Column("data_scope", sa.String(64), nullable=False),
+    *_task_scope(),
     sa.Column("schedule_type", sa.String(32), nullable=False),
     sa.Column("cron_expr", sa.String(64)),
     sa.Column("status", sa.String(32), nullable=False),
@@ -82,38 +140,23 @@ batch = _table(
     sa.Column("task_code", _code(64), nullable=False),
     sa.Column("trigger_source", sa.String(32), nullable=False),
     sa.Column("trigger_id", _code(64)),
-    sa.Column("supplier_id", sa.BigInteger, nullable=False),
-    sa.Column("category_code", sa.String(32), nullable=False),
-    sa.Column("sync_mode", sa.String(32), nullable=False),
-    sa.Column("data_scope", sa.String(64), nullable=False),
+    *_task_scope(),
     # JSON list of the shard keys this batch covers; NULL means every city of the supplier.
     sa.Column("city_scope", sa.Text),
     sa.Column("status", sa.String(32), nullable=False),
     sa.Column("sync_batch_version", sa.BigInteger, nullable=False),
     sa.Column("start_checkpoint", sa.String(512)),
     sa.Column("end_checkpoint", sa.String(512)),
-    sa.Column("shard_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("shards_done", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("pages_done", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("fetched_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("total_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("success_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("failed_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("skipped_count", sa.Integer, nullable=False, server_default="0"),
+    _counter("shard_count"),
+    _counter("shards_done"),
+    _counter("pages_done"),
+    _counter("fetched_count"),
+    *_record_counts(),
     sa.Column("current_city_code", _code(64)),
     sa.Column("current_page", sa.Integer),
     sa.Column("progress_percent", sa.Numeric(5, 2), nullable=False, server_default="0"),
-    sa.Column("worker_id", sa.String(64)),
-    sa.Column("lease_token", sa.String(64)),
-    sa.Column("lease_until", _ts()),
-    sa.Column("heartbeat_at", _ts()),
-    sa.Column("last_heartbeat_stage", sa.String(64)),
-    sa.Column("last_heartbeat_message", sa.String(512)),
-    sa.Column("last_checkpoint_at", _ts()),
-    sa.Column("created_at", _ts(), nullable=False),
-    sa.Column("started_at", _ts()),
-    sa.Column("finished_at", _ts()),
-    sa.Column("updated_at", _ts(), nullable=False),
+    *_lease(),
+    *_run_times(),
     sa.Column("error_message", sa.String(1024)),
     sa.UniqueConstraint("batch_id", name="uk_batch_id"),
     sa.UniqueConstraint("task_code", "trigger_id", name="uk_task_trigger"),
@@ -144,26 +187,14 @@ shard = _table(
     sa.Column("shard_key", _code(128), nullable=False),
     sa.Column("status", sa.String(32), nullable=False),
     sa.Column("checkpoint", sa.String(1024)),
-    sa.Column("total_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("success_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("failed_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("skipped_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("pages_done", sa.Integer, nullable=False, server_default="0"),
+    *_record_counts(),
+    _counter("pages_done"),
     sa.Column("total_pages", sa.Integer),
-    sa.Column("fetched_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("claim_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("worker_id", sa.String(64)),
-    sa.Column("lease_token", sa.String(64)),
-    sa.Column("lease_until", _ts()),
-    sa.Column("heartbeat_at", _ts()),
-    sa.Column("last_heartbeat_stage", sa.String(64)),
-    sa.Column("last_heartbeat_message", sa.String(512)),
-    sa.Column("last_checkpoint_at", _ts()),
+    _counter("fetched_count"),
+    _counter("claim_count"),
+    *_lease(),
     sa.Column("error_message", sa.String(1024)),
-    sa.Column("created_at", _ts(), nullable=False),
-    sa.Column("started_at", _ts()),
-    sa.Column("finished_at", _ts()),
-    sa.Column("updated_at", _ts(), nullable=False),
+    *_run_times(),
     sa.UniqueConstraint("batch_id", "shard_key", name="uk_batch_shard"),
     sa.Index("idx_shard_status", "status"),
     sa.Index("idx_lease", "status", "lease_until"),
@@ -203,10 +234,7 @@ diff_log = _table(
     sa.Column("category_code", sa.String(32), nullable=False),
     sa.Column("supplier_resource_code", _code(128)),
     sa.Column("supplier_product_code", _code(128)),
-    sa.Column("platform_resource_id", sa.BigInteger),
-    sa.Column("spu_id", sa.BigInteger),
-    sa.Column("sku_id", sa.BigInteger),
-    sa.Column("offer_id", sa.BigInteger),
+    *_platform_ids(),
     sa.Column("old_publish_version", sa.BigInteger),
     sa.Column("new_snapshot_version", sa.BigInteger, nullable=False),
     sa.Column("shard_key", _code(128)),
@@ -235,19 +263,15 @@ dead_letter = _table(
     sa.Column("supplier_resource_code", _code(128)),
     # The record's place on its raw page ('record#N'): two bad records of a page stay two.
     sa.Column("record_position", _code(128)),
-    sa.Column("platform_resource_id", sa.BigInteger),
-    sa.Column("spu_id", sa.BigInteger),
-    sa.Column("sku_id", sa.BigInteger),
-    sa.Column("offer_id", sa.BigInteger),
+    *_platform_ids(),
     sa.Column("error_stage", sa.String(64), nullable=False),
     sa.Column("error_type", sa.String(64), nullable=False),
     sa.Column("error_code", sa.String(128), nullable=False),
     sa.Column("error_message", sa.String(1024), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("normalized_payload_ref", sa.String(512)),
     sa.Column("status", sa.String(32), nullable=False, server_default="PENDING"),
-    sa.Column("retry_count", sa.Integer, nullable=False, server_default="0"),
+    _counter("retry_count"),
     sa.Column("max_retry_count", sa.Integer, nullable=False, server_default="5"),
     sa.Column("next_retry_at", _ts()),
     sa.Column("last_retry_at", _ts()),
@@ -315,8 +339,7 @@ platform_hotel = sa.Table(
     sa.Column("images", sa.Text),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("supplier_updated_at", _ts(), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("last_batch_id", sa.String(64), nullable=False),
     sa.Column("publish_token", sa.String(64), nullable=False),
     sa.Column("published_at", _ts(), nullable=False),
@@ -379,7 +402,7 @@ outbox = _table(
     sa.Column("status", sa.String(32), nullable=False, server_default="READY"),
     sa.Column("current_stage", sa.String(32), nullable=False, server_default="PUBLISHED"),
     sa.Column("next_stage", sa.String(32), nullable=False, server_default="SEARCH_INDEX"),
-    sa.Column("retry_count", sa.Integer, nullable=False, server_default="0"),
+    _counter("retry_count"),
     sa.Column("next_attempt_at", _ts()),
     sa.Column("lease_owner", sa.String(128)),
     sa.Column("lease_until", _ts()),
@@ -416,8 +439,8 @@ city_profile = _table(
     sa.Column("batch_id", sa.String(64), nullable=False),
     sa.Column("task_code", _code(64), nullable=False),
     sa.Column("shard_key", _code(128), nullable=False),
-    sa.Column("record_count", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("bad_count", sa.Integer, nullable=False, server_default="0"),
+    _counter("record_count"),
+    _counter("bad_count"),
     # {"records": n, "fields": {name: records having it}}; NULL: the fields were not profiled.
     sa.Column("field_counts", sa.JSON(none_as_null=True)),
     sa.Column("created_at", _ts(), nullable=False),
@@ -465,8 +488,7 @@ review = _table(
     sa.Column("changed_fields", sa.JSON, nullable=False),
     sa.Column("candidate", sa.Text().with_variant(mysql.MEDIUMTEXT(), *_MYSQL), nullable=False),
     sa.Column("fingerprint", sa.String(64), nullable=False),
-    sa.Column("raw_payload_ref", sa.String(512)),
-    sa.Column("raw_payload_hash", sa.String(64)),
+    *_raw_page(),
     sa.Column("status", sa.String(32), nullable=False),
     sa.Column("decided_by", sa.String(128)),
     sa.Column("decision_reason", sa.String(1024)),
@@ -511,12 +533,12 @@ run_stats = _table(
     sa.Column("batch_id", sa.String(64), nullable=False),
     sa.Column("task_code", _code(64), nullable=False),
     sa.Column("worker_id", sa.String(64), nullable=False),
-    sa.Column("cities", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("records", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("published", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("throttled", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("retries", sa.Integer, nullable=False, server_default="0"),
+    _counter("cities"),
+    _counter("records"),
+    _counter("published"),
+    _counter("requests"),
+    _counter("throttled"),
+    _counter("retries"),
     sa.Column("seconds", sa.Double, nullable=False, server_default="0"),
     sa.Column("created_at", _ts(), nullable=False),
     sa.Index("idx_run_stats_task_time", "task_code", "created_at"),
@@ -551,7 +573,7 @@ alert_delivery = _table(
     sa.Column("alert_id", sa.BigInteger, nullable=False),
     sa.Column("kind", sa.String(16), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
-    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    _counter("attempts"),
     sa.Column("next_attempt_at", _ts(), nullable=False),
     sa.Column("last_error", sa.String(1024)),
     sa.Column("sent_at", _ts()),
