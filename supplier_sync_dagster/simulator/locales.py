@@ -7,9 +7,11 @@ built from it is deterministic.
 from __future__ import annotations
 
 import functools
+import json
 import random
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeAlias
 
 import phonenumbers
@@ -43,290 +45,29 @@ class Language:
     number_first: bool = False
 
 
-def _same(*names: str) -> tuple[Pair, ...]:
-    return tuple((n, n) for n in names)
+def _pair(entry: str | list[str]) -> Pair:
+    # A name written the same in Latin and local script is stored once.
+    return (entry, entry) if isinstance(entry, str) else (entry[0], entry[1])
 
 
-LANGUAGES: dict[str, Language] = {
-    lang.code: lang
-    for lang in (
-        Language(
-            "en",
-            _same(
-                "Riverside",
-                "Grand",
-                "Park",
-                "Royal",
-                "Harbour",
-                "Garden",
-                "Crown",
-                "Oakwood",
-                "Bayview",
-                "Station",
-                "Heritage",
-                "Meridian",
-                "Lakeside",
-                "Kingsway",
-            ),
-            _same("Hotel", "Inn", "Suites", "Lodge", "Resort", "House"),
-            ("{word} {kind}", "The {word} {kind}", "{city} {word} {kind}"),
-            ("{word} {kind}", "The {word} {kind}", "{city} {word} {kind}"),
-            ("Main St", "High St", "Station Rd", "Park Ave", "King St", "Market St", "Church Rd"),
-            number_first=True,
-        ),
-        Language(
-            "fr",
-            _same(
-                "du Parc",
-                "de la Gare",
-                "des Arts",
-                "Le Marais",
-                "Belle Époque",
-                "du Théâtre",
-                "Les Tilleuls",
-                "de l'Univers",
-                "Saint-Germain",
-            ),
-            _same("Hôtel", "Auberge", "Résidence", "Hôtel Particulier"),
-            ("{kind} {word}",),
-            ("{kind} {word}",),
-            (
-                "rue de la Paix",
-                "avenue Victor Hugo",
-                "boulevard Voltaire",
-                "rue des Écoles",
-                "place de la République",
-            ),
-            number_first=True,
-        ),
-        Language(
-            "de",
-            _same(
-                "Zur Post",
-                "Am Markt",
-                "Stadtblick",
-                "Lindenhof",
-                "Schwarzer Adler",
-                "Goldener Hirsch",
-                "Am See",
-                "Kaiserhof",
-            ),
-            _same("Hotel", "Gasthof", "Pension", "Landhotel"),
-            ("{kind} {word}",),
-            ("{kind} {word}",),
-            (
-                "Hauptstraße",
-                "Bahnhofstraße",
-                "Marktplatz",
-                "Lindenallee",
-                "Schillerstraße",
-                "Goethestraße",
-            ),
-        ),
-        Language(
-            "es",
-            _same(
-                "Plaza Mayor",
-                "El Mirador",
-                "Los Olivos",
-                "Costa Azul",
-                "La Alhambra",
-                "San Miguel",
-                "Las Palmeras",
-                "El Faro",
-            ),
-            _same("Hotel", "Hostal", "Posada", "Parador"),
-            ("{kind} {word}",),
-            ("{kind} {word}",),
-            (
-                "Calle Mayor",
-                "Avenida de la Constitución",
-                "Calle del Sol",
-                "Paseo del Prado",
-                "Calle Real",
-            ),
-        ),
-        Language(
-            "it",
-            _same(
-                "Bellavista",
-                "del Sole",
-                "Villa Rosa",
-                "Al Duomo",
-                "La Pergola",
-                "Miramare",
-                "San Marco",
-                "dei Fiori",
-            ),
-            _same("Hotel", "Albergo", "Locanda", "Pensione"),
-            ("{kind} {word}",),
-            ("{kind} {word}",),
-            ("Via Roma", "Corso Italia", "Via Garibaldi", "Piazza del Popolo", "Via Dante"),
-        ),
-        Language(
-            "pt",
-            _same(
-                "do Mar",
-                "Estrela",
-                "Bela Vista",
-                "das Flores",
-                "São Bento",
-                "Atlântico",
-                "Ipanema",
-                "Jardim",
-            ),
-            _same("Hotel", "Pousada", "Residencial"),
-            ("{kind} {word}",),
-            ("{kind} {word}",),
-            ("Rua das Flores", "Avenida da Liberdade", "Rua Augusta", "Avenida Atlântica"),
-        ),
-        Language(
-            "tr",
-            _same("Boğaziçi", "Güneş", "Lale", "Sultan", "Deniz", "Kervansaray", "Yıldız"),
-            _same("Otel", "Pansiyon", "Konak"),
-            ("{word} {kind}",),
-            ("{word} {kind}",),
-            ("İstiklal Caddesi", "Atatürk Bulvarı", "Cumhuriyet Caddesi", "Kıbrıs Sokak"),
-        ),
-        Language(
-            "ja",
-            (
-                ("Sakura", "さくら"),
-                ("Fujimi", "富士見"),
-                ("Tsukiji", "築地"),
-                ("Aoi", "葵"),
-                ("Kawabata", "川端"),
-                ("Hanabusa", "英"),
-                ("Matsuya", "松屋"),
-                ("Shiroyama", "城山"),
-            ),
-            (("Hotel", "ホテル"), ("Ryokan", "旅館"), ("Inn", "イン")),
-            ("{kind} {word}", "{word} {kind}"),
-            ("{kind}{word}", "{word}{kind}"),
-            ("Ginza", "Nishi-Shinjuku", "Umeda", "Sakae", "Kitahama"),
-            number_first=True,
-        ),
-        Language(
-            "zh",
-            (
-                ("Jinjiang", "锦江"),
-                ("Huating", "华庭"),
-                ("Longmen", "龙门"),
-                ("Xihu", "西湖"),
-                ("Dongfang", "东方"),
-                ("Jinling", "金陵"),
-                ("Yangguang", "阳光"),
-            ),
-            (("Hotel", "酒店"), ("Guesthouse", "宾馆"), ("Inn", "客栈")),
-            ("{word} {kind}",),
-            ("{word}{kind}",),
-            ("Nanjing Road", "Renmin Road", "Jiefang Avenue", "Zhongshan Road"),
-            number_first=True,
-        ),
-        Language(
-            "th",
-            (
-                ("Riverside", "ริเวอร์ไซด์"),
-                ("Chaophraya", "เจ้าพระยา"),
-                ("Siam", "สยาม"),
-                ("Lotus", "โลตัส"),
-                ("Sukhothai", "สุโขทัย"),
-                ("Ayutthaya", "อยุธยา"),
-            ),
-            (("Hotel", "โรงแรม"), ("Resort", "รีสอร์ท")),
-            ("{word} {kind}",),
-            ("{kind}{word}",),
-            ("Charoen Krung Rd", "Sukhumvit Rd", "Silom Rd", "Rama IV Rd", "Ratchadamri Rd"),
-            number_first=True,
-        ),
-        Language(
-            "ru",
-            (
-                ("Metropol", "Метрополь"),
-                ("Neva", "Нева"),
-                ("Zvezda", "Звезда"),
-                ("Sibir", "Сибирь"),
-                ("Baikal", "Байкал"),
-                ("Volga", "Волга"),
-                ("Ural", "Урал"),
-            ),
-            (("Hotel", "Отель"), ("Hotel", "Гостиница")),
-            ("{kind} {word}",),
-            ("{kind} «{word}»",),
-            ("ul. Lenina", "Nevsky pr.", "ul. Tverskaya", "ul. Pushkina", "pr. Mira"),
-        ),
-        Language(
-            "ar",
-            (
-                ("Al Noor", "النور"),
-                ("Al Waha", "الواحة"),
-                ("Al Qasr", "القصر"),
-                ("Al Bahr", "البحر"),
-                ("Al Salam", "السلام"),
-                ("Al Nakheel", "النخيل"),
-            ),
-            (("Hotel", "فندق"),),
-            ("{word} {kind}",),
-            ("{kind} {word}",),
-            ("King Fahd Rd", "Corniche St", "Al Rashid St", "Sheikh Zayed Rd"),
-            number_first=True,
-        ),
-        Language(
-            "ko",
-            (
-                ("Hanok", "한옥"),
-                ("Seorak", "설악"),
-                ("Hangang", "한강"),
-                ("Namsan", "남산"),
-                ("Haeundae", "해운대"),
-                ("Gyeongju", "경주"),
-            ),
-            (("Hotel", "호텔"), ("Guesthouse", "게스트하우스")),
-            ("{word} {kind}",),
-            ("{word} {kind}",),
-            ("Sejong-daero", "Teheran-ro", "Jong-ro", "Haeundae-ro"),
-        ),
-        Language(
-            "hi",
-            (
-                ("Taj", "ताज"),
-                ("Ganga", "गंगा"),
-                ("Raj Mahal", "राज महल"),
-                ("Kamal", "कमल"),
-                ("Shanti", "शांति"),
-                ("Heritage", "हेरिटेज"),
-            ),
-            (("Hotel", "होटल"),),
-            ("{kind} {word}", "{word} {kind}"),
-            ("{kind} {word}", "{word} {kind}"),
-            ("MG Road", "Station Road", "Mall Road", "Ring Road", "Nehru Marg"),
-            number_first=True,
-        ),
-        Language(
-            "el",
-            (
-                ("Akropolis", "Ακρόπολις"),
-                ("Aegean", "Αιγαίο"),
-                ("Olympia", "Ολυμπία"),
-                ("Poseidon", "Ποσειδών"),
-                ("Athina", "Αθήνα"),
-            ),
-            (("Hotel", "Ξενοδοχείο"),),
-            ("{word} {kind}",),
-            ("{kind} {word}",),
-            ("Ermou", "Syngrou Ave", "Akadimias", "Panepistimiou"),
-        ),
-        Language(
-            "he",
-            (("Shalom", "שלום"), ("Yam", "ים"), ("Carmel", "כרמל"), ("Migdal", "מגדל")),
-            (("Hotel", "מלון"),),
-            ("{word} {kind}",),
-            ("{kind} {word}",),
-            ("Rothschild Blvd", "Dizengoff St", "Herzl St", "Jaffa Rd"),
-            number_first=True,
-        ),
-    )
-}
+def _load_languages() -> dict[str, Language]:
+    # The naming material is data (languages.json beside this module), read once at import.
+    raw = json.loads((Path(__file__).with_name("languages.json")).read_text(encoding="utf-8"))
+    return {
+        code: Language(
+            code,
+            tuple(_pair(w) for w in entry["words"]),
+            tuple(_pair(k) for k in entry["kinds"]),
+            tuple(entry["latin_format"]),
+            tuple(entry["local_format"]),
+            tuple(entry["streets"]),
+            number_first=bool(entry.get("number_first", False)),
+        )
+        for code, entry in raw.items()
+    }
+
+
+LANGUAGES: dict[str, Language] = _load_languages()
 
 # Approximate units of each currency per US dollar: prices look right to a human reader.
 USD_RATES: dict[str, float] = {
