@@ -167,7 +167,7 @@ def build_reconciliation_job(scope: AccountScope) -> Any:
 @functools.cache
 def build_reconciliation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's daily reconciliation (its ``schedules.reconciliation``; 04:00 UTC)."""
-    cron = "0 4 * * *" if scope.account is None else scope.account.schedules.reconciliation
+    cron = scope.cron("reconciliation", "0 4 * * *")
     return every(
         build_reconciliation_job(scope),
         scope.name("catalog_reconciliation_schedule"),
@@ -200,7 +200,7 @@ reconciliation_repull_sensor = build_repull_sensor(DEFAULT_SCOPE)
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
-    on_schedule = scope.account is None or scope.account.schedules.reconciliation is not None
+    on_schedule = scope.on_schedule("reconciliation")
     return dg.Definitions(
         assets=[build_reconciliation(scope)],
         jobs=[build_reconciliation_job(scope)],

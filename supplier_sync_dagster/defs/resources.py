@@ -13,6 +13,7 @@ import abc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -36,7 +37,7 @@ from supplier_sync_dagster.core.supplier import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
-from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes
+from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
 
 
 class SyncDatabaseResource(dg.ConfigurableResource):
@@ -318,6 +319,31 @@ def run_settings(
         lease=sync_db.lease_settings(),
         risk_policy=governance.risk_rules(),
     )
+
+
+@dataclass(frozen=True)
+class SyncResources:
+    """What an account's sync work runs with: the sync database, the payload store, the
+    account's supplier and the risk policy."""
+
+    sync_db: SyncDatabaseResource
+    payloads: PayloadStoreResource
+    supplier: SupplierResource
+    governance: GovernanceResource
+
+    @staticmethod
+    def keys(scope: AccountScope) -> set[str]:
+        """The resource keys an account's asset that does sync work requires."""
+        return {"sync_db", "payloads", "governance", scope.supplier_key}
+
+    @classmethod
+    def of(cls, context: Any, scope: AccountScope) -> SyncResources:
+        """The run's resources of the account (its asset's :meth:`keys`)."""
+        return cls(**resources_of(context, scope, "sync_db", "payloads", "governance"))
+
+    def settings(self) -> SyncSettings:
+        """The settings of the run's sync work (:func:`run_settings`)."""
+        return run_settings(self.sync_db, self.supplier, self.governance)
 
 
 def env_var(settings: Settings, name: str) -> dg.EnvVar | None:
