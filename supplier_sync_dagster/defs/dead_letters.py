@@ -40,8 +40,7 @@ from supplier_sync_dagster.defs.city_keys import GROUP
 from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource, SyncResources
 from supplier_sync_dagster.defs.triggers import (
-    TASK_TAG,
-    asset_job,
+    account_job,
     every,
     one_at_a_time,
     run_sync_work,
@@ -159,16 +158,12 @@ def _compensate(
     yield dg.MaterializeResult(metadata=compensation_metadata(out, requests))
 
 
-@functools.cache
-def build_compensation_job(scope: AccountScope) -> Any:
-    """The account's compensation job, tagged with its task (one run at a time)."""
-    return asset_job(
-        scope,
-        "compensate_dead_letters",
-        COMPENSATION,
-        "Re-fetch and re-publish the hotels of due retryable dead letters.",
-        tags={TASK_TAG: scope.compensation_task_code},
-    )
+build_compensation_job = account_job(
+    "compensate_dead_letters",
+    COMPENSATION,
+    "Re-fetch and re-publish the hotels of due retryable dead letters.",
+    task=lambda scope: scope.compensation_task_code,
+)
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from supplier_sync_dagster.defs.city_events import published_city
 from supplier_sync_dagster.defs.resources import SyncResources
 from supplier_sync_dagster.defs.triggers import (
     TASK_TAG,
-    asset_job,
+    account_job,
     one_at_a_time,
     run_sync_work,
 )
@@ -227,16 +227,12 @@ def _text(mark: object) -> str:
     return text() if callable(text) else ""
 
 
-@functools.cache
-def build_incremental_sync_job(scope: AccountScope) -> Any:
-    """The account's incremental job: one window, tagged with its task (one at a time)."""
-    return asset_job(
-        scope,
-        "incremental_sync",
-        CHANGE_FEED,
-        "One window of the supplier's change feed, from the watermark until caught up.",
-        tags={TASK_TAG: scope.incremental_task_code},
-    )
+build_incremental_sync_job = account_job(
+    "incremental_sync",
+    CHANGE_FEED,
+    "One window of the supplier's change feed, from the watermark until caught up.",
+    task=lambda scope: scope.incremental_task_code,
+)
 
 
 @functools.cache

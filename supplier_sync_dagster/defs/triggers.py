@@ -6,6 +6,7 @@ sensors), else the backfill id (a re-executed backfill's root backfill id), else
 run's original run's trigger, else the run id (:func:`trigger_of`).
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -180,21 +181,33 @@ def scheduled_run(
     return dg.RunRequest(run_key=trigger, tags={**tags, TRIGGER_TAG: trigger, SOURCE_TAG: source})
 
 
-def asset_job(
-    scope: AccountScope,
+def account_job(
     name: str,
     asset: dg.AssetKey,
     description: str,
-    tags: Mapping[str, str] | None = None,
-) -> Any:
-    """The account's job that materializes its own ``asset`` (a key of the default account),
-    with ``tags`` and the account's run tags."""
-    return dg.define_asset_job(
-        scope.name(name),
-        selection=dg.AssetSelection.assets(scope.key(asset.path[-1])),
-        tags={**(tags or {}), **scope.tags},
-        description=description,
-    )
+    task: Callable[[AccountScope], str] | None = None,
+) -> Callable[[AccountScope], Any]:
+    """The builder of an account's job that materializes its own ``asset``, one job per
+    account: named ``name`` in the account's namespace, with the account's run tags.
+
+    Args:
+        name: The job's name (the default account's).
+        asset: The asset it materializes (the default account's key).
+        description: What the job does, for the UI.
+        task: The account's task its runs are tagged with (one run per task at a time).
+    """
+
+    @functools.cache
+    def build(scope: AccountScope) -> Any:
+        tags = {} if task is None else {TASK_TAG: task(scope)}
+        return dg.define_asset_job(
+            scope.name(name),
+            selection=dg.AssetSelection.assets(scope.key(asset.path[-1])),
+            tags={**tags, **scope.tags},
+            description=description,
+        )
+
+    return build
 
 
 def every(
