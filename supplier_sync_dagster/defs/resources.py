@@ -40,15 +40,19 @@ from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_setti
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
 
 
+def setting_field(setting: str, what: str, *, unset: str) -> Any:
+    """An optional resource field that the ``SUPPLIER_SYNC_*`` setting ``setting`` fills (as
+    :func:`env_var`): its description names the variable and what unset means."""
+    return Field(default=None, description=f"{what} ({env_name(setting)}). Unset: {unset}")
+
+
 class SyncDatabaseResource(dg.ConfigurableResource):
     """The sync database: MySQL/MariaDB in production, a SQLite file by default."""
 
-    db_url: str | None = Field(
-        default=None,
-        description=(
-            "SQLAlchemy URL of the sync database, e.g. mysql+pymysql://user:pw@host:3306/sync "
-            f"({env_name('db_url')}). Unset: a SQLite file in ${env_name('home')}."
-        ),
+    db_url: str | None = setting_field(
+        "db_url",
+        "SQLAlchemy URL of the sync database, e.g. mysql+pymysql://user:pw@host:3306/sync",
+        unset=f"a SQLite file in ${env_name('home')}.",
     )
     lease_seconds: float = Field(
         default=180.0,
@@ -82,12 +86,10 @@ class SyncDatabaseResource(dg.ConfigurableResource):
 class PayloadStoreResource(dg.ConfigurableResource):
     """Where raw and normalized pages are kept: S3 (or MinIO) or a local folder."""
 
-    url: str | None = Field(
-        default=None,
-        description=(
-            f"s3://bucket/prefix or file:///path ({env_name('payload_url')}). Unset: a local "
-            f"folder in ${env_name('home')}/payloads."
-        ),
+    url: str | None = setting_field(
+        "payload_url",
+        "s3://bucket/prefix or file:///path",
+        unset=f"a local folder in ${env_name('home')}/payloads.",
     )
     # The S3 settings are dagster-aws's S3Resource's own, flat: a nested S3Resource field
     # would import dagster_aws (and boto3) in every run and command, where only an s3://
@@ -134,9 +136,8 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
     (:func:`supplier_resource`).
     """
 
-    redis_url: str | None = Field(
-        default=None,
-        description=f"Redis for the shared rate limit ({env_name('redis_url')}). Unset: in-process bucket.",
+    redis_url: str | None = setting_field(
+        "redis_url", "Redis for the shared rate limit", unset="in-process bucket."
     )
     supplier_id: int = Field(default=1001, description="The platform's id of this supplier.")
     account: str | None = Field(
