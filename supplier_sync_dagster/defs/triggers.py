@@ -1,5 +1,5 @@
-"""What starts a run and how the run knows its batch: run tags, the trigger of a run, and the
-run requests and jobs that schedules and sensors share.
+"""What starts a run and how the run knows its batch: run tags, the trigger of a run, the run
+requests, jobs and schedules that the definitions share, and a run's sync work for its trigger.
 
 The batch is the run's trigger: an explicit ``supplier_sync/trigger_id`` tag (CLI, schedules,
 sensors), else the backfill id (a re-executed backfill's root backfill id), else a re-executed
@@ -219,7 +219,7 @@ def every(
     *,
     status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.RUNNING,
 ) -> dg.ScheduleDefinition:
-    """A schedule that runs ``job`` on ``cron`` (UTC), on as soon as the daemon runs.
+    """A schedule that runs ``job`` on ``cron`` (UTC), by default on as soon as the daemon runs.
 
     Args:
         job: The job it runs.
