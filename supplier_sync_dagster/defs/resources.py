@@ -41,8 +41,14 @@ from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, re
 
 
 def setting_field(setting: str, what: str, *, unset: str) -> Any:
-    """An optional resource field that the ``SUPPLIER_SYNC_*`` setting ``setting`` fills (as
-    :func:`env_var`): its description names the variable and what unset means."""
+    """An optional resource field that a ``SUPPLIER_SYNC_*`` setting fills (as :func:`env_var`):
+    its description names the variable and what unset means.
+
+    Args:
+        setting: The setting's name (``db_url``...).
+        what: What the field is, for the UI.
+        unset: What the resource does without it.
+    """
     return Field(default=None, description=f"{what} ({env_name(setting)}). Unset: {unset}")
 
 
@@ -338,7 +344,7 @@ class SyncResources:
         return {"sync_db", "payloads", "governance", scope.supplier_key}
 
     @classmethod
-    def of(cls, context: Any, scope: AccountScope) -> SyncResources:
+    def of(cls, context: dg.AssetExecutionContext, scope: AccountScope) -> SyncResources:
         """The run's resources of the account (its asset's :meth:`keys`)."""
         return cls(**resources_of(context, scope, "sync_db", "payloads", "governance"))
 
