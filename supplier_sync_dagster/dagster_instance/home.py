@@ -15,15 +15,7 @@ import dagster as dg
 
 from supplier_sync_dagster.core.store.engine import state_dir
 
-EMBEDDED_DAGSTER_YAML = """\
-telemetry:
-  enabled: false
-instance_class:
-  module: supplier_sync_dagster.dagster_instance.storage
-  class: EmbeddedDagsterInstance
-run_launcher:
-  module: supplier_sync_dagster.dagster_instance.run_launcher
-  class: LocalRunLauncher
+RUN_MONITORING = """\
 run_monitoring:
   enabled: true
   poll_interval_seconds: 5
@@ -32,40 +24,33 @@ run_monitoring:
   max_resume_run_attempts: 0
   free_slots_after_run_end_seconds: 10
 """
-# What earlier versions wrote: replaced, since nobody edited it.
+
+
+def embedded_dagster_yaml(storage: str | None = None, run_launcher: str | None = None) -> str:
+    """The embedded home's ``dagster.yaml``: no telemetry; the instance class of the module
+    ``storage`` and the run launcher of the module ``run_launcher`` with run monitoring, each
+    when named."""
+    text = "telemetry:\n  enabled: false\n"
+    if storage:
+        text += f"instance_class:\n  module: {storage}\n  class: EmbeddedDagsterInstance\n"
+    if run_launcher:
+        text += f"run_launcher:\n  module: {run_launcher}\n  class: LocalRunLauncher\n"
+        text += RUN_MONITORING
+    return text
+
+
+EMBEDDED_DAGSTER_YAML = embedded_dagster_yaml(
+    "supplier_sync_dagster.dagster_instance.storage",
+    "supplier_sync_dagster.dagster_instance.run_launcher",
+)
+# What earlier versions wrote (the old module paths; no instance class; telemetry alone):
+# replaced, since nobody edited it.
 OLD_EMBEDDED_DAGSTER_YAMLS = (
-    """\
-telemetry:
-  enabled: false
-instance_class:
-  module: supplier_sync_dagster.instance_storage
-  class: EmbeddedDagsterInstance
-run_launcher:
-  module: supplier_sync_dagster.run_launcher
-  class: LocalRunLauncher
-run_monitoring:
-  enabled: true
-  poll_interval_seconds: 5
-  start_timeout_seconds: 180
-  cancel_timeout_seconds: 180
-  max_resume_run_attempts: 0
-  free_slots_after_run_end_seconds: 10
-""",
-    "telemetry:\n  enabled: false\n",
-    """\
-telemetry:
-  enabled: false
-run_launcher:
-  module: supplier_sync_dagster.run_launcher
-  class: LocalRunLauncher
-run_monitoring:
-  enabled: true
-  poll_interval_seconds: 5
-  start_timeout_seconds: 180
-  cancel_timeout_seconds: 180
-  max_resume_run_attempts: 0
-  free_slots_after_run_end_seconds: 10
-""",
+    embedded_dagster_yaml(
+        "supplier_sync_dagster.instance_storage", "supplier_sync_dagster.run_launcher"
+    ),
+    embedded_dagster_yaml(),
+    embedded_dagster_yaml(run_launcher="supplier_sync_dagster.run_launcher"),
 )
 
 

@@ -31,7 +31,7 @@ import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import dagster as dg
 
@@ -42,6 +42,8 @@ from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, load_settings
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 
 F = TypeVar("F", bound=Callable[..., Any])
+# The schedules a suppliers file sets per account (``schedules:``).
+ScheduleName = Literal["full", "incremental", "reconciliation", "compensation"]
 ACCOUNT_TAG = "supplier_sync/account"
 GROUP = "supplier_sync"
 CATALOG = dg.AssetKey("platform_hotel_catalog")
@@ -128,6 +130,15 @@ class AccountScope:
             if self.account is None
             else self.account.compensation_task_code
         )
+
+    def cron(self, schedule: ScheduleName, default: str) -> str | None:
+        """The cron of the account's ``schedule``: ``default`` for the default account, the
+        suppliers file's for an account (None: that schedule is off)."""
+        return default if self.account is None else getattr(self.account.schedules, schedule)
+
+    def on_schedule(self, schedule: ScheduleName) -> bool:
+        """Whether the account has its ``schedule`` (the suppliers file may turn it off)."""
+        return self.account is None or getattr(self.account.schedules, schedule) is not None
 
     @property
     def tags(self) -> dict[str, str]:

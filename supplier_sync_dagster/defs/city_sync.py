@@ -40,12 +40,7 @@ from supplier_sync_dagster.core.sync.run import (
     run_cities,
 )
 from supplier_sync_dagster.dagster_instance.events import one_event_transaction
-from supplier_sync_dagster.defs.accounts import (
-    DEFAULT_SCOPE,
-    AccountScope,
-    per_account,
-    resources_of,
-)
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target, reported
 from supplier_sync_dagster.defs.city_keys import (
     DIFFS,
@@ -56,13 +51,7 @@ from supplier_sync_dagster.defs.city_keys import (
     RAW,
 )
 from supplier_sync_dagster.defs.partitions import decode_city_key
-from supplier_sync_dagster.defs.resources import (
-    GovernanceResource,
-    PayloadStoreResource,
-    SupplierResource,
-    SyncDatabaseResource,
-    run_settings,
-)
+from supplier_sync_dagster.defs.resources import SupplierResource, SyncResources
 from supplier_sync_dagster.defs.triggers import refused, trigger_of
 
 # The chain in order: each asset depends on the one before it.
@@ -178,7 +167,7 @@ def build_city_sync(
         pool=scope.pool,
         name=scope.name("city_sync"),
         can_subset=True,
-        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        required_resource_keys=SyncResources.keys(scope),
         description=(
             "Syncs the run's cities from the supplier to the platform catalog, stage by stage; "
             "each city's partitions are marked with that city's own outcome. Materializing "
@@ -189,31 +178,22 @@ def build_city_sync(
     def city_sync(
         context: dg.AssetExecutionContext,
     ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
-        yield from _sync_cities(
-            context,
-            scope,
-            **resources_of(context, scope, "sync_db", "payloads", "governance"),
-        )
+        yield from _sync_cities(context, scope, SyncResources.of(context, scope))
 
     return city_sync
 
 
 def _sync_cities(
-    context: dg.AssetExecutionContext,
-    scope: AccountScope,
-    *,
-    sync_db: SyncDatabaseResource,
-    payloads: PayloadStoreResource,
-    supplier: SupplierResource,
-    governance: GovernanceResource,
+    context: dg.AssetExecutionContext, scope: AccountScope, resources: SyncResources
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
     """Claims, fetches, normalizes, gates, maps, diffs and publishes each city of the run."""
     started = time.perf_counter()
     selected = context.selected_asset_keys
+    supplier = resources.supplier
     request = _run_request(context, scope, supplier)
-    settings = run_settings(sync_db, supplier, governance)
-    db = sync_db.open()
-    store = payloads.open()
+    settings = resources.settings()
+    db = resources.sync_db.open()
+    store = resources.payloads.open()
     outcomes: list[CityOutcome] = []
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
@@ -238,9 +218,7 @@ def _sync_cities(
                 request,
                 settings,
                 worker_id=make_worker_id("supplier-sync"),
-                processes=WorkerProcesses(
-                    processes, _worker_io(sync_db, payloads, supplier, client)
-                ),
+                processes=WorkerProcesses(processes, _worker_io(resources, client)),
             ):
                 requests += outcome.requests if processes else 0
                 outcomes.append(outcome)
@@ -348,20 +326,17 @@ def defs() -> dg.Definitions:
 
 
 def _worker_io(
-    sync_db: SyncDatabaseResource,
-    payloads: PayloadStoreResource,
-    supplier: SupplierResource,
-    client: SupplierClient | None,
+    resources: SyncResources, client: SupplierClient | None
 ) -> Callable[[], AbstractContextManager[WorkerIO]]:
     """What a worker process of the run opens: its own connections, the run's rate limit."""
     limiter = client.rate_limiter if client is not None else None
 
     @contextmanager
     def open_io() -> Iterator[WorkerIO]:
-        db = sync_db.open()
+        db = resources.sync_db.open()
         try:
-            with supplier.client(rate_limiter=limiter) as own:
-                yield WorkerIO(db, payloads.open(), own)
+            with resources.supplier.client(rate_limiter=limiter) as own:
+                yield WorkerIO(db, resources.payloads.open(), own)
         finally:
             db.dispose()
 

@@ -21,8 +21,6 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
-from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.repair.compensation import (
     DEFAULT_COMPENSATION_TASK,
@@ -34,31 +32,18 @@ from supplier_sync_dagster.core.repair.compensation import (
     compensate,
 )
 from supplier_sync_dagster.core.repair.incremental import published_cities
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.events import one_event_transaction
-from supplier_sync_dagster.defs.accounts import (
-    DEFAULT_SCOPE,
-    AccountScope,
-    per_account,
-    resources_of,
-)
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import published_city
 from supplier_sync_dagster.defs.city_keys import GROUP
 from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sensor
-from supplier_sync_dagster.defs.resources import (
-    GovernanceResource,
-    PayloadStoreResource,
-    SupplierResource,
-    SyncDatabaseResource,
-    run_settings,
-)
+from supplier_sync_dagster.defs.resources import SyncDatabaseResource, SyncResources
 from supplier_sync_dagster.defs.triggers import (
-    TASK_TAG,
-    active_run,
-    asset_job,
+    account_job,
     every,
-    refused,
-    scheduled_run,
-    trigger_of,
+    one_at_a_time,
+    run_sync_work,
 )
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
@@ -110,7 +95,7 @@ def build_compensation(scope: AccountScope) -> dg.AssetsDefinition:
         key=scope.key(COMPENSATION.path[-1]),
         group_name=scope.group,
         pool=scope.pool,
-        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        required_resource_keys=SyncResources.keys(scope),
         description=(
             "Due retryable dead letters healed without an operator: each hotel is re-fetched "
             "once and goes through the sync's stages; a failed request backs off (1 min ... "
@@ -120,12 +105,7 @@ def build_compensation(scope: AccountScope) -> dg.AssetsDefinition:
     def dead_letter_compensation(
         context: dg.AssetExecutionContext, config: CompensationConfig
     ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
-        yield from _compensate(
-            context,
-            config,
-            scope,
-            **resources_of(context, scope, "sync_db", "payloads", "governance"),
-        )
+        yield from _compensate(context, config, scope, SyncResources.of(context, scope))
 
     return dead_letter_compensation
 
@@ -134,40 +114,25 @@ def _compensate(
     context: dg.AssetExecutionContext,
     config: CompensationConfig,
     scope: AccountScope,
-    *,
-    sync_db: SyncDatabaseResource,
-    payloads: PayloadStoreResource,
-    supplier: SupplierResource,
-    governance: GovernanceResource,
+    resources: SyncResources,
 ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
     """Runs one compensation and reports how each claimed dead letter ended, and each city
     it published in."""
-    trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = run_settings(sync_db, supplier, governance)
-    store = payloads.open()
-    with sync_db.opened() as db, supplier.client() as client:
-        try:
-            out = compensate(
-                db,
-                store,
-                client,
-                settings=settings,
-                compensation=CompensationSettings(
-                    task_code=config.task_code or scope.compensation_task_code,
-                    # An account heals its own dead letters, never another account's.
-                    owned_tasks=() if scope.account is None else scope.account.task_codes,
-                    full_task_code=supplier.task_code,
-                    limit=config.limit,
-                    page_hotels=config.page_hotels,
-                    fetch_threads=config.fetch_threads,
-                ),
-                trigger_id=trigger_id,
-                source=source,
-                worker_id=make_worker_id("supplier-sync"),
-            )
-        except (TaskDisabled, TriggerSkipped) as err:
-            raise refused("compensation not run", err) from None
-        requests = client.stats().requests
+    compensation = CompensationSettings(
+        task_code=config.task_code or scope.compensation_task_code,
+        # An account heals its own dead letters, never another account's.
+        owned_tasks=() if scope.account is None else scope.account.task_codes,
+        full_task_code=resources.supplier.task_code,
+        limit=config.limit,
+        page_hotels=config.page_hotels,
+        fetch_threads=config.fetch_threads,
+    )
+    out, requests = run_sync_work(
+        context,
+        resources,
+        functools.partial(compensate, compensation=compensation),
+        "compensation not run",
+    )
     context.log.info(
         f"compensation: {out.claimed} claimed, {out.resolved} resolved "
         f"({out.refused_again} refused again), {out.newer} newer, {out.gone} gone, "
@@ -184,7 +149,7 @@ def _compensate(
     if out.batch is not None:
         # Each city it published hotels in is reported on that city's partition, as a full
         # sync reports it: the UI shows what compensation changed, city by city.
-        with sync_db.opened() as db, db.engine.connect() as conn:
+        with resources.sync_db.opened() as db, db.engine.connect() as conn:
             cities = published_cities(conn, out.batch.batch_id)
         scope.add_cities(context.instance, cities)
         with one_event_transaction(context.instance):
@@ -193,55 +158,44 @@ def _compensate(
     yield dg.MaterializeResult(metadata=compensation_metadata(out, requests))
 
 
-@functools.cache
-def build_compensation_job(scope: AccountScope) -> Any:
-    """The account's compensation job, tagged with its task (one run at a time)."""
-    return asset_job(
-        scope,
-        "compensate_dead_letters",
-        COMPENSATION,
-        "Re-fetch and re-publish the hotels of due retryable dead letters.",
-        tags={TASK_TAG: scope.compensation_task_code},
-    )
+build_compensation_job = account_job(
+    "compensate_dead_letters",
+    COMPENSATION,
+    "Re-fetch and re-publish the hotels of due retryable dead letters.",
+    task=lambda scope: scope.compensation_task_code,
+)
 
 
 @functools.cache
 def build_compensation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's compensation schedule (its ``schedules.compensation``; every 5 minutes),
-    when one of its rows is due."""
-    job = build_compensation_job(scope)
-    cron = "*/5 * * * *" if scope.account is None else scope.account.schedules.compensation
+    when one of its rows is due (or a claimed one waits) and no compensation runs; its tick
+    time is its trigger."""
+    cron = scope.cron("compensation", "*/5 * * * *")
     supplier_id = None if scope.account is None else scope.account.supplier_id
     owned = () if scope.account is None else scope.account.task_codes
 
-    @dg.schedule(
-        name=scope.name("dead_letter_compensation_schedule"),
-        job=job,
-        cron_schedule=cron or "*/5 * * * *",
-        execution_timezone="UTC",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description=f"On {cron}, when a retryable dead letter is due and no run is active.",
-    )
-    def dead_letter_compensation_schedule(
-        context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
-    ) -> dg.RunRequest | dg.SkipReason:
-        """Requests a compensation when a row is due (or a claimed one waits); its tick time
-        is its trigger."""
-        with sync_db.opened() as db, db.engine.connect() as conn:
+    def nothing_due(db: SyncDatabase) -> str | None:
+        with db.engine.connect() as conn:
             due = deadletters.due_for_retry(
                 conn, db.clock, limit=1, supplier_id=supplier_id, task_codes=owned
             )
             claimed = deadletters.list_dead_letters(
                 conn, db.clock, deadletters.DeadLetterFilter(status="RETRYING"), limit=1
             )
-        if not due and not claimed:
-            return dg.SkipReason("no retryable dead letter is due")
-        active = active_run(context.instance, job.name)
-        if active is not None:
-            return dg.SkipReason(f"run {active.run_id} of the previous compensation is active")
-        return scheduled_run(context, "compensate", "COMPENSATION", scope.tags)
+        return None if due or claimed else "no retryable dead letter is due"
 
-    return dead_letter_compensation_schedule
+    return one_at_a_time(
+        build_compensation_job(scope),
+        scope.name("dead_letter_compensation_schedule"),
+        cron or "*/5 * * * *",
+        f"On {cron}, when a retryable dead letter is due and no run is active.",
+        not_yet=nothing_due,
+        busy="of the previous compensation is active",
+        trigger="compensate",
+        source="COMPENSATION",
+        tags=scope.tags,
+    )
 
 
 @functools.cache
@@ -324,11 +278,10 @@ dead_letter_summary_schedule = every(
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
-    on_schedule = scope.account is None or scope.account.schedules.compensation is not None
     return dg.Definitions(
         assets=[build_compensation(scope)],
         jobs=[build_compensation_job(scope)],
-        schedules=[build_compensation_schedule(scope)] if on_schedule else [],
+        schedules=[build_compensation_schedule(scope)] if scope.on_schedule("compensation") else [],
         sensors=[build_dead_letter_resync_sensor(scope)],
     )
 

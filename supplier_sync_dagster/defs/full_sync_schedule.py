@@ -8,7 +8,7 @@ import dagster as dg
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_sync import build_city_sync
 from supplier_sync_dagster.defs.partitions import encode_city_key
-from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TRIGGER_TAG, scheduled_run
+from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TRIGGER_TAG, every, scheduled_run
 
 
 @functools.cache
@@ -25,16 +25,8 @@ def build_full_sync_job(scope: AccountScope) -> Any:
 @functools.cache
 def build_nightly_full_sync(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's scheduled full sync (its ``schedules.full`` cron; 02:00 UTC by default)."""
-    cron = "0 2 * * *" if scope.account is None else scope.account.schedules.full
+    cron = scope.cron("full", "0 2 * * *")
 
-    @dg.schedule(
-        name=scope.name("nightly_full_sync"),
-        job=build_full_sync_job(scope),
-        cron_schedule=cron or "0 2 * * *",
-        execution_timezone="UTC",
-        default_status=dg.DefaultScheduleStatus.STOPPED,
-        description="Nightly full sync of every city, as one range run; its fire time is the trigger id.",
-    )
     def nightly_full_sync(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
         """Requests one run over all city partitions; the scheduled time makes it idempotent."""
         keys = context.instance.get_dynamic_partitions(scope.partitions_name)
@@ -51,7 +43,14 @@ def build_nightly_full_sync(scope: AccountScope) -> dg.ScheduleDefinition:
             },
         )
 
-    return nightly_full_sync
+    return every(
+        build_full_sync_job(scope),
+        scope.name("nightly_full_sync"),
+        cron or "0 2 * * *",
+        "Nightly full sync of every city, as one range run; its fire time is the trigger id.",
+        nightly_full_sync,
+        status=dg.DefaultScheduleStatus.STOPPED,
+    )
 
 
 def build_city_resync_sensor(
@@ -107,10 +106,9 @@ nightly_full_sync = build_nightly_full_sync(DEFAULT_SCOPE)
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
-    on_schedule = scope.account is None or scope.account.schedules.full is not None
     return dg.Definitions(
         jobs=[build_full_sync_job(scope)],
-        schedules=[build_nightly_full_sync(scope)] if on_schedule else [],
+        schedules=[build_nightly_full_sync(scope)] if scope.on_schedule("full") else [],
     )
 
 

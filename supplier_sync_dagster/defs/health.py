@@ -32,7 +32,7 @@ from supplier_sync_dagster.defs.city_keys import FRESHNESS_CHECK, PUBLISHED
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
-from supplier_sync_dagster.defs.triggers import BACKFILL_TAG, TRIGGER_TAG, asset_job, every
+from supplier_sync_dagster.defs.triggers import BACKFILL_TAG, TRIGGER_TAG, account_job, every
 
 HEALTH = dg.AssetKey("sync_health")
 EVENTS_PER_TRANSACTION = 250
@@ -115,15 +115,9 @@ def _health(
     yield dg.MaterializeResult(metadata={**health_metadata(health), "cities_over_sla": stale})
 
 
-@functools.cache
-def build_sync_health_job(scope: AccountScope) -> Any:
-    """The account's health job."""
-    return asset_job(
-        scope,
-        "sync_health_job",
-        HEALTH,
-        "Compute the sync's health figures and each city's freshness.",
-    )
+build_sync_health_job = account_job(
+    "sync_health_job", HEALTH, "Compute the sync's health figures and each city's freshness."
+)
 
 
 @functools.cache

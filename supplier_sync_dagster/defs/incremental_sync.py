@@ -22,8 +22,6 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.errors import NoBaseline, TaskDisabled, TriggerSkipped
-from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.repair.incremental import (
     DEFAULT_CHANGES_LIMIT,
     DEFAULT_INCREMENTAL_TASK,
@@ -34,28 +32,16 @@ from supplier_sync_dagster.core.repair.incremental import (
     has_baseline,
     run_incremental,
 )
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.events import one_event_transaction
-from supplier_sync_dagster.defs.accounts import (
-    DEFAULT_SCOPE,
-    AccountScope,
-    per_account,
-    resources_of,
-)
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import published_city
-from supplier_sync_dagster.defs.resources import (
-    GovernanceResource,
-    PayloadStoreResource,
-    SupplierResource,
-    SyncDatabaseResource,
-    run_settings,
-)
+from supplier_sync_dagster.defs.resources import SyncResources
 from supplier_sync_dagster.defs.triggers import (
     TASK_TAG,
-    active_run,
-    asset_job,
-    refused,
-    scheduled_run,
-    trigger_of,
+    account_job,
+    one_at_a_time,
+    run_sync_work,
 )
 
 CHANGE_FEED = dg.AssetKey("hotel_change_feed")
@@ -97,7 +83,7 @@ def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
         key=key,
         group_name=scope.group,
         pool=scope.pool,
-        required_resource_keys={"sync_db", "payloads", "governance", scope.supplier_key},
+        required_resource_keys=SyncResources.keys(scope),
         check_specs=[
             dg.AssetCheckSpec(
                 VOLUME_CHECK,
@@ -127,12 +113,7 @@ def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
     def hotel_change_feed(
         context: dg.AssetExecutionContext, config: IncrementalConfig
     ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
-        yield from _run_window(
-            context,
-            config,
-            scope,
-            **resources_of(context, scope, "sync_db", "payloads", "governance"),
-        )
+        yield from _run_window(context, config, scope, SyncResources.of(context, scope))
 
     return hotel_change_feed
 
@@ -141,38 +122,22 @@ def _run_window(
     context: dg.AssetExecutionContext,
     config: IncrementalConfig,
     scope: AccountScope,
-    *,
-    sync_db: SyncDatabaseResource,
-    payloads: PayloadStoreResource,
-    supplier: SupplierResource,
-    governance: GovernanceResource,
+    resources: SyncResources,
 ) -> Iterator[dg.AssetMaterialization | dg.MaterializeResult]:
     """Runs one window and reports it, and each city it published in."""
-    trigger_id, source = trigger_of(context.run.tags, context.run.run_id)
-    settings = run_settings(sync_db, supplier, governance)
     incremental = IncrementalSettings(
         task_code=config.task_code or scope.incremental_task_code,
-        full_task_code=supplier.task_code,
+        full_task_code=resources.supplier.task_code,
         overlap_seconds=config.overlap_seconds,
         limit=config.changes_per_request,
         max_pages=config.max_pages,
     )
-    store = payloads.open()
-    with sync_db.opened() as db, supplier.client() as client:
-        try:
-            window = run_incremental(
-                db,
-                store,
-                client,
-                settings=settings,
-                incremental=incremental,
-                trigger_id=trigger_id,
-                source=source,
-                worker_id=make_worker_id("supplier-sync"),
-            )
-        except (NoBaseline, TaskDisabled, TriggerSkipped) as err:
-            raise refused("incremental sync not run", err) from None
-        requests = client.stats().requests
+    window, requests = run_sync_work(
+        context,
+        resources,
+        functools.partial(run_incremental, incremental=incremental),
+        "incremental sync not run",
+    )
     r = window.report
     context.log.info(
         f"window {window.batch.batch_id}: {r.status}, {r.records} changes in {r.pages_fetched} "
@@ -262,59 +227,43 @@ def _text(mark: object) -> str:
     return text() if callable(text) else ""
 
 
-@functools.cache
-def build_incremental_sync_job(scope: AccountScope) -> Any:
-    """The account's incremental job: one window, tagged with its task (one at a time)."""
-    return asset_job(
-        scope,
-        "incremental_sync",
-        CHANGE_FEED,
-        "One window of the supplier's change feed, from the watermark until caught up.",
-        tags={TASK_TAG: scope.incremental_task_code},
-    )
+build_incremental_sync_job = account_job(
+    "incremental_sync",
+    CHANGE_FEED,
+    "One window of the supplier's change feed, from the watermark until caught up.",
+    task=lambda scope: scope.incremental_task_code,
+)
 
 
 @functools.cache
 def build_incremental_sync_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
-    """The account's window schedule (its ``schedules.incremental``; every 5 minutes)."""
-    job = build_incremental_sync_job(scope)
-    cron = "*/5 * * * *" if scope.account is None else scope.account.schedules.incremental
+    """The account's window schedule (its ``schedules.incremental``; every 5 minutes): a
+    window unless one is queued or running, or there is nothing to be incremental to yet (no
+    full sync); its tick time is its trigger."""
+    cron = scope.cron("incremental", "*/5 * * * *")
 
-    @dg.schedule(
-        name=scope.name("incremental_sync_schedule"),
-        job=job,
-        cron_schedule=cron or "*/5 * * * *",
-        execution_timezone="UTC",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description=(
+    def no_baseline(db: SyncDatabase) -> str | None:
+        task = IncrementalSettings(
+            task_code=scope.incremental_task_code, full_task_code=scope.full_task_code
+        )
+        if has_baseline(db, task):
+            return None
+        return "no watermark and no successful full sync yet: nothing to start from"
+
+    return one_at_a_time(
+        build_incremental_sync_job(scope),
+        scope.name("incremental_sync_schedule"),
+        cron or "*/5 * * * *",
+        (
             f"On {cron}: one incremental window, unless the previous one is still queued or "
             "running (one window per task at a time)."
         ),
+        not_yet=no_baseline,
+        busy="of the previous window is still active",
+        trigger="incremental",
+        source="CRON",
+        tags={TASK_TAG: scope.incremental_task_code, **scope.tags},
     )
-    def incremental_sync_schedule(
-        context: dg.ScheduleEvaluationContext, sync_db: SyncDatabaseResource
-    ) -> dg.RunRequest | dg.SkipReason:
-        """Requests a window unless one is queued or running, or there is nothing to be
-        incremental to yet (no full sync); its tick time is its trigger."""
-        with sync_db.opened() as db:
-            ready = has_baseline(
-                db,
-                IncrementalSettings(
-                    task_code=scope.incremental_task_code, full_task_code=scope.full_task_code
-                ),
-            )
-        if not ready:
-            return dg.SkipReason(
-                "no watermark and no successful full sync yet: nothing to start from"
-            )
-        active = active_run(context.instance, job.name)
-        if active is not None:
-            return dg.SkipReason(f"run {active.run_id} of the previous window is still active")
-        return scheduled_run(
-            context, "incremental", "CRON", {TASK_TAG: scope.incremental_task_code, **scope.tags}
-        )
-
-    return incremental_sync_schedule
 
 
 hotel_change_feed = build_hotel_change_feed(DEFAULT_SCOPE)
@@ -323,11 +272,12 @@ incremental_sync_schedule = build_incremental_sync_schedule(DEFAULT_SCOPE)
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
-    on_schedule = scope.account is None or scope.account.schedules.incremental is not None
     return dg.Definitions(
         assets=[build_hotel_change_feed(scope)],
         jobs=[build_incremental_sync_job(scope)],
-        schedules=[build_incremental_sync_schedule(scope)] if on_schedule else [],
+        schedules=[build_incremental_sync_schedule(scope)]
+        if scope.on_schedule("incremental")
+        else [],
     )
 
 

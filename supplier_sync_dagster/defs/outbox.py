@@ -29,33 +29,28 @@ from supplier_sync_dagster.core.outbox.projections import (
     open_projections,
     reconcile_projection,
 )
-from supplier_sync_dagster.core.settings import env_name, load_settings, load_storage_settings
+from supplier_sync_dagster.core.settings import load_settings, load_storage_settings
 from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
 from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
-from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var
+from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var, setting_field
 from supplier_sync_dagster.defs.triggers import every
 
 
 class ProjectionsResource(dg.ConfigurableResource):
     """Where the outbox's stages write: the search index, the hotel cache, subscribers."""
 
-    search_url: str | None = Field(
-        default=None,
-        description=(
-            f"The hotel search read model, postgresql://user@host:5432/db ({env_name('search_url')}). "
-            "Unset: a SQLite FTS5 file in the state folder."
-        ),
+    search_url: str | None = setting_field(
+        "search_url",
+        "The hotel search read model, postgresql://user@host:5432/db",
+        unset="a SQLite FTS5 file in the state folder.",
     )
-    cache_url: str | None = Field(
-        default=None,
-        description=f"Redis for the hotel cache ({env_name('redis_url')}). Unset: in-process.",
+    cache_url: str | None = setting_field(
+        "redis_url", "Redis for the hotel cache", unset="in-process."
     )
-    amqp_url: str | None = Field(
-        default=None,
-        description=(
-            f"RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost ({env_name('amqp_url')}). "
-            "Unset: a JSON-lines file in the state folder."
-        ),
+    amqp_url: str | None = setting_field(
+        "amqp_url",
+        "RabbitMQ for subscribers, amqp://user:pw@host:5672/vhost",
+        unset="a JSON-lines file in the state folder.",
     )
     exchange: str = Field(
         default="supplier_sync.events", description="The subscribers' topic exchange."

@@ -12,7 +12,6 @@ reconciliation shows them equal.
 """
 
 import functools
-from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -31,7 +30,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.defs.triggers import asset_job, every
+from supplier_sync_dagster.defs.triggers import account_job, every
 
 RECONCILIATION = dg.AssetKey("hotel_catalog_reconciliation")
 REPULL = "repull_cities"
@@ -153,21 +152,17 @@ def _previous_repull(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[str
     return [str(c) for c in data] if isinstance(data, list) else []
 
 
-@functools.cache
-def build_reconciliation_job(scope: AccountScope) -> Any:
-    """The account's reconciliation job."""
-    return asset_job(
-        scope,
-        "catalog_reconciliation_job",
-        RECONCILIATION,
-        "Compare every city's supplier summary with the catalog.",
-    )
+build_reconciliation_job = account_job(
+    "catalog_reconciliation_job",
+    RECONCILIATION,
+    "Compare every city's supplier summary with the catalog.",
+)
 
 
 @functools.cache
 def build_reconciliation_schedule(scope: AccountScope) -> dg.ScheduleDefinition:
     """The account's daily reconciliation (its ``schedules.reconciliation``; 04:00 UTC)."""
-    cron = "0 4 * * *" if scope.account is None else scope.account.schedules.reconciliation
+    cron = scope.cron("reconciliation", "0 4 * * *")
     return every(
         build_reconciliation_job(scope),
         scope.name("catalog_reconciliation_schedule"),
@@ -200,7 +195,7 @@ reconciliation_repull_sensor = build_repull_sensor(DEFAULT_SCOPE)
 
 
 def _build(scope: AccountScope) -> dg.Definitions:
-    on_schedule = scope.account is None or scope.account.schedules.reconciliation is not None
+    on_schedule = scope.on_schedule("reconciliation")
     return dg.Definitions(
         assets=[build_reconciliation(scope)],
         jobs=[build_reconciliation_job(scope)],

@@ -13,6 +13,7 @@ import abc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -36,18 +37,28 @@ from supplier_sync_dagster.core.supplier import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
-from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes
+from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
+
+
+def setting_field(setting: str, what: str, *, unset: str) -> Any:
+    """An optional resource field that a ``SUPPLIER_SYNC_*`` setting fills (as :func:`env_var`):
+    its description names the variable and what unset means.
+
+    Args:
+        setting: The setting's name (``db_url``...).
+        what: What the field is, for the UI.
+        unset: What the resource does without it.
+    """
+    return Field(default=None, description=f"{what} ({env_name(setting)}). Unset: {unset}")
 
 
 class SyncDatabaseResource(dg.ConfigurableResource):
     """The sync database: MySQL/MariaDB in production, a SQLite file by default."""
 
-    db_url: str | None = Field(
-        default=None,
-        description=(
-            "SQLAlchemy URL of the sync database, e.g. mysql+pymysql://user:pw@host:3306/sync "
-            f"({env_name('db_url')}). Unset: a SQLite file in ${env_name('home')}."
-        ),
+    db_url: str | None = setting_field(
+        "db_url",
+        "SQLAlchemy URL of the sync database, e.g. mysql+pymysql://user:pw@host:3306/sync",
+        unset=f"a SQLite file in ${env_name('home')}.",
     )
     lease_seconds: float = Field(
         default=180.0,
@@ -81,12 +92,10 @@ class SyncDatabaseResource(dg.ConfigurableResource):
 class PayloadStoreResource(dg.ConfigurableResource):
     """Where raw and normalized pages are kept: S3 (or MinIO) or a local folder."""
 
-    url: str | None = Field(
-        default=None,
-        description=(
-            f"s3://bucket/prefix or file:///path ({env_name('payload_url')}). Unset: a local "
-            f"folder in ${env_name('home')}/payloads."
-        ),
+    url: str | None = setting_field(
+        "payload_url",
+        "s3://bucket/prefix or file:///path",
+        unset=f"a local folder in ${env_name('home')}/payloads.",
     )
     # The S3 settings are dagster-aws's S3Resource's own, flat: a nested S3Resource field
     # would import dagster_aws (and boto3) in every run and command, where only an s3://
@@ -133,9 +142,8 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
     (:func:`supplier_resource`).
     """
 
-    redis_url: str | None = Field(
-        default=None,
-        description=f"Redis for the shared rate limit ({env_name('redis_url')}). Unset: in-process bucket.",
+    redis_url: str | None = setting_field(
+        "redis_url", "Redis for the shared rate limit", unset="in-process bucket."
     )
     supplier_id: int = Field(default=1001, description="The platform's id of this supplier.")
     account: str | None = Field(
@@ -318,6 +326,31 @@ def run_settings(
         lease=sync_db.lease_settings(),
         risk_policy=governance.risk_rules(),
     )
+
+
+@dataclass(frozen=True)
+class SyncResources:
+    """What an account's sync work runs with: the sync database, the payload store, the
+    account's supplier and the risk policy."""
+
+    sync_db: SyncDatabaseResource
+    payloads: PayloadStoreResource
+    supplier: SupplierResource
+    governance: GovernanceResource
+
+    @staticmethod
+    def keys(scope: AccountScope) -> set[str]:
+        """The resource keys an account's asset that does sync work requires."""
+        return {"sync_db", "payloads", "governance", scope.supplier_key}
+
+    @classmethod
+    def of(cls, context: dg.AssetExecutionContext, scope: AccountScope) -> SyncResources:
+        """The run's resources of the account (its asset's :meth:`keys`)."""
+        return cls(**resources_of(context, scope, "sync_db", "payloads", "governance"))
+
+    def settings(self) -> SyncSettings:
+        """The settings of the run's sync work (:func:`run_settings`)."""
+        return run_settings(self.sync_db, self.supplier, self.governance)
 
 
 def env_var(settings: Settings, name: str) -> dg.EnvVar | None:
