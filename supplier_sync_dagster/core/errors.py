@@ -34,22 +34,29 @@ The tree::
     ├── LeaseError                    shard ownership problems
     │   ├── LeaseNotAcquired          the shard is held by a live lease, finished, or was taken first
     │   └── LeaseLost                 a fenced write matched 0 rows: stop, write nothing more
-    └── SupplierError                 a call to a supplier's HTTP API failed (never shows the API key)
-        ├── SupplierAuthError         401/403: wrong or missing key; never retried, stop the sync
+    └── SupplierError                 a call to a supplier's HTTP API failed (never shows the API key);
+        │                             each class names its ``error_code``, the city's or record's code
+        ├── SupplierAuthError         401/403: wrong, missing or revoked key; never retried, stop, alert
         ├── SupplierBadRequest        400 (or another unexpected 4xx): a bug or bad config; no retry
         ├── SupplierNotFound          404: unknown city or hotel; no retry
         ├── CursorExpired             410 CURSOR_EXPIRED: fall back to page numbers
         ├── CircuitOpen               the supplier's circuit breaker is open: nothing was sent
         ├── RateLimiterUnavailable    the shared rate-limit store (Redis) cannot be reached
+        ├── ResponseTooLarge          a body past the byte cap on the wire; never read whole, no retry
+        │   └── DecompressionBomb     a body that inflates past the cap after decompression
+        ├── WalkRunaway               a city's walk would not end (cursor loop, pages past its size)
         └── RetryBudgetExhausted      retries used up (attempts or total wait) on a transient error
             ├── SupplierRateLimited   still 429 / RATE_LIMITED, or Retry-After beyond the budget
-            ├── SupplierUnavailable   5xx, timeouts, connection errors
-            └── SupplierProtocolError truncated, non-JSON or malformed bodies
+            ├── SupplierUnavailable   5xx answers persisted
+            │   ├── SupplierTimeout   the request's total deadline passed (connect, headers and body)
+            │   └── SupplierUnreachable  no connection: refused, DNS or TLS failure (``reason`` says)
+            └── SupplierProtocolError non-JSON or malformed bodies
+                └── TruncatedBody     the connection closed before the body's end
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 
 class SupplierSyncError(Exception):
@@ -200,7 +207,11 @@ class SupplierError(SupplierSyncError):
         status: The HTTP status of the last response, or None when none was received.
         code: The supplier's error code from an ``{"error": {"code", ...}}`` body, if any.
         attempts: How many requests were sent for this call.
+        error_code: The precise code a city's failure or a record's dead letter carries
+            (``SUPPLIER_TIMEOUT``, ``BODY_TOO_LARGE``...): one per class, or per ``reason``.
     """
+
+    error_code: str = "SUPPLIER_ERROR"
 
     def __init__(
         self,
@@ -219,17 +230,25 @@ class SupplierError(SupplierSyncError):
 class SupplierAuthError(SupplierError):
     """401/403: the API key is wrong, missing or not allowed. Never retried: stop the sync, alert."""
 
+    error_code = "SUPPLIER_AUTH_REJECTED"
+
 
 class SupplierBadRequest(SupplierError):
     """400 (or another unexpected 4xx): bad parameters, a bug or bad configuration. Not retried."""
+
+    error_code = "SUPPLIER_BAD_REQUEST"
 
 
 class SupplierNotFound(SupplierError):
     """404: the supplier does not know this city or hotel. Not retried."""
 
+    error_code = "SUPPLIER_NOT_FOUND"
+
 
 class CursorExpired(SupplierError):
     """410 CURSOR_EXPIRED: the pagination cursor is too old; continue by page number."""
+
+    error_code = "CURSOR_EXPIRED"
 
 
 class CircuitOpen(SupplierError):
@@ -239,6 +258,8 @@ class CircuitOpen(SupplierError):
         retry_in: Seconds until the breaker lets a probe request through.
     """
 
+    error_code = "CIRCUIT_OPEN"
+
     def __init__(self, message: str, *, retry_in: float = 0.0) -> None:
         super().__init__(message)
         self.retry_in = retry_in
@@ -246,6 +267,8 @@ class CircuitOpen(SupplierError):
 
 class RateLimiterUnavailable(SupplierError):
     """The shared rate-limit store (Redis) could not be reached, so no request was sent."""
+
+    error_code = "RATE_LIMITER_UNAVAILABLE"
 
 
 class RetryBudgetExhausted(SupplierError):
@@ -255,6 +278,8 @@ class RetryBudgetExhausted(SupplierError):
         reason: The last retry reason (``"status_503"``, ``"timeout"``, ``"bad_body"``...).
         retry_after: The wait the supplier last asked for (Retry-After), if any.
     """
+
+    error_code = "SUPPLIER_UNAVAILABLE"
 
     def __init__(
         self,
@@ -274,10 +299,77 @@ class RetryBudgetExhausted(SupplierError):
 class SupplierRateLimited(RetryBudgetExhausted):
     """Still rate limited (429 / RATE_LIMITED) after retrying, or asked to wait beyond the budget."""
 
+    error_code = "SUPPLIER_RATE_LIMITED"
+
 
 class SupplierUnavailable(RetryBudgetExhausted):
-    """5xx answers, timeouts or connection errors persisted after retrying."""
+    """5xx answers (or a supplier that accepts no connection) persisted after retrying."""
+
+    error_code = "SUPPLIER_UNAVAILABLE"
 
 
 class SupplierProtocolError(RetryBudgetExhausted):
     """The supplier kept sending truncated, non-JSON or malformed bodies."""
+
+    error_code = "SUPPLIER_PROTOCOL_ERROR"
+
+
+class SupplierTimeout(SupplierUnavailable):
+    """Every attempt ran past the request's total deadline (connect, headers and body together).
+
+    A body that trickles in (a byte a second) ends here too: the deadline is not per chunk.
+    """
+
+    error_code = "SUPPLIER_TIMEOUT"
+
+
+class SupplierUnreachable(SupplierUnavailable):
+    """No connection could be made: refused, the host name does not resolve, or TLS failed.
+
+    ``reason`` is ``"connection_refused"``, ``"dns"``, ``"tls"`` or ``"connection"``, and
+    :attr:`error_code` follows it.
+    """
+
+    CODES: ClassVar[dict[str, str]] = {
+        "connection_refused": "CONNECTION_REFUSED",
+        "dns": "DNS_FAILURE",
+        "tls": "TLS_FAILURE",
+    }
+
+    def __init__(self, message: str, *, reason: str, **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.error_code = self.CODES.get(reason, "SUPPLIER_UNREACHABLE")
+
+
+class TruncatedBody(SupplierProtocolError):
+    """The connection closed before the body's declared end, on every attempt."""
+
+    error_code = "TRUNCATED_BODY"
+
+
+class ResponseTooLarge(SupplierError):
+    """A response body passed the byte cap on the wire; it was not read further. Not retried:
+    the same request gets the same body.
+
+    Attributes:
+        limit: The cap in bytes.
+    """
+
+    error_code = "BODY_TOO_LARGE"
+
+    def __init__(self, message: str, *, limit: int, status: int | None = None) -> None:
+        super().__init__(message, status=status)
+        self.limit = limit
+
+
+class DecompressionBomb(ResponseTooLarge):
+    """A compressed body inflated past the cap on decoded bytes; decoding stopped there."""
+
+    error_code = "DECOMPRESSION_BOMB"
+
+
+class WalkRunaway(SupplierError):
+    """A city's walk would never end: a cursor seen before (at any distance), a page of hotels
+    already seen, or more pages than the city's own counts allow. Nothing more is fetched."""
+
+    error_code = "WALK_RUNAWAY"
