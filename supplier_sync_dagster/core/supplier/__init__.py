@@ -6,7 +6,7 @@ Build one client per supplier API key::
                                 api_key=key, rate=20, burst=1)
     with httpx.Client(base_url="https://api.acme.example/") as http:
         client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
-        for item in client.iter_city("BKK", page_size=100, start=checkpoint):
+        for item in iter_city(client, "BKK", page_size=100, start=checkpoint):
             commit(item.page, item.raw)          # then store item.position as the checkpoint
 """
 
@@ -48,6 +48,7 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
+from supplier_sync_dagster.core.supplier.walk import iter_city
 
 __all__ = [
     "ERROR_CODE_STATUS",
@@ -81,6 +82,7 @@ __all__ = [
     "SupplierClient",
     "bucket_key",
     "encode_segment",
+    "iter_city",
     "make_city_rate_limiters",
     "make_rate_limiter",
     "parse_retry_after",

@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from typing import Any, Literal, TypeVar
@@ -44,13 +44,11 @@ from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBre
 from supplier_sync_dagster.core.supplier.models import (
     ChangesPage,
     CityList,
-    CityPage,
     CitySummary,
     Fetched,
     HotelsPage,
     OfferConfirmation,
     OfferRequest,
-    PagePosition,
     RateLimitInfo,
     decode_json,
 )
@@ -251,7 +249,6 @@ class SupplierClient:
         detail_breaker: CircuitBreaker | None = None,
         rate_limiter: RateLimiter | None = None,
         city_rate_limiters: CityRateLimiters | None = None,
-        max_cursor_expiries: int = 3,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -276,8 +273,6 @@ class SupplierClient:
                 round. Defaults to a new breaker.
             rate_limiter: Paces every request (see ``make_rate_limiter``); None sends unpaced.
             city_rate_limiters: Optional second throttle per city (city endpoints only).
-            max_cursor_expiries: Cursor expiries after which a city walk stops asking for
-                cursors and continues by page number only.
             sleep: Sleep function, injectable for tests.
             monotonic: Clock for the breaker and elapsed times, injectable for tests.
             wall_clock: Unix time, to read ``Retry-After`` given as an HTTP-date.
@@ -298,7 +293,6 @@ class SupplierClient:
         )
         self._limiter = rate_limiter
         self._city_limiters = city_rate_limiters
-        self._max_cursor_expiries = max_cursor_expiries
         self._sleep = sleep
         self._clock = monotonic
         self._wall_clock = wall_clock
@@ -483,137 +477,6 @@ class SupplierClient:
         return self._typed(
             _Request("POST", "/v1/offers/confirm", json_body=body), OfferConfirmation, retry=retry
         )
-
-    # --- city walk ------------------------------------------------------------------------
-
-    def iter_city(
-        self, city_code: str, *, page_size: int = 100, start: PagePosition | None = None
-    ) -> Iterator[CityPage]:
-        """Walk all pages of a city, by cursor when offered, else by page number.
-
-        The walk starts by page number (or from ``start``), follows ``next_cursor`` whenever
-        the supplier offers one, and ends on an empty page, a null cursor on a cursor page,
-        or a page number reaching ``total_pages``. On 410 CURSOR_EXPIRED it falls back to
-        page numbers from the last completed page (after ``max_cursor_expiries`` expiries it
-        stops asking for cursors).
-
-        Resuming by page number (after a cursor expiry, or from a checkpoint without a
-        cursor) first makes sure nothing was skipped when the supplier's data shifted: it
-        steps back from the checkpoint's page until a page starts at or before the last hotel
-        already processed (normally one page back). Those overlapping pages are yielded again;
-        processing is idempotent, so hotels seen twice are harmless while a hotel skipped
-        would be lost. This assumes ``hotel_id`` order is code-point order.
-
-        Args:
-            city_code: The supplier's city code.
-            page_size: Hotels per page (1-500).
-            start: Checkpoint to resume from (``CityPage.position`` of the last committed
-                page); None starts at page 1.
-
-        Yields:
-            Each page with its raw bytes and the position to checkpoint once it is committed.
-
-        Raises:
-            SupplierError: A call failed beyond retries (the checkpoint stays valid).
-        """
-        pos = start or PagePosition()
-        if pos.done:
-            return
-        number = pos.page
-        cursor = pos.cursor
-        last_id = pos.last_hotel_id
-        expiries = 0
-        verify_overlap = cursor is None and last_id is not None and number > 1
-        queued: list[tuple[int, Fetched[HotelsPage]]] = []
-        while True:
-            used_cursor: str | None = None
-            if queued:
-                number, fetched = queued.pop(0)
-                fetched_by: Literal["cursor", "page"] = "page"
-            elif cursor is not None and expiries < self._max_cursor_expiries:
-                try:
-                    fetched = self.get_hotels_page(city_code, cursor=cursor, page_size=page_size)
-                except CursorExpired:
-                    expiries += 1
-                    logger.info(
-                        "supplier %s city walk: cursor expired before page %d; "
-                        "continuing by page number",
-                        self.supplier_id,
-                        number,
-                    )
-                    cursor = None
-                    verify_overlap = last_id is not None and number > 1
-                    continue
-                used_cursor = cursor
-                fetched_by = "cursor"
-            elif verify_overlap:
-                verify_overlap = False
-                assert last_id is not None
-                queued = self._pages_from_overlap(city_code, number, last_id, page_size)
-                continue
-            else:
-                fetched = self.get_hotels_page(city_code, page=number, page_size=page_size)
-                fetched_by = "page"
-
-            page = fetched.data
-            next_cursor: str | None = None
-            if not page.hotels:
-                done = True
-            elif page.next_cursor is not None and expiries < self._max_cursor_expiries:
-                if page.next_cursor == used_cursor:
-                    raise SupplierProtocolError(
-                        f"supplier {self.supplier_id} returned the same cursor it was given "
-                        f"(page {number}): the walk would never end",
-                        reason="cursor_loop",
-                        status=fetched.status,
-                    )
-                next_cursor = page.next_cursor
-                done = False
-            elif fetched_by == "cursor" and page.next_cursor is None:
-                done = True  # a null cursor on a cursor page marks the last page
-            else:
-                done = page.total_pages is not None and number >= page.total_pages
-            page_last = page.last_hotel_id
-            if page_last is not None and (last_id is None or page_last > last_id):
-                # An overlap page ends before the checkpoint; never move the mark back.
-                last_id = page_last
-            position = PagePosition(
-                page=number + 1, cursor=next_cursor, last_hotel_id=last_id, done=done
-            )
-            yield CityPage(
-                city_code=city_code,
-                page=page,
-                raw=fetched.raw,
-                page_number=number,
-                fetched_by=fetched_by,
-                position=position,
-            )
-            if done and not queued:
-                return
-            number += 1
-            cursor = next_cursor
-
-    def _pages_from_overlap(
-        self, city_code: str, number: int, last_id: str, page_size: int
-    ) -> list[tuple[int, Fetched[HotelsPage]]]:
-        """Fetch pages ``number``, ``number-1``... until one starts at or before ``last_id``."""
-        found: dict[int, Fetched[HotelsPage]] = {}
-        k = number
-        while True:
-            fetched = self.get_hotels_page(city_code, page=k, page_size=page_size)
-            found[k] = fetched
-            first = fetched.data.first_hotel_id
-            if k == 1 or (first is not None and first <= last_id):
-                break
-            k -= 1
-        if k < number:
-            logger.info(
-                "supplier %s city walk: resuming by page number at page %d (%d page(s) of overlap)",
-                self.supplier_id,
-                k,
-                number - k,
-            )
-        return [(n, found[n]) for n in sorted(found)]
 
     # --- stats ------------------------------------------------------------------------------
 

@@ -367,7 +367,7 @@ class PagePosition(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class CityPage:
-    """One page yielded by :meth:`SupplierClient.iter_city`.
+    """One page yielded by :func:`~supplier_sync_dagster.core.supplier.walk.iter_city`.
 
     Attributes:
         city_code: The city being walked.

@@ -17,7 +17,7 @@ from typing import Any
 
 from supplier_sync_dagster.core.leasing.leases import Checkpoint, PageCounts, ShardLease
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient
+from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient, iter_city
 from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY
 from supplier_sync_dagster.core.sync.model import (
     CityReport,
@@ -77,7 +77,7 @@ def walk(
                 done=page.position.done,
             ),
         )
-        for page in client.iter_city(city, page_size=settings.page_size, start=start)
+        for page in iter_city(client, city, page_size=settings.page_size, start=start)
     )
 
 
