@@ -6,7 +6,8 @@ Build one client per supplier API key::
                                 api_key=key, rate=20, burst=1)
     with httpx.Client(base_url="https://api.acme.example/") as http:
         client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
-        for item in iter_city(client, "BKK", page_size=100, start=checkpoint):
+        walk = CityWalk(client, "BKK", page_size=100, start=checkpoint, hotel_count=size)
+        for item in walk:
             commit(item.page, item.raw)          # then store item.position as the checkpoint
 """
 
@@ -48,7 +49,7 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
-from supplier_sync_dagster.core.supplier.walk import iter_city
+from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, WalkStats, iter_city
 
 __all__ = [
     "ERROR_CODE_STATUS",
@@ -61,6 +62,7 @@ __all__ = [
     "ChangesPage",
     "CircuitBreaker",
     "City",
+    "CityWalk",
     "CityList",
     "CityPage",
     "CityRateLimiters",
@@ -80,6 +82,8 @@ __all__ = [
     "RedisTokenBucket",
     "RetryPolicy",
     "SupplierClient",
+    "WalkLimits",
+    "WalkStats",
     "bucket_key",
     "encode_segment",
     "iter_city",
