@@ -22,6 +22,7 @@ from supplier_sync_dagster.defs.resources import (
     SyncDatabaseResource,
     account_supplier,
     supplier_resource,
+    walk_fields,
 )
 
 
@@ -65,7 +66,7 @@ def configured_supplier(
         base_url=settings.supplier_url,
         api_key=settings.api_key(),
         redis_url=settings.redis_url,
-        **extra,
+        **{**walk_fields(settings), **extra},
     )
 
 

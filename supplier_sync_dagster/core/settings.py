@@ -132,6 +132,29 @@ class Settings(StorageSettings):
         "definitions load); unset: 1000",
     )
 
+    walk_max_pages: int | None = Field(
+        default=None,
+        ge=1,
+        description="the most pages a walk of one city may fetch: the limit of a city whose "
+        "size no count states, and a ceiling over any stated size (WALK_RUNAWAY past it); "
+        "unset: 10000",
+    )
+    walk_page_slack: float | None = Field(
+        default=None,
+        ge=0,
+        le=10,
+        allow_inf_nan=False,
+        description="share of a city's expected pages (its hotel_count, the pages' total and "
+        "total_pages) that its walk may go past them, at least 2 pages (WALK_RUNAWAY past "
+        "it); unset: 0.1",
+    )
+    walk_continuity_check: bool | None = Field(
+        default=None,
+        description="check every page a walk fetches by number for a listing that shifted "
+        "under it (a one-hotel request per page; off loses a hotel under drift: for tests "
+        "only); unset: on",
+    )
+
     @field_validator(*_URL_SCHEMES)
     @classmethod
     def _url(cls, value: str | None, info: ValidationInfo) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import dagster as dg
 
+from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome
 from supplier_sync_dagster.dagster_instance.events import CheckTarget, check_target
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
@@ -132,6 +133,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
     if r.status == "ALREADY_DONE":
         common["reported_from"] = "the sync database: an earlier run of the batch published it"
     normalized_ok = r.records - r.dead_letters
+    walk = walk_metadata(r)
     return {
         RAW: {
             **common,
@@ -139,6 +141,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "records": r.records,
             "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
             "fetch_seconds": round(r.seconds.get("fetch", 0.0), 3),
+            **walk,
         },
         NORMALIZED: {
             **common,
@@ -181,7 +184,24 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
             "counts_add_up": r.records == r.published + r.skipped + r.dead_letters,
             "publish_seconds": round(r.seconds.get("publish", 0.0), 3),
+            **({"listing_drift": walk["listing_drift"]} if walk else {}),
         },
+    }
+
+
+def walk_metadata(report: CityReport) -> dict[str, Any]:
+    """What the city's walk saw, for its metadata (nothing when no listing was walked):
+    ``listing_drift`` is ``none``, SHIFTED (seen and verified), UNVERIFIED or UNCHECKED."""
+    w = report.walk
+    if w is None:
+        return {}
+    return {
+        "listing_drift": w.drift or "none",
+        "listing_shifts": w.shifts,
+        "walk_fallbacks": w.fallbacks,
+        "walk_probes": w.probes,
+        "walk_recovered": w.recovered,
+        "walk_requests": w.requests,
     }
 
 

@@ -34,7 +34,13 @@ from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
     RateLimiter,
     SupplierClient,
+    WalkLimits,
     make_rate_limiter,
+)
+from supplier_sync_dagster.core.supplier.walk import (
+    DEFAULT_MAX_PAGES,
+    DEFAULT_MIN_SLACK_PAGES,
+    DEFAULT_PAGE_SLACK,
 )
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
@@ -184,6 +190,35 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
     )
     connect_timeout: float = Field(default=5.0, description="Connect timeout in seconds.")
     read_timeout: float = Field(default=30.0, description="Read timeout in seconds.")
+    walk_max_pages: int = Field(
+        default=DEFAULT_MAX_PAGES,
+        description=(
+            f"The most pages a walk of one city may fetch ({env_name('walk_max_pages')}): the "
+            "limit of a city whose size no count states, and a ceiling over any (WALK_RUNAWAY)."
+        ),
+    )
+    walk_page_slack: float = Field(
+        default=DEFAULT_PAGE_SLACK,
+        description=(
+            "Share of a city's expected pages its walk may go past them, at least "
+            f"{DEFAULT_MIN_SLACK_PAGES} pages ({env_name('walk_page_slack')})."
+        ),
+    )
+    walk_continuity_check: bool = Field(
+        default=True,
+        description=(
+            "Check every page a walk fetches by number for a listing that shifted under it "
+            f"({env_name('walk_continuity_check')}; off loses hotels under drift: tests only)."
+        ),
+    )
+
+    def walk_limits(self) -> WalkLimits:
+        """How far a city's walk may go, and whether it checks its pages, validated."""
+        return WalkLimits(
+            max_pages=self.walk_max_pages,
+            page_slack=self.walk_page_slack,
+            continuity_check=self.walk_continuity_check,
+        )
 
     @abc.abstractmethod
     def _connection(self) -> tuple[httpx.Client, str]:
@@ -325,6 +360,7 @@ def run_settings(
         page_size=supplier.page_size,
         lease=sync_db.lease_settings(),
         risk_policy=governance.risk_rules(),
+        walk=supplier.walk_limits(),
     )
 
 
@@ -363,6 +399,15 @@ def _set(**fields: Any) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def walk_fields(settings: Settings) -> dict[str, Any]:
+    """The supplier resource's walk fields that the settings set (every account's)."""
+    return _set(
+        walk_max_pages=settings.walk_max_pages,
+        walk_page_slack=settings.walk_page_slack,
+        walk_continuity_check=settings.walk_continuity_check,
+    )
+
+
 @dg.definitions
 def resources() -> dg.Definitions:
     """Binds the resources from the settings, read now (load time); set ones as dg.EnvVar."""
@@ -399,6 +444,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
                     rate_limit_rps=settings.supplier_rate_limit,
                     worker_processes=settings.worker_processes,
                 ),
+                **walk_fields(settings),
                 **overrides,
             }
         )
@@ -423,6 +469,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
         "page_size": account.page_size,
         "city_threads": account.city_threads,
         **_set(worker_processes=account.worker_processes),
+        **walk_fields(settings),
         **simulated,
         **overrides,
     }

@@ -120,6 +120,26 @@ GAUGES: dict[str, tuple[str, str, float]] = {
         "429 answers over requests, last 24 hours.",
         1.0,
     ),
+    "listing_drifted_cities_24h": (
+        "supplier_sync_listing_drifted_cities",
+        "Cities whose listing shifted under their walk (or could have, unchecked), last 24 hours.",
+        1.0,
+    ),
+    "listing_unverified_cities_24h": (
+        "supplier_sync_listing_unverified_cities",
+        "Of those, cities whose walk could not verify the listing: no hotel's absence counted.",
+        1.0,
+    ),
+    "listing_shifts_24h": (
+        "supplier_sync_listing_shifts",
+        "Shifts of city listings seen under page-number walks, last 24 hours.",
+        1.0,
+    ),
+    "walk_recovered_hotels_24h": (
+        "supplier_sync_walk_recovered_hotels",
+        "Hotels a walk's verification found that its pages had skipped, last 24 hours.",
+        1.0,
+    ),
     "dead_letters_oldest_open_hours": (
         "supplier_sync_dead_letters_oldest_open_age_seconds",
         "Age of the oldest open dead letter.",

@@ -44,6 +44,9 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
         "SUPPLIER_SYNC_WORKER_PROCESSES",
         "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN",
+        "SUPPLIER_SYNC_WALK_MAX_PAGES",
+        "SUPPLIER_SYNC_WALK_PAGE_SLACK",
+        "SUPPLIER_SYNC_WALK_CONTINUITY_CHECK",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -94,6 +97,26 @@ def test_rate_limit_and_worker_processes(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_WORKER_PROCESSES", "-1"),
         ("SUPPLIER_SYNC_WORKER_PROCESSES", "two"),
         ("SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN", "0"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            message = str(pytest.raises(ConfigError, load_settings).value)
+        assert message.startswith(f"{name}: ") and "\n" not in message
+
+
+def test_walk_limits(monkeypatch: pytest.MonkeyPatch):
+    s = load_settings()
+    assert (s.walk_max_pages, s.walk_page_slack, s.walk_continuity_check) == (None, None, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_MAX_PAGES", "500")
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_PAGE_SLACK", "0.5")
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_CONTINUITY_CHECK", "0")
+    s = load_settings()
+    assert (s.walk_max_pages, s.walk_page_slack, s.walk_continuity_check) == (500, 0.5, False)
+    for name, bad in [
+        ("SUPPLIER_SYNC_WALK_MAX_PAGES", "0"),
+        ("SUPPLIER_SYNC_WALK_PAGE_SLACK", "-0.1"),
+        ("SUPPLIER_SYNC_WALK_PAGE_SLACK", "nan"),
+        ("SUPPLIER_SYNC_WALK_CONTINUITY_CHECK", "maybe"),
     ]:
         with monkeypatch.context() as m:
             m.setenv(name, bad)

@@ -14,11 +14,15 @@ import pytest
 
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name
+from supplier_sync_dagster.core.supplier import WalkLimits
 from supplier_sync_dagster.defs import resources as resources_module
 from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
     HttpSupplierResource,
     SimulatedSupplierResource,
     SupplierResource,
+    SyncDatabaseResource,
+    run_settings,
     supplier_resource,
 )
 
@@ -34,6 +38,9 @@ SHARED = {
     "help_other_runs",
     "connect_timeout",
     "read_timeout",
+    "walk_max_pages",
+    "walk_page_slack",
+    "walk_continuity_check",
 }
 
 
@@ -94,6 +101,18 @@ def test_rate_limit_and_worker_processes_reach_the_supplier(monkeypatch: pytest.
     monkeypatch.setenv("SUPPLIER_SYNC_WORKER_PROCESSES", "2")
     supplier = _supplier()
     assert (supplier.rate_limit_rps, supplier.worker_processes) == (40.0, 2)
+
+
+def test_walk_limits_reach_the_supplier_and_the_sync_settings(monkeypatch: pytest.MonkeyPatch):
+    assert _supplier().walk_limits() == WalkLimits()
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_MAX_PAGES", "300")
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_PAGE_SLACK", "0.25")
+    monkeypatch.setenv("SUPPLIER_SYNC_WALK_CONTINUITY_CHECK", "false")
+    supplier = _supplier()
+    limits = WalkLimits(max_pages=300, page_slack=0.25, continuity_check=False)
+    assert supplier.walk_limits() == limits
+    sync = run_settings(SyncDatabaseResource(), supplier, GovernanceResource())
+    assert sync.walk == limits
 
 
 def test_the_choice_is_made_in_one_place():

@@ -15,7 +15,9 @@ events, the runs' request counters), never the catalog:
 - the **outbox**: READY, FAILED, stuck events, and the publish → search index lag p95 of the
   newest ``OUTBOX_WINDOW`` events;
 - the **supplier**: requests, 429 answers and retries of the last 24 hours' runs, and the
-  hotels/s of the latest finished batch.
+  hotels/s of the latest finished batch;
+- **listing drift**: cities of the last 24 hours' batches whose listing shifted under their
+  walk (or could have, unchecked), the shifts seen, and the hotels the verification found.
 
 :class:`SyncHealth` flattens them into named numbers (:meth:`SyncHealth.values`): the
 ``sync_health`` asset's metadata, the Prometheus endpoint and the alert conditions read the
@@ -70,6 +72,10 @@ class SyncHealth:
     requests_24h: int = 0
     throttled_24h: int = 0
     retries_24h: int = 0
+    drifted_cities_24h: int = 0
+    unverified_cities_24h: int = 0
+    listing_shifts_24h: int = 0
+    walk_recovered_24h: int = 0
 
     @staticmethod
     def _rate(part: int, whole: int) -> float:
@@ -132,6 +138,10 @@ class SyncHealth:
             "supplier_429_24h": float(self.throttled_24h),
             "supplier_retries_24h": float(self.retries_24h),
             "supplier_429_ratio_24h": self.throttled_ratio_24h,
+            "listing_drifted_cities_24h": float(self.drifted_cities_24h),
+            "listing_unverified_cities_24h": float(self.unverified_cities_24h),
+            "listing_shifts_24h": float(self.listing_shifts_24h),
+            "walk_recovered_hotels_24h": float(self.walk_recovered_24h),
         }
         if dl is not None:
             out.update(
@@ -184,6 +194,7 @@ def sync_health(db: SyncDatabase, *, task_code: str, supplier_id: int | None = N
         _freshness(conn, health, now)
         _outbox(conn, health, db)
         _supplier(conn, health, now)
+        _drift(conn, health, now)
     return health
 
 
@@ -327,3 +338,20 @@ def _supplier(conn: Connection, h: SyncHealth, now: datetime) -> None:
         ).where(s.task_code == h.task_code, s.created_at >= now - timedelta(days=1))
     ).one()
     h.requests_24h, h.throttled_24h, h.retries_24h = int(requests), int(throttled), int(retries)
+
+
+def _drift(conn: Connection, h: SyncHealth, now: datetime) -> None:
+    w, b = schema.city_walk.c, schema.batch.c
+    drifted, unverified, shifts, recovered = conn.execute(
+        sa.select(
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(sa.case((w.drift != "SHIFTED", 1), else_=0)), 0),
+            sa.func.coalesce(sa.func.sum(w.shifts), 0),
+            sa.func.coalesce(sa.func.sum(w.recovered), 0),
+        )
+        .select_from(schema.city_walk)
+        .join(schema.batch, b.batch_id == w.batch_id)
+        .where(b.task_code == h.task_code, w.created_at >= now - timedelta(days=1))
+    ).one()
+    h.drifted_cities_24h, h.unverified_cities_24h = int(drifted), int(unverified)
+    h.listing_shifts_24h, h.walk_recovered_24h = int(shifts), int(recovered)

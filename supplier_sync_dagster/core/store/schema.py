@@ -593,3 +593,20 @@ alert_threshold = _table(
     sa.UniqueConstraint("task_code", "name", name="uk_alert_threshold"),
     comment="per task: the thresholds alerts are judged by",
 )
+
+city_walk = _table(
+    "supplier_sync_city_walk",
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("shard_key", _code(128), nullable=False),
+    # SHIFTED (seen and verified), UNVERIFIED, UNCHECKED: core/supplier/walk.py, Drift.
+    sa.Column("drift", sa.String(16), nullable=False),
+    _counter("shifts"),
+    _counter("fallbacks"),
+    _counter("probes"),
+    _counter("recovered"),
+    _counter("requests"),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.UniqueConstraint("batch_id", "shard_key", name="uk_city_walk"),
+    sa.Index("idx_city_walk_created", "created_at"),
+    comment="city walks whose listing shifted (or could have, unchecked) under them",
+)

@@ -43,7 +43,7 @@ from supplier_sync_dagster.core.records.tombstones import record_presence, unpub
 from supplier_sync_dagster.core.store.db import SyncDatabase, retry_deadlocks
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.sync.fetch import fetch_pages, walk
+from supplier_sync_dagster.core.sync.fetch import fetch_pages, record_walk, walk
 from supplier_sync_dagster.core.sync.gate import PipelineGate
 from supplier_sync_dagster.core.sync.model import CityReport, PageSource, Progress, SyncSettings
 from supplier_sync_dagster.core.sync.runtime import prepare_process
@@ -73,6 +73,7 @@ def sync_city(
     city_countries: Mapping[str, str] | None = None,
     report: CityReport | None = None,
     source: PageSource | None = None,
+    hotel_count: int | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -94,13 +95,16 @@ def sync_city(
         source: The shard's pages when they are not the listing of city ``city_code`` (an
             incremental window: ``core.repair.incremental``); its records then belong to
             their own cities.
+        hotel_count: The city's ``hotel_count`` from ``/v1/cities``, when known: its walk
+            stops with ``WALK_RUNAWAY`` well before going far past it.
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
         LEASE_LOST, HELD_BY_OTHER (a live lease elsewhere) or GATED.
 
     Raises:
-        SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
+        SupplierError: The supplier failed beyond retries, or its listing would never end
+            (``WalkRunaway``); the shard is FAILED, resumable.
     """
     prepare_process()
     report = report if report is not None else CityReport(city_code)
@@ -131,6 +135,7 @@ def sync_city(
                 drift_check=gate is not None,
                 fetched=fetch,
                 source=source,
+                hotel_count=hotel_count,
             )
             if fetch:
                 stages.fetch()
@@ -173,11 +178,12 @@ class _CityStages:
         drift_check: bool,
         fetched: bool,
         source: PageSource | None,
+        hotel_count: int | None = None,
     ) -> None:
         self.db, self.store, self.client, self.lease = db, store, client, lease
         self.heartbeat, self.settings, self.report = heartbeat, settings, report
         # Whether this claim walks the pages (a listing walked to its end: tombstones).
-        self.fetched, self.source = fetched, source
+        self.fetched, self.source, self.hotel_count = fetched, source, hotel_count
         self.batch_id, self.city = lease.batch_id, lease.shard_key
         self.normalizer = Normalizer(
             db,
@@ -211,7 +217,14 @@ class _CityStages:
         fetch_pages(
             self.lease,
             self.store,
-            walk(self.client, self.lease, self.settings, self.source),
+            walk(
+                self.client,
+                self.lease,
+                self.settings,
+                self.source,
+                hotel_count=self.hotel_count,
+                report=self.report,
+            ),
             self.heartbeat,
             self.settings,
             self.report,
@@ -282,6 +295,18 @@ class _CityStages:
         if self.source is not None:
             self.source.finish(conn, report)
         elif self.fetched:
+            walked = report.walk
+            if walked is not None:
+                record_walk(conn, self.lease, walked)
+                if not walked.complete:
+                    # A listing that shifted unseen may lack a hotel it still lists: its
+                    # absence decides nothing (a tombstone needs a complete listing).
+                    log.warning(
+                        "city %r: its walk is %s; hotels it lacks count no miss",
+                        self.city,
+                        walked.drift,
+                    )
+                    return
             # The city's listing is complete: what it lacks counts a miss.
             db = self.db
             report.presence = record_presence(

@@ -1,6 +1,6 @@
 """The fetch stage: a shard's walk, page by page, each page stored and checkpointed.
 
-A city's listing is walked from the shard's checkpoint (cursor or page numbers); a
+A city's listing is walked from the shard's checkpoint (``core.supplier.walk``); a
 :class:`~supplier_sync_dagster.core.sync.model.PageSource` gives the pages of a shard that
 is not a listing. Each page's exact bytes go to the payload store, and its RAW snapshot row
 and the checkpoint past it commit in one fenced transaction: a crash re-fetches at most the
@@ -15,9 +15,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sqlalchemy.engine import Connection
+
 from supplier_sync_dagster.core.leasing.leases import Checkpoint, PageCounts, ShardLease
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import insert_ignore
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.supplier import PagePosition, SupplierClient, iter_city
+from supplier_sync_dagster.core.supplier import CityWalk, PagePosition, SupplierClient, WalkStats
 from supplier_sync_dagster.core.supplier.models import MALFORMED_RECORD_KEY
 from supplier_sync_dagster.core.sync.model import (
     CityReport,
@@ -44,8 +48,20 @@ def walk(
     lease: ShardLease,
     settings: SyncSettings,
     source: PageSource | None,
+    *,
+    hotel_count: int | None = None,
+    report: CityReport | None = None,
 ) -> Iterator[FetchedPage]:
     """The shard's pages from its checkpoint: the city's listing, or ``source``'s pages.
+
+    Args:
+        client: The supplier client (None: a source that needs none).
+        lease: The shard's lease (its checkpoint says where to start).
+        settings: The sync's settings (page size, walk limits).
+        source: The shard's pages when they are not a city's listing.
+        hotel_count: The city's ``hotel_count`` from ``/v1/cities``, when known: a walk
+            never goes far past it (``WALK_RUNAWAY``).
+        report: Gets the walk's stats (``report.walk``), filled in as it goes.
 
     Raises:
         ValueError: A city's listing without a supplier client.
@@ -63,6 +79,16 @@ def walk(
         else None
     )
     city = lease.shard_key
+    listing = CityWalk(
+        client,
+        city,
+        page_size=settings.page_size,
+        start=start,
+        hotel_count=hotel_count,
+        limits=settings.walk,
+    )
+    if report is not None:
+        report.walk = listing.stats
     return (
         FetchedPage(
             page.raw,
@@ -77,7 +103,7 @@ def walk(
                 done=page.position.done,
             ),
         )
-        for page in iter_city(client, city, page_size=settings.page_size, start=start)
+        for page in listing
     )
 
 
@@ -153,6 +179,31 @@ def fetch_pages(
             close = getattr(pages, "close", None)
             if close is not None:
                 close()
+
+
+def record_walk(conn: Connection, lease: ShardLease, stats: WalkStats) -> None:
+    """Records a finished city walk whose listing shifted (or could have: unchecked) under
+    it, in the caller's transaction (the one that finishes the shard): reconciliation walks
+    such a city again, metrics count them. A walk without drift leaves no row."""
+    if stats.drift is None:
+        return
+    insert_ignore(
+        conn,
+        schema.city_walk,
+        [
+            {
+                "batch_id": lease.batch_id,
+                "shard_key": lease.shard_key,
+                "drift": stats.drift,
+                "shifts": stats.shifts,
+                "fallbacks": stats.fallbacks,
+                "probes": stats.probes,
+                "recovered": stats.recovered,
+                "requests": stats.requests,
+                "created_at": lease.db.clock.now(),
+            }
+        ],
+    )
 
 
 def _unwrap(records: list[dict[str, Any]]) -> list[Any]:

@@ -22,7 +22,7 @@ from supplier_sync_dagster.core.leasing.leases import Checkpoint, LeaseSettings,
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.records.gates import CityProfile, GateResult
 from supplier_sync_dagster.core.records.tombstones import DEFAULT_MISSING_SYNCS, Presence
-from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.supplier import SupplierClient, WalkLimits, WalkStats
 
 # SyncSettings.publish_chunk_hotels unless set.
 DEFAULT_PUBLISH_CHUNK_HOTELS = 1000
@@ -59,6 +59,8 @@ class SyncSettings:
         normalize_processes: Forked processes that normalize and judge a shard's pages
             while this process fetches and stores them (0: this process does). For one
             large shard (an incremental window), as ``publish_processes``.
+        walk: How far a city's walk may go, and whether it checks its pages for a listing
+            that shifts under it (the supplier's settings: ``core.supplier.walk``).
     """
 
     task_code: str
@@ -73,6 +75,7 @@ class SyncSettings:
     missing_syncs: int = DEFAULT_MISSING_SYNCS
     publish_processes: int = 0
     normalize_processes: int = 0
+    walk: WalkLimits = field(default_factory=WalkLimits)
 
 
 class SyncTuning(TypedDict, total=False):
@@ -85,6 +88,7 @@ class SyncTuning(TypedDict, total=False):
     missing_syncs: int
     publish_processes: int
     normalize_processes: int
+    walk: WalkLimits
 
 
 def build_sync_settings(
@@ -153,6 +157,8 @@ class CityReport:
     gate_overrides: bool | None = None
     # What the complete listing did to the catalog's presence marks (tombstones).
     presence: Presence | None = None
+    # What this claim's walk of the city's listing saw (None: no listing was walked).
+    walk: WalkStats | None = None
 
     @property
     def gate_failures(self) -> list[str]:

@@ -359,6 +359,7 @@ class _CityWorker:
                     fetch=not self.request.replay,
                     city_countries=self.plan.countries,
                     report=report,
+                    hotel_count=self.plan.sizes.get(city),
                 )
                 if report.status != "HELD_BY_OTHER" or not wait_if_held:
                     break
