@@ -200,9 +200,9 @@ def record_walk(conn: Connection, lease: ShardLease, stats: WalkStats) -> None:
                 "probes": stats.probes,
                 "recovered": stats.recovered,
                 "requests": stats.requests,
-                "created_at": lease.db.clock.now(),
             }
         ],
+        created_at=lease.db.clock.now(),
     )
 
 

@@ -1,0 +1,245 @@
+"""The fetch stage under a hostile listing (SQLite and MariaDB): a walk that would never end
+fails its city with WALK_RUNAWAY and a CITY_FAILED ticket, having stored a bounded number of
+pages, while the other cities publish; a listing that shifts under a page-number walk loses
+no hotel and is recorded; a walk that could have missed a hotel never counts it missing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from supplier_sync_dagster.core.errors import WalkRunaway
+from supplier_sync_dagster.core.leasing.batches import Batch
+from supplier_sync_dagster.core.leasing.leases import list_shards
+from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.supplier import SupplierClient, WalkLimits
+from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.model import CityReport
+from supplier_sync_dagster.core.sync.run import RunRequest, plan_run, run_cities
+from supplier_sync_dagster_tests.core.conftest import MakeBatch
+from supplier_sync_dagster_tests.core.supplier.fakes import (
+    FakeCatalog,
+    hotel,
+    ids,
+    json_response,
+    make_client,
+)
+from supplier_sync_dagster_tests.core.supplier.test_walk import Drifting
+from supplier_sync_dagster_tests.core.sync.test_city import settings
+
+Listing = Callable[[httpx.Request], httpx.Response]
+
+
+class Supplier:
+    """A supplier of a few cities over ``httpx.MockTransport``: each city's listing is its
+    own handler; ``/v1/cities`` states their sizes; a hotel's detail is 404 unless listed."""
+
+    def __init__(self, cities: dict[str, tuple[Listing, int]]) -> None:
+        self.cities = cities
+        self.listing_requests: dict[str, int] = dict.fromkeys(cities, 0)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        parts = request.url.path.split("/")
+        if parts[-1] == "cities":
+            body = [
+                {"city_code": c, "country_code": "TH", "hotel_count": n}
+                for c, (_, n) in self.cities.items()
+            ]
+            return json_response(200, {"cities": body, "total": len(body)})
+        if parts[-1] == "hotels" and parts[-3] == "cities":
+            city = parts[-2]
+            self.listing_requests[city] += 1
+            assert self.listing_requests[city] <= 200, "the walk did not stop"
+            return self.cities[city][0](request)
+        return json_response(404, {"error": {"code": "NOT_FOUND", "message": "no such hotel"}})
+
+
+def one_hotel_runaway(request: httpx.Request) -> httpx.Response:
+    """A city of one hotel that hands out a new cursor on every page."""
+    n = int(request.url.params.get("cursor", "c0")[1:]) + 1
+    body = {
+        "city_code": "LOOP",
+        "total": 1,
+        "hotels": [hotel("L1", "LOOP")],
+        "next_cursor": f"c{n}",
+    }
+    return json_response(200, body)
+
+
+def growing(request: httpx.Request) -> httpx.Response:
+    """A city that hands out a new cursor and new hotels on every page, stating no total."""
+    n = int(request.url.params.get("cursor", "c0")[1:]) + 1
+    body = {"hotels": [hotel(f"G{n:03d}{i}", "GROW") for i in range(10)], "next_cursor": f"c{n}"}
+    return json_response(200, body)
+
+
+def snapshot_rows(db: SyncDatabase, city: str) -> int:
+    s = schema.snapshot.c
+    with db.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count()).where(s.shard_key == city, s.snapshot_type == "RAW")
+            ).scalar_one()
+        )
+
+
+def published_ids(db: SyncDatabase) -> set[str]:
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        return set(conn.execute(sa.select(h.supplier_hotel_id)).scalars())
+
+
+def test_a_runaway_city_fails_with_a_ticket_after_a_few_pages_and_the_others_publish(
+    db: SyncDatabase, tmp_path: Path
+) -> None:
+    supplier = Supplier(
+        {
+            "LOOP": (one_hotel_runaway, 1),
+            "GROW": (growing, 5),
+            "BKK": (FakeCatalog(ids(25)), 25),
+        }
+    )
+    client, _ = make_client(supplier)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    request = RunRequest(trigger_id="t-runaway", source="MANUAL", cities=list(supplier.cities))
+    plan = plan_run(db, store, client, request, settings(page_size=10))
+    assert plan.sizes == {"LOOP": 1, "GROW": 5, "BKK": 25}
+    outcomes = {
+        o.city_code: o
+        for o in run_cities(db, store, client, plan, request, settings(page_size=10), worker_id="w")
+    }
+    loop = outcomes["LOOP"].report
+    assert loop.status == "FAILED" and loop.error is not None
+    assert "WALK_RUNAWAY" in loop.error and "'LOOP'" in loop.error
+    # GROW's pages state no size: its hotel_count in the city list bounds the walk
+    grow = outcomes["GROW"].report
+    assert grow.status == "FAILED" and "page 4 is past the 3 page(s)" in (grow.error or "")
+    assert snapshot_rows(db, "GROW") == 3
+    assert outcomes["BKK"].status == "SUCCESS"
+    assert published_ids(db) == set(ids(25))
+    # page 1, one cursor page of the same hotel let through, the next one stops the walk
+    assert supplier.listing_requests["LOOP"] == 3
+    assert snapshot_rows(db, "LOOP") == 2
+    # raw payloads: the city list, BKK's 3 pages, GROW's 3 and LOOP's 2
+    assert len([f for f in (tmp_path / "payloads" / "raw").rglob("*") if f.is_file()]) == 9
+    (shard,) = [s for s in list_shards(db, plan.batch.batch_id) if s.shard_key == "LOOP"]
+    assert shard.status == "FAILED"
+    d = schema.dead_letter.c
+    with db.engine.connect() as conn:
+        tickets = conn.execute(
+            sa.select(d.error_code, d.error_message).where(d.city_code == "LOOP")
+        ).all()
+    assert [code for code, _ in tickets] == ["CITY_FAILED"]
+    assert "WALK_RUNAWAY" in tickets[0][1]
+    with db.engine.connect() as conn:
+        cities = conn.execute(sa.select(d.city_code).where(d.error_code == "CITY_FAILED")).all()
+    assert sorted(c for (c,) in cities) == ["GROW", "LOOP"]
+
+
+def _sync(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    batch: Batch,
+    **kw: Any,
+) -> CityReport:
+    return sync_city(
+        db,
+        store,
+        client,
+        batch=batch,
+        city_code="BKK",
+        worker_id="w",
+        settings=settings(task_code=batch.task_code, page_size=10, **kw),
+        hotel_count=60,
+    )
+
+
+def test_a_city_whose_size_forbids_more_pages_fails_before_storing_them(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+) -> None:
+    def endless(request: httpx.Request) -> httpx.Response:
+        page = int(request.url.params["page"])
+        size = int(request.url.params["page_size"])
+        return json_response(
+            200,
+            {"hotels": [hotel(f"H{i:06d}") for i in range((page - 1) * size, page * size)]},
+        )
+
+    client, _ = make_client(Supplier({"BKK": (endless, 60)}))
+    store = LocalPayloadStore(tmp_path / "payloads")
+    batch = make_batch(["BKK"])
+    with pytest.raises(WalkRunaway, match="page 9 is past the 8 page"):
+        _sync(db, store, client, batch)
+    assert snapshot_rows(db, "BKK") == 8
+
+
+def walk_rows(db: SyncDatabase) -> list[dict[str, Any]]:
+    w = schema.city_walk.c
+    with db.engine.connect() as conn:
+        return [
+            dict(r._mapping)
+            for r in conn.execute(sa.select(w.shard_key, w.drift, w.shifts, w.recovered))
+        ]
+
+
+def test_a_listing_that_shifts_under_the_walk_loses_no_hotel_and_is_recorded(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+) -> None:
+    drifting = Drifting()
+    client, _ = make_client(Supplier({"BKK": (drifting, 60)}))
+    store = LocalPayloadStore(tmp_path / "payloads")
+    report = _sync(db, store, client, make_batch(["BKK"]))
+    assert drifting.shifted and report.status == "SUCCESS"
+    assert set(ids(59, start=2)) | {"H000061"} <= published_ids(db)
+    assert report.walk is not None and report.walk.drift == "SHIFTED"
+    assert report.presence is not None  # a verified listing: absences count
+    assert walk_rows(db) == [{"shard_key": "BKK", "drift": "SHIFTED", "shifts": 1, "recovered": 0}]
+
+
+def test_without_the_continuity_check_drift_loses_a_hotel_and_it_is_recorded(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+) -> None:
+    client, _ = make_client(Supplier({"BKK": (Drifting(), 60)}))
+    store = LocalPayloadStore(tmp_path / "payloads")
+    report = _sync(db, store, client, make_batch(["BKK"]), walk=WalkLimits(continuity_check=False))
+    assert set(ids(59, start=2)) - published_ids(db) == {"H000051"}
+    assert report.walk is not None and report.walk.drift == "UNCHECKED"
+    assert [r["drift"] for r in walk_rows(db)] == ["UNCHECKED"]
+
+
+def missing_counts(db: SyncDatabase) -> dict[str, int]:
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        return {
+            str(k): int(v)
+            for k, v in conn.execute(
+                sa.select(h.supplier_hotel_id, h.missing_count).where(h.missing_count > 0)
+            )
+        }
+
+
+def test_a_walk_that_could_have_skipped_a_hotel_never_counts_it_missing(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+) -> None:
+    store = LocalPayloadStore(tmp_path / "payloads")
+    task = f"full_{tmp_path.name[-12:]}"
+    clean, _ = make_client(Supplier({"BKK": (FakeCatalog(ids(60)), 60)}))
+    assert _sync(db, store, clean, make_batch(["BKK"], task_code=task)).status == "SUCCESS"
+    # The first hotel really goes; under the unchecked walk H000051 is skipped, though listed.
+    client, _ = make_client(Supplier({"BKK": (Drifting(), 60)}))
+    unchecked = WalkLimits(continuity_check=False)
+    report = _sync(db, store, client, make_batch(["BKK"], task_code=task), walk=unchecked)
+    assert report.presence is None and missing_counts(db) == {}
+    # A checked walk of the same drift is complete: its listing decides, and lacks no hotel
+    # (the first one went after the walk had seen it).
+    client, _ = make_client(Supplier({"BKK": (Drifting(), 60)}))
+    report = _sync(db, store, client, make_batch(["BKK"], task_code=task))
+    assert report.presence is not None and missing_counts(db) == {}
