@@ -17,8 +17,9 @@ resuming, and by page number again when a cursor expires (410 CURSOR_EXPIRED).
   :attr:`WalkLimits.min_slack_pages`) for a listing that grows while it is walked; never
   more than :attr:`WalkLimits.max_pages`, which is also the limit of a city whose size
   nothing states;
-- the walk has made :data:`REQUESTS_PER_PAGE` times that many requests (probes, pages
-  read again after a shift, the verification pass).
+- the walk has made :data:`REQUESTS_PER_PAGE` requests per page allowed (pages, probes, the
+  verification pass) and :data:`REQUESTS_PER_SHIFT` per shift it saw (at most one shift per
+  page allowed is paid for).
 
 **Pagination drift loses nothing.** Cursors are stable when hotels come and go; page numbers
 are not: a hotel removed before the walk's position moves every later hotel one place
@@ -65,9 +66,11 @@ DEFAULT_MAX_CURSOR_EXPIRIES = 3
 DEFAULT_MAX_PAGES = 10_000
 DEFAULT_PAGE_SLACK = 0.1
 DEFAULT_MIN_SLACK_PAGES = 2
-# A walk's requests: its pages, a probe per page fetched by number, the pages read again
-# after a shift and the verification pass together stay under this many per page allowed.
+# A walk's requests: its pages, a probe per page fetched by number and the verification
+# pass stay under this many per page allowed, plus REQUESTS_PER_SHIFT for each shift seen
+# (a probe, a page or two stepped back, the page again), counted up to one per page allowed.
 REQUESTS_PER_PAGE = 5
+REQUESTS_PER_SHIFT = 6
 # Cursor pages in a row that may bring no new hotel (the contract: a hotel can appear on
 # two pages); one more is a runaway.
 REPEATED_PAGES_ALLOWED = 1
@@ -129,7 +132,7 @@ class WalkStats:
             checkpoint without a cursor).
         shifts: Times the listing was seen to have shifted under a page-number walk.
         unchecked: Pages fetched by number that continued the walk without the
-            continuity check.
+            continuity check (the pages read again where it turned to page numbers too).
         verified: None: no verification was needed; True: the verification pass saw no
             shift; False: it saw one too.
         recovered: Hotels the verification pass found that the walk had not seen.
@@ -426,6 +429,7 @@ class CityWalk:
         k = number
         while True:
             fetched = self._get(page=k)
+            self.stats.unchecked += 1
             found[k] = fetched
             first = fetched.data.first_hotel_id
             if k == 1 or (first is not None and first <= last_id):
@@ -461,11 +465,12 @@ class CityWalk:
     def _get(
         self, *, page: int | None = None, cursor: str | None = None, page_size: int | None = None
     ) -> Fetched[HotelsPage]:
-        budget = REQUESTS_PER_PAGE * self._page_limit()
+        limit = self._page_limit()
+        budget = REQUESTS_PER_PAGE * limit + REQUESTS_PER_SHIFT * min(self.stats.shifts, limit)
         if self.stats.requests >= budget:
             raise self._runaway(
-                f"{self.stats.requests} listing requests, the most its {self._page_limit()} "
-                "page(s) allow"
+                f"{self.stats.requests} listing requests, the most its {limit} page(s) and "
+                f"{self.stats.shifts} shift(s) allow"
             )
         self.stats.requests += 1
         return self.client.get_hotels_page(

@@ -498,3 +498,19 @@ def test_a_page_by_number_may_offer_a_cursor_the_walk_followed_before() -> None:
     followed = base64.urlsafe_b64encode(b"H000010").decode()
     assert pages[0].page.next_cursor == followed and pages[2].page.next_cursor == followed
     assert pages[2].fetched_by == "page" and pages[3].fetched_by == "page"
+
+
+def test_a_listing_that_never_stops_shifting_ends_the_walk() -> None:
+    added = itertools.count(1000)
+
+    def on_request(cat: FakeCatalog, request: httpx.Request) -> None:
+        if request.url.params.get("page", "1") != "1":
+            cat.ids = [*cat.ids[1:], f"H{next(added):06d}"]
+
+    catalog = FakeCatalog(ids(60), cursors=False, on_request=on_request)
+    client, _ = make_client(catalog)
+    walk = CityWalk(client, "BKK", page_size=10, hotel_count=60)
+    with pytest.raises(WalkRunaway, match="listing requests, the most its 8 page"):
+        list(walk)
+    # 5 requests for each of 8 pages allowed, 6 for each shift seen (at most 8 of them)
+    assert len(catalog.requests) <= 5 * 8 + 6 * 8 and walk.stats.shifts > 0
