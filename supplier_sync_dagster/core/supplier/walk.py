@@ -39,7 +39,9 @@ before it ends at or before ``last_id``.
 A walk that saw the listing shift is verified before it ends: a second pass from page 1
 (by cursor when offered, checked the same way) yields every page holding a hotel the walk
 has not seen; the walk's last page comes after it, so the checkpoint says ``done`` only
-once the city is verified. :class:`WalkStats` tells what the walk saw (:attr:`WalkStats.drift`).
+once the city is verified, and that pass is the city's listing as it stands after the walk
+(:attr:`WalkStats.listed`: a hotel the walk saw that the pass lacks went meanwhile).
+:class:`WalkStats` tells what the walk saw (:attr:`WalkStats.drift`).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ class WalkStats:
         verified: None: no verification was needed; True: the verification pass saw no
             shift; False: it saw one too.
         recovered: Hotels the verification pass found that the walk had not seen.
+        listed: The hotel ids of a verification pass that saw no shift: the city's listing
+            as it stands after the walk (hotels the walk saw that it lacks went meanwhile).
     """
 
     requests: int = 0
@@ -145,6 +149,7 @@ class WalkStats:
     unchecked: int = 0
     verified: bool | None = None
     recovered: int = 0
+    listed: frozenset[str] | None = field(default=None, repr=False)
 
     @property
     def drift(self) -> Drift | None:
@@ -459,6 +464,8 @@ class CityWalk:
                 page, position=page.position.model_copy(update={"done": False})
             )
         self.stats.verified = check.shifts == 0
+        if self.stats.verified:
+            self.stats.listed = frozenset(check.seen)
 
     # --- requests and limits ----------------------------------------------------------------
 

@@ -295,6 +295,7 @@ class _CityStages:
         if self.source is not None:
             self.source.finish(conn, report)
         elif self.fetched:
+            listed: Collection[str] = self.normalizer.listed
             walked = report.walk
             if walked is not None:
                 record_walk(conn, self.lease, walked)
@@ -307,6 +308,10 @@ class _CityStages:
                         walked.drift,
                     )
                     return
+                if walked.listed is not None:
+                    # The verification pass: the listing as it stands after a walk that saw
+                    # it shift (hotels gone meanwhile count a miss).
+                    listed = walked.listed
             # The city's listing is complete: what it lacks counts a miss.
             db = self.db
             report.presence = record_presence(
@@ -314,7 +319,7 @@ class _CityStages:
                 db.clock,
                 supplier_id=self.settings.supplier_id,
                 city_code=self.city,
-                listed=self.normalizer.listed,
+                listed=listed,
                 batch_id=self.batch_id,
                 at=db.clock.now(),
                 missing_syncs=self.settings.missing_syncs,

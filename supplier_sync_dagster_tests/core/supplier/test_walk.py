@@ -368,6 +368,8 @@ def test_drift_under_a_page_number_walk_loses_no_hotel() -> None:
     assert "H000061" in walked_ids(pages)
     assert walk.stats.shifts == 1 and walk.stats.verified is True
     assert walk.stats.drift == "SHIFTED" and walk.stats.complete
+    # the verification is the listing as it stands: the first hotel went meanwhile
+    assert walk.stats.listed == set(supplier.ids) == listed_throughout | {"H000061"}
     # the walk's last page comes after the verification: only it says done
     assert [p.position.done for p in pages].count(True) == 1 and pages[-1].position.done
 

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from supplier_sync_dagster.core.errors import WalkRunaway
 from supplier_sync_dagster.core.leasing.batches import Batch
 from supplier_sync_dagster.core.leasing.leases import list_shards
+from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
@@ -238,8 +239,17 @@ def test_a_walk_that_could_have_skipped_a_hotel_never_counts_it_missing(
     unchecked = WalkLimits(continuity_check=False)
     report = _sync(db, store, client, make_batch(["BKK"], task_code=task), walk=unchecked)
     assert report.presence is None and missing_counts(db) == {}
-    # A checked walk of the same drift is complete: its listing decides, and lacks no hotel
-    # (the first one went after the walk had seen it).
+    # A checked walk of the same drift is complete: its verification is the listing as it
+    # stands, which lacks the first hotel only (gone: its detail is a 404, unpublished now).
     client, _ = make_client(Supplier({"BKK": (Drifting(), 60)}))
     report = _sync(db, store, client, make_batch(["BKK"], task_code=task))
-    assert report.presence is not None and missing_counts(db) == {}
+    assert report.presence is not None and report.presence.unpublished == ["H000001"]
+    assert set(missing_counts(db)) == {"H000001"}
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        live = set(
+            conn.execute(
+                sa.select(h.supplier_hotel_id).where(h.fingerprint != TOMBSTONE_FINGERPRINT)
+            ).scalars()
+        )
+    assert live == set(ids(59, start=2)) | {"H000061"}
