@@ -254,6 +254,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             tolerance=tolerance,
             store=payloads.open(),
             task_code=supplier.task_code,
+            walk=supplier.walk_limits(),
         )
     differing = [c.city_code for c in report.differing]
     if args.json:

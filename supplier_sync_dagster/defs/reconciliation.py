@@ -59,9 +59,9 @@ def build_reconciliation(scope: AccountScope) -> dg.AssetsDefinition:
         pool=scope.pool,
         required_resource_keys={"sync_db", "payloads", scope.supplier_key},
         description=(
-            "Each city's supplier summary (hotels, active, newest change) against the catalog; "
-            "the cities beyond the tolerance are re-pulled by a full sync of exactly those "
-            "cities."
+            "Each city's supplier summary (hotels, active, newest change) against the catalog, "
+            "and a new walk of a city whose last walk drifted; the cities beyond the tolerance "
+            "are re-pulled by a full sync of exactly those cities."
         ),
     )
     def hotel_catalog_reconciliation(
@@ -101,6 +101,7 @@ def _reconcile(
             tolerance=tolerance,
             store=payloads.open(),
             task_code=supplier.task_code,
+            walk=supplier.walk_limits(),
         )
     before = set(_previous_repull(context.instance, key))
     differing = [c.city_code for c in report.differing]
@@ -118,6 +119,8 @@ def _reconcile(
         ("catalog_active", "int"),
         ("supplier_max_updated_at", "string"),
         ("catalog_max_updated_at", "string"),
+        ("rewalked", "string"),
+        ("missing_hotels", "int"),
         ("reasons", "string"),
     ]
     rows = [
@@ -131,6 +134,7 @@ def _reconcile(
             "cities_differing": len(differing),
             "cities_repulled": len(repull),
             "remaining_differences": len(remaining),
+            "cities_walked_again": sum(c.rewalked is not None for c in report.cities),
             "supplier_requests": report.requests,
             "seconds": round(report.seconds, 3),
             "differences": dg.MetadataValue.table(

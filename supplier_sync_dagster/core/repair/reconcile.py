@@ -9,15 +9,29 @@ it: a Dagster sensor's run requests, or ``supplier-sync reconcile``).
 
 What counts as different (:class:`Tolerance`): the hotel count or the active count apart by
 more than ``max(absolute, relative x supplier count)`` (records that break the contract stay
-dead letters and never reach the catalog: a few are expected), or the catalog's newest
-``updated_at`` more than ``max_lag_seconds`` behind the supplier's (changes the feed lost).
+dead letters and never reach the catalog: a few are expected), the catalog's newest
+``updated_at`` more than ``max_lag_seconds`` behind the supplier's (changes the feed lost),
+or **ahead** of it by more than ``max_ahead_seconds`` (the catalog copies the supplier's
+times: a catalog newer than its supplier holds a time the supplier never stated, or hotels
+it no longer lists).
+
+Counts can agree while a hotel is lost: a walk by page numbers under a listing that shifts
+skips the hotel at a page boundary while another is added at the end. A city whose last
+full sync's walk **drifted** (``supplier_sync_city_walk``: the listing shifted under it, or
+it went by page number without the continuity check) is **walked again** (listing pages
+only, :data:`REWALK_PAGE_SIZE` hotels a page, nothing stored): a listed hotel that the
+catalog lacks, that is no open dead letter or pending review, and that is not newer than the
+catalog's newest change of the city (a hotel added since is the change feed's), is a
+difference.
 
 Cost: one summary request per city (the supplier's budget: 1,000 cities, 1,000 requests,
-made ``threads`` at a time through the client's shared rate limiter) and one query.
+made ``threads`` at a time through the client's shared rate limiter) and one query; a
+drifted city adds one walk of its listing and a few queries.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -29,16 +43,22 @@ from typing import Any
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import ConfigError, SupplierError, SupplierNotFound
+from supplier_sync_dagster.core.records.mapping import chunks
+from supplier_sync_dagster.core.records.rules import parse_timestamp
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.supplier import CityWalk, SupplierClient, WalkLimits
 from supplier_sync_dagster.core.sync.replay import stored_city_codes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 4
+# Hotels per page when a drifted city is walked again: the most the contract allows.
+REWALK_PAGE_SIZE = 500
+# Hotel ids per IN (...) of the queries that look listed hotels up.
+ID_CHUNK = 500
 
 
 @dataclass(frozen=True)
@@ -49,17 +69,25 @@ class Tolerance:
         absolute: Hotels (or active hotels) apart that never count as a difference.
         relative: ...nor this share of the supplier's count, whichever is larger.
         max_lag_seconds: The catalog's newest ``updated_at`` may trail the supplier's this long.
+        max_ahead_seconds: ...and lead it this long (0: a catalog newer than its supplier at
+            all differs).
     """
 
     absolute: int = 2
     relative: float = 0.02
     max_lag_seconds: float = 6 * 3600.0
+    max_ahead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.absolute < 0 or not 0.0 <= self.relative <= 1.0 or self.max_lag_seconds < 0:
+        if (
+            self.absolute < 0
+            or not 0.0 <= self.relative <= 1.0
+            or self.max_lag_seconds < 0
+            or self.max_ahead_seconds < 0
+        ):
             raise ConfigError(
-                "reconciliation tolerance needs absolute >= 0, relative in [0, 1] and "
-                f"max_lag_seconds >= 0; got {self!r}"
+                "reconciliation tolerance needs absolute >= 0, relative in [0, 1], "
+                f"max_lag_seconds >= 0 and max_ahead_seconds >= 0; got {self!r}"
             )
 
     def allows(self, supplier: int, catalog: int) -> bool:
@@ -85,7 +113,9 @@ class CityComparison:
         supplier: What the supplier's summary says (None: the summary failed).
         catalog: What the catalog holds.
         reasons: Why the city differs (empty: it does not, within the tolerance).
-        error: The summary request's error, when it failed.
+        error: The summary request's (or the re-walk's) error, when it failed.
+        rewalked: How the city's last walk drifted, when it was walked again (else None).
+        missing: Listed hotels the catalog lacks, found by walking the city again.
     """
 
     city_code: str
@@ -93,6 +123,8 @@ class CityComparison:
     catalog: CityCounts
     reasons: tuple[str, ...] = ()
     error: str | None = None
+    rewalked: str | None = None
+    missing: tuple[str, ...] = ()
 
     @property
     def differs(self) -> bool:
@@ -113,6 +145,8 @@ class CityComparison:
             "differs": self.differs,
             "reasons": "; ".join(self.reasons),
             "error": self.error or "",
+            "rewalked": self.rewalked or "",
+            "missing_hotels": len(self.missing),
         }
 
 
@@ -182,6 +216,10 @@ def compare(
                 if behind is None
                 else f"the catalog's newest change is {behind:.0f} s behind the supplier's"
             )
+        elif -behind > tolerance.max_ahead_seconds:
+            reasons.append(
+                f"the catalog's newest change is {-behind:.0f} s ahead of the supplier's"
+            )
     return CityComparison(city_code, supplier, catalog, tuple(reasons))
 
 
@@ -195,11 +233,13 @@ def reconcile(
     threads: int = DEFAULT_THREADS,
     store: PayloadStore | None = None,
     task_code: str | None = None,
+    walk: WalkLimits | None = None,
 ) -> Reconciliation:
     """Compares every city (or ``cities``) of the supplier with the catalog.
 
     A city whose summary request fails is reported with its error and not re-pulled (its
     comparison waits for the next pass); an unknown city (404) has nothing at the supplier.
+    A city whose last walk in the full-sync task ``task_code`` drifted is walked again.
 
     Args:
         db: The sync database.
@@ -210,10 +250,14 @@ def reconcile(
         tolerance: What counts as different.
         threads: Summary requests in flight.
         store: The payload store holding the stored city lists.
-        task_code: The full-sync task whose stored city list to use.
+        task_code: The full-sync task whose stored city list, and whose cities' last
+            walks, to use (None: no city is walked again).
+        walk: The supplier's walk limits, for walking a city again (always with the
+            continuity check).
     """
     began = time.perf_counter()
     tolerance = tolerance or Tolerance()
+    limits = dataclasses.replace(walk or WalkLimits(), continuity_check=True)
     before = client.stats().requests
     if cities is None and store is not None and task_code is not None:
         cities = stored_city_codes(db, store, task_code=task_code) or None
@@ -223,6 +267,7 @@ def reconcile(
         else [c.city_code for c in client.list_cities().data.cities]
     )
     catalog = catalog_counts(db, supplier_id)
+    drifted = drifted_cities(db, task_code) if task_code is not None else {}
 
     def one(code: str) -> CityComparison:
         mine = catalog.get(code, CityCounts())
@@ -238,20 +283,121 @@ def reconcile(
                 s.active_count if s.active_count is not None else s.hotel_count,
                 s.max_updated_at.astimezone(UTC) if s.max_updated_at else None,
             )
-        return compare(code, theirs, mine, tolerance)
+        compared = compare(code, theirs, mine, tolerance)
+        if code not in drifted:
+            return compared
+        return walk_again(
+            db, client, compared, supplier_id=supplier_id, drift=drifted[code], limits=limits
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reconcile") as pool:
         results = list(pool.map(one, codes))
     report = Reconciliation(results, client.stats().requests - before, time.perf_counter() - began)
     log.info(
-        "reconciled %d cities in %.1f s (%d requests): %d differ, %d not compared",
+        "reconciled %d cities in %.1f s (%d requests, %d walked again): %d differ, %d not compared",
         len(results),
         report.seconds,
         report.requests,
+        sum(c.rewalked is not None for c in results),
         len(report.differing),
         len(report.failed),
     )
     return report
+
+
+def drifted_cities(db: SyncDatabase, task_code: str) -> dict[str, str]:
+    """City -> how its walk drifted, for the cities whose last successful walk in the task's
+    batches drifted (``supplier_sync_city_walk``)."""
+    sh, b, w = schema.shard.c, schema.batch.c, schema.city_walk.c
+    latest = (
+        sa.select(sh.shard_key, sa.func.max(sh.id).label("shard_id"))
+        .join(schema.batch, b.batch_id == sh.batch_id)
+        .where(b.task_code == task_code, sh.status == "SUCCESS")
+        .group_by(sh.shard_key)
+        .subquery()
+    )
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(sh.shard_key, w.drift)
+            .join(latest, latest.c.shard_id == sh.id)
+            .join(
+                schema.city_walk,
+                sa.and_(w.batch_id == sh.batch_id, w.shard_key == sh.shard_key),
+            )
+        ).all()
+    return {str(city): str(drift) for city, drift in rows}
+
+
+def walk_again(
+    db: SyncDatabase,
+    client: SupplierClient,
+    compared: CityComparison,
+    *,
+    supplier_id: int,
+    drift: str,
+    limits: WalkLimits,
+) -> CityComparison:
+    """``compared`` with what a new walk of the city's listing finds: its listed hotels that
+    the catalog lacks (see the module docstring)."""
+    city = compared.city_code
+    listed: dict[str, datetime | None] = {}
+    try:
+        for page in CityWalk(client, city, page_size=REWALK_PAGE_SIZE, limits=limits):
+            for record in page.page.hotels:
+                hotel_id, updated = record.get("hotel_id"), record.get("updated_at")
+                if isinstance(hotel_id, str):
+                    listed[hotel_id] = (
+                        parse_timestamp(updated) if isinstance(updated, str) else None
+                    )
+    except SupplierError as err:
+        error = f"walking it again after a {drift} walk failed: {type(err).__name__}: {err}"
+        return dataclasses.replace(compared, rewalked=drift, error=error)
+    newest = compared.catalog.max_updated_at
+    held = accounted_for(db, supplier_id, list(listed))
+    missing = tuple(
+        sorted(
+            h
+            for h, at in listed.items()
+            if h not in held and at is not None and newest is not None and at <= newest
+        )
+    )
+    reasons = compared.reasons
+    if missing:
+        shown = ", ".join(repr(h[:32]) for h in missing[:3]) + (", …" if len(missing) > 3 else "")
+        reasons = (
+            *reasons,
+            f"{len(missing)} listed hotel(s) not in the catalog ({shown}), walked again after "
+            f"a {drift} walk",
+        )
+    return dataclasses.replace(compared, reasons=reasons, rewalked=drift, missing=missing)
+
+
+def accounted_for(db: SyncDatabase, supplier_id: int, hotel_ids: Sequence[str]) -> set[str]:
+    """Of ``hotel_ids``, those the catalog holds (not tombstoned), or that wait as a dead
+    letter (not resolved) or a pending review: every other listed hotel is lost."""
+    h, d, r = schema.platform_hotel.c, schema.dead_letter.c, schema.review.c
+    found: set[str] = set()
+    with db.engine.connect() as conn:
+        for part in chunks(list(hotel_ids), ID_CHUNK):
+            for stmt in (
+                sa.select(h.supplier_hotel_id).where(
+                    h.supplier_id == supplier_id,
+                    h.supplier_hotel_id.in_(part),
+                    h.fingerprint != TOMBSTONE_FINGERPRINT,
+                ),
+                sa.select(d.supplier_resource_code).where(
+                    d.supplier_id == supplier_id,
+                    d.supplier_resource_code.in_(part),
+                    d.status != "RESOLVED",
+                ),
+                sa.select(r.supplier_hotel_id).where(
+                    r.supplier_id == supplier_id,
+                    r.supplier_hotel_id.in_(part),
+                    r.status == "PENDING",
+                ),
+            ):
+                found.update(str(v) for v in conn.execute(stmt).scalars())
+    return found
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -269,7 +415,10 @@ __all__ = [
     "CityCounts",
     "Reconciliation",
     "Tolerance",
+    "accounted_for",
     "catalog_counts",
     "compare",
+    "drifted_cities",
     "reconcile",
+    "walk_again",
 ]

@@ -1,5 +1,7 @@
 """Reconciliation against the simulator's city summaries (SQLite and MariaDB): a city that
-lost hotels or changes differs, a re-pull of exactly that city makes it equal again."""
+lost hotels or changes differs, a re-pull of exactly that city makes it equal again; a
+catalog ahead of its supplier differs; a city whose walk drifted is walked again, and a
+hotel the drift lost is found although every count agrees."""
 
 from __future__ import annotations
 
@@ -7,15 +9,26 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
-from supplier_sync_dagster.core.repair.reconcile import CityCounts, Tolerance, compare, reconcile
+from supplier_sync_dagster.core.records.deadletters import DeadLetter, record_dead_letters
+from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
+from supplier_sync_dagster.core.repair.reconcile import (
+    CityCounts,
+    Tolerance,
+    accounted_for,
+    compare,
+    drifted_cities,
+    reconcile,
+)
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.supplier import WalkLimits
 from supplier_sync_dagster.core.sync.city import sync_city
-from supplier_sync_dagster.simulator import FaultProfile
+from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.core.sync.test_city import SUPPLIER, full_sync, settings
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
@@ -91,5 +104,120 @@ def test_the_tolerance_and_the_lag_decide_what_differs():
     assert not compare("B", CityCounts(10, 10, now), CityCounts(8, 8, now), tol).differs
     behind = compare("C", same, CityCounts(1000, 990, now - timedelta(hours=2)), tol)
     assert behind.differs and "behind" in behind.reasons[0]
+    ahead = compare("E", same, CityCounts(1000, 990, now + timedelta(seconds=1)), tol)
+    assert ahead.reasons == ("the catalog's newest change is 1 s ahead of the supplier's",)
+    lenient = Tolerance(max_ahead_seconds=60)
+    assert not compare(
+        "E", same, CityCounts(1000, 990, now + timedelta(seconds=1)), lenient
+    ).differs
     empty = compare("D", same, CityCounts(), tol)
     assert empty.differs and any("no hotel" in r for r in empty.reasons)
+
+
+def test_a_catalog_newer_than_its_supplier_differs(db: SyncDatabase, tmp_path: Path):
+    sim = make_simulator(FaultProfile.clean(), seed=22, n_cities=4, total_hotels=400)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=httpx.MockTransport(sim.handle)) as http:
+        client = supplier_client(http)
+        full_sync(db, store, client, "day0")
+        assert reconcile(db, client, supplier_id=SUPPLIER).differing == []
+        # A change dated ahead of anything the supplier states (a blinded watermark's kind).
+        h = schema.platform_hotel.c
+        with db.begin() as conn:
+            hotel_id, city = conn.execute(
+                sa.select(h.supplier_hotel_id, h.city_code).order_by(h.supplier_hotel_id).limit(1)
+            ).one()
+            conn.execute(
+                sa.update(schema.platform_hotel)
+                .where(h.supplier_hotel_id == hotel_id)
+                .values(supplier_updated_at=datetime(2099, 1, 1))
+            )
+        report = reconcile(db, client, supplier_id=SUPPLIER)
+    assert [c.city_code for c in report.differing] == [city]
+    (diff,) = report.differing
+    assert len(diff.reasons) == 1 and "ahead of the supplier's" in diff.reasons[0]
+    assert diff.row()["catalog_max_updated_at"] == "2099-01-01T00:00:00Z"
+
+
+def _drift_sim(shifts: int) -> Simulator:
+    faults = FaultProfile.clean().with_(modes=("drift",), drift_shifts=shifts)
+    sim = make_simulator(faults, seed=23, n_cities=3, total_hotels=450)
+    biggest = max(sim.ground_truth().listed_by_city.items(), key=lambda kv: len(kv[1]))[0]
+    sim.set_modes(["drift"], [biggest])
+    return sim
+
+
+def _published(db: SyncDatabase) -> set[str]:
+    h = schema.platform_hotel.c
+    with db.engine.connect() as conn:
+        return set(
+            conn.execute(
+                sa.select(h.supplier_hotel_id).where(h.fingerprint != TOMBSTONE_FINGERPRINT)
+            ).scalars()
+        )
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
+def test_a_city_whose_walk_drifted_is_walked_again(db: SyncDatabase, tmp_path: Path, check: bool):
+    sim = _drift_sim(shifts=6)
+    (city,) = sim.modes.cities
+    store = LocalPayloadStore(tmp_path / "payloads")
+    limits = WalkLimits(continuity_check=check)
+    with httpx.Client(base_url="http://sim", transport=httpx.MockTransport(sim.handle)) as http:
+        client = supplier_client(http)
+        full_sync(db, store, client, "day0", walk=limits, page_size=20)
+        truth = sim.ground_truth()
+        lost = set(truth.valid) - _published(db)
+        assert drifted_cities(db, "hotel_full") == {city: "SHIFTED" if check else "UNCHECKED"}
+        report = reconcile(db, client, supplier_id=SUPPLIER, task_code="hotel_full")
+    by_city = {c.city_code: c for c in report.cities}
+    drifted = by_city[city]
+    assert drifted.rewalked == ("SHIFTED" if check else "UNCHECKED")
+    assert all(c.rewalked is None for c in report.cities if c.city_code != city)
+    # Every count agrees: only the walk again tells a lost hotel.
+    assert drifted.supplier is not None
+    assert Tolerance().allows(drifted.supplier.hotels, drifted.catalog.hotels)
+    if check:
+        assert lost == set() and report.differing == []
+    else:
+        assert lost and set(drifted.missing) == lost
+        assert [c.city_code for c in report.differing] == [city]
+        assert drifted.reasons == (
+            f"{len(lost)} listed hotel(s) not in the catalog ({', '.join(map(repr, sorted(lost)[:3]))}"
+            f"{', …' if len(lost) > 3 else ''}), walked again after a UNCHECKED walk",
+        )
+    # A summary per city, and the pages of the drifted city (500 hotels a page) once more.
+    pages = -(-len(truth.listed_by_city[city]) // 500)
+    assert report.requests == len(report.cities) + 1 + pages
+
+
+def test_a_listed_hotel_that_waits_as_a_dead_letter_is_not_missing(
+    db: SyncDatabase, tmp_path: Path
+):
+    sim = _drift_sim(shifts=6)
+    (city,) = sim.modes.cities
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=httpx.MockTransport(sim.handle)) as http:
+        client = supplier_client(http)
+        batch_id, _ = full_sync(
+            db, store, client, "day0", walk=WalkLimits(continuity_check=False), page_size=20
+        )
+        lost = sorted(set(sim.ground_truth().valid) - _published(db))
+        assert len(lost) == 2
+        letter = DeadLetter(
+            lost[0], "VALIDATION", "NON_RETRYABLE", "INVALID_GEO", "lat 200", None, None
+        )
+        with db.begin() as conn:
+            record_dead_letters(
+                conn,
+                db.clock,
+                batch_id=batch_id,
+                task_code="hotel_full",
+                sync_mode="FULL",
+                supplier_id=SUPPLIER,
+                letters=[letter],
+            )
+        assert accounted_for(db, SUPPLIER, lost) == {lost[0]}
+        report = reconcile(db, client, supplier_id=SUPPLIER, task_code="hotel_full")
+    (drifted,) = report.differing
+    assert drifted.city_code == city and drifted.missing == (lost[1],)
