@@ -77,7 +77,7 @@ REQUESTS_PER_SHIFT = 6
 # two pages); one more is a runaway.
 REPEATED_PAGES_ALLOWED = 1
 # Untrusted text (cursors, city codes) in a message is cut to this many characters.
-SHOWN_CHARS = 24
+SHOWN_CHARS = 16
 
 Drift = Literal["SHIFTED", "UNVERIFIED", "UNCHECKED"]
 """What a walk's listing did under it: SHIFTED (seen, and the walk verified), UNVERIFIED
@@ -365,8 +365,8 @@ class CityWalk:
         p.repeats += 1
         if p.repeats > REPEATED_PAGES_ALLOWED:
             raise self._runaway(
-                f"{p.repeats} cursor pages in a row (to page {p.number}) brought no hotel "
-                "not seen before in this walk"
+                f"{p.repeats} cursor pages in a row held only hotels seen before "
+                f"(to page {p.number})"
             )
 
     # --- continuity -------------------------------------------------------------------------
@@ -476,7 +476,7 @@ class CityWalk:
         budget = REQUESTS_PER_PAGE * limit + REQUESTS_PER_SHIFT * min(self.stats.shifts, limit)
         if self.stats.requests >= budget:
             raise self._runaway(
-                f"{self.stats.requests} listing requests, the most its {limit} page(s) and "
+                f"{self.stats.requests} requests, the most {limit} page(s) and "
                 f"{self.stats.shifts} shift(s) allow"
             )
         self.stats.requests += 1
@@ -509,17 +509,17 @@ class CityWalk:
             return
         expected = self._expected_pages()
         why = (
-            f"{expected} page(s) of {self._size} by its own counts, plus slack"
+            f"its counts say {expected} page(s) of {self._size}, plus slack"
             if expected is not None
             else "no count states its size"
         )
-        raise self._runaway(f"page {number} is past the {limit} page(s) it may have ({why})")
+        raise self._runaway(f"page {number} is past the {limit} allowed ({why})")
 
     def _runaway(self, what: str) -> WalkRunaway:
+        # The rule first: a failed city's line shows the start of its error.
         return WalkRunaway(
-            f"WALK_RUNAWAY: city {shown(self.city_code)} of supplier "
-            f"{self.client.supplier_id}: {what}; the walk stopped after "
-            f"{self.stats.requests} request(s)"
+            f"WALK_RUNAWAY: {what}; city {shown(self.city_code)} of supplier "
+            f"{self.client.supplier_id}, stopped after {self.stats.requests} request(s)"
         )
 
 

@@ -121,7 +121,7 @@ def test_a_runaway_city_fails_with_a_ticket_after_a_few_pages_and_the_others_pub
     assert "WALK_RUNAWAY" in loop.error and "'LOOP'" in loop.error
     # GROW's pages state no size: its hotel_count in the city list bounds the walk
     grow = outcomes["GROW"].report
-    assert grow.status == "FAILED" and "page 4 is past the 3 page(s)" in (grow.error or "")
+    assert grow.status == "FAILED" and "page 4 is past the 3 allowed" in (grow.error or "")
     assert snapshot_rows(db, "GROW") == 3
     assert outcomes["BKK"].status == "SUCCESS"
     assert published_ids(db) == set(ids(25))
@@ -177,7 +177,7 @@ def test_a_city_whose_size_forbids_more_pages_fails_before_storing_them(
     client, _ = make_client(Supplier({"BKK": (endless, 60)}))
     store = LocalPayloadStore(tmp_path / "payloads")
     batch = make_batch(["BKK"])
-    with pytest.raises(WalkRunaway, match="page 9 is past the 8 page"):
+    with pytest.raises(WalkRunaway, match="page 9 is past the 8 allowed"):
         _sync(db, store, client, batch)
     assert snapshot_rows(db, "BKK") == 8
 
