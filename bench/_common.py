@@ -93,7 +93,7 @@ def prewarm(url: str, page_size: int, *, rate: float | None = None) -> tuple[Wor
     Returns:
         The world and the seconds the walk took.
     """
-    from supplier_sync_dagster.core.supplier import InProcessTokenBucket, SupplierClient, iter_city
+    from supplier_sync_dagster.core.supplier import CityWalk, InProcessTokenBucket, SupplierClient
 
     began = time.perf_counter()
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -109,7 +109,7 @@ def prewarm(url: str, page_size: int, *, rate: float | None = None) -> tuple[Wor
             sizes={c.city_code: int(c.hotel_count or 0) for c in listed},
         )
         for city in world.cities:
-            for _ in iter_city(client, city, page_size=page_size):
+            for _ in CityWalk(client, city, page_size=page_size):
                 pass
     return world, time.perf_counter() - began
 

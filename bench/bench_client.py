@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import httpx
 
 from supplier_sync_dagster.core.supplier import (
+    CityWalk,
     InProcessTokenBucket,
     RateLimiter,
     RedisTokenBucket,
     RetryPolicy,
     SupplierClient,
-    iter_city,
 )
 from supplier_sync_dagster.dagster_instance.deployment import free_port
 from supplier_sync_dagster.simulator import Simulator, SimulatorConfig, serve
@@ -109,7 +109,7 @@ def walk(client: SupplierClient, cities: list[str], page_size: int, deadline: fl
     pages = hotels = raw_bytes = 0
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for code in cities:
-        for item in iter_city(client, code, page_size=page_size):
+        for item in CityWalk(client, code, page_size=page_size):
             pages += 1
             hotels += len(item.page.hotels)
             raw_bytes += len(item.raw)

@@ -60,7 +60,7 @@ def _client(url: str) -> Any:
 
 def prewarm(url: str, page_size: int) -> tuple[list[str], int, float]:
     """Walks every city once (the simulator builds hotels on first use)."""
-    from supplier_sync_dagster.core.supplier import iter_city
+    from supplier_sync_dagster.core.supplier import CityWalk
 
     began = time.perf_counter()
     http, client = _client(url)
@@ -68,7 +68,7 @@ def prewarm(url: str, page_size: int) -> tuple[list[str], int, float]:
         cities = [c.city_code for c in client.list_cities().data.cities]
         hotels = 0
         for city in cities:
-            for page in iter_city(client, city, page_size=page_size):
+            for page in CityWalk(client, city, page_size=page_size):
                 hotels += len(page.page.hotels)
     return cities, hotels, time.perf_counter() - began
 

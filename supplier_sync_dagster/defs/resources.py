@@ -39,8 +39,8 @@ from supplier_sync_dagster.core.supplier import (
 )
 from supplier_sync_dagster.core.supplier.walk import (
     DEFAULT_MAX_PAGES,
-    DEFAULT_MIN_SLACK_PAGES,
     DEFAULT_PAGE_SLACK,
+    MIN_SLACK_PAGES,
 )
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
@@ -201,7 +201,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         default=DEFAULT_PAGE_SLACK,
         description=(
             "Share of a city's expected pages its walk may go past them, at least "
-            f"{DEFAULT_MIN_SLACK_PAGES} pages ({env_name('walk_page_slack')})."
+            f"{MIN_SLACK_PAGES} pages ({env_name('walk_page_slack')})."
         ),
     )
     walk_continuity_check: bool = Field(

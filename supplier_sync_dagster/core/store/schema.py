@@ -600,11 +600,7 @@ city_walk = _table(
     sa.Column("shard_key", _code(128), nullable=False),
     # SHIFTED (seen and verified), UNVERIFIED, UNCHECKED: core/supplier/walk.py, Drift.
     sa.Column("drift", sa.String(16), nullable=False),
-    _counter("shifts"),
-    _counter("fallbacks"),
-    _counter("probes"),
-    _counter("recovered"),
-    _counter("requests"),
+    *(_counter(name) for name in ("shifts", "fallbacks", "probes", "recovered", "requests")),
     sa.Column("created_at", _ts(), nullable=False),
     sa.UniqueConstraint("batch_id", "shard_key", name="uk_city_walk"),
     sa.Index("idx_city_walk_created", "created_at"),

@@ -49,7 +49,7 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
-from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, WalkStats, iter_city
+from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, WalkStats
 
 __all__ = [
     "ERROR_CODE_STATUS",
@@ -86,7 +86,6 @@ __all__ = [
     "WalkStats",
     "bucket_key",
     "encode_segment",
-    "iter_city",
     "make_city_rate_limiters",
     "make_rate_limiter",
     "parse_retry_after",

@@ -367,7 +367,7 @@ class PagePosition(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class CityPage:
-    """One page yielded by :func:`~supplier_sync_dagster.core.supplier.walk.iter_city`.
+    """One page of a :class:`~supplier_sync_dagster.core.supplier.walk.CityWalk`.
 
     Attributes:
         city_code: The city being walked.

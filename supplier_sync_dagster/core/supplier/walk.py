@@ -14,7 +14,7 @@ resuming, and by page number again when a cursor expires (410 CURSOR_EXPIRED).
 - the next page would be past what the city's own counts allow: the largest of its
   ``hotel_count`` (``/v1/cities``, when the caller knows it) and the pages' ``total`` and
   ``total_pages``, plus :attr:`WalkLimits.page_slack` of it (at least
-  :attr:`WalkLimits.min_slack_pages`) for a listing that grows while it is walked; never
+  :data:`MIN_SLACK_PAGES`) for a listing that grows while it is walked; never
   more than :attr:`WalkLimits.max_pages`, which is also the limit of a city whose size
   nothing states;
 - the walk has made :data:`REQUESTS_PER_PAGE` requests per page allowed (pages, probes, the
@@ -67,7 +67,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CURSOR_EXPIRIES = 3
 DEFAULT_MAX_PAGES = 10_000
 DEFAULT_PAGE_SLACK = 0.1
-DEFAULT_MIN_SLACK_PAGES = 2
+# Pages past a city's expected ones that a walk may always go (its slack's floor).
+MIN_SLACK_PAGES = 2
 # A walk's requests: its pages, a probe per page fetched by number and the verification
 # pass stay under this many per page allowed, plus REQUESTS_PER_SHIFT for each shift seen
 # (a probe, a page or two stepped back, the page again), counted up to one per page allowed.
@@ -93,8 +94,7 @@ class WalkLimits:
         max_pages: The most pages of a walk: the limit of a city whose size nothing states,
             and a ceiling over any stated size.
         page_slack: Share of the city's expected pages a walk may go past them (hotels
-            added while it is walked).
-        min_slack_pages: Pages past the expected ones that are always allowed.
+            added while it is walked), at least :data:`MIN_SLACK_PAGES`.
         continuity_check: Check every page fetched by number that continues the walk (see
             the module docstring). Off: only the page where a walk turns to page numbers
             is checked, by stepping back one page (a shift later on can skip a hotel).
@@ -104,22 +104,20 @@ class WalkLimits:
 
     max_pages: int = DEFAULT_MAX_PAGES
     page_slack: float = DEFAULT_PAGE_SLACK
-    min_slack_pages: int = DEFAULT_MIN_SLACK_PAGES
     continuity_check: bool = True
     max_cursor_expiries: int = DEFAULT_MAX_CURSOR_EXPIRIES
 
     def __post_init__(self) -> None:
-        if self.max_pages < 1 or self.min_slack_pages < 0 or not 0 <= self.page_slack <= 10:
+        if self.max_pages < 1 or not 0 <= self.page_slack <= 10:
             raise ConfigError(
-                "walk limits need max_pages >= 1, min_slack_pages >= 0 and page_slack in "
-                f"[0, 10]; got {self!r}"
+                f"walk limits need max_pages >= 1 and page_slack in [0, 10]; got {self!r}"
             )
 
     def page_limit(self, expected_pages: int | None) -> int:
         """The most pages a walk of a city of ``expected_pages`` (None: unknown) may fetch."""
         if expected_pages is None:
             return self.max_pages
-        slack = max(self.min_slack_pages, math.ceil(expected_pages * self.page_slack))
+        slack = max(MIN_SLACK_PAGES, math.ceil(expected_pages * self.page_slack))
         return min(self.max_pages, expected_pages + slack)
 
 
@@ -132,24 +130,24 @@ class WalkStats:
         probes: Of those, one-hotel requests that checked a page's continuity.
         fallbacks: Times the walk went on by page number after cursors (a 410, or a
             checkpoint without a cursor).
+        listed: The hotel ids of a verification pass that saw no shift: the city's listing
+            as it stands after the walk (hotels the walk saw that it lacks went meanwhile).
         shifts: Times the listing was seen to have shifted under a page-number walk.
         unchecked: Pages fetched by number that continued the walk without the
             continuity check (the pages read again where it turned to page numbers too).
         verified: None: no verification was needed; True: the verification pass saw no
             shift; False: it saw one too.
         recovered: Hotels the verification pass found that the walk had not seen.
-        listed: The hotel ids of a verification pass that saw no shift: the city's listing
-            as it stands after the walk (hotels the walk saw that it lacks went meanwhile).
     """
 
     requests: int = 0
     probes: int = 0
     fallbacks: int = 0
+    listed: frozenset[str] | None = field(default=None, repr=False)
     shifts: int = 0
     unchecked: int = 0
     verified: bool | None = None
     recovered: int = 0
-    listed: frozenset[str] | None = field(default=None, repr=False)
 
     @property
     def drift(self) -> Drift | None:
@@ -527,34 +525,3 @@ def _same_total(a: HotelsPage, b: HotelsPage) -> bool:
     """False when both pages state a ``total`` and they differ: the listing changed between
     them, so one cannot vouch for the other."""
     return not (isinstance(a.total, int) and isinstance(b.total, int) and a.total != b.total)
-
-
-def iter_city(
-    client: SupplierClient,
-    city_code: str,
-    *,
-    page_size: int = 100,
-    start: PagePosition | None = None,
-    hotel_count: int | None = None,
-    limits: WalkLimits | None = None,
-) -> Iterator[CityPage]:
-    """The pages of a city's walk (:class:`CityWalk`; keep the walk to read its stats).
-
-    Args:
-        client: The supplier's client.
-        city_code: The supplier's city code.
-        page_size: Hotels per page (1-500).
-        start: Checkpoint to resume from; None starts at page 1.
-        hotel_count: The city's ``hotel_count`` from ``/v1/cities``, when known.
-        limits: How far the walk may go.
-    """
-    return iter(
-        CityWalk(
-            client,
-            city_code,
-            page_size=page_size,
-            start=start,
-            hotel_count=hotel_count,
-            limits=limits,
-        )
-    )

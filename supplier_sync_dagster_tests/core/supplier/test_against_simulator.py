@@ -15,9 +15,9 @@ import redis
 from supplier_sync_dagster.core.errors import SupplierAuthError
 from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
+    CityWalk,
     RetryPolicy,
     SupplierClient,
-    iter_city,
 )
 from supplier_sync_dagster.simulator import (
     HOSTILE_CITY_CODES,
@@ -52,7 +52,7 @@ def walk_everything(client: SupplierClient, page_size: int) -> dict[str, set[str
     listed: dict[str, set[str]] = {}
     for city in client.list_cities().data.cities:
         ids = listed.setdefault(city.city_code, set())
-        for item in iter_city(client, city.city_code, page_size=page_size):
+        for item in CityWalk(client, city.city_code, page_size=page_size):
             ids.update(h["hotel_id"] for h in item.page.hotels)
     return listed
 
@@ -85,7 +85,7 @@ def test_hostile_city_codes_round_trip(flaky_server: tuple[Simulator, str]) -> N
         for code in HOSTILE_CITY_CODES:
             assert code in served
             assert client.get_city_summary(code).data.city_code == code
-            pages = list(iter_city(client, code, page_size=2))
+            pages = list(CityWalk(client, code, page_size=2))
             assert all(p.page.city_code == code for p in pages)
             ids = {h["hotel_id"] for p in pages for h in p.page.hotels}
             assert ids == set(truth.listed_by_city[code])

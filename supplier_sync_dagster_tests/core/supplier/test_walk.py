@@ -12,7 +12,7 @@ import pytest
 
 from supplier_sync_dagster.core.errors import SupplierUnavailable, WalkRunaway
 from supplier_sync_dagster.core.supplier import CityPage, PagePosition, RetryPolicy
-from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, iter_city
+from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits
 from supplier_sync_dagster_tests.core.supplier.fakes import (
     FakeCatalog,
     Script,
@@ -45,7 +45,7 @@ def kinds(requests: list[httpx.Request]) -> list[str]:
 def test_cursor_walk_follows_next_cursor_until_null() -> None:
     catalog = FakeCatalog(ids(25))
     client, _ = make_client(catalog)
-    pages = list(iter_city(client, "BKK", page_size=10))
+    pages = list(CityWalk(client, "BKK", page_size=10))
     assert walked_ids(pages) == ids(25)
     assert kinds(catalog.requests) == ["p1", "c", "c"]
     assert [p.fetched_by for p in pages] == ["page", "cursor", "cursor"]
@@ -82,7 +82,7 @@ def test_page_number_walk_without_the_check_asks_no_probe() -> None:
 def test_empty_city_is_one_empty_page() -> None:
     catalog = FakeCatalog([], cursors=True)
     client, _ = make_client(catalog)
-    pages = list(iter_city(client, "BKK", page_size=10))
+    pages = list(CityWalk(client, "BKK", page_size=10))
     assert len(pages) == 1 and pages[0].page.hotels == [] and pages[0].position.done
 
 
@@ -99,7 +99,7 @@ def test_empty_page_ends_the_walk_once_the_page_before_still_ends_where_the_walk
         json_response(200, page_body(2, ["B"])),  # page 2 again: still ends at B
     )
     client, _ = make_client(script)
-    pages = list(iter_city(client, "X", page_size=1))
+    pages = list(CityWalk(client, "X", page_size=1))
     assert walked_ids(pages) == ["A", "B"] and len(pages) == 3 and pages[-1].position.done
 
 
@@ -120,7 +120,7 @@ def test_cursor_expired_falls_back_to_page_numbers_checked_by_a_probe() -> None:
 def test_cursor_expired_without_the_check_rereads_the_last_completed_page() -> None:
     catalog = FakeCatalog(ids(50), expire=[2])
     client, _ = make_client(catalog)
-    pages = list(iter_city(client, "BKK", page_size=10, limits=UNCHECKED))
+    pages = list(CityWalk(client, "BKK", page_size=10, limits=UNCHECKED))
     assert kinds(catalog.requests) == ["p1", "c", "c", "p3", "p2", "c", "c"]
     assert [p.page_number for p in pages] == [1, 2, 2, 3, 4, 5]
     assert sorted(set(walked_ids(pages))) == ids(50)
@@ -141,7 +141,7 @@ def test_fallback_steps_back_further_when_hotels_were_removed(limits: WalkLimits
 
     catalog = FakeCatalog(ids(60), expire=[3], on_request=on_request)
     client, _ = make_client(catalog)
-    pages = list(iter_city(client, "BKK", page_size=10, limits=limits))
+    pages = list(CityWalk(client, "BKK", page_size=10, limits=limits))
     seen = set(walked_ids(pages))
     assert seen >= set(ids(45, start=16))  # nothing that still exists was skipped
 
@@ -159,11 +159,11 @@ def test_repeated_expiry_switches_to_page_numbers_for_good() -> None:
 def test_resume_from_a_cursor_checkpoint() -> None:
     catalog = FakeCatalog(ids(30))
     client, _ = make_client(catalog)
-    first = next(iter_city(client, "BKK", page_size=10))
+    first = next(iter(CityWalk(client, "BKK", page_size=10)))
     checkpoint = PagePosition.model_validate_json(first.position.model_dump_json())
 
     catalog.requests.clear()
-    pages = list(iter_city(client, "BKK", page_size=10, start=checkpoint))
+    pages = list(CityWalk(client, "BKK", page_size=10, start=checkpoint))
     assert walked_ids(pages) == ids(20, start=11)
     assert kinds(catalog.requests) == ["c", "c"]
     assert [p.page_number for p in pages] == [2, 3]
@@ -184,7 +184,7 @@ def test_resume_from_a_page_number_checkpoint_without_the_check_rereads_the_last
     catalog = FakeCatalog(ids(30), cursors=False)
     client, _ = make_client(catalog)
     start = PagePosition(page=3, last_hotel_id="H000020")
-    pages = list(iter_city(client, "BKK", page_size=10, start=start, limits=UNCHECKED))
+    pages = list(CityWalk(client, "BKK", page_size=10, start=start, limits=UNCHECKED))
     assert kinds(catalog.requests) == ["p3", "p2"]  # p3 first id > checkpoint, so check p2
     assert [p.page_number for p in pages] == [2, 3]
     assert walked_ids(pages) == ids(20, start=11)
@@ -193,13 +193,13 @@ def test_resume_from_a_page_number_checkpoint_without_the_check_rereads_the_last
 def test_resume_from_page_without_last_id_goes_straight_there() -> None:
     catalog = FakeCatalog(ids(30), cursors=False)
     client, _ = make_client(catalog)
-    pages = list(iter_city(client, "BKK", page_size=10, start=PagePosition(page=3)))
+    pages = list(CityWalk(client, "BKK", page_size=10, start=PagePosition(page=3)))
     assert kinds(catalog.requests) == ["p3"] and walked_ids(pages) == ids(10, start=21)
 
 
 def test_done_checkpoint_yields_nothing() -> None:
     client, _ = make_client(Script())
-    assert list(iter_city(client, "BKK", start=PagePosition(page=9, done=True))) == []
+    assert list(CityWalk(client, "BKK", start=PagePosition(page=9, done=True))) == []
 
 
 def test_failure_mid_walk_leaves_a_valid_checkpoint() -> None:
@@ -208,7 +208,7 @@ def test_failure_mid_walk_leaves_a_valid_checkpoint() -> None:
         catalog, *[httpx.Response(503)] * 3
     )  # page 1 served, then the supplier is down
     client, _ = make_client(failing, retry=RetryPolicy(max_attempts=3, base_delay=0.01))
-    walk = iter_city(client, "BKK", page_size=10)
+    walk = iter(CityWalk(client, "BKK", page_size=10))
     first = next(walk)
     with pytest.raises(SupplierUnavailable):
         next(walk)
@@ -330,7 +330,7 @@ def test_a_one_hotel_city_that_keeps_answering_pages_stops_after_a_few() -> None
 
 
 def test_slack_grows_with_the_city() -> None:
-    limits = WalkLimits(page_slack=0.1, min_slack_pages=2, max_pages=1000)
+    limits = WalkLimits(page_slack=0.1, max_pages=1000)
     assert limits.page_limit(1) == 3
     assert limits.page_limit(100) == 110
     assert limits.page_limit(5000) == 1000

@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import WalkRunaway
+from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.leasing.batches import Batch
 from supplier_sync_dagster.core.leasing.leases import list_shards
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
@@ -197,12 +198,16 @@ def test_a_listing_that_shifts_under_the_walk_loses_no_hotel_and_is_recorded(
     drifting = Drifting()
     client, _ = make_client(Supplier({"BKK": (drifting, 60)}))
     store = LocalPayloadStore(tmp_path / "payloads")
-    report = _sync(db, store, client, make_batch(["BKK"]))
+    batch = make_batch(["BKK"])
+    report = _sync(db, store, client, batch)
     assert drifting.shifted and report.status == "SUCCESS"
     assert set(ids(59, start=2)) | {"H000061"} <= published_ids(db)
     assert report.walk is not None and report.walk.drift == "SHIFTED"
     assert report.presence is not None  # a verified listing: absences count
     assert walk_rows(db) == [{"shard_key": "BKK", "drift": "SHIFTED", "shifts": 1, "recovered": 0}]
+    health = sync_health(db, task_code=batch.task_code).values()
+    assert health["listing_drifted_cities_24h"] == 1 and health["listing_shifts_24h"] == 1
+    assert health["listing_unverified_cities_24h"] == 0
 
 
 def test_without_the_continuity_check_drift_loses_a_hotel_and_it_is_recorded(
