@@ -285,6 +285,8 @@ class CityWalk:
             page = fetched.data
             self._count(page)
             done, next_cursor = self._next(p, fetched, fetched_by)
+            # Pages a step back found are yielded, all of them, before the pass may end.
+            done = done and not p.queued
             p.seen.update(hotel_ids(page))
             last = page.last_hotel_id
             if last is not None and (p.last_id is None or last > p.last_id):
@@ -301,7 +303,7 @@ class CityWalk:
                 fetched_by=fetched_by,
                 position=position,
             )
-            if done and not p.queued:
+            if done:
                 return
             p.number += 1
             p.cursor = next_cursor
