@@ -807,33 +807,26 @@ def test_a_change_inside_the_skew_publishes_and_one_beyond_it_is_a_dead_letter(
 
 def test_the_watermark_never_passes_the_database_clock_plus_the_skew(db: SyncDatabase):
     far = Watermark(datetime(2099, 1, 1, tzinfo=UTC), "H1")
-    with db.begin() as conn:
-        assert advance_watermark(
-            conn,
-            db.clock,
-            task_code=TASK,
-            supplier_id=1,
-            to=far,
-            batch_id="b1",
-            max_clock_skew_seconds=600,
-        )
-        now = db.clock.read_utc(conn)
-        mark = get_watermark(conn, TASK)
+
+    def advance_to_far(batch_id: str) -> tuple[datetime, Watermark | None]:
+        with db.begin() as conn:
+            assert advance_watermark(
+                conn,
+                db.clock,
+                task_code=TASK,
+                supplier_id=1,
+                to=far,
+                batch_id=batch_id,
+                max_clock_skew_seconds=600,
+            )
+            return db.clock.read_utc(conn), get_watermark(conn, TASK)
+
+    now, mark = advance_to_far("b1")
     assert mark is not None
     assert now + timedelta(seconds=590) <= mark.updated_at <= now + timedelta(seconds=600)
     # The database's clock, not this machine's: a day later there, a day further.
     db.clock.advance(86_400)
-    with db.begin() as conn:
-        assert advance_watermark(
-            conn,
-            db.clock,
-            task_code=TASK,
-            supplier_id=1,
-            to=far,
-            batch_id="b2",
-            max_clock_skew_seconds=600,
-        )
-        later = get_watermark(conn, TASK)
+    _, later = advance_to_far("b2")
     assert later is not None
     assert mark.updated_at + timedelta(seconds=86_000) <= later.updated_at < far.updated_at
 

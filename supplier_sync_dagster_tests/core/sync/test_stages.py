@@ -14,7 +14,6 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.leasing.batches import TaskSpec, create_batch, upsert_task
-from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
@@ -22,7 +21,7 @@ from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.city import sync_city
 from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
 from supplier_sync_dagster.core.sync.stages import LAST_CHUNK_HOTELS, split_for_processes
-from supplier_sync_dagster_tests.core.records.test_tombstones import Listing
+from supplier_sync_dagster_tests.core.records.test_tombstones import SETTINGS, Listing
 from supplier_sync_dagster_tests.core.repair.test_incremental import hotel
 
 
@@ -45,13 +44,6 @@ def test_split_for_processes_gives_each_process_equal_chunks_and_a_short_last(
 
 # -- a record dated ahead of the database clock ------------------------------------------------
 
-SETTINGS = SyncSettings(
-    task_code="full",
-    supplier_id=1001,
-    page_size=2,
-    lease=LeaseSettings(lease_seconds=30, heartbeat_seconds=5),
-)
-
 
 @pytest.fixture
 def listing() -> Listing:
@@ -63,8 +55,9 @@ def listing() -> Listing:
 
 @pytest.fixture
 def client(listing: Listing) -> Iterator[SupplierClient]:
-    transport = httpx.MockTransport(listing.handle)
-    with httpx.Client(base_url="http://supplier", transport=transport) as http:
+    with httpx.Client(
+        base_url="http://supplier", transport=httpx.MockTransport(listing.handle)
+    ) as http:
         yield SupplierClient(http, api_key="k", supplier_id="fake")
 
 
