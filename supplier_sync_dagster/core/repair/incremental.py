@@ -24,7 +24,9 @@ events. Hotels of a window belong to their own cities (no listing city, nothing 
   than ``max_clock_skew_seconds`` is a ``FUTURE_TIMESTAMP`` dead letter (the normalize
   stage) and does not count where the window ends; the watermark never passes the database
   clock plus the skew (:func:`advance_watermark`), so a later window still asks for the
-  changes that really come next.
+  changes that really come next. The feed is ordered by time, so a window stops at the
+  first page whose next position lies beyond: a supplier that dates many changes ahead
+  costs each window one page of dead letters, not the whole backlog.
 - **Anomaly gates**: the batch gates of a full sync (bad-record ratio, schema drift,
   judged against the previous window) stop a window; a window far above the trailing
   median of the task's windows (``change_volume``) is processed but every diff is held for
@@ -474,6 +476,9 @@ class ChangeWindow:
             else:
                 pos = replace(pos, high=high)
             done = nxt is None or not records or number >= self.settings.max_pages
+            # The feed is ordered by time: past a next position beyond the clock plus the
+            # skew every change is too, and walking there would only file more dead letters.
+            done = done or (nxt is not None and nxt.since > latest)
             yield FetchedPage(
                 fetched.raw,
                 number,

@@ -851,3 +851,21 @@ def test_a_window_handed_a_change_far_ahead_still_stops_the_watermark_at_the_ske
     assert window.watermark_after is not None
     skew = timedelta(seconds=SETTINGS.max_clock_skew_seconds)
     assert window.watermark_after.updated_at <= _db_now(db) + skew
+
+
+def test_a_window_stops_at_the_first_page_that_reaches_past_the_clock_plus_the_skew(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    # A supplier dating a whole backlog ahead: each window reads one page of it, not all.
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    for n in range(2, 12):
+        feed.change(hotel(n, at=0, updated_at=FAR_AHEAD))
+    for trigger in ("w1", "w2"):
+        before = feed.requests
+        window = _run(db, store, client, trigger)  # pages of 3
+        assert window.report.status == "SUCCESS"
+        assert feed.requests - before == 1
+        assert dict(window.report.dead_letters_by_code) == {"FUTURE_TIMESTAMP": 2}
+        assert window.watermark_after == Watermark(T0 + timedelta(seconds=10), "H000001")
+    assert _published(db) == {"H000001": 1}
