@@ -30,7 +30,12 @@ from supplier_sync_dagster.core.repair.compensation import (
 )
 from supplier_sync_dagster.core.settings import load_settings, load_storage_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.defs.resources import GovernanceResource, run_settings
+from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
+    PayloadStoreResource,
+    SyncDatabaseResource,
+    run_settings,
+)
 
 
 def cmd_fix(args: argparse.Namespace) -> int:
@@ -44,17 +49,17 @@ def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
         patch = json.loads(args.patch)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--patch is not JSON: {err}") from None
-    sync_db, payloads = storage_resources(args, load_storage_settings())
+    storage = load_storage_settings()
     outcome = fix_dead_letter(
         db,
-        payloads.open(),
+        PayloadStoreResource(url=storage.payload_url).open(),
         dead_letter=args.id,
         patch=patch,
         actor=args.by,
         reason=args.reason,
-        lease=sync_db.lease_settings(),
+        lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
         risk_policy=GovernanceResource().risk_rules(),
-        max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
+        max_clock_skew_seconds=storage.max_clock_skew_seconds,
         worker_id=make_worker_id("supplier-sync"),
     )
     if args.json:

@@ -133,8 +133,8 @@ def build_sync_settings(
         ConfigError: ``max_clock_skew_seconds`` is outside its range.
     """
     return SyncSettings(
-        task_code=task_code,
-        supplier_id=supplier_id,
+        task_code,
+        supplier_id,
         page_size=page_size,
         lease=lease,
         risk_policy=risk_policy,
