@@ -4,7 +4,8 @@ Build one client per supplier API key::
 
     limiter = make_rate_limiter(redis_url=settings.redis_url, supplier_id="acme",
                                 api_key=key, rate=20, burst=1)
-    with httpx.Client(base_url="https://api.acme.example/") as http:
+    transport = BoundedTransport()  # every socket wait ends by the request's deadline
+    with httpx.Client(base_url="https://api.acme.example/", transport=transport) as http:
         client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
         for item in client.iter_city("BKK", page_size=100, start=checkpoint):
             commit(item.page, item.raw)          # then store item.position as the checkpoint
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, BreakerStats, CircuitBreaker
 from supplier_sync_dagster.core.supplier.client import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DECODED_BYTES,
+    DEFAULT_REQUEST_DEADLINE,
     ERROR_CODE_STATUS,
     ClientStats,
     SupplierClient,
@@ -48,11 +52,16 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
+from supplier_sync_dagster.core.supplier.transport import BoundedTransport, deadline_scope
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_DECODED_BYTES",
+    "DEFAULT_REQUEST_DEADLINE",
     "ERROR_CODE_STATUS",
     "MALFORMED_RECORD_KEY",
     "NO_RETRY",
+    "BoundedTransport",
     "BreakerState",
     "BreakerStats",
     "BucketOptions",
@@ -80,6 +89,7 @@ __all__ = [
     "RetryPolicy",
     "SupplierClient",
     "bucket_key",
+    "deadline_scope",
     "encode_segment",
     "make_city_rate_limiters",
     "make_rate_limiter",

@@ -190,7 +190,8 @@ class CircuitBreaker:
                     self._open("its probe request failed")
             elif self._state is BreakerState.CLOSED and self._should_open():
                 if self._consecutive >= self._threshold:
-                    self._open(f"{self._consecutive} failures in a row")
+                    n = self._consecutive
+                    self._open(f"{n} failure{'s' if n > 1 else ''} in a row")
                 else:
                     failed = sum(1 for ok in self._window if not ok)
                     self._open(f"{failed} of the last {len(self._window)} requests failed")
