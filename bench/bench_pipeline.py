@@ -264,6 +264,7 @@ def _peak_rss_mb() -> float:
 def _settings(opts: dict[str, Any]) -> Any:
     from supplier_sync_dagster.core.leasing.leases import LeaseSettings
     from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS
     from supplier_sync_dagster.core.sync.model import SyncTuning, build_sync_settings
 
     kw: SyncTuning = {}
@@ -275,6 +276,7 @@ def _settings(opts: dict[str, Any]) -> Any:
         page_size=opts["page_size"],
         lease=LeaseSettings(),
         risk_policy=default_risk_policy,
+        max_clock_skew_seconds=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
         **kw,
     )
 

@@ -46,6 +46,7 @@ MYSQL_URL = "mysql+pymysql://root@127.0.0.1:3306"
 def _settings(page_size: int) -> Any:
     from supplier_sync_dagster.core.leasing.leases import LeaseSettings
     from supplier_sync_dagster.core.records.diff import default_risk_policy
+    from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS
     from supplier_sync_dagster.core.sync.model import build_sync_settings
 
     return build_sync_settings(
@@ -54,6 +55,7 @@ def _settings(page_size: int) -> Any:
         page_size=page_size,
         lease=LeaseSettings(lease_seconds=60, heartbeat_seconds=5),
         risk_policy=default_risk_policy,
+        max_clock_skew_seconds=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     )
 
 

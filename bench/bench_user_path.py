@@ -359,7 +359,10 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
 
     from supplier_sync_dagster.core.leasing.leases import LeaseSettings
     from supplier_sync_dagster.core.records.diff import default_risk_policy
-    from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+    from supplier_sync_dagster.core.settings import (
+        DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+        DEFAULT_TASK_CODE,
+    )
     from supplier_sync_dagster.core.store.db import SyncDatabase
     from supplier_sync_dagster.core.store.payloads import open_payload_store
     from supplier_sync_dagster.core.supplier import SupplierClient
@@ -408,6 +411,7 @@ def count_statements(args: argparse.Namespace, db_url: str) -> bool:
                 page_size=args.page_size,
                 lease=LeaseSettings(),
                 risk_policy=default_risk_policy,
+                max_clock_skew_seconds=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
             )
             listed = client.list_cities().data.cities
             cities = [c.city_code for c in listed]

@@ -45,6 +45,7 @@ from supplier_sync_dagster.core.leasing.batches import (
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
 from supplier_sync_dagster.core.records.diff import default_risk_policy
+from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
@@ -301,6 +302,7 @@ def run_demo(
         page_size=PAGE_SIZE,
         lease=LeaseSettings(lease_seconds=lease_seconds, heartbeat_seconds=lease_seconds / 6),
         risk_policy=default_risk_policy,
+        max_clock_skew_seconds=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     )
     cities, plan, countries = _demo_plan()
     batch_id, outcome = _create_demo_batch(db, cities, trigger_id)

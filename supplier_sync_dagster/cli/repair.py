@@ -49,15 +49,17 @@ def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
         patch = json.loads(args.patch)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--patch is not JSON: {err}") from None
+    storage = load_storage_settings()
     outcome = fix_dead_letter(
         db,
-        PayloadStoreResource(url=load_storage_settings().payload_url).open(),
+        PayloadStoreResource(url=storage.payload_url).open(),
         dead_letter=args.id,
         patch=patch,
         actor=args.by,
         reason=args.reason,
         lease=SyncDatabaseResource(db_url=args.db_url).lease_settings(),
         risk_policy=GovernanceResource().risk_rules(),
+        max_clock_skew_seconds=storage.max_clock_skew_seconds,
         worker_id=make_worker_id("supplier-sync"),
     )
     if args.json:

@@ -31,7 +31,10 @@ def storage_resources(
 ) -> tuple[SyncDatabaseResource, PayloadStoreResource]:
     """The database and payload store resources: ``--db-url``, else the settings."""
     return (
-        SyncDatabaseResource(db_url=args.db_url or settings.db_url),
+        SyncDatabaseResource(
+            db_url=args.db_url or settings.db_url,
+            max_clock_skew_seconds=settings.max_clock_skew_seconds,
+        ),
         PayloadStoreResource(url=settings.payload_url),
     )
 

@@ -328,6 +328,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     supplier_id=task.supplier_id,
                     city_code=city,
                     city_countries=countries,
+                    max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
                 )
                 print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
             return 1 if missing else 0

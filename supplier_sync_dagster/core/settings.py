@@ -30,6 +30,10 @@ from supplier_sync_dagster.core.errors import ConfigError
 ENV_PREFIX = "SUPPLIER_SYNC_"
 # The task that `sync --full`, the Dagster resources and the task commands mean unless told.
 DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
+# How far a supplier's updated_at may run ahead of the database clock (seconds), unless set,
+# and the most it may be set to: a larger skew would let one record blind a watermark longer.
+DEFAULT_MAX_CLOCK_SKEW_SECONDS = 3600.0
+MAX_CLOCK_SKEW_LIMIT_SECONDS = 7 * 86_400.0
 
 # The URL settings, each with the schemes it accepts.
 _URL_SCHEMES: dict[str, tuple[str, ...]] = {
@@ -43,8 +47,10 @@ S = TypeVar("S", bound="StorageSettings")
 
 
 class StorageSettings(BaseSettings):
-    """Where state is kept: the part of :class:`Settings` that the core's fallbacks read, so
-    that a malformed supplier setting does not stop commands that never call the supplier."""
+    """Where state is kept, and how far a stored supplier time may run ahead of its database
+    clock: the part of :class:`Settings` that the core's fallbacks and every command that
+    opens the sync database read, so that a malformed supplier setting does not stop
+    commands that never call the supplier."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
@@ -62,6 +68,15 @@ class StorageSettings(BaseSettings):
     payload_url: str | None = Field(
         default=None,
         description="s3://bucket/prefix or file:///path; unset: the state folder's payloads/",
+    )
+    max_clock_skew_seconds: float = Field(
+        default=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+        ge=0,
+        le=MAX_CLOCK_SKEW_LIMIT_SECONDS,
+        allow_inf_nan=False,
+        description="how far a supplier record's updated_at may be ahead of the sync database's "
+        "clock (seconds, 0-604800); a record further ahead is a FUTURE_TIMESTAMP dead letter and "
+        "no watermark passes the database clock plus this; unset: 3600",
     )
 
     @property

@@ -184,6 +184,7 @@ def fix_dead_letter_op(
                 reason=config.reason,
                 lease=sync_db.lease_settings(),
                 risk_policy=governance.risk_rules(),
+                max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
                 worker_id=make_worker_id("supplier-sync"),
             )
         except NotFound as err:

@@ -24,6 +24,7 @@ from supplier_sync_dagster.core.accounts import Account
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.diff import RiskRules
 from supplier_sync_dagster.core.settings import (
+    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_TASK_CODE,
     Settings,
     env_name,
@@ -72,6 +73,14 @@ class SyncDatabaseResource(dg.ConfigurableResource):
     heartbeat_seconds: float = Field(
         default=20.0,
         description="Lease renewal interval in seconds (at most a third of the lease).",
+    )
+    max_clock_skew_seconds: float = Field(
+        default=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+        description=(
+            "How far a supplier record's updated_at may be ahead of this database's clock, in "
+            f"seconds ({env_name('max_clock_skew_seconds')}); a record further ahead is a "
+            "FUTURE_TIMESTAMP dead letter and no watermark passes the clock plus this."
+        ),
     )
 
     def open(self) -> SyncDatabase:
@@ -344,14 +353,15 @@ class GovernanceResource(dg.ConfigurableResource):
 def run_settings(
     sync_db: SyncDatabaseResource, supplier: SupplierResource, governance: GovernanceResource
 ) -> SyncSettings:
-    """The settings of a run's sync work: the supplier's task and pages, the leases, the
-    risk policy."""
+    """The settings of a run's sync work: the supplier's task and pages, the leases and the
+    clock skew, the risk policy."""
     return build_sync_settings(
         task_code=supplier.task_code,
         supplier_id=supplier.supplier_id,
         page_size=supplier.page_size,
         lease=sync_db.lease_settings(),
         risk_policy=governance.risk_rules(),
+        max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
     )
 
 
@@ -396,7 +406,10 @@ def resources() -> dg.Definitions:
     settings = load_settings()
     return dg.Definitions(
         resources={
-            "sync_db": SyncDatabaseResource(db_url=env_var(settings, "db_url")),
+            "sync_db": SyncDatabaseResource(
+                db_url=env_var(settings, "db_url"),
+                max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            ),
             "payloads": PayloadStoreResource(url=env_var(settings, "payload_url")),
             **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),

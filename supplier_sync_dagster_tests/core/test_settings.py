@@ -33,6 +33,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_HOME",
         "SUPPLIER_SYNC_DB_URL",
         "SUPPLIER_SYNC_PAYLOAD_URL",
+        "SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS",
         "SUPPLIER_SYNC_SUPPLIERS_FILE",
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
@@ -130,6 +131,19 @@ def test_the_supplier_clients_bounds(monkeypatch: pytest.MonkeyPatch):
             m.setenv(name, bad)
             message = str(pytest.raises(ConfigError, load_settings).value)
         assert message.startswith(f"{name}: ") and "\n" not in message
+
+
+def test_the_clock_skew_is_an_hour_unless_set_and_within_a_week(monkeypatch: pytest.MonkeyPatch):
+    assert load_storage_settings().max_clock_skew_seconds == 3600.0
+    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "0")
+    assert load_storage_settings().max_clock_skew_seconds == 0.0
+    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "120.5")
+    assert load_settings().max_clock_skew_seconds == 120.5
+    for bad in ("-1", "604801", "nan", "inf", "an hour"):
+        monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", bad)
+        message = str(pytest.raises(ConfigError, load_storage_settings).value)
+        assert message.startswith("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS: "), message
+        assert "\n" not in message
 
 
 def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch):

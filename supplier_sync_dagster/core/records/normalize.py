@@ -17,7 +17,9 @@ Which problem is reported when a record has several (deterministic):
    ``FIELD_RENAMED`` (``geo`` absent but ``location`` present);
 3. a walk over the fields in the contract's order: the first ADAPTER problem (wrong type,
    unparseable timestamp or amount, missing nested field) wins at once; otherwise the
-   first VALIDATION problem (a value out of its domain) met during the walk.
+   first VALIDATION problem (a value out of its domain) met during the walk;
+4. for :func:`normalize_documents` given the database clock's bound, an otherwise valid
+   record dated after it: ``FUTURE_TIMESTAMP``.
 
 Text rules: free text (names, address, captions, facilities) is stripped and runs of
 space/tab/CR/LF are collapsed to one space; any other C0/C1 control character (ESC, NUL,
@@ -152,6 +154,10 @@ ERROR_CODES: Final[dict[str, str]] = {
     "OVERSIZED_STRING": "a string is longer than its limit (see LIMITS)",
     "TOO_MANY_ITEMS": "a list (facilities, images, rooms, rate plans) is longer than its limit",
     "DUPLICATE_CODE": "two rooms of a hotel, or two rate plans of a room, share a code",
+    "FUTURE_TIMESTAMP": (
+        "updated_at is further ahead of the database clock than the allowed clock skew "
+        "(SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS)"
+    ),
 }
 """Every error code a :class:`Rejection` can carry, with its one-line meaning."""
 
@@ -1349,14 +1355,21 @@ class NormalizedDocuments:
     rejection_index: list[int] = field(default_factory=list)
 
 
-def normalize_documents(records: Iterable[object]) -> NormalizedDocuments:
+def normalize_documents(
+    records: Iterable[object], *, not_after: dt.datetime | None = None
+) -> NormalizedDocuments:
     """:func:`normalize_records`, each hotel as ``to_primitive`` of it: what a sync stores.
 
     The usual clean record takes a fast path that builds the primitive document directly;
     every other record goes through the reference normalizer, so the outcome is the same.
+    A record that normalizes but whose ``updated_at`` is after ``not_after`` is rejected
+    with ``FUTURE_TIMESTAMP`` (VALIDATION): one supplier clock far ahead would otherwise
+    publish a time no later change can pass, and blind an incremental task's watermark.
 
     Args:
         records: the page's ``hotels`` list, as decoded from JSON.
+        not_after: the latest ``updated_at`` a record may carry (aware): the database
+            clock plus the allowed skew; None checks nothing.
 
     Returns:
         Documents and rejections, each with its position in ``records``.
@@ -1370,18 +1383,33 @@ def normalize_documents(records: Iterable[object]) -> NormalizedDocuments:
                 doc = _fast(record)
             except Exception:  # a bug in the fast path: the reference path reports it
                 doc = None
-        if doc is not None:
-            docs.append(doc)
-            doc_index.append(i)
-            continue
-        out = normalize_record(record)
-        if type(out) is Rejection:
-            result.rejections.append(out)
+        if doc is None:
+            out = normalize_record(record)
+            if type(out) is Rejection:
+                result.rejections.append(out)
+                result.rejection_index.append(i)
+                continue
+            doc = to_primitive(out)  # type: ignore[arg-type]
+        if not_after is not None and dt.datetime.fromisoformat(doc["updated_at"]) > not_after:
+            result.rejections.append(_future(record, doc["updated_at"], not_after))
             result.rejection_index.append(i)
-        else:
-            docs.append(to_primitive(out))  # type: ignore[arg-type]
-            doc_index.append(i)
+            continue
+        docs.append(doc)
+        doc_index.append(i)
     return result
+
+
+def _future(record: object, updated_at: str, not_after: dt.datetime) -> Rejection:
+    """The ``FUTURE_TIMESTAMP`` rejection of a record dated after ``not_after``."""
+    return Rejection(
+        _readable_id(record),
+        VALIDATION,
+        "FUTURE_TIMESTAMP",
+        "updated_at",
+        f"updated_at {updated_at} is after {_timestamp(not_after.astimezone(dt.UTC))}, the "
+        "database clock plus the allowed clock skew",
+        _readable_version(record),
+    )
 
 
 # -- canonical form, fingerprints and the content / price split ------------------------------

@@ -725,6 +725,7 @@ def fix_dead_letter(
     reason: str,
     lease: LeaseSettings,
     risk_policy: RiskPolicy,
+    max_clock_skew_seconds: float,
     compensation: CompensationSettings = CompensationSettings(),
     worker_id: str,
 ) -> FixOutcome:
@@ -735,7 +736,8 @@ def fix_dead_letter(
     a fix cannot bypass governance. Accepted, the dead letter is RESOLVED; refused, it stays
     as it was and the refusal (the new error code) is returned. Either way one audit row
     says who, why, the patch and the outcome. The sync settings are those of the dead
-    letter's own task and supplier, with the deployment's ``lease`` and ``risk_policy``.
+    letter's own task and supplier, with the deployment's ``lease``, ``risk_policy`` and
+    ``max_clock_skew_seconds``.
 
     Raises:
         ConfigError: No actor or reason, a patch that is not an object or changes the hotel
@@ -758,6 +760,7 @@ def fix_dead_letter(
         page_size=DEFAULT_PAGE_SIZE,  # a fixed record walks no city listing
         lease=lease,
         risk_policy=risk_policy,
+        max_clock_skew_seconds=max_clock_skew_seconds,
     )
     if row.status not in deadletters.OPEN_STATUSES:
         raise DeadLetterStateError(f"dead letter {dead_letter} is {row.status}: nothing to fix")

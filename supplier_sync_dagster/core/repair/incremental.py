@@ -20,6 +20,13 @@ events. Hotels of a window belong to their own cities (no listing city, nothing 
 - **The first window** of a task starts where its supplier's latest successful full sync
   began: the newest ``updated_at`` of the city list that full sync stored. Without one
   there is nothing to be incremental to (:class:`~.errors.NoBaseline`).
+- **A supplier's clock cannot blind it**: a change dated further ahead of the database clock
+  than ``max_clock_skew_seconds`` is a ``FUTURE_TIMESTAMP`` dead letter (the normalize
+  stage) and does not count where the window ends; the watermark never passes the database
+  clock plus the skew (:func:`advance_watermark`), so a later window still asks for the
+  changes that really come next. The feed is ordered by time, so a window stops at the
+  first page whose next position lies beyond: a supplier that dates many changes ahead
+  costs each window one page of dead letters, not the whole backlog.
 - **Anomaly gates**: the batch gates of a full sync (bad-record ratio, schema drift,
   judged against the previous window) stop a window; a window far above the trailing
   median of the task's windows (``change_volume``) is processed but every diff is held for
@@ -68,7 +75,7 @@ from supplier_sync_dagster.core.records.gates import (
     list_overrides,
     previous_profile,
 )
-from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS, DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore, use_index
 from supplier_sync_dagster.core.store.payloads import PayloadStore
@@ -237,13 +244,27 @@ def advance_watermark(
     supplier_id: int,
     to: Watermark,
     batch_id: str,
+    max_clock_skew_seconds: float,
 ) -> bool:
     """Moves the task's watermark forward to ``to`` (never back), in the caller's transaction.
 
     One guarded UPDATE: it matches only a watermark older than ``to``, so two windows that
-    race cannot move it back. Returns whether it moved.
+    race cannot move it back. A ``to`` past the database clock plus
+    ``max_clock_skew_seconds`` moves it only that far: a watermark ahead of every real
+    change would make each later window ask from the future and find nothing. Returns
+    whether it moved.
     """
     w = schema.watermark.c
+    latest = Watermark(clock.read_utc(conn, max_clock_skew_seconds))
+    if to > latest:
+        log.warning(
+            "task %s: watermark %s is past the database clock plus %.0f s; moved to %s only",
+            task_code,
+            to.text(),
+            max_clock_skew_seconds,
+            latest.text(),
+        )
+        to = latest
     at = _naive(to.updated_at)
     created = False
     if get_watermark(conn, task_code) is None:
@@ -280,13 +301,20 @@ def advance_watermark(
 
 
 def baseline_watermark(
-    db: SyncDatabase, store: PayloadStore, *, full_task_code: str, supplier_id: int
+    db: SyncDatabase,
+    store: PayloadStore,
+    *,
+    full_task_code: str,
+    supplier_id: int,
+    not_after: datetime | None = None,
 ) -> Watermark | None:
     """Where a task with no watermark starts: its supplier's latest successful full sync.
 
     That batch read the supplier's city list before any city: every change visible then
     has an ``updated_at`` at or before the newest city ``updated_at`` of that list, and the
-    batch listed it. None when no such batch stored a city list.
+    batch listed it. A city time after ``not_after`` (the database clock plus the allowed
+    skew) is a supplier clock ahead, not a baseline, and is left out. None when no such
+    batch stored a city list.
     """
     s, b = schema.snapshot.c, schema.batch.c
     with db.engine.connect() as conn:
@@ -310,9 +338,11 @@ def baseline_watermark(
         value = city.get("updated_at") if isinstance(city, dict) else None
         if isinstance(value, str):
             try:
-                times.append(_parse_time(value))
+                at = _parse_time(value)
             except ValueError:
                 continue
+            if not_after is None or at <= not_after:
+                times.append(at)
     return Watermark(max(times)) if times else None
 
 
@@ -357,6 +387,8 @@ class ChangeWindow:
         supplier_id: The supplier.
         settings: How the feed is read.
         thresholds: The task's gate thresholds (``change_volume``).
+        max_clock_skew_seconds: How far a change's ``updated_at`` may be ahead of the
+            database clock and still count where the window ends.
         started_from: The position the window began with (set when it starts or resumes).
         volume: The ``change_volume`` result, once judged.
         watermark: The watermark the window moved to, once finished.
@@ -368,6 +400,7 @@ class ChangeWindow:
     supplier_id: int
     settings: IncrementalSettings
     thresholds: GateThresholds = field(default_factory=GateThresholds)
+    max_clock_skew_seconds: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS
     started_from: FeedPosition | None = None
     volume: GateResult | None = None
     watermark: Watermark | None = None
@@ -386,6 +419,7 @@ class ChangeWindow:
                 self.store,
                 full_task_code=self.settings.full_task_code,
                 supplier_id=self.supplier_id,
+                not_after=self.latest_time(),
             )
         if mark is None:
             raise NoBaseline(
@@ -398,6 +432,11 @@ class ChangeWindow:
         # Without an overlap the window continues right after the watermark's own change.
         after = (mark.hotel_id or None) if overlap == 0 else None
         return FeedPosition(start=start, since=start, after_id=after, high=mark, origin=mark)
+
+    def latest_time(self) -> datetime:
+        """The latest ``updated_at`` a change may carry: the database clock plus the skew."""
+        with self.db.engine.connect() as conn:
+            return self.db.clock.read_utc(conn, self.max_clock_skew_seconds)
 
     def pages(
         self, client: SupplierClient | None, start: Checkpoint | None, shard_key: str
@@ -416,9 +455,12 @@ class ChangeWindow:
             )
             records = fetched.data.changes
             high = pos.high
+            # A change dated beyond the clock plus the skew is a dead letter, not news: the
+            # window does not end at it.
+            latest = self.latest_time()
             for record in records:
                 key = _record_key(record)
-                if key is not None and (high is None or key > high):
+                if key is not None and key.updated_at <= latest and (high is None or key > high):
                     high = key
             nxt = fetched.data.next
             if nxt is not None:
@@ -434,6 +476,9 @@ class ChangeWindow:
             else:
                 pos = replace(pos, high=high)
             done = nxt is None or not records or number >= self.settings.max_pages
+            # The feed is ordered by time: past a next position beyond the clock plus the
+            # skew every change is too, and walking there would only file more dead letters.
+            done = done or (nxt is not None and nxt.since > latest)
             yield FetchedPage(
                 fetched.raw,
                 number,
@@ -501,8 +546,9 @@ class ChangeWindow:
             supplier_id=self.supplier_id,
             to=high,
             batch_id=self.batch_id,
+            max_clock_skew_seconds=self.max_clock_skew_seconds,
         )
-        self.watermark = high
+        self.watermark = get_watermark(conn, self.settings.task_code)
 
 
 def window_history(db: SyncDatabase, task_code: str, batch_id: str) -> list[int]:
@@ -690,7 +736,15 @@ def run_incremental(
     )
     batch = start_batch(db, decision, [WINDOW_SHARD], skipped="incremental sync skipped")
     batch_id = batch.batch_id
-    window = ChangeWindow(db, store, batch_id, settings.supplier_id, incremental, thresholds)
+    window = ChangeWindow(
+        db,
+        store,
+        batch_id,
+        settings.supplier_id,
+        incremental,
+        thresholds,
+        max_clock_skew_seconds=settings.max_clock_skew_seconds,
+    )
     cpus = usable_cpus()
     run_settings = replace(
         settings,

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypeVar, cast
 
@@ -73,6 +73,13 @@ class DbClock:
         value = conn.execute(sa.select(self.now())).scalar_one()
         assert isinstance(value, datetime)
         return value
+
+    def read_utc(self, conn: Connection, plus_seconds: float = 0.0) -> datetime:
+        """The database's time plus ``plus_seconds``, aware (UTC), to compare with a
+        supplier's times (the database gives naive UTC)."""
+        value = conn.execute(sa.select(self.now(plus_seconds))).scalar_one()
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 @dataclass

@@ -18,10 +18,15 @@ from typing import Any, Literal, NamedTuple, Protocol, TypedDict, Unpack
 
 from sqlalchemy.engine import Connection
 
+from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.leases import Checkpoint, LeaseSettings, PageCounts
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.records.gates import CityProfile, GateResult
 from supplier_sync_dagster.core.records.tombstones import DEFAULT_MISSING_SYNCS, Presence
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    MAX_CLOCK_SKEW_LIMIT_SECONDS,
+)
 from supplier_sync_dagster.core.supplier import SupplierClient
 
 # SyncSettings.publish_chunk_hotels unless set.
@@ -59,6 +64,9 @@ class SyncSettings:
         normalize_processes: Forked processes that normalize and judge a shard's pages
             while this process fetches and stores them (0: this process does). For one
             large shard (an incremental window), as ``publish_processes``.
+        max_clock_skew_seconds: How far a record's ``updated_at`` may be ahead of the
+            database clock: a record further ahead is a ``FUTURE_TIMESTAMP`` dead letter,
+            and an incremental task's watermark never passes the clock plus this.
     """
 
     task_code: str
@@ -73,6 +81,14 @@ class SyncSettings:
     missing_syncs: int = DEFAULT_MISSING_SYNCS
     publish_processes: int = 0
     normalize_processes: int = 0
+    max_clock_skew_seconds: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_clock_skew_seconds <= MAX_CLOCK_SKEW_LIMIT_SECONDS:
+            raise ConfigError(
+                f"max_clock_skew_seconds must be within 0..{MAX_CLOCK_SKEW_LIMIT_SECONDS:.0f}; "
+                f"got {self.max_clock_skew_seconds!r}"
+            )
 
 
 class SyncTuning(TypedDict, total=False):
@@ -94,13 +110,14 @@ def build_sync_settings(
     page_size: int,
     lease: LeaseSettings,
     risk_policy: RiskPolicy,
+    max_clock_skew_seconds: float,
     **tuning: Unpack[SyncTuning],
 ) -> SyncSettings:
     """The settings of a sync, as every entry point builds them.
 
     The deployment's settings (its supplier's page size, its lease settings, its risk
-    policy) are required: an entry point that left one out would sync with a default that
-    differs from the other entry points' without anyone noticing.
+    policy, the clock skew it allows) are required: an entry point that left one out would
+    sync with a default that differs from the other entry points' without anyone noticing.
 
     Args:
         task_code: The task being run.
@@ -108,14 +125,20 @@ def build_sync_settings(
         page_size: Hotels per supplier page (the supplier's configured page size).
         lease: The deployment's lease duration and heartbeat interval.
         risk_policy: The deployment's risk policy.
+        max_clock_skew_seconds: How far a record's ``updated_at`` may be ahead of the
+            database clock (``SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS``).
         **tuning: Settings that keep their defaults unless given (:class:`SyncTuning`).
+
+    Raises:
+        ConfigError: ``max_clock_skew_seconds`` is outside its range.
     """
     return SyncSettings(
-        task_code=task_code,
-        supplier_id=supplier_id,
+        task_code,
+        supplier_id,
         page_size=page_size,
         lease=lease,
         risk_policy=risk_policy,
+        max_clock_skew_seconds=max_clock_skew_seconds,
         **tuning,
     )
 

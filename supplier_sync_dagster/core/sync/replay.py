@@ -28,6 +28,7 @@ from supplier_sync_dagster.core.leasing.batches import Batch, add_shards, create
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
+from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase, insert_ignore
 from supplier_sync_dagster.core.store.payloads import PayloadStore
@@ -227,6 +228,7 @@ def dry_run_city(
     city_code: str,
     city_countries: Mapping[str, str] | None = None,
     risk_policy: RiskPolicy = default_risk_policy,
+    max_clock_skew_seconds: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     sample: int = 20,
     chunk_hotels: int = DEFAULT_CHUNK_HOTELS,
 ) -> DryRunReport:
@@ -247,6 +249,7 @@ def dry_run_city(
         page_size=SyncSettings.page_size,
         lease=LeaseSettings(),
         risk_policy=risk_policy,
+        max_clock_skew_seconds=max_clock_skew_seconds,
         chunk_hotels=chunk_hotels,
     )
     collector = DiffCollector(db, settings, sample=sample)

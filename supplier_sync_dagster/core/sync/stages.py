@@ -4,7 +4,9 @@
   committed (:meth:`Normalizer.add`); a resumed walk or a replay reads the RAW snapshots
   back from the store (never the supplier: replay is free). Row-level quality judges the
   documents a chunk at a time; each page's kept documents are stored as a NORMALIZED
-  snapshot (JSON lines), every rejected record as a dead letter (:class:`NormalizedWriter`).
+  snapshot (JSON lines), every rejected record as a dead letter (:class:`NormalizedWriter`);
+  a record dated further ahead of the database clock than ``max_clock_skew_seconds`` is
+  rejected (``FUTURE_TIMESTAMP``), so that it is never published.
   For one large shard, forked processes normalize and judge its pages while the fetch goes on.
 - **map/diff/publish** (:func:`publish_city`): chunk by chunk, from memory for a small city,
   else read back from its NORMALIZED snapshots (memory stays bounded whatever the city's
@@ -280,6 +282,11 @@ class Normalizer:
         self._drift: GateResult | None = None
         # True when every stored RAW page was given to add(): finish() reads none back.
         self.stored_pages_seen = False
+        # The latest updated_at a record may carry (the database clock plus the allowed
+        # skew), read again once a chunk's worth of records was judged against it: a long
+        # walk's later pages hold later changes.
+        self._not_after: datetime | None = None
+        self._judged_since_clock = 0
         # Pages being normalized and judged in forked processes (settings.normalize_processes).
         self._workers: ForkPool | None = None
         self._inflight: deque[tuple[StoredPage, Future[_JudgedPage]]] = deque()
@@ -351,16 +358,28 @@ class Normalizer:
         self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
         self.fields.add(records)
+        not_after = self._latest_time(len(records))
         if self.settings.normalize_processes > 0 and self.on_kept is None:
-            self._submit(raw, records)
+            self._submit(raw, records, not_after)
         else:
-            result = normalize_documents(records)
+            result = normalize_documents(records, not_after=not_after)
             self.pages.append(_Page(raw, result))
             self.buffered += len(result.docs)
             if self.buffered >= self.settings.chunk_hotels:
                 self._validate()
         collect_garbage()
         self.report.seconds["normalize"] += time.perf_counter() - began
+
+    def _latest_time(self, records: int) -> datetime:
+        """The latest ``updated_at`` that ``records`` more records may carry: the database
+        clock plus ``settings.max_clock_skew_seconds`` (FUTURE_TIMESTAMP beyond it)."""
+        if self._not_after is None or self._judged_since_clock >= self.settings.chunk_hotels:
+            db = self.db
+            with db.engine.connect() as conn:
+                self._not_after = db.clock.read_utc(conn, self.settings.max_clock_skew_seconds)
+            self._judged_since_clock = 0
+        self._judged_since_clock += records
+        return self._not_after
 
     def _validate(self, *, flush: bool = True) -> None:
         if self._workers is not None:
@@ -418,7 +437,7 @@ class Normalizer:
 
     # -- pages judged in forked processes ----------------------------------------------
 
-    def _submit(self, raw: StoredPage, records: list[Any]) -> None:
+    def _submit(self, raw: StoredPage, records: list[Any], not_after: datetime) -> None:
         """Hands a page to a forked process, which normalizes and judges it."""
         if self._workers is None:
             self._workers = ForkPool(
@@ -426,7 +445,7 @@ class Normalizer:
                 _start_forked_judge,
                 (self.db, self.listing_city, self.city_countries),
             )
-        self._inflight.append((raw, self._workers.submit(_judge_page, raw, records)))
+        self._inflight.append((raw, self._workers.submit(_judge_page, raw, records, not_after)))
         # Two pages ahead per process: enough to keep them busy, and memory bounded.
         self._collect(block=False)
 
@@ -477,10 +496,11 @@ def _start_forked_judge(
     _judge_context = (listing_city, city_countries)
 
 
-def _judge_page(raw: StoredPage, records: list[Any]) -> _JudgedPage:
+def _judge_page(raw: StoredPage, records: list[Any], not_after: datetime) -> _JudgedPage:
     assert _judge_context is not None, "not a forked judge"
     listing_city, city_countries = _judge_context
-    moved, judged = _judge([_Page(raw, normalize_documents(records))], listing_city, city_countries)
+    page = _Page(raw, normalize_documents(records, not_after=not_after))
+    moved, judged = _judge([page], listing_city, city_countries)
     kept, letters = judged[0]
     return _JudgedPage([canonical_dumps(d) for d in kept], letters, moved)
 

@@ -16,6 +16,7 @@ from supplier_sync_dagster.core.records.deadletters import (
     RULES,
     TRANSITIONS,
     DeadLetter,
+    Rule,
     backoff_seconds,
     due_for_retry,
     fail_attempt,
@@ -35,6 +36,8 @@ def test_every_code_that_the_pipeline_writes_has_its_own_rule() -> None:
     assert not missing, f"codes without a rule: {sorted(missing)}"
     assert all(RULES[c].error_class == "NEEDS_PERSON" for c in QUALITY_CODES)
     assert RULES["COUNTRY_CITY_MISMATCH"].owner_team == "product-sync"
+    # A supplier clock far ahead: the supplier corrects it (or a person fixes the record).
+    assert RULES["FUTURE_TIMESTAMP"] == Rule("NEEDS_PERSON", "supplier-data")
     assert RULES["SUPPLIER_UNAVAILABLE"].error_class == "RETRYABLE"
     assert RULES["SUPPLIER_UNAVAILABLE"].max_retries == len(BACKOFF_SECONDS)
     assert rule_for("NEVER_SEEN").error_class == "NEEDS_PERSON"

@@ -359,8 +359,8 @@ def test_replay_after_a_rule_fix_publishes_the_change_without_supplier_requests(
     sim = make_simulator(seed=61, n_cities=4, total_hotels=400)
     fixed_rule = stages.normalize_documents
 
-    def buggy_rule(records: Any) -> Any:
-        result = fixed_rule(records)
+    def buggy_rule(records: Any, **kwargs: Any) -> Any:
+        result = fixed_rule(records, **kwargs)
         result.docs = [{**doc, "name": doc["name"].upper()} for doc in result.docs]
         return result
 

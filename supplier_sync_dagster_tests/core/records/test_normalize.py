@@ -470,8 +470,33 @@ def test_an_undecodable_record_keeps_its_readable_id_and_version() -> None:
 
 def test_every_code_is_documented_and_tested() -> None:
     tested = {c[2] for c in CASES}
-    assert tested == set(ERROR_CODES) - {"INTERNAL_ERROR"}
+    # FUTURE_TIMESTAMP needs the database clock's bound: the next test.
+    assert tested == set(ERROR_CODES) - {"INTERNAL_ERROR", "FUTURE_TIMESTAMP"}
     assert set(ERROR_STAGES) == set(ERROR_CODES)
+
+
+def test_a_record_dated_after_the_bound_is_future_timestamp_on_both_paths() -> None:
+    bound = dt.datetime(2026, 11, 20, 11, 0, tzinfo=dt.UTC)
+    at_bound = record(updated_at="2026-11-20T11:00:00Z")  # the usual spelling: the fast path
+    after = record(updated_at="2026-11-20T12:00:00.5+01:00")  # 11:00:00.5 UTC, by itself
+    unusual = record(updated_at="2099-01-01T00:00:00Z", country_code="th")  # the reference
+    both = record(updated_at="2099-01-01T00:00:00Z", star_rating=9)
+    assert n._fast(copy.deepcopy(at_bound)) is not None and n._fast(unusual) is None
+    page = normalize_documents([at_bound, after, unusual, both, "x"], not_after=bound)
+    assert page.doc_index == [0] and page.rejection_index == [1, 2, 3, 4]
+    codes = [(r.error_code, r.field, r.stage) for r in page.rejections]
+    assert codes[:2] == [("FUTURE_TIMESTAMP", "updated_at", "VALIDATION")] * 2
+    # Another problem of the record is reported first: only a valid record is judged by time.
+    assert [c[0] for c in codes[2:]] == ["STAR_RATING_OUT_OF_RANGE", "NOT_AN_OBJECT"]
+    future = page.rejections[0]
+    check_rejection(future)
+    assert (future.supplier_hotel_id, future.version) == ("H000123", EXAMPLE["version"])
+    assert "2026-11-20T11:00:00.500000Z" in future.message
+    assert "2026-11-20T11:00:00Z" in future.message
+    # Without a bound nothing is judged by time (and a bound is the only difference).
+    plain = normalize_documents([at_bound, after, unusual, both, "x"])
+    assert plain.doc_index == [0, 1, 2]
+    assert plain.docs[0] == page.docs[0]
 
 
 def test_order_adapter_before_validation_and_required_first() -> None:

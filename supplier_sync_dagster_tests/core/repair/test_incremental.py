@@ -53,6 +53,7 @@ SETTINGS = SyncSettings(
     lease=LeaseSettings(lease_seconds=30, heartbeat_seconds=5),
 )
 TASK = "incr_task"
+SKEW = {"max_clock_skew_seconds": SETTINGS.max_clock_skew_seconds}
 _REAL_JUDGE_PAGE = _judge_page
 
 
@@ -176,6 +177,7 @@ def _start_at(db: SyncDatabase, seconds: float) -> None:
             supplier_id=1001,
             to=Watermark(T0 + timedelta(seconds=seconds)),
             batch_id="seed",
+            **SKEW,
         )
 
 
@@ -381,9 +383,9 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
     submitted: list[int] = []
     real = stages.Normalizer._submit
 
-    def counted(self: Any, raw: Any, records: list[Any]) -> None:
+    def counted(self: Any, raw: Any, records: list[Any], *rest: Any) -> None:
         submitted.append(len(records))
-        real(self, raw, records)
+        real(self, raw, records, *rest)
 
     monkeypatch.setattr(stages.Normalizer, "_submit", counted)
     _start_at(db, 0)
@@ -434,11 +436,11 @@ def test_pages_judged_in_forked_processes_end_as_in_this_one(
     assert tuple(normalized) == (7, 17)
 
 
-def _judge_then_die_on_page_3(raw: Any, records: list[Any]) -> Any:
+def _judge_then_die_on_page_3(raw: Any, records: list[Any], *rest: Any) -> Any:
     """A forked judge that is killed (SIGKILL: no clean-up) when it is given page 3."""
     if raw.page_number == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-    return _REAL_JUDGE_PAGE(raw, records)
+    return _REAL_JUDGE_PAGE(raw, records, *rest)
 
 
 def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_finishes_it(
@@ -517,13 +519,13 @@ def test_the_watermark_never_moves_back():
         late, early = Watermark(T0 + timedelta(seconds=60), "H2"), Watermark(T0, "H9")
         with db.begin() as conn:
             assert advance_watermark(
-                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b1"
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b1", **SKEW
             )
             assert not advance_watermark(
-                conn, db.clock, task_code=TASK, supplier_id=1, to=early, batch_id="b2"
+                conn, db.clock, task_code=TASK, supplier_id=1, to=early, batch_id="b2", **SKEW
             )
             assert not advance_watermark(
-                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b3"
+                conn, db.clock, task_code=TASK, supplier_id=1, to=late, batch_id="b3", **SKEW
             )
             assert get_watermark(conn, TASK) == late
     finally:
@@ -712,3 +714,158 @@ def test_a_lease_lost_while_forked_processes_publish_stops_the_window(
     assert len(_published(db)) < 42
     (shard,) = list_shards(db, window.batch.batch_id)
     assert shard.status == "RUNNING" and shard.worker_id == "thief"
+
+
+# -- a supplier clock ahead of ours ------------------------------------------------------------
+
+FAR_AHEAD = "2099-01-01T00:00:00Z"
+
+
+def _rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _db_now(db: SyncDatabase) -> datetime:
+    with db.engine.connect() as conn:
+        return db.clock.read_utc(conn)
+
+
+def _letters(db: SyncDatabase, batch_id: str) -> list[tuple[str, str, str, str]]:
+    d = schema.dead_letter.c
+    with db.engine.connect() as conn:
+        return [
+            (str(r.supplier_resource_code), str(r.error_code), str(r.error_stage), str(r.status))
+            for r in conn.execute(
+                sa.select(d.supplier_resource_code, d.error_code, d.error_stage, d.status)
+                .where(d.batch_id == batch_id)
+                .order_by(d.supplier_resource_code)
+            )
+        ]
+
+
+def test_a_change_dated_far_ahead_is_a_dead_letter_and_the_next_window_gets_the_next_change(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    feed.change(hotel(2, at=20))
+    feed.change(hotel(3, at=30, updated_at=FAR_AHEAD))
+    feed.change(hotel(4, at=40))
+    first = _run(db, store, client, "w1")
+    r = first.report
+    assert r.status == "SUCCESS"
+    assert (r.records, r.published, r.dead_letters) == (4, 3, 1)
+    assert dict(r.dead_letters_by_code) == {"FUTURE_TIMESTAMP": 1}
+    # A supplier-data problem for a person: never retried on its own.
+    assert _letters(db, first.batch.batch_id) == [
+        ("H000003", "FUTURE_TIMESTAMP", "VALIDATION", "MANUAL_FIX")
+    ]
+    assert _published(db) == {"H000001": 1, "H000002": 1, "H000004": 1}
+    # The window ends at its last change it could publish, not at 2099.
+    assert first.watermark_after == Watermark(T0 + timedelta(seconds=40), "H000004")
+    skew = timedelta(seconds=SETTINGS.max_clock_skew_seconds)
+    assert first.watermark_after.updated_at <= _db_now(db) + skew
+    # The supplier moves on: the next window asks from before that change, not from 2098,
+    # and publishes the real next one (the record of 2099, read again, is filed again).
+    feed.change(hotel(5, at=50))
+    second = _run(db, store, client, "w2")
+    assert second.report.status == "SUCCESS" and second.report.published == 1
+    assert dict(second.report.dead_letters_by_code) == {"FUTURE_TIMESTAMP": 1}
+    assert _published(db)["H000005"] == 1 and "H000003" not in _published(db)
+    assert second.watermark_after == Watermark(T0 + timedelta(seconds=50), "H000005")
+
+
+@pytest.mark.parametrize("skew", [SETTINGS.max_clock_skew_seconds, 600.0])
+def test_a_change_inside_the_skew_publishes_and_one_beyond_it_is_a_dead_letter(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed, skew: float
+):
+    _start_at(db, 0)
+    # The database's clock decides (a test margin of 2 minutes either side of the skew).
+    now = _db_now(db)
+    inside = now + timedelta(seconds=skew - 120)
+    beyond = now + timedelta(seconds=skew + 120)
+    feed.change(hotel(1, at=10))
+    feed.change(hotel(2, at=0, updated_at=_rfc3339(inside)))
+    feed.change(hotel(3, at=0, updated_at=_rfc3339(beyond)))
+    window = run_incremental(
+        db,
+        store,
+        client,
+        settings=replace(SETTINGS, max_clock_skew_seconds=skew),
+        incremental=IncrementalSettings(task_code=TASK, full_task_code="full_task", limit=3),
+        trigger_id="w1",
+        source="MANUAL",
+        worker_id="worker-w1",
+    )
+    assert window.report.status == "SUCCESS"
+    assert _published(db) == {"H000001": 1, "H000002": 1}
+    assert [(h, code) for h, code, _, _ in _letters(db, window.batch.batch_id)] == [
+        ("H000003", "FUTURE_TIMESTAMP")
+    ]
+    assert window.watermark_after == Watermark(inside.replace(microsecond=0), "H000002")
+
+
+def test_the_watermark_never_passes_the_database_clock_plus_the_skew(db: SyncDatabase):
+    far = Watermark(datetime(2099, 1, 1, tzinfo=UTC), "H1")
+
+    def advance_to_far(batch_id: str) -> tuple[datetime, Watermark | None]:
+        with db.begin() as conn:
+            assert advance_watermark(
+                conn,
+                db.clock,
+                task_code=TASK,
+                supplier_id=1,
+                to=far,
+                batch_id=batch_id,
+                max_clock_skew_seconds=600,
+            )
+            return db.clock.read_utc(conn), get_watermark(conn, TASK)
+
+    now, mark = advance_to_far("b1")
+    assert mark is not None
+    assert now + timedelta(seconds=590) <= mark.updated_at <= now + timedelta(seconds=600)
+    # The database's clock, not this machine's: a day later there, a day further.
+    db.clock.advance(86_400)
+    _, later = advance_to_far("b2")
+    assert later is not None
+    assert mark.updated_at + timedelta(seconds=86_000) <= later.updated_at < far.updated_at
+
+
+def test_a_window_handed_a_change_far_ahead_still_stops_the_watermark_at_the_skew(
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    client: SupplierClient,
+    feed: Feed,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    # Defence in depth: were the window to count the change of 2099 where it ends (its own
+    # check switched off here), the watermark still stops at the database clock plus skew.
+    far = datetime(2099, 1, 1, tzinfo=UTC)
+    monkeypatch.setattr(incremental.ChangeWindow, "latest_time", lambda self: far)
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    feed.change(hotel(2, at=20, updated_at=FAR_AHEAD))
+    window = _run(db, store, client, "w1")
+    assert window.report.status == "SUCCESS"
+    assert dict(window.report.dead_letters_by_code) == {"FUTURE_TIMESTAMP": 1}
+    assert window.watermark_after is not None
+    skew = timedelta(seconds=SETTINGS.max_clock_skew_seconds)
+    assert window.watermark_after.updated_at <= _db_now(db) + skew
+
+
+def test_a_window_stops_at_the_first_page_that_reaches_past_the_clock_plus_the_skew(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    # A supplier dating a whole backlog ahead: each window reads one page of it, not all.
+    _start_at(db, 0)
+    feed.change(hotel(1, at=10))
+    for n in range(2, 12):
+        feed.change(hotel(n, at=0, updated_at=FAR_AHEAD))
+    for trigger in ("w1", "w2"):
+        before = feed.requests
+        window = _run(db, store, client, trigger)  # pages of 3
+        assert window.report.status == "SUCCESS"
+        assert feed.requests - before == 1
+        assert dict(window.report.dead_letters_by_code) == {"FUTURE_TIMESTAMP": 2}
+        assert window.watermark_after == Watermark(T0 + timedelta(seconds=10), "H000001")
+    assert _published(db) == {"H000001": 1}
