@@ -999,23 +999,23 @@ class SupplierClient:
         declared: bool = False,
         inflated: bool = False,
     ) -> ResponseTooLarge:
-        where = f"{request.method} {request.path}: {status} with a body"
+        where = f"{request.method} {request.path}: body"
         if inflated:
             cap = self._max_decoded
             what = (
-                f"{where} that inflates past the {cap:,} byte cap on decoded bytes "
+                f"{where} inflates past the {cap:,} byte cap on decoded bytes "
                 f"({progress.received:,} bytes received)"
             )
             setting = "supplier_max_decoded_bytes"
         elif declared:
             cap = self._max_body
             what = (
-                f"{where} of {progress.length:,} bytes (Content-Length), over the {cap:,} byte cap"
+                f"{where} of {progress.length:,} bytes (Content-Length) over the {cap:,} byte cap"
             )
             setting = "supplier_max_body_bytes"
         else:
             cap = min(self._max_body, self._max_decoded)
-            what = f"{where} past the {cap:,} byte cap ({progress.received:,} bytes received)"
+            what = f"{where} over the {cap:,} byte cap ({progress.received:,} bytes received)"
             setting = (
                 "supplier_max_body_bytes" if cap == self._max_body else "supplier_max_decoded_bytes"
             )
@@ -1034,7 +1034,7 @@ class SupplierClient:
         return _Transient(
             "timeout",
             SupplierTimeout,
-            f"{status} whose body was not complete within the {self._deadline:g} s request "
+            f"body not complete within the {self._deadline:g} s request "
             f"deadline ({progress.received:,} bytes"
             + (f" of {progress.length:,}" if progress.length is not None else "")
             + f" received in {self._clock() - progress.started:.1f} s)",
@@ -1063,7 +1063,7 @@ class SupplierClient:
             return _Transient(
                 "truncated",
                 TruncatedBody,
-                f"{progress.status} whose body was cut short: the connection closed after "
+                "body cut short: the connection closed after "
                 f"{progress.received:,}{expected} bytes",
                 progress.status,
                 supplier_fault=False,
