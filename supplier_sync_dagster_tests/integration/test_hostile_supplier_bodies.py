@@ -125,9 +125,7 @@ def test_one_hotel_with_bytes_that_are_not_utf8_costs_that_hotel_only(
     summary: dict[str, Any] = json.loads(outcome.out)
     assert summary["status"] == "SUCCESS" and summary["counts_add_up"]
     assert summary["dead_letters_by_code"] == {"INVALID_UTF8": 1}
-    assert summary["records"] == summary["published"] + summary["dead_letters"] + summary[
-        "skipped"
-    ]
+    assert summary["records"] == summary["published"] + summary["dead_letters"] + summary["skipped"]
     assert published(db_url) == dict(truth.valid)
     assert bad not in truth.valid
     d = schema.dead_letter.c

@@ -157,9 +157,7 @@ def test_a_body_still_coming_at_the_deadline_is_a_timeout() -> None:
     err = info.value
     assert err.error_code == "SUPPLIER_TIMEOUT" and err.reason == "timeout"
     assert err.attempts == 2
-    assert "GET /v1/cities: body not complete within the 10 s request deadline" in (
-        str(err)
-    )
+    assert "GET /v1/cities: body not complete within the 10 s request deadline" in (str(err))
     # Headers came at once: the supplier answered, its breaker does not count it.
     assert client.breaker.stats().consecutive_failures == 0
 
