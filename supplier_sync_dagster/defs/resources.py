@@ -45,6 +45,10 @@ from supplier_sync_dagster.core.supplier import (
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
 
+#: The supplier client's bounds: each a resource field, a ``supplier_*`` setting and a field
+#: of a supplier in the suppliers file.
+CLIENT_LIMITS = ("request_deadline", "max_body_bytes", "max_decoded_bytes")
+
 
 def setting_field(setting: str, what: str, *, unset: str) -> Any:
     """An optional resource field that a ``SUPPLIER_SYNC_*`` setting fills (as :func:`env_var`):
@@ -246,9 +250,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
                 supplier_id=str(self.supplier_id),
                 connect_timeout=self.connect_timeout,
                 read_timeout=self.read_timeout,
-                request_deadline=self.request_deadline,
-                max_body_bytes=self.max_body_bytes,
-                max_decoded_bytes=self.max_decoded_bytes,
+                **{name: getattr(self, name) for name in CLIENT_LIMITS},
                 rate_limiter=limiter,
                 breaker=CircuitBreaker(name=f"supplier-{scope}"),
                 detail_breaker=CircuitBreaker(name=f"supplier-{scope}/hotels"),
@@ -415,11 +417,6 @@ def resources() -> dg.Definitions:
             "governance": GovernanceResource(),
         }
     )
-
-
-#: The supplier client's bounds: each a resource field, a ``supplier_*`` setting and a field
-#: of a supplier in the suppliers file.
-CLIENT_LIMITS = ("request_deadline", "max_body_bytes", "max_decoded_bytes")
 
 
 def client_limits(settings: Settings, account: Account | None = None) -> dict[str, Any]:

@@ -192,14 +192,13 @@ class BoundedTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         """Send one request (httpx's transport interface)."""
         assert isinstance(request.stream, httpx.SyncByteStream)
+        url = request.url
+        target = httpcore.URL(
+            scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+        )
         core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(
-                scheme=request.url.raw_scheme,
-                host=request.url.raw_host,
-                port=request.url.port,
-                target=request.url.raw_path,
-            ),
+            request.method,
+            target,
             headers=request.headers.raw,
             content=request.stream,
             extensions=request.extensions,
