@@ -21,6 +21,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
     account_supplier,
+    client_limits,
     supplier_resource,
     walk_fields,
 )
@@ -65,6 +66,7 @@ def configured_supplier(
     rate = first(rate_limit, settings.supplier_rate_limit)
     if rate is not None:
         extra["rate_limit_rps"] = rate
+    extra = {**client_limits(settings), **extra}
     return supplier_resource(
         base_url=settings.supplier_url,
         api_key=settings.api_key(),

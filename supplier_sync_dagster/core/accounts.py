@@ -11,6 +11,7 @@ Example file::
       acme:                         # a slug: task codes, asset keys and job names use it
         supplier_id: 1001           # the platform's id: the mapping namespace of its hotels
         base_url: https://api.acme.example     # unset: the in-process simulator
+        request_deadline: 60                   # the client's bounds (unset: the settings')
         accounts:
           eu:
             api_key_env: ACME_EU_API_KEY       # the variable's NAME, never the key itself
@@ -171,6 +172,19 @@ class SupplierConfig(_Strict):
         default=None, description="API base URL; unset: the in-process simulator."
     )
     simulator: SimulatedSupplier = Field(default_factory=SimulatedSupplier)
+    request_deadline: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="Seconds one request may take in all; unset: the deployment's setting.",
+    )
+    max_body_bytes: int | None = Field(
+        default=None, ge=1024, description="Body bytes on the wire; unset: the setting's."
+    )
+    max_decoded_bytes: int | None = Field(
+        default=None, ge=1024, description="Body bytes after gzip; unset: the setting's."
+    )
     accounts: dict[str, AccountConfig] = Field(min_length=1)
 
     @field_validator("base_url")
@@ -231,6 +245,9 @@ class Account:
         thresholds: Gate thresholds given in the file (the rest keep their defaults).
         simulator: The in-process simulator's world (when ``base_url`` is None).
         simulator_profile: The simulator's fault profile for this account.
+        request_deadline: Seconds one request to the supplier may take; None: the setting's.
+        max_body_bytes: Body bytes on the wire of one response; None: the setting's.
+        max_decoded_bytes: Body bytes after gzip of one response; None: the setting's.
     """
 
     supplier: str
@@ -246,6 +263,9 @@ class Account:
     thresholds: tuple[tuple[str, float], ...] = ()
     simulator: SimulatedSupplier = SimulatedSupplier()
     simulator_profile: str = "flaky"
+    request_deadline: float | None = None
+    max_body_bytes: int | None = None
+    max_decoded_bytes: int | None = None
 
     @property
     def code(self) -> str:
@@ -308,6 +328,9 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             thresholds=tuple(sorted(_typed_thresholds(account.thresholds).items())),
             simulator=supplier.simulator,
             simulator_profile=account.simulator_profile or supplier.simulator.profile,
+            request_deadline=supplier.request_deadline,
+            max_body_bytes=supplier.max_body_bytes,
+            max_decoded_bytes=supplier.max_decoded_bytes,
         )
         for supplier_name, supplier in parsed.suppliers.items()
         for account_name, account in supplier.accounts.items()

@@ -50,7 +50,7 @@ The tree::
             ├── SupplierUnavailable   5xx answers persisted
             │   ├── SupplierTimeout   the request's total deadline passed (connect, headers and body)
             │   └── SupplierUnreachable  no connection: refused, DNS or TLS failure (``reason`` says)
-            └── SupplierProtocolError non-JSON or malformed bodies
+            └── SupplierProtocolError non-JSON, malformed or too deeply nested bodies
                 └── TruncatedBody     the connection closed before the body's end
 """
 
@@ -254,15 +254,25 @@ class CursorExpired(SupplierError):
 class CircuitOpen(SupplierError):
     """The supplier's circuit breaker is open: the request was not sent.
 
+    The message says why the breaker opened (the last failure's code and message), and
+    :attr:`error_code` is that failure's code when the breaker knows it (``CONNECTION_REFUSED``,
+    ``SUPPLIER_TIMEOUT``...), so a city that fails on an open breaker reports the real cause.
+
     Attributes:
         retry_in: Seconds until the breaker lets a probe request through.
+        cause_code: The error code of the failure that opened the breaker, if known.
     """
 
     error_code = "CIRCUIT_OPEN"
 
-    def __init__(self, message: str, *, retry_in: float = 0.0) -> None:
+    def __init__(
+        self, message: str, *, retry_in: float = 0.0, cause_code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_in = retry_in
+        self.cause_code = cause_code
+        if cause_code:
+            self.error_code = cause_code
 
 
 class RateLimiterUnavailable(SupplierError):
@@ -309,9 +319,18 @@ class SupplierUnavailable(RetryBudgetExhausted):
 
 
 class SupplierProtocolError(RetryBudgetExhausted):
-    """The supplier kept sending truncated, non-JSON or malformed bodies."""
+    """The supplier kept sending truncated, non-JSON or malformed bodies.
+
+    A body nested deeper than the JSON decoder's limit (``reason`` ``"json_too_deep"``,
+    :attr:`error_code` ``JSON_TOO_DEEP``) is not retried: the same request gets the same body.
+    """
 
     error_code = "SUPPLIER_PROTOCOL_ERROR"
+    CODES: ClassVar[dict[str, str]] = {"json_too_deep": "JSON_TOO_DEEP"}
+
+    def __init__(self, message: str, *, reason: str, **details: Any) -> None:
+        super().__init__(message, reason=reason, **details)
+        self.error_code = self.CODES.get(reason, type(self).error_code)
 
 
 class SupplierTimeout(SupplierUnavailable):

@@ -134,6 +134,26 @@ class Settings(StorageSettings):
         allow_inf_nan=False,
         description="requests/s the supplier allows this API key, all workers together; unset: 50",
     )
+    supplier_request_deadline: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="seconds one supplier request may take in all, connect to last body "
+        "byte (each retry has its own); unset: 60",
+    )
+    supplier_max_body_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description="bytes one supplier response body may have on the wire (a larger body, "
+        "or Content-Length, is BODY_TOO_LARGE); unset: 8388608 (8 MiB)",
+    )
+    supplier_max_decoded_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description="bytes one gzip-encoded supplier response may inflate to (past it: "
+        "DECOMPRESSION_BOMB); unset: 16777216 (16 MiB)",
+    )
     worker_processes: int | None = Field(
         default=None,
         ge=0,

@@ -20,6 +20,7 @@ import dagster as dg
 import httpx
 from pydantic import Field
 
+from supplier_sync_dagster.core.accounts import Account
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.diff import RiskRules
 from supplier_sync_dagster.core.settings import (
@@ -32,6 +33,10 @@ from supplier_sync_dagster.core.settings import (
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
 from supplier_sync_dagster.core.supplier import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DECODED_BYTES,
+    DEFAULT_REQUEST_DEADLINE,
+    BoundedTransport,
     CircuitBreaker,
     RateLimiter,
     SupplierClient,
@@ -45,6 +50,10 @@ from supplier_sync_dagster.core.supplier.walk import (
 )
 from supplier_sync_dagster.core.sync.model import SyncSettings, build_sync_settings
 from supplier_sync_dagster.defs.accounts import AccountScope, account_scopes, resources_of
+
+#: The supplier client's bounds: each a resource field, a ``supplier_*`` setting and a field
+#: of a supplier in the suppliers file.
+CLIENT_LIMITS = ("request_deadline", "max_body_bytes", "max_decoded_bytes")
 
 
 def setting_field(setting: str, what: str, *, unset: str) -> Any:
@@ -229,6 +238,24 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
             continuity_check=self.walk_continuity_check,
         )
 
+    request_deadline: float = Field(
+        default=DEFAULT_REQUEST_DEADLINE,
+        description=(
+            "Seconds one request may take in all, connect to last body byte "
+            f"({env_name('supplier_request_deadline')})."
+        ),
+    )
+    max_body_bytes: int = Field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        description=f"Body bytes a response may have on the wire ({env_name('supplier_max_body_bytes')}).",
+    )
+    max_decoded_bytes: int = Field(
+        default=DEFAULT_MAX_DECODED_BYTES,
+        description=(
+            f"Body bytes a gzip response may inflate to ({env_name('supplier_max_decoded_bytes')})."
+        ),
+    )
+
     @abc.abstractmethod
     def _connection(self) -> tuple[httpx.Client, str]:
         """An HTTP client bound to the supplier, and the API key it accepts."""
@@ -259,6 +286,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
                 supplier_id=str(self.supplier_id),
                 connect_timeout=self.connect_timeout,
                 read_timeout=self.read_timeout,
+                **{name: getattr(self, name) for name in CLIENT_LIMITS},
                 rate_limiter=limiter,
                 breaker=CircuitBreaker(name=f"supplier-{scope}"),
                 detail_breaker=CircuitBreaker(name=f"supplier-{scope}/hotels"),
@@ -277,7 +305,9 @@ class HttpSupplierResource(SupplierResource):
     )
 
     def _connection(self) -> tuple[httpx.Client, str]:
-        return httpx.Client(base_url=self.base_url), self.api_key or ""
+        # Every socket wait of a request ends by its deadline (connect, headers, body).
+        http = httpx.Client(base_url=self.base_url, transport=BoundedTransport())
+        return http, self.api_key or ""
 
 
 class SimulatedSupplierResource(SupplierResource):
@@ -435,6 +465,22 @@ def resources() -> dg.Definitions:
     )
 
 
+def client_limits(settings: Settings, account: Account | None = None) -> dict[str, Any]:
+    """The supplier client's bounds that are set: the account's (its supplier's, in the
+    suppliers file), else the deployment's settings; unset ones keep the resource's defaults.
+
+    Args:
+        settings: The deployment's settings.
+        account: The account of the suppliers file, if any.
+    """
+
+    def pick(name: str) -> Any:
+        own = getattr(account, name) if account is not None else None
+        return own if own is not None else getattr(settings, f"supplier_{name}")
+
+    return _set(**{name: pick(name) for name in CLIENT_LIMITS})
+
+
 def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) -> SupplierResource:
     """The supplier resource of one account: the settings' for the default account, else the
     suppliers file's (its key as ``dg.EnvVar`` of the file's ``api_key_env``).
@@ -458,6 +504,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
                     worker_processes=settings.worker_processes,
                 ),
                 **walk_fields(settings),
+                **client_limits(settings),
                 **overrides,
             }
         )
@@ -483,6 +530,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
         "city_threads": account.city_threads,
         **_set(worker_processes=account.worker_processes),
         **walk_fields(settings),
+        **client_limits(settings, account),
         **simulated,
         **overrides,
     }

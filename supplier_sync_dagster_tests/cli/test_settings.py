@@ -109,6 +109,43 @@ def test_sync_rate_limit_and_processes_option_then_setting_then_default(
     assert (supplier.rate_limit_rps, supplier.worker_processes) == expected  # type: ignore[attr-defined]
 
 
+def test_sync_takes_the_clients_bounds_from_the_settings(monkeypatch: pytest.MonkeyPatch):
+    seen = {}
+
+    def fake_run_full_sync(**kwargs: object) -> None:
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("supplier_sync_dagster.cli.sync_runner.run_full_sync", fake_run_full_sync)
+    assert cli.main(["sync", "--full"]) == 130
+    supplier = seen["supplier"]
+    assert (supplier.request_deadline, supplier.max_body_bytes, supplier.max_decoded_bytes) == (  # type: ignore[attr-defined]
+        60.0,
+        8 * 2**20,
+        16 * 2**20,
+    )
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "4")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "65536")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_DECODED_BYTES", "131072")
+    assert cli.main(["sync", "--full"]) == 130
+    supplier = seen["supplier"]
+    assert (supplier.request_deadline, supplier.max_body_bytes, supplier.max_decoded_bytes) == (  # type: ignore[attr-defined]
+        4.0,
+        65536,
+        131072,
+    )
+
+
+def test_a_mistyped_bound_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "8MB")
+    assert cli.main(["sync", "--full"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("supplier-sync: error: SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES: ")
+
+
 def test_parser_defaults_and_choices_come_from_their_one_place():
 
     parser = cli.build_parser()

@@ -82,6 +82,30 @@ def test_a_bad_account_field_is_named(change: dict[str, Any], message: str):
         parse_accounts(_file(**change), source="suppliers.yaml")
 
 
+def test_a_supplier_may_bound_its_clients_requests():
+    data = _file()
+    data["suppliers"]["acme"].update(
+        request_deadline=20, max_body_bytes=2**20, max_decoded_bytes=4 * 2**20
+    )
+    eu, us, main = parse_accounts(data)
+    assert (eu.request_deadline, eu.max_body_bytes, eu.max_decoded_bytes) == (
+        20.0,
+        2**20,
+        4 * 2**20,
+    )
+    assert us.request_deadline == 20.0  # the supplier's, for every account of it
+    assert (main.request_deadline, main.max_body_bytes) == (None, None)  # the settings'
+    for field, value, why in [
+        ("request_deadline", 0, "greater than 0"),
+        ("request_deadline", "60s", "valid number"),
+        ("max_body_bytes", 10, "greater than or equal to 1024"),
+    ]:
+        bad = _file()
+        bad["suppliers"]["acme"][field] = value
+        with pytest.raises(ConfigError, match=rf"suppliers\.acme\.{field}: .*{why}"):
+            parse_accounts(bad)
+
+
 def test_bad_suppliers_are_named():
     data = _file()
     data["suppliers"]["globex"]["supplier_id"] = 1001

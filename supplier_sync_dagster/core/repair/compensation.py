@@ -72,7 +72,7 @@ from supplier_sync_dagster.core.store.audit import record_actions, require_who_a
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
-from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_json, page_records
+from supplier_sync_dagster.core.supplier.models import DETAILS_KEY, decode_page, page_records
 from supplier_sync_dagster.core.sync.city import sync_city
 from supplier_sync_dagster.core.sync.model import (
     DEFAULT_PAGE_SIZE,
@@ -708,7 +708,7 @@ def stored_record(store: PayloadStore, row: Any) -> Any:
             f"dead letter {row.id} has no stored record to patch ({row.error_code}): "
             "use `dead-letters retry` to fetch the hotel again"
         )
-    records = page_records(decode_json(store.get(row.raw_payload_ref)))
+    records = page_records(decode_page(store.get(row.raw_payload_ref)))
     index = int(position.removeprefix("record#"))
     if index >= len(records):
         raise ConfigError(f"dead letter {row.id}: its page has no record #{index}")

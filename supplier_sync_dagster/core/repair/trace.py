@@ -28,7 +28,7 @@ from supplier_sync_dagster.core.store.audit import list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.store.schema import NORMALIZED, RAW
-from supplier_sync_dagster.core.supplier.models import decode_json, page_records
+from supplier_sync_dagster.core.supplier.models import decode_page, page_records
 
 
 def trace_hotel(
@@ -332,7 +332,7 @@ def _read_raw(store: PayloadStore, page: Any, hotel: str) -> dict[str, Any]:
     if not entry["verified"]:
         entry["error"] = "the stored bytes do not hash as recorded: they were changed"
         return entry
-    entry["record"] = _find(page_records(decode_json(body)), hotel)
+    entry["record"] = _find(page_records(decode_page(body)), hotel)
     return entry
 
 

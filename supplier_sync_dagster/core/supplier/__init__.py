@@ -4,7 +4,8 @@ Build one client per supplier API key::
 
     limiter = make_rate_limiter(redis_url=settings.redis_url, supplier_id="acme",
                                 api_key=key, rate=20, burst=1)
-    with httpx.Client(base_url="https://api.acme.example/") as http:
+    transport = BoundedTransport()  # every socket wait ends by the request's deadline
+    with httpx.Client(base_url="https://api.acme.example/", transport=transport) as http:
         client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
         walk = CityWalk(client, "BKK", page_size=100, start=checkpoint, hotel_count=size)
         for item in walk:
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, BreakerStats, CircuitBreaker
 from supplier_sync_dagster.core.supplier.client import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_DECODED_BYTES,
+    DEFAULT_REQUEST_DEADLINE,
     ERROR_CODE_STATUS,
     ClientStats,
     SupplierClient,
@@ -49,12 +53,17 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_rate_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
+from supplier_sync_dagster.core.supplier.transport import BoundedTransport, deadline_scope
 from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, WalkStats
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_DECODED_BYTES",
+    "DEFAULT_REQUEST_DEADLINE",
     "ERROR_CODE_STATUS",
     "MALFORMED_RECORD_KEY",
     "NO_RETRY",
+    "BoundedTransport",
     "BreakerState",
     "BreakerStats",
     "BucketOptions",
@@ -85,6 +94,7 @@ __all__ = [
     "WalkLimits",
     "WalkStats",
     "bucket_key",
+    "deadline_scope",
     "encode_segment",
     "make_city_rate_limiters",
     "make_rate_limiter",

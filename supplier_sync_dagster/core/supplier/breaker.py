@@ -3,6 +3,10 @@
 closed --(N consecutive failures, or failure ratio over a window)--> open
 open --(cool-down elapsed; one probe request let through)--> half-open
 half-open --(probe succeeds)--> closed;  half-open --(probe fails)--> open
+
+A caller reports each failure with its error code and a one-line message; the breaker keeps
+the last one, and a refusal (:class:`CircuitOpen`) says why the breaker opened and carries
+that code.
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class CircuitBreaker:
         self._probe_seq = 0
         self._transitions: dict[str, int] = {}
         self._rejected = 0
+        # Why the breaker last opened, and the last failure reported: (code, message).
+        self._opened_because = ""
+        self._last_failure: tuple[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"CircuitBreaker(name={self.name!r}, state={self.state.value})"
@@ -132,8 +139,10 @@ class CircuitBreaker:
                 if remaining > 0:
                     self._rejected += 1
                     raise CircuitOpen(
-                        f"circuit breaker for {self.name} is open; next probe in {remaining:.1f}s",
+                        f"circuit breaker for {self.name} is open since {self._why()}; "
+                        f"next probe in {remaining:.1f}s",
                         retry_in=remaining,
+                        cause_code=self._cause_code(),
                     )
                 self._move(BreakerState.HALF_OPEN)
                 return self._start_probe(now)
@@ -144,8 +153,10 @@ class CircuitBreaker:
             if probe_age < max(self._cooldown, 1.0):
                 self._rejected += 1
                 raise CircuitOpen(
-                    f"circuit breaker for {self.name} is half-open; a probe request is in flight",
+                    f"circuit breaker for {self.name} is half-open (open since {self._why()}); "
+                    "a probe request is in flight",
                     retry_in=max(self._cooldown, 1.0) - probe_age,
+                    cause_code=self._cause_code(),
                 )
             return self._start_probe(now)
 
@@ -159,19 +170,31 @@ class CircuitBreaker:
                 self._window.clear()
                 self._move(BreakerState.CLOSED)
 
-    def record_failure(self, token: int) -> None:
-        """Report a server-side failure (5xx, timeout, connection error, broken body)."""
+    def record_failure(self, token: int, *, code: str = "", message: str = "") -> None:
+        """Report a server-side failure (5xx, timeout, connection error, broken body).
+
+        Args:
+            token: What :meth:`before_request` returned.
+            code: The failure's error code (``CONNECTION_REFUSED``...), for the message and
+                the :class:`CircuitOpen` of the calls refused while open.
+            message: One line saying what failed (never a secret: it is shown).
+        """
         with self._lock:
             self._consecutive += 1
             self._window.append(False)
+            if code or message:
+                self._last_failure = (code, message)
             if self._state is BreakerState.HALF_OPEN:
                 if token == self._probe_seq:
                     self._probe_started = None
-                    self._opened_at = self._clock()
-                    self._move(BreakerState.OPEN)
+                    self._open("its probe request failed")
             elif self._state is BreakerState.CLOSED and self._should_open():
-                self._opened_at = self._clock()
-                self._move(BreakerState.OPEN)
+                if self._consecutive >= self._threshold:
+                    n = self._consecutive
+                    self._open(f"{n} failure{'s' if n > 1 else ''} in a row")
+                else:
+                    failed = sum(1 for ok in self._window if not ok)
+                    self._open(f"{failed} of the last {len(self._window)} requests failed")
 
     def release(self, token: int) -> None:
         """Give back a request slot without an outcome (nothing was sent, or no verdict)."""
@@ -187,6 +210,21 @@ class CircuitBreaker:
             return False
         failures = sum(1 for ok in self._window if not ok)
         return failures / len(self._window) >= self._ratio
+
+    def _open(self, why: str) -> None:
+        self._opened_at = self._clock()
+        self._opened_because = why
+        self._move(BreakerState.OPEN)
+
+    def _why(self) -> str:
+        """Why the breaker opened, with the last failure (the lock is held)."""
+        if self._last_failure is None:
+            return self._opened_because
+        code, message = self._last_failure
+        return f"{self._opened_because}, last: {' '.join(p for p in (code, message) if p)}"
+
+    def _cause_code(self) -> str | None:
+        return self._last_failure[0] or None if self._last_failure is not None else None
 
     def _start_probe(self, now: float) -> int:
         self._probe_seq += 1

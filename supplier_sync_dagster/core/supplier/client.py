@@ -18,19 +18,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 import pydantic
 
 from supplier_sync_dagster.core.errors import (
+    CircuitOpen,
     CursorExpired,
+    DecompressionBomb,
+    ResponseTooLarge,
     RetryBudgetExhausted,
     SupplierAuthError,
     SupplierBadRequest,
@@ -38,8 +44,12 @@ from supplier_sync_dagster.core.errors import (
     SupplierNotFound,
     SupplierProtocolError,
     SupplierRateLimited,
+    SupplierTimeout,
     SupplierUnavailable,
+    SupplierUnreachable,
+    TruncatedBody,
 )
+from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBreaker
 from supplier_sync_dagster.core.supplier.models import (
     ChangesPage,
@@ -47,13 +57,15 @@ from supplier_sync_dagster.core.supplier.models import (
     CitySummary,
     Fetched,
     HotelsPage,
+    JsonTooDeep,
     OfferConfirmation,
     OfferRequest,
     RateLimitInfo,
-    decode_json,
+    decode_page,
 )
 from supplier_sync_dagster.core.supplier.ratelimit import CityRateLimiters, RateLimiter
 from supplier_sync_dagster.core.supplier.retry import RetryPolicy, parse_retry_after
+from supplier_sync_dagster.core.supplier.transport import deadline_scope
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +85,17 @@ ERROR_CODE_STATUS: Mapping[str, int] = {
     "TOO_MANY_REQUESTS": 429,
 }
 
+#: Seconds one attempt may take, connect to last body byte: well under a shard's lease.
+DEFAULT_REQUEST_DEADLINE = 60.0
+#: Body bytes on the wire one response may have: a few times the largest body the contract
+#: allows (a page of 500 hotels with rich records, a change feed of 1,000).
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: Body bytes one response may inflate to after gzip decoding.
+DEFAULT_MAX_DECODED_BYTES = 16 * 2**20
+
 _MAX_MESSAGE = 300
 _REDACTED = "***"
+_CONNECTION_REASONS = frozenset({"connection_refused", "dns", "tls", "connection"})
 
 
 def encode_segment(value: str) -> str:
@@ -204,11 +225,27 @@ class _Transient:
     """A failure worth retrying."""
 
     reason: str
-    kind: Literal["rate", "server", "body"]
+    # What the call raises once the retry policy gives up.
+    error: type[RetryBudgetExhausted]
     message: str
     status: int | None = None
     code: str | None = None
     retry_after: float | None = None
+    # Whether it counts against the breaker: the supplier did not answer (connection, 5xx,
+    # silence). A 429, or an answer whose body went wrong after prompt headers, does not.
+    supplier_fault: bool = True
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far one attempt got, for its messages."""
+
+    started: float
+    headers_at: float | None = None
+    status: int | None = None
+    length: int | None = None
+    received: int = 0
+    decoded: int = 0
 
 
 class _ApiKey:
@@ -249,6 +286,9 @@ class SupplierClient:
         detail_breaker: CircuitBreaker | None = None,
         rate_limiter: RateLimiter | None = None,
         city_rate_limiters: CityRateLimiters | None = None,
+        request_deadline: float = DEFAULT_REQUEST_DEADLINE,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -265,6 +305,14 @@ class SupplierClient:
             read_timeout: Seconds to wait for each chunk of the response.
             write_timeout: Seconds to send each chunk of the request.
             pool_timeout: Seconds to wait for a free connection from the pool.
+            request_deadline: Seconds one attempt may take in all, connect to last body
+                byte; past it the attempt is a timeout (retried as the policy says). Each
+                operation's timeout is at most this. With a ``BoundedTransport`` every socket
+                wait ends by it; with another transport it is checked between body chunks.
+            max_body_bytes: Body bytes on the wire a response may have; past it (or past a
+                larger Content-Length) :class:`ResponseTooLarge`, never retried.
+            max_decoded_bytes: Body bytes a response may inflate to; past it
+                :class:`DecompressionBomb`, never retried.
             retry: Retry policy; defaults to :class:`RetryPolicy()`.
             breaker: Circuit breaker; pass one instance to every client of the same supplier
                 in a process. Defaults to a new breaker.
@@ -280,12 +328,30 @@ class SupplierClient:
         """
         if not api_key:
             raise ValueError("api_key must not be empty")
+        for name, value in (
+            ("request_deadline", request_deadline),
+            ("max_body_bytes", max_body_bytes),
+            ("max_decoded_bytes", max_decoded_bytes),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self._http = http
         self._key = _ApiKey(api_key)
         self.supplier_id = supplier_id
+        self._deadline = float(request_deadline)
+        self._max_body = max_body_bytes
+        self._max_decoded = max_decoded_bytes
         self._timeout = httpx.Timeout(
-            connect=connect_timeout, read=read_timeout, write=write_timeout, pool=pool_timeout
+            connect=min(connect_timeout, self._deadline),
+            read=min(read_timeout, self._deadline),
+            write=min(write_timeout, self._deadline),
+            pool=min(pool_timeout, self._deadline),
         )
+        url = http.base_url
+        port = url.port or {"https": 443, "http": 80}.get(url.scheme)
+        host = f"[{url.host}]" if ":" in url.host else url.host
+        # Where connections go, for messages: never userinfo, a path or a query.
+        self._origin = f"{host}:{port}" if port else host
         self.retry_policy = retry or RetryPolicy()
         self.breaker = breaker or CircuitBreaker(name=supplier_id, monotonic=monotonic)
         self.detail_breaker = detail_breaker or CircuitBreaker(
@@ -528,9 +594,18 @@ class SupplierClient:
         breaker = breaker or self.breaker
         attempts = 0
         slept = 0.0
+        last: _Transient | None = None
         while True:
             attempts += 1
-            token = breaker.before_request()
+            try:
+                token = breaker.before_request()
+            except CircuitOpen:
+                if last is None:
+                    raise
+                # This call's own failures opened the breaker: their cause is the answer.
+                raise self._exhausted(
+                    request, last, attempts - 1, slept, then="; the circuit breaker opened"
+                ) from None
             try:
                 self._wait_for_token(request.city)
             except BaseException:
@@ -549,10 +624,13 @@ class SupplierClient:
             if isinstance(outcome, _Ok):
                 breaker.record_success(token)
                 return outcome
-            if outcome.kind == "rate":
-                breaker.record_success(token)
+            last = outcome
+            if outcome.supplier_fault:
+                breaker.record_failure(
+                    token, code=_error_code(outcome), message=self._breaker_note(request, outcome)
+                )
             else:
-                breaker.record_failure(token)
+                breaker.record_success(token)
 
             wait = self._next_wait(outcome, policy, attempts, slept)
             if wait is None:
@@ -563,12 +641,13 @@ class SupplierClient:
                 )
                 self._c.backoff_wait += wait
             logger.warning(
-                "supplier %s: %s %s attempt %d failed (%s); retrying in %.2fs",
+                "supplier %s: %s %s attempt %d failed (%s: %s); retrying in %.2fs",
                 self.supplier_id,
                 request.method,
                 request.path,
                 attempts,
                 outcome.reason,
+                self._redact(outcome.message),
                 wait,
             )
             if wait > 0:
@@ -597,7 +676,7 @@ class SupplierClient:
                 return None
             return outcome.retry_after
         wait = policy.backoff(attempts, self._rng)
-        if outcome.kind == "rate":
+        if outcome.error is SupplierRateLimited:
             # Retrying a 429 at once only earns another 429.
             wait = max(wait, min(policy.base_delay, policy.max_delay))
         if policy.max_total_wait > 0 and remaining <= 0:
@@ -605,18 +684,15 @@ class SupplierClient:
         return max(0.0, min(wait, remaining))
 
     def _exhausted(
-        self, request: _Request, outcome: _Transient, attempts: int, slept: float
+        self, request: _Request, outcome: _Transient, attempts: int, slept: float, then: str = ""
     ) -> SupplierError:
         what = f"{request.method} {request.path}: {outcome.message}"
         if outcome.retry_after is not None:
             what += f" (Retry-After {outcome.retry_after:.1f}s)"
-        msg = self._redact(f"{what}; gave up after {attempts} attempt(s), {slept:.1f}s waiting")
-        classes: dict[str, type[RetryBudgetExhausted]] = {
-            "rate": SupplierRateLimited,
-            "server": SupplierUnavailable,
-            "body": SupplierProtocolError,
-        }
-        return classes[outcome.kind](
+        msg = self._redact(
+            f"{what}; gave up after {attempts} attempt(s), {slept:.1f}s waiting{then}"
+        )
+        return outcome.error(
             msg,
             reason=outcome.reason,
             status=outcome.status,
@@ -625,33 +701,37 @@ class SupplierClient:
             retry_after=outcome.retry_after,
         )
 
+    def _breaker_note(self, request: _Request, outcome: _Transient) -> str:
+        """The failure as the breaker shows it: the host for a connection, else the call."""
+        if outcome.reason in _CONNECTION_REASONS:
+            return self._redact(outcome.message)
+        return self._redact(f"{request.method} {request.path}: {outcome.message}")
+
     def _attempt(self, request: _Request, attempt: int) -> _Ok | _Transient:
         """Send one request and classify the answer; raises the non-retryable errors."""
         with self._c.lock:
             self._c.requests += 1
+        progress = _Progress(started=self._clock())
         try:
-            response = self._http.request(
-                request.method,
-                request.path,
-                params=request.params,
-                json=request.json_body,
-                headers={"X-Api-Key": self._key.reveal(), "Accept": "application/json"},
-                timeout=self._timeout,
-            )
-        except httpx.TimeoutException as err:
-            return _Transient("timeout", "server", f"timed out ({type(err).__name__})")
-        except httpx.DecodingError:
-            return _Transient("bad_body", "body", "the body could not be decoded (broken gzip?)")
-        except httpx.RemoteProtocolError as err:
-            # h11 says "without sending a response" when the peer hung up before any
-            # headers; anything else is a response cut short (a truncated body).
-            if "without sending a response" in str(err):
-                return _Transient("connection", "server", "the server closed the connection")
-            return _Transient("truncated", "body", "the response was cut short")
+            with (
+                deadline_scope(self._deadline),
+                self._http.stream(
+                    request.method,
+                    request.path,
+                    params=request.params,
+                    json=request.json_body,
+                    headers={
+                        "X-Api-Key": self._key.reveal(),
+                        "Accept": "application/json",
+                        "Accept-Encoding": "gzip",
+                    },
+                    timeout=self._timeout,
+                ) as response,
+            ):
+                progress.headers_at = self._clock()
+                raw = self._read_body(request, response, progress)
         except httpx.TransportError as err:
-            return _Transient("connection", "server", f"connection failed ({type(err).__name__})")
-
-        raw = response.content
+            return self._transport_failure(err, progress)
         status = response.status_code
         rate_limit = RateLimitInfo(
             limit=_int_header(response.headers, "X-RateLimit-Limit"),
@@ -660,23 +740,36 @@ class SupplierClient:
         )
         with self._c.lock:
             self._c.responses_by_status[status] = self._c.responses_by_status.get(status, 0) + 1
-            self._c.bytes_received += response.num_bytes_downloaded
-            self._c.bytes_decoded += len(raw)
             self._c.last_rate_limit = rate_limit
+        if isinstance(raw, _Transient):
+            return raw
 
-        body, parse_error = _parse_json(raw)
+        try:
+            body, parse_error = _parse_json(raw)
+        except JsonTooDeep as err:
+            raise SupplierProtocolError(
+                self._redact(
+                    f"{request.method} {request.path}: {status} with {err}; not retried "
+                    "(the same request gets the same body)"
+                ),
+                reason="json_too_deep",
+                status=status,
+                attempts=attempt,
+            ) from None
         code, message = _error_fields(body)
         effective = status
         if 200 <= status < 300:
             if parse_error is not None:
-                return _Transient("bad_body", "body", f"{status} with {parse_error}", status)
+                return _Transient(
+                    "bad_body", SupplierProtocolError, f"{status} with {parse_error}", status
+                )
             if code is not None or (isinstance(body, dict) and body.get("error")):
                 # An error envelope inside a 200 counts as the error it names.
                 effective = ERROR_CODE_STATUS.get(code or "", 500)
                 if effective == 500:
                     return _Transient(
                         "error_envelope",
-                        "server",
+                        SupplierUnavailable,
                         f"{status} with error body {code or '?'}: {message}",
                         status,
                         code,
@@ -687,6 +780,174 @@ class SupplierClient:
 
         return self._classify_error(
             request, status, effective, code, message, response.headers, attempt
+        )
+
+    def _read_body(
+        self, request: _Request, response: httpx.Response, progress: _Progress
+    ) -> bytes | _Transient:
+        """The body, decoded, read against the deadline and both byte caps.
+
+        Raises:
+            ResponseTooLarge: Past the cap on the wire (or the declared length is).
+            DecompressionBomb: Past the cap on decoded bytes.
+        """
+        status = progress.status = response.status_code
+        progress.length = _int_header(response.headers, "Content-Length")
+        if progress.length is not None and progress.length > self._max_body:
+            raise self._too_large(request, status, progress, declared=True)
+        encoding = response.headers.get("Content-Encoding", "").strip().lower()
+        chunks: Iterable[bytes]
+        if response.is_stream_consumed:
+            # An in-memory response (a test's, the in-process simulator's), read and decoded
+            # by httpx when it was made.
+            chunks, encoding = (response.content,), ""
+        else:
+            chunks = response.iter_raw()
+        if encoding in ("gzip", "x-gzip"):
+            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == "deflate":
+            inflate = zlib.decompressobj()
+        elif encoding in ("", "identity"):
+            inflate = None
+        else:
+            return _Transient(
+                "bad_body",
+                SupplierProtocolError,
+                f"{status} with Content-Encoding {encoding[:40]!r} (only gzip was accepted)",
+                status,
+            )
+        deadline = progress.started + self._deadline
+        cap = self._max_decoded if inflate is not None else min(self._max_decoded, self._max_body)
+        parts: list[bytes] = []
+        try:
+            for chunk in chunks:
+                progress.received += len(chunk)
+                if progress.received > self._max_body:
+                    raise self._too_large(request, status, progress)
+                if inflate is not None:
+                    # At most one byte past the cap is ever inflated.
+                    chunk = inflate.decompress(chunk, cap - progress.decoded + 1)
+                progress.decoded += len(chunk)
+                if progress.decoded > cap:
+                    raise self._too_large(request, status, progress, inflated=inflate is not None)
+                parts.append(chunk)
+                if self._clock() > deadline:
+                    return self._late(status, progress)
+        except zlib.error as err:
+            return _Transient(
+                "bad_body",
+                SupplierProtocolError,
+                f"{status} with a broken gzip body ({err})",
+                status,
+            )
+        finally:
+            with self._c.lock:
+                self._c.bytes_received += progress.received
+                self._c.bytes_decoded += progress.decoded
+        if inflate is not None and not inflate.eof:
+            return _Transient(
+                "bad_body",
+                SupplierProtocolError,
+                f"{status} with a gzip body that ends early",
+                status,
+            )
+        return b"".join(parts)
+
+    def _too_large(
+        self,
+        request: _Request,
+        status: int,
+        progress: _Progress,
+        *,
+        declared: bool = False,
+        inflated: bool = False,
+    ) -> ResponseTooLarge:
+        where = f"{request.method} {request.path}: body"
+        if inflated:
+            cap = self._max_decoded
+            what = (
+                f"{where} inflates past the {cap:,} byte cap on decoded bytes "
+                f"({progress.received:,} bytes received)"
+            )
+            setting = "supplier_max_decoded_bytes"
+        elif declared:
+            cap = self._max_body
+            what = (
+                f"{where} of {progress.length:,} bytes (Content-Length) over the {cap:,} byte cap"
+            )
+            setting = "supplier_max_body_bytes"
+        else:
+            cap = min(self._max_body, self._max_decoded)
+            what = f"{where} over the {cap:,} byte cap ({progress.received:,} bytes received)"
+            setting = (
+                "supplier_max_body_bytes" if cap == self._max_body else "supplier_max_decoded_bytes"
+            )
+        cls = DecompressionBomb if inflated else ResponseTooLarge
+        return cls(
+            self._redact(
+                f"{what}; not read further, not retried (raise {env_name(setting)} "
+                "if the supplier's pages are really this large)"
+            ),
+            limit=cap,
+            status=status,
+        )
+
+    def _late(self, status: int | None, progress: _Progress) -> _Transient:
+        """The body was still coming at the deadline (after prompt headers: not the breaker's)."""
+        return _Transient(
+            "timeout",
+            SupplierTimeout,
+            f"body not complete within the {self._deadline:g} s request "
+            f"deadline ({progress.received:,} bytes"
+            + (f" of {progress.length:,}" if progress.length is not None else "")
+            + f" received in {self._clock() - progress.started:.1f} s)",
+            status,
+            supplier_fault=False,
+        )
+
+    def _transport_failure(self, err: httpx.TransportError, progress: _Progress) -> _Transient:
+        """A request that failed below HTTP: refused, DNS, TLS, timeout, cut short."""
+        elapsed = self._clock() - progress.started
+        in_body = progress.headers_at is not None
+        if in_body and (isinstance(err, httpx.TimeoutException) or elapsed >= self._deadline):
+            return self._late(progress.status, progress)
+        if isinstance(err, httpx.TimeoutException) or elapsed >= self._deadline:
+            phase = (
+                "connecting" if isinstance(err, httpx.ConnectTimeout) else "waiting for an answer"
+            )
+            return _Transient(
+                "timeout",
+                SupplierTimeout,
+                f"{self._origin}: timed out {phase} after {elapsed:.1f} s "
+                f"({type(err).__name__}; the request deadline is {self._deadline:g} s)",
+            )
+        if in_body:
+            expected = f" of {progress.length:,}" if progress.length is not None else ""
+            return _Transient(
+                "truncated",
+                TruncatedBody,
+                "body cut short: the connection closed after "
+                f"{progress.received:,}{expected} bytes",
+                progress.status,
+                supplier_fault=False,
+            )
+        if isinstance(err, httpx.ConnectError):
+            reason, what = _connect_failure(err)
+            return _Transient(reason, SupplierUnreachable, f"{self._origin}: {what}")
+        if isinstance(err, httpx.RemoteProtocolError) and "without sending a response" not in str(
+            err
+        ):
+            # A response cut short before the client saw its headers end.
+            return _Transient(
+                "truncated",
+                TruncatedBody,
+                f"the response was cut short ({err})",
+                supplier_fault=False,
+            )
+        return _Transient(
+            "connection",
+            SupplierUnavailable,
+            f"{self._origin}: the connection failed before an answer ({type(err).__name__}: {err})",
         )
 
     def _classify_error(
@@ -707,10 +968,18 @@ class SupplierClient:
             if effective == 429:
                 with self._c.lock:
                     self._c.rate_limited += 1
-                return _Transient("rate_limited", "rate", label, status, code, retry_after)
-            return _Transient("status_503", "server", label, status, code, retry_after)
+                return _Transient(
+                    "rate_limited",
+                    SupplierRateLimited,
+                    label,
+                    status,
+                    code,
+                    retry_after,
+                    supplier_fault=False,
+                )
+            return _Transient("status_503", SupplierUnavailable, label, status, code, retry_after)
         if effective >= 500 or effective == 408:
-            return _Transient(f"status_{effective}", "server", label, status, code)
+            return _Transient(f"status_{effective}", SupplierUnavailable, label, status, code)
         if effective in (401, 403):
             raise SupplierAuthError(
                 f"supplier {self.supplier_id} refused the API key: {detail}. "
@@ -744,7 +1013,7 @@ class SupplierClient:
             why = details[0]["msg"] if details else ""
             return _Transient(
                 "bad_body",
-                "body",
+                SupplierProtocolError,
                 f"{ok.status} body does not match {model.__name__} "
                 f"({err.error_count()} error(s), first at '{where}': {why})",
                 ok.status,
@@ -762,11 +1031,20 @@ def _check_city(city_code: str) -> None:
 
 
 def _parse_json(raw: bytes) -> tuple[Any, str | None]:
-    """Decode a JSON object body; returns (body, None) or (None, what went wrong)."""
+    """Decode a JSON object body; returns (body, None) or (None, what went wrong).
+
+    A page whose records are broken one by one keeps its other records
+    (:func:`~supplier_sync_dagster.core.supplier.models.decode_page`).
+
+    Raises:
+        JsonTooDeep: The body nests deeper than the decoder's limit.
+    """
     if not raw:
         return None, "an empty body"
     try:
-        body = decode_json(raw)
+        body = decode_page(raw)
+    except JsonTooDeep:
+        raise
     except UnicodeDecodeError:
         return None, "a body that is not UTF-8"
     except ValueError:
@@ -774,6 +1052,36 @@ def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     if not isinstance(body, dict):
         return None, f"a JSON {type(body).__name__} instead of an object"
     return body, None
+
+
+def _connect_failure(err: BaseException) -> tuple[str, str]:
+    """The reason and what happened, for a connection that could not be made."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLError):
+            detail = getattr(cause, "verify_message", None) or cause.reason or cause
+            return "tls", f"TLS handshake failed ({detail})"
+        if isinstance(cause, socket.gaierror):
+            return "dns", f"the host name does not resolve ({cause.strerror or cause})"
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection_refused", "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    text = str(err)
+    lowered = text.lower()
+    if "refused" in lowered:
+        return "connection_refused", "connection refused"
+    if any(s in lowered for s in ("name or service", "nodename", "name resolution", "getaddrinfo")):
+        return "dns", f"the host name does not resolve ({text})"
+    if any(s in lowered for s in ("ssl", "tls", "certificate")):
+        return "tls", f"TLS handshake failed ({text})"
+    return "connection", f"no connection ({type(err).__name__}: {text})"
+
+
+def _error_code(outcome: _Transient) -> str:
+    """The error code the call would raise with, if it gave up on this failure."""
+    return outcome.error("", reason=outcome.reason).error_code
 
 
 def _error_fields(body: Any) -> tuple[str | None, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
@@ -37,9 +38,12 @@ from supplier_sync_dagster.core.records.rules import (
     LNG_MAX,
     LNG_MIN,
     MAX_VERSION,
+    MESSAGE_MAX,
     NO_CURRENCY,
     STARS,
+    show,
 )
+from supplier_sync_dagster.core.records.undecodable import UndecodableRecord
 
 #: Key under which a non-object entry of a ``hotels``/``changes`` array is wrapped, so that the
 #: page still validates and normalization can dead-letter the entry instead of losing it.
@@ -48,6 +52,26 @@ MALFORMED_RECORD_KEY = "_malformed_record"
 # 19 digits in a row: an integer that may not fit 64 bits (or a long fraction).
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_RUN = b"0" * 19
+
+DETAILS_KEY = "details"
+"""The list of a compensation page: one detail response (``GET /v1/hotels/{id}``) per hotel."""
+
+#: Levels of nesting orjson decodes; deeper JSON is :class:`JsonTooDeep`.
+MAX_JSON_DEPTH = 1024
+#: The arrays of records a page may hold, each element one record.
+RECORD_ARRAYS = ("hotels", "changes", DETAILS_KEY)
+_DECODER = json.JSONDecoder()
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+# A JSON string (its escapes included), or a bracket or comma outside strings.
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},]', re.DOTALL)
+_BAD_BYTE = re.compile("[\udc80-\udcff]")
+_HOTEL_ID_KEY = re.compile(r'"hotel_id"\s*:')
+_UNSURE = object()
+_HOTEL_ID_VALUE = re.compile(r'"hotel_id"\s*:\s*"([^"\\]{1,64})"')
+
+
+class JsonTooDeep(ValueError):
+    """A JSON text nested deeper than the decoder allows (see :func:`decode_json`)."""
 
 
 def decode_json(raw: bytes) -> Any:
@@ -58,8 +82,13 @@ def decode_json(raw: bytes) -> Any:
     refuses (NaN, ``1e400``, bad UTF-8, a lone surrogate...), are decoded by the standard
     library, which decides what is accepted and with which error.
 
+    Nesting is bounded: orjson refuses more than :data:`MAX_JSON_DEPTH` levels, and the
+    standard library's recursion ends at the interpreter's recursion limit (a little below
+    that); either way the body is :class:`JsonTooDeep`, never a ``RecursionError``.
+
     Raises:
         UnicodeDecodeError: The bytes are not UTF-8.
+        JsonTooDeep: They nest too deep.
         ValueError: They are not JSON.
     """
     # A run of 19 digits, found by mapping every digit to "0" and searching for 19 of them:
@@ -69,7 +98,171 @@ def decode_json(raw: bytes) -> Any:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(raw.decode("utf-8"))
+    text = raw.decode("utf-8")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JsonTooDeep(
+            f"the JSON nests deeper than {MAX_JSON_DEPTH} levels (or than this interpreter's "
+            "recursion limit)"
+        ) from None
+
+
+def decode_page(raw: bytes) -> Any:
+    """:func:`decode_json`, keeping a page whose record array is broken in one element only.
+
+    When the body is not valid UTF-8 or not valid JSON, but only inside elements of its
+    ``hotels``, ``changes`` or ``details`` array (the envelope around them and the array's
+    own commas and brackets intact), each such element becomes an
+    :class:`~supplier_sync_dagster.core.records.undecodable.UndecodableRecord`
+    (``INVALID_UTF8``, ``INVALID_JSON``) in its place and every other element is decoded
+    as :func:`decode_json` would. Anything else fails as :func:`decode_json` fails.
+
+    Raises:
+        UnicodeDecodeError: The bytes are not UTF-8 outside the records.
+        JsonTooDeep: They nest too deep.
+        ValueError: They are not JSON outside the records.
+    """
+    try:
+        return decode_json(raw)
+    except JsonTooDeep:
+        raise
+    except ValueError:
+        salvaged = _salvage(raw)
+        if salvaged is None:
+            raise
+        return salvaged
+
+
+def _skip(text: str, pos: int) -> int:
+    match = _WHITESPACE.match(text, pos)
+    return match.end() if match else pos
+
+
+def _salvage(raw: bytes) -> dict[str, Any] | None:
+    """The page with its undecodable records marked, or None when its structure is broken."""
+    # Bytes that are not UTF-8 become lone surrogates U+DC80-U+DCFF: the structure can be
+    # read around them, and a record's text holds one only where the supplier's bytes did.
+    text = raw.decode("utf-8", "surrogateescape")
+    pos = _skip(text, 0)
+    if not text.startswith("{", pos):
+        return None
+    body: dict[str, Any] = {}
+    marked = False
+    pos = _skip(text, pos + 1)
+    try:
+        while True:
+            key, pos = _DECODER.raw_decode(text, pos)
+            pos = _skip(text, pos)
+            if not isinstance(key, str) or _BAD_BYTE.search(key) or text[pos : pos + 1] != ":":
+                return None
+            pos = _skip(text, pos + 1)
+            if key in RECORD_ARRAYS and text.startswith("[", pos):
+                found = _records(text, pos)
+                if found is None:
+                    return None
+                value, pos = found
+                marked = marked or any(type(r) is UndecodableRecord for r in value)
+            else:
+                start = pos
+                value, pos = _DECODER.raw_decode(text, pos)
+                if _BAD_BYTE.search(text, start, pos):
+                    return None
+            body[key] = value
+            pos = _skip(text, pos)
+            if text.startswith(",", pos):
+                pos = _skip(text, pos + 1)
+                continue
+            if text.startswith("}", pos) and _skip(text, pos + 1) == len(text):
+                return body if marked else None
+            return None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _records(text: str, pos: int) -> tuple[list[Any], int] | None:
+    """The array opening at ``text[pos]``, each element decoded or marked; None if unreadable."""
+    records: list[Any] = []
+    open_brackets: list[str] = []
+    start = pos + 1
+    for token in _TOKENS.finditer(text, pos):
+        char = text[token.start()]
+        if char == '"':
+            continue
+        if char in "[{":
+            open_brackets.append("]" if char == "[" else "}")
+        elif char in "]}":
+            if not open_brackets or open_brackets.pop() != char:
+                return None  # brackets that do not pair: the bounds cannot be trusted
+            if not open_brackets:
+                if records or text[start : token.start()].strip(" \t\n\r"):
+                    records.append(_record(text[start : token.start()]))
+                if any(r is _UNSURE for r in records):
+                    return None
+                return records, token.end()
+        elif len(open_brackets) == 1:  # a comma between two elements
+            records.append(_record(text[start : token.start()]))
+            start = token.end()
+    return None
+
+
+def _record(chunk: str) -> Any:
+    """One element's text decoded, an UndecodableRecord, or _UNSURE when its bounds are unsure."""
+    chunk = chunk.strip(" \t\n\r")
+    bad = _BAD_BYTE.search(chunk)
+    value: Any = None
+    why = "an empty element"
+    if chunk:
+        try:
+            value, end = _DECODER.raw_decode(chunk)
+            why = "" if end == len(chunk) else f"text after the value at character {end}"
+        except ValueError as err:
+            value, why = None, str(err)
+        except RecursionError:
+            value, why = None, "nested too deep"
+    if bad is None and not why:
+        return value
+    if len(_HOTEL_ID_KEY.findall(chunk)) > 1:
+        return _UNSURE  # two records read as one: the element's bounds cannot be trusted
+    hotel_id, version = _readable(value, chunk)
+    if bad is not None:
+        return UndecodableRecord(
+            "INVALID_UTF8", _invalid_utf8(value, chunk, bad.start()), hotel_id, version
+        )
+    shown = show(chunk.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+    return UndecodableRecord(
+        "INVALID_JSON", f"the record is not JSON ({why}): {shown}"[:MESSAGE_MAX], hotel_id, version
+    )
+
+
+def _readable(value: Any, chunk: str) -> tuple[str | None, int | None]:
+    """The record's hotel id and version, where they can still be read."""
+    if isinstance(value, dict):
+        hotel_id, version = value.get("hotel_id"), value.get("version")
+    else:
+        found = _HOTEL_ID_VALUE.search(chunk)
+        hotel_id, version = (found.group(1) if found else None), None
+    if not (isinstance(hotel_id, str) and hotel_id.isprintable() and 0 < len(hotel_id) <= 64):
+        hotel_id = None
+    return hotel_id, version if type(version) is int else None
+
+
+def _invalid_utf8(value: Any, chunk: str, at: int) -> str:
+    """Names the field whose string holds the bytes that are not UTF-8, and shows it."""
+    where, text = f"character {at} of the record", chunk[max(0, at - 40) : at + 40]
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str) and _BAD_BYTE.search(item):
+            where, text = path or "the record", item
+            break
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{k}".lstrip("."), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    bad = " ".join(f"0x{ord(c) - 0xDC00:02X}" for c in _BAD_BYTE.findall(text)[:8])
+    shown = show(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+    return f"{where} holds bytes that are not UTF-8 ({bad}): {shown}"[:MESSAGE_MAX]
 
 
 CityCode = Annotated[str, Field(min_length=1, max_length=LIMITS["city_code"])]
@@ -384,10 +577,6 @@ class CityPage:
     page_number: int
     fetched_by: Literal["cursor", "page"]
     position: PagePosition
-
-
-DETAILS_KEY = "details"
-"""The list of a compensation page: one detail response (``GET /v1/hotels/{id}``) per hotel."""
 
 
 def page_records(body: Any) -> list[Any]:

@@ -78,10 +78,11 @@ from supplier_sync_dagster.core.records.publish import (
 )
 from supplier_sync_dagster.core.records.quality import check_quality
 from supplier_sync_dagster.core.records.review import hold_for_review
+from supplier_sync_dagster.core.records.undecodable import UndecodableRecord
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase, retry_deadlocks
 from supplier_sync_dagster.core.store.payloads import PayloadStore
-from supplier_sync_dagster.core.supplier.models import decode_json, page_records
+from supplier_sync_dagster.core.supplier.models import decode_page, page_records
 from supplier_sync_dagster.core.sync.model import NO_PROGRESS, CityReport, Progress, SyncSettings
 from supplier_sync_dagster.core.sync.runtime import ForkPool, collect_garbage, prepare_process
 from supplier_sync_dagster.core.sync.snapshots import (
@@ -337,7 +338,7 @@ class Normalizer:
         self.report.seconds["normalize"] += time.perf_counter() - began
 
     def _load(self, raw: StoredPage) -> list[Any]:
-        return page_records(decode_json(self.store.get(raw.payload_ref)))
+        return page_records(decode_page(self.store.get(raw.payload_ref)))
 
     def _normalize(self, raw: StoredPage, records: list[Any]) -> None:
         if raw.payload_hash in self.seen:
@@ -348,6 +349,10 @@ class Normalizer:
             r["hotel_id"]
             for r in records
             if isinstance(r, dict) and isinstance(r.get("hotel_id"), str)
+        )
+        # A record whose bytes could not be decoded is still listed by its supplier.
+        self.listed.update(
+            r.hotel_id for r in records if type(r) is UndecodableRecord and r.hotel_id is not None
         )
         self.progress.check()
         self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")

@@ -34,6 +34,7 @@ from supplier_sync_dagster.core.records.normalize import (
     price_fingerprint,
     to_primitive,
 )
+from supplier_sync_dagster.core.records.undecodable import UndecodableRecord
 from supplier_sync_dagster.simulator import (
     BAD_RECORD_REASONS,
     GEO_RENAMED_LOCATION,
@@ -313,6 +314,10 @@ CASES: list[tuple[str, object, str, str | None]] = [
     ("list", [EXAMPLE], "NOT_AN_OBJECT", None),
     ("string", "H1", "NOT_AN_OBJECT", None),
     ("null", None, "NOT_AN_OBJECT", None),
+    ("bytes-not-utf8", UndecodableRecord("INVALID_UTF8", "name holds bytes that are not UTF-8"),
+     "INVALID_UTF8", None),
+    ("text-not-json", UndecodableRecord("INVALID_JSON", "the record is not JSON"), "INVALID_JSON",
+     None),
     *[(f"missing-{f}", _drop((f,)), "MISSING_REQUIRED_FIELD", f) for f in n.REQUIRED_FIELDS],
     ("null-name", _set(("name",), None), "MISSING_REQUIRED_FIELD", "name"),
     ("blank-name", _set(("name",), " \t\n "), "MISSING_REQUIRED_FIELD", "name"),
@@ -443,9 +448,24 @@ def test_error_codes(rec: object, code: str, field: str | None) -> None:
     if isinstance(rec, dict) and rec.get("hotel_id") == "H000123":
         assert r.supplier_hotel_id == "H000123"
     elif r.field != "hotel_id":  # only an unreadable hotel_id gives None
-        assert r.supplier_hotel_id is None and code == "NOT_AN_OBJECT"
+        assert r.supplier_hotel_id is None
+        assert code in ("NOT_AN_OBJECT", "INVALID_UTF8", "INVALID_JSON")
     if isinstance(rec, dict) and type(rec.get("version")) is int and rec["version"] >= 0:
         assert r.version == rec["version"]
+
+
+def test_an_undecodable_record_keeps_its_readable_id_and_version() -> None:
+    r = rejected(UndecodableRecord("INVALID_UTF8", "name holds bytes...", "H000123", 17))
+    check_rejection(r)
+    assert (r.error_code, r.stage, r.supplier_hotel_id, r.version) == (
+        "INVALID_UTF8",
+        "ADAPTER",
+        "H000123",
+        17,
+    )
+    assert r.message == "name holds bytes..."
+    # An id that could not be shown safely is not one.
+    assert rejected(UndecodableRecord("INVALID_JSON", "x", "H\n1")).supplier_hotel_id is None
 
 
 def test_every_code_is_documented_and_tested() -> None:

@@ -101,6 +101,58 @@ def test_released_or_abandoned_probe_does_not_block_forever() -> None:
     assert breaker.state is BreakerState.CLOSED
 
 
+def test_an_open_breaker_says_why_it_opened_and_carries_the_code() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(
+        name="supplier-1001", failure_threshold=3, cooldown=30, monotonic=clock.monotonic
+    )
+    breaker.record_failure(breaker.before_request(), code="SUPPLIER_TIMEOUT", message="slow")
+    for _ in range(2):
+        breaker.record_failure(
+            breaker.before_request(),
+            code="CONNECTION_REFUSED",
+            message="127.0.0.1:9: connection refused",
+        )
+    with pytest.raises(CircuitOpen) as info:
+        breaker.before_request()
+    assert str(info.value) == (
+        "circuit breaker for supplier-1001 is open since 3 failures in a row, last: "
+        "CONNECTION_REFUSED 127.0.0.1:9: connection refused; next probe in 30.0s"
+    )
+    assert info.value.error_code == info.value.cause_code == "CONNECTION_REFUSED"
+
+    clock.advance(30)
+    probe = breaker.before_request()
+    with pytest.raises(CircuitOpen, match="half-open .open since 3 failures") as busy:
+        breaker.before_request()
+    assert busy.value.cause_code == "CONNECTION_REFUSED"
+    breaker.record_failure(probe, code="DNS_FAILURE", message="x.invalid:443: no such host")
+    with pytest.raises(CircuitOpen, match="its probe request failed, last: DNS_FAILURE x.invalid"):
+        breaker.before_request()
+
+
+def test_a_breaker_opened_by_the_ratio_says_so() -> None:
+    breaker = CircuitBreaker(
+        failure_threshold=100, failure_ratio=0.5, ratio_window=4, ratio_min_calls=4
+    )
+    for i in range(4):
+        token = breaker.before_request()
+        if i % 2:
+            breaker.record_failure(token, code="SUPPLIER_UNAVAILABLE", message="GET /v1/x: 503")
+        else:
+            breaker.record_success(token)
+    with pytest.raises(CircuitOpen, match="open since 2 of the last 4 requests failed, last: "):
+        breaker.before_request()
+
+
+def test_a_breaker_told_no_cause_keeps_its_old_code() -> None:
+    breaker = CircuitBreaker(failure_threshold=1)
+    fail(breaker, 1)
+    with pytest.raises(CircuitOpen, match="open since 1 failure in a row; next probe") as info:
+        breaker.before_request()
+    assert info.value.error_code == "CIRCUIT_OPEN" and info.value.cause_code is None
+
+
 def test_breaker_rejects_bad_settings() -> None:
     with pytest.raises(ConfigError):
         CircuitBreaker(failure_threshold=0)

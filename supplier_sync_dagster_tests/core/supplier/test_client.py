@@ -359,7 +359,11 @@ def test_timeout_and_connection_errors_are_retried() -> None:
     )
     client, _ = make_client(script)
     client.list_cities()
-    assert client.stats().retries_by_reason == {"timeout": 2, "connection": 2}
+    assert client.stats().retries_by_reason == {
+        "timeout": 2,
+        "connection_refused": 1,
+        "connection": 1,
+    }
 
 
 # --- bounds ------------------------------------------------------------------------------------
@@ -411,12 +415,17 @@ def test_persistent_5xx_opens_the_breaker_and_then_nothing_is_sent() -> None:
     client, _ = make_client(
         script, clock=clock, breaker=breaker, retry=RetryPolicy(max_attempts=10, base_delay=0.01)
     )
-    with pytest.raises(CircuitOpen):
+    # The call whose own failures opened the breaker says what failed, not "open".
+    with pytest.raises(SupplierUnavailable, match="500; gave up after 3 attempt.*breaker opened"):
         client.list_cities()
     assert len(script.requests) == 3
-    with pytest.raises(CircuitOpen):
+    with pytest.raises(CircuitOpen) as refused:
         client.list_cities()
     assert len(script.requests) == 3  # refused without sending
+    assert "open since 3 failures in a row, last: SUPPLIER_UNAVAILABLE GET /v1/cities: 500" in str(
+        refused.value
+    )
+    assert refused.value.error_code == refused.value.cause_code == "SUPPLIER_UNAVAILABLE"
     clock.advance(31)
     assert client.list_cities().data.total == 1  # the probe succeeds
     stats = client.stats()
@@ -448,7 +457,7 @@ def test_a_detail_service_that_is_down_opens_its_own_breaker_only() -> None:
         detail_breaker=detail,
         retry=RetryPolicy(max_attempts=10, base_delay=0.01),
     )
-    with pytest.raises(CircuitOpen):
+    with pytest.raises(SupplierUnavailable):
         client.get_hotel("H1")
     with pytest.raises(CircuitOpen):
         client.get_hotel("H2")  # refused without sending
