@@ -55,6 +55,7 @@ from supplier_sync_dagster.core.sync.stages import (
     check_counts,
     publish_city,
 )
+from supplier_sync_dagster.core.sync.stop import Stop, StopAware, reason_of
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ def sync_city(
     city_countries: Mapping[str, str] | None = None,
     report: CityReport | None = None,
     source: PageSource | None = None,
+    stop: Stop | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -94,15 +96,20 @@ def sync_city(
         source: The shard's pages when they are not the listing of city ``city_code`` (an
             incremental window: ``core.repair.incremental``); its records then belong to
             their own cities.
+        stop: The run's stop: the city stops at its next page or chunk once it is asked,
+            its lease released with its checkpoint.
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
         LEASE_LOST, HELD_BY_OTHER (a live lease elsewhere) or GATED.
 
     Raises:
-        SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable).
+        SupplierError: The supplier failed beyond retries (the shard is FAILED, resumable;
+            any other exception fails it too, its report and shard saying why).
+        SyncInterrupted: The run's stop was asked (the shard is PENDING again).
     """
     prepare_process()
+    stop = stop or Stop()
     report = report if report is not None else CityReport(city_code)
     try:
         lease = _claim(db, batch.batch_id, city_code, worker_id, settings)
@@ -124,13 +131,14 @@ def sync_city(
                 store,
                 client,
                 lease,
-                heartbeat,
+                StopAware(heartbeat, stop),
                 settings,
                 report,
                 city_countries=city_countries or {},
                 drift_check=gate is not None,
                 fetched=fetch,
                 source=source,
+                stop=stop,
             )
             if fetch:
                 stages.fetch()
@@ -144,7 +152,7 @@ def sync_city(
             stages.publish()
             report.stages_done.append("publish")
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
-        report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
+        report.fail(err, work.error)
         raise
     finally:
         if stages is not None:
@@ -152,7 +160,7 @@ def sync_city(
     if work.lost is not None:
         report.status, report.error = "LEASE_LOST", str(work.lost)
     elif client is not None and report.presence is not None and report.presence.missing:
-        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings)
+        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings, stop=stop)
     return report
 
 
@@ -173,8 +181,10 @@ class _CityStages:
         drift_check: bool,
         fetched: bool,
         source: PageSource | None,
+        stop: Stop,
     ) -> None:
         self.db, self.store, self.client, self.lease = db, store, client, lease
+        self.stop = stop
         self.heartbeat, self.settings, self.report = heartbeat, settings, report
         # Whether this claim walks the pages (a listing walked to its end: tombstones).
         self.fetched, self.source = fetched, source
@@ -216,6 +226,7 @@ class _CityStages:
             self.settings,
             self.report,
             on_page=self.normalizer.add if fresh else None,
+            stop=self.stop,
         )
 
     def stopped_by_drift(self) -> bool:
@@ -315,16 +326,22 @@ def confirm_missing(
     *,
     batch_id: str,
     settings: SyncSettings,
+    stop: Stop | None = None,
 ) -> None:
     """Asks the supplier for each hotel the city's listing newly lacked: a 404 is certain,
     and the hotel is unpublished now (a 200 leaves the count: it may be listed elsewhere).
-    A failed request changes nothing; the next complete sync counts again."""
+    A failed request changes nothing; the next complete sync counts again.
+
+    Raises:
+        SyncInterrupted: The run's stop was asked (the city is finished already).
+    """
     assert report.presence is not None
+    stop = stop or Stop()
     gone: list[str] = []
     unconfirmed: list[DeadLetter] = []
     for hotel_id in report.presence.missing[:CONFIRM_MISSING_MAX]:
         try:
-            client.get_hotel(hotel_id)
+            stop.call(client.get_hotel, hotel_id)
         except SupplierNotFound:
             gone.append(hotel_id)
         except SupplierError as err:
@@ -479,6 +496,7 @@ def help_other_workers(
     sync_one: Callable[[str], CityReport],
     threads: int = 2,
     hotel_counts: Mapping[str, int] | None = None,
+    stop: Stop | None = None,
 ) -> list[CityReport]:
     """Syncs cities of the batch that no worker has started yet; returns their reports.
 
@@ -499,6 +517,8 @@ def help_other_workers(
             exceptions are logged and the city is left to its owner.
         threads: Cities in flight at once (see :func:`sync_cities`).
         hotel_counts: The supplier's hotel count per city, when known.
+        stop: The run's stop, set by an interruption so that the cities in flight end at
+            their next page.
     """
     done: list[CityReport] = []
 
@@ -527,10 +547,15 @@ def help_other_workers(
 
     if threads <= 1:
         loop()
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
+        return done
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
+        try:
             for future in [pool.submit(loop) for _ in range(threads)]:
                 future.result()
+        except BaseException as err:
+            if stop is not None and not isinstance(err, Exception):
+                stop.set(reason_of(err))
+            raise
     return done
 
 

@@ -731,9 +731,10 @@ def test_shard_work_fails_the_shard_and_raises_the_original_error(
     work = ShardWork(lease)
     with pytest.raises(RuntimeError, match="boom"), work:
         raise RuntimeError("boom")
-    assert work.error == "RuntimeError: boom" and work.lost is None
+    # The precise code first (a bug's is INTERNAL_ERROR), then what happened.
+    assert work.error == "INTERNAL_ERROR: RuntimeError: boom" and work.lost is None
     info = get_shard(db, batch.batch_id, "BKK")
-    assert info.status == "FAILED" and info.error_message == "RuntimeError: boom"
+    assert info.status == "FAILED" and info.error_message == "INTERNAL_ERROR: RuntimeError: boom"
 
     # Failing after another worker took the shard: its outcome stands, the error propagates.
     batch = make_batch(["BKK"])
