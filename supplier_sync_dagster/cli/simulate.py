@@ -17,6 +17,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown fault profile {args.profile!r}: {err}") from None
     if args.hostile_city_codes:
         faults = faults.with_(hostile_city_codes=True)
+    cities = tuple(c for c in args.mode_cities.split(",") if c)
+    try:
+        faults = faults.with_(modes=tuple(args.mode), mode_cities=cities)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     config = SimulatorConfig(
         seed=args.seed,
         n_cities=args.cities,
@@ -28,7 +33,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     print(
         f"supplier simulator on http://{args.host}:{args.port} ({args.cities} cities, "
-        f"{args.hotels} hotels, profile {args.profile}, day {args.day})",
+        f"{args.hotels} hotels, profile {args.profile}, day {args.day}"
+        + (f", modes {', '.join(args.mode)}" if args.mode else "")
+        + ")",
         flush=True,
     )
     serve(config, host=args.host, port=args.port)

@@ -11,11 +11,12 @@ thread so that generating a big city never stalls the event loop; slow faults sl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
-from supplier_sync_dagster.simulator.core import Dispatcher, SimRequest
+from supplier_sync_dagster.simulator.core import Dispatcher, SimRequest, SimResponse, body_chunks
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -71,7 +72,36 @@ class SimulatorApp:
         out_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
         out_headers.append((b"content-length", str(len(resp.body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": resp.body})
+        if resp.trickle is None and resp.cut_at is None:
+            await send({"type": "http.response.body", "body": resp.body})
+            return
+        await _send_slowly_or_cut(resp, receive, send)
+
+
+async def _send_slowly_or_cut(resp: SimResponse, receive: Receive, send: Send) -> None:
+    """Send a body that trickles or stops short; a body cut short ends the connection (the
+    server closes it when the application returns before the declared length)."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        body = resp.body if resp.cut_at is None else resp.body[: resp.cut_at]
+        for chunk, pause in body_chunks(body, resp.trickle):
+            if pause:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(gone.wait(), pause)
+            if gone.is_set():
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if resp.cut_at is None:
+            await send({"type": "http.response.body", "body": b""})
+    finally:
+        watcher.cancel()
 
 
 def create_app(sim: Dispatcher) -> SimulatorApp:

@@ -10,6 +10,34 @@ DAY_SECONDS = 86_400
 LATE_MIN_SECONDS = 30
 """The shortest delay of a late arrival."""
 
+MODES: tuple[str, ...] = (
+    "slow_body",
+    "runaway_cursor",
+    "cursor_cycle",
+    "endless_pages",
+    "inflating_body",
+    "huge_body",
+    "deep_json",
+    "bad_bytes",
+    "truncated_body",
+    "refused",
+    "unauthorized",
+    "future_timestamp",
+    "drift",
+)
+"""The named misbehaviours (``FaultProfile.modes``); ``simulator.modes`` says what each does."""
+
+
+def check_modes(names: tuple[str, ...] | list[str]) -> None:
+    """Refuse a mode name that is not one of :data:`MODES`.
+
+    Raises:
+        ValueError: naming the unknown modes and the known ones.
+    """
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise ValueError(f"unknown fault mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
+
 
 @dataclass(frozen=True)
 class FaultProfile:
@@ -53,6 +81,15 @@ class FaultProfile:
         unlisted_hotels_city_codes: cities that ``/v1/cities`` lists but whose hotel pages
             answer ``404 CITY_NOT_FOUND``: a supplier whose city list and data disagree
             (a sync of such a city fails; the others go on).
+        modes: named misbehaviours (:data:`MODES`), each always on: a supplier that trickles,
+            loops, floods, lies or shifts under the walk (``simulator.modes``).
+        mode_cities: the cities whose listings the modes touch; empty: every city (and then
+            the change feed too).
+        slow_body_bytes_per_second: how fast a ``slow_body`` answer trickles.
+        huge_body_bytes: the size of a ``huge_body`` page.
+        inflated_body_bytes: what an ``inflating_body`` page inflates to.
+        deep_json_depth: the nesting of a ``deep_json`` page.
+        drift_shifts: how many shifts ``drift`` makes in a city (one per page asked by number).
     """
 
     rate_429: float = 0.0
@@ -77,6 +114,13 @@ class FaultProfile:
     detail_outage_rate: float = 0.0
     emptied_city_codes: tuple[str, ...] = ()
     failing_city_codes: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
+    mode_cities: tuple[str, ...] = ()
+    slow_body_bytes_per_second: float = 1.0
+    huge_body_bytes: int = 50_000_000
+    inflated_body_bytes: int = 300_000_000
+    deep_json_depth: int = 100_000
+    drift_shifts: int = 12
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -89,6 +133,12 @@ class FaultProfile:
             raise ValueError("FaultProfile.slow_seconds and retry_after_seconds must be >= 0")
         if self.cursor_ttl_seconds is not None and self.cursor_ttl_seconds < 0:
             raise ValueError("FaultProfile.cursor_ttl_seconds must be >= 0 or None")
+        check_modes(self.modes)
+        if self.slow_body_bytes_per_second <= 0:
+            raise ValueError("FaultProfile.slow_body_bytes_per_second must be > 0")
+        for name in ("huge_body_bytes", "inflated_body_bytes", "deep_json_depth", "drift_shifts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FaultProfile.{name} must be >= 1")
 
     @classmethod
     def clean(cls) -> FaultProfile:

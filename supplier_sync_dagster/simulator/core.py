@@ -20,26 +20,29 @@ from __future__ import annotations
 
 import base64
 import bisect
+import dataclasses
 import datetime as dt
 import email.utils
 import gzip
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 import httpx
 
-from supplier_sync_dagster.simulator import data, locales, paths
+from supplier_sync_dagster.simulator import data, locales, modes, paths
 from supplier_sync_dagster.simulator.config import DAY_SECONDS, SimulatorConfig
 from supplier_sync_dagster.simulator.data import City, GroundTruth, World
+from supplier_sync_dagster.simulator.modes import ActiveModes, DriftLedger
 from supplier_sync_dagster.simulator.ratelimit import Decision, RateLimiter
 from supplier_sync_dagster.simulator.stats import SimStats
 
@@ -86,12 +89,20 @@ class SimResponse:
         headers: header pairs (names lower-case).
         body: the body bytes as sent (compressed when ``content-encoding`` says so).
         delay: seconds to wait before answering (the slow fault).
+        compress: whether the body may be gzipped for a client that accepts it.
+        trickle: bytes per second at which the body is sent (None: at once).
+        cut_at: the connection closes after this many body bytes (the declared length stays).
+        truncate: cut the body (after compression) half-way: sets ``cut_at``.
     """
 
     status: int
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
     delay: float = 0.0
+    compress: bool = True
+    trickle: float | None = None
+    cut_at: int | None = None
+    truncate: bool = False
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive), if any."""
@@ -143,10 +154,49 @@ def handle_httpx(target: Dispatcher, request: httpx.Request) -> httpx.Response:
     Returns:
         The response, exactly as the ASGI app would send it.
     """
+    if getattr(target, "refuses_connections", False):
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
     resp = target.dispatch(SimRequest.from_httpx(request))
     if resp.delay:
         time.sleep(resp.delay)
-    return httpx.Response(resp.status, headers=resp.headers, content=resp.body)
+    # A stream, not content: the client reads it as it reads a socket (``iter_raw``).
+    headers = [*resp.headers, ("content-length", str(len(resp.body)))]
+    return httpx.Response(resp.status, headers=headers, stream=_BodyStream(resp, request))
+
+
+class _BodyStream(httpx.SyncByteStream):
+    """A body as the ASGI app sends it over a socket: at once, slowly or cut short."""
+
+    def __init__(self, resp: SimResponse, request: httpx.Request) -> None:
+        self._resp, self._request = resp, request
+
+    def __iter__(self) -> Iterator[bytes]:
+        body, cut = self._resp.body, self._resp.cut_at
+        sent = body if cut is None else body[:cut]
+        for chunk, pause in body_chunks(sent, self._resp.trickle):
+            if pause:
+                time.sleep(pause)
+            yield chunk
+        if cut is not None:
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body",
+                request=self._request,
+            )
+
+
+def body_chunks(body: bytes, trickle: float | None) -> Iterator[tuple[bytes, float]]:
+    """The body in the pieces a transport sends, each with the pause before it.
+
+    Args:
+        body: the bytes to send.
+        trickle: bytes per second (None: one piece, no pause).
+    """
+    if trickle is None:
+        yield body, 0.0
+        return
+    step = max(1, int(trickle / 10))
+    for i in range(0, len(body), step):
+        yield body[i : i + step], step / trickle
 
 
 class _HttpError(Exception):
@@ -227,6 +277,11 @@ class Simulator:
         self._rng_lock = threading.Lock()
         self._cursor_key = hashlib.sha256(f"{self.config.seed}:cursor".encode()).digest()
         self._cities_body: tuple[int, bytes] | None = None
+        faults = self.config.faults
+        self._modes = ActiveModes.of(faults.modes, faults.mode_cities)
+        self._drift = DriftLedger(faults.drift_shifts, 1, data.HOTELS_PER_CITY_SPAN)
+        self._cycle_cursors: dict[tuple[str, int], str] = {}
+        self._nonce = itertools.count()
 
     # -- time and truth -------------------------------------------------------------------
 
@@ -291,14 +346,106 @@ class Simulator:
         return self.config.epoch + dt.timedelta(seconds=clock)
 
     def ground_truth(self, day: int | None = None) -> GroundTruth:
-        """What a perfect sync ends with; see ``GroundTruth``.
+        """What a perfect sync ends with; see ``GroundTruth``. The named modes count: a
+        hotel they break is bad, a drifted city lists what it lists now.
 
         Args:
             day: describe the start of this day; ``None``: the current instant.
         """
         if day is None:
-            return self.world.ground_truth_at(self._instant())
-        return self.world.ground_truth(day)
+            at = self._instant()
+            truth = self.world.ground_truth_at(at)
+        else:
+            at = self.world.day_start(day)
+            truth = self.world.ground_truth(day)
+        return self._with_modes(truth, at)
+
+    # -- named modes ------------------------------------------------------------------------
+
+    @property
+    def modes(self) -> ActiveModes:
+        """The named modes on now (``simulator.modes``)."""
+        return self._modes
+
+    def set_modes(self, names: list[str], cities: list[str] | None = None) -> None:
+        """Switch the named modes (an empty list: none); see ``simulator.modes``.
+
+        Raises:
+            ValueError: an unknown mode name.
+        """
+        self._modes = ActiveModes.of(names, cities or [])
+
+    @property
+    def refuses_connections(self) -> bool:
+        """Whether the ``refused`` mode is on: servers then accept no connection."""
+        return "refused" in self._modes.names
+
+    def _victims(self, at: int) -> dict[int, str]:
+        """Hotel number -> what breaks it: the first listed hotel of each city the
+        ``bad_bytes`` or ``future_timestamp`` mode touches."""
+        kinds = [
+            (name, code)
+            for name, code in (
+                ("bad_bytes", modes.INVALID_UTF8),
+                ("future_timestamp", modes.FUTURE_TIMESTAMP),
+            )
+            if name in self._modes.names
+        ]
+        found: dict[int, str] = {}
+        if not kinds:
+            return found
+        for city in self.world.cities:
+            ids = self.world.state_at(city, at).ids
+            for name, code in kinds:
+                if ids and self._modes.on(name, city.code):
+                    found.setdefault(ids[0], code)
+        return found
+
+    def _with_modes(self, truth: GroundTruth, at: int) -> GroundTruth:
+        drifts = self._drift.all()
+        victims = self._victims(at)
+        if not drifts and not victims:
+            return truth
+        valid, bad, versions = dict(truth.valid), dict(truth.bad), dict(truth.versions)
+        by_city = {code: dict(ids) for code, ids in truth.valid_by_city.items()}
+        listed = dict(truth.listed_by_city)
+        day = self.world.day_of(at)
+        for index, drift in drifts.items():
+            city = self.world.cities[index]
+            gone = {data.hotel_id(n) for n in drift.removed}
+            listed[city.code] = tuple(h for h in listed[city.code] if h not in gone) + tuple(
+                data.hotel_id(n) for n in sorted(drift.added)
+            )
+            for hid in gone:
+                valid.pop(hid, None)
+                bad.pop(hid, None)
+                versions.pop(hid, None)
+                for ids in by_city.values():
+                    ids.pop(hid, None)
+            for num, h in drift.added.items():
+                hid = data.hotel_id(num)
+                versions[hid] = h.version
+                reason = self.world.bad_reason(h, day)
+                if reason is None:
+                    valid[hid] = by_city[city.code][hid] = h.version
+                else:
+                    bad[hid] = reason
+        for num, code in victims.items():
+            hid = data.hotel_id(num)
+            if valid.pop(hid, None) is not None:
+                for ids in by_city.values():
+                    ids.pop(hid, None)
+                bad[hid] = code
+        gone_all = {data.hotel_id(n) for d in drifts.values() for n in d.removed}
+        return dataclasses.replace(
+            truth,
+            valid=valid,
+            bad=bad,
+            versions=versions,
+            valid_by_city=by_city,
+            listed_by_city=listed,
+            inactive=truth.inactive - gone_all,
+        )
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -346,10 +493,11 @@ class Simulator:
         self._stats.request(endpoint)
         key = headers.get("x-api-key", "")
         valid_key = hmac.compare_digest(key.encode(), self.config.api_key.encode())
-        if not valid_key:
+        if not valid_key or "unauthorized" in self._modes.names:
             self._stats.unauthorized()
+            why = "the API key was revoked" if valid_key else "missing or wrong X-Api-Key"
             return self._finish(
-                SimResponse(401, body=error_body("UNAUTHORIZED", "missing or wrong X-Api-Key")),
+                SimResponse(401, body=error_body("UNAUTHORIZED", why)),
                 self._limiter.peek(""),
                 headers,
             )
@@ -458,9 +606,16 @@ class Simulator:
     ) -> SimResponse:
         if resp.header("content-type") is None:
             resp.headers.append(("content-type", "application/json"))
-        if len(resp.body) >= _GZIP_MIN_BYTES and _accepts_gzip(req_headers.get("accept-encoding")):
+        if (
+            resp.compress
+            and resp.header("content-encoding") is None
+            and len(resp.body) >= _GZIP_MIN_BYTES
+            and _accepts_gzip(req_headers.get("accept-encoding"))
+        ):
             resp.body = gzip.compress(resp.body, compresslevel=1, mtime=0)
             resp.headers.append(("content-encoding", "gzip"))
+        if resp.truncate:
+            resp.cut_at = max(1, len(resp.body) // 2)
         resp.headers.append(("vary", "Accept-Encoding"))
         resp.headers.append(("x-ratelimit-limit", str(decision.limit)))
         resp.headers.append(("x-ratelimit-remaining", str(decision.remaining)))
@@ -511,7 +666,7 @@ class Simulator:
                         }
                     ),
                 )
-            return self._city_hotels(city, params, at)
+            return self._listing(city, params, at)
         if endpoint == "city_summary":
             return self._summary(self._city(args[0]), at)
         if endpoint == "hotel":
@@ -549,12 +704,48 @@ class Simulator:
         self._cities_body = (at, body)
         return body
 
-    def _city_hotels(self, city: City, params: Mapping[str, str], at: int) -> SimResponse:
+    def _listing(self, city: City, params: Mapping[str, str], at: int) -> SimResponse:
+        """A city's page, with the named modes that touch the city."""
+        if self._modes.on("drift", city.code):
+            if "cursor" in params:
+                self._stats.fault("drift")
+                raise _HttpError(410, "CURSOR_EXPIRED", "cursor expired: resume with page numbers")
+            if _parse_int(params, "page", 1, 1, 10**9) >= 2:
+                self._drift.shift(city.index, self.world.state_at(city, at), at)
+        head, resp = self._city_hotels(city, params, at)
+        return self._body_modes(resp, head, city.code)
+
+    def _body_modes(self, resp: SimResponse, head: bytes, city: str | None) -> SimResponse:
+        """``resp`` as the modes that change bodies send it (``head``: the page's fields)."""
+        on, faults = self._modes.on, self.config.faults
+        if on("huge_body", city):
+            resp = SimResponse(
+                200, body=modes.huge_page(head, faults.huge_body_bytes), compress=False
+            )
+        elif on("deep_json", city):
+            resp = SimResponse(200, body=modes.deep_page(head, faults.deep_json_depth))
+        elif on("inflating_body", city):
+            bomb = modes.inflating_gzip(faults.inflated_body_bytes)
+            resp = SimResponse(200, [("content-encoding", "gzip")], bomb, compress=False)
+        if on("slow_body", city):
+            resp.trickle = faults.slow_body_bytes_per_second
+        if on("truncated_body", city):
+            resp.truncate = True
+        return resp
+
+    def _city_state(self, city: City, at: int) -> data.CityState:
+        state = self.world.state_at(city, at)
+        drift = self._drift.get(city.index)
+        return state if drift is None else drift.apply(state)
+
+    def _city_hotels(
+        self, city: City, params: Mapping[str, str], at: int
+    ) -> tuple[bytes, SimResponse]:
         page_size = _parse_int(params, "page_size", DEFAULT_PAGE_SIZE, 1, MAX_PAGE_SIZE)
         cursor = params.get("cursor")
         if cursor is not None and "page" in params:
             raise _HttpError(400, "INVALID_PARAMETER", "give page or cursor, not both")
-        state = self.world.state_at(city, at)
+        state = self._city_state(city, at)
         total = len(state.ids)
         if cursor is not None:
             after = self._read_cursor(cursor, city)
@@ -563,24 +754,43 @@ class Simulator:
         else:
             page = _parse_int(params, "page", 1, 1, 10**9)
             start = (page - 1) * page_size
+        endless = self._modes.on("endless_pages", city.code)
+        if endless and start >= total:
+            start = max(0, total - page_size)  # past the end: the last page again
         end = start + page_size
         first = start
         if 0 < start < total and self._chance(self.config.faults.duplicate_across_pages_rate):
             self._stats.fault(FAULT_DUPLICATE)
             first = start - 1
         nums = state.ids[first:end]
-        next_cursor = self._make_cursor(city, state.ids[end - 1]) if end < total else None
-        head = _json(
-            {
-                "city_code": city.code,
-                "page": page,
-                "page_size": page_size,
-                "total": total,
-                "total_pages": math.ceil(total / page_size),
-                "next_cursor": next_cursor,
-            }
-        )
-        return SimResponse(200, body=self._with_hotels(head, b"hotels", city, state, nums, at))
+        fields: dict[str, Any] = {
+            "city_code": city.code,
+            "page": page,
+            "page_size": page_size,
+            "total": total,
+            "total_pages": math.ceil(total / page_size),
+            "next_cursor": self._next_cursor(city, state, start, end),
+        }
+        if endless:
+            fields.update(total=None, total_pages=None, next_cursor=None)
+        head = _json(fields)
+        body = self._with_hotels(head, b"hotels", city, state, nums, at)
+        return head, SimResponse(200, body=body)
+
+    def _next_cursor(self, city: City, state: data.CityState, start: int, end: int) -> str | None:
+        """The page's ``next_cursor``: the position after it, or what a looping mode gives."""
+        ids, on = state.ids, self._modes.on
+        if on("runaway_cursor", city.code):
+            # A new token for the same page, for ever.
+            return self._make_cursor(city, ids[start - 1] if start > 0 else -1, next(self._nonce))
+        if on("cursor_cycle", city.code):
+            after = ids[end - 1] if end < len(ids) else -1
+            with self._rng_lock:
+                token = self._cycle_cursors.get((city.code, after))
+                if token is None:
+                    token = self._cycle_cursors[(city.code, after)] = self._make_cursor(city, after)
+            return token
+        return self._make_cursor(city, ids[end - 1]) if end < len(ids) else None
 
     def _with_hotels(
         self,
@@ -600,14 +810,28 @@ class Simulator:
             found = world.hotels_at(list(nums), at)
         parts = []
         bad = 0
+        victims = self._victims(at)
         for listed, h in found:
-            parts.append(world.render(listed, h, day))
+            parts.append(self._render(listed, h, day, victims))
             bad += world.bad_reason(h, day) is not None
         self._stats.hotels(len(parts), bad)
         return head[:-1] + b',"' + name + b'":[' + b",".join(parts) + b"]}"
 
-    def _make_cursor(self, city: City, after: int) -> str:
-        payload = _json({"c": city.code, "a": after, "t": round(time.time(), 3)})
+    def _render(self, listed: City, h: data.Hotel, day: int, victims: Mapping[int, str]) -> bytes:
+        """The hotel's record as served, broken the way a mode breaks it."""
+        body = self.world.render(listed, h, day)
+        kind = victims.get(h.num)
+        if kind == modes.INVALID_UTF8:
+            return modes.with_bad_byte(body)
+        if kind == modes.FUTURE_TIMESTAMP:
+            return modes.future_dated(body)
+        return body
+
+    def _make_cursor(self, city: City, after: int, nonce: int | None = None) -> str:
+        fields: dict[str, Any] = {"c": city.code, "a": after, "t": round(time.time(), 3)}
+        if nonce is not None:
+            fields["n"] = nonce
+        payload = _json(fields)
         sig = hmac.new(self._cursor_key, payload, hashlib.sha256).digest()[:12]
         return base64.urlsafe_b64encode(payload + sig).decode().rstrip("=")
 
@@ -635,12 +859,27 @@ class Simulator:
 
     def _summary(self, city: City, at: int) -> SimResponse:
         s = self.world.summary_at(city, at)
+        drift = self._drift.get(city.index)
+        if drift is not None:
+            was = self.world.state_at(city, at).hotels
+            active_gone = sum(was[n].active for n in drift.removed if n in was)
+            gone = sum(n in was for n in drift.removed)
+            s = data.CitySummary(
+                s.hotel_count - gone + len(drift.added),
+                s.active_count - active_gone + len(drift.added),
+                s.inactive_count - (gone - active_gone),
+                max([h.updated_at for h in drift.added.values()] + [s.max_updated_at or 0]),
+            )
+        future = any(self._modes.on("future_timestamp", city.code) for _ in (0,)) and bool(
+            self._city_state(city, at).ids
+        )
+        newest = modes.FUTURE_SECONDS if future else s.max_updated_at
         body = {
             "city_code": city.code,
             "hotel_count": s.hotel_count,
             "active_count": s.active_count,
             "inactive_count": s.inactive_count,
-            "max_updated_at": None if s.max_updated_at is None else data.rfc3339(s.max_updated_at),
+            "max_updated_at": None if newest is None else data.rfc3339(newest),
         }
         return SimResponse(200, body=_json(body))
 
@@ -649,13 +888,21 @@ class Simulator:
             num = data.parse_hotel_id(paths.decode_segment(raw))
         except paths.PathError:
             num = None
-        found = None if num is None else self.world.find_hotel_at(num, at)
+        found = None if num is None else self._find_hotel(num, at)
         if found is None:
             raise _HttpError(404, "HOTEL_NOT_FOUND", "unknown hotel")
         listed, h = found
         day = self.world.day_of(at)
         self._stats.hotels(1, self.world.bad_reason(h, day) is not None)
-        return SimResponse(200, body=self.world.render(listed, h, day))
+        return SimResponse(200, body=self._render(listed, h, day, self._victims(at)))
+
+    def _find_hotel(self, num: int, at: int) -> tuple[City, data.Hotel] | None:
+        drift = self._drift.get(num // data.HOTELS_PER_CITY_SPAN)
+        if drift is not None and num in drift.removed:
+            return None
+        if drift is not None and num in drift.added:
+            return self.world.cities[num // data.HOTELS_PER_CITY_SPAN], drift.added[num]
+        return self.world.find_hotel_at(num, at)
 
     def _changes(self, params: Mapping[str, str], at: int) -> SimResponse:
         raw_since = params.get("since")
@@ -676,16 +923,26 @@ class Simulator:
             after_num = -1  # nothing has this exact fractional time: start after it
         start = _bisect_key(keys, since_s * data.CHANGE_KEY_SPAN + after_num)
         chosen = [k % data.CHANGE_KEY_SPAN for k in keys[start : start + limit]]
+        nxt: dict[str, str] | None = None
         if start + limit < len(keys) and chosen:
             last_key = keys[start + len(chosen) - 1]
-            nxt: dict[str, str] | None = {
+            nxt = {
                 "since": data.rfc3339(last_key // data.CHANGE_KEY_SPAN),
                 "after_id": data.hotel_id(chosen[-1]),
             }
-        else:
-            nxt = None
+        if "future_timestamp" in self._modes.names:
+            # A record dated 2099 sorts after every real change, whenever it changed.
+            future = {n for n, kind in self._victims(at).items() if kind == modes.FUTURE_TIMESTAMP}
+            chosen = [n for n in chosen if n not in future]
+            from_key = since_s * data.CHANGE_KEY_SPAN + after_num
+            if nxt is None:
+                late = sorted(
+                    n for n in future if modes.FUTURE_SECONDS * data.CHANGE_KEY_SPAN + n > from_key
+                )
+                chosen += late[: max(0, limit - len(chosen))]
         head = _json({"next": nxt})
-        return SimResponse(200, body=self._with_hotels(head, b"changes", None, None, chosen, at))
+        resp = SimResponse(200, body=self._with_hotels(head, b"changes", None, None, chosen, at))
+        return self._body_modes(resp, head, None)
 
     def _confirm(self, body: bytes, at: int) -> SimResponse:
         try:
@@ -743,6 +1000,17 @@ class Simulator:
         json_type = [("content-type", "application/json")]
         if segs == [b"stats"] and method == "GET":
             body = _json(self.stats)
+        elif segs == [b"modes"] and method == "GET":
+            body = _json({"modes": sorted(self._modes.names), "cities": sorted(self._modes.cities)})
+        elif segs == [b"modes"] and method == "POST":
+            params = dict(parse_qsl(query.decode("utf-8", "replace"), keep_blank_values=True))
+            names = [n for n in params.get("names", "").split(",") if n]
+            cities = [c for c in params.get("cities", "").split(",") if c]
+            try:
+                self.set_modes(names, cities)
+            except ValueError as err:
+                return SimResponse(400, json_type, error_body("INVALID_PARAMETER", str(err)))
+            body = _json({"modes": sorted(names), "cities": sorted(cities)})
         elif segs == [b"advance_day"] and method == "POST":
             body = _json({"day": self.advance_day()})
         elif segs == [b"advance"] and method == "POST":

@@ -36,6 +36,9 @@ def serve(
         log_level: uvicorn's log level.
     """
     sim = config if isinstance(config, Simulator) else Simulator(config)
+    if sim.refuses_connections:
+        # The supplier is down: nothing listens on the port until interrupted.
+        threading.Event().wait()
     _serve_forever(sim, host, port, log_level)
 
 
@@ -88,10 +91,16 @@ def running_server(
         RuntimeError: the server did not start in time.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    url_host = f"[{host}]" if family == socket.AF_INET6 else host
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
+    if getattr(sim, "refuses_connections", False):
+        # The port was free a moment ago and nobody listens on it: connections are refused.
+        sock.close()
+        yield f"http://{url_host}:{bound_port}"
+        return
     config = uvicorn.Config(
         create_app(sim),
         log_level="warning",
@@ -110,7 +119,6 @@ def running_server(
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the simulator's HTTP server did not start")
             time.sleep(0.01)
-        url_host = f"[{host}]" if family == socket.AF_INET6 else host
         yield f"http://{url_host}:{bound_port}"
     finally:
         server.should_exit = True

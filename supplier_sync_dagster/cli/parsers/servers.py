@@ -23,6 +23,20 @@ def add_simulate_and_daemon(sub: Subcommands) -> None:
     sim.add_argument("--rate-limit", type=float, default=None, help="requests/s per API key")
     sim.add_argument("--profile", default="clean", help="fault profile: clean, flaky or hostile")
     sim.add_argument("--hostile-city-codes", action="store_true")
+    sim.add_argument(
+        "--mode",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a named misbehaviour, always on (repeatable), e.g. slow_body, runaway_cursor, "
+        "drift; an unknown name lists them all",
+    )
+    sim.add_argument(
+        "--mode-cities",
+        default="",
+        metavar="A,B",
+        help="the city codes the modes touch (comma-separated); unset: every city",
+    )
     handled_by(sim, "supplier_sync_dagster.cli.simulate:cmd_simulate")
 
     daemon = sub.add_parser(
