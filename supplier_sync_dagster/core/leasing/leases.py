@@ -768,6 +768,10 @@ class Stall:
 
 # The stages of a shard that waits for the supplier: claimed, or between two pages.
 WAITING_FOR_SUPPLIER_STAGES = ("CLAIMED", "FETCHING", "CHECKPOINTING")
+# How long a walk may wait for one page before it counts as stalled (find_stalls): two of
+# the supplier client's request deadlines (60 s each by default), so a page retried once
+# after a timeout is slow, not stuck.
+FETCH_STALL_SECONDS = 120.0
 
 
 def find_stalls(
@@ -788,7 +792,8 @@ def find_stalls(
       reclaim these: the worker may be slow, not dead; alert instead.
     - LEASE_EXPIRED: the lease ran out (the worker died); any worker may reclaim it.
     """
-    thresholds = (checkpoint_stall_seconds, heartbeat_fresh_seconds, fetch_stall_seconds or 1)
+    fetch = 1.0 if fetch_stall_seconds is None else fetch_stall_seconds
+    thresholds = (checkpoint_stall_seconds, heartbeat_fresh_seconds, fetch)
     if min(thresholds) <= 0:
         raise ConfigError("stall thresholds must be positive numbers of seconds")
     c = schema.shard.c
