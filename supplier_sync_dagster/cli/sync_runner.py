@@ -15,7 +15,6 @@ at a page boundary) says which signal it was (:class:`SignalLog`) and how to res
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -51,6 +50,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import state_dir
 from supplier_sync_dagster.core.sync.run import refusal_line, refuse_trigger
+from supplier_sync_dagster.core.sync.stop import INTERRUPTS, SignalWatch
 from supplier_sync_dagster.core.sync.tasks import require_enabled
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
@@ -262,48 +262,30 @@ class SignalLog:
 
     While it is entered, a signal outside a Dagster run raises :class:`SyncInterrupted`
     (nothing started that needs stopping); inside one, Dagster's own handler interrupts the
-    step, which stops the cities at a page boundary and releases their leases. Which signal
-    it was is read back afterwards from the wakeup file descriptor, to which CPython writes
-    each signal's number whatever Python handler runs. Only the main thread can enter it;
-    elsewhere it records nothing.
+    step, whose cities stop at a page boundary and release their leases. Which signal it
+    was is seen by a :class:`~supplier_sync_dagster.core.sync.stop.SignalWatch`. Only the
+    main thread can enter it; elsewhere it records nothing.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self) -> None:
-        self._read = self._write = -1
-        self._old: dict[int, Any] = {}
-        self._old_fd = -1
         self._seen: list[int] = []
+        self._watch = SignalWatch(self._seen.append)
+        self._old: dict[int, Any] = {}
 
     def __enter__(self) -> SignalLog:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
-        self._old = {s: signal.signal(s, _raise_interrupted) for s in self.SIGNALS}
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, _raise_interrupted) for s in INTERRUPTS}
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._read < 0:
-            return
+        self._watch.__exit__(None, None, None)
         for number, handler in self._old.items():
             signal.signal(number, handler)
-        signal.set_wakeup_fd(self._old_fd)
-        self.received()
-        os.close(self._read)
-        os.close(self._write)
-        self._read = -1
 
     def received(self) -> str:
         """The name of the first signal received so far (``""``: none)."""
-        if self._read >= 0:
-            with contextlib.suppress(BlockingIOError):
-                self._seen += list(os.read(self._read, 512))
-        names = [signal.Signals(n).name for n in self._seen if n in self.SIGNALS]
-        return names[0] if names else ""
+        return signal.Signals(self._seen[0]).name if self._seen else ""
 
 
 def _raise_interrupted(number: int, frame: FrameType | None) -> None:

@@ -28,6 +28,7 @@ import dagster as dg
 
 from supplier_sync_dagster.core.errors import (
     SupplierError,
+    SyncInterrupted,
     TaskDisabled,
     TriggerSkipped,
     describe_error,
@@ -51,7 +52,7 @@ from supplier_sync_dagster.core.sync.run import (
     refusal_line,
     run_cities,
 )
-from supplier_sync_dagster.core.sync.stop import Stop, reason_of
+from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
 from supplier_sync_dagster.dagster_instance.events import one_event_transaction
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target, reported
@@ -211,7 +212,10 @@ def _sync_cities(
     stop = Stop()
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
-        with nullcontext(None) if request.replay else supplier.client() as client:
+        with (
+            stop_on_signals(stop),
+            nullcontext(None) if request.replay else supplier.client() as client,
+        ):
             try:
                 plan = plan_run(db, store, client, request, settings)
             except TaskDisabled as err:
@@ -266,9 +270,12 @@ def _sync_cities(
     except BaseException as err:
         if stop.is_set and not isinstance(err, Exception):
             context.log.warning(
-                f"run stopped ({reason_of(err)}): its cities in flight stopped at a page "
-                "boundary and released their leases; re-execute the run to resume them"
+                f"run stopped ({stop.reason or reason_of(err)}): its cities in flight stopped "
+                "at a page boundary and released their leases; re-execute the run to resume"
             )
+        if isinstance(err, SyncInterrupted):
+            # The cities saw the signal before this thread did: Dagster's own interruption.
+            raise dg.DagsterExecutionInterruptedError() from err
         raise
     finally:
         db.dispose()
@@ -410,6 +417,8 @@ def _log_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:
             else ""
         )
         + (f" ({r.error})" if r.error else "")
+        # Where it failed, for whoever reads the run's log (the UI; the CLI's -v).
+        + (f"\n{r.trace}" if r.status == "FAILED" and r.trace else "")
     )
 
 

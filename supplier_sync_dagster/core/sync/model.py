@@ -11,6 +11,7 @@ stage says what it is doing and learns whether it may go on.
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class CityReport:
     # A failed city's ``CODE: what happened`` (core.errors.describe_error) and its code.
     error: str | None = None
     error_code: str | None = None
+    trace: str | None = None  # its traceback, for the run's log (Dagster's, -v)
     stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
     # For the gate: the profile normalization recorded, and whether the city had gate
     # overrides when claimed (None: unknown, read them).
@@ -163,6 +165,7 @@ class CityReport:
         self.status = "FAILED"
         self.error = described or describe_error(err)
         self.error_code = code_of_description(self.error) or error_code_of(err)
+        self.trace = "".join(traceback.format_exception(err))
 
     @property
     def gate_failures(self) -> list[str]:

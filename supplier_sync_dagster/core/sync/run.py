@@ -523,8 +523,8 @@ class _CityWorker:
                 self.stop.sleep(HELD_POLL_SECONDS)
         except Exception as err:  # reported as the city's outcome; the others go on
             report.fail(err, report.error if report.status == "FAILED" else None)
-            # The summary says it once; the traceback is for -v.
-            log.info("city %r failed: %s", city, report.error, exc_info=err)
+            # The summary says it once; its traceback goes with the report, to the run's log.
+            log.debug("city %r failed: %s", city, report.error, exc_info=err)
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
@@ -627,6 +627,10 @@ def run_cities(
         stop: The run's stop (a new one when None): setting it stops the run.
     """
     stop = stop or Stop()
+    batch_id = plan.batch.batch_id
+    # However the stop comes (a signal seen by a SignalWatch, an interruption here), whoever
+    # triggers next need not wait one lease period for this run's grace.
+    stop.on_set(lambda: _end_grace(db, batch_id))
     done: list[CityOutcome] = []
     try:
         if processes is not None and processes.count > 0:
@@ -646,13 +650,10 @@ def run_cities(
             done.append(outcome)
             yield outcome
     except BaseException as err:
-        if not isinstance(err, Exception):
+        if isinstance(err, Exception):
+            _end_grace(db, batch_id)
+        else:
             stop.set(reason_of(err))
-        # Whoever triggers next need not wait one lease period for this run's grace.
-        try:
-            end_grace(db, plan.batch.batch_id, make_worker_id())
-        except Exception as grace_err:  # it expires on its own
-            log.warning("could not end the grace of batch %s: %s", plan.batch.batch_id, grace_err)
         raise
     finally:
         # Also for a run that stops early: what it did ask of the supplier counts.
@@ -666,6 +667,14 @@ def run_cities(
             )
         except Exception as err:  # metrics never fail a sync
             log.warning("could not record the run's stats: %s", err)
+
+
+def _end_grace(db: SyncDatabase, batch_id: str) -> None:
+    """Ends this process's grace of the batch (a stopped or failed run); never raises."""
+    try:
+        end_grace(db, batch_id, make_worker_id())
+    except Exception as err:  # it expires on its own
+        log.warning("could not end the grace of batch %s: %s", batch_id, err)
 
 
 SyncOne = Callable[..., CityOutcome]
@@ -812,7 +821,7 @@ class _ProcessPool:
         except Exception as err:  # BrokenProcessPool: a worker was killed (OOM, signal)
             report = CityReport(city)
             report.fail(err, f"{INTERNAL_ERROR}: worker process died: {err}")
-            log.info("city %r failed: %s", city, report.error)
+            log.debug("city %r failed: %s", city, report.error)
             return CityOutcome(report, helped, seconds=time.perf_counter() - started)
 
 

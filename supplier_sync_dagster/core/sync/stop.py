@@ -11,13 +11,23 @@ normalizing or publishing stops at its next chunk (:class:`StopAware`).
 
 Worker processes of a run watch a shared event (:meth:`Stop.watch`) that the run's process
 sets when it stops.
+
+A signal sets the stop the moment it arrives (:class:`SignalWatch`), not when the thread
+that runs the cities next sees an exception: Dagster's handler raises its interruption in
+the main thread wherever that thread is, and when it is writing a city's events, outside
+the cities' frames, nothing of theirs would see it (nor would the process exit, waiting
+for a city thread that waits for its page).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
 from supplier_sync_dagster.core.errors import SyncInterrupted
@@ -187,3 +197,65 @@ class StopAware:
     def report(self, stage: str, message: str = "") -> None:
         """Says what the work is doing now."""
         self.progress.report(stage, message)
+
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SignalWatch:
+    """Calls ``on_signal(number)`` from a thread of its own as soon as SIGINT or SIGTERM
+    arrives, whichever Python handler then runs for it (Dagster's during a run: its
+    termination from the UI is a SIGINT to the run's process; SIGTERM under Kubernetes).
+
+    CPython writes each signal's number to the process's wakeup file descriptor before any
+    Python handler runs; this watch sets its own, reads it, and passes every byte on to the
+    one it replaced (so watches nest). Only the main thread can set it; entered elsewhere,
+    the watch does nothing. A signal without a Python handler (SIG_DFL, SIG_IGN) is not seen.
+
+    Args:
+        on_signal: Called with the signal's number; must not block.
+    """
+
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
+        self._on_signal = on_signal
+        self._read = self._write = -1
+        self._previous = -1
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> SignalWatch:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._follow, name="signal-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is None:
+            return
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._write)  # the reader sees the end, having read what came before
+        self._thread.join(5)
+        os.close(self._read)
+        self._thread = None
+
+    def _follow(self) -> None:
+        while data := os.read(self._read, 64):
+            if self._previous >= 0:
+                with contextlib.suppress(OSError):  # the outer watch has gone: nothing to tell
+                    os.write(self._previous, data)
+            for number in data:
+                if number in INTERRUPTS:
+                    self._on_signal(number)
+
+
+def stop_on_signals(stop: Stop) -> SignalWatch:
+    """A :class:`SignalWatch` that sets ``stop`` (its reason the signal's name)."""
+    return SignalWatch(lambda number: stop.set(signal.Signals(number).name))

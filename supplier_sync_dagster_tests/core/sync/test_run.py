@@ -35,6 +35,7 @@ from supplier_sync_dagster.core.sync.run import (
     refuse_trigger,
     run_cities,
 )
+from supplier_sync_dagster.core.sync.stop import Stop
 from supplier_sync_dagster.simulator import running_server
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator, serve_simulator
 
@@ -250,14 +251,26 @@ def _interrupt_main_thread_when(ready: Callable[[], bool]) -> Iterator[list[floa
         signal.signal(signal.SIGUSR1, previous)
 
 
+def _wait(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> float:
+    """Waits until ``ready()``; the moment it held."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
 @pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+@pytest.mark.parametrize("how", ["in its wait", "while its caller is elsewhere"])
 def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
-    db: SyncDatabase, db_url: str, tmp_path: Path, processes: int
+    db: SyncDatabase, db_url: str, tmp_path: Path, processes: int, how: str
 ):
-    """A city whose page trickles a byte a second holds the run; an interruption (here a
-    KeyboardInterrupt, as a Dagster termination raises its own in the step) stops it in
-    seconds, not when the request ends: no city is left RUNNING, none FAILED or ticketed,
-    and the batch is adopted at once by the next trigger, or resumed by its own."""
+    """A city whose page trickles a byte a second holds the run. Interrupted (SIGINT,
+    SIGTERM, a Dagster termination) while the run's thread waits for it, or while that
+    thread is elsewhere (writing a city's events: the signal's watch then sets the run's
+    stop), it stops in seconds, not when the request ends: no city is left RUNNING, none
+    FAILED or ticketed, and the batch is adopted at once by the next trigger, or resumed
+    by its own."""
     store = LocalPayloadStore(tmp_path / "payloads")
     with serve_simulator(seed=13, n_cities=4, total_hotels=400, empty_city_share=0.0) as (
         sim,
@@ -277,19 +290,38 @@ def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
             trigger_id="night-1", source="MANUAL", cities=sim.city_codes(), threads=2
         )
         outcomes: list[CityOutcome] = []
+        stop = Stop()
         with _client(url) as client:
             plan = plan_run(db, store, client, request, SETTINGS)
             pool = _processes(db_url, store, url) if processes else None
             cities = run_cities(
-                db, store, client, plan, request, SETTINGS, worker_id="parent", processes=pool
+                db,
+                store,
+                client,
+                plan,
+                request,
+                SETTINGS,
+                worker_id="parent",
+                processes=pool,
+                stop=stop,
             )
-            with (
-                _interrupt_main_thread_when(only_the_slow_city_left) as sent,
-                pytest.raises(KeyboardInterrupt),
-            ):
-                for outcome in cities:
-                    outcomes.append(outcome)
-            stopped_in = time.monotonic() - sent[0]
+            if how == "in its wait":
+                with (
+                    _interrupt_main_thread_when(only_the_slow_city_left) as sent,
+                    pytest.raises(KeyboardInterrupt),
+                ):
+                    for outcome in cities:
+                        outcomes.append(outcome)
+                stopped_in = time.monotonic() - sent[0]
+            else:
+                outcomes += [next(cities) for _ in others]
+                _wait("the other cities synced", only_the_slow_city_left)
+                sent_at = time.monotonic()
+                stop.set("SIGTERM")  # what the run's SignalWatch does; the caller never returns
+                released = _wait(
+                    "the lease released", lambda: _shards(db)[slow].status != "RUNNING"
+                )
+                stopped_in = released - sent_at
         assert stopped_in < 10.0, stopped_in  # the trickle would take hours
         assert {o.city_code for o in outcomes} == others
         shards = _shards(db)

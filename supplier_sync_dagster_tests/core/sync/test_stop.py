@@ -4,6 +4,8 @@ request, and a worker process's stop follows its run's."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -11,7 +13,14 @@ from concurrent.futures import Future
 import pytest
 
 from supplier_sync_dagster.core.errors import SyncInterrupted
-from supplier_sync_dagster.core.sync.stop import Stop, StopAware, in_daemon_thread, reason_of
+from supplier_sync_dagster.core.sync.stop import (
+    SignalWatch,
+    Stop,
+    StopAware,
+    in_daemon_thread,
+    reason_of,
+    stop_on_signals,
+)
 
 # Far longer than any assertion waits: a stop that waited for it would fail the test.
 HANGS = 60.0
@@ -103,3 +112,25 @@ def test_reasons_name_the_interruption():
 
 def _raise(err: BaseException) -> None:
     raise err
+
+
+def test_a_signal_sets_the_stop_at_once_whatever_handler_runs_and_watches_nest():
+    """Dagster's handler raises its interruption in the main thread wherever it is; the
+    watch sees the signal itself, from its own thread, and an outer watch sees it too."""
+    handled: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: handled.append(number))
+    outer: list[int] = []
+    stop = Stop()
+    try:
+        with SignalWatch(outer.append), stop_on_signals(stop):
+            os.kill(os.getpid(), signal.SIGTERM)
+            with pytest.raises(SyncInterrupted, match="SIGTERM"):
+                stop.sleep(HANGS)
+        assert handled == [signal.SIGTERM]  # the handler in place still ran
+        assert outer == [signal.SIGTERM]
+        # Once left, a watch sees nothing more (the outer one is gone too).
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert outer == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
