@@ -306,8 +306,12 @@ def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
                 stop=stop,
             )
             if how == "in its wait":
+                # Once this thread has every other city's outcome: it then waits for the
+                # trickling one.
                 with (
-                    _interrupt_main_thread_when(only_the_slow_city_left) as sent,
+                    _interrupt_main_thread_when(
+                        lambda: len(outcomes) == len(others) and only_the_slow_city_left()
+                    ) as sent,
                     pytest.raises(KeyboardInterrupt),
                 ):
                     for outcome in cities:
