@@ -129,6 +129,8 @@ class SyncSummary:
     def refusal(self) -> str | None:
         """The one line of a sync that the supplier refused (the API key, or any connection):
         from the batch's own error, or its failed cities'; None when it was not that."""
+        if self.status == "SUCCESS":
+            return None
         line = refusal_line(self.error, key_setting=self.key_setting, address=self.address)
         if line is not None:
             return line

@@ -302,24 +302,24 @@ def refuse_run(
     db: SyncDatabase,
     batch: Batch,
     cities: Sequence[str] | None,
-    err: BaseException,
+    err: BaseException | str,
     settings: SyncSettings,
 ) -> list[str]:
-    """Fails a run that could not start (the supplier refused the API key, or could not be
-    reached): its cities not started are FAILED with the cause, each with its CITY_FAILED
-    ticket, and the batch records the cause; the alerts see the failed batch.
+    """Fails a run that could not start, or go on (the supplier refused the API key, or
+    could not be reached): its cities not started are FAILED with the cause, each with its
+    CITY_FAILED ticket, and the batch records the cause; the alerts see the failed batch.
 
     Args:
         db: The sync database.
         batch: The run's batch.
         cities: The run's cities; None: every city of the batch not started.
-        err: Why.
+        err: Why (an exception, or its ``CODE: what happened``).
         settings: The task's settings (the tickets name the task).
 
     Returns:
         The cities failed.
     """
-    error = describe_error(err)
+    error = err if isinstance(err, str) else describe_error(err)
     failed = fail_unstarted(db, batch.batch_id, error, shard_keys=cities)
     for city in failed:
         file_city_failure(db, batch.batch_id, settings, city, error)
@@ -707,25 +707,37 @@ class _Guard:
         outcome = self._sync(city, wait_if_held=wait_if_held, helped=helped)
         report = outcome.report
         if report.status == "FAILED":
-            if report.error_code in AUTH_REJECTED_CODES:
-                with self._lock:
-                    self.refused = self.refused or city
             if not self.request.replay:
                 self._ticket(city, report.error or "")
+            if report.error_code in AUTH_REJECTED_CODES:
+                self._refuse(city)
         return outcome
 
     def _ticket(self, city: str, error: str) -> None:
         file_city_failure(self.db, self.plan.batch.batch_id, self.settings, city, error)
 
+    def _refuse(self, city: str) -> None:
+        """The first refusal fails every city of the run not started yet, in one move."""
+        with self._lock:
+            if self.refused is not None:
+                return
+            self.refused = city
+        error = (
+            f"{SupplierAuthError.error_code}: not started: the supplier refused the API key "
+            f"on city {city!r}"
+        )
+        refuse_run(self.db, self.plan.batch, self.plan.cities, error, self.settings)
+
     def _not_started(self, city: str, helped: bool) -> CityOutcome:
+        """A city met once the supplier refused the API key, as the sync database says."""
         batch_id = self.plan.batch.batch_id
         code = SupplierAuthError.error_code
         error = f"{code}: not started: the supplier refused the API key on city {self.refused!r}"
-        if fail_unstarted(self.db, batch_id, error, shard_keys=[city]):
+        if fail_unstarted(self.db, batch_id, error, shard_keys=[city]):  # another run's city
             self._ticket(city, error)
-        else:  # claimed or finished meanwhile: as the sync database records it
+        else:
             shard = get_shard(self.db, batch_id, city)
-            if shard.status == "SUCCESS":
+            if shard.status == "SUCCESS":  # finished meanwhile
                 return CityOutcome(published_report(self.db, batch_id, city), helped)
             error = shard.error_message or error
         return CityOutcome(CityReport(city, status="FAILED", error=error, error_code=code), helped)

@@ -16,7 +16,12 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import SupplierAuthError, SupplierError
-from supplier_sync_dagster.core.leasing.batches import create_batch, get_batch
+from supplier_sync_dagster.core.leasing.batches import (
+    TaskSpec,
+    create_batch,
+    get_batch,
+    upsert_task,
+)
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.records.deadletters import CITY_FAILED
 from supplier_sync_dagster.core.store import schema
@@ -444,6 +449,7 @@ def test_a_trigger_refused_before_its_city_list_gets_a_failed_batch_and_blocks_n
     db: SyncDatabase,
 ):
     # An abandoned batch of an earlier night: a refused trigger leaves it to be adopted.
+    upsert_task(db, TaskSpec(task_code=SETTINGS.task_code, supplier_id=SETTINGS.supplier_id))
     abandoned = create_batch(
         db,
         task_code=SETTINGS.task_code,
