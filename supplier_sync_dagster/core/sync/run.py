@@ -62,6 +62,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
+    BatchDecision,
     TaskSpec,
     TriggerSource,
     create_batch,
@@ -118,11 +119,33 @@ def resolve_batch(
         TaskDisabled: The task is DISABLED.
         TriggerSkipped: The task's concurrency policy skipped this trigger.
     """
+    decision = decide_trigger(
+        db, task_code=task_code, supplier_id=supplier_id, trigger_id=trigger_id, source=source
+    )
+    return start_batch(db, decision, list(cities), skipped="sync skipped")
+
+
+def decide_trigger(
+    db: SyncDatabase,
+    *,
+    task_code: str,
+    supplier_id: int,
+    trigger_id: str,
+    source: TriggerSource,
+    adopt: bool = True,
+) -> BatchDecision:
+    """What the task's policy decides for a run's trigger (``create_batch``), the task
+    created first if it is missing.
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+    """
     open_task(
         db, TaskSpec(task_code=task_code, supplier_id=supplier_id), trigger_id=trigger_id, run="run"
     )
-    decision = create_batch(db, task_code=task_code, trigger_id=trigger_id, trigger_source=source)
-    return start_batch(db, decision, list(cities), skipped="sync skipped")
+    return create_batch(
+        db, task_code=task_code, trigger_id=trigger_id, trigger_source=source, adopt=adopt
+    )
 
 
 @dataclass(frozen=True)
@@ -347,17 +370,12 @@ def refuse_trigger(
     Raises:
         TaskDisabled: The task is DISABLED.
     """
-    open_task(
-        db,
-        TaskSpec(task_code=settings.task_code, supplier_id=settings.supplier_id),
-        trigger_id=trigger_id,
-        run="run",
-    )
-    decision = create_batch(
+    decision = decide_trigger(
         db,
         task_code=settings.task_code,
+        supplier_id=settings.supplier_id,
         trigger_id=trigger_id,
-        trigger_source=source,
+        source=source,
         adopt=False,
     )
     if decision.batch is None:
@@ -479,12 +497,8 @@ class _CityWorker:
         worker_id: str,
         stop: Stop,
     ) -> None:
-        self.io = io
-        self.plan = plan
-        self.request = request
-        self.settings = settings
-        self.worker_id = worker_id
-        self.stop = stop
+        self.io, self.plan, self.request, self.settings = io, plan, request, settings
+        self.worker_id, self.stop = worker_id, stop
         self.gate = gate_for_pipeline()
 
     def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
