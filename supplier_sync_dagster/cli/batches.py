@@ -9,7 +9,7 @@ import sys
 
 from supplier_sync_dagster.cli.common import open_db
 from supplier_sync_dagster.core.leasing.batches import get_batch, list_batches, rate_and_eta
-from supplier_sync_dagster.core.leasing.leases import find_stalls, list_shards
+from supplier_sync_dagster.core.leasing.leases import FETCH_STALL_SECONDS, find_stalls, list_shards
 from supplier_sync_dagster.core.repair.export import export_jsonl
 from supplier_sync_dagster.core.store.db import SyncDatabase
 
@@ -60,7 +60,11 @@ def _print_status(db: SyncDatabase, args: argparse.Namespace) -> int:
 def cmd_stalls(args: argparse.Namespace) -> int:
     """``stalls``: running shards that are stuck or whose lease expired."""
     with open_db(args.db_url) as db:
-        stalls = find_stalls(db, checkpoint_stall_seconds=args.checkpoint_stall_seconds)
+        stalls = find_stalls(
+            db,
+            checkpoint_stall_seconds=args.checkpoint_stall_seconds,
+            fetch_stall_seconds=args.fetch_stall_seconds or FETCH_STALL_SECONDS,
+        )
     for s in stalls:
         print(
             f"{s.kind:<19} batch={s.batch_id} city={s.shard_key!r} worker={s.worker_id} "

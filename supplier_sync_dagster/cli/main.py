@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 on success; 1 when the work did not complete (a sync failed, was gated or
         skipped) or on an unexpected error; 2 on an error the program names (bad input or
         configuration, an unknown batch or task, an unreachable database or supplier);
-        130 when interrupted; 141 (128 + SIGPIPE) when stdout was closed (``| head``).
+        130 when interrupted (a sync stopped by SIGINT or SIGTERM: 128 + its number, 130 or
+        143); 141 (128 + SIGPIPE) when stdout was closed (``| head``).
     """
     args = build_parser().parse_args(argv)
     if args.root_log:

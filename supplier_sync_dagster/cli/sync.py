@@ -1,6 +1,14 @@
 """What ``demo``, ``sync``, ``reconcile`` and ``replay`` do: syncs through Dagster
 (:mod:`supplier_sync_dagster.cli.sync_runner`), with a summary and one line on stderr when
 the work did not complete. Their arguments: :mod:`supplier_sync_dagster.cli.parsers.sync`.
+
+``sync --full`` exits 0 when every city published; 1 when the sync did not complete (cities
+failed or gated: the line names them with their codes and the ``--trigger-id`` that resumes
+them); 2 when the supplier refused the API key or could not be reached (the line names the
+key's variable, or the code and address); 128 + the signal's number (130, 143) when SIGINT
+or SIGTERM stopped it, with the ``--trigger-id`` that resumes it. A sync that did not
+complete runs one alert round at once, as the alert sensor would: a cron or CLI run alerts
+without the daemon.
 """
 
 from __future__ import annotations
@@ -8,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import signal
 import sys
 from typing import Any, Protocol
 
@@ -26,7 +36,8 @@ from supplier_sync_dagster.cli.resources import (
 # when it runs (a test counts those reads).
 from supplier_sync_dagster.core import settings as config
 from supplier_sync_dagster.core.accounts import Account, SimulatedSupplier
-from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.errors import ConfigError, SyncInterrupted
+from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.leasing.batches import get_task
 from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
 from supplier_sync_dagster.core.store import schema
@@ -35,7 +46,9 @@ from supplier_sync_dagster.core.sync.replay import (
     latest_raw_batch,
     stored_city_countries,
 )
+from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
+from supplier_sync_dagster.defs.health import run_alerts
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SimulatedSupplierResource,
@@ -59,6 +72,13 @@ class Summary(Protocol):
         """Why the sync did not complete (None: it did)."""
         ...
 
+    def exit_status(self) -> int:
+        """The command's exit status (0: it completed)."""
+        ...
+
+
+log = logging.getLogger(__name__)
+
 
 def console_log_level(args: argparse.Namespace) -> str:
     """The log level of the in-process Dagster run's console logger."""
@@ -68,13 +88,17 @@ def console_log_level(args: argparse.Namespace) -> str:
 
 
 def finish_sync(summary: Summary, *, as_json: bool) -> int:
-    """Prints a sync's summary; a sync that did not complete adds one line on stderr."""
+    """Prints a sync's summary; a sync that did not complete adds one line on stderr.
+
+    Returns:
+        The command's exit status (:meth:`Summary.exit_status`).
+    """
     print(summary.to_json() if as_json else summary.render())
     problem = summary.problem()
     if problem is None:
         return 0
     warn(problem)
-    return 1
+    return summary.exit_status()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -126,6 +150,7 @@ def _full_sync(
     as_json: bool = False,
     cities: list[str] | None = None,
     trigger_id: str | None = None,
+    signals: sync_runner.SignalLog | None = None,
 ) -> sync_runner.SyncSummary:
     """A full sync through Dagster of the supplier's cities (only ``cities``, when given),
     with progress on stderr unless the output is JSON."""
@@ -138,6 +163,7 @@ def _full_sync(
         console_log_level=console_log_level(args),
         cities=cities,
         scope=scope,
+        signals=signals,
     )
 
 
@@ -200,10 +226,47 @@ def cmd_sync(args: argparse.Namespace) -> int:
         city_threads=args.city_threads,
         worker_processes=first(args.processes, settings.worker_processes),
     )
-    summary = _full_sync(
-        args, supplier, scope, sync_db, payloads, as_json=args.json, trigger_id=args.trigger_id
-    )
-    return finish_sync(summary, as_json=args.json)
+    with sync_runner.SignalLog() as signals:
+        try:
+            summary = _full_sync(
+                args,
+                supplier,
+                scope,
+                sync_db,
+                payloads,
+                as_json=args.json,
+                trigger_id=args.trigger_id,
+                signals=signals,
+            )
+        except SyncInterrupted as err:
+            # Before its run started, or after it ended: no city is in flight.
+            warn(f"sync interrupted ({err.reason}) outside its run: no city was in flight")
+            return 128 + int(getattr(signal.Signals, err.reason, signal.SIGINT))
+    status = finish_sync(summary, as_json=args.json)
+    if not summary.interrupted:
+        _alert_round(summary, sync_db, supplier, scope)
+    return status
+
+
+def _alert_round(
+    summary: sync_runner.SyncSummary,
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
+    scope: AccountScope,
+) -> None:
+    """One alert round after a sync that did not complete, or while the task has alerts
+    firing (a sync that works again clears them): what the alert sensors do, for a sync run
+    from cron or by hand without the daemon. Its own trouble never changes the exit status."""
+    try:
+        if summary.problem() is None:
+            with open_db(sync_db.db_url) as db, db.engine.connect() as conn:
+                firing = alerts.list_alerts(conn, db.clock, include_resolved=False)
+            if not any(a["task_code"] == supplier.task_code for a in firing):
+                return
+        with dagster_instance() as instance:
+            run_alerts(instance, sync_db, supplier, scope=scope)
+    except Exception as err:  # the alert sensor retries; the sync's outcome stands
+        log.info("alert round after the sync failed: %s", err, exc_info=err)
 
 
 def _sync_incremental(

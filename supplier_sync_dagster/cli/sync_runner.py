@@ -6,6 +6,11 @@ then materializes the city-sync assets over the whole range in one run on the lo
 instance (``$DAGSTER_HOME``, default ``$SUPPLIER_SYNC_HOME/dagster_home``), so the run, its
 metadata and lineage show in the UI. A thread renders the batch's progress from the sync
 database while the run works.
+
+A supplier that refuses the API key or cannot be reached before its city list is read gets
+the trigger a FAILED batch (``core.sync.run.refuse_trigger``) and no Dagster run. A sync
+stopped by SIGTERM or SIGINT (Dagster's handler interrupts the step, which stops the cities
+at a page boundary) says which signal it was (:class:`SignalLog`) and how to resume.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -20,11 +26,21 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 import dagster as dg
 import sqlalchemy as sa
 
+from supplier_sync_dagster.core.errors import (
+    AUTH_REJECTED_CODES,
+    UNREACHABLE_CODES,
+    SupplierError,
+    SyncInterrupted,
+    code_of_description,
+    describe_error,
+)
 from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger
 from supplier_sync_dagster.core.leasing.leases import list_shards
 from supplier_sync_dagster.core.leasing.processes import this_host
@@ -33,12 +49,14 @@ from supplier_sync_dagster.core.records.gates import GATED_PREFIX, gate_check_na
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import state_dir
+from supplier_sync_dagster.core.sync.run import refusal_line, refuse_trigger
+from supplier_sync_dagster.core.sync.stop import INTERRUPTS, SignalWatch
 from supplier_sync_dagster.core.sync.tasks import require_enabled
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED
-from supplier_sync_dagster.defs.city_sync import build_city_sync
+from supplier_sync_dagster.defs.city_sync import api_key_setting, build_city_sync
 from supplier_sync_dagster.defs.incremental_sync import (
     CHANGE_FEED,
     IncrementalConfig,
@@ -50,6 +68,7 @@ from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SupplierResource,
     SyncDatabaseResource,
+    run_settings,
 )
 from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TASK_TAG, TRIGGER_TAG
 
@@ -85,26 +104,80 @@ class SyncSummary:
     skip_reason: str = ""
     # the Dagster run's failure, when the batch does not explain it
     run_error: str = ""
+    # the batch's own error: why it could not start (``CODE: what happened``)
+    error: str = ""
+    # the signal that stopped the sync (SIGTERM, SIGINT), or "interrupted"
+    interrupted: str = ""
+    # what a refused key's or an unreachable supplier's line names
+    key_setting: str = ""
+    supplier_address: str = ""
 
     def to_json(self) -> str:
         """The summary as one JSON object."""
         return json.dumps(asdict(self), sort_keys=True)
+
+    def exit_status(self) -> int:
+        """The command's exit status: 0 done; 1 not complete; 2 the supplier refused the API
+        key or could not be reached; 128 + the signal's number when a signal stopped it."""
+        if self.interrupted:
+            number = getattr(signal.Signals, self.interrupted, signal.SIGINT)
+            return 128 + int(number)
+        if self.refusal() is not None:
+            return 2
+        return 0 if self.problem() is None else 1
+
+    def refusal(self) -> str | None:
+        """The one line of a sync that the supplier refused (the API key, or any connection):
+        from the batch's own error, or its failed cities'; None when it was not that."""
+        if self.status == "SUCCESS":
+            return None
+        line = refusal_line(self.error, key_setting=self.key_setting, address=self.address)
+        if line is not None:
+            return line
+        codes = [code_of_description(e) for e in self.failed_cities.values()]
+        refused = [
+            e for e in self.failed_cities.values() if code_of_description(e) in AUTH_REJECTED_CODES
+        ]
+        if refused:
+            return refusal_line(refused[0], key_setting=self.key_setting, address=self.address)
+        if self.status == "FAILED" and codes and all(c in UNREACHABLE_CODES for c in codes):
+            first = next(iter(self.failed_cities.values()))
+            return refusal_line(first, key_setting=self.key_setting, address=self.address)
+        return None
+
+    @property
+    def address(self) -> str | None:
+        """The supplier's ``host:port``, when known."""
+        return self.supplier_address or None
 
     def problem(self) -> str | None:
         """Why the sync did not complete, in one line (None: it did).
 
         The command line prints it after the summary and exits non-zero.
         """
+        resume = f"resume with --trigger-id {shlex.quote(self.trigger_id)}"
+        if self.interrupted:
+            return (
+                f"sync interrupted ({self.interrupted}): {self.cities_done} of "
+                f"{_cities(self.cities)} done, the others stopped at a page boundary; {resume}"
+            )
         if not self.batch_id:
             if self.skip_reason:
                 return f"sync skipped: {self.skip_reason}"
             return f"sync failed before it made a batch: {self.run_error or 'no reason recorded'}"
+        refusal = self.refusal()
+        if refusal is not None:
+            if not self.cities:
+                return refusal
+            return (
+                f"{refusal}; {len(self.failed_cities)} of {_cities(self.cities)} not synced; "
+                f"{resume}"
+            )
         parts = []
         if self.failed_cities:
             parts.append(
-                f"{_cities(len(self.failed_cities))} of {self.cities} failed "
-                f"({_some(self.failed_cities)}); run again with --trigger-id "
-                f"{shlex.quote(self.trigger_id)} to resume"
+                f"sync failed: {_cities(len(self.failed_cities))} of {self.cities} failed "
+                f"({_some(self.failed_cities)}); {resume}"
             )
         if self.gated_cities:
             first = next(iter(self.gated_cities))
@@ -116,7 +189,7 @@ class SyncSummary:
         if parts:
             return "; ".join(parts)
         if self.status != "SUCCESS":
-            why = self.run_error or f"run again with --trigger-id {shlex.quote(self.trigger_id)}"
+            why = self.run_error or self.error or resume
             return (
                 f"batch {self.batch_id} is {self.status} "
                 f"({self.cities_done}/{self.cities} cities): {why}"
@@ -150,7 +223,10 @@ class SyncSummary:
         for what, cities in (("gated", self._gate_checks()), ("failed", self.failed_cities)):
             if cities:
                 lines.append(f"{what} cities: ".ljust(22) + _some(cities, limit=10))
-        lines.append(self._ui_line())
+        if self.error:
+            lines.append(f"batch error: {self.error}")
+        if self.dagster_run_id:  # a trigger refused before its run has none
+            lines.append(self._ui_line())
         return "\n".join(lines)
 
     def _gate_checks(self) -> dict[str, str]:
@@ -183,6 +259,46 @@ def _some(reasons: dict[str, str], limit: int = 3, width: int = 120) -> str:
     return "; ".join(shown) + (f"; {more} more" if more > 0 else "")
 
 
+class SignalLog:
+    """The signals (SIGINT, SIGTERM) a sync received, whichever handler ran for them.
+
+    While it is entered, a signal outside a Dagster run raises :class:`SyncInterrupted`
+    (nothing started that needs stopping); inside one, Dagster's own handler interrupts the
+    step, whose cities stop at a page boundary and release their leases. Which signal it
+    was is seen by a :class:`~supplier_sync_dagster.core.sync.stop.SignalWatch`. Only the
+    main thread can enter it; elsewhere it records nothing.
+    """
+
+    def __init__(self) -> None:
+        self._seen: list[int] = []
+        self._watch = SignalWatch(self._seen.append)
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalLog:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, _raise_interrupted) for s in INTERRUPTS}
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._watch.__exit__(None, None, None)
+        for number, handler in self._old.items():
+            signal.signal(number, handler)
+
+    def received(self) -> str:
+        """The name of the first signal received so far (``""``: none)."""
+        return signal.Signals(self._seen[0]).name if self._seen else ""
+
+
+def _raise_interrupted(number: int, frame: FrameType | None) -> None:
+    raise SyncInterrupted(signal.Signals(number).name)
+
+
+def new_trigger_id() -> str:
+    """A command line's trigger id, when the user gave none."""
+    return f"cli-{uuid.uuid4().hex[:16]}"
+
+
 def run_full_sync(
     *,
     supplier: SupplierResource,
@@ -193,12 +309,14 @@ def run_full_sync(
     console_log_level: str = "WARNING",
     cities: Sequence[str] | None = None,
     scope: AccountScope = DEFAULT_SCOPE,
+    signals: SignalLog | None = None,
 ) -> SyncSummary:
     """Syncs every city of the supplier in one Dagster run and returns the summary.
 
     With ``cities``, only those (a reconciliation's re-pull): one run per city, all of one
     trigger (one batch). ``scope`` is the account whose assets the run materializes (its
-    supplier resource is ``supplier``).
+    supplier resource is ``supplier``). A supplier that fails the city list (refuses the
+    key, cannot be reached) gets the trigger a FAILED batch and no run.
 
     Raises:
         TaskDisabled: The task is DISABLED (nothing is launched).
@@ -215,10 +333,14 @@ def run_full_sync(
     # Entering the instance makes it the one Dagster reads definitions state from,
     # whatever another instance of this process left behind.
     with dagster_instance() as instance:
-        trigger_id = trigger_id or f"cli-{uuid.uuid4().hex[:16]}"
+        trigger_id = trigger_id or new_trigger_id()
+        started = time.perf_counter()
         if cities is None:
-            with supplier.client() as client:
-                codes = [c.city_code for c in client.list_cities().data.cities]
+            try:
+                with supplier.client() as client:
+                    codes = [c.city_code for c in client.list_cities().data.cities]
+            except SupplierError as err:
+                return _refused(sync_db, supplier, scope, trigger_id, err, started)
         else:
             codes = list(cities)
         keys = _add_city_partitions(instance, codes, scope.partitions_name)
@@ -235,7 +357,6 @@ def run_full_sync(
             args=(db, supplier.task_code, trigger_id, len(keys), stop, progress),
             daemon=True,
         )
-        started = time.perf_counter()
         reporter.start()
         try:
             for start, end in ranges:
@@ -266,8 +387,55 @@ def run_full_sync(
         summary.run_error = "" if result.success else run_failure(result)
         summary.dagster_run_id = result.run_id
         summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
+        if not result.success:
+            summary.interrupted = (signals.received() if signals else "") or (
+                "interrupted" if was_interrupted(result) else ""
+            )
+        _where(summary, supplier, scope)
         db.dispose()
         return summary
+
+
+def _refused(
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
+    scope: AccountScope,
+    trigger_id: str,
+    err: SupplierError,
+    started: float,
+) -> SyncSummary:
+    """The summary of a trigger whose supplier failed its city list: its batch FAILED with
+    the cause (the alerts see it), no Dagster run."""
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        settings = run_settings(sync_db, supplier, GovernanceResource())
+        refuse_trigger(db, settings=settings, trigger_id=trigger_id, source="MANUAL", err=err)
+        summary = summarize(db, supplier.task_code, trigger_id, time.perf_counter() - started)
+    finally:
+        db.dispose()
+    summary.run_error = describe_error(err)
+    _where(summary, supplier, scope)
+    return summary
+
+
+def _where(summary: SyncSummary, supplier: SupplierResource, scope: AccountScope) -> None:
+    """What a refused key's or an unreachable supplier's line names: the key's variable, the
+    supplier's address."""
+    summary.key_setting = api_key_setting(scope)
+    base_url = getattr(supplier, "base_url", None)
+    if base_url:
+        url = urlsplit(base_url)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        summary.supplier_address = f"{url.hostname}:{port}"
+
+
+def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
+    """Whether the run's step was interrupted (a signal, a termination), not failed."""
+    interrupts = {"DagsterExecutionInterruptedError", "KeyboardInterrupt", "SyncInterrupted"}
+    return any(
+        e.step_failure_data.error is not None and e.step_failure_data.error.cls_name in interrupts
+        for e in result.get_step_failure_events()
+    )
 
 
 @dataclass
@@ -287,6 +455,10 @@ class IncrementalSummary:
     def to_json(self) -> str:
         """The summary as one JSON object."""
         return json.dumps(asdict(self), sort_keys=True, default=str)
+
+    def exit_status(self) -> int:
+        """The command's exit status: 0 done, 1 not."""
+        return 0 if self.problem() is None else 1
 
     def problem(self) -> str | None:
         """Why the window did not complete, in one line (None: it did)."""
@@ -423,8 +595,11 @@ def run_failure(result: dg.ExecuteInProcessResult) -> str:
         if data.user_failure_data is not None and data.user_failure_data.description:
             return _first_line(data.user_failure_data.description)
         if data.error is not None:
-            # An exception raised in the asset is the cause of Dagster's wrapper error.
-            error = data.error.cause or data.error
+            # An exception raised in the asset is the cause of Dagster's wrapper error, and
+            # may wrap its own root cause: say what happened, not only the wrapper.
+            error = data.error
+            while error.cause is not None:
+                error = error.cause
             return _first_line(error.message)
     failure = result.get_run_failure_event()
     if failure is not None:
@@ -530,6 +705,7 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         hotels_per_second=batch.total_count / seconds if seconds else 0.0,
         gated_cities=gated,
         failed_cities=failed,
+        error=batch.error_message or "",
     )
 
 

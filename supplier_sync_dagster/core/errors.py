@@ -52,6 +52,9 @@ The tree::
             │   └── SupplierUnreachable  no connection: refused, DNS or TLS failure (``reason`` says)
             └── SupplierProtocolError non-JSON, malformed or too deeply nested bodies
                 └── TruncatedBody     the connection closed before the body's end
+
+Outside the tree, a ``BaseException`` like ``KeyboardInterrupt``: ``SyncInterrupted``, a run
+told to stop. :func:`describe_error` is the one ``CODE: what happened`` line of a failed city.
 """
 
 from __future__ import annotations
@@ -392,3 +395,83 @@ class WalkRunaway(SupplierError):
     already seen, or more pages than the city's own counts allow. Nothing more is fetched."""
 
     error_code = "WALK_RUNAWAY"
+
+
+class SyncInterrupted(BaseException):
+    """A run was told to stop (SIGTERM, SIGINT, a termination from the Dagster UI).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: no ``except Exception`` of a city's work
+    takes it for the city's failure. The city's lease is released with its checkpoint (the
+    page in flight is committed with its checkpoint or not at all), no CITY_FAILED ticket
+    is filed, and the run resumes from there.
+
+    Attributes:
+        reason: What stopped the run (``"SIGTERM"``, ``"terminated from the Dagster UI"``).
+    """
+
+    def __init__(self, reason: str = "interrupted") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+INTERNAL_ERROR = "INTERNAL_ERROR"
+"""The code of a failure that is not a supplier's (a bug, a database or store failure)."""
+
+AUTH_REJECTED_CODES: frozenset[str] = frozenset({SupplierAuthError.error_code})
+"""Codes of a supplier that refused the API key: the run stops, an alert fires."""
+
+UNREACHABLE_CODES: frozenset[str] = frozenset(
+    {*SupplierUnreachable.CODES.values(), "SUPPLIER_UNREACHABLE"}
+)
+"""Codes of a supplier that could not be reached at all (refused, DNS, TLS)."""
+
+
+def error_code_of(err: BaseException) -> str:
+    """The precise code a failed city carries: a supplier error's own, else INTERNAL_ERROR."""
+    if isinstance(err, SupplierError):
+        return str(err.error_code)
+    return INTERNAL_ERROR
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The innermost exception that ``err`` was raised from (``__cause__``, else the
+    ``__context__`` it was raised while handling), ``err`` itself when there is none."""
+    seen = {id(err)}
+    while True:
+        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if inner is None or id(inner) in seen:
+            return err
+        seen.add(id(inner))
+        err = inner
+
+
+def describe_error(err: BaseException) -> str:
+    """``CODE: what happened`` for a failed city's report, shard and ticket, on one line.
+
+    A supplier error's message names the request; anything else is named by its type. When
+    the error was raised from another one, the root cause is added: a wrapper alone does
+    not say what went wrong.
+    """
+    code = error_code_of(err)
+    text = _one_line(err) if isinstance(err, SupplierError) else _typed(err)
+    cause = root_cause(err)
+    if cause is not err:
+        text += f" (root cause: {_typed(cause)})"
+    return f"{code}: {text}"
+
+
+def code_of_description(text: str | None) -> str | None:
+    """The code at the start of a :func:`describe_error` text (None: the text has none)."""
+    head, sep, _ = (text or "").partition(": ")
+    if sep and head and head.replace("_", "").isalnum() and head.upper() == head:
+        return head
+    return None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _typed(err: BaseException) -> str:
+    text = _one_line(err)
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

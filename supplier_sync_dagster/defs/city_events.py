@@ -7,7 +7,10 @@
   partitions it reports (``MaterializeResult`` would mark the whole range: Dagster #17836,
   #18123);
 - an ``AssetCheckEvaluation`` per gate and city, on the partitioned (blocking) checks of
-  ``normalized_hotels``.
+  ``normalized_hotels``;
+- for a city that failed, an ``AssetObservation`` of its ``raw_hotel_snapshots`` partition
+  with its error code and what happened: its partitions stay unmaterialized, and the UI
+  shows why.
 """
 
 from collections.abc import Callable, Iterator
@@ -39,7 +42,7 @@ def city_events(
     target: Callable[[str], CheckTarget | None] = lambda _: None,
     reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
     scope: AccountScope = DEFAULT_SCOPE,
-) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """The Dagster events of one city's outcome, for its partition only.
 
     One materialization per selected asset of each stage the run completed for the city,
@@ -66,6 +69,10 @@ def city_events(
             key = scope.key(plain.path[-1])
             if key in selected and not (earlier and reported(key, partition)):
                 yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
+    if outcome.status == "FAILED":
+        yield dg.AssetObservation(
+            scope.key(RAW.path[-1]), partition=partition, metadata=metadata[RAW]
+        )
     # The gates run whenever a city is normalized or published, selected or not (a
     # backfill's re-execution of a gated city asks for its downstream assets only, and its
     # overridden gate passes then): every result is reported on the city's partition.
@@ -130,6 +137,10 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
     }
     if outcome.helped:
         common["helped_another_run"] = True
+    if r.status == "FAILED":
+        # The precise code (SUPPLIER_TIMEOUT, WALK_RUNAWAY, INTERNAL_ERROR...) and what happened.
+        common["error_code"] = r.error_code or ""
+        common["error"] = r.error or ""
     if r.status == "ALREADY_DONE":
         common["reported_from"] = "the sync database: an earlier run of the batch published it"
     normalized_ok = r.records - r.dead_letters

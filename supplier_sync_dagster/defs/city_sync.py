@@ -11,6 +11,11 @@ failed and its "re-execute from failure" (or a run's) re-syncs them.
 The batch is the run's trigger (``triggers.py``). A re-execution therefore continues its
 original batch: cities already published are not synced again, failed cities resume from
 their checkpoints, and a gate override recorded for the batch applies.
+
+A run terminated from the UI (``DagsterExecutionInterruptedError`` in the step, as SIGTERM or
+SIGINT to a ``sync --full``) stops its cities at a page boundary and releases their leases
+(``core.sync.stop``); re-executing it resumes them. A supplier that refuses the API key or
+cannot be reached fails the step with that cause, and its cities with it.
 """
 
 import functools
@@ -21,11 +26,18 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import dagster as dg
 
-from supplier_sync_dagster.core.errors import TaskDisabled, TriggerSkipped
+from supplier_sync_dagster.core.errors import (
+    SupplierError,
+    SyncInterrupted,
+    TaskDisabled,
+    TriggerSkipped,
+    describe_error,
+    error_code_of,
+)
 from supplier_sync_dagster.core.leasing.batches import get_batch, progress_line
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.records.gates import CHECK_NAMES
-from supplier_sync_dagster.core.settings import load_settings
+from supplier_sync_dagster.core.settings import env_name, load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.run import (
@@ -37,8 +49,10 @@ from supplier_sync_dagster.core.sync.run import (
     auto_processes,
     not_done,
     plan_run,
+    refusal_line,
     run_cities,
 )
+from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
 from supplier_sync_dagster.dagster_instance.events import one_event_transaction
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target, reported
@@ -177,7 +191,7 @@ def build_city_sync(
     )
     def city_sync(
         context: dg.AssetExecutionContext,
-    ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+    ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
         yield from _sync_cities(context, scope, SyncResources.of(context, scope))
 
     return city_sync
@@ -185,7 +199,7 @@ def build_city_sync(
 
 def _sync_cities(
     context: dg.AssetExecutionContext, scope: AccountScope, resources: SyncResources
-) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """Claims, fetches, normalizes, gates, maps, diffs and publishes each city of the run."""
     started = time.perf_counter()
     selected = context.selected_asset_keys
@@ -195,15 +209,21 @@ def _sync_cities(
     db = resources.sync_db.open()
     store = resources.payloads.open()
     outcomes: list[CityOutcome] = []
+    stop = Stop()
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
-        with nullcontext(None) if request.replay else supplier.client() as client:
+        with (
+            stop_on_signals(stop),
+            nullcontext(None) if request.replay else supplier.client() as client,
+        ):
             try:
                 plan = plan_run(db, store, client, request, settings)
             except TaskDisabled as err:
                 raise refused("sync refused", err) from None
             except TriggerSkipped as err:
                 raise refused(None, err) from None
+            except SupplierError as err:
+                raise _refused_by_supplier(err, request, scope) from err
             _log_plan(context, plan, request)
             progress = _Progress()
             processes = auto_processes(request, plan)
@@ -219,6 +239,7 @@ def _sync_cities(
                 settings,
                 worker_id=make_worker_id("supplier-sync"),
                 processes=WorkerProcesses(processes, _worker_io(resources, client)),
+                stop=stop,
             ):
                 requests += outcome.requests if processes else 0
                 outcomes.append(outcome)
@@ -246,6 +267,16 @@ def _sync_cities(
                 context.log.info(
                     f"supplier: {requests} requests in {time.perf_counter() - started:.1f} s"
                 )
+    except BaseException as err:
+        if stop.is_set and not isinstance(err, Exception):
+            context.log.warning(
+                f"run stopped ({stop.reason or reason_of(err)}): its cities in flight stopped "
+                "at a page boundary and released their leases; re-execute the run to resume"
+            )
+        if isinstance(err, SyncInterrupted):
+            # The cities saw the signal before this thread did: Dagster's own interruption.
+            raise dg.DagsterExecutionInterruptedError() from err
+        raise
     finally:
         db.dispose()
     failure = _not_published(outcomes, plan, request)
@@ -297,11 +328,16 @@ def _not_published(
     parts = [f"{len(group)} {status}" for status, group in sorted(failed.items())]
     if unreplayed:
         parts.append(f"{len(unreplayed)} without stored raw pages to replay")
+    errors = cities.get("FAILED", {})
+    # What stopped them, first: each failed city's code and what happened, a few of them.
+    why = "; ".join(f"{city!r}: {error}" for city, error in list(errors.items())[:3])
+    more = f"; {len(errors) - 3} more" if len(errors) > 3 else ""
     return dg.Failure(
         description=(
             f"{len(outcomes) - sum(len(g) for g in failed.values())} of "
-            f"{len(request.cities)} cities published; not published: {', '.join(parts)}. "
-            "Re-executing the run (or the backfill from failure) resumes exactly these "
+            f"{len(request.cities)} cities published; not published: {', '.join(parts)}"
+            + (f" ({why}{more})" if why else "")
+            + ". Re-executing the run (or the backfill from failure) resumes exactly these "
             "cities in the same batch; gated cities publish once their gate is "
             "overridden (supplier-sync gate override)"
         ),
@@ -313,6 +349,31 @@ def _not_published(
             "cities_without_raw_pages": dg.MetadataValue.json(unreplayed),
         },
     )
+
+
+def _refused_by_supplier(
+    err: SupplierError, request: RunRequest, scope: AccountScope
+) -> dg.Failure:
+    """The step's failure when the supplier refused the API key or could not be reached as
+    the run read its city list (its cities are FAILED with that cause): no retry, which
+    would meet the same refusal."""
+    error = describe_error(err)
+    headline = refusal_line(error, key_setting=api_key_setting(scope), address=None)
+    return dg.Failure(
+        description=(
+            f"{headline or 'the supplier failed'}: {len(request.cities)} cities not synced "
+            f"({error})"
+        ),
+        metadata={"error_code": error_code_of(err), "error": error},
+        allow_retries=False,
+    )
+
+
+def api_key_setting(scope: AccountScope) -> str:
+    """The variable that holds the account's API key (what a refused key's message names)."""
+    if scope.account is not None and scope.account.api_key_env:
+        return scope.account.api_key_env
+    return env_name("supplier_api_key")
 
 
 city_sync = build_city_sync(DEFAULT_SCOPE)
@@ -356,6 +417,8 @@ def _log_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:
             else ""
         )
         + (f" ({r.error})" if r.error else "")
+        # Where it failed, for whoever reads the run's log (the UI; the CLI's -v).
+        + (f"\n{r.trace}" if r.status == "FAILED" and r.trace else "")
     )
 
 

@@ -1,5 +1,6 @@
-"""Stall detection: shards whose heartbeat is fresh but whose checkpoint stopped, and
-shards whose lease expired (their worker died)."""
+"""Stall detection: shards whose heartbeat is fresh but whose checkpoint stopped (sooner
+while the walk waits for the supplier: longer than its request deadlines allow), and shards
+whose lease expired (their worker died)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import dagster as dg
 
-from supplier_sync_dagster.core.leasing.leases import find_stalls
+from supplier_sync_dagster.core.leasing.leases import FETCH_STALL_SECONDS, find_stalls
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 
 CHECKPOINT_STALL_SECONDS = 600.0
@@ -19,8 +20,9 @@ CHECKPOINT_STALL_SECONDS = 600.0
     default_status=dg.DefaultSensorStatus.RUNNING,
     description=(
         "Alerts on RUNNING shards whose heartbeat is fresh but whose checkpoint has not moved "
-        f"for {CHECKPOINT_STALL_SECONDS:.0f} s, and on shards whose lease expired. A stall is "
-        "reported once (the cursor remembers it) until its checkpoint moves again."
+        f"for {CHECKPOINT_STALL_SECONDS:.0f} s ({FETCH_STALL_SECONDS:.0f} s while waiting for the "
+        "supplier's next page), and on shards whose lease expired. A stall is reported once "
+        "(the cursor remembers it) until its checkpoint moves again."
     ),
 )
 def shard_stall_sensor(
@@ -28,7 +30,11 @@ def shard_stall_sensor(
 ) -> dg.SkipReason:
     """Reports new stalls in the sensor log and its skip reason; requests no runs."""
     with sync_db.opened() as db:
-        stalls = find_stalls(db, checkpoint_stall_seconds=CHECKPOINT_STALL_SECONDS)
+        stalls = find_stalls(
+            db,
+            checkpoint_stall_seconds=CHECKPOINT_STALL_SECONDS,
+            fetch_stall_seconds=FETCH_STALL_SECONDS,
+        )
     seen = set(json.loads(context.cursor)) if context.cursor else set()
     current = {f"{s.kind}|{s.batch_id}|{s.shard_key}|{s.last_checkpoint_at}" for s in stalls}
     new = [

@@ -602,8 +602,10 @@ def test_a_city_whose_stored_pages_are_lost_fails_the_replay_in_one_line(
         "fix-1",
     )
     line = assert_one_line_error(replay)
-    assert line.startswith(f"supplier-sync: 1 city of 2 failed ({lost!r}: ")
-    assert line.endswith("; run again with --trigger-id fix-1 to resume")
+    # The city's code first (a lost payload is not the supplier's: INTERNAL_ERROR).
+    assert line.startswith(f"supplier-sync: sync failed: 1 city of 2 failed ({lost!r}: ")
+    assert f"{lost!r}: INTERNAL_ERROR: PayloadNotFound: " in line
+    assert line.endswith("; resume with --trigger-id fix-1")
     assert any(ln.startswith("failed cities: ") for ln in replay.lines)
     sh = schema.shard.c
     batch = batch_of(db_url, "replay:fix-1")

@@ -27,4 +27,11 @@ def add_status_and_stalls(sub: Subcommands) -> None:
 
     stalls = sub.add_parser("stalls", help="running shards that are stuck or whose lease expired")
     stalls.add_argument("--checkpoint-stall-seconds", type=float, default=600.0)
+    stalls.add_argument(
+        "--fetch-stall-seconds",
+        type=float,
+        default=None,
+        help="a shard waiting for the supplier's next page this long is stalled (default: two "
+        "request deadlines of the supplier client, 120)",
+    )
     handled_by(stalls, f"{_BATCHES}:cmd_stalls")

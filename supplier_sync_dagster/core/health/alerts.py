@@ -13,7 +13,11 @@ name in ``supplier_sync_alert_threshold``; :data:`DEFAULTS` otherwise) and retur
 - ``stuck_outbox``: outbox events PROCESSING with an expired lease;
 - ``rate_limit_storm``: the share of 429 answers of the task's latest run (of the last hour);
 - ``breaker_open``: cities of the latest finished batch refused by an open circuit breaker,
-  M minutes after the first of them.
+  M minutes after the first of them;
+- ``supplier_auth_rejected``: the supplier refused the API key (401/403) in the latest
+  finished batch (the run stopped, or could not start): at once, a person must fix the key;
+- ``supplier_unreachable``: the latest finished batch failed because the supplier could not
+  be reached at all (connection refused, DNS, TLS): at once.
 
 :func:`record` turns findings into **episodes** (``supplier_sync_alert``): a condition that
 starts is one FIRING row (its ``open_key`` unique while it holds: it fires once, also when
@@ -39,7 +43,12 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.errors import (
+    AUTH_REJECTED_CODES,
+    UNREACHABLE_CODES,
+    ConfigError,
+    code_of_description,
+)
 from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth, sync_health
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
 from supplier_sync_dagster.core.store import schema
@@ -57,6 +66,8 @@ Condition = Literal[
     "stuck_outbox",
     "rate_limit_storm",
     "breaker_open",
+    "supplier_auth_rejected",
+    "supplier_unreachable",
 ]
 CONDITIONS: Final[tuple[Condition, ...]] = get_args(Condition)
 
@@ -199,6 +210,7 @@ def evaluate(
         found += _dead_letter_spike(conn, task, now, limits)
         found += _emptied_cities(conn, task, health)
         found += _breaker_open(conn, task, now, limits)
+        found += _supplier_refused(conn, task)
         storm = _storm(conn, task, now, limits)
     found += storm
     remaining = context.reconciliation_remaining
@@ -387,7 +399,12 @@ def _breaker_open(
         sa.select(sa.func.min(sh.updated_at), sa.func.count()).where(
             sh.batch_id == latest,
             sh.status == "FAILED",
-            sh.error_message.like("%CircuitOpen%"),
+            # Either way a city's error names the breaker: the class (older rows), or the
+            # breaker's own message (describe_error's ``CODE: message``).
+            sa.or_(
+                sh.error_message.like("%CircuitOpen%"),
+                sh.error_message.like("%circuit breaker for%"),
+            ),
         )
     ).one()
     if since is None:
@@ -405,6 +422,55 @@ def _breaker_open(
             f"cities failed with CircuitOpen, the first {minutes:.0f} min ago",
         )
     ]
+
+
+def _supplier_refused(conn: Connection, task: str) -> list[Finding]:
+    """The task's latest finished batch, if the supplier refused its API key (any of its
+    cities, or its start) or could not be reached at all (its start, or every city)."""
+    b, sh = schema.batch.c, schema.shard.c
+    latest = conn.execute(
+        sa.select(b.batch_id, b.status, b.error_message)
+        .where(b.task_code == task, b.status.in_(TERMINAL_BATCH_STATUSES))
+        .order_by(sa.func.coalesce(b.finished_at, b.created_at).desc(), b.id.desc())
+        .limit(1)
+    ).first()
+    if latest is None or latest.status not in FAILED_BATCH_STATUSES:
+        return []
+    failed = conn.execute(
+        sa.select(sh.shard_key, sh.error_message)
+        .where(sh.batch_id == latest.batch_id, sh.status == "FAILED")
+        .order_by(sh.finished_at, sh.id)
+    ).all()
+    errors = [(None, latest.error_message), *((r.shard_key, r.error_message) for r in failed)]
+    found: list[Finding] = []
+    refused = [(city, e) for city, e in errors if code_of_description(e) in AUTH_REJECTED_CODES]
+    if refused:
+        cities = sum(1 for city, _ in refused if city is not None)
+        which = f"{cities} cities not synced" if cities else "before it read the city list"
+        found.append(
+            Finding(
+                "supplier_auth_rejected",
+                "",
+                max(cities, 1),
+                1,
+                f"task {task}: the supplier refused the API key in batch {latest.batch_id} "
+                f"({which}); the sync stops until the key is fixed: {refused[0][1]}",
+            )
+        )
+    down = [(city, e) for city, e in errors if code_of_description(e) in UNREACHABLE_CODES]
+    start_failed = code_of_description(latest.error_message) in UNREACHABLE_CODES
+    if down and (start_failed or (latest.status == "FAILED" and len(down) == len(failed))):
+        found.append(
+            Finding(
+                "supplier_unreachable",
+                "",
+                max(len(failed), 1),
+                1,
+                f"task {task}: the supplier could not be reached (batch {latest.batch_id} "
+                f"failed): {down[0][1]}",
+            )
+        )
+    return found
 
 
 def alert_key(task_code: str, finding: Finding) -> str:

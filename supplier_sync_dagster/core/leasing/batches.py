@@ -19,7 +19,11 @@ Batch state machine (every move is one guarded UPDATE)::
 
     PENDING ──first shard claimed──> RUNNING ──all shards finished──> SUCCESS
        │                                │   <──a failed shard reopened──  PARTIAL_FAILED
-       └──────────── cancel ────────────┴──> CANCELLED                    FAILED
+       ├──────────── cancel ────────────┴──> CANCELLED                    FAILED
+       └── the run could not start (the supplier refused the key, or is unreachable) ──> FAILED
+
+A run that stops (interrupted, or failed) ends its creator's grace (:func:`end_grace`):
+the next trigger adopts the batch at once instead of one lease period later.
 """
 
 from __future__ import annotations
@@ -611,6 +615,85 @@ def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> Non
     )
 
 
+def fail_unstarted(
+    db: SyncDatabase, batch_id: str, error: str, *, shard_keys: Sequence[str] | None = None
+) -> list[str]:
+    """Fails what a run could not start: the batch's PENDING shards (of ``shard_keys`` only,
+    when given) move to FAILED with ``error``, and the batch records ``error``; a batch that
+    has no shard yet (its city list could not be read) moves PENDING -> FAILED itself.
+
+    Args:
+        db: The sync database.
+        batch_id: The batch.
+        error: Why (``CODE: what happened``, ``core.errors.describe_error``).
+        shard_keys: The run's cities; None: every PENDING shard of the batch.
+
+    Returns:
+        The cities moved to FAILED (a shard claimed or finished meanwhile is left alone).
+
+    Raises:
+        UnknownBatch: No such batch.
+    """
+    s = schema.shard.c
+    clock = db.clock
+    where = [s.batch_id == batch_id]
+    if shard_keys is not None:
+        where.append(s.shard_key.in_(list(dict.fromkeys(shard_keys))))
+    with db.begin() as conn:
+        current = lock_batch(conn, batch_id)
+        keys = [
+            str(k)
+            for k in conn.execute(
+                sa.select(s.shard_key).where(*where, s.status == "PENDING")
+            ).scalars()
+        ]
+        if keys:
+            move_shards(
+                conn,
+                "FAILED",
+                [*where, s.shard_key.in_(keys)],
+                sources=["PENDING"],
+                finished_at=clock.now(),
+                updated_at=clock.now(),
+                error_message=error[:1024],
+                last_heartbeat_stage="NOT_STARTED",
+                last_heartbeat_message=error[:512],
+            )
+        derive_batch(conn, clock, current)
+        b = schema.batch.c
+        conn.execute(
+            sa.update(schema.batch)
+            .where(b.batch_id == batch_id)
+            .values(error_message=error[:1024], updated_at=clock.now())
+        )
+        # A batch without shards derives no status: it failed before it had any.
+        conn.execute(
+            sa.update(schema.batch)
+            .where(b.batch_id == batch_id, b.status == "PENDING", b.shard_count == 0)
+            .values(status="FAILED", finished_at=clock.now())
+        )
+    return keys
+
+
+def end_grace(db: SyncDatabase, batch_id: str, worker_id: str) -> bool:
+    """Ends the creator's grace of a batch (see :func:`batch_liveness`) once its creator's
+    run stopped: a new trigger then adopts it at once. Only the creator's own grace ends.
+
+    Returns:
+        True when the grace was ``worker_id``'s and still running.
+    """
+    b = schema.batch.c
+    now = db.clock.now()
+    with db.begin() as conn:
+        return bool(
+            conn.execute(
+                sa.update(schema.batch)
+                .where(b.batch_id == batch_id, b.worker_id == worker_id, b.lease_until > now)
+                .values(lease_until=now, updated_at=now)
+            ).rowcount
+        )
+
+
 def refresh_batch(conn: Connection, clock: DbClock, batch_id: str) -> Batch:
     """Derives a batch's status, counts, progress and heartbeat from its shards.
 
@@ -750,6 +833,8 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None
         values["finished_at"] = clock.now()
     elif status in ACTIVE_BATCH_STATUSES:
         values["finished_at"] = None  # a reopened shard makes a finished batch run again
+        if current_status in TERMINAL_BATCH_STATUSES:
+            values["error_message"] = None  # why it failed then is not why it runs now
     guarded_update(
         conn,
         sa.update(schema.batch)

@@ -42,6 +42,7 @@ from supplier_sync_dagster.core.errors import (
     LeaseNotAcquired,
     UnknownBatch,
     UnknownShard,
+    describe_error,
 )
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
@@ -765,30 +766,53 @@ class Stall:
     message: str | None
 
 
+# The stages of a shard that waits for the supplier: claimed, or between two pages.
+WAITING_FOR_SUPPLIER_STAGES = ("CLAIMED", "FETCHING", "CHECKPOINTING")
+# How long a walk may wait for one page before it counts as stalled (find_stalls): two of
+# the supplier client's request deadlines (60 s each by default), so a page retried once
+# after a timeout is slow, not stuck.
+FETCH_STALL_SECONDS = 120.0
+
+
 def find_stalls(
     db: SyncDatabase,
     *,
     checkpoint_stall_seconds: float = 600.0,
     heartbeat_fresh_seconds: float = 90.0,
+    fetch_stall_seconds: float | None = None,
     limit: int = 500,
 ) -> list[Stall]:
     """Finds RUNNING shards that are stuck.
 
     - CHECKPOINT_STALLED: the heartbeat is fresh (the worker lives) but the checkpoint has
-      not moved for ``checkpoint_stall_seconds``. Do not reclaim these: the worker may be
-      slow, not dead; alert instead.
+      not moved for ``checkpoint_stall_seconds``; or, while the shard waits for the
+      supplier's next page (its stage is one of :data:`WAITING_FOR_SUPPLIER_STAGES`), for
+      ``fetch_stall_seconds``: longer than the client's bounds let one page take (its
+      request deadline, retries and their waits), so the walk is stuck, not slow. Do not
+      reclaim these: the worker may be slow, not dead; alert instead.
     - LEASE_EXPIRED: the lease ran out (the worker died); any worker may reclaim it.
     """
-    if checkpoint_stall_seconds <= 0 or heartbeat_fresh_seconds <= 0:
+    fetch = 1.0 if fetch_stall_seconds is None else fetch_stall_seconds
+    thresholds = (checkpoint_stall_seconds, heartbeat_fresh_seconds, fetch)
+    if min(thresholds) <= 0:
         raise ConfigError("stall thresholds must be positive numbers of seconds")
     c = schema.shard.c
     clock = db.clock
     progress_at = sa.func.coalesce(c.last_checkpoint_at, c.started_at)
     expired = c.lease_until < clock.now()
+    behind = progress_at < clock.now(-checkpoint_stall_seconds)
+    if fetch_stall_seconds is not None:
+        behind = sa.or_(
+            behind,
+            sa.and_(
+                c.last_heartbeat_stage.in_(WAITING_FOR_SUPPLIER_STAGES),
+                progress_at < clock.now(-fetch_stall_seconds),
+            ),
+        )
     stalled = sa.and_(
         c.lease_until >= clock.now(),
         c.heartbeat_at >= clock.now(-heartbeat_fresh_seconds),
-        progress_at < clock.now(-checkpoint_stall_seconds),
+        behind,
     )
     with db.engine.connect() as conn:
         now = clock.read(conn)
@@ -929,8 +953,9 @@ class ShardWork:
     - the lease is lost (:class:`LeaseLost`, or any exception once the lease is lost, which
       the loss caused or made moot): nothing more is written; the exception is suppressed
       and kept in :attr:`lost`, and the caller reports the city as LEASE_LOST;
-    - any other exception: the shard finishes FAILED with ``"Type: message"`` (also kept in
-      :attr:`error`) and the exception propagates; if the lease is lost by then, another
+    - any other exception: the shard finishes FAILED with ``"CODE: what happened"``
+      (:func:`~supplier_sync_dagster.core.errors.describe_error`, also kept in :attr:`error`)
+      and the exception propagates; if the lease is lost by then, another
       worker owns the shard and its outcome stands (that LeaseLost is dropped);
     - an interruption (KeyboardInterrupt, SystemExit, a closed generator; a run terminated
       from the Dagster UI): the lease is released (RUNNING -> PENDING, checkpoint kept) so
@@ -943,7 +968,7 @@ class ShardWork:
         lease: The lease worked under.
         heartbeat: Its heartbeat runner (the value of the ``with``).
         lost: The exception that stopped the work once the lease was lost, else None.
-        error: ``"Type: message"`` of the exception that failed the shard, else None.
+        error: ``"CODE: what happened"`` of the exception that failed the shard, else None.
     """
 
     def __init__(self, lease: ShardLease) -> None:
@@ -971,7 +996,7 @@ class ShardWork:
                 self.lost = exc
                 log.warning("shard %r stopped: %s", lease.shard_key, exc)
                 return True
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = describe_error(exc)
             try:
                 lease.finish("FAILED", self.error)
             except LeaseLost as err:

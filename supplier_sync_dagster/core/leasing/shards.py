@@ -9,10 +9,11 @@ lease token), so a stale writer changes nothing. The table::
        ^                │  ^ │
        └────release─────┘  └─┘ reclaim (lease_until < now), heartbeat, checkpoint
     FAILED ──reopen──> PENDING (checkpoint kept)
+    PENDING ──not started: the supplier refused the key, or is unreachable──> FAILED
     PENDING | RUNNING ──batch cancelled──> CANCELLED
 
 The named moves live with their callers: claim, heartbeat, checkpoint, finish, release
-and reopen in :mod:`supplier_sync_dagster.core.leasing.leases`, cancel in
+and reopen in :mod:`supplier_sync_dagster.core.leasing.leases`, cancel and fail unstarted in
 :mod:`supplier_sync_dagster.core.leasing.batches`.
 """
 
@@ -34,7 +35,7 @@ ShardStatus = Literal["PENDING", "RUNNING", "SUCCESS", "FAILED", "CANCELLED"]
 
 SHARD_MOVES: Mapping[ShardStatus, frozenset[ShardStatus]] = MappingProxyType(
     {
-        "PENDING": frozenset({"RUNNING", "CANCELLED"}),
+        "PENDING": frozenset({"RUNNING", "FAILED", "CANCELLED"}),
         # RUNNING -> RUNNING: a reclaim, or a holder's heartbeat or checkpoint.
         "RUNNING": frozenset({"RUNNING", "PENDING", "SUCCESS", "FAILED", "CANCELLED"}),
         "FAILED": frozenset({"PENDING"}),

@@ -55,6 +55,7 @@ from supplier_sync_dagster.core.sync.stages import (
     check_counts,
     publish_city,
 )
+from supplier_sync_dagster.core.sync.stop import Stop, StopAware, reason_of
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def sync_city(
     report: CityReport | None = None,
     source: PageSource | None = None,
     hotel_count: int | None = None,
+    stop: Stop | None = None,
 ) -> CityReport:
     """Runs every stage of one city under its shard lease and finishes the shard.
 
@@ -97,6 +99,8 @@ def sync_city(
             their own cities.
         hotel_count: The city's ``hotel_count`` from ``/v1/cities``, when known: its walk
             stops with ``WALK_RUNAWAY`` well before going far past it.
+        stop: The run's stop: the city stops at its next page or chunk once it is asked,
+            its lease released with its checkpoint.
 
     Returns:
         The city's report. ``status`` is SUCCESS, ALREADY_DONE (the shard had finished),
@@ -104,9 +108,12 @@ def sync_city(
 
     Raises:
         SupplierError: The supplier failed beyond retries, or its listing would never end
-            (``WalkRunaway``); the shard is FAILED, resumable.
+            (``WalkRunaway``); the shard is FAILED, resumable (any other exception fails it
+            too, its report and shard saying why).
+        SyncInterrupted: The run's stop was asked (the shard is PENDING again).
     """
     prepare_process()
+    stop = stop or Stop()
     report = report if report is not None else CityReport(city_code)
     try:
         lease = _claim(db, batch.batch_id, city_code, worker_id, settings)
@@ -128,7 +135,7 @@ def sync_city(
                 store,
                 client,
                 lease,
-                heartbeat,
+                StopAware(heartbeat, stop),
                 settings,
                 report,
                 city_countries=city_countries or {},
@@ -136,6 +143,7 @@ def sync_city(
                 fetched=fetch,
                 source=source,
                 hotel_count=hotel_count,
+                stop=stop,
             )
             if fetch:
                 stages.fetch()
@@ -149,7 +157,7 @@ def sync_city(
             stages.publish()
             report.stages_done.append("publish")
     except Exception as err:  # the shard is FAILED (see ShardWork); the report says so too
-        report.status, report.error = "FAILED", work.error or f"{type(err).__name__}: {err}"
+        report.fail(err, work.error)
         raise
     finally:
         if stages is not None:
@@ -157,7 +165,7 @@ def sync_city(
     if work.lost is not None:
         report.status, report.error = "LEASE_LOST", str(work.lost)
     elif client is not None and report.presence is not None and report.presence.missing:
-        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings)
+        confirm_missing(db, client, report, batch_id=batch.batch_id, settings=settings, stop=stop)
     return report
 
 
@@ -179,8 +187,10 @@ class _CityStages:
         fetched: bool,
         source: PageSource | None,
         hotel_count: int | None = None,
+        stop: Stop,
     ) -> None:
         self.db, self.store, self.client, self.lease = db, store, client, lease
+        self.stop = stop
         self.heartbeat, self.settings, self.report = heartbeat, settings, report
         # Whether this claim walks the pages (a listing walked to its end: tombstones).
         self.fetched, self.source, self.hotel_count = fetched, source, hotel_count
@@ -229,6 +239,7 @@ class _CityStages:
             self.settings,
             self.report,
             on_page=self.normalizer.add if fresh else None,
+            stop=self.stop,
         )
 
     def stopped_by_drift(self) -> bool:
@@ -345,16 +356,22 @@ def confirm_missing(
     *,
     batch_id: str,
     settings: SyncSettings,
+    stop: Stop | None = None,
 ) -> None:
     """Asks the supplier for each hotel the city's listing newly lacked: a 404 is certain,
     and the hotel is unpublished now (a 200 leaves the count: it may be listed elsewhere).
-    A failed request changes nothing; the next complete sync counts again."""
+    A failed request changes nothing; the next complete sync counts again.
+
+    Raises:
+        SyncInterrupted: The run's stop was asked (the city is finished already).
+    """
     assert report.presence is not None
+    stop = stop or Stop()
     gone: list[str] = []
     unconfirmed: list[DeadLetter] = []
     for hotel_id in report.presence.missing[:CONFIRM_MISSING_MAX]:
         try:
-            client.get_hotel(hotel_id)
+            stop.call(client.get_hotel, hotel_id)
         except SupplierNotFound:
             gone.append(hotel_id)
         except SupplierError as err:
@@ -509,6 +526,7 @@ def help_other_workers(
     sync_one: Callable[[str], CityReport],
     threads: int = 2,
     hotel_counts: Mapping[str, int] | None = None,
+    stop: Stop | None = None,
 ) -> list[CityReport]:
     """Syncs cities of the batch that no worker has started yet; returns their reports.
 
@@ -529,6 +547,8 @@ def help_other_workers(
             exceptions are logged and the city is left to its owner.
         threads: Cities in flight at once (see :func:`sync_cities`).
         hotel_counts: The supplier's hotel count per city, when known.
+        stop: The run's stop, set by an interruption so that the cities in flight end at
+            their next page.
     """
     done: list[CityReport] = []
 
@@ -557,10 +577,15 @@ def help_other_workers(
 
     if threads <= 1:
         loop()
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
+        return done
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper") as pool:
+        try:
             for future in [pool.submit(loop) for _ in range(threads)]:
                 future.result()
+        except BaseException as err:
+            if stop is not None and not isinstance(err, Exception):
+                stop.set(reason_of(err))
+            raise
     return done
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -38,6 +37,7 @@ from supplier_sync_dagster.core.sync.snapshots import (
     record_snapshots,
     snapshot_row,
 )
+from supplier_sync_dagster.core.sync.stop import Stop, in_daemon_thread
 
 PageSink = Callable[[StoredPage, list[Any]], None]
 """Takes each page right after it is committed: its RAW snapshot and its records."""
@@ -116,11 +116,15 @@ def fetch_pages(
     report: CityReport,
     *,
     on_page: PageSink | None = None,
+    stop: Stop | None = None,
 ) -> None:
     """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
 
     The next page is requested while ``on_page`` works on the current one, but only after
     the current one is committed: a crash re-fetches at most one page, as without overlap.
+    Each request runs in a daemon thread (:func:`in_daemon_thread`): a stop, or any error of
+    this thread, never waits for a request in flight, which writes nothing (see
+    :mod:`supplier_sync_dagster.core.sync.stop`).
 
     Args:
         lease: The shard's lease (every write is fenced by it).
@@ -130,50 +134,58 @@ def fetch_pages(
         settings: The sync's settings (the supplier's id).
         report: Counts the pages and the fetch's time.
         on_page: Takes each page once it is committed (a fresh walk's normalizer).
+        stop: The run's stop: waiting for a page ends at once when it is asked.
+
+    Raises:
+        SyncInterrupted: The run's stop was asked (nothing of the page in flight is written).
     """
     city = lease.shard_key
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as ahead:
-        pending = ahead.submit(next, pages, None)
-        try:
-            while True:
-                began = time.perf_counter()
-                page = pending.result()
-                if page is None:
-                    report.seconds["fetch"] += time.perf_counter() - began
-                    break
-                heartbeat.check()
-                heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
-                stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
-                row = snapshot_row(
-                    lease,
-                    kind=RAW,
-                    key_hash=stored.sha256,
-                    stored=stored,
-                    page_number=page.page_number,
-                    record_count=len(page.records),
-                )
-                with lease.db.begin() as conn:
-                    record_snapshots(conn, lease, settings.supplier_id, RAW, [row])
-                    lease.advance(
-                        page.checkpoint,
-                        PageCounts(),
-                        total_pages=page.total_pages,
-                        fetched=len(page.records),
-                        conn=conn,
-                    )
-                report.pages_fetched += 1
-                pending = ahead.submit(next, pages, None)
+    stop = stop or Stop()
+    pending = in_daemon_thread(next, pages, None)
+    walked = False
+    try:
+        while True:
+            began = time.perf_counter()
+            # Waiting for the supplier: what a stall of the walk shows (find_stalls).
+            heartbeat.report("FETCHING", f"city={city} waiting for the supplier's next page")
+            page = stop.result(pending)
+            if page is None:
                 report.seconds["fetch"] += time.perf_counter() - began
-                if on_page is not None:
-                    on_page(
-                        StoredPage(
-                            stored.ref, stored.sha256, page.page_number, row["record_count"]
-                        ),
-                        _unwrap(page.records),
-                    )
-                collect_garbage()
-        finally:
-            # The generator must not be closed while the prefetch thread is inside it.
+                break
+            heartbeat.check()
+            heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
+            stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
+            row = snapshot_row(
+                lease,
+                kind=RAW,
+                key_hash=stored.sha256,
+                stored=stored,
+                page_number=page.page_number,
+                record_count=len(page.records),
+            )
+            with lease.db.begin() as conn:
+                record_snapshots(conn, lease, settings.supplier_id, RAW, [row])
+                lease.advance(
+                    page.checkpoint,
+                    PageCounts(),
+                    total_pages=page.total_pages,
+                    fetched=len(page.records),
+                    conn=conn,
+                )
+            report.pages_fetched += 1
+            pending = in_daemon_thread(next, pages, None)
+            report.seconds["fetch"] += time.perf_counter() - began
+            if on_page is not None:
+                on_page(
+                    StoredPage(stored.ref, stored.sha256, page.page_number, row["record_count"]),
+                    _unwrap(page.records),
+                )
+            collect_garbage()
+        walked = True
+    finally:
+        # The generator must not be closed while a request is inside it: a walk that ended,
+        # or whose last request returned, is closed; one abandoned mid-request ends with it.
+        if walked or pending.done():
             with contextlib.suppress(Exception):  # that error is already on its way
                 pending.result()
             close = getattr(pages, "close", None)

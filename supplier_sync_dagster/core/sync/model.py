@@ -11,6 +11,7 @@ stage says what it is doing and learns whether it may go on.
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,12 @@ from typing import Any, Literal, NamedTuple, Protocol, TypedDict, Unpack
 
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.errors import (
+    ConfigError,
+    code_of_description,
+    describe_error,
+    error_code_of,
+)
 from supplier_sync_dagster.core.leasing.leases import Checkpoint, LeaseSettings, PageCounts
 from supplier_sync_dagster.core.records.diff import RiskPolicy, default_risk_policy
 from supplier_sync_dagster.core.records.gates import CityProfile, GateResult
@@ -172,7 +178,10 @@ class CityReport:
     diffs_by_type: Counter[str] = field(default_factory=Counter)
     diffs_by_action: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # A failed city's ``CODE: what happened`` (core.errors.describe_error) and its code.
     error: str | None = None
+    error_code: str | None = None
+    trace: str | None = None  # its traceback, for the run's log (Dagster's, -v)
     stages_done: list[Stage] = field(default_factory=list)  # what this worker completed
     # For the gate: the profile normalization recorded, and whether the city had gate
     # overrides when claimed (None: unknown, read them).
@@ -182,6 +191,14 @@ class CityReport:
     presence: Presence | None = None
     # What this claim's walk of the city's listing saw (None: no listing was walked).
     walk: WalkStats | None = None
+
+    def fail(self, err: BaseException, described: str | None = None) -> None:
+        """Marks the city FAILED by ``err``: its code, and what happened (``described``,
+        when the shard recorded it already)."""
+        self.status = "FAILED"
+        self.error = described or describe_error(err)
+        self.error_code = code_of_description(self.error) or error_code_of(err)
+        self.trace = "".join(traceback.format_exception(err))
 
     @property
     def gate_failures(self) -> list[str]:

@@ -20,11 +20,27 @@ What a run does with its cities:
 A city's outcome says which stages this run completed for it (``report.stages_done``) and
 the gate's results, so that a city that failed, was gated or lost its lease is not reported
 as done for anything it did not complete.
+
+How a run ends when it cannot go on:
+
+- a city that fails (any exception) is FAILED with ``CODE: what happened`` and files its
+  CITY_FAILED ticket, which compensation retries; the other cities go on;
+- a supplier that refuses the API key (401/403), on its city list or on any city, stops the
+  run's cities not started yet: each is FAILED with that code, without a request;
+- a supplier that refuses the key or cannot be reached when the run reads its city list
+  fails the run's cities at once (the batch FAILED: the alerts see it);
+- a run told to stop (a :class:`~supplier_sync_dagster.core.sync.stop.Stop`: SIGTERM,
+  SIGINT, a termination from the Dagster UI) stops each city at its next page boundary and
+  releases its lease with its checkpoint (no ticket), its worker processes too, and ends the
+  batch's creator's grace: a resume, or the next trigger, takes the cities at once.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -34,12 +50,25 @@ from typing import TypeVar
 
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.errors import SupplierError
+from supplier_sync_dagster.core.errors import (
+    AUTH_REJECTED_CODES,
+    INTERNAL_ERROR,
+    UNREACHABLE_CODES,
+    SupplierAuthError,
+    SupplierError,
+    code_of_description,
+    describe_error,
+    error_code_of,
+)
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
+    BatchDecision,
     TaskSpec,
     TriggerSource,
     create_batch,
+    end_grace,
+    fail_unstarted,
+    get_batch,
     start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import get_shard
@@ -60,6 +89,7 @@ from supplier_sync_dagster.core.sync.replay import (
     stored_city_countries,
 )
 from supplier_sync_dagster.core.sync.runtime import ForkPool, prepare_process, usable_cpus
+from supplier_sync_dagster.core.sync.stop import SharedEvent, Stop, reason_of
 from supplier_sync_dagster.core.sync.tasks import open_task
 
 log = logging.getLogger(__name__)
@@ -89,11 +119,33 @@ def resolve_batch(
         TaskDisabled: The task is DISABLED.
         TriggerSkipped: The task's concurrency policy skipped this trigger.
     """
+    decision = decide_trigger(
+        db, task_code=task_code, supplier_id=supplier_id, trigger_id=trigger_id, source=source
+    )
+    return start_batch(db, decision, list(cities), skipped="sync skipped")
+
+
+def decide_trigger(
+    db: SyncDatabase,
+    *,
+    task_code: str,
+    supplier_id: int,
+    trigger_id: str,
+    source: TriggerSource,
+    adopt: bool = True,
+) -> BatchDecision:
+    """What the task's policy decides for a run's trigger (``create_batch``), the task
+    created first if it is missing.
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+    """
     open_task(
         db, TaskSpec(task_code=task_code, supplier_id=supplier_id), trigger_id=trigger_id, run="run"
     )
-    decision = create_batch(db, task_code=task_code, trigger_id=trigger_id, trigger_source=source)
-    return start_batch(db, decision, list(cities), skipped="sync skipped")
+    return create_batch(
+        db, task_code=task_code, trigger_id=trigger_id, trigger_source=source, adopt=adopt
+    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +270,8 @@ def plan_run(
         TaskDisabled: The task is DISABLED.
         TriggerSkipped: The task's concurrency policy skipped this trigger.
         ConfigError: A replay batch was refused.
+        SupplierError: The supplier refused the API key or could not be reached when asked
+            for its city list: the run's cities are FAILED with its code (:func:`refuse_run`).
     """
     cities = list(request.cities)
     if request.replay:
@@ -247,8 +301,15 @@ def plan_run(
         return plan
     try:
         fetched = client.list_cities()
+    except SupplierError as err:
+        if error_code_of(err) in AUTH_REJECTED_CODES | UNREACHABLE_CODES:
+            # Nothing of this run can work: its cities fail now, each with the cause.
+            refuse_run(db, batch, cities, err, settings)
+            raise
+        plan.notes.append(f"city list unavailable, country rule skipped: {describe_error(err)}")
+        return plan
     except Exception as err:  # the country rule is skipped, the sync is not
-        plan.notes.append(f"city list unavailable, country rule skipped: {err}")
+        plan.notes.append(f"city list unavailable, country rule skipped: {describe_error(err)}")
         return plan
     record_city_list(
         db, store, batch_id=batch.batch_id, supplier_id=settings.supplier_id, raw=fetched.raw
@@ -258,6 +319,111 @@ def plan_run(
     plan.sizes = {c.city_code: c.hotel_count for c in listed if c.hotel_count is not None}
     plan.cities = largest_first(cities, plan.sizes)
     return plan
+
+
+def refuse_run(
+    db: SyncDatabase,
+    batch: Batch,
+    cities: Sequence[str] | None,
+    err: BaseException | str,
+    settings: SyncSettings,
+) -> list[str]:
+    """Fails a run that could not start, or go on (the supplier refused the API key, or
+    could not be reached): its cities not started are FAILED with the cause, each with its
+    CITY_FAILED ticket, and the batch records the cause; the alerts see the failed batch.
+
+    Args:
+        db: The sync database.
+        batch: The run's batch.
+        cities: The run's cities; None: every city of the batch not started.
+        err: Why (an exception, or its ``CODE: what happened``).
+        settings: The task's settings (the tickets name the task).
+
+    Returns:
+        The cities failed.
+    """
+    error = err if isinstance(err, str) else describe_error(err)
+    failed = fail_unstarted(db, batch.batch_id, error, shard_keys=cities)
+    for city in failed:
+        file_city_failure(db, batch.batch_id, settings, city, error)
+    log.info("batch %s: %d cities not started: %s", batch.batch_id, len(failed), error)
+    return failed
+
+
+def refuse_trigger(
+    db: SyncDatabase,
+    *,
+    settings: SyncSettings,
+    trigger_id: str,
+    source: TriggerSource,
+    err: BaseException,
+) -> Batch | None:
+    """Records a trigger whose run could not even read the supplier's city list: the
+    supplier refused the API key or could not be reached. The trigger gets its batch, FAILED
+    with the cause (:func:`refuse_run`), so that ``status``, the metrics and the alerts see
+    it; an abandoned batch is not adopted for it (the next trigger that works adopts it).
+
+    Returns:
+        The failed batch; None when the task's policy skipped the trigger (a live batch
+        runs, and meets the supplier itself).
+
+    Raises:
+        TaskDisabled: The task is DISABLED.
+    """
+    decision = decide_trigger(
+        db,
+        task_code=settings.task_code,
+        supplier_id=settings.supplier_id,
+        trigger_id=trigger_id,
+        source=source,
+        adopt=False,
+    )
+    if decision.batch is None:
+        return None
+    refuse_run(db, decision.batch, None, err, settings)
+    with db.engine.connect() as conn:
+        return get_batch(conn, decision.batch.batch_id)
+
+
+def refusal_line(error: str | None, *, key_setting: str, address: str | None) -> str | None:
+    """One line for a run that the supplier refused: ``supplier refused the API key (401):
+    check VARIABLE``, or ``supplier unreachable: CONNECTION_REFUSED host:port``.
+
+    Args:
+        error: A failure's ``CODE: what happened`` (``core.errors.describe_error``).
+        key_setting: The variable that holds the API key.
+        address: The supplier's ``host:port``, when known.
+
+    Returns:
+        The line; None when ``error`` is neither a refused key nor an unreachable supplier.
+    """
+    code = code_of_description(error)
+    if code in AUTH_REJECTED_CODES:
+        status = re.search(r"-> (40[13])\b", error or "")
+        return (
+            f"supplier refused the API key ({status.group(1) if status else '401/403'}): "
+            f"check {key_setting}"
+        )
+    if code in UNREACHABLE_CODES:
+        return f"supplier unreachable: {code}" + (f" {address}" if address else "")
+    return None
+
+
+def file_city_failure(
+    db: SyncDatabase, batch_id: str, settings: SyncSettings, city: str, error: str
+) -> None:
+    """The CITY_FAILED ticket of a city that failed in a batch (once per batch and city):
+    compensation asks for a re-sync of the city, and the ticket is resolved once a sync of
+    the city succeeds."""
+    record_city_failure(
+        db,
+        batch_id=batch_id,
+        task_code=settings.task_code,
+        sync_mode=settings.sync_mode,
+        supplier_id=settings.supplier_id,
+        city_code=city,
+        error=error,
+    )
 
 
 @dataclass(frozen=True)
@@ -329,16 +495,19 @@ class _CityWorker:
         request: RunRequest,
         settings: SyncSettings,
         worker_id: str,
+        stop: Stop,
     ) -> None:
-        self.io = io
-        self.plan = plan
-        self.request = request
-        self.settings = settings
-        self.worker_id = worker_id
+        self.io, self.plan, self.request, self.settings = io, plan, request, settings
+        self.worker_id, self.stop = worker_id, stop
         self.gate = gate_for_pipeline()
 
     def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
-        """Syncs ``city``; never raises (a city that raises is FAILED, resumable)."""
+        """Syncs ``city``. A city that raises is FAILED (resumable), its report saying why.
+
+        Raises:
+            SyncInterrupted: The run's stop was asked (the city's lease is released).
+        """
+        self.stop.check()  # a stopped run claims nothing more
         db, batch = self.io.db, self.plan.batch
         client = self.io.client
         before = _counters(client)
@@ -360,27 +529,17 @@ class _CityWorker:
                     city_countries=self.plan.countries,
                     report=report,
                     hotel_count=self.plan.sizes.get(city),
+                    stop=self.stop,
                 )
                 if report.status != "HELD_BY_OTHER" or not wait_if_held:
                     break
                 # Another run of the batch is syncing it (it helped out, or raced): wait
                 # for its lease to end, then take the outcome or resume.
-                time.sleep(HELD_POLL_SECONDS)
+                self.stop.sleep(HELD_POLL_SECONDS)
         except Exception as err:  # reported as the city's outcome; the others go on
-            report.status, report.error = "FAILED", f"{type(err).__name__}: {err}"
-            log.warning("city %r failed: %s", city, report.error)
-            if isinstance(err, SupplierError) and not self.request.replay:
-                # A ticket that compensation retries: it asks for a re-sync of the city
-                # and resolves the ticket once a sync of the city succeeds.
-                record_city_failure(
-                    db,
-                    batch_id=batch.batch_id,
-                    task_code=self.settings.task_code,
-                    sync_mode=self.settings.sync_mode,
-                    supplier_id=self.settings.supplier_id,
-                    city_code=city,
-                    error=report.error,
-                )
+            report.fail(err, report.error if report.status == "FAILED" else None)
+            # The summary says it once; its traceback goes with the report, to the run's log.
+            log.debug("city %r failed: %s", city, report.error, exc_info=err)
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
@@ -446,13 +605,16 @@ def run_cities(
     *,
     worker_id: str,
     processes: WorkerProcesses | None = None,
+    stop: Stop | None = None,
 ) -> Iterator[CityOutcome]:
     """Syncs the plan's cities (then helps other runs of the batch); yields each city's
     outcome as it finishes.
 
-    A city that raises is yielded as FAILED (its shard is FAILED and resumable); the other
-    cities go on. A city another worker holds is waited for after the others, and yielded
-    once this run has synced it or seen it finished.
+    A city that raises is yielded as FAILED (its shard is FAILED and resumable, its
+    CITY_FAILED ticket filed); the other cities go on, unless the supplier refused the API
+    key: the cities not started then fail without a request. A city another worker holds
+    is waited for after the others, and yielded once this run has synced it or seen it
+    finished.
 
     With ``processes`` (and a count above 0), the cities are synced in that many worker
     processes forked now, each with its own connections and worker id (its shard leases
@@ -461,6 +623,11 @@ def run_cities(
     while the workers sync. A sync is CPU-bound (parsing, normalizing, SQL): threads of
     one process share one core. A worker that dies leaves its city FAILED here and its
     lease to expire (a re-run resumes it); the processes end with the iteration.
+
+    An interruption that reaches the iteration (KeyboardInterrupt, a termination from the
+    Dagster UI, the iteration closed) sets ``stop``: every city in flight, in this process
+    or a worker process, stops at its next page boundary and releases its lease, and the
+    batch's creator's grace ends; then the interruption goes on.
 
     Args:
         db: The sync database.
@@ -472,23 +639,37 @@ def run_cities(
         worker_id: This worker's id (one per run).
         processes: Worker processes to sync in, or None to sync in this process
             (``request.threads`` cities at once).
+        stop: The run's stop (a new one when None): setting it stops the run.
     """
+    stop = stop or Stop()
+    batch_id = plan.batch.batch_id
+    # However the stop comes (a signal seen by a SignalWatch, an interruption here), whoever
+    # triggers next need not wait one lease period for this run's grace.
+    stop.on_set(lambda: _end_grace(db, batch_id))
     done: list[CityOutcome] = []
     try:
         if processes is not None and processes.count > 0:
-            with _ProcessPool(processes, plan, request, settings) as pool:
+            with _ProcessPool(processes, plan, request, settings, stop) as pool:
                 # One city more than there are workers: it waits in the pool's queue, so a
                 # worker that finishes a city takes the next at once instead of waiting for
                 # this process to receive the outcome and hand one out (this process is busy
                 # writing the finished city's events meanwhile, and shares the CPUs).
-                for outcome in _run(db, pool.sync, plan, request, processes.count + QUEUED_AHEAD):
+                guard = _Guard(db, plan, request, settings, pool.sync)
+                for outcome in _run(db, guard, plan, request, processes.count + QUEUED_AHEAD, stop):
                     done.append(outcome)
                     yield outcome
             return
-        worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id)
-        for outcome in _run(db, worker.sync, plan, request, request.threads):
+        worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id, stop)
+        guard = _Guard(db, plan, request, settings, worker.sync)
+        for outcome in _run(db, guard, plan, request, request.threads, stop):
             done.append(outcome)
             yield outcome
+    except BaseException as err:
+        if isinstance(err, Exception):
+            _end_grace(db, batch_id)
+        else:
+            stop.set(reason_of(err))
+        raise
     finally:
         # Also for a run that stops early: what it did ask of the supplier counts.
         try:
@@ -503,26 +684,102 @@ def run_cities(
             log.warning("could not record the run's stats: %s", err)
 
 
+def _end_grace(db: SyncDatabase, batch_id: str) -> None:
+    """Ends this process's grace of the batch (a stopped or failed run); never raises."""
+    try:
+        end_grace(db, batch_id, make_worker_id())
+    except Exception as err:  # it expires on its own
+        log.warning("could not end the grace of batch %s: %s", batch_id, err)
+
+
+SyncOne = Callable[..., CityOutcome]
+"""Syncs one city: ``(city, *, wait_if_held, helped=False) -> CityOutcome``."""
+
+
+class _Guard:
+    """A run's cities through ``sync``: the CITY_FAILED ticket of each city that failed and,
+    once the supplier refused the API key, its cities not started failed without a request
+    (a revoked key is not tried on every city)."""
+
+    def __init__(
+        self,
+        db: SyncDatabase,
+        plan: RunPlan,
+        request: RunRequest,
+        settings: SyncSettings,
+        sync: SyncOne,
+    ) -> None:
+        self.db, self.plan, self.request, self.settings = db, plan, request, settings
+        self._sync = sync
+        self._lock = threading.Lock()
+        # The city whose request the supplier refused the API key first.
+        self.refused: str | None = None
+
+    def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
+        """Syncs ``city``, or fails it unstarted once the supplier refused the API key."""
+        if self.refused is not None:
+            return self._not_started(city, helped)
+        outcome = self._sync(city, wait_if_held=wait_if_held, helped=helped)
+        report = outcome.report
+        if report.status == "FAILED":
+            if not self.request.replay:
+                self._ticket(city, report.error or "")
+            if report.error_code in AUTH_REJECTED_CODES:
+                self._refuse(city)
+        return outcome
+
+    def _ticket(self, city: str, error: str) -> None:
+        file_city_failure(self.db, self.plan.batch.batch_id, self.settings, city, error)
+
+    def _refuse(self, city: str) -> None:
+        """The first refusal fails every city of the run not started yet, in one move."""
+        with self._lock:
+            if self.refused is not None:
+                return
+            self.refused = city
+        error = (
+            f"{SupplierAuthError.error_code}: not started: the supplier refused the API key "
+            f"on city {city!r}"
+        )
+        refuse_run(self.db, self.plan.batch, self.plan.cities, error, self.settings)
+
+    def _not_started(self, city: str, helped: bool) -> CityOutcome:
+        """A city met once the supplier refused the API key, as the sync database says."""
+        batch_id = self.plan.batch.batch_id
+        code = SupplierAuthError.error_code
+        error = f"{code}: not started: the supplier refused the API key on city {self.refused!r}"
+        if fail_unstarted(self.db, batch_id, error, shard_keys=[city]):  # another run's city
+            self._ticket(city, error)
+        else:
+            shard = get_shard(self.db, batch_id, city)
+            if shard.status == "SUCCESS":  # finished meanwhile
+                return CityOutcome(published_report(self.db, batch_id, city), helped)
+            error = shard.error_message or error
+        return CityOutcome(CityReport(city, status="FAILED", error=error, error_code=code), helped)
+
+
 def _run(
     db: SyncDatabase,
-    sync: Callable[..., CityOutcome],
+    guard: _Guard,
     plan: RunPlan,
     request: RunRequest,
     threads: int,
+    stop: Stop,
 ) -> Iterator[CityOutcome]:
-    """The run's cities through ``sync``, ``threads`` at once: own, held, then helping."""
+    """The run's cities through ``guard``, ``threads`` at once: own, held, then helping."""
     held: list[str] = []
-    for outcome in in_flight(plan.cities, lambda c: sync(c, wait_if_held=False), threads):
+    own = in_flight(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
+    for outcome in own:
         if outcome.status == "HELD_BY_OTHER":
             held.append(outcome.city_code)
         else:
             yield outcome
-    yield from in_flight(held, lambda c: sync(c, wait_if_held=True), threads)
-    if request.help_other_runs and not request.replay:
+    yield from in_flight(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
+    if request.help_other_runs and not request.replay and guard.refused is None:
         helped: list[CityOutcome] = []
 
         def help_one(city: str) -> CityReport:
-            outcome = sync(city, wait_if_held=False, helped=True)
+            outcome = guard.sync(city, wait_if_held=False, helped=True)
             if outcome.status == "FAILED":
                 # Left to its owner, which resumes it; help_other_workers goes on.
                 raise RuntimeError(outcome.report.error)
@@ -537,6 +794,7 @@ def _run(
             sync_one=help_one,
             threads=threads,
             hotel_counts=plan.sizes,
+            stop=stop,
         )
         yield from helped
 
@@ -549,7 +807,8 @@ _process_worker: _CityWorker | None = None
 
 
 class _ProcessPool:
-    """A run's worker processes: forked, each with its own connections, one city each."""
+    """A run's worker processes: forked, each with its own connections, one city each; they
+    stop with the run's stop (a shared event each of them watches)."""
 
     def __init__(
         self,
@@ -557,21 +816,28 @@ class _ProcessPool:
         plan: RunPlan,
         request: RunRequest,
         settings: SyncSettings,
+        stop: Stop,
     ) -> None:
+        self.stop = stop
+        shared = multiprocessing.get_context("fork").Event()
+        stop.on_set(shared.set)
         # Forked with the run's rate limiter; they never touch this process's connections:
         # open_io opens their own. A worker whose run's process was killed stops too: its
         # city's lease then expires and the next run resumes the city from its checkpoint.
         self._pool = ForkPool(
             processes.count,
             _start_worker,
-            (processes.open_io, plan, request, settings),
+            (processes.open_io, plan, request, settings, shared),
             exit_with_parent=True,
         )
 
     def __enter__(self) -> _ProcessPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, Exception):
+            # The workers' cities stop at their next page: closing waits for them.
+            self.stop.set(reason_of(exc))
         self._pool.close()
 
     def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
@@ -580,8 +846,9 @@ class _ProcessPool:
         try:
             return self._pool.submit(_sync_in_worker, city, wait_if_held, helped).result()
         except Exception as err:  # BrokenProcessPool: a worker was killed (OOM, signal)
-            report = CityReport(city, status="FAILED", error=f"worker process died: {err}")
-            log.warning("city %r failed: %s", city, report.error)
+            report = CityReport(city)
+            report.fail(err, f"{INTERNAL_ERROR}: worker process died: {err}")
+            log.debug("city %r failed: %s", city, report.error)
             return CityOutcome(report, helped, seconds=time.perf_counter() - started)
 
 
@@ -590,14 +857,19 @@ def _start_worker(
     plan: RunPlan,
     request: RunRequest,
     settings: SyncSettings,
+    shared: SharedEvent,
 ) -> None:
-    """A worker process's start: its own connections and worker id, kept until it ends."""
+    """A worker process's start: its own connections, worker id and stop (following its
+    run's), kept until it ends."""
     global _process_worker
     stack = ExitStack()
     io = stack.enter_context(open_io())
     # Never closed: the process ends with its pool, and its connections with it.
     _open_stacks.append(stack)
-    _process_worker = _CityWorker(io, plan, request, settings, make_worker_id("supplier-sync"))
+    stop = Stop()
+    stop.watch(shared)
+    worker_id = make_worker_id("supplier-sync")
+    _process_worker = _CityWorker(io, plan, request, settings, worker_id, stop)
     prepare_process()
 
 
@@ -641,11 +913,15 @@ def published_report(db: SyncDatabase, batch_id: str, city: str) -> CityReport:
     return report
 
 
-def in_flight(items: Iterable[T], fn: Callable[[T], R], threads: int) -> Iterator[R]:
+def in_flight(
+    items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
+) -> Iterator[R]:
     """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they finish.
 
     Items start in order. ``fn`` should not raise (an exception ends the iteration after
-    the calls in flight finish). Leaving the iteration early cancels the calls not started.
+    the calls in flight finish). Leaving the iteration early cancels the calls not started;
+    an interruption (KeyboardInterrupt, a Dagster termination, the iteration closed) also
+    sets ``stop``, so that the calls in flight end at their next page instead of their end.
     """
     if threads <= 1:
         for item in items:
@@ -658,6 +934,10 @@ def in_flight(items: Iterable[T], fn: Callable[[T], R], threads: int) -> Iterato
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
                 yield future.result()
+    except BaseException as err:
+        if stop is not None and not isinstance(err, Exception):
+            stop.set(reason_of(err))
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,10 @@ class ForkPool:
     initializer opens or disposes of them. Closing the pool waits for the calls running,
     cancels the others and ends the processes.
 
+    The processes ignore SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and
+    the handlers they would inherit (Dagster's) would break a call half-way. This process
+    decides when they stop (a run's city workers follow its stop).
+
     Args:
         workers: How many processes.
         initializer: Called once in each process at its start, with ``initargs``.
@@ -110,13 +115,15 @@ class ForkPool:
         *,
         exit_with_parent: bool = False,
     ) -> None:
+        start: Callable[..., None] = _start_quiet
+        args: tuple[Any, ...] = (initializer, initargs)
         if exit_with_parent:
-            initializer, initargs = _start_watched, (os.getpid(), initializer, initargs)
+            start, args = _start_watched, (os.getpid(), start, args)
         self._pool = ProcessPoolExecutor(
             max_workers=workers,
             mp_context=multiprocessing.get_context("fork"),
-            initializer=initializer,
-            initargs=initargs,
+            initializer=start,
+            initargs=args,
         )
 
     def __enter__(self) -> ForkPool:
@@ -132,6 +139,12 @@ class ForkPool:
     def close(self) -> None:
         """Waits for the running calls, cancels the queued ones, ends the processes."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_quiet(initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    initializer(*initargs)
 
 
 def _start_watched(

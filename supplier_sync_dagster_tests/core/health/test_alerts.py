@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.health.metrics import sync_health
+from supplier_sync_dagster.core.leasing.batches import fail_unstarted
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster_tests.core.conftest import MakeBatch
@@ -115,3 +116,61 @@ def test_reconciliation_differences_come_from_the_context_and_an_episode_can_ret
     back = alerts.record(db, task, found)  # it comes back: a new episode, a new message
     assert len(back.fired) == 1 and back.fired != first.fired
     assert alerts.deliver(db, channel).sent == 3
+
+
+def test_a_refused_key_and_an_unreachable_supplier_alert_at_once_and_clear(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path
+):
+    channel = alerts.FileChannel(tmp_path / "alerts.jsonl")
+    first = make_batch(["BKK", "CNX"])
+    task = first.task_code
+
+    def conditions() -> list[str]:
+        done = alerts.check(db, channel, task_code=task)
+        return sorted(f.condition for f in done.findings if f.condition.startswith("supplier_"))
+
+    # A run that could not start: its batch failed before it had cities.
+    fail_unstarted(db, first.batch_id, "SUPPLIER_AUTH_REJECTED: GET /v1/cities -> 401")
+    done = alerts.check(db, channel, task_code=task)
+    refused = [f for f in done.findings if f.condition == "supplier_auth_rejected"]
+    assert len(refused) == 1 and "before it read the city list" not in refused[0].message
+    assert "2 cities not synced" in refused[0].message and "-> 401" in refused[0].message
+
+    # Later the key works; one city fails for another reason: no supplier alert.
+    second = make_batch(["BKK", "CNX"], task_code=task)
+    _finish(db, second.batch_id, "PARTIAL_FAILED", status="SUCCESS")
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(schema.shard)
+            .where(schema.shard.c.batch_id == second.batch_id, schema.shard.c.shard_key == "CNX")
+            .values(status="FAILED", error_message="INTERNAL_ERROR: RecursionError: too deep")
+        )
+    assert conditions() == []
+
+    # Down: every city of the next batch could not connect.
+    third = make_batch(["BKK", "CNX"], task_code=task)
+    _finish(
+        db,
+        third.batch_id,
+        "FAILED",
+        status="FAILED",
+        error_message="CONNECTION_REFUSED: circuit breaker for supplier-1001 is open since 5 "
+        "failures in a row, last: CONNECTION_REFUSED GET /v1/cities/BKK/hotels",
+    )
+    assert conditions() == ["supplier_unreachable"]
+    # A single city that could not connect while others synced is not "unreachable".
+    fourth = make_batch(["BKK", "CNX"], task_code=task)
+    _finish(db, fourth.batch_id, "PARTIAL_FAILED", status="SUCCESS")
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(schema.shard)
+            .where(schema.shard.c.batch_id == fourth.batch_id, schema.shard.c.shard_key == "CNX")
+            .values(status="FAILED", error_message="CONNECTION_REFUSED: GET ...: refused")
+        )
+    assert conditions() == []
+    with db.engine.connect() as conn:
+        rows = alerts.list_alerts(conn, db.clock)
+    assert {(r["condition_name"], r["status"]) for r in rows} >= {
+        ("supplier_auth_rejected", "RESOLVED"),
+        ("supplier_unreachable", "RESOLVED"),
+    }

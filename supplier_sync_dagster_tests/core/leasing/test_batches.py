@@ -25,6 +25,8 @@ from supplier_sync_dagster.core.leasing.batches import (
     batch_liveness,
     cancel_batch,
     create_batch,
+    end_grace,
+    fail_unstarted,
     get_batch,
     get_task,
     list_batches,
@@ -531,3 +533,68 @@ def test_a_replay_batch_never_adopts_and_is_not_blocked_by_an_abandoned_batch(db
     )
     assert replay.outcome == "CREATED" and replay.batch is not None
     assert replay.batch.batch_id != sync.batch.batch_id
+
+
+def test_a_run_that_could_not_start_fails_its_cities_not_started_and_its_batch(
+    db: SyncDatabase,
+):
+    """The supplier refused the key before any city started: the run's PENDING cities are
+    FAILED with the cause (no claim), a city another worker holds or finished stays as it
+    is, and the batch is FAILED with the cause; the next trigger is not blocked."""
+    code = _task(db)
+    decision = create_batch(
+        db, task_code=code, trigger_id="night-1", trigger_source="CRON", shard_keys=["A", "B", "C"]
+    )
+    assert decision.batch is not None
+    batch_id = decision.batch.batch_id
+    held = claim_shard(db, batch_id, "C", worker_id="w-other", settings=FAST)
+    error = "SUPPLIER_AUTH_REJECTED: GET /v1/cities -> 401"
+    assert fail_unstarted(db, batch_id, error, shard_keys=["A", "C"]) == ["A"]
+    assert fail_unstarted(db, batch_id, error, shard_keys=["A"]) == []  # once
+    shards = {s.shard_key: s for s in list_shards(db, batch_id)}
+    assert shards["A"].status == "FAILED" and shards["A"].error_message == error
+    assert shards["A"].claim_count == 0
+    assert (shards["B"].status, shards["C"].status) == ("PENDING", "RUNNING")
+    held.finish("SUCCESS")
+    assert fail_unstarted(db, batch_id, error) == ["B"]  # every city not started
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, batch_id)
+    assert (batch.status, batch.error_message) == ("PARTIAL_FAILED", error)
+
+    # A batch whose city list could not be read has no shard: it fails itself.
+    empty = create_batch(db, task_code=code, trigger_id="night-2", trigger_source="CRON")
+    assert empty.batch is not None
+    assert fail_unstarted(db, empty.batch.batch_id, error) == []
+    with db.engine.connect() as conn:
+        failed = get_batch(conn, empty.batch.batch_id)
+    assert failed.status == "FAILED" and failed.finished_at is not None
+    assert failed.error_message == error
+    after = create_batch(db, task_code=code, trigger_id="night-3", trigger_source="CRON")
+    assert after.outcome == "CREATED"
+
+    # Resumed with a key that works (the same trigger): the batch runs again, its old
+    # error gone.
+    add_shards(db, empty.batch.batch_id, ["A"])
+    with db.engine.connect() as conn:
+        resumed = get_batch(conn, empty.batch.batch_id)
+    assert resumed.status == "PENDING" and resumed.error_message is None
+
+
+def test_a_stopped_runs_grace_ends_so_the_next_trigger_adopts_its_batch_at_once(
+    db: SyncDatabase,
+):
+    code = _task(db)
+    me = make_worker_id()
+    first = create_batch(
+        db, task_code=code, trigger_id="night-1", trigger_source="CRON", shard_keys=["A"]
+    )
+    assert first.batch is not None
+    # This process is alive and its grace runs: another trigger is skipped.
+    skipped = create_batch(db, task_code=code, trigger_id="night-2", trigger_source="CRON")
+    assert skipped.outcome == "SKIPPED"
+    assert not end_grace(db, first.batch.batch_id, "someone-else-1-x")  # only the creator's
+    assert end_grace(db, first.batch.batch_id, me)
+    assert not end_grace(db, first.batch.batch_id, me)  # once
+    adopted = create_batch(db, task_code=code, trigger_id="night-3", trigger_source="CRON")
+    assert adopted.outcome == "ADOPTED" and adopted.batch is not None
+    assert adopted.batch.batch_id == first.batch.batch_id

@@ -410,6 +410,33 @@ def test_stall_query_finds_fresh_heartbeat_with_frozen_checkpoint(
         find_stalls(db, checkpoint_stall_seconds=0)
 
 
+def test_a_walk_waiting_for_the_supplier_longer_than_a_page_may_take_is_a_stall(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    """A request that trickles keeps the heartbeat fresh while the checkpoint stands still:
+    past what the client's bounds let one page take, that is a stall, long before the
+    general threshold; a city publishing for as long is not (it moves no checkpoint)."""
+    batch = make_batch(["TRICKLE", "PUBLISH"])
+    leases = {
+        city: claim_shard(db, batch.batch_id, city, worker_id=f"w-{city}", settings=FAST)
+        for city in ("TRICKLE", "PUBLISH")
+    }
+    for city, lease in leases.items():
+        lease.advance(Checkpoint(city, page=2), PageCounts(success=1))
+    for _ in range(6):  # 120 s of fresh heartbeats, no checkpoint
+        db.clock.advance(20)
+        leases["TRICKLE"].heartbeat("FETCHING", "city=TRICKLE waiting for the supplier's page")
+        leases["PUBLISH"].heartbeat("PUBLISHING", "city=PUBLISH chunk of 1000")
+    quick = find_stalls(
+        db, checkpoint_stall_seconds=600, heartbeat_fresh_seconds=30, fetch_stall_seconds=90
+    )
+    assert [(s.kind, s.shard_key) for s in quick] == [("CHECKPOINT_STALLED", "TRICKLE")]
+    # Without the fetch threshold, only the general one applies: nothing yet.
+    assert find_stalls(db, checkpoint_stall_seconds=600, heartbeat_fresh_seconds=30) == []
+    with pytest.raises(ConfigError):
+        find_stalls(db, fetch_stall_seconds=0)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -731,9 +758,10 @@ def test_shard_work_fails_the_shard_and_raises_the_original_error(
     work = ShardWork(lease)
     with pytest.raises(RuntimeError, match="boom"), work:
         raise RuntimeError("boom")
-    assert work.error == "RuntimeError: boom" and work.lost is None
+    # The precise code first (a bug's is INTERNAL_ERROR), then what happened.
+    assert work.error == "INTERNAL_ERROR: RuntimeError: boom" and work.lost is None
     info = get_shard(db, batch.batch_id, "BKK")
-    assert info.status == "FAILED" and info.error_message == "RuntimeError: boom"
+    assert info.status == "FAILED" and info.error_message == "INTERNAL_ERROR: RuntimeError: boom"
 
     # Failing after another worker took the shard: its outcome stands, the error propagates.
     batch = make_batch(["BKK"])

@@ -477,7 +477,8 @@ def test_a_forked_judge_killed_mid_window_loses_nothing_and_the_next_window_fini
     with db.engine.connect() as conn:
         assert get_watermark(conn, TASK) == Watermark(T0)  # not ahead of the catalog
         ((status, error),) = conn.execute(sa.select(k.status, k.error_message)).all()
-    assert status == "FAILED" and error.startswith("BrokenProcessPool: "), error
+    # A dead judge is not the supplier's failure: INTERNAL_ERROR, then what happened.
+    assert status == "FAILED" and error.startswith("INTERNAL_ERROR: BrokenProcessPool: "), error
     assert _published(db) == {}  # page 3 never came back: its chunk was not published
     # The next window starts from the watermark at once (no lease to wait for) and
     # publishes every change once; what the failed one stored stays as evidence.

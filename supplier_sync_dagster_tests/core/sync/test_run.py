@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.leasing.leases import LeaseSettings, list_shards
+from supplier_sync_dagster.core.errors import SupplierAuthError, SupplierError
+from supplier_sync_dagster.core.leasing.batches import (
+    TaskSpec,
+    create_batch,
+    get_batch,
+    upsert_task,
+)
+from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
+from supplier_sync_dagster.core.records.deadletters import CITY_FAILED
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import InProcessTokenBucket, SupplierClient
+from supplier_sync_dagster.core.sync import city as city_module
 from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
@@ -24,9 +37,12 @@ from supplier_sync_dagster.core.sync.run import (
     WorkerProcesses,
     auto_processes,
     plan_run,
+    refuse_trigger,
     run_cities,
 )
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
+from supplier_sync_dagster.core.sync.stop import Stop
+from supplier_sync_dagster.simulator import running_server
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator, serve_simulator
 
 SETTINGS = SyncSettings(
     task_code="hotel_full",
@@ -77,7 +93,11 @@ def _processes(
 
 
 def _sync(
-    db: SyncDatabase, store: LocalPayloadStore, url: str, trigger: str, processes: WorkerProcesses
+    db: SyncDatabase,
+    store: LocalPayloadStore,
+    url: str,
+    trigger: str,
+    processes: WorkerProcesses | None,
 ) -> list[CityOutcome]:
     with _client(url) as client:
         cities = [c.city_code for c in client.list_cities().data.cities]
@@ -188,3 +208,267 @@ def test_auto_processes(processes: int | None, sizes: dict[str, int], replay: bo
     )
     plan = RunPlan(batch=object.__new__(Batch), cities=list(sizes), sizes=sizes)
     assert auto_processes(request, plan) == expected
+
+
+# --- how a run ends when it cannot go on -----------------------------------------------------
+
+
+def _shards(db: SyncDatabase) -> dict[str, ShardInfo]:
+    return {s.shard_key: s for s in list_shards(db, _only_batch(db))}
+
+
+def _tickets(db: SyncDatabase) -> dict[str, str]:
+    """City -> the message of its CITY_FAILED ticket."""
+    d = schema.dead_letter.c
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(d.city_code, d.error_message).where(d.error_code == CITY_FAILED)
+        ).all()
+    return {str(r.city_code): str(r.error_message) for r in rows}
+
+
+@contextmanager
+def _interrupt_main_thread_when(ready: Callable[[], bool]) -> Iterator[list[float]]:
+    """Raises KeyboardInterrupt in this (the main) thread once ``ready()`` holds, through a
+    signal as SIGINT, SIGTERM or a Dagster termination does: in whatever the thread waits
+    in. Yields the list that gets the moment it was sent."""
+    sent: list[float] = []
+    stop = threading.Event()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            if ready():
+                sent.append(time.monotonic())
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+                return
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield sent
+    finally:
+        stop.set()
+        watcher.join(5)
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> float:
+    """Waits until ``ready()``; the moment it held."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+@pytest.mark.parametrize("how", ["in its wait", "while its caller is elsewhere"])
+def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
+    db: SyncDatabase, db_url: str, tmp_path: Path, processes: int, how: str
+):
+    """A city whose page trickles a byte a second holds the run. Interrupted (SIGINT,
+    SIGTERM, a Dagster termination) while the run's thread waits for it, or while that
+    thread is elsewhere (writing a city's events: the signal's watch then sets the run's
+    stop), it stops in seconds, not when the request ends: no city is left RUNNING, none
+    FAILED or ticketed, and the batch is adopted at once by the next trigger, or resumed
+    by its own."""
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with serve_simulator(seed=13, n_cities=4, total_hotels=400, empty_city_share=0.0) as (
+        sim,
+        url,
+    ):
+        slow = sim.city_codes()[0]
+        sim.set_modes(["slow_body"], [slow])
+        others = set(sim.city_codes()) - {slow}
+
+        def only_the_slow_city_left() -> bool:
+            shards = _shards(db)
+            return shards[slow].status == "RUNNING" and all(
+                shards[c].status == "SUCCESS" for c in others
+            )
+
+        request = RunRequest(
+            trigger_id="night-1", source="MANUAL", cities=sim.city_codes(), threads=2
+        )
+        outcomes: list[CityOutcome] = []
+        stop = Stop()
+        with _client(url) as client:
+            plan = plan_run(db, store, client, request, SETTINGS)
+            pool = _processes(db_url, store, url) if processes else None
+            cities = run_cities(
+                db,
+                store,
+                client,
+                plan,
+                request,
+                SETTINGS,
+                worker_id="parent",
+                processes=pool,
+                stop=stop,
+            )
+            if how == "in its wait":
+                # Once this thread has every other city's outcome: it then waits for the
+                # trickling one.
+                with (
+                    _interrupt_main_thread_when(
+                        lambda: len(outcomes) == len(others) and only_the_slow_city_left()
+                    ) as sent,
+                    pytest.raises(KeyboardInterrupt),
+                ):
+                    for outcome in cities:
+                        outcomes.append(outcome)
+                stopped_in = time.monotonic() - sent[0]
+            else:
+                outcomes += [next(cities) for _ in others]
+                _wait("the other cities synced", only_the_slow_city_left)
+                sent_at = time.monotonic()
+                stop.set("SIGTERM")  # what the run's SignalWatch does; the caller never returns
+                released = _wait(
+                    "the lease released", lambda: _shards(db)[slow].status != "RUNNING"
+                )
+                stopped_in = released - sent_at
+        assert stopped_in < 10.0, stopped_in  # the trickle would take hours
+        assert {o.city_code for o in outcomes} == others
+        shards = _shards(db)
+        assert shards[slow].status == "PENDING" and shards[slow].claim_count == 1
+        assert not [s for s in shards.values() if s.status == "RUNNING"]
+        assert _tickets(db) == {}  # an interruption is not a failure
+        # The run's grace ended with it: a new trigger adopts the batch now, not in minutes.
+        adopted = create_batch(
+            db, task_code=SETTINGS.task_code, trigger_id="night-2", trigger_source="CRON"
+        )
+        assert adopted.outcome == "ADOPTED" and adopted.batch is not None
+        assert adopted.batch.batch_id == plan.batch.batch_id
+
+        sim.set_modes([])
+        again = _sync(db, store, url, "night-1", _processes(db_url, store, url))
+    assert {o.city_code: o.status for o in again if o.status == "SUCCESS"} == {slow: "SUCCESS"}
+    assert _published(db) == sim.ground_truth().valid
+
+
+def test_a_city_that_fails_with_any_exception_files_its_ticket_with_its_code(
+    db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with serve_simulator(seed=14, n_cities=3, total_hotels=300, empty_city_share=0.0) as (
+        sim,
+        url,
+    ):
+        victim = sim.city_codes()[1]
+        publish = city_module.publish_city
+
+        def deep(*args: Any, **kwargs: Any) -> bool:
+            report = args[4]
+            if report.city_code == victim:  # what a 100k-deep JSON array did to the decoder
+                raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+            return publish(*args, **kwargs)
+
+        monkeypatch.setattr(city_module, "publish_city", deep)
+        outcomes = {o.city_code: o for o in _sync(db, store, url, "night-1", None)}
+    failed = outcomes[victim].report
+    assert (failed.status, failed.error_code) == ("FAILED", "INTERNAL_ERROR")
+    assert failed.error == (
+        "INTERNAL_ERROR: RecursionError: maximum recursion depth exceeded while decoding a "
+        "JSON array"
+    )
+    assert _shards(db)[victim].error_message == failed.error
+    assert {c: o.status for c, o in outcomes.items() if c != victim} == {
+        c: "SUCCESS" for c in sim.city_codes() if c != victim
+    }
+    tickets = _tickets(db)
+    assert list(tickets) == [victim] and failed.error in tickets[victim]
+
+
+def test_a_refused_key_stops_the_cities_not_started_without_a_request(
+    db: SyncDatabase, tmp_path: Path
+):
+    """The key is revoked under the run (its first city answers 401): the cities it had not
+    started fail at once with the same code, each with its ticket, and are not asked."""
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with (
+        serve_simulator(seed=15, n_cities=5, total_hotels=500, empty_city_share=0.0) as (
+            sim,
+            url,
+        ),
+        _client(url) as client,
+    ):
+        request = RunRequest(
+            trigger_id="night-1", source="MANUAL", cities=sim.city_codes(), threads=1
+        )
+        plan = plan_run(db, store, client, request, SETTINGS)
+        first = plan.cities[0]
+        sim.set_modes(["unauthorized"], [first])
+        before = client.stats().requests
+        outcomes = list(run_cities(db, store, client, plan, request, SETTINGS, worker_id="parent"))
+        asked = client.stats().requests - before
+    assert asked == 1  # the first city's first page: a 401 is not retried, nor tried again
+    assert {o.status for o in outcomes} == {"FAILED"}
+    assert {o.report.error_code for o in outcomes} == {"SUPPLIER_AUTH_REJECTED"}
+    shards = _shards(db)
+    assert shards[first].claim_count == 1 and "401" in (shards[first].error_message or "")
+    for city in plan.cities[1:]:
+        assert shards[city].claim_count == 0
+        assert shards[city].error_message == (
+            f"SUPPLIER_AUTH_REJECTED: not started: the supplier refused the API key on city "
+            f"{first!r}"
+        )
+    assert set(_tickets(db)) == set(plan.cities)
+    with db.engine.connect() as conn:
+        assert get_batch(conn, plan.batch.batch_id).status == "FAILED"
+
+
+@pytest.mark.parametrize("mode", ["unauthorized", "refused"])
+def test_a_supplier_that_refuses_the_city_list_fails_the_run_before_any_city(
+    db: SyncDatabase, tmp_path: Path, mode: str
+):
+    store = LocalPayloadStore(tmp_path / "payloads")
+    sim = make_simulator(seed=16, n_cities=3, total_hotels=300)
+    cities = sim.city_codes()
+    sim.set_modes([mode])
+    with running_server(sim) as url, _client(url) as client:
+        request = RunRequest(trigger_id="night-1", source="MANUAL", cities=cities)
+        with pytest.raises(SupplierError) as refused:
+            plan_run(db, store, client, request, SETTINGS)
+    code = refused.value.error_code
+    assert code == ("SUPPLIER_AUTH_REJECTED" if mode == "unauthorized" else "CONNECTION_REFUSED")
+    shards = _shards(db)
+    assert {s.status for s in shards.values()} == {"FAILED"}
+    assert {s.claim_count for s in shards.values()} == {0}
+    assert all((s.error_message or "").startswith(f"{code}: ") for s in shards.values())
+    assert set(_tickets(db)) == set(cities)
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, _only_batch(db))
+    assert batch.status == "FAILED" and (batch.error_message or "").startswith(f"{code}: ")
+
+
+def test_a_trigger_refused_before_its_city_list_gets_a_failed_batch_and_blocks_nobody(
+    db: SyncDatabase,
+):
+    # An abandoned batch of an earlier night: a refused trigger leaves it to be adopted.
+    upsert_task(db, TaskSpec(task_code=SETTINGS.task_code, supplier_id=SETTINGS.supplier_id))
+    abandoned = create_batch(
+        db,
+        task_code=SETTINGS.task_code,
+        trigger_id="night-0",
+        trigger_source="CRON",
+        shard_keys=["A"],
+        worker_id="supplier-sync-other-host-7-20260101T000000Z",
+        lease_seconds=0.001,
+    )
+    assert abandoned.batch is not None
+    time.sleep(0.01)
+    err = SupplierAuthError("supplier 1001 refused the API key: GET /v1/cities -> 401")
+    batch = refuse_trigger(db, settings=SETTINGS, trigger_id="night-1", source="CRON", err=err)
+    assert batch is not None and batch.batch_id != abandoned.batch.batch_id
+    assert (batch.status, batch.shard_count) == ("FAILED", 0)
+    assert batch.error_message == f"SUPPLIER_AUTH_REJECTED: {err}"
+    assert _tickets(db) == {}  # no city was known: nothing to re-sync
+    after = create_batch(
+        db, task_code=SETTINGS.task_code, trigger_id="night-2", trigger_source="CRON"
+    )
+    assert after.outcome == "ADOPTED" and after.batch is not None
+    assert after.batch.batch_id == abandoned.batch.batch_id
