@@ -248,7 +248,7 @@ def _cities(n: int) -> str:
     return f"{n} city" if n == 1 else f"{n} cities"
 
 
-def _some(reasons: dict[str, str], limit: int = 3, width: int = 120) -> str:
+def _some(reasons: dict[str, str], limit: int = 3, width: int = 240) -> str:
     """``'city': reason, ...`` on one line: city codes quoted (they are supplier data), at
     most ``limit`` of them, each reason cut to ``width`` characters."""
     shown = [

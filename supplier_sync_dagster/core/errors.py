@@ -457,7 +457,8 @@ def describe_error(err: BaseException) -> str:
     cause = root_cause(err)
     if cause is not err:
         text += f" (root cause: {_typed(cause)})"
-    return f"{code}: {text}"
+    # A message that already leads with its code (a walk's rule) is not prefixed twice.
+    return text if text.startswith(f"{code}: ") else f"{code}: {text}"
 
 
 def code_of_description(text: str | None) -> str | None:
