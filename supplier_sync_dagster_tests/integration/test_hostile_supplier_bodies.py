@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -149,7 +150,11 @@ def test_one_hotel_with_bytes_that_are_not_utf8_costs_that_hotel_only(
 
 
 def _peak_rss_of_a_sync(sim: Simulator, db_url: str, home: Path) -> tuple[int, str, float]:
-    """``supplier-sync sync --full`` in its own process: exit status, stderr, peak RSS (MiB)."""
+    """``supplier-sync sync --full`` in its own process: exit status, stderr, peak RSS (MiB).
+
+    The peak is the process's own high-water mark (``VmHWM``, which its exec starts afresh),
+    read until it exits: ``ru_maxrss`` would count the test process it was forked from.
+    """
     with running_server(sim) as url:
         env = {
             **os.environ,
@@ -165,11 +170,25 @@ def _peak_rss_of_a_sync(sim: Simulator, db_url: str, home: Path) -> tuple[int, s
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        assert child.stderr is not None
-        err = child.stderr.read().decode()
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-    return child.returncode, err, usage.ru_maxrss * 1024 / 2**20
+        peak = [0]
+        watcher = threading.Thread(target=_watch_high_water, args=(child, peak), daemon=True)
+        watcher.start()
+        _, err = child.communicate()
+        watcher.join(timeout=5)
+    return child.returncode, err.decode(), peak[0] / 1024
+
+
+def _watch_high_water(child: subprocess.Popen[bytes], peak: list[int]) -> None:
+    """Keeps ``peak[0]`` at the child's ``VmHWM`` (KiB) while it runs."""
+    status = Path(f"/proc/{child.pid}/status")
+    while child.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak[0] = max(peak[0], int(line.split()[1]))
+        except (OSError, ValueError):
+            return
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("mode", ["inflating_body", "huge_body"])
