@@ -216,6 +216,11 @@ class SupplierError(SupplierSyncError):
 
     error_code: str = "SUPPLIER_ERROR"
 
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.error_code = code
+
     def __init__(
         self,
         message: str,
@@ -230,31 +235,23 @@ class SupplierError(SupplierSyncError):
         self.attempts = attempts
 
 
-class SupplierAuthError(SupplierError):
+class SupplierAuthError(SupplierError, code="SUPPLIER_AUTH_REJECTED"):
     """401/403: the API key is wrong, missing or not allowed. Never retried: stop the sync, alert."""
 
-    error_code = "SUPPLIER_AUTH_REJECTED"
 
-
-class SupplierBadRequest(SupplierError):
+class SupplierBadRequest(SupplierError, code="SUPPLIER_BAD_REQUEST"):
     """400 (or another unexpected 4xx): bad parameters, a bug or bad configuration. Not retried."""
 
-    error_code = "SUPPLIER_BAD_REQUEST"
 
-
-class SupplierNotFound(SupplierError):
+class SupplierNotFound(SupplierError, code="SUPPLIER_NOT_FOUND"):
     """404: the supplier does not know this city or hotel. Not retried."""
 
-    error_code = "SUPPLIER_NOT_FOUND"
 
-
-class CursorExpired(SupplierError):
+class CursorExpired(SupplierError, code="CURSOR_EXPIRED"):
     """410 CURSOR_EXPIRED: the pagination cursor is too old; continue by page number."""
 
-    error_code = "CURSOR_EXPIRED"
 
-
-class CircuitOpen(SupplierError):
+class CircuitOpen(SupplierError, code="CIRCUIT_OPEN"):
     """The supplier's circuit breaker is open: the request was not sent.
 
     The message says why the breaker opened (the last failure's code and message), and
@@ -266,8 +263,6 @@ class CircuitOpen(SupplierError):
         cause_code: The error code of the failure that opened the breaker, if known.
     """
 
-    error_code = "CIRCUIT_OPEN"
-
     def __init__(
         self, message: str, *, retry_in: float = 0.0, cause_code: str | None = None
     ) -> None:
@@ -278,21 +273,17 @@ class CircuitOpen(SupplierError):
             self.error_code = cause_code
 
 
-class RateLimiterUnavailable(SupplierError):
+class RateLimiterUnavailable(SupplierError, code="RATE_LIMITER_UNAVAILABLE"):
     """The shared rate-limit store (Redis) could not be reached, so no request was sent."""
 
-    error_code = "RATE_LIMITER_UNAVAILABLE"
 
-
-class RetryBudgetExhausted(SupplierError):
+class RetryBudgetExhausted(SupplierError, code="SUPPLIER_UNAVAILABLE"):
     """A transient error persisted until the retry policy's attempts or total wait ran out.
 
     Attributes:
         reason: The last retry reason (``"status_503"``, ``"timeout"``, ``"bad_body"``...).
         retry_after: The wait the supplier last asked for (Retry-After), if any.
     """
-
-    error_code = "SUPPLIER_UNAVAILABLE"
 
     def __init__(
         self,
@@ -309,26 +300,21 @@ class RetryBudgetExhausted(SupplierError):
         self.retry_after = retry_after
 
 
-class SupplierRateLimited(RetryBudgetExhausted):
+class SupplierRateLimited(RetryBudgetExhausted, code="SUPPLIER_RATE_LIMITED"):
     """Still rate limited (429 / RATE_LIMITED) after retrying, or asked to wait beyond the budget."""
 
-    error_code = "SUPPLIER_RATE_LIMITED"
 
-
-class SupplierUnavailable(RetryBudgetExhausted):
+class SupplierUnavailable(RetryBudgetExhausted, code="SUPPLIER_UNAVAILABLE"):
     """5xx answers (or a supplier that accepts no connection) persisted after retrying."""
 
-    error_code = "SUPPLIER_UNAVAILABLE"
 
-
-class SupplierProtocolError(RetryBudgetExhausted):
+class SupplierProtocolError(RetryBudgetExhausted, code="SUPPLIER_PROTOCOL_ERROR"):
     """The supplier kept sending truncated, non-JSON or malformed bodies.
 
     A body nested deeper than the JSON decoder's limit (``reason`` ``"json_too_deep"``,
     :attr:`error_code` ``JSON_TOO_DEEP``) is not retried: the same request gets the same body.
     """
 
-    error_code = "SUPPLIER_PROTOCOL_ERROR"
     CODES: ClassVar[dict[str, str]] = {"json_too_deep": "JSON_TOO_DEEP"}
 
     def __init__(self, message: str, *, reason: str, **details: Any) -> None:
@@ -336,13 +322,11 @@ class SupplierProtocolError(RetryBudgetExhausted):
         self.error_code = self.CODES.get(reason, type(self).error_code)
 
 
-class SupplierTimeout(SupplierUnavailable):
+class SupplierTimeout(SupplierUnavailable, code="SUPPLIER_TIMEOUT"):
     """Every attempt ran past the request's total deadline (connect, headers and body together).
 
     A body that trickles in (a byte a second) ends here too: the deadline is not per chunk.
     """
-
-    error_code = "SUPPLIER_TIMEOUT"
 
 
 class SupplierUnreachable(SupplierUnavailable):
@@ -363,13 +347,11 @@ class SupplierUnreachable(SupplierUnavailable):
         self.error_code = self.CODES.get(reason, "SUPPLIER_UNREACHABLE")
 
 
-class TruncatedBody(SupplierProtocolError):
+class TruncatedBody(SupplierProtocolError, code="TRUNCATED_BODY"):
     """The connection closed before the body's declared end, on every attempt."""
 
-    error_code = "TRUNCATED_BODY"
 
-
-class ResponseTooLarge(SupplierError):
+class ResponseTooLarge(SupplierError, code="BODY_TOO_LARGE"):
     """A response body passed the byte cap on the wire; it was not read further. Not retried:
     the same request gets the same body.
 
@@ -377,24 +359,18 @@ class ResponseTooLarge(SupplierError):
         limit: The cap in bytes.
     """
 
-    error_code = "BODY_TOO_LARGE"
-
     def __init__(self, message: str, *, limit: int, status: int | None = None) -> None:
         super().__init__(message, status=status)
         self.limit = limit
 
 
-class DecompressionBomb(ResponseTooLarge):
+class DecompressionBomb(ResponseTooLarge, code="DECOMPRESSION_BOMB"):
     """A compressed body inflated past the cap on decoded bytes; decoding stopped there."""
 
-    error_code = "DECOMPRESSION_BOMB"
 
-
-class WalkRunaway(SupplierError):
+class WalkRunaway(SupplierError, code="WALK_RUNAWAY"):
     """A city's walk would never end: a cursor seen before (at any distance), a page of hotels
     already seen, or more pages than the city's own counts allow. Nothing more is fetched."""
-
-    error_code = "WALK_RUNAWAY"
 
 
 class SyncInterrupted(BaseException):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from supplier_sync_dagster.simulator import extra  # noqa: F401  (first: checks the extra)
 from supplier_sync_dagster.simulator.app import SimulatorApp, create_app
-from supplier_sync_dagster.simulator.config import FaultProfile, SimulatorConfig
+from supplier_sync_dagster.simulator.config import FaultProfile, ModeScale, SimulatorConfig
 from supplier_sync_dagster.simulator.core import Dispatcher, SimRequest, SimResponse, Simulator
 from supplier_sync_dagster.simulator.data import (
     BAD_RECORD_REASONS,
@@ -50,6 +50,7 @@ __all__ = [
     "Dispatcher",
     "FaultProfile",
     "GroundTruth",
+    "ModeScale",
     "SimRequest",
     "SimResponse",
     "Simulator",

@@ -40,6 +40,31 @@ def check_modes(names: tuple[str, ...] | list[str]) -> None:
 
 
 @dataclass(frozen=True)
+class ModeScale:
+    """How hard the named modes hit (``FaultProfile.mode_scale``).
+
+    Attributes:
+        slow_body_bytes_per_second: how fast a ``slow_body`` answer trickles.
+        huge_body_bytes: the size of a ``huge_body`` page.
+        inflated_body_bytes: what an ``inflating_body`` page inflates to.
+        drift_shifts: how many shifts ``drift`` makes in a city (one per page asked by number).
+    """
+
+    slow_body_bytes_per_second: float = 1.0
+    huge_body_bytes: int = 50_000_000
+    inflated_body_bytes: int = 300_000_000
+    drift_shifts: int = 12
+
+    def __post_init__(self) -> None:
+        if self.slow_body_bytes_per_second <= 0:
+            raise ValueError("ModeScale.slow_body_bytes_per_second must be > 0")
+        if min(self.huge_body_bytes, self.inflated_body_bytes) < 1:
+            raise ValueError("ModeScale's sizes must be >= 1")
+        if self.drift_shifts < 0:
+            raise ValueError("ModeScale.drift_shifts must be >= 0")
+
+
+@dataclass(frozen=True)
 class FaultProfile:
     """How badly the simulated supplier behaves. Every rate is a probability in ``[0, 1]``.
 
@@ -85,11 +110,7 @@ class FaultProfile:
             loops, floods, lies or shifts under the walk (``simulator.modes``).
         mode_cities: the cities whose listings the modes touch; empty: every city (and then
             the change feed too).
-        slow_body_bytes_per_second: how fast a ``slow_body`` answer trickles.
-        huge_body_bytes: the size of a ``huge_body`` page.
-        inflated_body_bytes: what an ``inflating_body`` page inflates to.
-        deep_json_depth: the nesting of a ``deep_json`` page.
-        drift_shifts: how many shifts ``drift`` makes in a city (one per page asked by number).
+        mode_scale: how hard the modes hit.
     """
 
     rate_429: float = 0.0
@@ -116,11 +137,7 @@ class FaultProfile:
     failing_city_codes: tuple[str, ...] = ()
     modes: tuple[str, ...] = ()
     mode_cities: tuple[str, ...] = ()
-    slow_body_bytes_per_second: float = 1.0
-    huge_body_bytes: int = 50_000_000
-    inflated_body_bytes: int = 300_000_000
-    deep_json_depth: int = 100_000
-    drift_shifts: int = 12
+    mode_scale: ModeScale = field(default_factory=ModeScale)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -134,11 +151,6 @@ class FaultProfile:
         if self.cursor_ttl_seconds is not None and self.cursor_ttl_seconds < 0:
             raise ValueError("FaultProfile.cursor_ttl_seconds must be >= 0 or None")
         check_modes(self.modes)
-        if self.slow_body_bytes_per_second <= 0:
-            raise ValueError("FaultProfile.slow_body_bytes_per_second must be > 0")
-        for name in ("huge_body_bytes", "inflated_body_bytes", "deep_json_depth", "drift_shifts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FaultProfile.{name} must be >= 1")
 
     @classmethod
     def clean(cls) -> FaultProfile:

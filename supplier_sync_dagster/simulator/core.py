@@ -279,7 +279,7 @@ class Simulator:
         self._cities_body: tuple[int, bytes] | None = None
         faults = self.config.faults
         self._modes = ActiveModes.of(faults.modes, faults.mode_cities)
-        self._drift = DriftLedger(faults.drift_shifts, 1, data.HOTELS_PER_CITY_SPAN)
+        self._drift = DriftLedger(faults.mode_scale.drift_shifts, 1, data.HOTELS_PER_CITY_SPAN)
         self._cycle_cursors: dict[tuple[str, int], str] = {}
         self._nonce = itertools.count()
 
@@ -717,13 +717,13 @@ class Simulator:
 
     def _body_modes(self, resp: SimResponse, head: bytes, city: str | None) -> SimResponse:
         """``resp`` as the modes that change bodies send it (``head``: the page's fields)."""
-        on, faults = self._modes.on, self.config.faults
+        on, faults = self._modes.on, self.config.faults.mode_scale
         if on("huge_body", city):
             resp = SimResponse(
                 200, body=modes.huge_page(head, faults.huge_body_bytes), compress=False
             )
         elif on("deep_json", city):
-            resp = SimResponse(200, body=modes.deep_page(head, faults.deep_json_depth))
+            resp = SimResponse(200, body=modes.deep_page(head, modes.DEEP_JSON_DEPTH))
         elif on("inflating_body", city):
             bomb = modes.inflating_gzip(faults.inflated_body_bytes)
             resp = SimResponse(200, [("content-encoding", "gzip")], bomb, compress=False)

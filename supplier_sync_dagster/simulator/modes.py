@@ -12,7 +12,7 @@ when empty; then the change feed too):
                     ``total``/``total_pages``, no cursor
 ``inflating_body``  a small gzip body that inflates to ``inflated_body_bytes`` (a bomb)
 ``huge_body``       a page of ``huge_body_bytes``, sent uncompressed
-``deep_json``       a page whose ``hotels`` is an array nested ``deep_json_depth`` deep
+``deep_json``       a page whose ``hotels`` is an array nested 100,000 deep
 ``bad_bytes``       the city's first hotel has an invalid UTF-8 byte in its name
 ``truncated_body``  the connection closes half-way through the body
 ``refused``         the server accepts no connection (a server-level mode: see ``server``)
@@ -42,6 +42,7 @@ from supplier_sync_dagster.simulator.data import CityState, Hotel
 
 FUTURE_UPDATED_AT = "2099-01-01T00:00:00Z"
 FUTURE_SECONDS = int(dt.datetime(2099, 1, 1, tzinfo=dt.UTC).timestamp())
+DEEP_JSON_DEPTH = 100_000
 INVALID_UTF8 = "INVALID_UTF8"
 FUTURE_TIMESTAMP = "FUTURE_TIMESTAMP"
 # Modes that change how bytes travel, and so also apply to the change feed.

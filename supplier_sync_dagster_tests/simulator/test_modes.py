@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster.simulator import FaultProfile, ModeScale, Simulator, running_server
 from supplier_sync_dagster.simulator.modes import FUTURE_UPDATED_AT
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, free_port
 from supplier_sync_dagster_tests.simulator.helpers import hotels_url, make_sim, walk_pages
@@ -77,7 +77,7 @@ def test_endless_pages_never_run_empty_and_give_no_totals() -> None:
 
 
 def test_inflating_body_is_a_small_gzip_that_inflates_past_its_size() -> None:
-    sim, city = _moded("inflating_body", inflated_body_bytes=20_000_000)
+    sim, city = _moded("inflating_body", mode_scale=ModeScale(inflated_body_bytes=20_000_000))
     with sim.client() as c, c.stream("GET", hotels_url(city)) as r:
         wire = b"".join(r.iter_raw())
     assert r.headers["content-encoding"] == "gzip" and len(wire) < 100_000
@@ -86,7 +86,7 @@ def test_inflating_body_is_a_small_gzip_that_inflates_past_its_size() -> None:
 
 
 def test_huge_body_is_sent_uncompressed_at_its_size() -> None:
-    sim, city = _moded("huge_body", huge_body_bytes=3_000_000)
+    sim, city = _moded("huge_body", mode_scale=ModeScale(huge_body_bytes=3_000_000))
     with sim.client(headers={"Accept-Encoding": "gzip"}) as c:
         r = c.get(hotels_url(city))
     assert "content-encoding" not in r.headers and len(r.content) == 3_000_000
@@ -152,7 +152,7 @@ def test_drift_loses_a_naive_page_walk_hotels_while_its_counts_stay_equal() -> N
 
 
 def test_slow_and_truncated_bodies_over_http() -> None:
-    sim, city = _moded("slow_body", slow_body_bytes_per_second=200)
+    sim, city = _moded("slow_body", mode_scale=ModeScale(slow_body_bytes_per_second=200))
     with running_server(sim) as url, httpx.Client(base_url=url, headers=KEY) as c:
         began = time.monotonic()
         with c.stream("GET", hotels_url(city)) as r:
@@ -178,7 +178,7 @@ def test_truncated_and_slow_bodies_in_process_behave_as_over_http() -> None:
     sim, city = _moded("truncated_body")
     with sim.client() as c, pytest.raises(httpx.RemoteProtocolError):
         c.get(hotels_url(city))
-    sim, city = _moded("slow_body", slow_body_bytes_per_second=100)
+    sim, city = _moded("slow_body", mode_scale=ModeScale(slow_body_bytes_per_second=100))
     with sim.client() as c, c.stream("GET", hotels_url(city)) as r:
         began, got = time.monotonic(), 0
         for chunk in r.iter_raw():

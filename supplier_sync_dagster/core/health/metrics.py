@@ -46,6 +46,23 @@ FAILED_BATCH_STATUSES = ("FAILED", "PARTIAL_FAILED")
 
 
 @dataclass
+class ListingWalks:
+    """What the city walks of a window saw of listings that shifted under them.
+
+    Attributes:
+        drifted_cities: Cities whose walk saw the listing shift.
+        unverified_cities: Cities whose shifted walk could not be verified.
+        shifts: Shifts seen.
+        recovered: Hotels a walk's check or verification found that it would have skipped.
+    """
+
+    drifted_cities: int = 0
+    unverified_cities: int = 0
+    shifts: int = 0
+    recovered: int = 0
+
+
+@dataclass
 class SyncHealth:
     """One task's health at one instant (see the module docstring)."""
 
@@ -72,10 +89,7 @@ class SyncHealth:
     requests_24h: int = 0
     throttled_24h: int = 0
     retries_24h: int = 0
-    drifted_cities_24h: int = 0
-    unverified_cities_24h: int = 0
-    listing_shifts_24h: int = 0
-    walk_recovered_24h: int = 0
+    walks_24h: ListingWalks = field(default_factory=ListingWalks)
 
     @staticmethod
     def _rate(part: int, whole: int) -> float:
@@ -138,10 +152,10 @@ class SyncHealth:
             "supplier_429_24h": float(self.throttled_24h),
             "supplier_retries_24h": float(self.retries_24h),
             "supplier_429_ratio_24h": self.throttled_ratio_24h,
-            "listing_drifted_cities_24h": float(self.drifted_cities_24h),
-            "listing_unverified_cities_24h": float(self.unverified_cities_24h),
-            "listing_shifts_24h": float(self.listing_shifts_24h),
-            "walk_recovered_hotels_24h": float(self.walk_recovered_24h),
+            "listing_drifted_cities_24h": float(self.walks_24h.drifted_cities),
+            "listing_unverified_cities_24h": float(self.walks_24h.unverified_cities),
+            "listing_shifts_24h": float(self.walks_24h.shifts),
+            "walk_recovered_hotels_24h": float(self.walks_24h.recovered),
         }
         if dl is not None:
             out.update(
@@ -353,5 +367,4 @@ def _drift(conn: Connection, h: SyncHealth, now: datetime) -> None:
         .join(schema.batch, b.batch_id == w.batch_id)
         .where(b.task_code == h.task_code, w.created_at >= now - timedelta(days=1))
     ).one()
-    h.drifted_cities_24h, h.unverified_cities_24h = int(drifted), int(unverified)
-    h.listing_shifts_24h, h.walk_recovered_24h = int(shifts), int(recovered)
+    h.walks_24h = ListingWalks(int(drifted), int(unverified), int(shifts), int(recovered))

@@ -28,7 +28,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import WalkLimits
 from supplier_sync_dagster.core.sync.city import sync_city
-from supplier_sync_dagster.simulator import FaultProfile, Simulator
+from supplier_sync_dagster.simulator import FaultProfile, ModeScale, Simulator
 from supplier_sync_dagster_tests.core.sync.test_city import SUPPLIER, full_sync, settings
 from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
 
@@ -140,7 +140,7 @@ def test_a_catalog_newer_than_its_supplier_differs(db: SyncDatabase, tmp_path: P
 
 
 def _drift_sim(shifts: int) -> Simulator:
-    faults = FaultProfile.clean().with_(modes=("drift",), drift_shifts=shifts)
+    faults = FaultProfile.clean().with_(modes=("drift",), mode_scale=ModeScale(drift_shifts=shifts))
     sim = make_simulator(faults, seed=23, n_cities=3, total_hotels=450)
     biggest = max(sim.ground_truth().listed_by_city.items(), key=lambda kv: len(kv[1]))[0]
     sim.set_modes(["drift"], [biggest])
