@@ -26,12 +26,13 @@ Route = Callable[[socket.socket], None]
 
 
 def head(sock: socket.socket, length: int | None, *extra: str, status: str = "200 OK") -> None:
-    """Sends a status line and headers (Content-Length when ``length`` is given)."""
+    """Sends a status line and headers (Content-Length when ``length`` is given). The server
+    answers one request a connection, so it says so: a client that reused the connection
+    would race the close."""
     lines = [f"HTTP/1.1 {status}", "Content-Type: application/json", *extra]
     if length is not None:
         lines.append(f"Content-Length: {length}")
-    else:
-        lines.append("Connection: close")
+    lines.append("Connection: close")
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
 
 

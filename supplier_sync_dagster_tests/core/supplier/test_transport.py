@@ -17,7 +17,7 @@ from supplier_sync_dagster_tests.core.supplier.hostile_server import (
 )
 
 
-def test_it_speaks_http_and_keeps_connections_alive() -> None:
+def test_it_speaks_http_inside_and_outside_a_deadline() -> None:
     with (
         serving({"/cities": body(CITIES_BODY, "X-Extra: 1")}) as server,
         httpx.Client(base_url=server.url, transport=BoundedTransport()) as http,
