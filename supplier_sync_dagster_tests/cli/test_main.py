@@ -536,7 +536,7 @@ def test_replay_with_and_without_dry_run_reads_stored_pages_only(
     monkeypatch.delenv("SUPPLIER_SYNC_SUPPLIER_URL")
     before = published(db_url)
 
-    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run")
+    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run", "--json")
     assert dry.code == 0, dry
     assert dry.err == ""
     (report,) = [json.loads(line) for line in dry.lines]
@@ -568,7 +568,9 @@ def test_replay_with_and_without_dry_run_reads_stored_pages_only(
     unknown = run(capsys, "--db-url", db_url, "replay", "--city", "Atlantis", "--dry-run")
     assert "'Atlantis' has no stored raw pages" in assert_one_line_error(unknown)
     some = run(
-        capsys, "--db-url", db_url, "replay", "--city", "Atlantis", "--city", city, "--dry-run"
+        capsys,
+        *("--db-url", db_url, "replay", "--city", "Atlantis", "--city", city),
+        *("--dry-run", "--json"),
     )
     assert some.code == 1 and "'Atlantis' has no stored raw pages" in some.err
     assert json.loads(some.out)["city_code"] == city
