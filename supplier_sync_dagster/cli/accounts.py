@@ -17,6 +17,7 @@ from supplier_sync_dagster.core.accounts import load_accounts
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.batches import TaskSpec
 from supplier_sync_dagster.core.settings import Settings, load_settings
+from supplier_sync_dagster.core.store.audit import require_who_and_why
 from supplier_sync_dagster.core.sync.tasks import change_task, ensure_task
 
 
@@ -76,8 +77,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     thresholds set on them (audited).
 
     Raises:
-        ConfigError: No suppliers file is set.
+        ConfigError: No suppliers file is set, or no ``--by`` or ``--reason``.
     """
+    who, why = require_who_and_why(args.by, args.reason)
     settings = load_settings()
     if settings.suppliers_file is None:
         raise ConfigError("accounts apply: no suppliers file (set SUPPLIER_SYNC_SUPPLIERS_FILE)")
@@ -94,14 +96,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 ensure_task(
                     db,
                     TaskSpec(task_code=task_code, supplier_id=account.supplier_id, sync_mode=mode),  # type: ignore[arg-type]
-                    created_by=args.by,
-                    reason=f"{args.reason} (accounts apply)",
+                    created_by=who,
+                    reason=f"{why} (accounts apply)"[:1024],
+                    by_operator=True,
                 )
                 entries = change_task(
                     db,
                     task_code,
-                    changed_by=args.by,
-                    reason=args.reason,
+                    changed_by=who,
+                    reason=why,
                     cron=cron or "none",
                     thresholds=dict(account.thresholds) or None,
                 )

@@ -26,7 +26,6 @@ from supplier_sync_dagster.core.records.gates import (
     get_gate_thresholds,
     list_overrides,
     override_gate_check,
-    set_gate_thresholds,
 )
 from supplier_sync_dagster.core.records.review import (
     approve_reviews,
@@ -34,6 +33,7 @@ from supplier_sync_dagster.core.records.review import (
     list_reviews,
     reject_reviews,
 )
+from supplier_sync_dagster.core.store.audit import require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task, task_audit
 
@@ -89,16 +89,29 @@ def cmd_gate(args: argparse.Namespace) -> int:
         if args.gate_command == "show":
             _show_gates(db, args.batch, args.city)
             return 0
-        changes = threshold_changes(args)
-        with db.begin() as conn:
-            current = get_gate_thresholds(conn, args.task)
-            if changes:
-                current = GateThresholds.from_dict({**current.to_dict(), **changes})
-                set_gate_thresholds(
-                    conn, db.clock, task_code=args.task, thresholds=current, updated_by=args.by
-                )
-        print(json.dumps(current.to_dict()))
+        _set_thresholds(db, args)
+        with db.engine.connect() as conn:
+            print(json.dumps(get_gate_thresholds(conn, args.task).to_dict()))
         return 0
+
+
+def _set_thresholds(db: SyncDatabase, args: argparse.Namespace) -> None:
+    """The thresholds given on the command line set on the task as ``task set`` sets them:
+    with who and why, one audit row per changed value; none given: nothing to do.
+
+    Raises:
+        ConfigError: A threshold is given without ``--by`` and ``--reason``, or is malformed.
+        UnknownTask: No task has this code.
+    """
+    changes = threshold_changes(args)
+    if not changes:
+        return
+    who, why = require_who_and_why(args.by, args.reason)
+    moved = change_task(db, args.task, changed_by=who, reason=why, thresholds=changes)
+    for c in moved:
+        print(f"{c.field_name}: {c.old_value} -> {c.new_value} (audited)", file=sys.stderr)
+    if not moved:
+        print("no change: the task already has these thresholds", file=sys.stderr)
 
 
 def _show_gates(db: SyncDatabase, batch_id: str, city: str) -> None:

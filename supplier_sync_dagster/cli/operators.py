@@ -123,20 +123,22 @@ def _supplier_of(db: SyncDatabase, hotel: str) -> int:
 
 def _render_trace(t: dict[str, Any]) -> str:
     out = [f"hotel {t['supplier_hotel_id']} of supplier {t['supplier_id']}"]
-    p = t["published"]
+    p, gone = t["published"], t.get("unpublished")
     if p is None:
         out.append("  published: never")
     else:
-        out.append(
-            f"  published: resource {p['resource_id']} {p['status']}, supplier version "
-            f"{p['supplier_version']}, publish version {p['publish_version']}, at "
-            f"{p['published_at']} by batch {p['last_batch_id']}"
-        )
-        for o in t["offers"]:
+        if gone is not None:
+            since = f", missing since {gone['missing_since']}" if gone["missing_since"] else ""
             out.append(
-                f"    offer {o['room_code']}/{o['rate_plan_code']}: {o['price_amount']} "
-                f"{o['currency']} (v{o['supplier_version']}, publish v{o['publish_version']})"
+                f"  UNPUBLISHED at {gone['at']} by batch {gone['batch_id']}: "
+                f"{gone['because']}{since}"
             )
+        out.append(
+            f"  {'last ' if gone else ''}published: resource {p['resource_id']} {p['status']}, "
+            f"supplier version {p['supplier_version']}, publish version {p['publish_version']}, "
+            f"at {p['published_at']} by batch {p['last_batch_id']}"
+        )
+        out += [_offer_line(o) for o in t["offers"]]
     out.append(f"  diffs{' of ' + t['field'] if t['field'] else ''}: {len(t['diffs'])}")
     for d in t["diffs"]:
         review = d.get("review")
@@ -171,6 +173,15 @@ def _render_trace(t: dict[str, Any]) -> str:
         for a in dl["audit"]:
             out.append(f"    {a['created_at']} {a['action']} by {a['actor']}: {a['reason']}")
     return "\n".join(out)
+
+
+def _offer_line(o: dict[str, Any]) -> str:
+    versions = f"v{o['supplier_version']}, publish v{o['publish_version']}"
+    where = f"    offer {o['room_code']}/{o['rate_plan_code']}: "
+    if not o["active"]:
+        # Not sold: its price is history, not an offer.
+        return f"{where}INACTIVE (last price {o['price_amount']} {o['currency']}; {versions})"
+    return f"{where}{o['price_amount']} {o['currency']} ({versions})"
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

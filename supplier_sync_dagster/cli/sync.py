@@ -394,7 +394,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     city_countries=countries,
                     max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
                 )
-                print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
+                if args.json:
+                    print(json.dumps(report.to_json(), default=str, ensure_ascii=False))
+                else:
+                    print("\n".join(report.to_text()))
+            if not args.json:
+                print("dry run: nothing was written (replay without --dry-run to publish)")
             return 1 if missing else 0
     summary = sync_runner.run_replay(
         # A replay never calls the supplier: the simulator stands in, never started.

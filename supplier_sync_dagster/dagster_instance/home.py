@@ -5,11 +5,19 @@ When ``DAGSTER_HOME`` is unset, the commands that run Dagster (``demo``, ``sync 
 module writes: the embedded storage (:mod:`.storage`), no telemetry, and run monitoring with
 the worker health check (:mod:`.run_launcher`), so that ``dagster dev`` on that folder marks a
 run of a killed ``sync --full`` FAILURE.
+
+A ``DAGSTER_HOME`` that has no ``dagster.yaml`` (a folder just made for it) gets the same
+file, and one line on stderr says so: without it Dagster warns on every command, prints its
+telemetry banner and runs without run monitoring. One that has a ``dagster.yaml`` is the
+user's instance, and is left exactly as it is.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import sys
+from pathlib import Path
 
 import dagster as dg
 
@@ -56,11 +64,43 @@ OLD_EMBEDDED_DAGSTER_YAMLS = (
 
 def dagster_instance() -> dg.DagsterInstance:
     """The local Dagster instance: ``$DAGSTER_HOME``, or one in the state folder."""
-    if not os.environ.get("DAGSTER_HOME"):
+    given = os.environ.get("DAGSTER_HOME")
+    if not given:
         home = state_dir() / "dagster_home"
         home.mkdir(parents=True, exist_ok=True)
         config = home / "dagster.yaml"
         if not config.exists() or config.read_text() in OLD_EMBEDDED_DAGSTER_YAMLS:
             config.write_text(EMBEDDED_DAGSTER_YAML)
         os.environ["DAGSTER_HOME"] = str(home)
+    elif settle_dagster_home(Path(given)):
+        print(
+            f"supplier-sync: DAGSTER_HOME {given} had no dagster.yaml: wrote the project's "
+            "instance settings there (embedded storage, run monitoring, no telemetry)",
+            file=sys.stderr,
+        )
     return dg.DagsterInstance.get()
+
+
+def settle_dagster_home(home: Path) -> bool:
+    """Writes the project's ``dagster.yaml`` into an existing ``home`` that has none.
+
+    Never replaces one (not even one written at the same moment by another command: the
+    file appears whole, or not at all). A ``home`` that is no folder, or one this process
+    may not write, is left to Dagster, which says what it lacks.
+
+    Returns:
+        Whether it wrote the file.
+    """
+    config = home / "dagster.yaml"
+    if not home.is_dir() or config.exists():
+        return False
+    temp = home / f".dagster.yaml.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        with temp.open("x") as out:  # the mode a file of the user's gets (umask)
+            out.write(EMBEDDED_DAGSTER_YAML)
+        os.link(temp, config)  # fails if the file exists by now: the other one stays
+    except OSError:
+        return False
+    finally:
+        temp.unlink(missing_ok=True)
+    return True

@@ -443,7 +443,10 @@ def test_gate_thresholds_show_and_set(
     assert shown.code == 0
     defaults = json.loads(shown.out)
     assert defaults["max_bad_ratio"] == 0.2
-    early = run(capsys, "--db-url", db_url, "gate", "thresholds", "--max-bad-ratio", "0.3")
+    who_why = ("--by", "dana", "--reason", "r")
+    early = run(
+        capsys, "--db-url", db_url, "gate", "thresholds", "--max-bad-ratio", "0.3", *who_why
+    )
     assert f"unknown task {TASK!r}" in assert_one_line_error(early, code=2)
     with supplier(simulator(n_cities=2, total_hotels=100), monkeypatch):
         assert sync(capsys, db_url).code == 0  # the task exists once it has synced
@@ -459,6 +462,8 @@ def test_gate_thresholds_show_and_set(
         "50",
         "--by",
         "dana",
+        "--reason",
+        "more bad rows expected",
     )
     assert changed.code == 0
     assert json.loads(changed.out) == {
@@ -473,7 +478,9 @@ def test_gate_thresholds_show_and_set(
     assert query(db_url, sa.select(g.task_code, g.updated_by)) == [(TASK, "dana")]
     other = run(capsys, "--db-url", db_url, "gate", "thresholds", "--task", "other_task")
     assert json.loads(other.out) == defaults  # thresholds are per task
-    refused = run(capsys, "--db-url", db_url, "gate", "thresholds", "--max-bad-ratio", "1.5")
+    refused = run(
+        capsys, "--db-url", db_url, "gate", "thresholds", "--max-bad-ratio", "1.5", *who_why
+    )
     assert "max_bad_ratio" in assert_one_line_error(refused, code=2)
 
 
@@ -529,7 +536,7 @@ def test_replay_with_and_without_dry_run_reads_stored_pages_only(
     monkeypatch.delenv("SUPPLIER_SYNC_SUPPLIER_URL")
     before = published(db_url)
 
-    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run")
+    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run", "--json")
     assert dry.code == 0, dry
     assert dry.err == ""
     (report,) = [json.loads(line) for line in dry.lines]
@@ -561,7 +568,9 @@ def test_replay_with_and_without_dry_run_reads_stored_pages_only(
     unknown = run(capsys, "--db-url", db_url, "replay", "--city", "Atlantis", "--dry-run")
     assert "'Atlantis' has no stored raw pages" in assert_one_line_error(unknown)
     some = run(
-        capsys, "--db-url", db_url, "replay", "--city", "Atlantis", "--city", city, "--dry-run"
+        capsys,
+        *("--db-url", db_url, "replay", "--city", "Atlantis", "--city", city),
+        *("--dry-run", "--json"),
     )
     assert some.code == 1 and "'Atlantis' has no stored raw pages" in some.err
     assert json.loads(some.out)["city_code"] == city

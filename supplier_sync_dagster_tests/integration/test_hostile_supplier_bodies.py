@@ -138,7 +138,7 @@ def test_one_hotel_with_bytes_that_are_not_utf8_costs_that_hotel_only(
     assert letter[3].startswith("name holds bytes that are not UTF-8 (0xFF)")
     # The page's bytes are stored as received, and read again the same way: a replay (no
     # supplier) finds the same records, the same dead letter, the rest unchanged.
-    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run")
+    dry = run(capsys, "--db-url", db_url, "replay", "--city", city, "--dry-run", "--json")
     assert dry.code == 0, dry
     (report,) = [json.loads(line) for line in dry.lines]
     assert report["records"] == len(truth.listed_by_city[city])

@@ -59,10 +59,17 @@ def add_gate(sub: Subcommands) -> None:
     override.add_argument("--check", required=True, choices=CHECK_NAMES)
     add_who_and_why(override, who="who overrides (recorded)")
     handled_by(override, f"{_GOVERNANCE}:cmd_gate")
-    thresholds = gate_sub.add_parser("thresholds", help="show or set a task's gate thresholds")
+    thresholds = gate_sub.add_parser(
+        "thresholds", help="show or set a task's gate thresholds (audited)"
+    )
     thresholds.add_argument("--task", default=DEFAULT_TASK_CODE)
     add_threshold_options(thresholds)
-    thresholds.add_argument("--by", default=None, help="who changes them (recorded)")
+    thresholds.add_argument(
+        "--by", default=None, help="who changes them (recorded; needed with a threshold)"
+    )
+    thresholds.add_argument(
+        "--reason", default=None, help="why (recorded; needed with a threshold)"
+    )
     handled_by(thresholds, f"{_GOVERNANCE}:cmd_gate")
 
 

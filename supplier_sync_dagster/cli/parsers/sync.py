@@ -121,7 +121,7 @@ def add_replay(sub: Subcommands) -> None:
     )
     replay.add_argument("--city", action="append", required=True, help="a city code (repeatable)")
     replay.add_argument("--dry-run", action="store_true", help="report the diffs, publish nothing")
-    add_json_flag(replay)
+    add_json_flag(replay, help="the summary as JSON (with --dry-run: one JSON line per city)")
     replay.add_argument("--trigger-id", default=None, help="idempotency key of this replay")
     replay.add_argument(
         "--task",

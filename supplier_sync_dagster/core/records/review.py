@@ -33,7 +33,7 @@ from supplier_sync_dagster.core.records.diff import Candidate, HotelDiff, diff_i
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.publish import publish_hotels
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions
+from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 
 ReviewStatus = Literal["PENDING", "APPROVED", "REJECTED", "SUPERSEDED"]
@@ -172,6 +172,7 @@ def decide_reviews(
         batch_id: Limits a bulk decision to one batch.
 
     Raises:
+        ConfigError: No one decided, or no reason (or either is too long).
         ReviewStateError: A named review does not exist or is not PENDING (nothing of that
             transaction's chunk is decided).
     """
@@ -197,8 +198,12 @@ reject_reviews = functools.partial(decide_reviews, verdict="REJECTED")
 
 
 def _require(who: str, reason: str) -> None:
-    if not who.strip() or not reason.strip():
-        raise ValueError("a review decision needs who decided and why")
+    """Every operator action's rule (:func:`require_who_and_why`), said before any work.
+
+    Raises:
+        ConfigError: No one, no reason, or either too long.
+    """
+    require_who_and_why(who, reason)
 
 
 def _targets(

@@ -1,7 +1,7 @@
 """Trace: from a published hotel (or one of its fields) back to the supplier's bytes.
 
 :func:`trace_hotel` answers "where did this price come from?" for one supplier hotel: the
-published row; every diff that changed it, in order (field, old -> new, risk, action, batch,
+published row (and, for a hotel the sync unpublished, when, by which batch and why); every diff that changed it, in order (field, old -> new, risk, action, batch,
 the review decision when it was held); the normalized document it was published from; each
 raw page a version came from (payload ref, city, page, fetched at, and its sha256
 **re-computed** from the stored bytes and compared with the recorded one) with the supplier's
@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import NotFound, PayloadError
+from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT, UNPUBLISHED_EVENT
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -50,9 +51,10 @@ def trace_hotel(
             plan's price; ``name`` the name ...); None: every diff.
 
     Returns:
-        A JSON-ready mapping: ``published``, ``offers``, ``diffs``, ``normalized``,
-        ``raw`` (one entry per page, ``verified`` true when the bytes hash as recorded)
-        and ``dead_letters``.
+        A JSON-ready mapping: ``published``, ``unpublished`` (when, by which batch and why
+        a tombstoned hotel was taken down; None for a hotel that is not), ``offers``,
+        ``diffs``, ``normalized``, ``raw`` (one entry per page, ``verified`` true when the
+        bytes hash as recorded) and ``dead_letters``.
 
     Raises:
         NotFound: The sync never saw this hotel (no published row, diff or dead letter).
@@ -60,6 +62,7 @@ def trace_hotel(
     with db.engine.connect() as conn:
         published = _published(conn, supplier_id, supplier_hotel_id)
         offers = _offers(conn, published["resource_id"]) if published else []
+        unpublished = _unpublished(conn, published) if published else None
         diffs = _diffs(conn, supplier_id, supplier_hotel_id, field)
         letters = _dead_letters(conn, supplier_id, supplier_hotel_id)
         if published is None and not diffs and not letters:
@@ -92,6 +95,7 @@ def trace_hotel(
         "supplier_hotel_id": supplier_hotel_id,
         "field": field,
         "published": published,
+        "unpublished": unpublished,
         "offers": offers,
         "diffs": diffs,
         "normalized": normalized,
@@ -128,9 +132,50 @@ def _published(conn: Connection, supplier_id: int, hotel: str) -> dict[str, Any]
             h.raw_payload_ref,
             h.raw_payload_hash,
             h.missing_count,
+            h.missing_since,
         ).where(h.supplier_id == supplier_id, h.supplier_hotel_id == hotel)
     ).first()
     return None if row is None else _row(row)
+
+
+# Why a tombstone was made (the ``reason`` of its HotelUnpublished event), for people.
+_UNPUBLISHED_BECAUSE = {
+    "missing": "the supplier stopped listing it",
+    "not_found": "the supplier answered 404 (not found) for it",
+}
+
+
+def _unpublished(conn: Connection, published: Mapping[str, Any]) -> dict[str, Any] | None:
+    """When, by which batch and why the hotel was unpublished (tombstoned); None if it is not.
+
+    The tombstone's publish version is the hotel's current one, and its HotelUnpublished
+    event (found through the outbox's unique key) says why.
+    """
+    if published["fingerprint"] != TOMBSTONE_FINGERPRINT:
+        return None
+    o = schema.outbox.c
+    payload = conn.execute(
+        sa.select(o.payload).where(
+            o.aggregate_type == "HOTEL",
+            o.aggregate_id == published["resource_id"],
+            o.aggregate_version == published["publish_version"],
+            o.event_type == UNPUBLISHED_EVENT,
+        )
+    ).scalar()
+    reason = None
+    if payload is not None:
+        try:
+            reason = json.loads(payload).get("reason")
+        except (ValueError, AttributeError):
+            reason = None
+    return {
+        "at": published["published_at"],
+        "batch_id": published["last_batch_id"],
+        "reason": reason,
+        "because": _UNPUBLISHED_BECAUSE.get(str(reason), reason or "unknown"),
+        "missing_since": published["missing_since"],
+        "missing_count": published["missing_count"],
+    }
 
 
 def _offers(conn: Connection, resource_id: int) -> list[dict[str, Any]]:

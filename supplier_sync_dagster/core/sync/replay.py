@@ -218,6 +218,40 @@ class DryRunReport:
             "changes": self.changes,
         }
 
+    def to_text(self) -> list[str]:
+        """The report for people: what the city holds, what a replay would do, the sample."""
+        if self.source_batch_id is None:
+            return [f"city {self.city_code!r}: no stored raw pages"]
+        letters = ""
+        if self.dead_letters:
+            codes = ", ".join(f"{c} {n}" for c, n in self.dead_letters_by_code.most_common())
+            letters = f" ({codes})"
+        diffs = ", ".join(f"{t} {n}" for t, n in self.diffs_by_type.most_common()) or "none"
+        act = self.diffs_by_action
+        lines = [
+            f"city {self.city_code!r} (stored pages of batch {self.source_batch_id}): "
+            f"{self.records} records, {self.dead_letters} dead letters{letters}",
+            f"  diffs: {diffs}; would publish {act.get('AUTO_PUBLISH', 0)}, hold "
+            f"{act.get('REVIEW', 0)} for review",
+        ]
+        changed = sum(n for t, n in self.diffs_by_type.items() if t != "NO_CHANGE")
+        if self.changes:
+            lines.append(f"  a sample of {len(self.changes)} of the {changed} changes:")
+        for c in self.changes:
+            fields = c["changed_fields"]
+            what = (
+                repr(c.get("name"))
+                if c["diff_type"] == "NEW"
+                else "; ".join(
+                    f"{f.get('field')}: {f.get('old')!r} -> {f.get('new')!r}" for f in fields[:3]
+                )
+                + (f" (+{more} more)" if (more := c.get("fields_changed", 0) - 3) > 0 else "")
+            )
+            lines.append(
+                f"    {c['supplier_hotel_id']} {c['diff_type']} -> {c['action']}: {what}"[:300]
+            )
+        return lines
+
 
 def dry_run_city(
     db: SyncDatabase,

@@ -805,16 +805,44 @@ class DiffCollector:
     Hotels without a mapping yet get ids that match nothing published (so: NEW), never a
     real one.
 
+    The sample keeps up to ``sample`` changes of each diff type (NEW hotels too, with their
+    name; never NO_CHANGE), and :attr:`changes` takes them in turn, one type after the other,
+    so that a city of many new hotels still shows its few price changes, and the reverse.
+
     Args:
         db: The sync database (read only).
         settings: The supplier and the risk policy.
-        sample: How many changes (not NO_CHANGE or NEW) to keep, for people.
+        sample: How many changes to show, for people.
     """
 
     def __init__(self, db: SyncDatabase, settings: SyncSettings, *, sample: int = 20) -> None:
         self.db, self.settings, self.sample = db, settings, sample
-        self.changes: list[dict[str, Any]] = []
+        self._by_type: dict[str, list[dict[str, Any]]] = {}
         self._unmapped = 0
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        """Up to ``sample`` changes, the diff types in turn (first seen first)."""
+        out: list[dict[str, Any]] = []
+        kept = list(self._by_type.values())
+        for i in range(self.sample):
+            out += [found[i] for found in kept if i < len(found)]
+        return out[: self.sample]
+
+    def _keep(self, d: HotelDiff, doc: Mapping[str, Any]) -> None:
+        kept = self._by_type.setdefault(d.diff_type, [])
+        if d.diff_type == "NO_CHANGE" or len(kept) >= self.sample:
+            return
+        change: dict[str, Any] = {
+            "supplier_hotel_id": d.supplier_hotel_id,
+            "diff_type": d.diff_type,
+            "action": d.action,
+            "changed_fields": d.changed_fields[:10],
+            "fields_changed": len(d.changed_fields),
+        }
+        if d.diff_type == "NEW":
+            change["name"] = doc.get("name")
+        kept.append(change)
 
     def __call__(self, cands: list[Candidate]) -> ChunkPublished:
         m = schema.hotel_mapping.c
@@ -833,16 +861,9 @@ class DiffCollector:
                     self._unmapped += 1
                     resource_ids[hid] = -self._unmapped
             diffs = compute_diffs(conn, cands, resource_ids, policy=self.settings.risk_policy)
+        docs = {c.supplier_hotel_id: c.doc for c in cands}
         for d in diffs:
-            if len(self.changes) < self.sample and d.diff_type not in ("NO_CHANGE", "NEW"):
-                self.changes.append(
-                    {
-                        "supplier_hotel_id": d.supplier_hotel_id,
-                        "diff_type": d.diff_type,
-                        "action": d.action,
-                        "changed_fields": d.changed_fields[:10],
-                    }
-                )
+            self._keep(d, docs.get(d.supplier_hotel_id, {}))
         would_publish = sum(1 for d in diffs if d.action == "AUTO_PUBLISH")
         held = sum(1 for d in diffs if d.action == "REVIEW")
         return ChunkPublished(diffs, would_publish, 0, held)

@@ -57,11 +57,27 @@ class AuditEntry:
     created_at: datetime | None = None
 
 
-def ensure_task(db: SyncDatabase, spec: TaskSpec, *, created_by: str, reason: str) -> TaskSpec:
+def ensure_task(
+    db: SyncDatabase,
+    spec: TaskSpec,
+    *,
+    created_by: str,
+    reason: str,
+    by_operator: bool = False,
+) -> TaskSpec:
     """The task as stored; created from ``spec`` (and audited) only if it does not exist.
 
     An existing task is returned as it is: its policy, status, cron and thresholds are the
     operator's, whatever ``spec`` says.
+
+    Args:
+        db: The sync database.
+        spec: The task with the settings it is created with.
+        created_by: Who creates it (a run's trigger, or an operator).
+        reason: Why.
+        by_operator: An operator creates it (``accounts apply``): the creation is also an
+            action of the audit trail (``task.create``), as every operator action is; a run
+            creating its own task records it in the task's change log only.
     """
     with db.engine.connect() as conn:
         existing = _find_task(conn, spec.task_code)
@@ -92,6 +108,7 @@ def ensure_task(db: SyncDatabase, spec: TaskSpec, *, created_by: str, reason: st
                     created_by,
                     reason,
                 ),
+                by_operator=by_operator,
             )
     return stored
 
@@ -263,7 +280,10 @@ def _find_task(conn: Connection, task_code: str) -> TaskSpec | None:
     return TaskSpec(**row._mapping) if row is not None else None
 
 
-def _audit(conn: Connection, clock: DbClock, entry: AuditEntry) -> None:
+def _audit(
+    conn: Connection, clock: DbClock, entry: AuditEntry, *, by_operator: bool = True
+) -> None:
+    """One row of the task's change log and, for an operator's change, of the audit trail."""
     conn.execute(
         sa.insert(schema.task_audit).values(
             task_code=entry.task_code,
@@ -275,17 +295,20 @@ def _audit(conn: Connection, clock: DbClock, entry: AuditEntry) -> None:
             created_at=clock.now(),
         )
     )
-    if entry.field_name != "task":  # a task created by its first run is no operator action
+    created = entry.field_name == CREATED_FIELD
+    if by_operator:  # a task created by its first run is no operator action
         record_actions(
             conn,
             clock,
-            action="task.set",
+            action="task.create" if created else "task.set",
             target_type="task",
             changes=[
                 (
                     entry.task_code,
-                    {entry.field_name: entry.old_value},
-                    {entry.field_name: entry.new_value},
+                    None if created else {entry.field_name: entry.old_value},
+                    json.loads(entry.new_value or "null")
+                    if created
+                    else {entry.field_name: entry.new_value},
                 )
             ],
             actor=entry.changed_by[:MAX_BY_LEN],
