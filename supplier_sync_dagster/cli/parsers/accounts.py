@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, add_who_and_why, handled_by
+from supplier_sync_dagster.cli.common import (
+    Subcommands,
+    add_json_flag,
+    add_who_and_why,
+    db_url,
+    handled_by,
+)
 
 
 def add_commands(sub: Subcommands) -> None:
@@ -26,6 +32,8 @@ def add_commands(sub: Subcommands) -> None:
         help="create each account's tasks and set the file's schedules and gate thresholds "
         "on them (audited)",
     )
-    apply.add_argument("--db-url", default=None, help="the sync database (default: the settings)")
+    apply.add_argument(
+        "--db-url", type=db_url, default=None, help="the sync database (default: the settings)"
+    )
     add_who_and_why(apply, who="who applies it (recorded)")
     handled_by(apply, "supplier_sync_dagster.cli.accounts:cmd_apply")
