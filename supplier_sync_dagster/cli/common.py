@@ -71,9 +71,7 @@ def handled_by(
     # ``--db-url`` after the command too (``status --db-url URL``), as before it; unset, it
     # leaves the one given before the command (or none) as it is.
     with contextlib.suppress(argparse.ArgumentError):  # the command has its own --db-url
-        parser.add_argument(
-            "--db-url", type=db_url, default=argparse.SUPPRESS, help="the sync database URL"
-        )
+        parser.add_argument("--db-url", default=argparse.SUPPRESS, help="the sync database URL")
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -151,20 +149,6 @@ def float_within(
     return parse
 
 
-def db_url(text: str) -> str:
-    """An argument type: a sync database URL of a supported backend (``--db-url``), checked
-    when the command line is read, so that its error names the option, not the setting.
-
-    Raises:
-        argparse.ArgumentTypeError: Not a SQLAlchemy URL, or an unsupported backend.
-    """
-    try:
-        check_db_url(text, source="")
-    except ConfigError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
-
-
 def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """The ``--json`` option of a command that prints JSON instead of text when given."""
     parser.add_argument("--json", action="store_true", help=help)
@@ -210,16 +194,22 @@ def warn(message: str) -> None:
     print(f"supplier-sync: {message}", file=sys.stderr)
 
 
-def refuse_missing_db(args: argparse.Namespace) -> None:
-    """Stops a command that only reads (:func:`handled_by`'s ``read_only``) before it creates
-    the SQLite file (and its folder) of a sync database that is not there.
+def check_db_option(args: argparse.Namespace) -> None:
+    """Checks the sync database a command was given before it starts: a ``--db-url`` of a
+    supported backend (its error names the option, not the setting), and, for a command that
+    only reads (:func:`handled_by`'s ``read_only``), a SQLite file that is there (it would
+    create the file and its folder).
 
     Raises:
-        ConfigError: The command reads a SQLite database whose file does not exist.
+        ConfigError: ``--db-url`` is malformed or unsupported, or the command reads a SQLite
+            database whose file does not exist.
     """
+    option = getattr(args, "db_url", None)
+    if option:
+        check_db_url(option, source="--db-url")
     if not getattr(args, "read_only", False):
         return
-    missing = missing_sqlite_file(resolve_db_url(getattr(args, "db_url", None)))
+    missing = missing_sqlite_file(resolve_db_url(option))
     if missing is not None:
         raise ConfigError(
             f"no sync database at {missing}: {args.command} only reads one (check --db-url or "

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from supplier_sync_dagster.cli.common import db_url, refuse_missing_db
+from supplier_sync_dagster.cli.common import check_db_option
 from supplier_sync_dagster.cli.parsers import (
     accounts,
     batches,
@@ -61,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="supplier-sync", description=__doc__)
     parser.add_argument(
         "--db-url",
-        type=db_url,
         default=None,
         help=f"sync database URL (default: ${env_name('db_url')}, else a SQLite file in "
         f"${env_name('home')} or ./.supplier_sync)",
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Retries are expected (and counted); the summary reports them, not the terminal.
         logging.getLogger("supplier_sync_dagster.core.supplier").setLevel(logging.ERROR)
     try:
-        refuse_missing_db(args)
+        check_db_option(args)
         status = int(load_handler(args.handler)(args))
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         return status

@@ -7,7 +7,6 @@ from supplier_sync_dagster.cli.common import (
     Subcommands,
     add_json_flag,
     add_who_and_why,
-    db_url,
     handled_by,
 )
 
@@ -32,8 +31,6 @@ def add_commands(sub: Subcommands) -> None:
         help="create each account's tasks and set the file's schedules and gate thresholds "
         "on them (audited)",
     )
-    apply.add_argument(
-        "--db-url", type=db_url, default=None, help="the sync database (default: the settings)"
-    )
+    apply.add_argument("--db-url", default=None, help="the sync database (default: the settings)")
     add_who_and_why(apply, who="who applies it (recorded)")
     handled_by(apply, "supplier_sync_dagster.cli.accounts:cmd_apply")
