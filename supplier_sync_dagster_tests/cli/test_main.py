@@ -846,6 +846,7 @@ def test_console_script_passes_its_exit_status_and_output_through_the_quick_exit
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
     env["SUPPLIER_SYNC_HOME"] = str(tmp_path / "home")
+    SyncDatabase.open(db_url).dispose()  # status only reads: the database must be there
     ok = subprocess.run(
         [str(CONSOLE_SCRIPT), "--db-url", db_url, "status"],
         env=env,
