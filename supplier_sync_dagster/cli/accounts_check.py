@@ -18,13 +18,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     """``accounts check``: the accounts, and the jobs, schedules, sensors and assets that
     their definitions hold."""
     settings = load_settings()
+    # The file read as `accounts list` reads it first: a bad field is the one line that
+    # names it, not the traceback of the definitions that fail to load from it.
+    accounts = [r["account"] for r in account_rows(settings)]
     started = time.perf_counter()
     with dg.instance_for_test():
         # An ephemeral instance: loading the definitions must not need the deployment's.
         repo = defs().get_repository_def()
         jobs = sorted(j.name for j in repo.get_all_jobs() if not j.name.startswith("__"))
     seconds = time.perf_counter() - started
-    accounts = [r["account"] for r in account_rows(settings)]
     result = {
         "accounts": accounts,
         "jobs": len(jobs),

@@ -8,13 +8,22 @@ command's handler alone needs (Dagster, pandas, a server).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.engine import (
+    check_db_url,
+    missing_sqlite_file,
+    resolve_db_url,
+)
 
 ACCOUNT_HELP = (
     "the account (supplier.account) of $SUPPLIER_SYNC_SUPPLIERS_FILE; unset: the one account "
@@ -39,6 +48,7 @@ def handled_by(
     *,
     preload: bool = False,
     root_log: bool = True,
+    read_only: bool = False,
 ) -> None:
     """Names the function that runs ``parser``'s command, as ``"module:function"``.
 
@@ -54,8 +64,14 @@ def handled_by(
             handlers that import Dagster.
         root_log: Whether the command logs through a handler on the root logger; False for
             a command whose loggers have their own handlers (each line would show twice).
+        read_only: The command only reads the sync database: it refuses a SQLite file that
+            does not exist instead of creating it (:func:`refuse_missing_db`).
     """
-    parser.set_defaults(handler=handler, preload=preload, root_log=root_log)
+    parser.set_defaults(handler=handler, preload=preload, root_log=root_log, read_only=read_only)
+    # ``--db-url`` after the command too (``status --db-url URL``), as before it; unset, it
+    # leaves the one given before the command (or none) as it is.
+    with contextlib.suppress(argparse.ArgumentError):  # the command has its own --db-url
+        parser.add_argument("--db-url", default=argparse.SUPPRESS, help="the sync database URL")
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -76,6 +92,61 @@ def positive_int(text: str, least: int = 1) -> int:
 def non_negative_int(text: str) -> int:
     """An argument type: a whole number of at least 0 (``--processes 0``: none)."""
     return positive_int(text, least=0)
+
+
+def _range(low: float | None, high: float | None, *, low_open: bool = False) -> str:
+    if high is None:
+        return f"more than {low:g}" if low_open else f"at least {low:g}"
+    if low is None:
+        return f"at most {high:g}"
+    return f"more than {low:g} and at most {high:g}" if low_open else f"within {low:g}..{high:g}"
+
+
+def int_within(low: int | None, high: int | None = None) -> Callable[[str], int]:
+    """An argument type: a whole number from ``low`` to ``high`` (None: no bound), both
+    included; the error names the range.
+
+    Example:
+        >>> parser.add_argument("--page-size", type=int_within(1, 500))  # doctest: +SKIP
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_range(low, high)}, not {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_within(
+    low: float | None, high: float | None = None, *, low_open: bool = False
+) -> Callable[[str], float]:
+    """An argument type: a finite number from ``low`` to ``high`` (None: no bound), both
+    included unless ``low_open`` (then it must exceed ``low``: a rate, a duration).
+
+    Example:
+        >>> parser.add_argument("--overlap-seconds", type=float_within(0, 604800))  # doctest: +SKIP
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be {_range(low, high, low_open=low_open)}, not {text}"
+            )
+        return value
+
+    parse.__name__ = "float"
+    return parse
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
@@ -121,6 +192,29 @@ def dumps(value: Any, *, indent: int | None = None) -> str:
 def warn(message: str) -> None:
     """One ``supplier-sync: ...`` line on stderr: why a command did not complete."""
     print(f"supplier-sync: {message}", file=sys.stderr)
+
+
+def check_db_option(args: argparse.Namespace) -> None:
+    """Checks the sync database a command was given before it starts: a ``--db-url`` of a
+    supported backend (its error names the option, not the setting), and, for a command that
+    only reads (:func:`handled_by`'s ``read_only``), a SQLite file that is there (it would
+    create the file and its folder).
+
+    Raises:
+        ConfigError: ``--db-url`` is malformed or unsupported, or the command reads a SQLite
+            database whose file does not exist.
+    """
+    option = getattr(args, "db_url", None)
+    if option:
+        check_db_url(option, source="--db-url")
+    if not getattr(args, "read_only", False):
+        return
+    missing = missing_sqlite_file(resolve_db_url(option))
+    if missing is not None:
+        raise ConfigError(
+            f"no sync database at {missing}: {args.command} only reads one (check --db-url or "
+            f"{env_name('db_url')}; a sync or `supplier-sync db migrate` creates it)"
+        )
 
 
 @contextmanager

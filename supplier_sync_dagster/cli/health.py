@@ -14,6 +14,7 @@ from supplier_sync_dagster.cli.resources import full_task_scopes
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.health.metrics import sync_health
+from supplier_sync_dagster.core.leasing.batches import get_task
 from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
@@ -26,6 +27,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     """``metrics show|serve``."""
     tasks = args.task or [task for task, _ in full_task_scopes()]
     with open_db(args.db_url) as db:
+        if args.task:
+            require_tasks(db, args.task)
         if args.metrics_command == "show":
             for task in tasks:
                 health = sync_health(db, task_code=task)
@@ -62,6 +65,18 @@ def cmd_alerts(args: argparse.Namespace) -> int:
             return 0
         _check_alerts(db, args, judged)
         return 0
+
+
+def require_tasks(db: SyncDatabase, tasks: list[str]) -> None:
+    """Stops a command told ``--task`` of a task the database does not hold: its figures
+    would be those of nothing, and look healthy.
+
+    Raises:
+        UnknownTask: A task of ``tasks`` is not in the database.
+    """
+    with db.engine.connect() as conn:
+        for task in dict.fromkeys(tasks):
+            get_task(conn, task)
 
 
 def _list_alerts(db: SyncDatabase, args: argparse.Namespace) -> None:

@@ -4,8 +4,10 @@ The main demo is ``supplier-sync demo`` (:mod:`supplier_sync_dagster.cli.sync_ru
 shows the leases and checkpoints under the pipeline's own stages:
 
 1. a task and an idempotent batch with one shard per city of a small simulated supplier
-   (hostile city codes included), in the sync database (the embedded SQLite file unless
-   ``SUPPLIER_SYNC_DB_URL`` says otherwise);
+   (hostile city codes included), in the demo's own database: a SQLite file and payload
+   folder in ``$SUPPLIER_SYNC_HOME/lease-demo/`` (never ``SUPPLIER_SYNC_DB_URL``'s catalog),
+   or the database ``--db-url`` names, if it is empty or a demo filled it
+   (:mod:`supplier_sync_dagster.cli.demo_catalogs`);
 2. two worker processes each run the cities as a sync run does (``run.run_cities``, which
    calls ``sync_city``: fetch, normalize, gate, map, diff, publish, under the
    city's shard lease); each page's raw snapshot row and the checkpoint past it commit in
@@ -35,6 +37,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
+from supplier_sync_dagster.cli.demo_catalogs import claim_demo_catalog
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
     TaskSpec,
@@ -45,7 +48,10 @@ from supplier_sync_dagster.core.leasing.batches import (
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, ShardInfo, list_shards
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
 from supplier_sync_dagster.core.records.diff import default_risk_policy
-from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    load_storage_settings,
+)
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore, open_payload_store
@@ -60,6 +66,8 @@ DEMO_TASK = "demo_hotel_full_resource"
 DEMO_SUPPLIER_ID = 1001
 PAGE_SIZE = 50
 CRASH_EXIT_CODE = 137
+# The demo's own state, in the state folder: its SQLite database and its payloads.
+DEMO_FOLDER = "lease-demo"
 # A small world: three real cities (the largest has ten pages) and the hostile codes.
 DEMO_SUPPLIER = SimulatorConfig(
     seed=7,
@@ -282,6 +290,13 @@ def _raw_snapshots(db: SyncDatabase, batch_id: str) -> int:
     return int(rows)
 
 
+def own_storage() -> tuple[str, str]:
+    """The demo's own database and payload store: (SQLite URL, file URL) in
+    ``$SUPPLIER_SYNC_HOME/lease-demo/``, whatever the configured ones are."""
+    folder = load_storage_settings().state_dir / DEMO_FOLDER
+    return f"sqlite:///{folder / 'sync.sqlite3'}", (folder / "payloads").as_uri()
+
+
 def run_demo(
     *,
     db_url: str | None = None,
@@ -292,9 +307,22 @@ def run_demo(
     trigger_id: str | None = None,
     echo: bool = True,
 ) -> DemoReport:
-    """Runs the demonstration and returns its report (see the module docstring)."""
+    """Runs the demonstration and returns its report (see the module docstring).
+
+    Args:
+        db_url: The database to run it in; None: the demo's own (:func:`own_storage`),
+            never the configured catalog.
+        payload_url: The payload store; None: the demo's own (:func:`own_storage`).
+        lease_seconds: The shards' lease.
+        page_delay: Seconds the simulated supplier takes per page.
+        crash: Kill worker A mid-city.
+        trigger_id: Idempotency key of the batch.
+        echo: Print what happens as it happens.
+    """
     started = time.monotonic()
-    db = SyncDatabase.open(db_url)
+    own_db, own_payloads = own_storage()
+    db = SyncDatabase.open(db_url or own_db)
+    payload_url = payload_url or own_payloads
     url = db.engine.url.render_as_string(hide_password=False)
     settings = build_sync_settings(
         task_code=DEMO_TASK,
@@ -396,7 +424,16 @@ def format_report(report: DemoReport) -> str:
 
 
 def cmd_lease_demo(args: argparse.Namespace) -> int:
-    """``lease-demo``: runs the demonstration and prints its report; 1 when a check failed."""
+    """``lease-demo``: runs the demonstration and prints its report; 1 when a check failed.
+
+    Its database is its own, unless ``--db-url`` names another; that one must be empty or
+    filled by a demo before (else one line, exit 2, nothing written).
+
+    Raises:
+        ConfigError: ``--db-url`` names a database holding a catalog no demo filled.
+    """
+    db_url = args.db_url or own_storage()[0]
+    claim_demo_catalog(db_url, command="lease-demo")
     report = run_demo(
         db_url=args.db_url,
         lease_seconds=args.lease_seconds,

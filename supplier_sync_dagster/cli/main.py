@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from supplier_sync_dagster.cli.common import check_db_option
 from supplier_sync_dagster.cli.parsers import (
     accounts,
     batches,
@@ -123,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Retries are expected (and counted); the summary reports them, not the terminal.
         logging.getLogger("supplier_sync_dagster.core.supplier").setLevel(logging.ERROR)
     try:
+        check_db_option(args)
         status = int(load_handler(args.handler)(args))
         sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
         return status

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from supplier_sync_dagster.cli.common import dumps, open_db, warn
 from supplier_sync_dagster.core.errors import ConfigError, NotFound
 from supplier_sync_dagster.core.records import deadletters
-from supplier_sync_dagster.core.repair.trace import trace_hotel
+from supplier_sync_dagster.core.repair.trace import check_trace_field, trace_hotel
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -81,6 +81,7 @@ def _line(row: dict[str, Any], *, as_json: bool) -> str:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """``trace HOTEL [--field F]``: from the published row to the supplier's bytes."""
+    check_trace_field(args.field)
     with open_db(args.db_url) as db:
         supplier_id = args.supplier_id
         if supplier_id is None:

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import sync_runner
 from supplier_sync_dagster.cli.common import first, open_db, warn
+from supplier_sync_dagster.cli.demo_catalogs import claim_demo_catalog
 from supplier_sync_dagster.cli.resources import (
     account_scope,
     account_supplier_now,
@@ -102,7 +103,11 @@ def finish_sync(summary: Summary, *, as_json: bool) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``demo``: the simulated supplier synced through Dagster, then a second one."""
+    """``demo``: the simulated supplier synced through Dagster, then a second one, into a
+    catalog that is empty or that a demo filled before (else one line, exit 2, nothing
+    written: :mod:`supplier_sync_dagster.cli.demo_catalogs`)."""
+    storage = config.load_storage_settings()
+    claim_demo_catalog(args.db_url or storage.sync_db_url(), command="demo")
     day = sync_runner.demo_day(advance=False)
     supplier = SimulatedSupplierResource(
         sim_cities=args.cities,
@@ -110,7 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         sim_profile=args.profile,
         **_demo_tuning(args, day),
     )
-    sync_db, payloads = storage_resources(args, config.load_storage_settings())
+    sync_db, payloads = storage_resources(args, storage)
     print(
         f"demo: a full sync through Dagster of the simulated supplier (day {day}, "
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",

@@ -35,6 +35,15 @@ DEFAULT_TASK_CODE = "hotel_supplier_full_resource"
 DEFAULT_MAX_CLOCK_SKEW_SECONDS = 3600.0
 MAX_CLOCK_SKEW_LIMIT_SECONDS = 7 * 86_400.0
 
+# The supplier contract's limits (shared/supplier-api.md): hotels per page of a city's
+# listing, and changes per request of the change feed.
+MIN_PAGE_SIZE = 1
+MAX_PAGE_SIZE = 500
+MIN_CHANGES_LIMIT = 1
+MAX_CHANGES_LIMIT = 1000
+# The most an incremental window may reach back before its watermark (seconds): a week.
+MAX_OVERLAP_SECONDS = 7 * 86_400.0
+
 # The URL settings, each with the schemes it accepts.
 _URL_SCHEMES: dict[str, tuple[str, ...]] = {
     "supplier_url": ("http", "https"),

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import AccountSpec, SimulatorFleet, SupplierSpec
 from supplier_sync_dagster.simulator.server import running_fleet_server
 from supplier_sync_dagster_tests.cli.test_main import (  # noqa: F401  (cli_home: an autouse fixture)
@@ -193,6 +194,7 @@ def test_metrics_and_alerts_judge_every_accounts_task(
     tmp_path: Path,
     db_url: str,
 ):
+    SyncDatabase.open(db_url).dispose()  # metrics only reads: the database must be there
     with suppliers_file(fleet(), tmp_path, monkeypatch):
         shown = run(capsys, "--db-url", db_url, "metrics", "show", "--json")
         assert shown.code == 0, shown

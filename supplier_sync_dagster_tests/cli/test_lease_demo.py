@@ -90,10 +90,19 @@ def test_lease_demonstration_on_the_embedded_default(tmp_path: Path):
     assert "KILLED (exit 137)" in proc.stdout
     assert "resuming at page" in proc.stdout
     assert "ALL CHECKS PASSED" in proc.stdout
-    assert (tmp_path / "home" / "sync.sqlite3").exists()
+    # Its own database and payloads, never the catalog's default file.
+    own = tmp_path / "home" / "lease-demo" / "sync.sqlite3"
+    assert own.exists() and (tmp_path / "home" / "lease-demo" / "payloads").is_dir()
+    assert not (tmp_path / "home" / "sync.sqlite3").exists()
+    assert f"sync database: sqlite:///{own}" in proc.stdout
 
     status = subprocess.run(
-        [str(cli), "status"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [str(cli), "--db-url", f"sqlite:///{own}", "status"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert status.returncode == 0 and "SUCCESS" in status.stdout
 

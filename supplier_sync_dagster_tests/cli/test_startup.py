@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from supplier_sync_dagster.cli import main as cli
+from supplier_sync_dagster.core.store.db import SyncDatabase
 
 # What a command that only reads the sync database must not pay for.
 HEAVY = ("dagster", "pandas", "pandera", "uvicorn", "prometheus_client")
@@ -88,6 +89,8 @@ def test_help_and_light_commands_load_no_dagster_nor_pandas(tmp_path: Path) -> N
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     light = [
         ["--help"],
+        # A command that only reads refuses a missing SQLite file: the database first.
+        ["--db-url", db_url, "db", "migrate"],
         ["--db-url", db_url, "status"],
         ["--db-url", db_url, "stalls"],
         ["--db-url", db_url, "db", "status"],
@@ -153,7 +156,8 @@ def test_deferring_the_handler_imports_saves_a_light_command_its_start_up(
 ) -> None:
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     modules = sorted({name.partition(":")[0] for name in handler_names()})
-    _python(_STATUS, db_url, cwd=tmp_path)  # the schema, and warm file caches
+    SyncDatabase.open(db_url).dispose()  # status only reads: the database must be there
+    _python(_STATUS, db_url, cwd=tmp_path)  # warm file caches
     lazy, eager = [], []
     for _ in range(3):  # interleaved, best of three: another process's load hits both
         lazy.append(float(_python(_STATUS, db_url, cwd=tmp_path).split()[-1]))

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, add_who_and_why, handled_by
+from supplier_sync_dagster.cli.common import (
+    Subcommands,
+    add_json_flag,
+    add_who_and_why,
+    handled_by,
+)
 
 
 def add_commands(sub: Subcommands) -> None:

@@ -34,7 +34,7 @@ def add_commands(sub: Subcommands) -> None:
         help="each version: applied, baseline, pending, edited or unfinished; "
         "exit 1 unless up to date",
     )
-    handled_by(db_status, f"{_DB}:cmd_db_status")
+    handled_by(db_status, f"{_DB}:cmd_db_status", read_only=True)
     db_repair = db_sub.add_parser(
         "repair",
         help="after a MySQL migration stopped half-way and you undid its statements by hand: "

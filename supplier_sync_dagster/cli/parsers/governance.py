@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, add_who_and_why, handled_by
+from supplier_sync_dagster.cli.common import (
+    Subcommands,
+    add_json_flag,
+    add_who_and_why,
+    handled_by,
+    non_negative_int,
+    positive_int,
+)
 from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateThresholds
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 
@@ -30,9 +37,9 @@ def add_review(sub: Subcommands) -> None:
         choices=["PENDING", "APPROVED", "REJECTED", "SUPERSEDED", "ALL"],
     )
     rlist.add_argument("--batch", default=None)
-    rlist.add_argument("--limit", type=int, default=100)
+    rlist.add_argument("--limit", type=positive_int, default=100)
     add_json_flag(rlist)
-    handled_by(rlist, f"{_GOVERNANCE}:cmd_review")
+    handled_by(rlist, f"{_GOVERNANCE}:cmd_review", read_only=True)
     for name, what in (
         ("approve", "publish them (version-guarded)"),
         ("reject", "keep what is live"),
@@ -52,7 +59,7 @@ def add_gate(sub: Subcommands) -> None:
     show = gate_sub.add_parser("show", help="a city's gate results in a batch")
     show.add_argument("--batch", required=True)
     show.add_argument("--city", required=True, help="the supplier's city code, verbatim")
-    handled_by(show, f"{_GOVERNANCE}:cmd_gate")
+    handled_by(show, f"{_GOVERNANCE}:cmd_gate", read_only=True)
     override = gate_sub.add_parser("override", help="let a city pass a failed check (recorded)")
     override.add_argument("--batch", required=True)
     override.add_argument("--city", required=True, help="the supplier's city code, verbatim")
@@ -86,8 +93,10 @@ def add_task(sub: Subcommands) -> None:
     )
     for p in (task_show, task_set):
         p.add_argument("--task", default=DEFAULT_TASK_CODE, help="the task code")
-        handled_by(p, f"{_GOVERNANCE}:cmd_task")
-    task_show.add_argument("--history", type=int, default=10, help="change-log rows to show")
+        handled_by(p, f"{_GOVERNANCE}:cmd_task", read_only=p is task_show)
+    task_show.add_argument(
+        "--history", type=non_negative_int, default=10, help="change-log rows to show"
+    )
     add_json_flag(task_show)
     task_set.add_argument(
         "--policy", choices=["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"], default=None

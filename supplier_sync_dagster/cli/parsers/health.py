@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, add_json_flag, handled_by
+from supplier_sync_dagster.cli.common import (
+    Subcommands,
+    add_json_flag,
+    float_within,
+    handled_by,
+    int_within,
+)
 
 _HEALTH = "supplier_sync_dagster.cli.health"
 _TASKS = "a task (repeat; default every account's full sync)"
@@ -16,15 +22,18 @@ def add_commands(sub: Subcommands) -> None:
     show = metrics_sub.add_parser("show", help="every figure of each task, now")
     show.add_argument("--task", action="append", help=_TASKS)
     add_json_flag(show)
-    handled_by(show, f"{_HEALTH}:cmd_metrics")
+    handled_by(show, f"{_HEALTH}:cmd_metrics", read_only=True)
     serve = metrics_sub.add_parser(
         "serve",
         help="/metrics in Prometheus' text format, from figures refreshed in the background",
     )
-    serve.add_argument("--port", type=int, default=9464)
+    serve.add_argument("--port", type=int_within(0, 65535), default=9464)
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument(
-        "--interval", type=float, default=30.0, help="seconds between refreshes of the figures"
+        "--interval",
+        type=float_within(0, None, low_open=True),
+        default=30.0,
+        help="seconds between refreshes of the figures",
     )
     serve.add_argument("--task", action="append", help=_TASKS)
     handled_by(serve, f"{_HEALTH}:cmd_metrics")
@@ -32,10 +41,10 @@ def add_commands(sub: Subcommands) -> None:
     al = sub.add_parser("alerts", help="alerts: list them, check the conditions now, thresholds")
     al_sub = al.add_subparsers(dest="alerts_command", required=True)
     listing = al_sub.add_parser("list", help="open alerts and those of the last days")
-    listing.add_argument("--days", type=float, default=7.0)
+    listing.add_argument("--days", type=float_within(0, None, low_open=True), default=7.0)
     listing.add_argument("--open", action="store_true", help="only the open ones")
     add_json_flag(listing)
-    handled_by(listing, f"{_HEALTH}:cmd_alerts")
+    handled_by(listing, f"{_HEALTH}:cmd_alerts", read_only=True)
     check = al_sub.add_parser(
         "check",
         help="judge the conditions now, start or clear alerts and send what is due "

@@ -9,7 +9,9 @@ from supplier_sync_dagster.cli.common import (
     add_audited_actions,
     add_json_flag,
     add_who_and_why,
+    float_within,
     handled_by,
+    positive_int,
 )
 
 _OPERATORS = "supplier_sync_dagster.cli.operators"
@@ -31,10 +33,13 @@ def add_commands(sub: Subcommands) -> None:
     trace.add_argument("hotel", help="the supplier's hotel id")
     trace.add_argument("--field", default=None, help="only diffs of this field (price_amount ...)")
     trace.add_argument(
-        "--supplier-id", type=int, default=None, help="needed when two suppliers share the id"
+        "--supplier-id",
+        type=positive_int,
+        default=None,
+        help="needed when two suppliers share the id",
     )
     add_json_flag(trace)
-    handled_by(trace, f"{_OPERATORS}:cmd_trace")
+    handled_by(trace, f"{_OPERATORS}:cmd_trace", read_only=True)
 
     audit = sub.add_parser(
         "audit", help="every operator action: who, when, what, why, before and after"
@@ -45,9 +50,9 @@ def add_commands(sub: Subcommands) -> None:
     audit.add_argument("--target", default=None, help="the target's id")
     audit.add_argument("--actor", default=None)
     audit.add_argument("--action", default=None, help="dead_letter.fix, review.approve ...")
-    audit.add_argument("--limit", type=int, default=50)
+    audit.add_argument("--limit", type=positive_int, default=50)
     add_json_flag(audit)
-    handled_by(audit, f"{_OPERATORS}:cmd_audit")
+    handled_by(audit, f"{_OPERATORS}:cmd_audit", read_only=True)
 
 
 def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
@@ -60,14 +65,14 @@ def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
     listing.add_argument("--city", default=None, help="the supplier's city code of the record")
     listing.add_argument("--batch", default=None)
     listing.add_argument("--hotel", default=None, help="the supplier's hotel id")
-    listing.add_argument("--older-than-hours", type=float, default=None)
-    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument("--older-than-hours", type=float_within(0), default=None)
+    listing.add_argument("--limit", type=positive_int, default=100)
     add_json_flag(listing)
-    handled_by(listing, f"{_OPERATORS}:cmd_dead_letters")
+    handled_by(listing, f"{_OPERATORS}:cmd_dead_letters", read_only=True)
     show = dl_sub.add_parser("show", help="one dead letter with its audit history")
     show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
     add_json_flag(show, help="one line instead of indented")
-    handled_by(show, f"{_OPERATORS}:cmd_dead_letters")
+    handled_by(show, f"{_OPERATORS}:cmd_dead_letters", read_only=True)
     add_audited_actions(
         dl_sub,
         {
@@ -98,7 +103,7 @@ def _add_repair_commands(dl_sub: Subcommands) -> None:
         help="re-fetch the hotels of due retryable dead letters and run them through every "
         "stage (what the dead_letter_compensation schedule does)",
     )
-    comp.add_argument("--limit", type=int, default=10_000, help="due rows taken at most")
+    comp.add_argument("--limit", type=positive_int, default=10_000, help="due rows taken at most")
     comp.add_argument("--account", default=None, help=ACCOUNT_HELP)
     comp.add_argument("--trigger-id", default=None, help="idempotency key (default: new)")
     add_json_flag(comp)

@@ -11,7 +11,9 @@ from supplier_sync_dagster.cli.common import (
     Subcommands,
     add_audited_actions,
     add_json_flag,
+    float_within,
     handled_by,
+    int_within,
     positive_int,
 )
 
@@ -20,6 +22,7 @@ MAX_AUTO_PROCESSES = 8
 _OUTBOX = "supplier_sync_dagster.cli.outbox"
 _STATUSES = ("READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED")
 _STAGES = ("SEARCH_INDEX", "CACHE", "NOTIFY", "END")
+_SECONDS = float_within(0, None, low_open=True)
 
 
 def _price(text: str) -> Decimal:
@@ -52,8 +55,8 @@ def add_commands(sub: Subcommands) -> None:
         help="processes of --threads dispatchers each (default: two per CPU core, at most "
         f"{MAX_AUTO_PROCESSES}, on MySQL/MariaDB; one on SQLite)",
     )
-    dispatch.add_argument("--batch-size", type=int, default=500, help="events per claim")
-    dispatch.add_argument("--max-seconds", type=float, default=None, help="--once: stop after")
+    dispatch.add_argument("--batch-size", type=positive_int, default=500, help="events per claim")
+    dispatch.add_argument("--max-seconds", type=_SECONDS, default=None, help="--once: stop after")
     add_json_flag(dispatch)
     handled_by(dispatch, f"{_OUTBOX}:cmd_dispatch", preload=True)
 
@@ -63,10 +66,12 @@ def add_commands(sub: Subcommands) -> None:
     search.add_argument("text", nargs="?", default="", help="words (all must match)")
     search.add_argument("--city", default=None, help="supplier city code")
     search.add_argument("--country", default=None, help="ISO country code")
-    search.add_argument("--stars", type=float, default=None, help="at least this many stars")
+    search.add_argument(
+        "--stars", type=float_within(0, 5), default=None, help="at least this many stars"
+    )
     search.add_argument("--max-price", type=_price, default=None, help="lowest price at most")
     search.add_argument("--all-statuses", action="store_true", help="INACTIVE hotels too")
-    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--limit", type=positive_int, default=20)
     add_json_flag(search)
     handled_by(search, f"{_OUTBOX}:cmd_search")
 
@@ -75,10 +80,12 @@ def add_commands(sub: Subcommands) -> None:
         help="the read API: /hotels (search), /hotels/{id} (cached), POST /offers/confirm",
     )
     api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
-    api.add_argument("--ttl", type=float, default=300.0, help="seconds a hotel stays cached")
+    api.add_argument("--port", type=int_within(0, 65535), default=8000)
     api.add_argument(
-        "--confirm-timeout", type=float, default=3.0, help="seconds for the supplier's answer"
+        "--ttl", type=float_within(0), default=300.0, help="seconds a hotel stays cached"
+    )
+    api.add_argument(
+        "--confirm-timeout", type=_SECONDS, default=3.0, help="seconds for the supplier's answer"
     )
     handled_by(api, "supplier_sync_dagster.cli.serve_api:cmd_serve_api", preload=True)
 
@@ -88,13 +95,13 @@ def _add_outbox_commands(sub: Subcommands) -> None:
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
     status = outbox_sub.add_parser("status", help="counts by status and stage, stuck, lag")
     add_json_flag(status)
-    handled_by(status, f"{_OUTBOX}:cmd_outbox")
+    handled_by(status, f"{_OUTBOX}:cmd_outbox", read_only=True)
     listing = outbox_sub.add_parser("list", help="events, newest first")
     listing.add_argument("--status", choices=_STATUSES, default=None)
     listing.add_argument("--stage", choices=_STAGES, default=None, help="the next stage")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--limit", type=positive_int, default=50)
     add_json_flag(listing)
-    handled_by(listing, f"{_OUTBOX}:cmd_outbox")
+    handled_by(listing, f"{_OUTBOX}:cmd_outbox", read_only=True)
     add_audited_actions(
         outbox_sub,
         {

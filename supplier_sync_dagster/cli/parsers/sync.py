@@ -8,11 +8,21 @@ from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
     Subcommands,
     add_json_flag,
+    float_within,
     handled_by,
+    int_within,
     non_negative_int,
     positive_int,
 )
-from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.leasing.leases import MAX_LEASE_SECONDS, MIN_LEASE_SECONDS
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_TASK_CODE,
+    MAX_CHANGES_LIMIT,
+    MAX_OVERLAP_SECONDS,
+    MAX_PAGE_SIZE,
+    MIN_CHANGES_LIMIT,
+    MIN_PAGE_SIZE,
+)
 
 # Cities in flight in the CLI's run. It is the only run, so a second city can use the time
 # one city waits on the database server. A backfill's runs keep the default of 1.
@@ -23,6 +33,8 @@ _PROCESSES = (
     "plus one, at most 4, when the cities hold at least 5,000 hotels)"
 )
 _SYNC = "supplier_sync_dagster.cli.sync"
+# Requests per second: more than none.
+_RATE = float_within(0, None, low_open=True)
 
 
 def add_demo(sub: Subcommands) -> None:
@@ -33,17 +45,17 @@ def add_demo(sub: Subcommands) -> None:
         "simulated supplier (flaky), then of a second supplier through its own account, with "
         "progress and summaries; run again for the next day",
     )
-    demo.add_argument("--cities", type=int, default=50)
-    demo.add_argument("--hotels", type=int, default=20_000)
+    demo.add_argument("--cities", type=positive_int, default=50)
+    demo.add_argument("--hotels", type=non_negative_int, default=20_000)
     demo.add_argument(
         "--profile", default="flaky", help="simulator fault profile: clean, flaky or hostile"
     )
-    demo.add_argument("--rate-limit", type=float, default=1000.0, help="requests/s")
+    demo.add_argument("--rate-limit", type=_RATE, default=1000.0, help="requests/s")
     demo.add_argument("--city-threads", type=positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     demo.add_argument("--processes", type=non_negative_int, default=None, help=_PROCESSES)
     demo.add_argument(
         "--second-hotels",
-        type=int,
+        type=non_negative_int,
         default=2_000,
         help="hotels of the second simulated supplier, synced through its own account (0: none)",
     )
@@ -63,9 +75,10 @@ def add_sync(sub: Subcommands) -> None:
     )
     sync.add_argument(
         "--overlap-seconds",
-        type=float,
+        type=float_within(0, MAX_OVERLAP_SECONDS),
         default=None,
-        help="incremental: how far before the watermark the window starts (default 300)",
+        help="incremental: how far before the watermark the window starts, 0-"
+        f"{MAX_OVERLAP_SECONDS:g} (default 300)",
     )
     sync.add_argument(
         "--max-pages",
@@ -75,9 +88,10 @@ def add_sync(sub: Subcommands) -> None:
     )
     sync.add_argument(
         "--changes-limit",
-        type=positive_int,
+        type=int_within(MIN_CHANGES_LIMIT, MAX_CHANGES_LIMIT),
         default=None,
-        help="incremental: changes per feed request, 1-1000 (default 500)",
+        help=f"incremental: changes per feed request, {MIN_CHANGES_LIMIT}-{MAX_CHANGES_LIMIT} "
+        "(default 500)",
     )
     sync.add_argument(
         "--task",
@@ -87,10 +101,15 @@ def add_sync(sub: Subcommands) -> None:
     add_json_flag(sync, help="print the summary as JSON")
     sync.add_argument("--account", default=None, help=ACCOUNT_HELP)
     sync.add_argument("--trigger-id", default=None, help="idempotency key: a retry continues it")
-    sync.add_argument("--page-size", type=int, default=None, help="hotels per page (default 100)")
+    sync.add_argument(
+        "--page-size",
+        type=int_within(MIN_PAGE_SIZE, MAX_PAGE_SIZE),
+        default=None,
+        help=f"hotels per page, {MIN_PAGE_SIZE}-{MAX_PAGE_SIZE} (default 100)",
+    )
     sync.add_argument(
         "--rate-limit",
-        type=float,
+        type=_RATE,
         default=None,
         help="requests/s allowed (default: SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT, else 50)",
     )
@@ -106,7 +125,12 @@ def add_lease_demo(sub: Subcommands) -> None:
         help="the lease/checkpoint demonstration: two worker processes, one killed mid-city, "
         "the other reclaims its city and resumes from the checkpoint",
     )
-    run.add_argument("--lease-seconds", type=float, default=6.0, help="lease duration (5-1800)")
+    run.add_argument(
+        "--lease-seconds",
+        type=float_within(MIN_LEASE_SECONDS, MAX_LEASE_SECONDS),
+        default=6.0,
+        help=f"lease duration ({MIN_LEASE_SECONDS:g}-{MAX_LEASE_SECONDS:g})",
+    )
     run.add_argument("--no-crash", action="store_true", help="do not kill worker A")
     run.add_argument("--trigger-id", default=None, help="idempotency key of this launch")
     handled_by(run, "supplier_sync_dagster.cli.lease_demo:cmd_lease_demo")
@@ -145,10 +169,17 @@ def add_reconcile(sub: Subcommands) -> None:
         help="each city's supplier summary against the catalog; re-pull the cities that differ",
     )
     recon.add_argument("--city", action="append", default=None, help="a city code (repeatable)")
-    recon.add_argument("--absolute", type=int, default=2, help="hotels apart that are fine")
-    recon.add_argument("--relative", type=float, default=0.02, help="...or this share")
     recon.add_argument(
-        "--max-lag-hours", type=float, default=6.0, help="newest change may trail this long"
+        "--absolute", type=non_negative_int, default=2, help="hotels apart that are fine"
+    )
+    recon.add_argument(
+        "--relative", type=float_within(0, 1), default=0.02, help="...or this share (0-1)"
+    )
+    recon.add_argument(
+        "--max-lag-hours",
+        type=float_within(0),
+        default=6.0,
+        help="newest change may trail this long",
     )
     recon.add_argument(
         "--no-repull", action="store_true", help="report only; do not re-pull what differs"

@@ -75,7 +75,13 @@ from supplier_sync_dagster.core.records.gates import (
     list_overrides,
     previous_profile,
 )
-from supplier_sync_dagster.core.settings import DEFAULT_MAX_CLOCK_SKEW_SECONDS, DEFAULT_TASK_CODE
+from supplier_sync_dagster.core.settings import (
+    DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    DEFAULT_TASK_CODE,
+    MAX_CHANGES_LIMIT,
+    MAX_OVERLAP_SECONDS,
+    MIN_CHANGES_LIMIT,
+)
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore, use_index
 from supplier_sync_dagster.core.store.payloads import PayloadStore
@@ -152,12 +158,16 @@ class IncrementalSettings:
     max_pages: int = DEFAULT_MAX_PAGES
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overlap_seconds <= 7 * 86_400:
+        if not 0 <= self.overlap_seconds <= MAX_OVERLAP_SECONDS:
             raise ConfigError(
-                f"overlap_seconds must be within 0..604800; got {self.overlap_seconds!r}"
+                f"overlap_seconds must be within 0..{MAX_OVERLAP_SECONDS:g}; "
+                f"got {self.overlap_seconds!r}"
             )
-        if not 1 <= self.limit <= 1000:
-            raise ConfigError(f"the changes limit must be within 1..1000; got {self.limit!r}")
+        if not MIN_CHANGES_LIMIT <= self.limit <= MAX_CHANGES_LIMIT:
+            raise ConfigError(
+                f"the changes limit must be within {MIN_CHANGES_LIMIT}..{MAX_CHANGES_LIMIT}; "
+                f"got {self.limit!r}"
+            )
         if self.max_pages < 1:
             raise ConfigError(f"max_pages must be >= 1; got {self.max_pages!r}")
 

@@ -22,7 +22,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.errors import NotFound, PayloadError
+from supplier_sync_dagster.core.errors import ConfigError, NotFound, PayloadError
+from supplier_sync_dagster.core.records.diff import (
+    CONTENT_FIELDS,
+    PLAN_CONTENT_FIELDS,
+    ROOM_CONTENT_FIELDS,
+)
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT, UNPUBLISHED_EVENT
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import list_audit
@@ -58,7 +63,9 @@ def trace_hotel(
 
     Raises:
         NotFound: The sync never saw this hotel (no published row, diff or dead letter).
+        ConfigError: ``field`` is not a field a diff records.
     """
+    check_trace_field(field)
     with db.engine.connect() as conn:
         published = _published(conn, supplier_id, supplier_hotel_id)
         offers = _offers(conn, published["resource_id"]) if published else []
@@ -203,6 +210,29 @@ def _offers(conn: Connection, resource_id: int) -> list[dict[str, Any]]:
 
 # A published column and the diff field its changes are recorded under.
 _DIFF_FIELD = {"price_amount": "price", "currency": "price", "star_rating": "star_rating"}
+# Every field a diff records a change of (a room's and a rate plan's by their last part),
+# and the published columns above: what ``trace --field`` may name.
+TRACE_FIELDS = tuple(
+    sorted(
+        {"status", "version", "rooms", "price", "available"}
+        | set(CONTENT_FIELDS)
+        | set(ROOM_CONTENT_FIELDS)
+        | set(PLAN_CONTENT_FIELDS)
+        | set(_DIFF_FIELD)
+    )
+)
+
+
+def check_trace_field(field: str | None) -> None:
+    """Stops a trace of a field no diff records (it would list no diff, as if none changed).
+
+    Raises:
+        ConfigError: ``field`` is not one of :data:`TRACE_FIELDS`.
+    """
+    if field is not None and field not in TRACE_FIELDS:
+        raise ConfigError(
+            f"--field {field!r} is not a field a diff records; one of: {', '.join(TRACE_FIELDS)}"
+        )
 
 
 def _matches(name: str, field: str) -> bool:

@@ -63,20 +63,41 @@ def resolve_db_url(url: str | None = None) -> str:
     return load_storage_settings().sync_db_url()
 
 
-def _parse_url(url: str) -> URL:
+def check_db_url(url: str, *, source: str | None = None) -> URL:
+    """The parsed sync database URL, once it names a supported backend.
+
+    Args:
+        url: A SQLAlchemy URL.
+        source: What gave it, named in the error (``--db-url``; empty: no name); None:
+            the setting, ``SUPPLIER_SYNC_DB_URL``.
+
+    Raises:
+        ConfigError: The URL is malformed or names an unsupported backend.
+    """
+    said = f"{env_name('db_url') if source is None else source} ".lstrip()
     try:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as err:
         raise ConfigError(
-            f"{env_name('db_url')} is not a valid SQLAlchemy URL ({err}); "
+            f"{said}is not a valid SQLAlchemy URL ({err}); "
             "expected e.g. sqlite:///path/sync.sqlite3 or mysql+pymysql://user@host:3306/db"
         ) from None
     if parsed.get_backend_name() not in _SUPPORTED_BACKENDS:
         raise ConfigError(
-            f"{env_name('db_url')} uses backend {parsed.get_backend_name()!r}; "
+            f"{said}uses backend {parsed.get_backend_name()!r}; "
             f"supported: {', '.join(_SUPPORTED_BACKENDS)}"
         )
     return parsed
+
+
+def missing_sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite ``url`` that does not exist (None: it exists, is in memory, or
+    the URL is not SQLite's): a command that only reads must not create it."""
+    parsed = check_db_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    path = Path(parsed.database)
+    return None if path.exists() else path
 
 
 def make_engine(url: str) -> Engine:
@@ -94,7 +115,7 @@ def make_engine(url: str) -> Engine:
     Raises:
         ConfigError: The URL is malformed or names an unsupported backend.
     """
-    parsed = _parse_url(url)
+    parsed = check_db_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,13 @@ from supplier_sync_dagster.core.errors import (
     SupplierUnreachable,
     TruncatedBody,
 )
-from supplier_sync_dagster.core.settings import env_name
+from supplier_sync_dagster.core.settings import (
+    MAX_CHANGES_LIMIT,
+    MAX_PAGE_SIZE,
+    MIN_CHANGES_LIMIT,
+    MIN_PAGE_SIZE,
+    env_name,
+)
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBreaker
 from supplier_sync_dagster.core.supplier.models import (
     ChangesPage,
@@ -415,8 +421,10 @@ class SupplierClient:
             raise ValueError("pass page or cursor, not both")
         if page is not None and page < 1:
             raise ValueError(f"page must be >= 1, got {page}")
-        if page_size is not None and not 1 <= page_size <= 500:
-            raise ValueError(f"page_size must be within 1..500, got {page_size}")
+        if page_size is not None and not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(
+                f"page_size must be within {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}, got {page_size}"
+            )
         params: dict[str, str | int] = {}
         if cursor is not None:
             params["cursor"] = cursor
@@ -474,8 +482,10 @@ class SupplierClient:
         Raises:
             SupplierError: See the module docstring of ``core.errors``.
         """
-        if not 1 <= limit <= 1000:
-            raise ValueError(f"limit must be within 1..1000, got {limit}")
+        if not MIN_CHANGES_LIMIT <= limit <= MAX_CHANGES_LIMIT:
+            raise ValueError(
+                f"limit must be within {MIN_CHANGES_LIMIT}..{MAX_CHANGES_LIMIT}, got {limit}"
+            )
         params: dict[str, str | int] = {"since": _format_time(since), "limit": limit}
         if after_id is not None:
             params["after_id"] = after_id
