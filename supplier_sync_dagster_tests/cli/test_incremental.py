@@ -1,9 +1,10 @@
-"""``supplier-sync sync --incremental`` as a user calls it: after a full sync, over the
-simulator on real HTTP, on SQLite and MariaDB."""
+"""``supplier-sync sync --incremental`` (and ``reconcile``) as a user calls it: after a full
+sync, over the simulator on real HTTP, on SQLite and MariaDB."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -142,3 +143,39 @@ def test_reconcile_of_a_city_the_supplier_does_not_know_is_an_error(
         assert _batches(db_url) == before
         fine = run(capsys, "--db-url", db_url, "reconcile", "--city", known)
     assert fine.code == 0 and "1 cities compared" in fine.out and "0 differ" in fine.out
+
+
+def _window(capsys: pytest.CaptureFixture[str], db_url: str) -> dict[str, Any]:
+    out = run(capsys, "--db-url", db_url, "sync", "--incremental", "--json")
+    assert out.code == 0, out
+    window: dict[str, Any] = json.loads(out.out)["window"]
+    return window
+
+
+def test_quiet_polls_do_not_get_a_normal_day_held_for_review_but_a_spike_is(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db_url: str
+):
+    # The issue's days: ~250 changes a day (the default thresholds: 5x, 100 changes), two
+    # quiet polls minutes after a day's window, then the next day's window.
+    world = {"n_cities": 4, "total_hotels": 3000, "late_arrival_rate": 0.0}
+    sim = simulator(**world)
+    with supplier(sim, monkeypatch):
+        assert sync(capsys, db_url).code == 0
+        sim.advance_day()
+        day1 = _window(capsys, db_url)
+        assert 150 < day1["changes"] < 400 and not day1["held_window"]
+        for _ in range(2):
+            sim.advance(600)
+            quiet = _window(capsys, db_url)
+            assert quiet["changes"] < 10 and not quiet["held_window"]
+        sim.advance_day()
+        day2 = run(capsys, "--db-url", db_url, "sync", "--incremental")
+        assert day2.code == 0, day2
+        assert "held for review 0)" in day2.out and "far above its usual" not in day2.out
+    # A spike: the same supplier on a day when most of its hotels change.
+    spiky = simulator(**world, daily_price_change_rate=0.9)
+    spiky.advance_day(3)
+    with supplier(spiky, monkeypatch):
+        spike = run(capsys, "--db-url", db_url, "sync", "--incremental")
+    assert spike.code == 0, spike
+    assert "far above its usual" in spike.out and "review list --batch" in spike.out

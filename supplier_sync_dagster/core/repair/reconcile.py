@@ -19,14 +19,14 @@ A record that breaks the contract is no catalog hotel but still one of the suppl
 city whose plain comparison differs is compared again as **the catalog plus its open
 dead-letter tickets** (:func:`open_tickets`: status neither RESOLVED nor IGNORED): each
 ticketed hotel the catalog lacks counts as a hotel, its bad record's ``status`` and
-``updated_at`` (read from its stored raw page; unknown when unreadable or missing: then
-either status may hold, and the record may be the supplier's newest change) stand in for the
-catalog's. A city that differs only by such hotels is **waiting on tickets**: a re-pull
-would dead-letter the same records again, so it is not re-pulled and not counted as a
-difference; the tickets' fixes close the gap. A catalog ahead of its supplier is judged on
-the catalog alone (a ticket never explains a time the supplier never stated).
-:func:`plan_repull` is the one rule that turns a reconciliation into re-pulls, remaining
-differences and cities waiting on tickets, for the CLI and the Dagster asset alike.
+``updated_at`` (read from its stored raw page) stand in for the catalog's: an unknown
+status may be either, an unknown time is at most when the ticket was last written. A city
+that differs only by such hotels is **waiting on tickets**: a re-pull would dead-letter the
+same records again, so it is not re-pulled and not counted as a difference; the tickets'
+fixes close the gap. A catalog ahead of its supplier is judged on the catalog alone (a
+ticket never explains a time the supplier never stated). :func:`plan_repull` is the one
+rule that turns a reconciliation into re-pulls, remaining differences and cities waiting
+on tickets, for the CLI and the Dagster asset alike.
 
 Counts can agree while a hotel is lost: a walk by page numbers under a listing that shifts
 skips the hotel at a page boundary while another is added at the end. A city whose last
@@ -290,12 +290,15 @@ class OpenTicket:
         catalog_status: Its status in the catalog (None: the catalog does not hold it).
         payload_ref: The raw page of the ticket's record (None: nothing stored).
         position: The record's place on that page (``record#N``).
+        seen_at: When the ticket was last written (the database clock): a record whose own
+            ``updated_at`` is unreadable changed no later than that.
     """
 
     hotel_id: str
     catalog_status: str | None
     payload_ref: str | None
     position: str | None
+    seen_at: datetime | None = None
 
 
 def open_tickets(db: SyncDatabase, supplier_id: int) -> dict[str, list[OpenTicket]]:
@@ -304,7 +307,13 @@ def open_tickets(db: SyncDatabase, supplier_id: int) -> dict[str, list[OpenTicke
     d, h = schema.dead_letter.c, schema.platform_hotel.c
     with db.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(d.supplier_resource_code, d.city_code, d.raw_payload_ref, d.record_position)
+            sa.select(
+                d.supplier_resource_code,
+                d.city_code,
+                d.raw_payload_ref,
+                d.record_position,
+                d.updated_at,
+            )
             .where(
                 d.supplier_id == supplier_id,
                 d.status.not_in(CLOSED_TICKETS),
@@ -331,7 +340,7 @@ def open_tickets(db: SyncDatabase, supplier_id: int) -> dict[str, list[OpenTicke
         # A catalog hotel of another city is that city's: here the supplier lists it anew.
         status = catalog[1] if catalog is not None and catalog[0] == city else None
         by_city.setdefault(city, []).append(
-            OpenTicket(hotel_id, status, r.raw_payload_ref, r.record_position)
+            OpenTicket(hotel_id, status, r.raw_payload_ref, r.record_position, _aware(r.updated_at))
         )
     return by_city
 
@@ -429,7 +438,8 @@ def _with_tickets(
     catalog: CityCounts, tickets: Sequence[OpenTicket], store: PayloadStore | None
 ) -> _Side:
     """The catalog plus its open tickets: each ticketed hotel it lacks is one more hotel;
-    a bad record's status and time stand in for the catalog's (unknown: either)."""
+    a bad record's status and time stand in for the catalog's (an unknown status: either;
+    an unknown time: when its ticket was last written, the latest it can be)."""
     hotels, low, high = catalog.hotels, catalog.active, catalog.active
     newest, unknown = catalog.max_updated_at, False
     pages: dict[str, list[Any]] = {}
@@ -445,6 +455,7 @@ def _with_tickets(
         else:
             low += int(active) - int(was)
             high += int(active) - int(was)
+        updated = updated or ticket.seen_at
         if updated is None:
             unknown = True
         elif newest is None or updated > newest:

@@ -347,8 +347,16 @@ def test_a_bad_record_that_is_the_suppliers_newest_change_explains_the_lag(tmp_p
     waiting = compare_with_tickets(plain, two, tol, store)
     assert waiting.waiting and waiting.reasons == () and waiting.explained == plain.reasons
     assert waiting.tickets == ("H1", "H2")
-    # Without the stored page a record's status and time are unknown: either may hold.
+    # Without the stored page a record's status is unknown (either may hold) and its time
+    # at most when its ticket was last written: one written before the supplier's newest
+    # change cannot be that change.
     assert compare_with_tickets(plain, two, tol, None).waiting
+    written = [replace(t, seen_at=now - timedelta(hours=3)) for t in two]
+    stale = compare_with_tickets(plain, written, tol, None)
+    assert stale.reasons == ("the catalog's newest change is 10800 s behind the supplier's",)
+    assert stale.explained == plain.reasons[:2] and not stale.waiting
+    later = [replace(t, seen_at=now + timedelta(minutes=1)) for t in two]
+    assert compare_with_tickets(plain, later, tol, None).waiting
     # A ticket of a hotel the catalog holds adds no hotel: the hotel count still differs.
     held = [OpenTicket("H1", "ACTIVE", ref, "record#0"), OpenTicket("H2", None, ref, "record#1")]
     partly = compare_with_tickets(plain, held, tol, store)
