@@ -40,7 +40,13 @@ from supplier_sync_dagster.core.accounts import Account, SimulatedSupplier
 from supplier_sync_dagster.core.errors import ConfigError, SyncInterrupted
 from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.leasing.batches import get_task
-from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
+from supplier_sync_dagster.core.repair.reconcile import (
+    Reconciliation,
+    RepullPlan,
+    Tolerance,
+    plan_repull,
+    reconcile,
+)
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.sync.replay import (
     dry_run_city,
@@ -307,7 +313,10 @@ def _sync_incremental(
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """``reconcile``: each city's supplier summary against the catalog; a re-pull of the
-    cities that differ (unless ``--no-repull``)."""
+    cities that differ (unless ``--no-repull``). A city that differs only by hotels with open
+    dead-letter tickets waits on them and is not re-pulled (the rule of
+    :func:`~supplier_sync_dagster.core.repair.reconcile.plan_repull`, the asset's too); a
+    ``--city`` the supplier does not know is an error (exit 2)."""
     settings = config.load_settings()
     sync_db, payloads = storage_resources(args, settings)
     scope = account_scope(args, settings)
@@ -324,26 +333,20 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
             task_code=supplier.task_code,
             walk=supplier.walk_limits(),
         )
-    differing = [c.city_code for c in report.differing]
+    plan = plan_repull(report, repull=not args.no_repull)
     if args.json:
         for c in report.cities:
             print(json.dumps(c.row(), ensure_ascii=False))
     else:
-        for c in report.differing + report.failed:
-            print(f"{c.city_code!r}: {'; '.join(c.reasons) or c.error}")
-        print(
-            f"{len(report.cities)} cities compared in {report.seconds:.1f} s "
-            f"({report.requests} requests): {len(differing)} differ, "
-            f"{len(report.failed)} not compared"
-        )
+        _print_reconciliation(report, plan)
     status = 0
-    if differing and not args.no_repull:
+    if plan.repull:
         summary = _full_sync(
-            args, supplier, scope, sync_db, payloads, as_json=args.json, cities=differing
+            args, supplier, scope, sync_db, payloads, as_json=args.json, cities=plan.repull
         )
         problem = summary.problem()
         message = (
-            f"re-pulled {summary.cities_done} of {len(differing)} cities in batch "
+            f"re-pulled {summary.cities_done} of {len(plan.repull)} cities in batch "
             f"{summary.batch_id}: {summary.published} published"
         )
         print(json.dumps({"repull": dataclasses.asdict(summary)}) if args.json else message)
@@ -354,6 +357,23 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         warn(f"{len(report.failed)} cities could not be compared ({report.failed[0].error})")
         status = 1
     return status
+
+
+def _print_reconciliation(report: Reconciliation, plan: RepullPlan) -> None:
+    """A line per city that differs, waits on tickets or was not compared; a summary."""
+    for c in report.differing + report.failed:
+        print(f"{c.city_code!r}: {'; '.join(c.reasons) or c.error}")
+    for c in report.waiting:
+        print(
+            f"{c.city_code!r}: waiting on the open dead letters of {len(c.tickets)} hotel(s), "
+            f"not re-pulled ({'; '.join(c.explained)})"
+        )
+    print(
+        f"{len(report.cities)} cities compared in {report.seconds:.1f} s "
+        f"({report.requests} requests): {len(report.differing)} differ, "
+        f"{len(plan.waiting)} waiting on open dead letters ({plan.hotels_waiting} hotels), "
+        f"{len(report.failed)} not compared"
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

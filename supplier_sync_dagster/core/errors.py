@@ -17,6 +17,7 @@ The tree::
     │   ├── UnknownBatch
     │   ├── UnknownShard
     │   ├── UnknownOutboxEvent
+    │   ├── UnknownCity               a city code the supplier does not know
     │   └── ProfileMissing            no city profile was recorded for this batch and city
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── TriggerSkipped                the task's concurrency policy skipped a trigger
@@ -107,6 +108,10 @@ class UnknownBatch(NotFound):
 
 class UnknownShard(NotFound):
     """No `supplier_sync_shard` row has this (batch_id, shard_key)."""
+
+
+class UnknownCity(NotFound):
+    """A city code the supplier does not know (its city summary answered 404)."""
 
 
 class UnknownOutboxEvent(NotFound):

@@ -89,8 +89,9 @@ def build_hotel_change_feed(scope: AccountScope) -> dg.AssetsDefinition:
                 VOLUME_CHECK,
                 asset=key,
                 description=(
-                    "The window's changes stay within the task's max_volume_factor of the "
-                    "trailing median of its windows; beyond it every diff is held for review."
+                    "The window's change rate (changes per hour of feed it covered) stays "
+                    "within the task's max_volume_factor of the time-weighted median rate of "
+                    "its latest windows; beyond it every diff is held for review."
                 ),
             ),
             dg.AssetCheckSpec(

@@ -6,7 +6,10 @@ and a full sync of exactly the cities that differ.
 as a table, with numbers the UI plots and an alert can use: cities compared, differing,
 re-pulled, and the **remaining differences** (cities that still differ although the previous
 reconciliation re-pulled them: a re-pull does not fix those, a person must look; they are not
-re-pulled again). ``reconciliation_repull_sensor`` sees each new materialization and requests
+re-pulled again), and apart from them the cities **waiting on tickets** (they differ only by
+hotels with open dead-letter tickets: neither re-pulled nor differences; the rule is
+:func:`~supplier_sync_dagster.core.repair.reconcile.plan_repull`, the CLI's too).
+``reconciliation_repull_sensor`` sees each new materialization and requests
 one full-sync run per city to re-pull (one trigger: they share one batch), so the next
 reconciliation shows them equal.
 """
@@ -16,7 +19,7 @@ import functools
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.repair.reconcile import Tolerance, reconcile
+from supplier_sync_dagster.core.repair.reconcile import Tolerance, plan_repull, reconcile
 from supplier_sync_dagster.defs.accounts import (
     DEFAULT_SCOPE,
     AccountScope,
@@ -103,12 +106,16 @@ def _reconcile(
             task_code=supplier.task_code,
             walk=supplier.walk_limits(),
         )
-    before = set(_previous_repull(context.instance, key))
-    differing = [c.city_code for c in report.differing]
-    remaining = [c for c in differing if c in before]
-    repull = [c for c in differing if c not in before] if config.repull else []
+    plan = plan_repull(
+        report, repulled_before=_previous_repull(context.instance, key), repull=config.repull
+    )
     for c in report.differing:
         context.log.warning(f"city {c.city_code!r} differs: {'; '.join(c.reasons)}")
+    for c in report.waiting:
+        context.log.info(
+            f"city {c.city_code!r} waits on the open dead letters of {len(c.tickets)} "
+            f"hotel(s): {'; '.join(c.explained)}"
+        )
     for c in report.failed:
         context.log.warning(f"city {c.city_code!r} not compared: {c.error}")
     columns = [
@@ -131,17 +138,20 @@ def _reconcile(
         metadata={
             "cities_compared": len(report.cities) - len(report.failed),
             "cities_not_compared": len(report.failed),
-            "cities_differing": len(differing),
-            "cities_repulled": len(repull),
-            "remaining_differences": len(remaining),
+            "cities_differing": len(report.differing),
+            "cities_repulled": len(plan.repull),
+            "remaining_differences": len(plan.remaining),
+            "cities_waiting_on_tickets": len(plan.waiting),
+            "hotels_waiting_on_tickets": plan.hotels_waiting,
             "cities_walked_again": sum(c.rewalked is not None for c in report.cities),
             "supplier_requests": report.requests,
             "seconds": round(report.seconds, 3),
             "differences": dg.MetadataValue.table(
                 rows, schema=dg.TableSchema(columns=[dg.TableColumn(n, t) for n, t in columns])
             ),
-            REPULL: dg.MetadataValue.json(repull),
-            "remaining_cities": dg.MetadataValue.json(remaining),
+            REPULL: dg.MetadataValue.json(plan.repull),
+            "remaining_cities": dg.MetadataValue.json(plan.remaining),
+            "waiting_cities": dg.MetadataValue.json(plan.waiting),
         }
     )
 

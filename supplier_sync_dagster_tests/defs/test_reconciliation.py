@@ -1,6 +1,8 @@
 """Reconciliation through Dagster: the asset's table and numbers, the sensor's re-pull runs,
 the next reconciliation equal (its remaining differences counted, never re-pulled twice), and
-the reconciliation_diff alert a remaining difference starts and a repair clears."""
+the reconciliation_diff alert a remaining difference starts and a repair clears; a city that
+differs only by hotels with open dead-letter tickets waits on them (never re-pulled, never a
+remaining difference)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -22,7 +25,9 @@ from supplier_sync_dagster.defs.reconciliation import (
     hotel_catalog_reconciliation,
     reconciliation_repull_sensor,
 )
+from supplier_sync_dagster.defs.resources import SimulatedSupplierResource
 from supplier_sync_dagster.defs.triggers import TRIGGER_TAG
+from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
 from supplier_sync_dagster_tests.defs.test_incremental_sync import (
     full_sync_of_every_city,
     simulated_resources,
@@ -162,3 +167,79 @@ def test_a_differing_city_is_reported_repulled_by_the_sensor_and_then_equal(
     assert _reconcile(instance, db_url, tmp_path)["remaining_differences"] == 0
     assert _alert_round(instance, db_url, tmp_path).startswith("0 conditions hold")
     assert receiver.take() == [("RESOLVED", "reconciliation_diff")]
+
+
+class BadRecordsSupplier(SimulatedSupplierResource):
+    """The tests' simulated supplier with a share of records that break the contract."""
+
+    bad_record_rate: float = 0.03
+
+    def _connection(self) -> tuple[httpx.Client, str]:
+        config = SimulatorConfig(
+            seed=self.sim_seed,
+            n_cities=self.sim_cities,
+            total_hotels=self.sim_hotels,
+            day=self.sim_day,
+            faults=FaultProfile.clean().with_(bad_record_rate=self.bad_record_rate),
+        )
+        sim = Simulator(config)
+        return httpx.Client(base_url="http://sim", transport=sim.transport()), config.api_key
+
+
+def test_a_city_with_dead_lettered_hotels_waits_on_its_tickets_and_is_never_repulled(
+    db_url: str, tmp_path: Path, instance: dg.DagsterInstance
+):
+    bad = BadRecordsSupplier(sim_cities=4, sim_hotels=600, sim_profile="clean")
+    resources = {**simulated_resources(db_url, tmp_path, 0), "supplier": bad}
+    with bad.client() as client:
+        keys = [encode_city_key(c.city_code) for c in client.list_cities().data.cities]
+    instance.add_dynamic_partitions("supplier_city", keys)
+    synced = dg.materialize(
+        [city_sync],
+        instance=instance,
+        resources=resources,
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+    )
+    assert synced.success
+    d = schema.dead_letter.c
+    db = SyncDatabase.open(db_url)
+    try:
+        with db.engine.connect() as conn:
+            tickets: dict[str, int] = dict(
+                conn.execute(
+                    sa.select(d.city_code, sa.func.count(sa.distinct(d.supplier_resource_code)))
+                    .where(d.status.not_in(("RESOLVED", "IGNORED")))
+                    .group_by(d.city_code)
+                ).all()
+            )
+    finally:
+        db.dispose()
+    assert tickets
+
+    def reconciled() -> dict[str, Any]:
+        result = dg.materialize(
+            [hotel_catalog_reconciliation],
+            instance=instance,
+            resources={k: resources[k] for k in ("sync_db", "payloads", "supplier")},
+        )
+        assert result.success
+        (m,) = result.asset_materializations_for_node("hotel_catalog_reconciliation")
+        return {k: v.value for k, v in m.metadata.items()}
+
+    for _ in range(2):  # the second pass alike: no remaining difference either
+        meta = reconciled()
+        assert meta["cities_differing"] == 0 and meta["repull_cities"] == []
+        assert meta["remaining_differences"] == 0 and meta["remaining_cities"] == []
+        waiting = meta["waiting_cities"]
+        assert waiting and set(waiting) <= set(tickets)
+        assert meta["cities_waiting_on_tickets"] == len(waiting)
+        assert meta["hotels_waiting_on_tickets"] == sum(tickets[c] for c in waiting)
+    # The sensor has nothing to re-pull.
+    with (
+        dg.partition_loading_context(dynamic_partitions_store=instance),
+        dg.build_sensor_context(instance=instance, repository_def=repository()) as ctx,
+    ):
+        assert not reconciliation_repull_sensor.evaluate_tick(ctx).run_requests

@@ -27,6 +27,7 @@ Plain Python over SQLAlchemy Core; the Dagster asset checks and a city's sync (i
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -159,8 +160,9 @@ class GateThresholds:
         drift_absent_ratio: ...and as "absent" when fewer than this share have it.
             ``schema_drift`` fails for a field present before and absent now (disappeared),
             or absent before and present now (appeared).
-        max_volume_factor: An incremental window with more than this many times the
-            trailing median of its task's windows (``change_volume``) is held for review.
+        max_volume_factor: An incremental window whose change rate (changes per hour of
+            feed) is more than this many times the time-weighted median rate of its task's
+            latest windows (``change_volume``) is held for review.
         min_volume_records: ...if it has at least this many records (quiet hours swing).
         quiet_windows: This many successful incremental windows in a row without a change
             raise the ``no_changes`` alert.
@@ -576,56 +578,130 @@ def check_record_count(
     )
 
 
+@dataclass(frozen=True)
+class WindowVolume:
+    """An incremental window's volume: its changes and the stretch of the feed they came from.
+
+    Attributes:
+        records: Changes the window read.
+        seconds: Feed time the window covered: from where it began reading (its watermark
+            minus the overlap) to the newest change it read; a window that found nothing
+            newer than its watermark covered its overlap only.
+    """
+
+    records: int
+    seconds: float
+
+    @property
+    def hours(self) -> float:
+        """The covered feed time in hours (at least :data:`MIN_WINDOW_SECONDS`)."""
+        return max(self.seconds, MIN_WINDOW_SECONDS) / 3600.0
+
+    @property
+    def rate(self) -> float:
+        """Changes per hour of feed."""
+        return self.records / self.hours
+
+
+MIN_WINDOW_SECONDS = 1.0
+"""A window is at least this long: its changes share its watermark's second at worst."""
+MIN_BASELINE_WINDOWS = 3
+"""Earlier windows a ``change_volume`` baseline needs..."""
+MIN_BASELINE_SECONDS = 3600.0
+"""...and the feed time they must cover together: a few short polls are no baseline."""
+MIN_BASELINE_RATE = 1.0
+"""Changes per hour the baseline counts as at least (a silent feed's limit is not zero)."""
+
+
+def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The median of ``(value, weight)`` pairs: the value at half of the total weight (the
+    mean of the two values around an exact half). Zero weights count for nothing.
+
+    Raises:
+        ValueError: No pair has a positive weight.
+    """
+    ordered = sorted((v, w) for v, w in pairs if w > 0)
+    total = sum(w for _, w in ordered)
+    if not ordered:
+        raise ValueError("a weighted median needs a positive weight")
+    seen = 0.0
+    for i, (value, weight) in enumerate(ordered):
+        seen += weight
+        if math.isclose(seen, total / 2) and i + 1 < len(ordered):
+            return (value + ordered[i + 1][0]) / 2
+        if seen > total / 2:
+            return value
+    return ordered[-1][0]
+
+
 def check_change_volume(
-    records: int, history: Sequence[int], thresholds: GateThresholds
+    window: WindowVolume, history: Sequence[WindowVolume], thresholds: GateThresholds
 ) -> GateResult:
-    """``change_volume``: an incremental window's records against its task's trailing median.
+    """``change_volume``: an incremental window's change **rate** (changes per hour of the
+    feed it covered) against the time-weighted median rate of its task's latest windows.
 
     A supplier that suddenly reports a large share of its catalog as changed is more often
     broken (a re-import, a bulk edit gone wrong) than busy: such a window is held for review
     rather than published. WARN severity: the window is processed, its diffs wait for a
     person (``supplier-sync review``).
 
+    Windows differ in length (a poll minutes after the last one, a day's window, a backlog
+    after an outage), so their counts are not comparable; their rates are. Each earlier
+    window weighs as much as the feed time it covered: two quiet polls of a few minutes do
+    not drag down the baseline that a day's window set. (Per time of day would need weeks of
+    history in each hour's bucket, and a poll's window need not fit in one bucket.) The
+    baseline needs :data:`MIN_BASELINE_WINDOWS` windows covering
+    :data:`MIN_BASELINE_SECONDS` together; a window under ``min_volume_records`` passes (quiet
+    hours swing).
+
     Args:
-        records: Records in the window.
-        history: Records of the task's latest successful windows (newest first).
+        window: The window judged.
+        history: The task's latest successful windows (newest first).
         thresholds: The task's thresholds.
     """
+    covered = sum(w.seconds for w in history)
     meta: dict[str, Any] = {
-        "records": records,
+        "records": window.records,
+        "window_hours": round(window.hours, 4),
+        "rate_per_hour": round(window.rate, 3),
         "max_volume_factor": thresholds.max_volume_factor,
         "min_volume_records": thresholds.min_volume_records,
         "windows_in_baseline": len(history),
+        "baseline_hours": round(covered / 3600.0, 4),
     }
-    if len(history) < 3:
+    if len(history) < MIN_BASELINE_WINDOWS or covered < MIN_BASELINE_SECONDS:
         return _no_baseline(
             "change_volume",
-            f"{records} changes; fewer than 3 earlier windows (no baseline yet)",
+            f"{window.records} changes; the earlier windows ({len(history)}, "
+            f"{covered / 3600.0:.2f} h of feed) are fewer than {MIN_BASELINE_WINDOWS} or "
+            f"cover less than {MIN_BASELINE_SECONDS / 3600.0:g} h (no baseline yet)",
             meta,
             "WARN",
         )
-    ordered = sorted(history)
-    mid = len(ordered) // 2
-    median = float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    limit = max(median, 1.0) * thresholds.max_volume_factor
-    meta.update(trailing_median=median, limit=limit)
-    if records < thresholds.min_volume_records:
+    median = weighted_median([(w.rate, w.hours) for w in history])
+    limit = max(median, MIN_BASELINE_RATE) * thresholds.max_volume_factor
+    meta.update(trailing_median_rate=round(median, 3), limit_rate=round(limit, 3))
+    said = (
+        f"{window.records} changes in {window.hours:.2f} h of feed ({window.rate:.1f}/h) "
+        f"against a time-weighted median of {median:.1f}/h over {len(history)} windows "
+        f"({covered / 3600.0:.1f} h)"
+    )
+    if window.records < thresholds.min_volume_records:
         return GateResult(
             "change_volume",
             True,
             "WARN",
-            f"{records} changes: under {thresholds.min_volume_records}, the volume rule does "
-            "not apply",
+            f"{said}: under {thresholds.min_volume_records} changes, the volume rule does not "
+            "apply",
             meta,
         )
-    passed = records <= limit
+    passed = window.rate <= limit
     verdict = "within" if passed else "beyond"
     return GateResult(
         "change_volume",
         passed,
         "WARN",
-        f"{records} changes against a trailing median of {median:g} over {len(history)} "
-        f"windows: {verdict} {thresholds.max_volume_factor:g}x",
+        f"{said}: {verdict} {thresholds.max_volume_factor:g}x",
         meta,
     )
 

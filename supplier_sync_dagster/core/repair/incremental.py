@@ -28,10 +28,13 @@ events. Hotels of a window belong to their own cities (no listing city, nothing 
   first page whose next position lies beyond: a supplier that dates many changes ahead
   costs each window one page of dead letters, not the whole backlog.
 - **Anomaly gates**: the batch gates of a full sync (bad-record ratio, schema drift,
-  judged against the previous window) stop a window; a window far above the trailing
-  median of the task's windows (``change_volume``) is processed but every diff is held for
-  review (``supplier-sync review``); a run of ``quiet_windows`` successful windows without
-  a change is reported (``quiet_for``) for the alerts to pick up.
+  judged against the previous window) stop a window; a window whose change rate (changes
+  per hour of the feed it covered, from its start to its newest change) is far above the
+  time-weighted median rate of the task's latest windows (``change_volume``) is processed
+  but every diff is held for review (``supplier-sync review``): windows of any length
+  compare, and short quiet polls weigh as little as the time they cover; a run of
+  ``quiet_windows`` successful windows without a change is reported (``quiet_for``) for
+  the alerts to pick up.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import (
     ConfigError,
+    InvalidCheckpoint,
     NoBaseline,
     SupplierProtocolError,
 )
@@ -64,6 +68,7 @@ from supplier_sync_dagster.core.records.diff import HotelDiff, RiskPolicy
 from supplier_sync_dagster.core.records.gates import (
     GateResult,
     GateThresholds,
+    WindowVolume,
     apply_override,
     check_bad_record_ratio,
     check_change_volume,
@@ -113,7 +118,7 @@ WINDOW_MEMORY_HOTELS = 20_000
 # tables and their indexes; with fewer, larger ones, the pages they share (index pages, the
 # outbox's and the diff log's last pages) are written less often.
 WINDOW_PUBLISH_CHUNK_HOTELS = 2000
-# Successful windows the change_volume median is taken over.
+# Successful windows the change_volume baseline (a time-weighted median rate) is taken over.
 VOLUME_HISTORY = 12
 
 
@@ -203,6 +208,13 @@ class FeedPosition:
             },
             separators=(",", ":"),
         )
+
+    def covered_seconds(self) -> float:
+        """The feed time the window covered so far: from where it began reading to the
+        newest change it read (its overlap only, when nothing newer than its watermark)."""
+        if self.high is None:
+            return 0.0
+        return max(0.0, (self.high.updated_at - self.start).total_seconds())
 
     @classmethod
     def from_cursor(cls, text: str) -> FeedPosition:
@@ -507,9 +519,12 @@ class ChangeWindow:
             number += 1
 
     def publish_settings(self, report: CityReport, settings: SyncSettings) -> SyncSettings:
-        """Holds every diff for review when the window is far above its usual volume."""
+        """Holds every diff for review when the window's change rate is far above its
+        task's usual (``change_volume``)."""
+        with self.db.engine.connect() as conn:
+            pos = window_position(conn, self.batch_id)
         self.volume = check_change_volume(
-            report.records,
+            WindowVolume(report.records, 0.0 if pos is None else pos.covered_seconds()),
             window_history(self.db, self.settings.task_code, self.batch_id),
             self.thresholds,
         )
@@ -524,20 +539,9 @@ class ChangeWindow:
 
     def finish(self, conn: Connection, report: CityReport) -> None:
         """Moves the watermark to the highest change of the window (its last page's)."""
-        sh = schema.shard.c
-        text = conn.execute(
-            sa.select(sh.checkpoint).where(
-                sh.batch_id == self.batch_id, sh.shard_key == WINDOW_SHARD
-            )
-        ).scalar()
-        if text is None:
-            return
-        cursor = Checkpoint.from_json(text).cursor
-        if cursor is None:
-            return
-        pos = FeedPosition.from_cursor(cursor)
-        high = pos.high
-        if high is None:
+        pos = window_position(conn, self.batch_id)
+        high = None if pos is None else pos.high
+        if pos is None or high is None:
             return
         # The batch says where its window began and ended: a window that did not move the
         # watermark found nothing new (quiet_windows counts those).
@@ -561,19 +565,48 @@ class ChangeWindow:
         self.watermark = get_watermark(conn, self.settings.task_code)
 
 
-def window_history(db: SyncDatabase, task_code: str, batch_id: str) -> list[int]:
-    """Records of the task's latest successful windows before ``batch_id``, newest first."""
-    b = schema.batch.c
+def window_position(conn: Connection, batch_id: str) -> FeedPosition | None:
+    """Where a window's feed stands: its shard's checkpoint (None: no page checkpointed)."""
+    sh = schema.shard.c
+    text = conn.execute(
+        sa.select(sh.checkpoint).where(sh.batch_id == batch_id, sh.shard_key == WINDOW_SHARD)
+    ).scalar()
+    return _position(text)
+
+
+def _position(text: str | None) -> FeedPosition | None:
+    if text is None:
+        return None
+    cursor = Checkpoint.from_json(text).cursor
+    return None if cursor is None else FeedPosition.from_cursor(cursor)
+
+
+def window_history(db: SyncDatabase, task_code: str, batch_id: str) -> list[WindowVolume]:
+    """The task's latest successful windows before ``batch_id``, newest first: each one's
+    changes and the feed time it covered (a window whose checkpoint is unreadable is left
+    out: its length is unknown)."""
+    b, sh = schema.batch.c, schema.shard.c
     with db.engine.connect() as conn:
-        return [
-            int(n)
-            for n in conn.execute(
-                sa.select(b.total_count)
-                .where(b.task_code == task_code, b.status == "SUCCESS", b.batch_id != batch_id)
-                .order_by(b.id.desc())
-                .limit(VOLUME_HISTORY)
-            ).scalars()
-        ]
+        rows = conn.execute(
+            sa.select(b.total_count, sh.checkpoint)
+            .join(
+                schema.shard,
+                sa.and_(sh.batch_id == b.batch_id, sh.shard_key == WINDOW_SHARD),
+            )
+            .where(b.task_code == task_code, b.status == "SUCCESS", b.batch_id != batch_id)
+            .order_by(b.id.desc())
+            .limit(VOLUME_HISTORY)
+        ).all()
+    history = []
+    for records, checkpoint in rows:
+        try:
+            pos = _position(checkpoint)
+        except (ConfigError, InvalidCheckpoint) as err:
+            log.warning("task %s: a window's checkpoint is unreadable (%s)", task_code, err)
+            continue
+        if pos is not None:
+            history.append(WindowVolume(int(records), pos.covered_seconds()))
+    return history
 
 
 def quiet_windows(db: SyncDatabase, task_code: str, *, limit: int = 1000) -> int:

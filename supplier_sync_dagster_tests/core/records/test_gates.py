@@ -27,6 +27,8 @@ from supplier_sync_dagster.core.records.gates import (
     FieldCounts,
     GateResult,
     GateThresholds,
+    WindowVolume,
+    check_change_volume,
     evaluate_gates,
     failure_reason,
     gated_checks,
@@ -38,6 +40,7 @@ from supplier_sync_dagster.core.records.gates import (
     profile_records,
     record_city_profile,
     set_gate_thresholds,
+    weighted_median,
 )
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -720,3 +723,62 @@ def test_gated_city_publishes_nothing_until_overridden_then_publishes(
     assert done.status == "SUCCESS", done.error
     truth = sim.ground_truth()
     assert done.published == len(truth.valid) > 0
+
+
+# --- change_volume: rates against a time-weighted median (issue 40, item 7) -----------------
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+def test_weighted_median_weighs_each_value_by_its_weight():
+    assert weighted_median([(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)]) == 2.0
+    assert weighted_median([(1.0, 1.0), (3.0, 1.0)]) == 2.0  # an exact half: the mean
+    # Two light values do not outvote a heavy one, whatever their number.
+    assert weighted_median([(0.0, 0.1), (0.0, 0.1), (10.0, 24.0)]) == 10.0
+    assert weighted_median([(5.0, 0.0), (7.0, 2.0)]) == 7.0  # a zero weight counts for nothing
+    with pytest.raises(ValueError):
+        weighted_median([(5.0, 0.0)])
+
+
+def test_change_volume_judges_a_windows_rate_not_its_count():
+    t = GateThresholds()  # 5x, 100 changes
+    quiet = WindowVolume(0, 300.0)  # a poll that re-read its 5-minute overlap only
+    history = [quiet, quiet, WindowVolume(248, DAY)]
+    normal = check_change_volume(WindowVolume(256, DAY), history, t)
+    assert normal.passed, normal.description
+    assert normal.metadata["trailing_median_rate"] == round(248 / 24, 3)
+    assert "256 changes in 24.00 h of feed (10.7/h)" in normal.description
+    assert "time-weighted median of 10.3/h over 3 windows" in normal.description
+    # The same day after a one-hour window of 10 changes: a rate of 10.7/h, within 5x.
+    assert check_change_volume(WindowVolume(256, DAY), [WindowVolume(10, HOUR)] * 3, t).passed
+    # A spike: five times the day's changes in one day, or a day's changes in an hour.
+    assert not check_change_volume(WindowVolume(5 * 256, DAY), history, t).passed
+    held = check_change_volume(WindowVolume(256, HOUR), history, t)
+    assert not held.passed and "beyond 5x" in held.description
+    # Changes that share one second (a bulk re-date) are a spike, not a division by zero.
+    assert not check_change_volume(WindowVolume(150, 0.0), history, t).passed
+
+
+def test_change_volume_needs_a_baseline_of_enough_windows_and_feed_time():
+    t = GateThresholds()
+    spike = WindowVolume(10_000, HOUR)
+    two = check_change_volume(spike, [WindowVolume(10, DAY)] * 2, t)
+    assert two.passed and "no baseline yet" in two.description
+    # Three short quiet polls are no baseline for a day: nothing to compare with.
+    polls = check_change_volume(WindowVolume(256, DAY), [WindowVolume(0, 300.0)] * 3, t)
+    assert polls.passed and "no baseline yet" in polls.description
+    assert polls.metadata["baseline_hours"] == 0.25
+    # Under min_volume_records the rule does not apply, whatever the rate.
+    small = check_change_volume(WindowVolume(99, 1.0), [WindowVolume(10, DAY)] * 3, t)
+    assert small.passed and "under 100 changes" in small.description
+    # A silent feed's baseline is one change an hour, not zero.
+    silent = [WindowVolume(0, DAY)] * 3
+    assert check_change_volume(WindowVolume(110, DAY), silent, t).passed  # 4.6/h <= 5/h
+    assert not check_change_volume(WindowVolume(130, DAY), silent, t).passed  # 5.4/h
+
+
+def test_one_spike_in_the_history_does_not_raise_the_baseline():
+    t = GateThresholds()
+    history = [WindowVolume(5_000, HOUR)] + [WindowVolume(240, DAY)] * 4
+    assert not check_change_volume(WindowVolume(1_000, 2 * HOUR), history, t).passed

@@ -317,39 +317,76 @@ def test_a_window_killed_mid_way_resumes_from_its_checkpoint_and_publishes_each_
     assert [s.status for s in shards] == ["SUCCESS"]
 
 
-def test_a_window_far_above_its_usual_volume_is_held_for_review(
-    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
-):
+def _volume_thresholds(db: SyncDatabase, **kw: Any) -> None:
     upsert_task(db, TaskSpec(task_code=TASK, supplier_id=1001, sync_mode="INCREMENTAL"))
     with db.begin() as conn:
         set_gate_thresholds(
-            conn,
-            db.clock,
-            task_code=TASK,
-            thresholds=GateThresholds(max_volume_factor=3.0, min_volume_records=5),
-            updated_by="test",
+            conn, db.clock, task_code=TASK, thresholds=GateThresholds(**kw), updated_by="test"
         )
-    _start_at(db, 0)
-    at = 0
-    for i in range(3):  # three ordinary windows of 2 changes
-        for _ in range(2):
-            at += 10
-            feed.change(hotel(int(at), at=at))
-        assert _run(db, store, client, f"normal{i}", overlap_seconds=0).held is False
-    for _ in range(20):
-        at += 10
+
+
+def _changes(feed: Feed, at: float, n: int, every: float) -> float:
+    """``n`` new hotels changed ``every`` seconds after ``at``; returns the last time."""
+    for _ in range(n):
+        at += every
         feed.change(hotel(int(at), at=at))
+    return at
+
+
+def test_a_window_far_above_its_usual_rate_is_held_for_review(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    _volume_thresholds(db, max_volume_factor=3.0, min_volume_records=5)
+    _start_at(db, 0)
+    at = 0.0
+    for i in range(3):  # three ordinary windows: 2 changes in 20 minutes (6 an hour)
+        at = _changes(feed, at, 2, 600)
+        assert _run(db, store, client, f"normal{i}", overlap_seconds=0).held is False
+    # A busy stretch at the usual rate is no anomaly, however many changes it holds...
+    at = _changes(feed, at, 20, 600)
+    busy = _run(db, store, client, "busy", overlap_seconds=0)
+    assert busy.held is False and busy.report.published == 20
+    assert busy.volume is not None and busy.volume.metadata["rate_per_hour"] == 6
+    # ...20 changes in 20 seconds (3,600 an hour) are.
+    at = _changes(feed, at, 20, 1)
     window = _run(db, store, client, "burst", overlap_seconds=0)
     assert window.held and window.report.held_for_review == 20
     assert window.report.published == 0
-    assert window.volume is not None and window.volume.metadata["trailing_median"] == 2
+    assert window.volume is not None and window.volume.metadata["trailing_median_rate"] == 6
+    assert "beyond 3x" in window.volume.description
     # Held is processed: the watermark moved, and a person's approval publishes them.
     assert window.watermark_after is not None
     assert window.watermark_after.updated_at == T0 + timedelta(seconds=at)
     approve_reviews(
         db, review_ids=None, who="ops", reason="a real bulk update", batch_id=window.batch.batch_id
     )
-    assert len(_published(db)) == 26
+    assert len(_published(db)) == 46
+
+
+def test_short_quiet_polls_do_not_drag_down_the_baseline_of_a_normal_day(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, feed: Feed
+):
+    # The issue's case at the defaults (5x, 100 changes): a day of 248 changes, two quiet
+    # polls minutes later, a day of 256 changes. By count, the median of (248, 0, 0) is 0
+    # and 253 diffs were held; by rate the day sets the baseline.
+    _volume_thresholds(db)
+    _start_at(db, 0)
+    day = 86_400.0
+    at = _changes(feed, 0.0, 248, day / 248)
+    first = _run(db, store, client, "day1", limit=1000)
+    assert first.report.published == 248
+    for i in range(2):
+        quiet = _run(db, store, client, f"quiet{i}", limit=1000)
+        assert quiet.report.published == 0 and not quiet.held
+    at = _changes(feed, at, 256, day / 256)
+    normal = _run(db, store, client, "day2", limit=1000)
+    assert normal.volume is not None and normal.volume.passed, normal.volume
+    assert not normal.held and normal.report.published == 256
+    assert normal.volume.metadata["windows_in_baseline"] == 3
+    # A real spike after them is still held: a day's changes within an hour.
+    _changes(feed, at, 300, 10)
+    spike = _run(db, store, client, "spike", limit=1000)
+    assert spike.held and spike.report.held_for_review == 300
 
 
 def test_a_bad_record_becomes_a_dead_letter_and_the_rest_publishes(
