@@ -169,7 +169,8 @@ def retire_cities(
         plan: From :func:`plan_retirement`.
         supplier_id: The supplier.
         batch_id: The full batch that saw the cities unlisted (an unpublished hotel's
-            ``last_batch_id``; one miss per batch and city).
+            ``last_batch_id``; one miss per batch and city, none for a city the batch
+            synced completely: it was listed then).
         task_code: The batch's task (its tickets name it).
         sync_mode: The batch's mode.
         missing_syncs: Batches without a city before its hotels are unpublished.
@@ -178,7 +179,7 @@ def retire_cities(
     with db.begin() as conn:
         at = db.clock.read(conn)
         for city in plan.retire:
-            if _retired_in(conn, supplier_id, city, batch_id):
+            if _listed_in(conn, batch_id, city) or _retired_in(conn, supplier_id, city, batch_id):
                 continue
             presence = record_presence(
                 conn,
@@ -261,6 +262,16 @@ def file_city_not_found(
 
 def _target(supplier_id: int, city: str) -> str:
     return f"{supplier_id}:{city}"[:128]
+
+
+def _listed_in(conn: Connection, batch_id: str, city: str) -> bool:
+    """Whether the batch synced the city completely: it was listed then, and counts no miss
+    (a batch from before the drop, seen by the discovery sensor)."""
+    sh = schema.shard.c
+    status = conn.execute(
+        sa.select(sh.status).where(sh.batch_id == batch_id, sh.shard_key == city)
+    ).scalar()
+    return status == "SUCCESS"
 
 
 def _retired_in(conn: Connection, supplier_id: int, city: str, batch_id: str) -> bool:
