@@ -3,7 +3,9 @@ account's active set, and comes back with the city.
 
 Deleting a dynamic partition keeps its materializations in the event log: the UI still shows
 the city's history, and a range run or a schedule no longer asks for it. The city discovery
-sensor and ``sync --full`` both use it.
+sensor, ``sync --full`` and the city sync's runs (a scheduled run, a backfill, a run from
+the UI, when one of their cities answered 404) all use it: a dropped city fails one run at
+most, never every run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dagster as dg
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.batches import list_batches
 from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.retire import (
     Retirement,
     RetirePlan,
@@ -82,3 +85,28 @@ def retire_against_latest_full(
     return retire_cities(
         db, plan, supplier_id=supplier_id, batch_id=batches[0].batch_id, task_code=task_code
     )
+
+
+def retire_unlisted(
+    instance: dg.DagsterInstance,
+    db: SyncDatabase,
+    scope: AccountScope,
+    client: SupplierClient,
+    *,
+    supplier_id: int,
+    task_code: str,
+    batch_id: str,
+) -> RetirePlan:
+    """After a run in which a city answered 404: asks the supplier for its city list once,
+    retires the cities it no longer lists against the run's batch and removes their
+    partitions, so that the next run does not ask for them.
+
+    Raises:
+        EmptyCityList: The supplier listed no city (nothing retires).
+        SupplierError: The city list could not be read.
+    """
+    codes = [c.city_code for c in client.list_cities().data.cities]
+    plan = plan_for(instance, db, scope, supplier_id=supplier_id, listed=codes)
+    retire_cities(db, plan, supplier_id=supplier_id, batch_id=batch_id, task_code=task_code)
+    drop_partitions(instance, scope, retiring_keys(instance, scope, plan))
+    return plan

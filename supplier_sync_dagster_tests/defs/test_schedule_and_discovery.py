@@ -12,11 +12,15 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
 from supplier_sync_dagster.defs.city_discovery_sensor import city_discovery_sensor
+from supplier_sync_dagster.defs.city_sync import build_city_sync
 from supplier_sync_dagster.defs.full_sync_schedule import nightly_full_sync
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, decode_city_key, encode_city_key
 from supplier_sync_dagster.defs.resources import (
+    GovernanceResource,
     HttpSupplierResource,
+    PayloadStoreResource,
     SimulatedSupplierResource,
     SyncDatabaseResource,
 )
@@ -153,3 +157,50 @@ def test_the_sensor_retires_a_dropped_city_and_brings_it_back(
             empty.skip_reason.skip_message
         )
         assert _cities() == before
+
+
+def _nightly(instance: dg.DagsterInstance, db_url: str, url: str, day: int, payloads: str) -> bool:
+    """The nightly schedule's run request of ``day``, executed as the daemon would."""
+    when = datetime(2026, 12, day, 2, 0, tzinfo=UTC)
+    with dg.build_schedule_context(instance=instance, scheduled_execution_time=when) as ctx:
+        run = nightly_full_sync(ctx)
+    assert isinstance(run, dg.RunRequest)
+    result = dg.materialize(
+        [build_city_sync(DEFAULT_SCOPE)],
+        instance=instance,
+        resources={
+            "sync_db": SyncDatabaseResource(db_url=db_url),
+            "payloads": PayloadStoreResource(url=payloads),
+            "supplier": HttpSupplierResource(base_url=url, api_key=SIM_API_KEY),
+            "governance": GovernanceResource(),
+        },
+        tags=run.tags,
+        raise_on_error=False,
+    )
+    return result.success
+
+
+@pytest.mark.usefixtures("cli_home")
+def test_a_scheduled_run_fails_a_dropped_city_once_then_it_is_retired(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without the discovery sensor: the nightly range run meets the dropped city's 404 once,
+    retires it (partition out, ticket closed), and the next night's run succeeds."""
+    sim = simulator(n_cities=4)
+    listed = sim.ground_truth().listed_by_city
+    city = max(listed, key=lambda c: len(listed[c]))
+    payloads = f"file://{tmp_path / 'payloads'}"
+    d = schema.dead_letter.c
+    with supplier(sim, monkeypatch) as url:
+        assert sync(capsys, db_url).code == 0  # day 0: the partitions and the catalog
+        sim.set_modes(["dropped_city"], [city])
+        with dagster_instance() as instance:
+            assert not _nightly(instance, db_url, url, 1, payloads)
+            assert city not in _cities() and len(_cities()) == 3
+            found = query(db_url, sa.select(d.error_code, d.status).where(d.city_code == city))
+            # The 404 is a person's ticket, closed by the retirement: nothing retries it.
+            assert found == [("CITY_NOT_FOUND", "IGNORED")]
+            assert _misses(db_url, city) == {1}
+            assert _nightly(instance, db_url, url, 2, payloads)
+    assert _misses(db_url, city) == {1}  # the run no longer sees the city: the CLI or the
+    # sensor counts the next miss against the next full batch
