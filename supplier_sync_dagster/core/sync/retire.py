@@ -33,6 +33,7 @@ import json
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -225,6 +226,22 @@ def retire_cities(
     return out
 
 
+def retired_at(conn: Connection, supplier_id: int | None = None) -> dict[str, datetime]:
+    """City -> when it last retired (the supplier's, or every supplier's when None): a city
+    retired after its last successful sync is not stale, it is gone."""
+    a = schema.audit.c
+    out: dict[str, datetime] = {}
+    for target, at in conn.execute(
+        sa.select(a.target_id, sa.func.max(a.created_at))
+        .where(a.target_type == "city", a.action == RETIRE_ACTION)
+        .group_by(a.target_id)
+    ):
+        supplier, _, city = str(target).partition(":")
+        if supplier_id is None or supplier == str(supplier_id):
+            out[city] = max(at, out.get(city, at))
+    return out
+
+
 def file_city_not_found(
     db: SyncDatabase,
     *,
@@ -380,4 +397,5 @@ __all__ = [
     "plan_retirement",
     "retire_cities",
     "retire_limit",
+    "retired_at",
 ]

@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import EmptyCityList
+from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.leasing.batches import (
     TaskSpec,
     create_batch,
@@ -242,3 +243,19 @@ def test_an_empty_city_list_retires_nothing_and_is_an_error(
     with pytest.raises(EmptyCityList, match="listed no city"):
         plan_retirement(db, supplier_id=SUPPLIER, listed=[], partitions=list(synced.cities))
     assert all(city_hotels(db, c) == {("ACTIVE", 0)} for c in synced.cities)
+
+
+def test_a_retired_city_is_not_stale_until_it_syncs_again(
+    db: SyncDatabase, store: LocalPayloadStore, client: SupplierClient, synced: Listing
+) -> None:
+    assert "CNX" in sync_health(db, task_code="full", supplier_id=SUPPLIER).city_lag_hours
+    listed = [c for c in synced.cities if c != "CNX"]
+    plan = plan_retirement(db, supplier_id=SUPPLIER, listed=listed)
+    retire_cities(db, plan, supplier_id=SUPPLIER, batch_id=fresh_batch(db), task_code="full")
+    lags = sync_health(db, task_code="full", supplier_id=SUPPLIER).city_lag_hours
+    assert "CNX" not in lags and set(listed) <= set(lags)
+    # Another supplier's retirement of a city of the same code changes nothing here.
+    assert "CNX" in sync_health(db, task_code="full", supplier_id=2002).city_lag_hours
+    db.clock.advance(1)  # its next sync finishes after the retirement
+    sync_all(db, store, client, ["CNX"])
+    assert "CNX" in sync_health(db, task_code="full", supplier_id=SUPPLIER).city_lag_hours
