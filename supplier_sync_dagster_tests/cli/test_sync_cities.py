@@ -125,3 +125,22 @@ def test_an_empty_city_list_retires_nothing_and_fails_in_one_line(
     assert "EMPTY_CITY_LIST" in line
     assert partitions() == before
     assert all(statuses(db_url, c) == {(LIVE, 0)} for c in before)
+
+
+def test_cities_with_hostile_codes_retire_and_return_by_their_exact_code(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = simulator(faults={"hostile_city_codes": True})
+    dropped = ["../../etc", "a|b"]
+    assert set(dropped) <= set(sim.city_codes())
+    with supplier(sim, monkeypatch):
+        ok(sync(capsys, db_url))
+        everyone = partitions()
+        sim.set_modes(["dropped_city"], dropped)
+        ok(sync(capsys, db_url))
+        assert partitions() == everyone - set(dropped)
+        assert all(statuses(db_url, c) == {(LIVE, 1)} for c in dropped)
+        sim.set_modes([])
+        ok(sync(capsys, db_url))
+    assert partitions() == everyone
+    assert all(statuses(db_url, c) == {(LIVE, 0)} for c in dropped)
