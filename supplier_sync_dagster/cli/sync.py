@@ -162,6 +162,7 @@ def _full_sync(
     cities: list[str] | None = None,
     trigger_id: str | None = None,
     signals: sync_runner.SignalLog | None = None,
+    retire_dropped: bool = False,
 ) -> sync_runner.SyncSummary:
     """A full sync through Dagster of the supplier's cities (only ``cities``, when given),
     with progress on stderr unless the output is JSON."""
@@ -175,6 +176,7 @@ def _full_sync(
         cities=cities,
         scope=scope,
         signals=signals,
+        retire_dropped=retire_dropped,
     )
 
 
@@ -248,6 +250,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 trigger_id=args.trigger_id,
                 signals=signals,
+                retire_dropped=args.retire_dropped_cities,
             )
         except SyncInterrupted as err:
             # Before its run started, or after it ended: no city is in flight.

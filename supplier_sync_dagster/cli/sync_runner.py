@@ -49,6 +49,7 @@ from supplier_sync_dagster.core.records.gates import GATED_PREFIX, gate_check_na
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import state_dir
+from supplier_sync_dagster.core.sync.retire import RetirePlan, held_line, retire_cities
 from supplier_sync_dagster.core.sync.run import refusal_line, refuse_trigger
 from supplier_sync_dagster.core.sync.stop import INTERRUPTS, SignalWatch
 from supplier_sync_dagster.core.sync.tasks import require_enabled
@@ -56,6 +57,7 @@ from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.run_launcher import WORKER_HOST_TAG
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED
+from supplier_sync_dagster.defs.city_retirement import drop_partitions, plan_for, retiring_keys
 from supplier_sync_dagster.defs.city_sync import api_key_setting, build_city_sync
 from supplier_sync_dagster.defs.incremental_sync import (
     CHANGE_FEED,
@@ -111,6 +113,10 @@ class SyncSummary:
     # what a refused key's or an unreachable supplier's line names
     key_setting: str = ""
     supplier_address: str = ""
+    # cities the supplier no longer lists: retired (partition out of the active set, hotels
+    # through the tombstone grace), or held by the mass-drop guard for a person
+    retired_cities: list[str] = field(default_factory=list)
+    held_cities: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         """The summary as one JSON object."""
@@ -186,6 +192,8 @@ class SyncSummary:
                 f"({_some(self._gate_checks())}); see supplier-sync gate show --batch "
                 f"{self.batch_id} --city {shlex.quote(first)}"
             )
+        if self.held_cities:
+            parts.append(held_line(self.held_cities))
         if parts:
             return "; ".join(parts)
         if self.status != "SUCCESS":
@@ -223,6 +231,9 @@ class SyncSummary:
         for what, cities in (("gated", self._gate_checks()), ("failed", self.failed_cities)):
             if cities:
                 lines.append(f"{what} cities: ".ljust(22) + _some(cities, limit=10))
+        for what, listed in (("retired", self.retired_cities), ("held", self.held_cities)):
+            if listed:
+                lines.append(f"{what} cities: ".ljust(22) + ", ".join(listed[:10]))
         if self.error:
             lines.append(f"batch error: {self.error}")
         if self.dagster_run_id:  # a trigger refused before its run has none
@@ -310,13 +321,19 @@ def run_full_sync(
     cities: Sequence[str] | None = None,
     scope: AccountScope = DEFAULT_SCOPE,
     signals: SignalLog | None = None,
+    retire_dropped: bool = False,
 ) -> SyncSummary:
     """Syncs every city of the supplier in one Dagster run and returns the summary.
 
     With ``cities``, only those (a reconciliation's re-pull): one run per city, all of one
     trigger (one batch). ``scope`` is the account whose assets the run materializes (its
     supplier resource is ``supplier``). A supplier that fails the city list (refuses the
-    key, cannot be reached) gets the trigger a FAILED batch and no run.
+    key, cannot be reached, lists no city) gets the trigger a FAILED batch and no run.
+
+    Without ``cities``, the cities the supplier no longer lists retire
+    (``core.sync.retire``): their partitions leave the range before the run, their hotels
+    count a miss against the run's batch after it; a mass drop is held unless
+    ``retire_dropped``.
 
     Raises:
         TaskDisabled: The task is DISABLED (nothing is launched).
@@ -335,10 +352,14 @@ def run_full_sync(
     with dagster_instance() as instance:
         trigger_id = trigger_id or new_trigger_id()
         started = time.perf_counter()
+        plan: RetirePlan | None = None
         if cities is None:
             try:
                 with supplier.client() as client:
                     codes = [c.city_code for c in client.list_cities().data.cities]
+                plan = _retire_partitions(instance, sync_db, supplier, scope, codes, retire_dropped)
+                # Held cities stay active: each answers 404 in the run, a ticket for a person.
+                codes += plan.held
             except SupplierError as err:
                 return _refused(sync_db, supplier, scope, trigger_id, err, started)
         else:
@@ -392,8 +413,56 @@ def run_full_sync(
                 "interrupted" if was_interrupted(result) else ""
             )
         _where(summary, supplier, scope)
+        if plan is not None and summary.batch_id and not summary.interrupted:
+            _retire(db, supplier, plan, summary)
         db.dispose()
         return summary
+
+
+def _retire_partitions(
+    instance: dg.DagsterInstance,
+    sync_db: SyncDatabaseResource,
+    supplier: SupplierResource,
+    scope: AccountScope,
+    codes: Sequence[str],
+    allow_mass_drop: bool,
+) -> RetirePlan:
+    """The retirement plan of the supplier's city list; the partitions of the cities that
+    retire leave the active set before the run (their history stays).
+
+    Raises:
+        EmptyCityList: The supplier listed no city (nothing retires, nothing runs).
+    """
+    db = SyncDatabase.open(sync_db.db_url)
+    try:
+        plan = plan_for(
+            instance,
+            db,
+            scope,
+            supplier_id=supplier.supplier_id,
+            listed=codes,
+            allow_mass_drop=allow_mass_drop,
+        )
+    finally:
+        db.dispose()
+    drop_partitions(instance, scope, retiring_keys(instance, scope, plan))
+    return plan
+
+
+def _retire(
+    db: SyncDatabase, supplier: SupplierResource, plan: RetirePlan, summary: SyncSummary
+) -> None:
+    """Retires the plan's cities against the sync's batch (their hotels count a miss), and
+    files the ticket of a held drop; the summary names them."""
+    retire_cities(
+        db,
+        plan,
+        supplier_id=supplier.supplier_id,
+        batch_id=summary.batch_id,
+        task_code=supplier.task_code,
+    )
+    summary.retired_cities = list(plan.retire)
+    summary.held_cities = list(plan.held)
 
 
 def _refused(

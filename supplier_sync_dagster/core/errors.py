@@ -40,6 +40,8 @@ The tree::
         ├── SupplierAuthError         401/403: wrong, missing or revoked key; never retried, stop, alert
         ├── SupplierBadRequest        400 (or another unexpected 4xx): a bug or bad config; no retry
         ├── SupplierNotFound          404: unknown city or hotel; no retry
+        │   └── CityNotFound          404 on a city: the supplier no longer lists it (it retires)
+        ├── EmptyCityList             the supplier's city list is empty: nothing is retired
         ├── CursorExpired             410 CURSOR_EXPIRED: fall back to page numbers
         ├── CircuitOpen               the supplier's circuit breaker is open: nothing was sent
         ├── RateLimiterUnavailable    the shared rate-limit store (Redis) cannot be reached
@@ -250,6 +252,16 @@ class SupplierBadRequest(SupplierError, code="SUPPLIER_BAD_REQUEST"):
 
 class SupplierNotFound(SupplierError, code="SUPPLIER_NOT_FOUND"):
     """404: the supplier does not know this city or hotel. Not retried."""
+
+
+class CityNotFound(SupplierNotFound, code="CITY_NOT_FOUND"):
+    """404 on a city's listing or summary: the supplier no longer serves the city. Not retried;
+    a city its list lacks too is retired (``core.sync.retire``)."""
+
+
+class EmptyCityList(SupplierError, code="EMPTY_CITY_LIST"):
+    """The supplier's city list is empty. A supplier that lost every city is far likelier
+    broken than out of business: no city is retired on it, and the sync says so."""
 
 
 class CursorExpired(SupplierError, code="CURSOR_EXPIRED"):

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import dagster as dg
 
 from supplier_sync_dagster.core.errors import (
+    CityNotFound,
     SupplierError,
     SyncInterrupted,
     TaskDisabled,
@@ -40,6 +41,8 @@ from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.settings import env_name, load_settings
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync.model import SyncSettings
+from supplier_sync_dagster.core.sync.retire import held_line
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
     RunPlan,
@@ -64,6 +67,7 @@ from supplier_sync_dagster.defs.city_keys import (
     PUBLISHED,
     RAW,
 )
+from supplier_sync_dagster.defs.city_retirement import retire_unlisted
 from supplier_sync_dagster.defs.partitions import decode_city_key
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncResources
 from supplier_sync_dagster.defs.triggers import refused, trigger_of
@@ -261,6 +265,8 @@ def _sync_cities(
                     )
                     progress.show(context, db, plan.batch.batch_id)
             progress.show(context, db, plan.batch.batch_id, final=True)
+            if client is not None and any(o.report.error_code == CITY_GONE for o in outcomes):
+                _retire_unlisted(context, scope, db, client, settings, plan.batch.batch_id)
             if client is not None:
                 # The worker processes' requests come with their cities' outcomes.
                 requests += client.stats().requests
@@ -282,6 +288,39 @@ def _sync_cities(
     failure = _not_published(outcomes, plan, request)
     if failure is not None:
         raise failure
+
+
+CITY_GONE = CityNotFound.error_code
+
+
+def _retire_unlisted(
+    context: dg.AssetExecutionContext,
+    scope: AccountScope,
+    db: SyncDatabase,
+    client: SupplierClient,
+    settings: SyncSettings,
+    batch_id: str,
+) -> None:
+    """A city of the run answered 404: the cities the supplier no longer lists retire (their
+    partitions leave the active set), so a dropped city fails this run only. Never fails
+    the run itself: the next one, or the discovery sensor, tries again."""
+    try:
+        plan = retire_unlisted(
+            context.instance,
+            db,
+            scope,
+            client,
+            supplier_id=settings.supplier_id,
+            task_code=settings.task_code,
+            batch_id=batch_id,
+        )
+    except Exception as err:  # the run's outcome is its cities'; this is housekeeping
+        context.log.warning(f"could not retire the cities no longer listed: {err}")
+        return
+    if plan.retire:
+        context.log.info(f"retired (no longer listed by the supplier): {', '.join(plan.retire)}")
+    if plan.held:
+        context.log.warning(held_line(plan.held))
 
 
 def _run_request(

@@ -24,6 +24,7 @@ MODES: tuple[str, ...] = (
     "unauthorized",
     "future_timestamp",
     "drift",
+    "dropped_city",
 )
 """The named misbehaviours (``FaultProfile.modes``); ``simulator.modes`` says what each does."""
 

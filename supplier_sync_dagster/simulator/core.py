@@ -374,6 +374,7 @@ class Simulator:
             ValueError: an unknown mode name.
         """
         self._modes = ActiveModes.of(names, cities or [])
+        self._cities_body = None  # the city list follows ``dropped_city``
 
     @property
     def refuses_connections(self) -> bool:
@@ -402,6 +403,39 @@ class Simulator:
         return found
 
     def _with_modes(self, truth: GroundTruth, at: int) -> GroundTruth:
+        return self._without_dropped(self._shifted(truth, at))
+
+    def _without_dropped(self, truth: GroundTruth) -> GroundTruth:
+        """The truth without the hotels of ``dropped_city`` cities: the supplier serves none."""
+        dropped = {c for c in truth.listed_by_city if self._modes.on("dropped_city", c)}
+        if "dropped_city" not in self._modes.names or not dropped:
+            return truth
+        gone = {h for c in dropped for h in truth.listed_by_city[c]}
+        gone |= {h for c in dropped for h in truth.valid_by_city.get(c, {})}
+
+        def keep(ids: Mapping[str, Any]) -> dict[str, Any]:
+            return {h: v for h, v in ids.items() if h not in gone}
+
+        return dataclasses.replace(
+            truth,
+            valid=keep(truth.valid),
+            bad=keep(truth.bad),
+            moved=keep(truth.moved),
+            versions=keep(truth.versions),
+            valid_by_city={
+                c: keep(ids) for c, ids in truth.valid_by_city.items() if c not in dropped
+            },
+            listed_by_city={
+                c: tuple(h for h in ids if h not in gone)
+                for c, ids in truth.listed_by_city.items()
+                if c not in dropped
+            },
+            inactive=truth.inactive - gone,
+            price_shocks=truth.price_shocks - gone,
+        )
+
+    def _shifted(self, truth: GroundTruth, at: int) -> GroundTruth:
+        """The truth with the ``drift`` shifts and the hotels the modes break."""
         drifts = self._drift.all()
         victims = self._victims(at)
         if not drifts and not victims:
@@ -681,9 +715,17 @@ class Simulator:
         except paths.PathError as err:
             raise _HttpError(400, "INVALID_CITY_CODE", str(err)) from None
         city = self.world.city_by_code(code)
-        if city is None:
+        if city is None or self._modes.on("dropped_city", city.code):
             raise _HttpError(404, "CITY_NOT_FOUND", "unknown city")
         return city
+
+    def _dropped(self, num: int) -> bool:
+        """Whether hotel ``num``'s city is dropped (``dropped_city``)."""
+        if "dropped_city" not in self._modes.names:
+            return False
+        index = num // data.HOTELS_PER_CITY_SPAN
+        cities = self.world.cities
+        return index < len(cities) and self._modes.on("dropped_city", cities[index].code)
 
     def _cities(self, at: int) -> bytes:
         cached = self._cities_body
@@ -699,6 +741,7 @@ class Simulator:
                 "updated_at": updated,
             }
             for c in self.world.cities
+            if not self._modes.on("dropped_city", c.code)
         ]
         body = _json({"cities": cities, "total": len(cities)})
         self._cities_body = (at, body)
@@ -897,6 +940,8 @@ class Simulator:
         return SimResponse(200, body=self._render(listed, h, day, self._victims(at)))
 
     def _find_hotel(self, num: int, at: int) -> tuple[City, data.Hotel] | None:
+        if self._dropped(num):
+            return None
         drift = self._drift.get(num // data.HOTELS_PER_CITY_SPAN)
         if drift is not None and num in drift.removed:
             return None
@@ -930,6 +975,7 @@ class Simulator:
                 "since": data.rfc3339(last_key // data.CHANGE_KEY_SPAN),
                 "after_id": data.hotel_id(chosen[-1]),
             }
+        chosen = [n for n in chosen if not self._dropped(n)]
         if "future_timestamp" in self._modes.names:
             # A record dated 2099 sorts after every real change, whenever it changed.
             future = {n for n, kind in self._victims(at).items() if kind == modes.FUTURE_TIMESTAMP}

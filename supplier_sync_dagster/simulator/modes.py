@@ -22,11 +22,14 @@ when empty; then the change feed too):
 ``drift``           cursors always expire, and each page asked by number from page 2 on first
                     removes the city's first hotel and adds one at its end (``drift_shifts``
                     times): page numbers shift under the walk while the counts stay equal
+``dropped_city``    the supplier stops serving the city: ``/v1/cities`` lacks it, and its
+                    listing, summary and hotels answer 404 (``CITY_NOT_FOUND``,
+                    ``HOTEL_NOT_FOUND``); the change feed leaves its hotels out
 ==================  ==========================================================================
 
 The ground truth (``Simulator.ground_truth``) follows the modes: a ``bad_bytes`` hotel is bad
 (``INVALID_UTF8``), a ``future_timestamp`` one bad (``FUTURE_TIMESTAMP``), a drifted city lists
-what it lists after its shifts.
+what it lists after its shifts, a dropped city is not there at all.
 """
 
 from __future__ import annotations

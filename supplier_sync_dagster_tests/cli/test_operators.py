@@ -268,9 +268,8 @@ def test_compensate_resyncs_a_city_that_failed_and_resolves_its_ticket(
     sim = simulator()
     broken = sim.ground_truth().listed_by_city
     city = sorted(c for c, listed in broken.items() if listed)[0]
-    sim.config = dataclasses.replace(
-        sim.config, faults=FaultProfile(unlisted_hotels_city_codes=(city,))
-    )
+    # Its shard of the supplier is down (503): retryable, unlike a 404 (CITY_NOT_FOUND).
+    sim.config = dataclasses.replace(sim.config, faults=FaultProfile(failing_city_codes=(city,)))
     with supplier(sim, monkeypatch):
         failed = sync(capsys, db_url)
         assert failed.code == 1  # the other cities published; this one failed

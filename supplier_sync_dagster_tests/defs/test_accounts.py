@@ -184,7 +184,10 @@ def test_accounts_sync_apart_into_one_catalog_per_supplier(suppliers_file: Path,
 def test_discovery_adds_the_accounts_own_partitions(suppliers_file: Path, tmp_path: Path):
     scope = {s.code: s for s in account_scopes()}["globex.main"]
     sensor = build_city_discovery_sensor(scope)
-    resources = {scope.supplier_key: account_supplier(load_settings(), scope)}
+    resources = {
+        scope.supplier_key: account_supplier(load_settings(), scope),
+        "sync_db": SyncDatabaseResource(db_url=f"sqlite:///{tmp_path / 'sync.db'}"),
+    }
     with (
         dg.instance_for_test() as instance,
         dg.build_sensor_context(instance=instance, resources=resources) as ctx,

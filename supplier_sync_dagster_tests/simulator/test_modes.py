@@ -239,3 +239,43 @@ def test_simulate_command_serves_a_mode() -> None:
         timeout=60,
     )
     assert bad.returncode != 0 and "unknown fault mode" in bad.stderr and "drift" in bad.stderr
+
+
+def test_dropped_city_leaves_the_city_list_and_answers_404_for_its_hotels() -> None:
+    sim, city = _moded("dropped_city")
+    hotel = make_sim().ground_truth().listed_by_city[city][0]
+    other = next(c for c in sim.city_codes() if c != city)
+    with sim.client() as c:
+        listed = [x["city_code"] for x in c.get("/v1/cities").json()["cities"]]
+        listing = c.get(hotels_url(city))
+        summary = c.get(f"{hotels_url(city)[: -len('/hotels')]}/summary")
+        detail = c.get(f"/v1/hotels/{hotel}")
+        changes = c.get(
+            "/v1/hotels/changes", params={"since": "2020-01-01T00:00:00Z", "limit": 1000}
+        ).json()["changes"]
+        assert c.get(hotels_url(other)).json()["hotels"]  # the other cities are served
+    assert city not in listed and other in listed
+    assert listing.status_code == summary.status_code == detail.status_code == 404
+    assert listing.json()["error"]["code"] == "CITY_NOT_FOUND"
+    assert all(h["city_code"] != city for h in changes)
+    truth = sim.ground_truth()
+    assert city not in truth.listed_by_city and city not in truth.valid_by_city
+    assert hotel not in truth.versions
+
+
+def test_a_dropped_city_comes_back_when_the_mode_is_switched_off() -> None:
+    sim, city = _moded("dropped_city")
+    with sim.client() as c:
+        assert city not in [x["city_code"] for x in c.get("/v1/cities").json()["cities"]]
+        sim.set_modes([])  # the same instant: the cached city list must not be served
+        assert city in [x["city_code"] for x in c.get("/v1/cities").json()["cities"]]
+        assert c.get(hotels_url(city)).json()["hotels"]
+    assert sim.ground_truth().listed_by_city[city]
+
+
+def test_dropped_city_on_every_city_empties_the_city_list() -> None:
+    sim = make_sim(FaultProfile(modes=("dropped_city",)))
+    with sim.client() as c:
+        body = c.get("/v1/cities").json()
+    assert body == {"cities": [], "total": 0}
+    assert sim.ground_truth().total == 0

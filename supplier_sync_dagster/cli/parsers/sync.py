@@ -115,6 +115,12 @@ def add_sync(sub: Subcommands) -> None:
     )
     sync.add_argument("--city-threads", type=positive_int, default=CLI_CITY_THREADS, help=_THREADS)
     sync.add_argument("--processes", type=non_negative_int, default=None, help=_PROCESSES)
+    sync.add_argument(
+        "--retire-dropped-cities",
+        action="store_true",
+        help="retire every city the supplier no longer lists, even more than the guard allows "
+        "at once (a CITY_DROP_HELD ticket says when it held some)",
+    )
     handled_by(sync, f"{_SYNC}:cmd_sync", preload=True)
 
 

@@ -39,6 +39,7 @@ from supplier_sync_dagster.core.outbox.machine import END, Lag
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.sync.retire import retired_at
 
 FRESHNESS_WINDOW_DAYS = 7
 OUTBOX_WINDOW = 10_000
@@ -205,7 +206,7 @@ def sync_health(db: SyncDatabase, *, task_code: str, supplier_id: int | None = N
         _latest(conn, health)
         health.dead_letters = deadletters.summarize(conn, db.clock, supplier_id=supplier_id)
         _reviews(conn, health, now, supplier_id)
-        _freshness(conn, health, now)
+        _freshness(conn, health, now, supplier_id)
         _outbox(conn, health, db)
         _supplier(conn, health, now)
         _drift(conn, health, now)
@@ -291,7 +292,7 @@ def _reviews(conn: Connection, h: SyncHealth, now: datetime, supplier_id: int | 
         h.review_oldest_hours = round(max(0.0, (now - oldest).total_seconds()) / 3600, 3)
 
 
-def _freshness(conn: Connection, h: SyncHealth, now: datetime) -> None:
+def _freshness(conn: Connection, h: SyncHealth, now: datetime, supplier_id: int | None) -> None:
     b, sh, w = schema.batch.c, schema.shard.c, schema.watermark.c
     window = now - timedelta(days=FRESHNESS_WINDOW_DAYS)
     last_success: dict[str, datetime | None] = {}
@@ -304,6 +305,10 @@ def _freshness(conn: Connection, h: SyncHealth, now: datetime) -> None:
         last_success.setdefault(str(city), None)
         if status == "SUCCESS" and finished is not None:
             last_success[str(city)] = finished
+    # A city the supplier no longer lists is retired, not stale: no freshness alert for it.
+    for city, at in retired_at(conn, supplier_id).items():
+        if city in last_success and (last_success[city] or at) <= at:
+            del last_success[city]
     cap = FRESHNESS_WINDOW_DAYS * 24.0
     h.city_lag_hours = {
         city: cap if at is None else round(min(cap, (now - at).total_seconds() / 3600), 6)

@@ -108,6 +108,10 @@ RULES: Final[Mapping[str, Rule]] = {
     # A bug of ours, not the supplier's: kept for a replay after the fix.
     "INTERNAL_ERROR": _PLATFORM_BUG,
     "MALFORMED_DOCUMENT": _PLATFORM_BUG,
+    # The supplier no longer serves a city (404, not retried: a city it no longer lists
+    # retires), or dropped too many at once for them to retire unseen.
+    "CITY_NOT_FOUND": _SUPPLIER_DATA,
+    "CITY_DROP_HELD": _SUPPLIER_DATA,
     # The record may be right and the city list wrong: someone maps the city or the hotel.
     "COUNTRY_CITY_MISMATCH": _PRODUCT_SYNC,
     # The supplier's data breaks the contract: the supplier has to correct it (or a `fix`).

@@ -34,6 +34,7 @@ import pydantic
 
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
+    CityNotFound,
     CursorExpired,
     DecompressionBomb,
     ResponseTooLarge,
@@ -501,7 +502,7 @@ class SupplierClient:
             The summary and its raw body.
 
         Raises:
-            SupplierNotFound: Unknown city.
+            CityNotFound: Unknown city (a 404).
             SupplierError: See the module docstring of ``core.errors``.
         """
         _check_city(city_code)
@@ -999,7 +1000,9 @@ class SupplierClient:
                 attempts=attempt,
             )
         if effective == 404:
-            raise SupplierNotFound(detail, status=status, code=code, attempts=attempt)
+            # A city's 404 is the supplier dropping the city, not a missing hotel.
+            gone = SupplierNotFound if request.city is None else CityNotFound
+            raise gone(detail, status=status, code=code, attempts=attempt)
         if effective == 410 and (code == "CURSOR_EXPIRED" or request.with_cursor):
             with self._c.lock:
                 self._c.cursor_expired += 1

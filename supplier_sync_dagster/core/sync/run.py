@@ -54,6 +54,7 @@ from supplier_sync_dagster.core.errors import (
     AUTH_REJECTED_CODES,
     INTERNAL_ERROR,
     UNREACHABLE_CODES,
+    CityNotFound,
     SupplierAuthError,
     SupplierError,
     code_of_description,
@@ -88,6 +89,7 @@ from supplier_sync_dagster.core.sync.replay import (
     resolve_replayed_dead_letters,
     stored_city_countries,
 )
+from supplier_sync_dagster.core.sync.retire import file_city_not_found
 from supplier_sync_dagster.core.sync.runtime import ForkPool, prepare_process, usable_cpus
 from supplier_sync_dagster.core.sync.stop import SharedEvent, Stop, reason_of
 from supplier_sync_dagster.core.sync.tasks import open_task
@@ -414,7 +416,19 @@ def file_city_failure(
 ) -> None:
     """The CITY_FAILED ticket of a city that failed in a batch (once per batch and city):
     compensation asks for a re-sync of the city, and the ticket is resolved once a sync of
-    the city succeeds."""
+    the city succeeds. A city that answered 404 gets a CITY_NOT_FOUND ticket instead, for a
+    person: a 404 is not retried (the city retires once the supplier's list lacks it)."""
+    if code_of_description(error) == CityNotFound.error_code:
+        file_city_not_found(
+            db,
+            batch_id=batch_id,
+            task_code=settings.task_code,
+            sync_mode=settings.sync_mode,
+            supplier_id=settings.supplier_id,
+            city_code=city,
+            error=error,
+        )
+        return
     record_city_failure(
         db,
         batch_id=batch_id,
