@@ -40,7 +40,6 @@ def city_events(
     selected: AbstractSet[dg.AssetKey],
     *,
     target: Callable[[str], CheckTarget | None] = lambda _: None,
-    reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """The Dagster events of one city's outcome, for its partition only.
@@ -56,18 +55,17 @@ def city_events(
             read after this city's materializations are stored. An evaluation that targets
             it is the partition's current check status in the UI; one without a target is
             ignored once the partition has any materialization.
-        reported: (asset, partition) -> the partition's latest materialization is of this
-            batch already. A city an earlier run of the batch published (ALREADY_DONE) is
-            reported only for the assets that are not: a backfill may have asked that run
-            for some of its assets and this one for the others.
+
+    A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
+    every selected asset, its metadata saying so: the run planned its partitions, and a
+    planned partition the run does not materialize is failed in the UI once the run fails.
     """
     partition = encode_city_key(outcome.city_code)
     metadata = city_metadata(outcome, batch_id)
-    earlier = outcome.status == "ALREADY_DONE"
     for stage in outcome.report.stages_done:
         for plain in STAGE_ASSETS[stage]:
             key = scope.key(plain.path[-1])
-            if key in selected and not (earlier and reported(key, partition)):
+            if key in selected:
                 yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
     if outcome.status == "FAILED":
         yield dg.AssetObservation(
@@ -118,14 +116,6 @@ def latest_target(
     return check_target(record) if record is not None else None
 
 
-def reported(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str, batch_id: str) -> bool:
-    """Whether the partition's latest materialization of ``key`` is of ``batch_id``."""
-    record = latest_record(instance, key, partition)
-    mat = record.asset_materialization if record is not None else None
-    found = mat.metadata.get("batch_id") if mat is not None else None
-    return found is not None and found.value == batch_id
-
-
 def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict[str, Any]]:
     """Each asset's metadata for one city: its own counts, timings and batch."""
     r = outcome.report
@@ -142,7 +132,11 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
         common["error_code"] = r.error_code or ""
         common["error"] = r.error or ""
     if r.status == "ALREADY_DONE":
-        common["reported_from"] = "the sync database: an earlier run of the batch published it"
+        common["published_earlier_in_batch"] = batch_id
+        common["reported_from"] = (
+            f"the sync database: an earlier run of batch {batch_id} published it; "
+            "this run did not sync it again"
+        )
     normalized_ok = r.records - r.dead_letters
     walk = walk_metadata(r)
     return {
