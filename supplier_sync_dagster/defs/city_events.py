@@ -19,6 +19,7 @@ from typing import Any
 
 import dagster as dg
 
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome
 from supplier_sync_dagster.dagster_instance.events import CheckTarget, check_target
@@ -40,6 +41,9 @@ def city_events(
     selected: AbstractSet[dg.AssetKey],
     *,
     target: Callable[[str], CheckTarget | None] = lambda _: None,
+    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None] = (
+        lambda _check, _partition: None
+    ),
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """The Dagster events of one city's outcome, for its partition only.
@@ -55,6 +59,8 @@ def city_events(
             read after this city's materializations are stored. An evaluation that targets
             it is the partition's current check status in the UI; one without a target is
             ignored once the partition has any materialization.
+        earlier: (check, partition) -> the check's latest result on the partition, for a
+            city an earlier run of the batch published (:func:`earlier_evaluations`).
 
     A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
     every selected asset, its metadata saying so: the run planned its partitions, and a
@@ -93,6 +99,65 @@ def city_events(
                 "measured": dg.MetadataValue.json(result.metadata),
             },
             blocking=True,
+            partition=partition,
+            target_materialization_data=judged,
+        )
+    if outcome.status == "ALREADY_DONE":
+        yield from earlier_evaluations(
+            outcome.city_code, batch_id, earlier=earlier, target=target, scope=scope
+        )
+
+
+def earlier_evaluations(
+    city: str,
+    batch_id: str,
+    *,
+    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None],
+    target: Callable[[str], CheckTarget | None],
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> Iterator[dg.AssetCheckEvaluation]:
+    """The gates' results an earlier run of the batch reported on the city's partition,
+    reported again on the materialization this run made of it: the run planned the
+    partition's checks, and a planned check it does not evaluate shows as skipped, or as
+    failed to execute once the run fails.
+
+    A gate with no result of this batch on the partition (the run that published the city
+    died before it reported it) passed or was overridden, or the city would not have
+    published: it is reported passed, saying so; a result of another batch is not repeated.
+    """
+    partition = encode_city_key(city)
+    key = scope.key(NORMALIZED.path[-1])
+    judged = target(partition)
+    for name in CHECK_NAMES:
+        found = earlier(dg.AssetCheckKey(key, name), partition)
+        batch = found.metadata.get("batch_id") if found is not None else None
+        if found is None or batch is None or batch.value != batch_id:
+            yield dg.AssetCheckEvaluation(
+                asset_key=key,
+                check_name=name,
+                passed=True,
+                description=(
+                    f"published earlier in batch {batch_id}: the gate passed or was "
+                    "overridden then (its measures were not reported)"
+                ),
+                metadata={
+                    "batch_id": batch_id,
+                    "city": city,
+                    "published_earlier_in_batch": batch_id,
+                },
+                blocking=True,
+                partition=partition,
+                target_materialization_data=judged,
+            )
+            continue
+        yield dg.AssetCheckEvaluation(
+            asset_key=key,
+            check_name=name,
+            passed=found.passed,
+            severity=found.severity,
+            description=found.description,
+            metadata={**found.metadata, "published_earlier_in_batch": batch_id},
+            blocking=found.blocking,
             partition=partition,
             target_materialization_data=judged,
         )

@@ -54,7 +54,7 @@ from supplier_sync_dagster.core.sync.run import (
     take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
-from supplier_sync_dagster.dagster_instance.events import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import latest_evaluation, one_event_transaction
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target
 from supplier_sync_dagster.defs.city_keys import (
@@ -333,6 +333,7 @@ def _report(
             target=lambda partition: latest_target(
                 context.instance, scope.key(NORMALIZED.path[-1]), partition
             ),
+            earlier=lambda check, partition: latest_evaluation(context.instance, check, partition),
         )
         progress.show(context, db, plan.batch.batch_id)
 

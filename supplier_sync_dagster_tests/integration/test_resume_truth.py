@@ -29,7 +29,9 @@ from typing import Any
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from dagster._core.event_api import PartitionKeyFilter
 
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.dagster_instance.deployment import (
     ASSETS,
@@ -93,6 +95,33 @@ def _truth(codes: Sequence[str], failed: set[str]) -> dict[str, dict[str, str]]:
     }
 
 
+def _gates(instance: dg.DagsterInstance, codes: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Gate -> city -> the status of the gate's latest execution on its partition
+    (SUCCEEDED, FAILED, SKIPPED, EXECUTION_FAILED, PLANNED; ``-`` for none)."""
+    out: dict[str, dict[str, str]] = {}
+    for name in CHECK_NAMES:
+        check = dg.AssetCheckKey(dg.AssetKey("normalized_hotels"), name)
+        out[name] = {}
+        for code in codes:
+            records = instance.event_log_storage.get_asset_check_execution_history(
+                check, limit=1, partition_filter=PartitionKeyFilter(key=encode_city_key(code))
+            )
+            out[name][code] = records[0].status.value if records else "-"
+    return out
+
+
+def _gates_passed(
+    instance: dg.DagsterInstance, codes: Sequence[str], published: Sequence[str]
+) -> None:
+    """Each gate passed on each city the batch published."""
+    found = _gates(instance, codes)
+    for name in CHECK_NAMES:
+        assert {c: found[name][c] for c in published} == dict.fromkeys(published, "SUCCEEDED"), (
+            name,
+            found[name],
+        )
+
+
 def _latest(instance: dg.DagsterInstance, code: str) -> dict[str, Any]:
     """The metadata of the city's latest ``published_hotels`` materialization."""
     records = instance.fetch_materializations(
@@ -150,6 +179,7 @@ def test_cli_resume_keeps_each_city_partition_true(
         # Reported as published earlier in the batch, from the sync database.
         _assert_published_earlier(instance, good, batch_id)
         assert _latest(instance, broken[0])["city_status"] == "SUCCESS"
+        _gates_passed(instance, codes, [*good, broken[0]])
 
     sim.set_modes([])
     last = _sync(capsys, db_url, "--trigger-id", "night-1")
@@ -199,6 +229,7 @@ def test_reexecution_from_failure_keeps_each_city_partition_true(
             assert not second.success
         assert _statuses(instance, codes) == _truth(codes, {broken[1]})
         _assert_published_earlier(instance, good, batch_id)
+        _gates_passed(instance, codes, [*good, broken[0]])
 
         sim.set_modes([])
         options = dg.ReexecutionOptions.from_failure(second.run_id, instance)
@@ -264,6 +295,7 @@ def test_a_run_that_adopts_a_killed_runs_batch_keeps_each_city_partition_true(
     with dg.DagsterInstance.get() as instance:
         assert _statuses(instance, codes) == _truth(codes, {slow})
         _assert_published_earlier(instance, done, batch_id)
+        _gates_passed(instance, codes, done)
 
 
 def test_a_backfill_rerun_from_failure_keeps_each_city_partition_true_over_graphql(
@@ -341,6 +373,9 @@ def test_a_backfill_rerun_from_failure_keeps_each_city_partition_true_over_graph
             published_before, "ALREADY_DONE"
         )
         assert keys[broken[1]] not in latest
+        checks = dagster.partitions("normalized_hotels", list(keys.values())).checks
+        for name in CHECK_NAMES:
+            assert checks[name]["succeeded"] == {keys[c] for c in published_before}, checks
 
         sim.set_modes([])
         third = dagster.reexecute_backfill(again)
