@@ -928,7 +928,7 @@ def published_earlier(db: SyncDatabase, batch_id: str, cities: Sequence[str]) ->
 
     Returns:
         One ALREADY_DONE outcome per city whose shard is SUCCESS (:func:`published_report`),
-        in the order of ``cities``.
+        in the order of ``cities``, each once.
     """
     s = schema.shard.c
     with db.engine.connect() as conn:
@@ -937,7 +937,11 @@ def published_earlier(db: SyncDatabase, batch_id: str, cities: Sequence[str]) ->
                 sa.select(s.shard_key).where(s.batch_id == batch_id, s.status == "SUCCESS")
             ).scalars()
         )
-    return [CityOutcome(published_report(db, batch_id, city)) for city in cities if city in done]
+    return [
+        CityOutcome(published_report(db, batch_id, city))
+        for city in dict.fromkeys(cities)
+        if city in done
+    ]
 
 
 def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]:
