@@ -8,6 +8,8 @@
   #18123);
 - an ``AssetCheckEvaluation`` per gate and city, on the partitioned (blocking) checks of
   ``normalized_hotels``;
+- for a city an earlier run of the batch published (ALREADY_DONE), the same materializations
+  with ``published_earlier_in_batch``, and its gates' results again on them;
 - for a city that failed, an ``AssetObservation`` of its ``raw_hotel_snapshots`` partition
   with its error code and what happened: its partitions stay unmaterialized, and the UI
   shows why.

@@ -10,7 +10,9 @@ failed and its "re-execute from failure" (or a run's) re-syncs them.
 
 The batch is the run's trigger (``triggers.py``). A re-execution therefore continues its
 original batch: cities already published are not synced again, failed cities resume from
-their checkpoints, and a gate override recorded for the batch applies.
+their checkpoints, and a gate override recorded for the batch applies. The cities published
+earlier in the batch are reported first, on their partitions (``core.sync.run.published_earlier``):
+the run planned them, and a planned partition a failed run does not materialize shows failed.
 
 A run terminated from the UI (``DagsterExecutionInterruptedError`` in the step, as SIGTERM or
 SIGINT to a ``sync --full``) stops its cities at a page boundary and releases their leases
