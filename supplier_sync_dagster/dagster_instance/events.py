@@ -1,4 +1,4 @@
-"""What ``defs/`` may use of Dagster's internals: the whole interface, two names.
+"""What ``defs/`` may use of Dagster's internals: the whole interface, three names.
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
   transaction per shard of the embedded instance's event log; any other instance stores them
@@ -6,6 +6,8 @@
 - :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
   its record as Dagster's own ``AssetCheckResult`` builds it for a partition (Dagster does
   not export the class).
+- :func:`latest_evaluation`: a check's latest result on a partition (its execution history
+  filtered by partition has no public API).
 
 ``supplier_sync_dagster_tests/dagster_instance/test_dagster_internals.py`` fails when a
 Dagster upgrade breaks what this package uses of Dagster's private modules.
@@ -17,6 +19,8 @@ import dagster as dg
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData,
 )
+from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from supplier_sync_dagster.dagster_instance.storage import PooledSqliteEventLogStorage
 
@@ -45,3 +49,18 @@ def check_target(record: dg.EventLogRecord) -> CheckTarget:
         storage_id=record.storage_id,
         timestamp=record.timestamp,
     )
+
+
+def latest_evaluation(
+    instance: dg.DagsterInstance, check: dg.AssetCheckKey, partition: str
+) -> dg.AssetCheckEvaluation | None:
+    """The latest result (passed or failed) of ``check`` on ``partition``, if any."""
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        check,
+        limit=1,
+        status={AssetCheckExecutionRecordStatus.SUCCEEDED, AssetCheckExecutionRecordStatus.FAILED},
+        partition_filter=PartitionKeyFilter(key=partition),
+    )
+    event = records[0].event if records else None
+    data = event.dagster_event.event_specific_data if event and event.dagster_event else None
+    return data if isinstance(data, dg.AssetCheckEvaluation) else None

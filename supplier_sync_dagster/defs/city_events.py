@@ -8,6 +8,8 @@
   #18123);
 - an ``AssetCheckEvaluation`` per gate and city, on the partitioned (blocking) checks of
   ``normalized_hotels``;
+- for a city an earlier run of the batch published (ALREADY_DONE), the same materializations
+  with ``published_earlier_in_batch``, and its gates' results again on them;
 - for a city that failed, an ``AssetObservation`` of its ``raw_hotel_snapshots`` partition
   with its error code and what happened: its partitions stay unmaterialized, and the UI
   shows why.
@@ -19,6 +21,7 @@ from typing import Any
 
 import dagster as dg
 
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome
 from supplier_sync_dagster.dagster_instance.events import CheckTarget, check_target
@@ -40,7 +43,9 @@ def city_events(
     selected: AbstractSet[dg.AssetKey],
     *,
     target: Callable[[str], CheckTarget | None] = lambda _: None,
-    reported: Callable[[dg.AssetKey, str], bool] = lambda _key, _partition: False,
+    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None] = (
+        lambda _check, _partition: None
+    ),
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """The Dagster events of one city's outcome, for its partition only.
@@ -56,18 +61,19 @@ def city_events(
             read after this city's materializations are stored. An evaluation that targets
             it is the partition's current check status in the UI; one without a target is
             ignored once the partition has any materialization.
-        reported: (asset, partition) -> the partition's latest materialization is of this
-            batch already. A city an earlier run of the batch published (ALREADY_DONE) is
-            reported only for the assets that are not: a backfill may have asked that run
-            for some of its assets and this one for the others.
+        earlier: (check, partition) -> the check's latest result on the partition, for a
+            city an earlier run of the batch published (:func:`earlier_evaluations`).
+
+    A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
+    every selected asset, its metadata saying so: the run planned its partitions, and a
+    planned partition the run does not materialize is failed in the UI once the run fails.
     """
     partition = encode_city_key(outcome.city_code)
     metadata = city_metadata(outcome, batch_id)
-    earlier = outcome.status == "ALREADY_DONE"
     for stage in outcome.report.stages_done:
         for plain in STAGE_ASSETS[stage]:
             key = scope.key(plain.path[-1])
-            if key in selected and not (earlier and reported(key, partition)):
+            if key in selected:
                 yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
     if outcome.status == "FAILED":
         yield dg.AssetObservation(
@@ -98,6 +104,65 @@ def city_events(
             partition=partition,
             target_materialization_data=judged,
         )
+    if outcome.status == "ALREADY_DONE":
+        yield from earlier_evaluations(
+            outcome.city_code, batch_id, earlier=earlier, target=target, scope=scope
+        )
+
+
+def earlier_evaluations(
+    city: str,
+    batch_id: str,
+    *,
+    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None],
+    target: Callable[[str], CheckTarget | None],
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> Iterator[dg.AssetCheckEvaluation]:
+    """The gates' results an earlier run of the batch reported on the city's partition,
+    reported again on the materialization this run made of it: the run planned the
+    partition's checks, and a planned check it does not evaluate shows as skipped, or as
+    failed to execute once the run fails.
+
+    A gate with no result of this batch on the partition (the run that published the city
+    died before it reported it) passed or was overridden, or the city would not have
+    published: it is reported passed, saying so; a result of another batch is not repeated.
+    """
+    partition = encode_city_key(city)
+    key = scope.key(NORMALIZED.path[-1])
+    judged = target(partition)
+    for name in CHECK_NAMES:
+        found = earlier(dg.AssetCheckKey(key, name), partition)
+        batch = found.metadata.get("batch_id") if found is not None else None
+        if found is None or batch is None or batch.value != batch_id:
+            yield dg.AssetCheckEvaluation(
+                asset_key=key,
+                check_name=name,
+                passed=True,
+                description=(
+                    f"published earlier in batch {batch_id}: the gate passed or was "
+                    "overridden then (its measures were not reported)"
+                ),
+                metadata={
+                    "batch_id": batch_id,
+                    "city": city,
+                    "published_earlier_in_batch": batch_id,
+                },
+                blocking=True,
+                partition=partition,
+                target_materialization_data=judged,
+            )
+            continue
+        yield dg.AssetCheckEvaluation(
+            asset_key=key,
+            check_name=name,
+            passed=found.passed,
+            severity=found.severity,
+            description=found.description,
+            metadata={**found.metadata, "published_earlier_in_batch": batch_id},
+            blocking=found.blocking,
+            partition=partition,
+            target_materialization_data=judged,
+        )
 
 
 def latest_record(
@@ -118,14 +183,6 @@ def latest_target(
     return check_target(record) if record is not None else None
 
 
-def reported(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str, batch_id: str) -> bool:
-    """Whether the partition's latest materialization of ``key`` is of ``batch_id``."""
-    record = latest_record(instance, key, partition)
-    mat = record.asset_materialization if record is not None else None
-    found = mat.metadata.get("batch_id") if mat is not None else None
-    return found is not None and found.value == batch_id
-
-
 def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict[str, Any]]:
     """Each asset's metadata for one city: its own counts, timings and batch."""
     r = outcome.report
@@ -142,7 +199,11 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
         common["error_code"] = r.error_code or ""
         common["error"] = r.error or ""
     if r.status == "ALREADY_DONE":
-        common["reported_from"] = "the sync database: an earlier run of the batch published it"
+        common["published_earlier_in_batch"] = batch_id
+        common["reported_from"] = (
+            f"the sync database: an earlier run of batch {batch_id} published it; "
+            "this run did not sync it again"
+        )
     normalized_ok = r.records - r.dead_letters
     walk = walk_metadata(r)
     return {

@@ -10,7 +10,9 @@ failed and its "re-execute from failure" (or a run's) re-syncs them.
 
 The batch is the run's trigger (``triggers.py``). A re-execution therefore continues its
 original batch: cities already published are not synced again, failed cities resume from
-their checkpoints, and a gate override recorded for the batch applies.
+their checkpoints, and a gate override recorded for the batch applies. The cities published
+earlier in the batch are reported first, on their partitions (``core.sync.run.published_earlier``):
+the run planned them, and a planned partition a failed run does not materialize shows failed.
 
 A run terminated from the UI (``DagsterExecutionInterruptedError`` in the step, as SIGTERM or
 SIGINT to a ``sync --full``) stops its cities at a page boundary and releases their leases
@@ -54,11 +56,12 @@ from supplier_sync_dagster.core.sync.run import (
     plan_run,
     refusal_line,
     run_cities,
+    take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
-from supplier_sync_dagster.dagster_instance.events import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import latest_evaluation, one_event_transaction
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
-from supplier_sync_dagster.defs.city_events import city_events, latest_target, reported
+from supplier_sync_dagster.defs.city_events import city_events, latest_target
 from supplier_sync_dagster.defs.city_keys import (
     DIFFS,
     FRESHNESS_CHECK,
@@ -206,7 +209,6 @@ def _sync_cities(
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """Claims, fetches, normalizes, gates, maps, diffs and publishes each city of the run."""
     started = time.perf_counter()
-    selected = context.selected_asset_keys
     supplier = resources.supplier
     request = _run_request(context, scope, supplier)
     settings = resources.settings()
@@ -228,8 +230,14 @@ def _sync_cities(
                 raise refused(None, err) from None
             except SupplierError as err:
                 raise _refused_by_supplier(err, request, scope) from err
-            _log_plan(context, plan, request)
+            earlier = take_published_earlier(db, plan)
+            _log_plan(context, plan, request, earlier)
             progress = _Progress()
+            # Reported before any city is synced: whatever stops this run later, the
+            # partitions of the cities its batch published already stay materialized.
+            for outcome in earlier:
+                outcomes.append(outcome)
+                yield from _report(context, scope, outcome, plan, progress, db)
             processes = auto_processes(request, plan)
             if processes:
                 context.log.info(f"syncing the cities in {processes} worker processes")
@@ -247,23 +255,7 @@ def _sync_cities(
             ):
                 requests += outcome.requests if processes else 0
                 outcomes.append(outcome)
-                # Dagster stores each event as it is yielded, on this thread: the city's
-                # log line, materializations and check evaluations are one transaction.
-                with one_event_transaction(context.instance):
-                    _log_city(context, outcome)
-                    yield from city_events(
-                        outcome,
-                        plan.batch.batch_id,
-                        selected,
-                        scope=scope,
-                        target=lambda partition: latest_target(
-                            context.instance, scope.key(NORMALIZED.path[-1]), partition
-                        ),
-                        reported=lambda key, partition: reported(
-                            context.instance, key, partition, plan.batch.batch_id
-                        ),
-                    )
-                    progress.show(context, db, plan.batch.batch_id)
+                yield from _report(context, scope, outcome, plan, progress, db)
             progress.show(context, db, plan.batch.batch_id, final=True)
             if client is not None and any(o.report.error_code == CITY_GONE for o in outcomes):
                 _retire_unlisted(context, scope, db, client, settings, plan.batch.batch_id)
@@ -342,13 +334,49 @@ def _run_request(
     )
 
 
-def _log_plan(context: dg.AssetExecutionContext, plan: RunPlan, request: RunRequest) -> None:
+def _log_plan(
+    context: dg.AssetExecutionContext,
+    plan: RunPlan,
+    request: RunRequest,
+    earlier: list[CityOutcome],
+) -> None:
     for note in plan.notes:
         context.log.warning(note)
     context.log.info(
         f"batch {plan.batch.batch_id} (trigger {request.trigger_id}, {request.source}"
         f"{', replay' if request.replay else ''}): {len(plan.cities)} cities"
+        + (
+            f" to sync, {len(earlier)} published earlier in the batch (reported, not synced)"
+            if earlier
+            else ""
+        )
     )
+
+
+def _report(
+    context: dg.AssetExecutionContext,
+    scope: AccountScope,
+    outcome: CityOutcome,
+    plan: RunPlan,
+    progress: "_Progress",
+    db: SyncDatabase,
+) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
+    """One city's log line and events, on its partition; the batch's progress."""
+    # Dagster stores each event as it is yielded, on this thread: the city's log line,
+    # materializations and check evaluations are one transaction.
+    with one_event_transaction(context.instance):
+        _log_city(context, outcome)
+        yield from city_events(
+            outcome,
+            plan.batch.batch_id,
+            context.selected_asset_keys,
+            scope=scope,
+            target=lambda partition: latest_target(
+                context.instance, scope.key(NORMALIZED.path[-1]), partition
+            ),
+            earlier=lambda check, partition: latest_evaluation(context.instance, check, partition),
+        )
+        progress.show(context, db, plan.batch.batch_id)
 
 
 def _not_published(

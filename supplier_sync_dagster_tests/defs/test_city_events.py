@@ -1,12 +1,20 @@
-"""A city's metadata: what its walk saw reaches its raw and published materializations."""
+"""A city's events: what its walk saw reaches its raw and published materializations; a city
+published earlier in the batch is reported again, its gates too."""
 
 from __future__ import annotations
 
+import dagster as dg
+import pytest
+
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.supplier import WalkStats
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome
-from supplier_sync_dagster.defs.city_events import city_metadata
-from supplier_sync_dagster.defs.city_keys import PUBLISHED, RAW
+from supplier_sync_dagster.dagster_instance.events import CheckTarget
+from supplier_sync_dagster.defs.city_events import city_events, city_metadata
+from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED, RAW
+
+ALL_KEYS = (RAW, NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)
 
 
 def test_the_walk_s_drift_reaches_the_city_metadata() -> None:
@@ -22,3 +30,72 @@ def test_a_city_that_walked_no_listing_says_nothing_of_drift() -> None:
     assert "listing_drift" not in meta[RAW] and "listing_drift" not in meta[PUBLISHED]
     clean = city_metadata(CityOutcome(CityReport("BKK", walk=WalkStats(requests=3))), "b1")
     assert clean[RAW]["listing_drift"] == "none"
+
+
+def _already_done(city: str) -> CityOutcome:
+    return CityOutcome(
+        CityReport(
+            city,
+            status="ALREADY_DONE",
+            records=10,
+            published=9,
+            dead_letters=1,
+            stages_done=["fetch", "normalize", "publish"],
+        )
+    )
+
+
+def test_a_city_published_earlier_is_materialized_for_every_selected_asset_and_its_gates():
+    """Even when its partitions' latest materializations are of the batch already: the run
+    planned them, and a planned partition the run does not materialize fails with the run."""
+    earlier = dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey("normalized_hotels"),
+        check_name="bad_record_ratio",
+        passed=True,
+        description="1 of 10 records dead-lettered",
+        metadata={"batch_id": "b1", "city": "BKK"},
+        partition="BKK",
+    )
+    other_batch = dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey("normalized_hotels"),
+        check_name="record_count",
+        passed=False,
+        metadata={"batch_id": "b0", "city": "BKK"},
+        partition="BKK",
+    )
+    found = {"bad_record_ratio": earlier, "record_count": other_batch}
+    target = CheckTarget(run_id="r2", storage_id=42, timestamp=1.0)
+    events = list(
+        city_events(
+            _already_done("BKK"),
+            "b1",
+            set(ALL_KEYS),
+            target=lambda _partition: target,
+            earlier=lambda check, _partition: found.get(check.name),
+        )
+    )
+    mats = [e for e in events if isinstance(e, dg.AssetMaterialization)]
+    assert {m.asset_key for m in mats} == set(ALL_KEYS)
+    assert all(m.metadata["published_earlier_in_batch"].value == "b1" for m in mats)
+    assert all(m.metadata["city_status"].value == "ALREADY_DONE" for m in mats)
+    checks = {e.check_name: e for e in events if isinstance(e, dg.AssetCheckEvaluation)}
+    assert set(checks) == set(CHECK_NAMES)
+    assert all(c.passed and c.target_materialization_data == target for c in checks.values())
+    # The batch's own result is repeated; another batch's is not: passed, as published.
+    assert checks["bad_record_ratio"].description == "1 of 10 records dead-lettered"
+    for name in ("record_count", "schema_drift"):
+        assert checks[name].metadata["batch_id"].value == "b1"
+        assert "published earlier in batch b1" in (checks[name].description or "")
+
+
+def test_a_city_that_failed_is_not_materialized_nor_judged_again():
+    report = CityReport("BKK", status="FAILED", error="SUPPLIER_TIMEOUT: x", stages_done=[])
+    events = list(
+        city_events(
+            CityOutcome(report),
+            "b1",
+            set(ALL_KEYS),
+            earlier=lambda *_: pytest.fail("a failed city is not judged again"),
+        )
+    )
+    assert [type(e) for e in events] == [dg.AssetObservation]

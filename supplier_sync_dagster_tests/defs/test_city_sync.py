@@ -155,10 +155,14 @@ def test_single_partition_materialize_then_rerun_is_all_unchanged(db_url: str, t
         [city_sync], instance=instance, resources=resources, partition_key=keys[2], tags=tags
     )
     assert r1.success and r2.success
-    assert _metadata(r1, "published_hotels")["city_status"] == "SUCCESS"
-    # The city was published by the first launch: the second syncs nothing and reports
-    # nothing new for it.
-    assert r2.asset_materializations_for_node("city_sync") == []
+    first_meta = _metadata(r1, "published_hotels")
+    assert first_meta["city_status"] == "SUCCESS"
+    # The city was published by the first launch: the second syncs nothing, and reports the
+    # city as published earlier in the batch (its partition stays materialized).
+    again_meta = _metadata(r2, "published_hotels")
+    assert again_meta["city_status"] == "ALREADY_DONE"
+    assert again_meta["published_earlier_in_batch"] == first_meta["batch_id"]
+    assert again_meta["published"] == first_meta["published"]
     db = SyncDatabase.open(db_url)
     with db.engine.connect() as conn:
         batches = conn.execute(
@@ -309,7 +313,12 @@ def test_a_run_that_finishes_early_helps_with_cities_other_runs_have_not_started
         [city_sync], instance=instance, resources=resources, partition_key=theirs, tags=tags
     )
     assert second.success
-    assert second.asset_materializations_for_node("city_sync") == []  # already published
+    # Already published by the helper: not synced again, reported as published earlier.
+    reported = _metadata(second, "published_hotels")
+    assert reported["city_status"] == "ALREADY_DONE"
+    assert reported["published_earlier_in_batch"] == batch.batch_id
+    again = {s.shard_key: s for s in list_shards(db, batch.batch_id)}
+    assert again[decode_city_key(theirs)].claim_count == 1
     db.dispose()
 
 
@@ -453,7 +462,15 @@ def test_reexecuting_a_failed_range_run_from_failure_resyncs_only_the_failed_cit
             # API takes them explicitly.
             with dg.execute_job(job, instance, tags=tags, reexecution_options=options) as again:
                 assert again.success
-                assert set(_per_city(again, "published_hotels")) == {encode_city_key(broken)}
+                # Every city of the range is reported on its partition: the failed one as
+                # synced now, the others as published earlier in the batch (not synced again:
+                # the claim counts below).
+                statuses = {
+                    k: m["city_status"] for k, m in _per_city(again, "published_hotels").items()
+                }
+                assert statuses == {
+                    k: "SUCCESS" if k == encode_city_key(broken) else "ALREADY_DONE" for k in keys
+                }
     db = SyncDatabase.open(db_url)
     try:
         with db.engine.connect() as conn:

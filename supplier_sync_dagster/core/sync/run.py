@@ -927,6 +927,46 @@ def published_report(db: SyncDatabase, batch_id: str, city: str) -> CityReport:
     return report
 
 
+def published_earlier(db: SyncDatabase, batch_id: str, cities: Sequence[str]) -> list[CityOutcome]:
+    """The cities of ``cities`` that an earlier run of the batch published, as outcomes.
+
+    A run that continues a batch (a resume with the same trigger, a re-execution, a
+    backfill re-run, a run that adopts a dead run's batch) plans every one of its cities'
+    partitions: each city the batch published already is reported as such, first, so that
+    its partition stays materialized whatever happens to the rest of the run.
+
+    Args:
+        db: The sync database.
+        batch_id: The run's batch.
+        cities: The run's cities.
+
+    Returns:
+        One ALREADY_DONE outcome per city whose shard is SUCCESS (:func:`published_report`),
+        in the order of ``cities``, each once.
+    """
+    s = schema.shard.c
+    with db.engine.connect() as conn:
+        done = set(
+            conn.execute(
+                sa.select(s.shard_key).where(s.batch_id == batch_id, s.status == "SUCCESS")
+            ).scalars()
+        )
+    return [
+        CityOutcome(published_report(db, batch_id, city))
+        for city in dict.fromkeys(cities)
+        if city in done
+    ]
+
+
+def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]:
+    """The plan's cities an earlier run of its batch published (:func:`published_earlier`),
+    taken out of ``plan.cities``: the run reports them and syncs only the others."""
+    earlier = published_earlier(db, plan.batch.batch_id, plan.cities)
+    codes = {o.city_code for o in earlier}
+    plan.cities = [c for c in plan.cities if c not in codes]
+    return earlier
+
+
 def in_flight(
     items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
 ) -> Iterator[R]:

@@ -37,8 +37,10 @@ from supplier_sync_dagster.core.sync.run import (
     WorkerProcesses,
     auto_processes,
     plan_run,
+    published_earlier,
     refuse_trigger,
     run_cities,
+    take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop
 from supplier_sync_dagster.simulator import running_server
@@ -472,3 +474,34 @@ def test_a_trigger_refused_before_its_city_list_gets_a_failed_batch_and_blocks_n
     )
     assert after.outcome == "ADOPTED" and after.batch is not None
     assert after.batch.batch_id == abandoned.batch.batch_id
+
+
+def test_the_cities_published_earlier_in_the_batch_are_taken_out_of_a_resumed_plan(
+    db: SyncDatabase, tmp_path: Path
+):
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with serve_simulator(seed=14, n_cities=4, total_hotels=400) as (sim, url):
+        codes = sim.city_codes()
+        broken = codes[1]
+        sim.set_modes(["deep_json"], [broken])
+        first = {o.city_code: o for o in _sync(db, store, url, "night-1", None)}
+        assert first[broken].status == "FAILED"
+        with _client(url) as client:
+            # The run's cities in a different order, one of them twice, one unknown.
+            cities = [codes[3], broken, codes[0], codes[2], codes[0], "NOPE"]
+            request = RunRequest(trigger_id="night-1", source="MANUAL", cities=cities)
+            plan = plan_run(db, store, client, request, SETTINGS)
+            plan_order = list(dict.fromkeys(plan.cities))
+            earlier = take_published_earlier(db, plan)
+    # Each once, in the plan's order (largest first).
+    assert sorted(o.city_code for o in earlier) == sorted([codes[0], codes[2], codes[3]])
+    order = [c for c in plan_order if c in {o.city_code for o in earlier}]
+    assert [o.city_code for o in earlier] == order
+    assert {o.status for o in earlier} == {"ALREADY_DONE"}
+    # What the earlier run published, as the database recorded it.
+    for o in earlier:
+        assert o.report.published == first[o.city_code].report.published > 0
+        assert o.report.stages_done == ["fetch", "normalize", "publish"]
+    # Left to sync: the city that failed, and the one the batch has not seen.
+    assert sorted(plan.cities) == sorted([broken, "NOPE"])
+    assert published_earlier(db, plan.batch.batch_id, []) == []
