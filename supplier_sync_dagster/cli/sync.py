@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import signal
 import sys
 from typing import Any, Protocol
 
@@ -217,7 +216,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
     sync_db, payloads = storage_resources(args, settings)
     scope = account_scope(args, settings)
     if args.incremental:
-        return _sync_incremental(args, settings, sync_db, payloads, scope)
+        with sync_runner.SignalLog() as signals:
+            try:
+                return _sync_incremental(args, settings, sync_db, payloads, scope, signals)
+            except SyncInterrupted as err:
+                # Before its run started, or after it ended.
+                warn(f"incremental sync interrupted ({err.reason}) outside its run")
+                return sync_runner.interrupted_status(err.reason)
     supplier = configured_supplier(
         settings,
         scope=scope,
@@ -226,6 +231,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         city_threads=args.city_threads,
         worker_processes=first(args.processes, settings.worker_processes),
     )
+    trigger_id = args.trigger_id or sync_runner.new_trigger_id()
     with sync_runner.SignalLog() as signals:
         try:
             summary = _full_sync(
@@ -235,13 +241,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 sync_db,
                 payloads,
                 as_json=args.json,
-                trigger_id=args.trigger_id,
+                trigger_id=trigger_id,
                 signals=signals,
             )
         except SyncInterrupted as err:
             # Before its run started, or after it ended: no city is in flight.
-            warn(f"sync interrupted ({err.reason}) outside its run: no city was in flight")
-            return 128 + int(getattr(signal.Signals, err.reason, signal.SIGINT))
+            resume = sync_runner.resume_hint(sync_db, supplier.task_code, trigger_id)
+            warn(f"sync interrupted ({err.reason}) outside its run: no city was in flight{resume}")
+            return sync_runner.interrupted_status(err.reason)
     status = finish_sync(summary, as_json=args.json)
     if not summary.interrupted:
         _alert_round(summary, sync_db, supplier, scope)
@@ -275,6 +282,7 @@ def _sync_incremental(
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     scope: AccountScope,
+    signals: sync_runner.SignalLog | None = None,
 ) -> int:
     config = {
         key: value
@@ -296,6 +304,7 @@ def _sync_incremental(
         config=config,
         trigger_id=args.trigger_id,
         console_log_level=console_log_level(args),
+        signals=signals,
     )
     return finish_sync(summary, as_json=args.json)
 

@@ -391,9 +391,9 @@ class SyncInterrupted(BaseException):
 
 
 class SyncCancelled(SyncInterrupted):
-    """A run whose batch was cancelled (CANCEL_PREVIOUS, an operator) or whose Dagster run
-    was terminated without a signal: it stops like :class:`SyncInterrupted`, but its batch is
-    over, so nothing of it is resumed and nothing of it is waited for.
+    """A run whose batch was cancelled (CANCEL_PREVIOUS, an operator): it stops like
+    :class:`SyncInterrupted`, but its batch is over, so nothing of it is released, resumed or
+    waited for.
 
     Attributes:
         reason: Who or what cancelled it (``"cancelled by trigger night-2 (CANCEL_PREVIOUS)"``).

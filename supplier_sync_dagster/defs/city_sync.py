@@ -28,6 +28,7 @@ import dagster as dg
 
 from supplier_sync_dagster.core.errors import (
     SupplierError,
+    SyncCancelled,
     SyncInterrupted,
     TaskDisabled,
     TriggerSkipped,
@@ -210,6 +211,10 @@ def _sync_cities(
     store = resources.payloads.open()
     outcomes: list[CityOutcome] = []
     stop = Stop()
+    # A run terminated while no signal reaches its process (its status CANCELING only).
+    end_poll = stop.poll(
+        functools.partial(_run_terminated, context), CANCEL_POLL_SECONDS, cancels=False
+    )
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
         with (
@@ -267,6 +272,10 @@ def _sync_cities(
                 context.log.info(
                     f"supplier: {requests} requests in {time.perf_counter() - started:.1f} s"
                 )
+    except SyncCancelled as err:
+        # The batch is over: nothing to resume, nothing to retry.
+        context.log.warning(f"run cancelled ({err.reason}): its cities in flight stopped")
+        raise dg.Failure(description=f"run cancelled: {err.reason}", allow_retries=False) from None
     except BaseException as err:
         if stop.is_set and not isinstance(err, Exception):
             context.log.warning(
@@ -278,10 +287,27 @@ def _sync_cities(
             raise dg.DagsterExecutionInterruptedError() from err
         raise
     finally:
+        end_poll()
         db.dispose()
     failure = _not_published(outcomes, plan, request)
     if failure is not None:
         raise failure
+
+
+# How often a step reads whether its Dagster run was terminated.
+CANCEL_POLL_SECONDS = 1.0
+
+
+def _run_terminated(context: dg.AssetExecutionContext) -> str | None:
+    """Why the step's run must stop, when it was terminated (CANCELING or CANCELED) but no
+    signal reached this process (a run launched elsewhere, or in process); else None."""
+    run = context.instance.get_run_by_id(context.run.run_id)
+    if run is None or run.status not in (
+        dg.DagsterRunStatus.CANCELING,
+        dg.DagsterRunStatus.CANCELED,
+    ):
+        return None
+    return f"Dagster run {context.run.run_id} was terminated"
 
 
 def _run_request(

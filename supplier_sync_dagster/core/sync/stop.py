@@ -13,10 +13,11 @@ Worker processes of a run watch a shared event (:meth:`Stop.watch`) that the run
 sets when it stops.
 
 A stop is also a cancellation (:meth:`Stop.cancel`) when the run's batch was cancelled
-(CANCEL_PREVIOUS, an operator) or its Dagster run was terminated without a signal: the same
-stop, but what it raises is :class:`~supplier_sync_dagster.core.errors.SyncCancelled`, so that
-nothing waits for a city of a batch that is over and nobody is told to resume it. A run
-learns of it by polling (:meth:`Stop.poll`): a cancelled batch sends no signal.
+(CANCEL_PREVIOUS, an operator): the same stop, but what it raises is
+:class:`~supplier_sync_dagster.core.errors.SyncCancelled`, so that nothing waits for a city
+of a batch that is over and nobody is told to resume it. A run learns of it by polling
+(:meth:`Stop.poll`): a cancelled batch sends no signal (nor does a Dagster run terminated
+from another process, which polls its run's status the same way).
 
 A signal sets the stop the moment it arrives (:class:`SignalWatch`), not when the thread
 that runs the cities next sees an exception: Dagster's handler raises its interruption in
@@ -171,19 +172,23 @@ class Stop:
 
         threading.Thread(target=follow, name="stop-watch", daemon=True).start()
 
-    def poll(self, probe: Callable[[], str | None], every: float = 1.0) -> Callable[[], None]:
+    def poll(
+        self, probe: Callable[[], str | None], every: float = 1.0, *, cancels: bool = True
+    ) -> Callable[[], None]:
         """Cancels this stop once ``probe`` says why; returns the function that ends the
         polling.
 
         A daemon thread calls ``probe`` every ``every`` seconds until the stop is asked or
-        the polling ends; the first reason it returns cancels the stop (:meth:`cancel`). A
-        probe that raises is tried again at the next poll (a database blip never stops a
-        run).
+        the polling ends; the first reason it returns cancels the stop (:meth:`cancel`), or
+        only sets it (:meth:`set`) without ``cancels``. A probe that raises is tried again
+        at the next poll (a database blip never stops a run).
 
         Args:
-            probe: Why the run is cancelled (``"cancelled by trigger night-2
-                (CANCEL_PREVIOUS)"``), or None while it is not; must not block long.
+            probe: Why the run must stop (``"cancelled by trigger night-2
+                (CANCEL_PREVIOUS)"``), or None while it need not; must not block long.
             every: Seconds between two probes.
+            cancels: What ``probe`` sees is a cancellation (the batch is over), not only a
+                stop (the run is resumable).
         """
         ended = threading.Event()
 
@@ -195,7 +200,7 @@ class Stop:
                     log.debug("cancellation probe failed: %s", err)
                     continue
                 if reason:
-                    self.cancel(reason)
+                    self._set(reason, cancelled=cancels)
 
         threading.Thread(target=follow, name="stop-poll", daemon=True).start()
         return ended.set
