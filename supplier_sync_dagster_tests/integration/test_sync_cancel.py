@@ -18,6 +18,7 @@ import signal
 import time
 from typing import Any
 
+import dagster as dg
 import pytest
 import sqlalchemy as sa
 
@@ -75,6 +76,12 @@ def _wait_for(what: str, ready: Any, *procs: Any, timeout: float = 120.0) -> flo
         assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
         time.sleep(0.1)
     return time.monotonic()
+
+
+def _started_runs() -> int:
+    """Dagster runs of the test's instance (``$DAGSTER_HOME``) that have started."""
+    with dg.DagsterInstance.get() as instance:
+        return len(instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])))
 
 
 def _ended(proc: Any, timeout: float) -> tuple[str, str, float]:
@@ -154,7 +161,7 @@ def test_sigterm_while_waiting_for_a_city_another_sync_holds_stops_within_second
     page trickles) and waits for its lease. SIGTERM to it while it waits: it exits within
     seconds with 143 and the one line that says how to resume, no Dagster class path."""
     sim = _world(seed=47, cities=1)
-    sim.set_modes(["slow_body"])
+    sim.set_modes(["slow_body"], sim.city_codes())
     with running_server(sim) as url:
         _use(monkeypatch, url)
         argv = (
@@ -176,7 +183,8 @@ def test_sigterm_while_waiting_for_a_city_another_sync_holds_stops_within_second
                 holder,
             )
             waiter = cli_process(*argv, env=dict(os.environ))
-            time.sleep(8)  # its Dagster run starts, finds the city held, and waits
+            _wait_for("the second sync's run", lambda: _started_runs() == 2, holder, waiter)
+            time.sleep(3)  # its step finds the city held, and waits
             assert waiter.poll() is None, waiter.communicate()
             sent = time.monotonic()
             waiter.send_signal(signal.SIGTERM)
