@@ -5,10 +5,11 @@ the work did not complete. Their arguments: :mod:`supplier_sync_dagster.cli.pars
 ``sync --full`` exits 0 when every city published; 1 when the sync did not complete (cities
 failed or gated: the line names them with their codes and the ``--trigger-id`` that resumes
 them); 2 when the supplier refused the API key or could not be reached (the line names the
-key's variable, or the code and address); 128 + the signal's number (130, 143) when SIGINT
-or SIGTERM stopped it, with the ``--trigger-id`` that resumes it. A sync that did not
-complete runs one alert round at once, as the alert sensor would: a cron or CLI run alerts
-without the daemon.
+key's variable, or the code and address); 3 when its batch was cancelled (a CANCEL_PREVIOUS
+trigger: the line names it; nothing resumes); 128 + the signal's number (130, 143) when SIGINT
+or SIGTERM stopped it (``sync --incremental`` too), with the ``--trigger-id`` that resumes it.
+A sync that did not complete runs one alert round at once, as the alert sensor would: a cron
+or CLI run alerts without the daemon.
 """
 
 from __future__ import annotations
