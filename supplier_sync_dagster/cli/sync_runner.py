@@ -41,7 +41,7 @@ from supplier_sync_dagster.core.errors import (
     code_of_description,
     describe_error,
 )
-from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger
+from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger, time_left
 from supplier_sync_dagster.core.leasing.leases import list_shards
 from supplier_sync_dagster.core.leasing.processes import this_host
 from supplier_sync_dagster.core.records.deadletters import count_dead_letters
@@ -708,7 +708,7 @@ def _report_progress(
         line = (
             f"[{bar:<{width}}] {pct:5.1f}%  cities {batch.shards_done}/{cities}  "
             f"pages {batch.pages_done}  hotels {batch.fetched_count}  {rate:,.0f}/s  "
-            f"ETA {eta(elapsed, pct)}"
+            f"ETA {time_left(elapsed, pct)}"
         )
         if line != last:
             out.write(("\r" + line) if tty else (line + "\n"))
@@ -716,19 +716,6 @@ def _report_progress(
             last = line
     if tty and last:
         out.write("\n")
-
-
-def eta(elapsed: float, percent: float) -> str:
-    """The time left at the pace so far (``"1,234s"``), or ``"unknown"`` until the sync has
-    made progress to judge a pace by.
-
-    Args:
-        elapsed: Seconds since the sync started.
-        percent: How much of it is done, 0 to 100.
-    """
-    if not 0 < percent <= 100 or elapsed <= 0:  # NaN too
-        return "unknown"
-    return f"{elapsed * (100 - percent) / percent:,.0f}s"
 
 
 def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float) -> SyncSummary:

@@ -8,7 +8,8 @@
   it exits within seconds, 143, with the line that says how to resume it.
 - SIGTERM to a ``sync --incremental`` whose window trickles: 143 and the line that says how
   to resume it, not Dagster's ``DagsterExecutionInterruptedError``; the resume completes.
-- The progress line says "ETA unknown" until the sync has a pace, never "ETA nans".
+- The progress line says "ETA unknown" until the sync has a pace, never "ETA nans"
+  (``core/leasing/test_time_left.py``: the same for ``batches`` and the step's log).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.cli.sync_runner import eta
 from supplier_sync_dagster.core.records.deadletters import CITY_FAILED
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.simulator import Simulator, running_server
@@ -238,21 +238,3 @@ def test_sigterm_during_an_incremental_window_says_how_to_resume_it(
         truth = sim.ground_truth()
         pub = published(db_url)
     assert {h: pub.get(h) for h in truth.valid} == dict(truth.valid)
-
-
-@pytest.mark.parametrize(
-    ("elapsed", "percent", "expected"),
-    [
-        (0.0, 0.0, "unknown"),
-        (12.0, 0.0, "unknown"),
-        (12.0, float("nan"), "unknown"),
-        (0.0, 50.0, "unknown"),
-        (10.0, 50.0, "10s"),
-        (30.0, 1.25, "2,370s"),
-        (10.0, 100.0, "0s"),
-    ],
-)
-def test_the_eta_is_unknown_until_the_sync_has_a_pace(
-    elapsed: float, percent: float, expected: str
-):
-    assert eta(elapsed, percent) == expected
