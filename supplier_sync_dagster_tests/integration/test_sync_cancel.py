@@ -238,3 +238,28 @@ def test_sigterm_during_an_incremental_window_says_how_to_resume_it(
         truth = sim.ground_truth()
         pub = published(db_url)
     assert {h: pub.get(h) for h in truth.valid} == dict(truth.valid)
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line_not_a_traceback(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    """SIGINT a second after the start: the command is loading Dagster (or, on a fast
+    machine, has started its trickling sync): either way one line and 130, never an
+    import's traceback."""
+    sim = _world(seed=59, cities=1)
+    sim.set_modes(["slow_body"])
+    with running_server(sim) as url:
+        _use(monkeypatch, url)
+        proc = cli_process("--db-url", db_url, "sync", "--full", env=dict(os.environ))
+        try:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+            out, err, _ = _ended(proc, timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = _lines(err)
+    assert "interrupted" in line, err
