@@ -220,10 +220,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
         with sync_runner.SignalLog() as signals:
             try:
                 return _sync_incremental(args, settings, sync_db, payloads, scope, signals)
-            except SyncInterrupted as err:
+            except (SyncInterrupted, Exception) as err:
+                if (reason := _interruption(err, signals)) is None:
+                    raise
                 # Before its run started, or after it ended.
-                warn(f"incremental sync interrupted ({err.reason}) outside its run")
-                return sync_runner.interrupted_status(err.reason)
+                warn(f"incremental sync interrupted ({reason}) outside its run")
+                return sync_runner.interrupted_status(reason)
     supplier = configured_supplier(
         settings,
         scope=scope,
@@ -245,15 +247,26 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 trigger_id=trigger_id,
                 signals=signals,
             )
-        except SyncInterrupted as err:
+        except (SyncInterrupted, Exception) as err:
+            if (reason := _interruption(err, signals)) is None:
+                raise
             # Before its run started, or after it ended: no city is in flight.
             resume = sync_runner.resume_hint(sync_db, supplier.task_code, trigger_id)
-            warn(f"sync interrupted ({err.reason}) outside its run: no city was in flight{resume}")
-            return sync_runner.interrupted_status(err.reason)
+            warn(f"sync interrupted ({reason}) outside its run: no city was in flight{resume}")
+            return sync_runner.interrupted_status(reason)
     status = finish_sync(summary, as_json=args.json)
     if not summary.interrupted:
         _alert_round(summary, sync_db, supplier, scope)
     return status
+
+
+def _interruption(err: BaseException, signals: sync_runner.SignalLog) -> str | None:
+    """The signal that ``err`` comes from (its name), or None when it is a failure of its
+    own. An error raised once a signal arrived is the signal's doing: the work it interrupted
+    (a database driver, a connection pool) fails its next call with an error of its own."""
+    if isinstance(err, SyncInterrupted):
+        return err.reason
+    return signals.received() or None
 
 
 def _alert_round(

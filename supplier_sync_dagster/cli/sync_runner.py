@@ -293,7 +293,7 @@ class SignalLog:
 
     def __enter__(self) -> SignalLog:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, _raise_interrupted) for s in INTERRUPTS}
+            self._old = {s: signal.signal(s, self._raise) for s in INTERRUPTS}
         self._watch.__enter__()
         return self
 
@@ -306,9 +306,10 @@ class SignalLog:
         """The name of the first signal received so far (``""``: none)."""
         return signal.Signals(self._seen[0]).name if self._seen else ""
 
-
-def _raise_interrupted(number: int, frame: FrameType | None) -> None:
-    raise SyncInterrupted(signal.Signals(number).name)
+    def _raise(self, number: int, frame: FrameType | None) -> None:
+        # Seen at once: the watch's thread may not have read it yet when the caller asks.
+        self._seen.append(number)
+        raise SyncInterrupted(signal.Signals(number).name)
 
 
 def new_trigger_id() -> str:
