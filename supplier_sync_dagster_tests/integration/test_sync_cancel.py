@@ -117,6 +117,7 @@ def test_a_cancel_previous_trigger_stops_the_running_sync_within_seconds(
                 lambda: any(s.status == "RUNNING" for s in _shards(db_url, "night-1").values()),
                 first,
             )
+            time.sleep(5.5)  # its progress line (every 5 s off a terminal) has shown
             policy = run(
                 capsys,
                 *("--db-url", db_url, "task", "set", "--policy", "CANCEL_PREVIOUS"),
