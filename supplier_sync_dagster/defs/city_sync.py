@@ -14,8 +14,11 @@ their checkpoints, and a gate override recorded for the batch applies.
 
 A run terminated from the UI (``DagsterExecutionInterruptedError`` in the step, as SIGTERM or
 SIGINT to a ``sync --full``) stops its cities at a page boundary and releases their leases
-(``core.sync.stop``); re-executing it resumes them. A supplier that refuses the API key or
-cannot be reached fails the step with that cause, and its cities with it.
+(``core.sync.stop``); re-executing it resumes them. So does a run marked CANCELING that no
+signal reached (the step polls its run's status). A run whose batch was cancelled (a
+CANCEL_PREVIOUS trigger) fails its step with who cancelled it, without retries. A supplier
+that refuses the API key or cannot be reached fails the step with that cause, and its cities
+with it.
 """
 
 import functools

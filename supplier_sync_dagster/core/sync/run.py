@@ -654,7 +654,9 @@ def run_cities(
     An interruption that reaches the iteration (KeyboardInterrupt, a termination from the
     Dagster UI, the iteration closed) sets ``stop``: every city in flight, in this process
     or a worker process, stops at its next page boundary and releases its lease, and the
-    batch's creator's grace ends; then the interruption goes on.
+    batch's creator's grace ends; then the interruption goes on. A batch cancelled meanwhile
+    (read each ``CANCEL_POLL_SECONDS``) stops the run the same way, with
+    :class:`~supplier_sync_dagster.core.errors.SyncCancelled`.
 
     Args:
         db: The sync database.
