@@ -172,6 +172,10 @@ def run() -> NoReturn:
         if preload is not None:
             importlib.import_module(preload)
             gc.freeze()
+    except KeyboardInterrupt:
+        # Ctrl-C while the command loads: nothing has started, nothing to resume.
+        print("supplier-sync: interrupted before the command started", file=sys.stderr)
+        exit_quickly(128 + signal.SIGINT)
     finally:
         gc.enable()
     exit_quickly(main())

@@ -5,10 +5,11 @@ the work did not complete. Their arguments: :mod:`supplier_sync_dagster.cli.pars
 ``sync --full`` exits 0 when every city published; 1 when the sync did not complete (cities
 failed or gated: the line names them with their codes and the ``--trigger-id`` that resumes
 them); 2 when the supplier refused the API key or could not be reached (the line names the
-key's variable, or the code and address); 128 + the signal's number (130, 143) when SIGINT
-or SIGTERM stopped it, with the ``--trigger-id`` that resumes it. A sync that did not
-complete runs one alert round at once, as the alert sensor would: a cron or CLI run alerts
-without the daemon.
+key's variable, or the code and address); 3 when its batch was cancelled (a CANCEL_PREVIOUS
+trigger: the line names it; nothing resumes); 128 + the signal's number (130, 143) when SIGINT
+or SIGTERM stopped it (``sync --incremental`` too), with the ``--trigger-id`` that resumes it.
+A sync that did not complete runs one alert round at once, as the alert sensor would: a cron
+or CLI run alerts without the daemon.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import signal
 import sys
 from typing import Any, Protocol
 
@@ -230,7 +230,15 @@ def cmd_sync(args: argparse.Namespace) -> int:
     sync_db, payloads = storage_resources(args, settings)
     scope = account_scope(args, settings)
     if args.incremental:
-        return _sync_incremental(args, settings, sync_db, payloads, scope)
+        with sync_runner.SignalLog() as signals:
+            try:
+                return _sync_incremental(args, settings, sync_db, payloads, scope, signals)
+            except (SyncInterrupted, Exception) as err:
+                if (reason := _interruption(err, signals)) is None:
+                    raise
+                # Before its run started, or after it ended.
+                warn(f"incremental sync interrupted ({reason}) outside its run")
+                return sync_runner.interrupted_status(reason)
     supplier = configured_supplier(
         settings,
         scope=scope,
@@ -239,6 +247,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         city_threads=args.city_threads,
         worker_processes=first(args.processes, settings.worker_processes),
     )
+    trigger_id = args.trigger_id or sync_runner.new_trigger_id()
     with sync_runner.SignalLog() as signals:
         try:
             summary = _full_sync(
@@ -248,18 +257,30 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 sync_db,
                 payloads,
                 as_json=args.json,
-                trigger_id=args.trigger_id,
+                trigger_id=trigger_id,
                 signals=signals,
                 retire_dropped=args.retire_dropped_cities,
             )
-        except SyncInterrupted as err:
+        except (SyncInterrupted, Exception) as err:
+            if (reason := _interruption(err, signals)) is None:
+                raise
             # Before its run started, or after it ended: no city is in flight.
-            warn(f"sync interrupted ({err.reason}) outside its run: no city was in flight")
-            return 128 + int(getattr(signal.Signals, err.reason, signal.SIGINT))
+            resume = sync_runner.resume_hint(sync_db, supplier.task_code, trigger_id)
+            warn(f"sync interrupted ({reason}) outside its run: no city was in flight{resume}")
+            return sync_runner.interrupted_status(reason)
     status = finish_sync(summary, as_json=args.json)
     if not summary.interrupted:
         _alert_round(summary, sync_db, supplier, scope)
     return status
+
+
+def _interruption(err: BaseException, signals: sync_runner.SignalLog) -> str | None:
+    """The signal that ``err`` comes from (its name), or None when it is a failure of its
+    own. An error raised once a signal arrived is the signal's doing: the work it interrupted
+    (a database driver, a connection pool) fails its next call with an error of its own."""
+    if isinstance(err, SyncInterrupted):
+        return err.reason
+    return signals.received() or None
 
 
 def _alert_round(
@@ -289,6 +310,7 @@ def _sync_incremental(
     sync_db: SyncDatabaseResource,
     payloads: PayloadStoreResource,
     scope: AccountScope,
+    signals: sync_runner.SignalLog | None = None,
 ) -> int:
     config = {
         key: value
@@ -310,6 +332,7 @@ def _sync_incremental(
         config=config,
         trigger_id=args.trigger_id,
         console_log_level=console_log_level(args),
+        signals=signals,
     )
     return finish_sync(summary, as_json=args.json)
 

@@ -41,7 +41,7 @@ from supplier_sync_dagster.core.errors import (
     code_of_description,
     describe_error,
 )
-from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger
+from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger, time_left
 from supplier_sync_dagster.core.leasing.leases import list_shards
 from supplier_sync_dagster.core.leasing.processes import this_host
 from supplier_sync_dagster.core.records.deadletters import count_dead_letters
@@ -110,6 +110,8 @@ class SyncSummary:
     error: str = ""
     # the signal that stopped the sync (SIGTERM, SIGINT), or "interrupted"
     interrupted: str = ""
+    # who or what cancelled the batch (a CANCEL_PREVIOUS trigger, an operator), if it was
+    cancelled: str = ""
     # what a refused key's or an unreachable supplier's line names
     key_setting: str = ""
     supplier_address: str = ""
@@ -124,10 +126,12 @@ class SyncSummary:
 
     def exit_status(self) -> int:
         """The command's exit status: 0 done; 1 not complete; 2 the supplier refused the API
-        key or could not be reached; 128 + the signal's number when a signal stopped it."""
+        key or could not be reached; 3 its batch was cancelled; 128 + the signal's number
+        when a signal stopped it."""
+        if self.cancelled:
+            return 3
         if self.interrupted:
-            number = getattr(signal.Signals, self.interrupted, signal.SIGINT)
-            return 128 + int(number)
+            return interrupted_status(self.interrupted)
         if self.refusal() is not None:
             return 2
         return 0 if self.problem() is None else 1
@@ -162,6 +166,14 @@ class SyncSummary:
         The command line prints it after the summary and exits non-zero.
         """
         resume = f"resume with --trigger-id {shlex.quote(self.trigger_id)}"
+        if self.cancelled:
+            # A cancelled batch is over: nothing of it resumes.
+            why = (
+                self.cancelled
+                if self.cancelled.startswith("cancelled")
+                else (f"cancelled: {self.cancelled}")
+            )
+            return f"sync {why}; {self.cities_done} of {_cities(self.cities)} done before it"
         if self.interrupted:
             return (
                 f"sync interrupted ({self.interrupted}): {self.cities_done} of "
@@ -251,6 +263,11 @@ class SyncSummary:
         )
 
 
+def interrupted_status(signal_name: str) -> int:
+    """128 + the number of the signal named (SIGINT when it names none: ``"interrupted"``)."""
+    return 128 + int(getattr(signal.Signals, signal_name, signal.SIGINT))
+
+
 def _fmt(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
 
@@ -287,7 +304,7 @@ class SignalLog:
 
     def __enter__(self) -> SignalLog:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, _raise_interrupted) for s in INTERRUPTS}
+            self._old = {s: signal.signal(s, self._raise) for s in INTERRUPTS}
         self._watch.__enter__()
         return self
 
@@ -300,9 +317,10 @@ class SignalLog:
         """The name of the first signal received so far (``""``: none)."""
         return signal.Signals(self._seen[0]).name if self._seen else ""
 
-
-def _raise_interrupted(number: int, frame: FrameType | None) -> None:
-    raise SyncInterrupted(signal.Signals(number).name)
+    def _raise(self, number: int, frame: FrameType | None) -> None:
+        # Seen at once: the watch's thread may not have read it yet when the caller asks.
+        self._seen.append(number)
+        raise SyncInterrupted(signal.Signals(number).name)
 
 
 def new_trigger_id() -> str:
@@ -408,7 +426,7 @@ def run_full_sync(
         summary.run_error = "" if result.success else run_failure(result)
         summary.dagster_run_id = result.run_id
         summary.dagster_home = os.environ.get("DAGSTER_HOME", "")
-        if not result.success:
+        if not result.success and not summary.cancelled:
             summary.interrupted = (signals.received() if signals else "") or (
                 "interrupted" if was_interrupted(result) else ""
             )
@@ -498,13 +516,26 @@ def _where(summary: SyncSummary, supplier: SupplierResource, scope: AccountScope
         summary.supplier_address = f"{url.hostname}:{port}"
 
 
+INTERRUPTIONS = frozenset(
+    {"DagsterExecutionInterruptedError", "KeyboardInterrupt", "SyncInterrupted"}
+)
+
+
 def was_interrupted(result: dg.ExecuteInProcessResult) -> bool:
-    """Whether the run's step was interrupted (a signal, a termination), not failed."""
-    interrupts = {"DagsterExecutionInterruptedError", "KeyboardInterrupt", "SyncInterrupted"}
-    return any(
-        e.step_failure_data.error is not None and e.step_failure_data.error.cls_name in interrupts
+    """Whether the run was interrupted (a signal, a termination), not failed: in its step,
+    or in Dagster's own work around it (the run then fails or is canceled without a step
+    failure)."""
+    if any(
+        e.step_failure_data.error is not None
+        and e.step_failure_data.error.cls_name in INTERRUPTIONS
         for e in result.get_step_failure_events()
-    )
+    ):
+        return True
+    if result.dagster_run.status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.CANCELING):
+        return True
+    failure = result.get_run_failure_event()
+    message = failure.message if failure is not None else ""
+    return any(name in (message or "") for name in INTERRUPTIONS)
 
 
 @dataclass
@@ -520,19 +551,29 @@ class IncrementalSummary:
     seconds: float = 0.0
     dagster_run_id: str = ""
     run_error: str = ""
+    # the signal that stopped the window (SIGTERM, SIGINT), or "interrupted"
+    interrupted: str = ""
 
     def to_json(self) -> str:
         """The summary as one JSON object."""
         return json.dumps(asdict(self), sort_keys=True, default=str)
 
     def exit_status(self) -> int:
-        """The command's exit status: 0 done, 1 not."""
+        """The command's exit status: 0 done, 1 not, 128 + the signal's number when a
+        signal stopped it."""
+        if self.interrupted:
+            return interrupted_status(self.interrupted)
         return 0 if self.problem() is None else 1
 
     def problem(self) -> str | None:
         """Why the window did not complete, in one line (None: it did)."""
         if self.run_success:
             return None
+        if self.interrupted:
+            return (
+                f"incremental sync interrupted ({self.interrupted}); resume with --trigger-id "
+                f"{shlex.quote(self.trigger_id)}"
+            )
         return f"incremental sync failed: {self.run_error or 'no reason recorded'}"
 
     def render(self) -> str:
@@ -568,8 +609,10 @@ def run_incremental_sync(
     trigger_id: str | None = None,
     console_log_level: str = "WARNING",
     scope: AccountScope = DEFAULT_SCOPE,
+    signals: SignalLog | None = None,
 ) -> IncrementalSummary:
-    """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset)."""
+    """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset);
+    ``signals`` says which signal interrupted it, if one did."""
     feed = build_hotel_change_feed(scope)
     feed_key = scope.key(CHANGE_FEED.path[-1])
 
@@ -604,6 +647,10 @@ def run_incremental_sync(
             dagster_run_id=result.run_id,
             run_error="" if result.success else run_failure(result),
         )
+        if not result.success:
+            summary.interrupted = (signals.received() if signals else "") or (
+                "interrupted" if was_interrupted(result) else ""
+            )
         for event in result.get_asset_materialization_events():
             m = event.step_materialization_data.materialization
             values: dict[str, Any] = {k: v.value for k, v in m.metadata.items()}
@@ -686,6 +733,23 @@ def _batch_of(db: SyncDatabase, task_code: str, trigger_id: str) -> Batch | None
         return batch_for_trigger(conn, task_code, trigger_id)
 
 
+def resume_hint(sync_db: SyncDatabaseResource, task_code: str, trigger_id: str) -> str:
+    """``"; resume with --trigger-id ID"`` when the trigger has a batch left unfinished
+    (RUNNING, PENDING, PARTIAL_FAILED, FAILED); else ``""`` (nothing to resume). Never
+    raises: it only adds to a line already said."""
+    try:
+        db = SyncDatabase.open(sync_db.db_url)
+        try:
+            batch = _batch_of(db, task_code, trigger_id)
+        finally:
+            db.dispose()
+    except Exception:  # the line says what it can without it
+        return ""
+    if batch is None or batch.status in ("SUCCESS", "CANCELLED"):
+        return ""
+    return f"; resume with --trigger-id {shlex.quote(trigger_id)}"
+
+
 def _report_progress(
     db: SyncDatabase,
     task_code: str,
@@ -709,13 +773,12 @@ def _report_progress(
         elapsed = time.monotonic() - started
         rate = batch.fetched_count / elapsed if elapsed else 0.0
         pct = float(batch.progress_percent)
-        eta = elapsed * (100 - pct) / pct if pct > 0 else float("nan")
         width = 30
         bar = "#" * int(width * pct / 100)
         line = (
             f"[{bar:<{width}}] {pct:5.1f}%  cities {batch.shards_done}/{cities}  "
             f"pages {batch.pages_done}  hotels {batch.fetched_count}  {rate:,.0f}/s  "
-            f"ETA {eta:,.0f}s"
+            f"ETA {time_left(elapsed, pct)}"
         )
         if line != last:
             out.write(("\r" + line) if tty else (line + "\n"))
@@ -775,6 +838,7 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         gated_cities=gated,
         failed_cities=failed,
         error=batch.error_message or "",
+        cancelled=(batch.error_message or "cancelled") if batch.status == "CANCELLED" else "",
     )
 
 

@@ -57,7 +57,7 @@ The tree::
                 └── TruncatedBody     the connection closed before the body's end
 
 Outside the tree, a ``BaseException`` like ``KeyboardInterrupt``: ``SyncInterrupted``, a run
-told to stop. :func:`describe_error` is the one ``CODE: what happened`` line of a failed city.
+told to stop, and its ``SyncCancelled``, a run whose batch was cancelled (nothing to resume). :func:`describe_error` is the one ``CODE: what happened`` line of a failed city.
 """
 
 from __future__ import annotations
@@ -405,6 +405,16 @@ class SyncInterrupted(BaseException):
     def __init__(self, reason: str = "interrupted") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class SyncCancelled(SyncInterrupted):
+    """A run whose batch was cancelled (CANCEL_PREVIOUS, an operator): it stops like
+    :class:`SyncInterrupted`, but its batch is over, so nothing of it is released, resumed or
+    waited for.
+
+    Attributes:
+        reason: Who or what cancelled it (``"cancelled by trigger night-2 (CANCEL_PREVIOUS)"``).
+    """
 
 
 INTERNAL_ERROR = "INTERNAL_ERROR"

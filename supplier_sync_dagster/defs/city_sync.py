@@ -16,8 +16,11 @@ the run planned them, and a planned partition a failed run does not materialize 
 
 A run terminated from the UI (``DagsterExecutionInterruptedError`` in the step, as SIGTERM or
 SIGINT to a ``sync --full``) stops its cities at a page boundary and releases their leases
-(``core.sync.stop``); re-executing it resumes them. A supplier that refuses the API key or
-cannot be reached fails the step with that cause, and its cities with it.
+(``core.sync.stop``); re-executing it resumes them. So does a run marked CANCELING that no
+signal reached (the step polls its run's status). A run whose batch was cancelled (a
+CANCEL_PREVIOUS trigger) fails its step with who cancelled it, without retries. A supplier
+that refuses the API key or cannot be reached fails the step with that cause, and its cities
+with it.
 """
 
 import functools
@@ -31,6 +34,7 @@ import dagster as dg
 from supplier_sync_dagster.core.errors import (
     CityNotFound,
     SupplierError,
+    SyncCancelled,
     SyncInterrupted,
     TaskDisabled,
     TriggerSkipped,
@@ -216,6 +220,10 @@ def _sync_cities(
     store = resources.payloads.open()
     outcomes: list[CityOutcome] = []
     stop = Stop()
+    # A run terminated while no signal reaches its process (its status CANCELING only).
+    end_poll = stop.poll(
+        functools.partial(_run_terminated, context), CANCEL_POLL_SECONDS, cancels=False
+    )
     try:
         # A replay reads stored pages only: it does not even open a supplier client.
         with (
@@ -265,6 +273,10 @@ def _sync_cities(
                 context.log.info(
                     f"supplier: {requests} requests in {time.perf_counter() - started:.1f} s"
                 )
+    except SyncCancelled as err:
+        # The batch is over: nothing to resume, nothing to retry.
+        context.log.warning(f"run cancelled ({err.reason}): its cities in flight stopped")
+        raise dg.Failure(description=f"run cancelled: {err.reason}", allow_retries=False) from None
     except BaseException as err:
         if stop.is_set and not isinstance(err, Exception):
             context.log.warning(
@@ -276,6 +288,7 @@ def _sync_cities(
             raise dg.DagsterExecutionInterruptedError() from err
         raise
     finally:
+        end_poll()
         db.dispose()
     failure = _not_published(outcomes, plan, request)
     if failure is not None:
@@ -313,6 +326,22 @@ def _retire_unlisted(
         context.log.info(f"retired (no longer listed by the supplier): {', '.join(plan.retire)}")
     if plan.held:
         context.log.warning(held_line(plan.held))
+
+
+# How often a step reads whether its Dagster run was terminated.
+CANCEL_POLL_SECONDS = 1.0
+
+
+def _run_terminated(context: dg.AssetExecutionContext) -> str | None:
+    """Why the step's run must stop, when it was terminated (CANCELING or CANCELED) but no
+    signal reached this process (a run launched elsewhere, or in process); else None."""
+    run = context.instance.get_run_by_id(context.run.run_id)
+    if run is None or run.status not in (
+        dg.DagsterRunStatus.CANCELING,
+        dg.DagsterRunStatus.CANCELED,
+    ):
+        return None
+    return f"Dagster run {context.run.run_id} was terminated"
 
 
 def _run_request(

@@ -991,8 +991,20 @@ def rate_and_eta(batch: Batch, now: datetime) -> str:
     pct = float(batch.progress_percent)
     if batch.finished_at is not None or pct >= 100:
         return f"{rate:,.0f} hotels/s, took {seconds:,.0f}s"
-    eta = seconds * (100 - pct) / pct if pct > 0 else float("nan")
-    return f"{rate:,.0f} hotels/s, ETA {eta:,.0f}s"
+    return f"{rate:,.0f} hotels/s, ETA {time_left(seconds, pct)}"
+
+
+def time_left(elapsed: float, percent: float) -> str:
+    """The time left at the pace so far (``"1,234s"``), or ``"unknown"`` until there is
+    progress to judge a pace by.
+
+    Args:
+        elapsed: Seconds since the work started.
+        percent: How much of it is done, 0 to 100.
+    """
+    if not 0 < percent <= 100 or elapsed <= 0:  # NaN too
+        return "unknown"
+    return f"{elapsed * (100 - percent) / percent:,.0f}s"
 
 
 def progress_line(batch: Batch, now: datetime) -> str:

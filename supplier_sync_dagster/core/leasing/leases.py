@@ -40,6 +40,7 @@ from supplier_sync_dagster.core.errors import (
     InvalidTransition,
     LeaseLost,
     LeaseNotAcquired,
+    SyncCancelled,
     UnknownBatch,
     UnknownShard,
     describe_error,
@@ -960,7 +961,8 @@ class ShardWork:
     - an interruption (KeyboardInterrupt, SystemExit, a closed generator; a run terminated
       from the Dagster UI): the lease is released (RUNNING -> PENDING, checkpoint kept) so
       another worker can resume at once; if the release fails the lease expires on its own;
-      the interruption propagates.
+      the interruption propagates. A cancellation (``SyncCancelled``: the batch was
+      cancelled, its shards with it) writes nothing.
 
     In every case the heartbeat stops.
 
@@ -1002,7 +1004,8 @@ class ShardWork:
             except LeaseLost as err:
                 log.warning("shard %r failed after its lease was lost: %s", lease.shard_key, err)
             return False
-        if not lease.lost:
+        # A cancelled batch's shards are over: nothing to release, nobody to resume.
+        if not lease.lost and not isinstance(exc, SyncCancelled):
             try:
                 lease.release("worker interrupted")
             except Exception as err:  # the lease will expire on its own instead

@@ -32,7 +32,11 @@ How a run ends when it cannot go on:
 - a run told to stop (a :class:`~supplier_sync_dagster.core.sync.stop.Stop`: SIGTERM,
   SIGINT, a termination from the Dagster UI) stops each city at its next page boundary and
   releases its lease with its checkpoint (no ticket), its worker processes too, and ends the
-  batch's creator's grace: a resume, or the next trigger, takes the cities at once.
+  batch's creator's grace: a resume, or the next trigger, takes the cities at once;
+- a run whose batch was cancelled (a CANCEL_PREVIOUS trigger, an operator) sees it within
+  a second (:func:`cancellation`, polled) and stops the same way, raising
+  :class:`~supplier_sync_dagster.core.errors.SyncCancelled`: no city of a cancelled batch is
+  waited for, its failed claims are not taken for another run's lease.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from supplier_sync_dagster.core.errors import (
     CityNotFound,
     SupplierAuthError,
     SupplierError,
+    SyncCancelled,
     code_of_description,
     describe_error,
     error_code_of,
@@ -97,6 +102,8 @@ from supplier_sync_dagster.core.sync.tasks import open_task
 log = logging.getLogger(__name__)
 
 HELD_POLL_SECONDS = 2.0
+# How often a run reads whether its batch was cancelled.
+CANCEL_POLL_SECONDS = 1.0
 DONE_STATUSES = ("SUCCESS", "ALREADY_DONE")
 
 T = TypeVar("T")
@@ -387,6 +394,20 @@ def refuse_trigger(
         return get_batch(conn, decision.batch.batch_id)
 
 
+def cancellation(db: SyncDatabase, batch_id: str) -> str | None:
+    """Why the batch was cancelled (its recorded reason), or None while it is not.
+
+    Args:
+        db: The sync database.
+        batch_id: The batch.
+    """
+    with db.engine.connect() as conn:
+        batch = get_batch(conn, batch_id)
+    if batch.status != "CANCELLED":
+        return None
+    return batch.error_message or f"batch {batch_id} was cancelled"
+
+
 def refusal_line(error: str | None, *, key_setting: str, address: str | None) -> str | None:
     """One line for a run that the supplier refused: ``supplier refused the API key (401):
     check VARIABLE``, or ``supplier unreachable: CONNECTION_REFUSED host:port``.
@@ -545,7 +566,13 @@ class _CityWorker:
                     hotel_count=self.plan.sizes.get(city),
                     stop=self.stop,
                 )
-                if report.status != "HELD_BY_OTHER" or not wait_if_held:
+                if report.status != "HELD_BY_OTHER":
+                    break
+                # A cancelled shard refuses every claim too: it is not another run's.
+                if reason := cancellation(db, batch.batch_id):
+                    self.stop.cancel(reason)
+                    self.stop.check()
+                if not wait_if_held:
                     break
                 # Another run of the batch is syncing it (it helped out, or raced): wait
                 # for its lease to end, then take the outcome or resume.
@@ -641,7 +668,9 @@ def run_cities(
     An interruption that reaches the iteration (KeyboardInterrupt, a termination from the
     Dagster UI, the iteration closed) sets ``stop``: every city in flight, in this process
     or a worker process, stops at its next page boundary and releases its lease, and the
-    batch's creator's grace ends; then the interruption goes on.
+    batch's creator's grace ends; then the interruption goes on. A batch cancelled meanwhile
+    (read each ``CANCEL_POLL_SECONDS``) stops the run the same way, with
+    :class:`~supplier_sync_dagster.core.errors.SyncCancelled`.
 
     Args:
         db: The sync database.
@@ -661,6 +690,8 @@ def run_cities(
     # triggers next need not wait one lease period for this run's grace.
     stop.on_set(lambda: _end_grace(db, batch_id))
     done: list[CityOutcome] = []
+    # A cancelled batch sends no signal: the run reads it.
+    end_poll = stop.poll(lambda: cancellation(db, batch_id), CANCEL_POLL_SECONDS)
     try:
         if processes is not None and processes.count > 0:
             with _ProcessPool(processes, plan, request, settings, stop) as pool:
@@ -683,8 +714,12 @@ def run_cities(
             _end_grace(db, batch_id)
         else:
             stop.set(reason_of(err))
+        if stop.cancelled and not isinstance(err, (Exception, GeneratorExit, SyncCancelled)):
+            # A worker process saw only that its run stopped: the run says why.
+            raise stop.error() from err
         raise
     finally:
+        end_poll()
         # Also for a run that stops early: what it did ask of the supplier counts.
         try:
             record_run_stats(

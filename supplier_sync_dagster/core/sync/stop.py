@@ -12,6 +12,13 @@ normalizing or publishing stops at its next chunk (:class:`StopAware`).
 Worker processes of a run watch a shared event (:meth:`Stop.watch`) that the run's process
 sets when it stops.
 
+A stop is also a cancellation (:meth:`Stop.cancel`) when the run's batch was cancelled
+(CANCEL_PREVIOUS, an operator): the same stop, but what it raises is
+:class:`~supplier_sync_dagster.core.errors.SyncCancelled`, so that nothing waits for a city
+of a batch that is over and nobody is told to resume it. A run learns of it by polling
+(:meth:`Stop.poll`): a cancelled batch sends no signal (nor does a Dagster run terminated
+from another process, which polls its run's status the same way).
+
 A signal sets the stop the moment it arrives (:class:`SignalWatch`), not when the thread
 that runs the cities next sees an exception: Dagster's handler raises its interruption in
 the main thread wherever that thread is, and when it is writing a city's events, outside
@@ -22,6 +29,7 @@ for a city thread that waits for its page).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -30,8 +38,10 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import ParamSpec, Protocol, TypeVar
 
-from supplier_sync_dagster.core.errors import SyncInterrupted
+from supplier_sync_dagster.core.errors import SyncCancelled, SyncInterrupted
 from supplier_sync_dagster.core.sync.model import Progress
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -58,9 +68,10 @@ class Stop:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self.reason = ""
+        self.cancelled = False
 
     def __repr__(self) -> str:
-        return f"Stop(set={self.is_set}, reason={self.reason!r})"
+        return f"Stop(set={self.is_set}, cancelled={self.cancelled}, reason={self.reason!r})"
 
     @property
     def is_set(self) -> bool:
@@ -70,10 +81,19 @@ class Stop:
     def set(self, reason: str) -> None:
         """Asks the run to stop (the first reason is kept), wakes everyone waiting and runs
         the callbacks (:meth:`on_set`)."""
+        self._set(reason, cancelled=False)
+
+    def cancel(self, reason: str) -> None:
+        """Stops the run because its batch (or Dagster run) was cancelled: as :meth:`set`,
+        but what the stop raises from now on is :class:`SyncCancelled`. A stop already
+        asked stays what it was."""
+        self._set(reason, cancelled=True)
+
+    def _set(self, reason: str, *, cancelled: bool) -> None:
         with self._lock:
             if self._event.is_set():
                 return
-            self.reason = reason
+            self.reason, self.cancelled = reason, cancelled
             self._event.set()
             callbacks = list(self._callbacks)
         for callback in callbacks:
@@ -95,10 +115,16 @@ class Stop:
         callback()
         return lambda: None
 
+    def error(self) -> SyncInterrupted:
+        """What the stop raises: :class:`SyncCancelled` for a cancellation, else
+        :class:`SyncInterrupted`, with its reason."""
+        return SyncCancelled(self.reason) if self.cancelled else SyncInterrupted(self.reason)
+
     def check(self) -> None:
-        """Raises :class:`SyncInterrupted` once a stop was asked (no database call)."""
+        """Raises :class:`SyncInterrupted` (:class:`SyncCancelled`) once a stop was asked
+        (no database call)."""
         if self._event.is_set():
-            raise SyncInterrupted(self.reason)
+            raise self.error()
 
     def result(self, future: Future[T]) -> T:
         """``future``'s result, unless a stop comes first.
@@ -114,7 +140,7 @@ class Stop:
         finally:
             unregister()
         if not future.done():
-            raise SyncInterrupted(self.reason)
+            raise self.error()
         return future.result()
 
     def sleep(self, seconds: float) -> None:
@@ -124,7 +150,7 @@ class Stop:
             SyncInterrupted: A stop was asked.
         """
         if self._event.wait(seconds):
-            raise SyncInterrupted(self.reason)
+            raise self.error()
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` in a daemon thread of its own, unless a stop comes first
@@ -145,6 +171,39 @@ class Stop:
             self.set("the run's process stopped")
 
         threading.Thread(target=follow, name="stop-watch", daemon=True).start()
+
+    def poll(
+        self, probe: Callable[[], str | None], every: float = 1.0, *, cancels: bool = True
+    ) -> Callable[[], None]:
+        """Cancels this stop once ``probe`` says why; returns the function that ends the
+        polling.
+
+        A daemon thread calls ``probe`` every ``every`` seconds until the stop is asked or
+        the polling ends; the first reason it returns cancels the stop (:meth:`cancel`), or
+        only sets it (:meth:`set`) without ``cancels``. A probe that raises is tried again
+        at the next poll (a database blip never stops a run).
+
+        Args:
+            probe: Why the run must stop (``"cancelled by trigger night-2
+                (CANCEL_PREVIOUS)"``), or None while it need not; must not block long.
+            every: Seconds between two probes.
+            cancels: What ``probe`` sees is a cancellation (the batch is over), not only a
+                stop (the run is resumable).
+        """
+        ended = threading.Event()
+
+        def follow() -> None:
+            while not ended.wait(every) and not self.is_set:
+                try:
+                    reason = probe()
+                except Exception as err:  # tried again at the next poll
+                    log.debug("cancellation probe failed: %s", err)
+                    continue
+                if reason:
+                    self._set(reason, cancelled=cancels)
+
+        threading.Thread(target=follow, name="stop-poll", daemon=True).start()
+        return ended.set
 
 
 def reason_of(interruption: BaseException) -> str:
