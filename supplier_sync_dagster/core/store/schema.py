@@ -284,7 +284,19 @@ dead_letter = _table(
     sa.Column("city_code", _code(64)),
     # The compensation batch of its latest attempt (a killed one is resumed or released).
     sa.Column("retry_batch_id", sa.String(64)),
+    # One ticket per problem: hotel:<id>, city:<code> or record:<page hash>#<position>.
+    sa.Column("subject_key", _code(200)),
+    # 1 while open, NULL once closed: uk_dead_letter_open allows one open ticket per problem
+    # (NULLs never collide in a UNIQUE key, on MariaDB as on SQLite).
+    sa.Column("open_slot", sa.SmallInteger().with_variant(mysql.TINYINT(), *_MYSQL)),
+    sa.Column("seen_count", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("last_seen_at", _ts()),
+    sa.Column("last_batch_id", sa.String(64)),
+    sa.Column("record_version", sa.BigInteger),
     sa.UniqueConstraint("dead_letter_id", name="uk_dead_letter_id"),
+    sa.UniqueConstraint(
+        "supplier_id", "subject_key", "error_code", "open_slot", name="uk_dead_letter_open"
+    ),
     sa.UniqueConstraint(
         "batch_id",
         "supplier_id",
