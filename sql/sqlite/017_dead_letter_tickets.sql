@@ -25,7 +25,14 @@ SET seen_count = (
       AND o.subject_key = supplier_sync_dead_letter.subject_key
       AND o.error_code = supplier_sync_dead_letter.error_code
 )
-WHERE open_slot = 1;
+WHERE open_slot = 1
+  AND id = (
+    SELECT MAX(o.id) FROM supplier_sync_dead_letter o
+    WHERE o.open_slot = 1
+      AND o.supplier_id = supplier_sync_dead_letter.supplier_id
+      AND o.subject_key = supplier_sync_dead_letter.subject_key
+      AND o.error_code = supplier_sync_dead_letter.error_code
+);
 
 UPDATE supplier_sync_dead_letter
 SET status = 'MERGED',
