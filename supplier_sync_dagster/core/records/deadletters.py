@@ -270,6 +270,47 @@ def record_dead_letters(
                 **_payload(letter),
             )
         )
+    _supersede(conn, clock, supplier_id, latest)
+
+
+def _supersede(
+    conn: Connection,
+    clock: DbClock,
+    supplier_id: int,
+    latest: Mapping[tuple[str, str], DeadLetter],
+) -> None:
+    """Closes (MERGED) the open tickets of an older version of a record whose newer version
+    fails with another problem: the newer record's ticket says what is wrong now. Tickets a
+    compensation holds are left to it."""
+    newest: dict[str, tuple[int, str]] = {}
+    for (subject, code), letter in latest.items():
+        v = letter.record_version
+        if (
+            v is not None
+            and subject.startswith("hotel:")
+            and (subject not in newest or v > newest[subject][0])
+        ):
+            newest[subject] = (v, code)
+    if not newest:
+        return
+    d = schema.dead_letter.c
+    stale: dict[str, list[int]] = {}
+    for part in chunks(sorted(newest)):
+        for r in conn.execute(
+            sa.select(d.id, d.subject_key, d.error_code, d.record_version).where(
+                d.supplier_id == supplier_id,
+                d.subject_key.in_(part),
+                d.open_slot == 1,
+                d.status != "RETRYING",
+                d.record_version.is_not(None),
+            )
+        ):
+            version, code = newest[str(r.subject_key)]
+            if r.error_code != code and int(r.record_version) < version:
+                note = f"superseded: version {version} of the record fails with {code}"
+                stale.setdefault(note, []).append(int(r.id))
+    for note, ids in stale.items():
+        move(conn, clock, ids, "merge", fix_note=note)
 
 
 def _payload(d: DeadLetter) -> dict[str, Any]:
