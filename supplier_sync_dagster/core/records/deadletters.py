@@ -614,7 +614,12 @@ def count_dead_letters(conn: Connection, batch_id: str) -> dict[str, int]:
     """Dead letters of a batch by error code."""
     rows = conn.execute(
         sa.select(schema.dead_letter.c.error_code, sa.func.count())
-        .where(schema.dead_letter.c.batch_id == batch_id)
+        .where(
+            sa.or_(
+                schema.dead_letter.c.batch_id == batch_id,
+                schema.dead_letter.c.last_batch_id == batch_id,
+            )
+        )
         .group_by(schema.dead_letter.c.error_code)
     )
     return {code: int(n) for code, n in rows}
@@ -656,7 +661,7 @@ def list_dead_letters(
             else sa.or_(d.error_code.in_(codes), ~in_rules)
         )
     if where.batch_id:
-        stmt = stmt.where(d.batch_id == where.batch_id)
+        stmt = stmt.where(sa.or_(d.batch_id == where.batch_id, d.last_batch_id == where.batch_id))
     if where.supplier_hotel_id:
         stmt = stmt.where(d.supplier_resource_code == where.supplier_hotel_id)
     if where.city_code:
