@@ -456,6 +456,26 @@ def record_city_failure(
         )
 
 
+def resolve_gone_city(
+    conn: Connection, clock: DbClock, *, supplier_id: int, city_code: str, batch_id: str
+) -> int:
+    """Resolves the open tickets of a city the supplier no longer lists (a retired city):
+    its CITY_FAILED ticket has nothing left to retry. Its hotels' tickets are resolved as
+    they are tombstoned (``tombstones.unpublish_missing``).
+
+    Returns:
+        The tickets resolved.
+    """
+    return resolve_subjects(
+        conn,
+        clock,
+        supplier_id=supplier_id,
+        subjects=[city_subject(city_code)],
+        batch_id=batch_id,
+        note=f"the supplier no longer lists the city (batch {batch_id})",
+    )
+
+
 def _initial_state(error_code: str, now: datetime) -> dict[str, Any]:
     rule = rule_for(error_code)
     if rule.error_class == "RETRYABLE":

@@ -134,6 +134,24 @@ def test_a_publish_resolves_every_open_ticket_of_the_hotel_whatever_its_class(
     assert (summary.created_24h, summary.resolved_24h) == (4, 2)
 
 
+def test_a_city_the_supplier_dropped_resolves_its_city_ticket(db: SyncDatabase) -> None:
+    failed = DeadLetter(
+        None, "ADAPTER", "RETRYABLE", "CITY_FAILED", "404", None, None, city_code="OLD"
+    )
+    _record(db, "b1", failed)
+    _record(db, "b2", failed)
+    with db.begin() as conn:
+        assert (
+            deadletters.resolve_gone_city(
+                conn, db.clock, supplier_id=1001, city_code="OLD", batch_id="b3"
+            )
+            == 1
+        )
+    (ticket,) = _tickets(db)
+    assert (ticket.status, ticket.seen_count, ticket.open_slot) == ("RESOLVED", 2, None)
+    assert "no longer lists" in ticket.fix_note
+
+
 def test_subjects() -> None:
     assert subject_key(_bad("H1")) == "hotel:H1"
     city = DeadLetter(None, "ADAPTER", "RETRYABLE", "CITY_FAILED", "x", None, None, city_code="BKK")
