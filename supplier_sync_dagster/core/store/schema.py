@@ -295,9 +295,6 @@ dead_letter = _table(
     sa.Column("record_version", sa.BigInteger),
     sa.UniqueConstraint("dead_letter_id", name="uk_dead_letter_id"),
     sa.UniqueConstraint(
-        "supplier_id", "subject_key", "error_code", "open_slot", name="uk_dead_letter_open"
-    ),
-    sa.UniqueConstraint(
         "batch_id",
         "supplier_id",
         "supplier_resource_code",
@@ -305,6 +302,15 @@ dead_letter = _table(
         "error_stage",
         "raw_payload_hash",
         name="uk_dedup",
+    ),
+    # A unique index (not a table constraint), as sql/sqlite/017 can add one in place.
+    sa.Index(
+        "uk_dead_letter_open",
+        "supplier_id",
+        "subject_key",
+        "error_code",
+        "open_slot",
+        unique=True,
     ),
     sa.Index("idx_status_next_retry", "status", "next_retry_at"),
     sa.Index("idx_dead_letter_hotel", "supplier_id", "supplier_resource_code"),
