@@ -7,7 +7,8 @@ The lifecycle (seed §14)::
        │                        ├──retry_failed──▶ FAILED ──start_retry──▶ RETRYING ...
        │                        └──exhaust───────▶ MANUAL_FIX   (past max retries)
        ├──escalate──▶ MANUAL_FIX ──requeue──▶ PENDING  (an operator's retry or fix)
-       └──ignore────▶ IGNORED
+       ├──ignore────▶ IGNORED
+       └──merge─────▶ MERGED  (the problem goes on in another ticket; from any open state)
 
 A dead letter is a ticket for one problem: one error code of one subject (a hotel, a city,
 or an unreadable record of a page; :func:`subject_key`) of a supplier. While it is open its
@@ -20,15 +21,15 @@ superseding it, the hotel or city gone, a successful re-fetch or re-sync; a retr
 record still refused leaves it open (the attempt counted).
 
 A row is created PENDING (retryable codes, due after the first backoff) or MANUAL_FIX
-(codes that need a person), as :data:`RULES` says; :func:`resolve` and :func:`ignore` leave
-every open state. Every later move is one conditional UPDATE through :func:`move`, whose
+(codes that need a person), as :data:`RULES` says; :func:`resolve`, :func:`ignore` and ``merge``
+leave every open state. Every later move is one conditional UPDATE through :func:`move`, whose
 affected-row count is checked: no status string is written anywhere else.
 
 A dead letter names the stage that refused the record, a precise error code, the message
 (with the offending value, truncated) and the raw payload it came from (ref and hash), so
-that one record can be replayed later. Writing is idempotent: the seed's dedup key
-``(batch, supplier, hotel, record position, stage, raw hash)`` and a dead_letter_id derived
-from it mean a re-run adds no second row for the same failure.
+that one record can be replayed later. A ticket keeps the batch and ids of the sight that
+opened it (the seed's dedup key ``(batch, supplier, hotel, record position, stage, raw
+hash)``) and the latest sight's payload and batch (``last_batch_id``).
 """
 
 from __future__ import annotations

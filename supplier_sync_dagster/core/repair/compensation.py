@@ -12,9 +12,12 @@ in one JSON document (``{"details": [<response>, ...]}``), stored and hashed lik
 Each claimed dead letter ends one way (a named transition of ``core.deadletters``):
 
 - **resolve**: its hotel was re-fetched and went through the stages (published, unchanged,
-  held for review, or refused again with a new dead letter, which says why); or a newer
-  version of the hotel was published after the dead letter was written; or the supplier
-  answered 404 (the hotel is gone for certain, and unpublished as a tombstone).
+  held for review); or a newer version of the hotel was published after the dead letter was
+  last seen; or the supplier answered 404 (the hotel is gone for certain, and unpublished as
+  a tombstone).
+- **retry_failed** / **exhaust** too when the re-fetched record is refused again with the
+  same problem: the ticket stays open, the attempt counted, and no second ticket is opened.
+- **merge** when it is refused with another problem: that problem's ticket goes on.
 - **retry_failed** (FAILED, with the next backoff) or **exhaust** (MANUAL_FIX, past its
   retries) when the request failed again.
 
