@@ -78,6 +78,16 @@ def test_three_syncs_of_the_same_bad_record_make_one_ticket_and_only_a_fix_resol
         assert all(d["last_batch_id"] != d["batch_id"] for d in letters)
 
         fixable = next(d for d in letters if d["error_code"] in FIXES)
+        # A fix that changes nothing is refused with the same problem: the ticket stays as
+        # the supplier's record left it (not another sight, no second ticket).
+        same = run(
+            capsys, "--db-url", db_url, "dead-letters", "fix", str(fixable["id"]),
+            "--patch", "{}", "--by", "ops-anna", "--reason", "try as is",
+        )  # fmt: skip
+        assert same.code == 1 and fixable["error_code"] in same.err
+        (unchanged,) = _letters(capsys, db_url, "--hotel", fixable["supplier_resource_code"])
+        keep = ("id", "status", "seen_count", "last_batch_id", "raw_payload_ref", "error_message")
+        assert {k: unchanged[k] for k in keep} == {k: fixable[k] for k in keep}
         fixed = run(
             capsys, "--db-url", db_url, "dead-letters", "fix", str(fixable["id"]),
             "--patch", json.dumps(FIXES[fixable["error_code"]]),
