@@ -20,10 +20,11 @@ from supplier_sync_dagster.cli.resources import (
     storage_resources,
 )
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.leasing.leases import list_shards, make_worker_id
 from supplier_sync_dagster.core.repair.compensation import (
     CompensationReport,
     CompensationSettings,
+    charge_city_attempts,
     compensate,
     fix_dead_letter,
     resolve_synced_cities,
@@ -80,7 +81,9 @@ def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
 
 def cmd_compensate(args: argparse.Namespace) -> int:
     """``dead-letters compensate``: the due retryable dead letters re-fetched and run through
-    every stage; the cities whose sync stopped re-synced through Dagster."""
+    every stage; every city whose sync stopped re-synced through Dagster (a city that fails
+    again does not stop the others). Exit 1 when a city still fails or the batch did not
+    finish."""
     settings = load_settings()
     sync_db, payloads = storage_resources(args, settings)
     scope = account_scope(args, settings)
@@ -104,6 +107,8 @@ def cmd_compensate(args: argparse.Namespace) -> int:
                 trigger_id=args.trigger_id or f"cli-{uuid.uuid4().hex[:16]}",
                 source="MANUAL",
                 worker_id=make_worker_id("supplier-sync"),
+                # Charged below, only to the tickets of the cities re-synced.
+                charge_cities=False,
             )
             requests = client.stats().requests
         resync: dict[str, Any] = {}
@@ -117,16 +122,46 @@ def cmd_compensate(args: argparse.Namespace) -> int:
                 payloads=payloads,
                 cities=out.resync_cities,
                 progress=None,
+                console_log_level="INFO" if args.verbose else "CRITICAL",
             )
-            resync = {
-                "batch_id": summary.batch_id,
-                "status": summary.status,
-                "cities": out.resync_cities,
-                "resolved": resolve_synced_cities(
-                    db, supplier_id=supplier.supplier_id, task_codes=owned
-                ),
-            }
+            resync = _resync_outcome(db, out, summary, supplier.supplier_id, owned)
     return _report_compensation(out, requests, resync, as_json=args.json)
+
+
+def _resync_outcome(
+    db: SyncDatabase,
+    out: CompensationReport,
+    summary: sync_runner.SyncSummary,
+    supplier_id: int,
+    owned: tuple[str, ...],
+) -> dict[str, Any]:
+    """What the re-sync of the failed cities did: the tickets of the cities it ran are
+    charged an attempt, those of the cities that synced resolved."""
+    retried = [c for c in out.resync_cities if c in set(summary.attempted_cities)]
+    charged = charge_city_attempts(db, [i for c in retried for i in out.resync_tickets[c]])
+    synced: set[str] = set()
+    if summary.batch_id:
+        synced = {s.shard_key for s in list_shards(db, summary.batch_id) if s.status == "SUCCESS"}
+    failing = {
+        c: summary.failed_cities.get(c)
+        or summary.gated_cities.get(c)
+        or summary.run_error
+        or "the city did not sync"
+        for c in retried
+        if c not in synced
+    }
+    return {
+        "batch_id": summary.batch_id,
+        "status": summary.status,
+        "cities": list(out.resync_cities),
+        "retried": retried,
+        "synced": sorted(synced & set(retried)),
+        "failing": failing,
+        "not_retried": [c for c in out.resync_cities if c not in set(retried)],
+        "charged": charged,
+        "interrupted": summary.interrupted,
+        "resolved": resolve_synced_cities(db, supplier_id=supplier_id, task_codes=owned),
+    }
 
 
 def _report_compensation(
@@ -143,16 +178,35 @@ def _report_compensation(
     else:
         print(
             f"compensate: batch {out.batch.batch_id} {out.batch.status}: {out.claimed} claimed, "
-            f"{out.resolved} resolved ({out.refused_again} now refused with a new dead letter), "
+            f"{out.resolved} resolved, {out.refused_again} still refused, "
             f"{out.newer} already newer, {out.gone} gone (404), {out.rescheduled} rescheduled, "
             f"{out.exhausted} to MANUAL_FIX, {requests} requests"
         )
-    if resync and not as_json:
-        print(
-            f"compensate: re-synced {len(resync['cities'])} failed cities in batch "
-            f"{resync['batch_id']} ({resync['status']}): {resync['resolved']} tickets resolved"
-        )
+    status = 0
+    if resync:
+        status = _report_resync(resync, as_json=as_json)
     if out.report is not None and out.report.status not in ("SUCCESS", "ALREADY_DONE"):
         warn(f"compensation did not finish ({out.report.status}): {out.report.error or ''}")
         return 1
-    return 0
+    return status
+
+
+def _report_resync(resync: dict[str, Any], *, as_json: bool) -> int:
+    """The re-sync's true figures (one line per city still failing); 1 unless every due
+    city was re-synced and synced."""
+    failing: dict[str, str] = resync["failing"]
+    if not as_json:
+        print(
+            f"compensate: re-synced {len(resync['synced'])} of {len(resync['cities'])} failed "
+            f"cities in batch {resync['batch_id'] or '-'} ({resync['status']}), "
+            f"{len(failing)} still failing; {resync['charged']} tickets charged an attempt, "
+            f"{resync['resolved']} resolved"
+        )
+        for city, error in failing.items():
+            warn(f"city {city} still fails: {' '.join(str(error).split())[:300]}")
+        if resync["not_retried"]:
+            warn(
+                f"not re-synced ({resync['interrupted'] or 'stopped'}): "
+                f"{', '.join(resync['not_retried'])}"
+            )
+    return 1 if failing or resync["not_retried"] else 0

@@ -112,6 +112,8 @@ class SyncSummary:
     interrupted: str = ""
     # who or what cancelled the batch (a CANCEL_PREVIOUS trigger, an operator), if it was
     cancelled: str = ""
+    # the cities whose run was launched (a re-sync of some cities: all unless interrupted)
+    attempted_cities: list[str] = field(default_factory=list)
     # what a refused key's or an unreachable supplier's line names
     key_setting: str = ""
     supplier_address: str = ""
@@ -398,30 +400,21 @@ def run_full_sync(
         )
         reporter.start()
         try:
-            for start, end in ranges:
-                result = dg.materialize(
-                    [build_city_sync(scope)],
-                    instance=instance,
-                    resources=_run_resources(sync_db, payloads, supplier, scope),
-                    tags={
-                        **scope.tags,
-                        "dagster/asset_partition_range_start": start,
-                        "dagster/asset_partition_range_end": end,
-                        TRIGGER_TAG: trigger_id,
-                        SOURCE_TAG: "MANUAL",
-                        # The run executes in this process: run monitoring can tell when it dies.
-                        WORKER_HOST_TAG: this_host(),
-                    },
-                    raise_on_error=False,
-                    run_config=_console_config(console_log_level),
-                )
-                if not result.success:
-                    break
+            attempted, result = _materialize_ranges(
+                instance,
+                ranges,
+                resources=_run_resources(sync_db, payloads, supplier, scope),
+                tags={**scope.tags, TRIGGER_TAG: trigger_id, SOURCE_TAG: "MANUAL"},
+                scope=scope,
+                console_log_level=console_log_level,
+                keep_going=cities is not None,
+            )
         finally:
             stop.set()
             reporter.join(timeout=5)
         seconds = time.perf_counter() - started
         summary = summarize(db, supplier.task_code, trigger_id, seconds)
+        summary.attempted_cities = attempted if cities is not None else list(keys)
         summary.run_success = result.success
         summary.run_error = "" if result.success else run_failure(result)
         summary.dagster_run_id = result.run_id
@@ -481,6 +474,46 @@ def _retire(
     )
     summary.retired_cities = list(plan.retire)
     summary.held_cities = list(plan.held)
+
+
+def _materialize_ranges(
+    instance: dg.DagsterInstance,
+    ranges: Sequence[tuple[str, str]],
+    *,
+    resources: dict[str, Any],
+    tags: dict[str, str],
+    scope: AccountScope,
+    console_log_level: str,
+    keep_going: bool,
+) -> tuple[list[str], dg.ExecuteInProcessResult]:
+    """Runs each range; returns the cities run (a range's start) and the first failed run's
+    result (else the last one's). With ``keep_going`` (single cities), a failed city does
+    not stop the others: only an interruption does."""
+    attempted: list[str] = []
+    failed: dg.ExecuteInProcessResult | None = None
+    result: dg.ExecuteInProcessResult | None = None
+    for start, end in ranges:
+        result = dg.materialize(
+            [build_city_sync(scope)],
+            instance=instance,
+            resources=resources,
+            tags={
+                **tags,
+                "dagster/asset_partition_range_start": start,
+                "dagster/asset_partition_range_end": end,
+                # The run executes in this process: run monitoring can tell when it dies.
+                WORKER_HOST_TAG: this_host(),
+            },
+            raise_on_error=False,
+            run_config=_console_config(console_log_level),
+        )
+        attempted.append(start)
+        if not result.success:
+            failed = failed or result
+            if not keep_going or was_interrupted(result):
+                break
+    assert result is not None
+    return attempted, failed or result
 
 
 def _refused(

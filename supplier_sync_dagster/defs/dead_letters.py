@@ -224,7 +224,7 @@ dead_letter_city_resync_sensor = build_dead_letter_resync_sensor(DEFAULT_SCOPE)
 
 def summary_metadata(summary: deadletters.Summary) -> dict[str, Any]:
     """The summary as metadata: every figure numeric (plotted), the breakdowns as JSON."""
-    statuses = ("PENDING", "RETRYING", "FAILED", "MANUAL_FIX", "RESOLVED", "IGNORED")
+    statuses = ("PENDING", "RETRYING", "FAILED", "MANUAL_FIX", "RESOLVED", "IGNORED", "MERGED")
     return {
         "open": summary.open,
         **{f"status_{s.lower()}": summary.by_status.get(s, 0) for s in statuses},

@@ -16,7 +16,7 @@ from supplier_sync_dagster.cli.common import (
 
 _OPERATORS = "supplier_sync_dagster.cli.operators"
 _REPAIR = "supplier_sync_dagster.cli.repair"
-_STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED")
+_STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED", "MERGED")
 
 
 def add_commands(sub: Subcommands) -> None:

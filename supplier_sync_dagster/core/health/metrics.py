@@ -274,7 +274,10 @@ def _latest(conn: Connection, h: SyncHealth) -> None:
         conn.execute(
             sa.select(sa.func.count())
             .select_from(schema.dead_letter)
-            .where(d.batch_id == latest.batch_id, d.error_stage == "MAPPING")
+            .where(
+                sa.or_(d.batch_id == latest.batch_id, d.last_batch_id == latest.batch_id),
+                d.error_stage == "MAPPING",
+            )
         ).scalar_one()
     )
 

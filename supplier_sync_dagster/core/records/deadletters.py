@@ -7,18 +7,29 @@ The lifecycle (seed §14)::
        │                        ├──retry_failed──▶ FAILED ──start_retry──▶ RETRYING ...
        │                        └──exhaust───────▶ MANUAL_FIX   (past max retries)
        ├──escalate──▶ MANUAL_FIX ──requeue──▶ PENDING  (an operator's retry or fix)
-       └──ignore────▶ IGNORED
+       ├──ignore────▶ IGNORED
+       └──merge─────▶ MERGED  (the problem goes on in another ticket; from any open state)
+
+A dead letter is a ticket for one problem: one error code of one subject (a hotel, a city,
+or an unreadable record of a page; :func:`subject_key`) of a supplier. While it is open its
+``open_slot`` is 1, and a UNIQUE key over (supplier, subject, code, open_slot) allows one
+open ticket per problem: :func:`record_dead_letters` updates the open ticket of a problem
+seen again (``seen_count``, ``last_seen_at``, the latest payload and batch) instead of
+opening another. A ticket is RESOLVED only by a true fix: its hotel published
+(:func:`resolve_subjects`, called by the publish path), a newer version of the record
+superseding it, the hotel or city gone, a successful re-fetch or re-sync; a retry of a
+record still refused leaves it open (the attempt counted).
 
 A row is created PENDING (retryable codes, due after the first backoff) or MANUAL_FIX
-(codes that need a person), as :data:`RULES` says; :func:`resolve` and :func:`ignore` leave
-every open state. Every later move is one conditional UPDATE through :func:`move`, whose
+(codes that need a person), as :data:`RULES` says; :func:`resolve`, :func:`ignore` and ``merge``
+leave every open state. Every later move is one conditional UPDATE through :func:`move`, whose
 affected-row count is checked: no status string is written anywhere else.
 
 A dead letter names the stage that refused the record, a precise error code, the message
 (with the offending value, truncated) and the raw payload it came from (ref and hash), so
-that one record can be replayed later. Writing is idempotent: the seed's dedup key
-``(batch, supplier, hotel, record position, stage, raw hash)`` and a dead_letter_id derived
-from it mean a re-run adds no second row for the same failure.
+that one record can be replayed later. A ticket keeps the batch and ids of the sight that
+opened it (the seed's dedup key ``(batch, supplier, hotel, record position, stage, raw
+hash)``) and the latest sight's payload and batch (``last_batch_id``).
 """
 
 from __future__ import annotations
@@ -51,13 +62,18 @@ ErrorType = Literal["RETRYABLE", "NON_RETRYABLE", "MAPPING_REQUIRED", "RISK_BLOC
 # positions are stored as this marker.
 UNKNOWN = "-"
 
-DeadLetterStatus = Literal["PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED"]
+DeadLetterStatus = Literal[
+    "PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED", "MERGED"
+]
 ErrorClass = Literal["RETRYABLE", "NEEDS_PERSON"]
 OPEN_STATUSES: Final[tuple[DeadLetterStatus, ...]] = ("PENDING", "RETRYING", "FAILED", "MANUAL_FIX")
 """States a dead letter can still leave (the rest are final)."""
+CLOSED_STATUSES: Final[tuple[DeadLetterStatus, ...]] = ("RESOLVED", "IGNORED", "MERGED")
+"""Final states: RESOLVED (a true fix), IGNORED (by an operator), MERGED (the problem goes on
+in another ticket: a duplicate, or superseded by a ticket of the record's new problem)."""
 
 Transition = Literal[
-    "start_retry", "retry_failed", "exhaust", "escalate", "requeue", "resolve", "ignore"
+    "start_retry", "retry_failed", "exhaust", "escalate", "requeue", "resolve", "ignore", "merge"
 ]
 TRANSITIONS: Final[dict[Transition, tuple[tuple[DeadLetterStatus, ...], DeadLetterStatus]]] = {
     "start_retry": (("PENDING", "FAILED"), "RETRYING"),
@@ -67,6 +83,7 @@ TRANSITIONS: Final[dict[Transition, tuple[tuple[DeadLetterStatus, ...], DeadLett
     "requeue": (("MANUAL_FIX", "FAILED"), "PENDING"),
     "resolve": (OPEN_STATUSES, "RESOLVED"),
     "ignore": (OPEN_STATUSES, "IGNORED"),
+    "merge": (OPEN_STATUSES, "MERGED"),
 }
 """Each named move: the states it leaves and the state it enters."""
 
@@ -160,6 +177,8 @@ class DeadLetter:
     normalized_payload_ref: str | None = None
     # The city of the record: the listing's, or the record's own (a change feed).
     city_code: str | None = None
+    # The supplier's version of the record, when it could be read.
+    record_version: int | None = None
 
 
 def dead_letter_id(batch_id: str, supplier_id: int, letter: DeadLetter) -> str:
@@ -177,6 +196,27 @@ def dead_letter_id(batch_id: str, supplier_id: int, letter: DeadLetter) -> str:
     return "dl_" + hashlib.sha256(key.encode()).hexdigest()[:61]
 
 
+def subject_key(letter: DeadLetter) -> str:
+    """What a dead letter is about: ``hotel:<id>``, ``city:<code>`` (a CITY_FAILED ticket),
+    or ``record:<page hash>#<position>`` for a record whose hotel id could not be read."""
+    if letter.error_code == CITY_FAILED:
+        return city_subject(letter.city_code or UNKNOWN)
+    if letter.supplier_hotel_id and letter.supplier_hotel_id != UNKNOWN:
+        return hotel_subject(letter.supplier_hotel_id)
+    page = letter.raw_payload_hash or UNKNOWN
+    return f"record:{page}#{letter.record_position or UNKNOWN}"[:200]
+
+
+def hotel_subject(hotel_id: str) -> str:
+    """The subject key of a hotel's tickets."""
+    return f"hotel:{hotel_id}"[:200]
+
+
+def city_subject(city_code: str) -> str:
+    """The subject key of a city's tickets."""
+    return f"city:{city_code}"[:200]
+
+
 def record_dead_letters(
     conn: Connection,
     clock: DbClock,
@@ -188,41 +228,183 @@ def record_dead_letters(
     letters: Sequence[DeadLetter],
     category_code: str = "HOTEL",
 ) -> None:
-    """Writes dead letters in one statement; rows already recorded are left as they are."""
-    now = (
-        clock.read(conn)
-        if any(rule_for(d.error_code).error_class == "RETRYABLE" for d in letters)
-        else None
-    )
-    rows = [
-        {
-            "dead_letter_id": dead_letter_id(batch_id, supplier_id, d),
-            "supplier_resource_code": (d.supplier_hotel_id or UNKNOWN)[:128],
-            "record_position": (d.record_position or UNKNOWN)[:128],
-            "error_stage": d.error_stage,
-            "error_type": d.error_type,
-            "error_code": d.error_code[:128],
-            "error_message": d.error_message[:1024],
-            "raw_payload_ref": d.raw_payload_ref,
-            "raw_payload_hash": d.raw_payload_hash or UNKNOWN,
-            "normalized_payload_ref": d.normalized_payload_ref,
-            "city_code": None if d.city_code is None else d.city_code[:64],
-            **_initial_state(d.error_code, now),
-        }
-        for d in letters
-    ]
-    insert_ignore(
-        conn,
-        schema.dead_letter,
-        rows,
-        batch_id=batch_id,
-        task_code=task_code,
-        sync_mode=sync_mode,
-        category_code=category_code,
-        supplier_id=supplier_id,
-        created_at=clock.now(),
-        updated_at=clock.now(),
-    )
+    """Records dead letters: one open ticket per problem (supplier, subject, error code).
+
+    A problem without an open ticket gets a new one; a problem seen again updates its open
+    ticket: ``seen_count`` + 1 (once per batch: a resumed batch that sees it again counts
+    nothing), ``last_seen_at`` (database clock), the latest message, payload, record
+    version and batch. Its state, attempts and schedule stay as they were.
+    """
+    if not letters:
+        return
+    now = clock.read(conn)
+    latest = {(subject_key(x), x.error_code[:128]): x for x in letters}
+    existing = _open_tickets(conn, supplier_id, list(latest))
+    fresh = [x for key, x in latest.items() if key not in existing]
+    if fresh:
+        insert_ignore(
+            conn,
+            schema.dead_letter,
+            [_new_row(batch_id, supplier_id, x, now) for x in fresh],
+            batch_id=batch_id,
+            task_code=task_code,
+            sync_mode=sync_mode,
+            category_code=category_code,
+            supplier_id=supplier_id,
+            created_at=now,
+            updated_at=now,
+            last_seen_at=now,
+            last_batch_id=batch_id,
+            open_slot=1,
+            seen_count=1,
+        )
+        # A ticket another writer opened meanwhile (the insert skipped ours) is updated.
+        raced = _open_tickets(conn, supplier_id, [k for k in latest if k not in existing])
+        existing.update({k: v for k, v in raced.items() if v[1] != batch_id or v[2] != now})
+    d = schema.dead_letter.c
+    for key, (ticket, last_batch, _seen) in existing.items():
+        letter = latest[key]
+        conn.execute(
+            sa.update(schema.dead_letter)
+            .where(d.id == ticket)
+            .values(
+                seen_count=d.seen_count + (0 if last_batch == batch_id else 1),
+                last_seen_at=now,
+                last_batch_id=batch_id,
+                updated_at=now,
+                **_payload(letter),
+            )
+        )
+    _supersede(conn, clock, supplier_id, latest)
+
+
+def _supersede(
+    conn: Connection,
+    clock: DbClock,
+    supplier_id: int,
+    latest: Mapping[tuple[str, str], DeadLetter],
+) -> None:
+    """Closes (MERGED) the open tickets of an older version of a record whose newer version
+    fails with another problem: the newer record's ticket says what is wrong now. Tickets a
+    compensation holds are left to it."""
+    newest: dict[str, tuple[int, str]] = {}
+    for (subject, code), letter in latest.items():
+        v = letter.record_version
+        if (
+            v is not None
+            and subject.startswith("hotel:")
+            and (subject not in newest or v > newest[subject][0])
+        ):
+            newest[subject] = (v, code)
+    if not newest:
+        return
+    d = schema.dead_letter.c
+    stale: dict[str, list[int]] = {}
+    for part in chunks(sorted(newest)):
+        for r in conn.execute(
+            sa.select(d.id, d.subject_key, d.error_code, d.record_version).where(
+                d.supplier_id == supplier_id,
+                d.subject_key.in_(part),
+                d.open_slot == 1,
+                d.status != "RETRYING",
+                d.record_version.is_not(None),
+            )
+        ):
+            version, code = newest[str(r.subject_key)]
+            if r.error_code != code and int(r.record_version) < version:
+                note = f"superseded: version {version} of the record fails with {code}"
+                stale.setdefault(note, []).append(int(r.id))
+    for note, ids in stale.items():
+        move(conn, clock, ids, "merge", fix_note=note)
+
+
+def _payload(d: DeadLetter) -> dict[str, Any]:
+    """The columns a re-seen problem refreshes: what the latest sight of it was."""
+    out: dict[str, Any] = {
+        "error_message": d.error_message[:1024],
+        "raw_payload_ref": d.raw_payload_ref,
+        "raw_payload_hash": d.raw_payload_hash or UNKNOWN,
+        "record_position": (d.record_position or UNKNOWN)[:128],
+        "normalized_payload_ref": d.normalized_payload_ref,
+        "record_version": d.record_version,
+    }
+    if d.city_code is not None:
+        out["city_code"] = d.city_code[:64]
+    return out
+
+
+def _new_row(batch_id: str, supplier_id: int, d: DeadLetter, now: datetime) -> dict[str, Any]:
+    return {
+        "dead_letter_id": dead_letter_id(batch_id, supplier_id, d),
+        "supplier_resource_code": (d.supplier_hotel_id or UNKNOWN)[:128],
+        "error_stage": d.error_stage,
+        "error_type": d.error_type,
+        "error_code": d.error_code[:128],
+        "subject_key": subject_key(d),
+        "city_code": None if d.city_code is None else d.city_code[:64],
+        **{k: v for k, v in _payload(d).items() if k != "city_code"},
+        **_initial_state(d.error_code, now),
+    }
+
+
+def _open_tickets(
+    conn: Connection, supplier_id: int, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[int, str | None, datetime | None]]:
+    """The open tickets of these (subject, code) problems: (id, last batch, last seen)."""
+    d = schema.dead_letter.c
+    wanted = set(keys)
+    out: dict[tuple[str, str], tuple[int, str | None, datetime | None]] = {}
+    for part in chunks(sorted({s for s, _ in wanted})):
+        for r in conn.execute(
+            sa.select(d.id, d.subject_key, d.error_code, d.last_batch_id, d.last_seen_at).where(
+                d.supplier_id == supplier_id, d.subject_key.in_(part), d.open_slot == 1
+            )
+        ):
+            key = (str(r.subject_key), str(r.error_code))
+            if key in wanted:
+                out[key] = (int(r.id), r.last_batch_id, r.last_seen_at)
+    return out
+
+
+def resolve_subjects(
+    conn: Connection,
+    clock: DbClock,
+    *,
+    supplier_id: int,
+    subjects: Sequence[str],
+    batch_id: str,
+    note: str,
+) -> int:
+    """Resolves every open ticket of these subjects, whatever its class: the hotel published
+    (the publish path's hook), or the hotel or city is gone.
+
+    Tickets a compensation of this same batch holds (RETRYING) are left to it: it resolves
+    them itself, saying how. A problem this batch saw again is not resolved by it either
+    (a page that holds a good and a bad record of the hotel).
+
+    Returns:
+        The tickets resolved.
+    """
+    d = schema.dead_letter.c
+    ids: list[int] = []
+    for part in chunks(sorted(set(subjects))):
+        ids += [
+            int(i)
+            for i in conn.execute(
+                sa.select(d.id).where(
+                    d.supplier_id == supplier_id,
+                    d.subject_key.in_(part),
+                    d.open_slot == 1,
+                    sa.or_(d.last_batch_id.is_(None), d.last_batch_id != batch_id),
+                    sa.or_(
+                        d.status != "RETRYING",
+                        d.retry_batch_id.is_(None),
+                        d.retry_batch_id != batch_id,
+                    ),
+                )
+            ).scalars()
+        ]
+    return move(conn, clock, ids, "resolve", fix_note=note[:1024])
 
 
 CITY_FAILED = "CITY_FAILED"
@@ -279,10 +461,29 @@ def record_city_failure(
         )
 
 
-def _initial_state(error_code: str, now: datetime | None) -> dict[str, Any]:
+def resolve_gone_city(
+    conn: Connection, clock: DbClock, *, supplier_id: int, city_code: str, batch_id: str
+) -> int:
+    """Resolves the open tickets of a city the supplier no longer lists (a retired city):
+    its CITY_FAILED ticket has nothing left to retry. Its hotels' tickets are resolved as
+    they are tombstoned (``tombstones.unpublish_missing``).
+
+    Returns:
+        The tickets resolved.
+    """
+    return resolve_subjects(
+        conn,
+        clock,
+        supplier_id=supplier_id,
+        subjects=[city_subject(city_code)],
+        batch_id=batch_id,
+        note=f"the supplier no longer lists the city (batch {batch_id})",
+    )
+
+
+def _initial_state(error_code: str, now: datetime) -> dict[str, Any]:
     rule = rule_for(error_code)
     if rule.error_class == "RETRYABLE":
-        assert now is not None
         return {
             "status": "PENDING",
             "max_retry_count": rule.max_retries,
@@ -327,8 +528,9 @@ def move(
     extra: dict[str, Any] = {"status": target, "updated_at": clock.now(), **values}
     if transition == "start_retry":
         extra.update(retry_count=d.retry_count + 1, last_retry_at=clock.now(), next_retry_at=None)
-    elif target in ("RESOLVED", "IGNORED"):
-        extra.update(resolved_at=clock.now(), next_retry_at=None)
+    elif target in CLOSED_STATUSES:
+        # The open slot frees: the problem may open a new ticket if it comes back.
+        extra.update(resolved_at=clock.now(), next_retry_at=None, open_slot=None)
     elif target == "MANUAL_FIX":
         extra.update(next_retry_at=None)
 
@@ -437,7 +639,12 @@ def count_dead_letters(conn: Connection, batch_id: str) -> dict[str, int]:
     """Dead letters of a batch by error code."""
     rows = conn.execute(
         sa.select(schema.dead_letter.c.error_code, sa.func.count())
-        .where(schema.dead_letter.c.batch_id == batch_id)
+        .where(
+            sa.or_(
+                schema.dead_letter.c.batch_id == batch_id,
+                schema.dead_letter.c.last_batch_id == batch_id,
+            )
+        )
         .group_by(schema.dead_letter.c.error_code)
     )
     return {code: int(n) for code, n in rows}
@@ -479,7 +686,7 @@ def list_dead_letters(
             else sa.or_(d.error_code.in_(codes), ~in_rules)
         )
     if where.batch_id:
-        stmt = stmt.where(d.batch_id == where.batch_id)
+        stmt = stmt.where(sa.or_(d.batch_id == where.batch_id, d.last_batch_id == where.batch_id))
     if where.supplier_hotel_id:
         stmt = stmt.where(d.supplier_resource_code == where.supplier_hotel_id)
     if where.city_code:

@@ -24,6 +24,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.outbox.machine import PUBLISHED, first_stage
+from supplier_sync_dagster.core.records.deadletters import hotel_subject, resolve_subjects
 from supplier_sync_dagster.core.records.diff import CONTENT_FIELDS, Candidate, HotelDiff
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.store import schema
@@ -282,6 +283,16 @@ def publish_hotels(
         for d, _ in done
     ]
     not_newer = [d.supplier_hotel_id for d, _ in todo if d.platform_resource_id not in written]
+    # A published hotel's record passed every stage: its open dead letters, of every class,
+    # are fixed (what the fix rate counts).
+    resolve_subjects(
+        conn,
+        clock,
+        supplier_id=supplier_id,
+        subjects=[hotel_subject(p.supplier_hotel_id) for p in published],
+        batch_id=batch_id,
+        note=f"the hotel published (a newer version of the record) by batch {batch_id}",
+    )
     return PublishResult(published, not_newer, len(events))
 
 

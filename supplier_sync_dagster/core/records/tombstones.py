@@ -37,6 +37,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.outbox.machine import first_stage
+from supplier_sync_dagster.core.records.deadletters import hotel_subject, resolve_subjects
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.publish import event_id, offer_deactivation, write_events
 from supplier_sync_dagster.core.store import schema
@@ -164,7 +165,9 @@ def record_presence(
         )
     presence.missing = [str(r.supplier_hotel_id) for r in counting]
     if due:
-        _unpublish(conn, clock, due, batch_id=batch_id, at=at, reason="missing")
+        _unpublish(
+            conn, clock, due, supplier_id=supplier_id, batch_id=batch_id, at=at, reason="missing"
+        )
         presence.unpublished = [str(r.supplier_hotel_id) for r in due]
     return presence
 
@@ -210,7 +213,9 @@ def unpublish_missing(
                 missing_since=sa.func.coalesce(h.missing_since, at),
             )
         )
-    _unpublish(conn, clock, rows, batch_id=batch_id, at=at, reason="not_found")
+    _unpublish(
+        conn, clock, rows, supplier_id=supplier_id, batch_id=batch_id, at=at, reason="not_found"
+    )
     return [str(r.supplier_hotel_id) for r in rows]
 
 
@@ -219,11 +224,13 @@ def _unpublish(
     clock: DbClock,
     rows: Sequence[Any],
     *,
+    supplier_id: int,
     batch_id: str,
     at: datetime | Any,
     reason: str,
 ) -> None:
-    """Makes the hotels INACTIVE with a new publish version, offers off, and their events.
+    """Makes the hotels INACTIVE with a new publish version, offers off, and their events;
+    their open dead letters are resolved (the hotel is gone).
 
     Each UPDATE is guarded by the publish version read: a publish of the hotel in between
     (it came back) wins, and its tombstone is dropped.
@@ -277,6 +284,14 @@ def _unpublish(
                 )
             )
     write_events(conn, events, batch_id=batch_id, at=at)
+    resolve_subjects(
+        conn,
+        clock,
+        supplier_id=supplier_id,
+        subjects=[hotel_subject(str(r.supplier_hotel_id)) for r in done],
+        batch_id=batch_id,
+        note=f"the hotel is gone ({reason}): unpublished by batch {batch_id}",
+    )
     log.info("unpublished %d hotels (%s)", len(done), reason)
 
 

@@ -12,9 +12,12 @@ in one JSON document (``{"details": [<response>, ...]}``), stored and hashed lik
 Each claimed dead letter ends one way (a named transition of ``core.deadletters``):
 
 - **resolve**: its hotel was re-fetched and went through the stages (published, unchanged,
-  held for review, or refused again with a new dead letter, which says why); or a newer
-  version of the hotel was published after the dead letter was written; or the supplier
-  answered 404 (the hotel is gone for certain, and unpublished as a tombstone).
+  held for review); or a newer version of the hotel was published after the dead letter was
+  last seen; or the supplier answered 404 (the hotel is gone for certain, and unpublished as
+  a tombstone).
+- **retry_failed** / **exhaust** too when the re-fetched record is refused again with the
+  same problem: the ticket stays open, the attempt counted, and no second ticket is opened.
+- **merge** when it is refused with another problem: that problem's ticket goes on.
 - **retry_failed** (FAILED, with the next backoff) or **exhaust** (MANUAL_FIX, past its
   retries) when the request failed again.
 
@@ -65,7 +68,7 @@ from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.diff import RiskPolicy
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import canonical_dumps
-from supplier_sync_dagster.core.records.tombstones import unpublish_missing
+from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT, unpublish_missing
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
@@ -145,6 +148,7 @@ class CompensationReport:
         cities_synced: CITY_FAILED tickets resolved: a sync of their city succeeded since.
         resync_cities: Cities of due CITY_FAILED tickets: the caller re-syncs them (a
             full sync of exactly those cities); the next run resolves their tickets.
+        resync_tickets: Those tickets' ids by city.
     """
 
     batch: Batch | None = None
@@ -160,6 +164,7 @@ class CompensationReport:
     errors: dict[str, int] = field(default_factory=dict)
     cities_synced: int = 0
     resync_cities: list[str] = field(default_factory=list)
+    resync_tickets: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain JSON values."""
@@ -194,6 +199,7 @@ def compensate(
     trigger_id: str,
     source: TriggerSource = "COMPENSATION",
     worker_id: str,
+    charge_cities: bool = True,
 ) -> CompensationReport:
     """Runs one compensation of the supplier's due retryable dead letters.
 
@@ -207,6 +213,10 @@ def compensate(
         trigger_id: The batch's idempotency key (a schedule tick, a run id, a CLI trigger).
         source: Where the trigger came from.
         worker_id: This worker's id.
+        charge_cities: Count the re-sync attempt on the due CITY_FAILED tickets now (their
+            caller re-syncs every city listed); False leaves it to the caller, which charges
+            (:func:`charge_city_attempts`) the tickets of the cities it did retry
+            (:attr:`CompensationReport.resync_tickets`).
 
     Raises:
         TaskDisabled: The compensation task is DISABLED.
@@ -222,7 +232,10 @@ def compensate(
     out.cities_synced = resolve_synced_cities(
         db, supplier_id=settings.supplier_id, task_codes=owned
     )
-    out.resync_cities = request_city_resyncs(db, supplier_id=settings.supplier_id, task_codes=owned)
+    out.resync_tickets = due_city_tickets(db, supplier_id=settings.supplier_id, task_codes=owned)
+    out.resync_cities = list(out.resync_tickets)
+    if charge_cities:
+        charge_city_attempts(db, [i for ids in out.resync_tickets.values() for i in ids])
     with db.engine.connect() as conn:
         due = deadletters.due_for_retry(
             conn,
@@ -263,15 +276,21 @@ def resolve_synced_cities(
 ) -> int:
     """Resolves the open CITY_FAILED tickets whose city a later sync of their task finished.
 
-    A ticket is one failed city of one batch; the sync that heals it is any SUCCESS shard of
-    that city, of a batch of the same task no older than the ticket's, finished after the
-    ticket was written (the batch itself resumed, a re-execution, a re-sync, the next night).
+    A ticket is one failed city (seen failing by one or more batches); the sync that heals
+    it is any SUCCESS shard of that city, of a batch of the same task no older than the one
+    that last saw it fail, finished after it was last seen (the batch itself resumed, a re-execution, a re-sync, the next night).
     """
     d, sh, b = schema.dead_letter.c, schema.shard.c, schema.batch.c
     with db.engine.connect() as conn:
         tickets = conn.execute(
-            sa.select(d.id, d.city_code, d.task_code, d.created_at, b.created_at.label("since"))
-            .join(schema.batch, b.batch_id == d.batch_id)
+            sa.select(
+                d.id,
+                d.city_code,
+                d.task_code,
+                sa.func.coalesce(d.last_seen_at, d.created_at).label("seen"),
+                b.created_at.label("since"),
+            )
+            .join(schema.batch, b.batch_id == sa.func.coalesce(d.last_batch_id, d.batch_id))
             .where(
                 d.supplier_id == supplier_id,
                 d.error_code == deadletters.CITY_FAILED,
@@ -289,7 +308,7 @@ def resolve_synced_cities(
                 .where(
                     sh.shard_key == t.city_code,
                     sh.status == "SUCCESS",
-                    sh.finished_at > t.created_at,
+                    sh.finished_at > t.seen,
                     sh.batch_id.in_(batches),
                 )
                 .limit(1)
@@ -303,32 +322,55 @@ def resolve_synced_cities(
     return sum(map(len, healed.values()))
 
 
-def request_city_resyncs(
+def due_city_tickets(
     db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()
-) -> list[str]:
-    """Counts an attempt on each due CITY_FAILED ticket and returns their cities to re-sync.
-
-    Each due ticket moves RETRYING then FAILED with its next backoff (MANUAL_FIX past its
-    retries): the attempt is the re-sync the caller launches; :func:`resolve_synced_cities`
-    resolves the ticket once it succeeded.
-    """
+) -> dict[str, list[int]]:
+    """The due CITY_FAILED tickets by city (nothing is charged: see
+    :func:`charge_city_attempts`)."""
     d = schema.dead_letter.c
-    with db.begin() as conn:
+    with db.engine.connect() as conn:
         ids = deadletters.due_for_retry(
             conn, db.clock, limit=1000, supplier_id=supplier_id, cities=True, task_codes=task_codes
         )
-        if not ids:
-            return []
-        cities = sorted(
-            {
-                str(c)
-                for c in conn.execute(sa.select(d.city_code).where(d.id.in_(ids))).scalars()
-                if c
-            }
-        )
-        deadletters.move(conn, db.clock, ids, "start_retry")
-        deadletters.fail_attempt(conn, db.clock, ids, error_message=None)
-    return cities
+        out: dict[str, list[int]] = {}
+        for part in chunks(ids):
+            for r in conn.execute(sa.select(d.id, d.city_code).where(d.id.in_(part))):
+                if r.city_code:
+                    out.setdefault(str(r.city_code), []).append(int(r.id))
+    return dict(sorted(out.items()))
+
+
+def charge_city_attempts(db: SyncDatabase, ids: Sequence[int]) -> int:
+    """Counts a re-sync attempt on CITY_FAILED tickets still due (RETRYING then FAILED with
+    the next backoff, MANUAL_FIX past their retries); :func:`resolve_synced_cities` resolves
+    those whose city synced. Tickets no longer due (resolved meanwhile) are left alone.
+
+    Returns:
+        The tickets charged.
+    """
+    d = schema.dead_letter.c
+    with db.begin() as conn:
+        due = [
+            int(i)
+            for part in chunks(sorted(set(ids)))
+            for i in conn.execute(
+                sa.select(d.id).where(d.id.in_(part), d.status.in_(("PENDING", "FAILED")))
+            ).scalars()
+        ]
+        if due:
+            deadletters.move(conn, db.clock, due, "start_retry")
+            deadletters.fail_attempt(conn, db.clock, due, error_message=None)
+    return len(due)
+
+
+def request_city_resyncs(
+    db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()
+) -> list[str]:
+    """Counts an attempt on each due CITY_FAILED ticket and returns their cities to re-sync
+    (the Dagster path: its sensor launches a run for every city listed)."""
+    due = due_city_tickets(db, supplier_id=supplier_id, task_codes=task_codes)
+    charge_city_attempts(db, [i for ids in due.values() for i in ids])
+    return list(due)
 
 
 def release_ended(db: SyncDatabase, *, supplier_id: int, task_codes: Sequence[str] = ()) -> int:
@@ -435,7 +477,11 @@ def _published_since(conn: Connection, ids: Sequence[int]) -> dict[str, list[int
                     h.supplier_hotel_id == d.supplier_resource_code,
                 ),
             )
-            .where(d.id.in_(part), h.published_at > d.created_at)
+            .where(
+                d.id.in_(part),
+                h.published_at > sa.func.coalesce(d.last_seen_at, d.created_at),
+                h.fingerprint != TOMBSTONE_FINGERPRINT,
+            )
         )
         for r in rows:
             note = (
@@ -584,10 +630,12 @@ class DeadLetterPages:
         return settings
 
     def finish(self, conn: Connection, report: CityReport) -> None:
-        """Resolves the rows whose hotel went through the stages, saying how it ended."""
+        """Ends the attempts whose hotel was re-fetched: resolved when the record went
+        through the stages, still open (the attempt counted) when it is refused again with
+        the same problem, MERGED into the new ticket when it is refused with another."""
         d, f = schema.dead_letter.c, schema.diff_log.c
         rows = conn.execute(
-            sa.select(d.id, d.supplier_resource_code).where(
+            sa.select(d.id, d.supplier_resource_code, d.last_batch_id).where(
                 d.retry_batch_id == self.batch_id, d.status == "RETRYING"
             )
         ).all()
@@ -599,7 +647,9 @@ class DeadLetterPages:
         for part in chunks(hotels):
             for letter in conn.execute(
                 sa.select(d.id, d.supplier_resource_code, d.error_code).where(
-                    d.batch_id == self.batch_id, d.supplier_resource_code.in_(part)
+                    d.last_batch_id == self.batch_id,
+                    d.supplier_resource_code.in_(part),
+                    d.open_slot == 1,
                 )
             ):
                 refused[str(letter.supplier_resource_code)] = (
@@ -612,21 +662,34 @@ class DeadLetterPages:
                 )
             ):
                 actions[str(diff.supplier_resource_code)] = str(diff.action)
+        still_bad: list[int] = []
+        merged: dict[str, list[int]] = {}
         notes: dict[str, list[int]] = {}
         for r in rows:
             hotel = str(r.supplier_resource_code)
-            if hotel in refused:
+            if r.last_batch_id == self.batch_id:
+                still_bad.append(int(r.id))  # the re-fetched record has the same problem
+            elif hotel in refused:
                 new_id, code = refused[hotel]
                 note = f"re-fetched in batch {self.batch_id}: now fails with {code} (dead letter #{new_id})"
-                self.out.refused_again += 1
+                merged.setdefault(note[:1024], []).append(int(r.id))
             elif hotel in actions:
                 note = f"re-fetched and published in batch {self.batch_id} ({actions[hotel]})"
+                notes.setdefault(note[:1024], []).append(int(r.id))
             else:
                 note = f"re-fetched in batch {self.batch_id}: unchanged"
-            notes.setdefault(note[:1024], []).append(int(r.id))
+                notes.setdefault(note[:1024], []).append(int(r.id))
+        clock = self.db.clock
         for note, ids in notes.items():
-            deadletters.move(conn, self.db.clock, ids, "resolve", fix_note=note)
-        self.out.resolved += len(rows)
+            deadletters.move(conn, clock, ids, "resolve", fix_note=note)
+        for note, ids in merged.items():
+            deadletters.move(conn, clock, ids, "merge", fix_note=note)
+        if still_bad:
+            moved, exhausted = deadletters.fail_attempt(conn, clock, still_bad, error_message=None)
+            self.out.rescheduled += moved
+            self.out.exhausted += exhausted
+        self.out.refused_again += len(still_bad) + sum(map(len, merged.values()))
+        self.out.resolved += sum(map(len, notes.values()))
 
 
 def _pages_of(claimed: list[_Claimed], size: int) -> list[list[_Claimed]]:
@@ -658,6 +721,20 @@ def _fetch_one(
 def _error_text(err: SupplierError) -> str:
     return f"{deadletters.supplier_error_code(err)}: {type(err).__name__}: {err}"[:1024]
 
+
+_SIGHTING = (
+    "error_message",
+    "raw_payload_ref",
+    "raw_payload_hash",
+    "record_position",
+    "normalized_payload_ref",
+    "record_version",
+    "seen_count",
+    "last_seen_at",
+    "last_batch_id",
+    "updated_at",
+)
+"""The columns a problem seen again rewrites (``deadletters.record_dead_letters``)."""
 
 FIX_SHARD = "operator-fix"
 """The one shard of an operator's fix: the patched record."""
@@ -861,11 +938,23 @@ class _PatchedRecord:
         hotel = str(row.supplier_resource_code)
         refused = conn.execute(
             sa.select(d.id, d.error_code, d.error_message).where(
-                d.batch_id == batch_id, d.supplier_resource_code == hotel
+                d.last_batch_id == batch_id, d.supplier_resource_code == hotel, d.open_slot == 1
             )
         ).first()
         before = deadletters.snapshot(conn, [row.id])[row.id]
-        if refused is not None:
+        if refused is not None and int(refused.id) == int(row.id):
+            # Refused with the same problem: the ticket stays as it was, not as the patched
+            # record (which is no sight of the supplier's) left it.
+            conn.execute(
+                sa.update(schema.dead_letter)
+                .where(d.id == row.id)
+                .values({c: getattr(row, c) for c in _SIGHTING})
+            )
+            self.outcome = FixOutcome(
+                False, batch_id, error_code=refused.error_code, error_message=refused.error_message
+            )
+            outcome = f"refused: {refused.error_code}"
+        elif refused is not None:
             # The attempt is on record (audit); one open ticket per bad record stays.
             deadletters.move(
                 conn,
@@ -883,7 +972,12 @@ class _PatchedRecord:
                 sa.select(f.action).where(f.batch_id == batch_id, f.supplier_resource_code == hotel)
             ).scalar()
             note = f"fixed by {self.who}: {self.why}; batch {batch_id} ({action or 'unchanged'})"
-            deadletters.move(conn, clock, [row.id], "resolve", fix_note=note[:1024])
+            if before["status"] in deadletters.OPEN_STATUSES:
+                deadletters.move(conn, clock, [row.id], "resolve", fix_note=note[:1024])
+            else:  # the publish of the fixed record resolved it already
+                conn.execute(
+                    sa.update(schema.dead_letter).where(d.id == row.id).values(fix_note=note[:1024])
+                )
             self.outcome = FixOutcome(True, batch_id, action=action)
             outcome = f"accepted: {action or 'unchanged'}"
         after = deadletters.snapshot(conn, [row.id])[row.id]

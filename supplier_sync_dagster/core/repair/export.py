@@ -98,7 +98,7 @@ def export_jsonl(
             d.created_at,
         ).order_by(d.id)
         if batch_id:
-            stmt = stmt.where(d.batch_id == batch_id)
+            stmt = stmt.where(sa.or_(d.batch_id == batch_id, d.last_batch_id == batch_id))
     else:
         f = schema.diff_log.c
         stmt = sa.select(

@@ -284,6 +284,15 @@ dead_letter = _table(
     sa.Column("city_code", _code(64)),
     # The compensation batch of its latest attempt (a killed one is resumed or released).
     sa.Column("retry_batch_id", sa.String(64)),
+    # One ticket per problem: hotel:<id>, city:<code> or record:<page hash>#<position>.
+    sa.Column("subject_key", _code(200)),
+    # 1 while open, NULL once closed: uk_dead_letter_open allows one open ticket per problem
+    # (NULLs never collide in a UNIQUE key, on MariaDB as on SQLite).
+    sa.Column("open_slot", sa.SmallInteger().with_variant(mysql.TINYINT(), *_MYSQL)),
+    sa.Column("seen_count", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("last_seen_at", _ts()),
+    sa.Column("last_batch_id", sa.String(64)),
+    sa.Column("record_version", sa.BigInteger),
     sa.UniqueConstraint("dead_letter_id", name="uk_dead_letter_id"),
     sa.UniqueConstraint(
         "batch_id",
@@ -293,6 +302,15 @@ dead_letter = _table(
         "error_stage",
         "raw_payload_hash",
         name="uk_dedup",
+    ),
+    # A unique index (not a table constraint), as sql/sqlite/017 can add one in place.
+    sa.Index(
+        "uk_dead_letter_open",
+        "supplier_id",
+        "subject_key",
+        "error_code",
+        "open_slot",
+        unique=True,
     ),
     sa.Index("idx_status_next_retry", "status", "next_retry_at"),
     sa.Index("idx_dead_letter_hotel", "supplier_id", "supplier_resource_code"),

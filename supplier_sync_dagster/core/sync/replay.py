@@ -164,23 +164,16 @@ def resolve_replayed_dead_letters(
         pages = sa.select(s.payload_hash).where(
             s.batch_id == source_batch_id, s.shard_key == city_code, s.snapshot_type == RAW
         )
-        still = {
-            (r.raw_payload_hash, r.record_position)
-            for r in conn.execute(
-                sa.select(d.raw_payload_hash, d.record_position).where(
-                    d.batch_id == replay_batch_id, d.raw_payload_hash.in_(pages)
-                )
-            )
-        }
-        candidates = conn.execute(
-            sa.select(d.id, d.raw_payload_hash, d.record_position).where(
-                d.batch_id == source_batch_id,
-                d.raw_payload_hash.in_(pages),
-                d.status.in_(deadletters.OPEN_STATUSES),
-            )
-        ).all()
+        # A record the replay refused again updated its ticket (last seen by the replay).
         fixed = [
-            int(r.id) for r in candidates if (r.raw_payload_hash, r.record_position) not in still
+            int(i)
+            for i in conn.execute(
+                sa.select(d.id).where(
+                    d.raw_payload_hash.in_(pages),
+                    d.status.in_(deadletters.OPEN_STATUSES),
+                    sa.or_(d.last_batch_id.is_(None), d.last_batch_id != replay_batch_id),
+                )
+            ).scalars()
         ]
         deadletters.move(
             conn,

@@ -531,6 +531,7 @@ def _judge(
             page = pages[k]
             pos = page.result.doc_index[f.index - starts[k]]
             city = listing_city or docs[f.index].get("city_code")
+            version = docs[f.index].get("version")
             failed[f.index] = replace(
                 f.dead_letter(
                     page.raw.payload_ref,
@@ -538,6 +539,7 @@ def _judge(
                     record_position=f"record#{pos}",
                 ),
                 city_code=city if isinstance(city, str) else None,
+                record_version=version if isinstance(version, int) else None,
             )
     offset = 0
     judged: list[tuple[list[dict[str, Any]], list[DeadLetter]]] = []

@@ -24,9 +24,12 @@ from supplier_sync_dagster.core.leasing.batches import (
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.deadletters import (
     BACKOFF_SECONDS,
+    OPEN_STATUSES,
     DeadLetter,
+    operator_action,
     record_city_failure,
     record_dead_letters,
+    summarize,
 )
 from supplier_sync_dagster.core.repair.compensation import (
     COMPENSATION_SHARD,
@@ -276,36 +279,41 @@ def test_a_hotel_the_supplier_no_longer_has_is_resolved_and_unpublished(
     assert row.status == "RESOLVED" and "404" in row.fix_note
 
 
-def test_a_newer_published_version_resolves_without_a_request(
+def test_a_publish_of_the_hotel_resolves_its_other_tickets_without_a_request(
     db, store, client, details, source_batch
 ):
     details.records["H000001"] = hotel(1, at=0)
-    details.records["H000002"] = hotel(2, at=0)
     _fail(db, "b-first", ["H000001"])
-    _fail(db, "b-second", ["H000001", "H000002"])
+    _fail(db, "b-second", ["H000001"])  # the same problem again: the same ticket
+    _fail(db, "b-second", ["H000001"], code="SUPPLIER_RATE_LIMITED")  # another problem
     d = schema.dead_letter.c
-    with db.begin() as conn:  # b-second waits while b-first's row publishes the hotel
+    with db.begin() as conn:  # the rate-limited ticket waits while the other one publishes
         conn.execute(
             sa.update(schema.dead_letter)
-            .where(d.batch_id == "b-second")
+            .where(d.error_code == "SUPPLIER_RATE_LIMITED")
             .values(next_retry_at=db.clock.now(86_400))
         )
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.select(schema.dead_letter).order_by(d.id)).all()
+    assert [(r.batch_id, r.error_code, r.seen_count) for r in rows] == [
+        ("b-first", "SUPPLIER_UNAVAILABLE", 2),
+        ("b-second", "SUPPLIER_RATE_LIMITED", 1),
+    ]
     _due(db)
     first = _run(db, store, client, "c1")
     assert (first.claimed, first.resolved) == (1, 1)
+    assert set(_published(db)) == {"H000001"}
+    with db.engine.connect() as conn:
+        limited = conn.execute(
+            sa.select(schema.dead_letter).where(d.error_code == "SUPPLIER_RATE_LIMITED")
+        ).one()
+    assert limited.status == "RESOLVED" and "published" in limited.fix_note
+    assert limited.retry_count == 0  # no attempt was needed
     details.requests.clear()
     with db.begin() as conn:
-        conn.execute(
-            sa.update(schema.dead_letter)
-            .where(d.batch_id == "b-second")
-            .values(next_retry_at=db.clock.now())
-        )
+        conn.execute(sa.update(schema.dead_letter).values(next_retry_at=db.clock.now()))
     out = _run(db, store, client, "c2")
-    assert out.newer == 1 and out.resolved == 1
-    assert details.requests == ["H000002"]  # H000001 was not asked for again
-    row = _by_hotel(db, "b-second")["H000001"]
-    assert row.status == "RESOLVED" and "newer version" in row.fix_note
-    assert row.retry_count == 0  # no attempt was needed
+    assert out.batch is None and details.requests == []  # nothing is open any more
 
 
 def test_a_record_that_now_fails_validation_is_superseded_by_a_manual_fix_letter(
@@ -315,13 +323,43 @@ def test_a_record_that_now_fails_validation_is_superseded_by_a_manual_fix_letter
     _fail(db, source_batch, ["H000001"])
     _due(db)
     out = _run(db, store, client, "c1")
-    assert out.refused_again == 1
+    assert out.refused_again == 1 and out.resolved == 0
     old = _by_hotel(db, source_batch)["H000001"]
     new = _by_hotel(db, out.batch.batch_id)["H000001"]
-    assert old.status == "RESOLVED" and f"#{new.id}" in old.fix_note
+    # The request works now, but the record has another problem: not a fix.
+    assert old.status == "MERGED" and f"#{new.id}" in old.fix_note
     assert new.status == "MANUAL_FIX" and new.owner_team == "supplier-data"
     assert new.error_code in old.fix_note
     assert _published(db) == {}  # nothing is published that failed a check
+
+
+def test_a_retried_record_that_is_still_bad_keeps_its_one_ticket_open(
+    db, store, client, details, source_batch
+):
+    details.records["H000001"] = hotel(1, at=0, phone="call us")
+    _fail(db, source_batch, ["H000001"])
+    _due(db)
+    new = _by_hotel(db, _run(db, store, client, "c1").batch.batch_id)["H000001"]
+    # An operator asks for a retry; the supplier still serves the same bad record.
+    with db.begin() as conn:
+        operator_action(conn, db.clock, [new.id], "retry", actor="ops", reason="supplier fixed it?")
+    again = _run(db, store, client, "c2")
+    assert (again.claimed, again.resolved, again.refused_again) == (1, 0, 1)
+    d = schema.dead_letter.c
+    with db.engine.connect() as conn:
+        open_rows = conn.execute(
+            sa.select(schema.dead_letter).where(
+                d.supplier_resource_code == "H000001", d.status.in_(OPEN_STATUSES)
+            )
+        ).all()
+        summary = summarize(conn, db.clock)
+    assert [r.id for r in open_rows] == [new.id]  # no second ticket
+    ticket = open_rows[0]
+    assert ticket.status == "MANUAL_FIX" and ticket.retry_count == 1  # the attempt counted
+    assert ticket.seen_count == 2 and ticket.last_batch_id == again.batch.batch_id
+    # Nothing was fixed: a merged ticket and a retry still refused are not resolutions.
+    assert summary.resolved_24h == 0 and summary.fix_rate_24h == 0.0
+    assert _published(db) == {}
 
 
 def test_a_killed_run_is_resumed_by_the_next_and_publishes_nothing_twice(

@@ -75,13 +75,24 @@ _ADDED_BY_014 = (
     ("supplier_sync_diff_log", "raw_payload_hash"),
 )
 
+# The dead letters' ticket columns that 017 added (today's sync reads and writes them).
+_ADDED_BY_017 = (
+    ("subject_key", "VARCHAR(200)"),
+    ("open_slot", "SMALLINT"),
+    ("seen_count", "INT NOT NULL DEFAULT 1"),
+    ("last_seen_at", "DATETIME"),
+    ("last_batch_id", "VARCHAR(64)"),
+    ("record_version", "BIGINT"),
+)
+
 
 def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
     """Gives a database older than 010 the column names today's code writes, or takes them back:
     the release of that time wrote the same values under the old name. Its outbox gets the
     stage columns today's publish writes (011), and loses them again with its events left as
     that release left them: PENDING. Its hotels get the tombstone columns (012) that today's
-    publish writes, and lose them again; so do its dead letters and diffs (014)."""
+    publish writes, and lose them again; so do its dead letters and diffs (014), and its dead
+    letters' ticket columns (017)."""
     with db.begin() as conn:
         hotels = "platform_hotel_resource"
         if forward:
@@ -92,6 +103,12 @@ def _rename_010_columns(db: SyncDatabase, *, forward: bool) -> None:
         else:
             conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_since")
             conn.exec_driver_sql(f"ALTER TABLE {hotels} DROP COLUMN missing_count")
+        for column, sql_type in _ADDED_BY_017:
+            dead_letter = "supplier_sync_dead_letter"
+            if forward:
+                conn.exec_driver_sql(f"ALTER TABLE {dead_letter} ADD COLUMN {column} {sql_type}")
+            else:
+                conn.exec_driver_sql(f"ALTER TABLE {dead_letter} DROP COLUMN {column}")
         for table, column in _ADDED_BY_014:
             if forward:
                 conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} VARCHAR(64)")
