@@ -102,6 +102,9 @@ def _range(low: float | None, high: float | None, *, low_open: bool = False) -> 
     return f"more than {low:g} and at most {high:g}" if low_open else f"within {low:g}..{high:g}"
 
 
+N = TypeVar("N", int, float)
+
+
 def int_within(low: int | None, high: int | None = None) -> Callable[[str], int]:
     """An argument type: a whole number from ``low`` to ``high`` (None: no bound), both
     included; the error names the range.
@@ -109,18 +112,7 @@ def int_within(low: int | None, high: int | None = None) -> Callable[[str], int]
     Example:
         >>> parser.add_argument("--page-size", type=int_within(1, 500))  # doctest: +SKIP
     """
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_range(low, high)}, not {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
+    return _within(int, "a whole number", low, high)
 
 
 def float_within(
@@ -132,20 +124,30 @@ def float_within(
     Example:
         >>> parser.add_argument("--overlap-seconds", type=float_within(0, 604800))  # doctest: +SKIP
     """
+    return _within(float, "a number", low, high, low_open=low_open)
 
-    def parse(text: str) -> float:
+
+def _within(
+    kind: Callable[[str], N],
+    what: str,
+    low: float | None,
+    high: float | None,
+    *,
+    low_open: bool = False,
+) -> Callable[[str], N]:
+    def parse(text: str) -> N:
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
         too_low = low is not None and (value <= low if low_open else value < low)
         if not math.isfinite(value) or too_low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(
-                f"must be {_range(low, high, low_open=low_open)}, not {text}"
+                f"must be {_range(low, high, low_open=low_open)}, not {text.strip()}"
             )
         return value
 
-    parse.__name__ = "float"
+    parse.__name__ = kind.__name__ if isinstance(kind, type) else "number"
     return parse
 
 

@@ -40,6 +40,7 @@ from supplier_sync_dagster.core.accounts import Account, SimulatedSupplier
 from supplier_sync_dagster.core.errors import ConfigError, SyncInterrupted
 from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.leasing.batches import get_task
+from supplier_sync_dagster.core.repair.compensation import resolve_synced_cities
 from supplier_sync_dagster.core.repair.reconcile import (
     Reconciliation,
     RepullPlan,
@@ -162,10 +163,10 @@ def _full_sync(
     cities: list[str] | None = None,
     trigger_id: str | None = None,
     signals: sync_runner.SignalLog | None = None,
-    retire_dropped: bool = False,
 ) -> sync_runner.SyncSummary:
     """A full sync through Dagster of the supplier's cities (only ``cities``, when given),
-    with progress on stderr unless the output is JSON."""
+    with progress on stderr unless the output is JSON; the cities the supplier dropped
+    retire even in a mass drop when ``args`` asks so (``--retire-dropped-cities``)."""
     return sync_runner.run_full_sync(
         supplier=supplier,
         sync_db=sync_db,
@@ -176,7 +177,7 @@ def _full_sync(
         cities=cities,
         scope=scope,
         signals=signals,
-        retire_dropped=retire_dropped,
+        retire_dropped=bool(getattr(args, "retire_dropped_cities", False)),
     )
 
 
@@ -259,7 +260,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 trigger_id=trigger_id,
                 signals=signals,
-                retire_dropped=args.retire_dropped_cities,
             )
         except (SyncInterrupted, Exception) as err:
             if (reason := _interruption(err, signals)) is None:
@@ -268,10 +268,25 @@ def cmd_sync(args: argparse.Namespace) -> int:
             resume = sync_runner.resume_hint(sync_db, supplier.task_code, trigger_id)
             warn(f"sync interrupted ({reason}) outside its run: no city was in flight{resume}")
             return sync_runner.interrupted_status(reason)
+    if summary.batch_id and not summary.interrupted:
+        _heal_city_tickets(sync_db, supplier)
     status = finish_sync(summary, as_json=args.json)
     if not summary.interrupted:
         _alert_round(summary, sync_db, supplier, scope)
     return status
+
+
+def _heal_city_tickets(sync_db: SyncDatabaseResource, supplier: SupplierResource) -> None:
+    """Resolves the CITY_FAILED tickets of the cities this sync finished (a resume, the next
+    night): a ticket for a city that synced is a problem fixed, now, not at the next
+    compensation pass. Its own trouble never changes the exit status."""
+    try:
+        with open_db(sync_db.db_url) as db:
+            resolve_synced_cities(
+                db, supplier_id=supplier.supplier_id, task_codes=[supplier.task_code]
+            )
+    except Exception as err:  # the compensation schedule resolves them too
+        log.info("resolving the tickets of the cities synced failed: %s", err, exc_info=err)
 
 
 def _interruption(err: BaseException, signals: sync_runner.SignalLog) -> str | None:

@@ -262,3 +262,13 @@ def _with_scheme(value: str | None, schemes: tuple[str, ...]) -> str | None:
         # The value is not echoed: a URL may carry a password.
         raise ValueError(f"expected a {' or '.join(s + '://' for s in schemes)} URL")
     return value
+
+
+def require_within(name: str, value: float, low: float, high: float) -> None:
+    """Refuses a setting outside ``low..high`` (both included), naming it and the range.
+
+    Raises:
+        ConfigError: ``value`` is outside the range.
+    """
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be within {low:g}..{high:g}; got {value!r}")

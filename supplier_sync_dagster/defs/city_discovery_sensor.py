@@ -34,10 +34,7 @@ def build_city_discovery_sensor(scope: AccountScope) -> dg.SensorDefinition:
         name=scope.name("city_discovery_sensor"),
         minimum_interval_seconds=3600,
         default_status=dg.DefaultSensorStatus.STOPPED,
-        description=(
-            "Adds a partition for every city the supplier serves that is not one yet; "
-            "retires the partitions of cities it no longer lists."
-        ),
+        description="Adds a partition per new city of the supplier; retires those it drops.",
     )
     @functools.partial(with_resource_key, param="supplier", key=scope.supplier_key)
     def city_discovery_sensor(

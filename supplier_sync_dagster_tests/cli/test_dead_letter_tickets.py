@@ -145,7 +145,7 @@ def test_compensate_resyncs_every_due_city_and_reports_true_figures(
     broken = sorted(c for c, hotels in listed.items() if hotels)[:4]
     assert len(broken) == 4
     sim.config = dataclasses.replace(
-        sim.config, faults=FaultProfile(unlisted_hotels_city_codes=tuple(broken))
+        sim.config, faults=FaultProfile(failing_city_codes=tuple(broken))
     )
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url).code == 1
@@ -156,7 +156,7 @@ def test_compensate_resyncs_every_due_city_and_reports_true_figures(
         # Mended but one; the last broken city's ticket is not due yet (left alone).
         still, waiting = broken[0], broken[-1]
         sim.config = dataclasses.replace(
-            sim.config, faults=FaultProfile(unlisted_hotels_city_codes=(still,))
+            sim.config, faults=FaultProfile(failing_city_codes=(still,))
         )
         _all_due(db_url)
         db = SyncDatabase.open(db_url)
@@ -189,9 +189,7 @@ def test_compensate_json_lists_the_failing_city(
 ) -> None:
     sim = simulator()
     city = sorted(c for c, hotels in sim.ground_truth().listed_by_city.items() if hotels)[0]
-    sim.config = dataclasses.replace(
-        sim.config, faults=FaultProfile(unlisted_hotels_city_codes=(city,))
-    )
+    sim.config = dataclasses.replace(sim.config, faults=FaultProfile(failing_city_codes=(city,)))
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url).code == 1
         _all_due(db_url)

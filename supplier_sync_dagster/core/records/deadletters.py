@@ -217,6 +217,11 @@ def city_subject(city_code: str) -> str:
     return f"city:{city_code}"[:200]
 
 
+def city_position(city_code: str) -> str:
+    """The record position of a city's ticket."""
+    return f"city:{city_code}"[:128]
+
+
 def record_dead_letters(
     conn: Connection,
     clock: DbClock,
@@ -240,6 +245,8 @@ def record_dead_letters(
     now = clock.read(conn)
     latest = {(subject_key(x), x.error_code[:128]): x for x in letters}
     existing = _open_tickets(conn, supplier_id, list(latest))
+    # The same bad version of a record an operator fixed is the fixed problem, not a new one.
+    existing.update(_fixed_tickets(conn, supplier_id, latest, skip=existing))
     fresh = [x for key, x in latest.items() if key not in existing]
     if fresh:
         insert_ignore(
@@ -366,6 +373,34 @@ def _open_tickets(
     return out
 
 
+def _fixed_tickets(
+    conn: Connection,
+    supplier_id: int,
+    latest: dict[tuple[str, str], DeadLetter],
+    *,
+    skip: dict[tuple[str, str], Any],
+) -> dict[tuple[str, str], tuple[int, str | None, datetime | None]]:
+    """The RESOLVED tickets of problems seen again at the very record version they were
+    resolved at (an operator's fix of that version published): (id, last batch, last seen).
+    A sight of it counts on that ticket, which stays RESOLVED; a newer version that is still
+    bad is a new problem."""
+    d = schema.dead_letter.c
+    wanted = {k: x.record_version for k, x in latest.items() if k not in skip and x.record_version}
+    out: dict[tuple[str, str], tuple[int, str | None, datetime | None]] = {}
+    for part in chunks(sorted({s for s, _ in wanted})):
+        for r in conn.execute(
+            sa.select(
+                d.id, d.subject_key, d.error_code, d.record_version, d.last_batch_id, d.last_seen_at
+            )
+            .where(d.supplier_id == supplier_id, d.subject_key.in_(part), d.status == "RESOLVED")
+            .order_by(d.id)
+        ):
+            key = (str(r.subject_key), str(r.error_code))
+            if key in wanted and r.record_version == wanted[key]:
+                out[key] = (int(r.id), r.last_batch_id, r.last_seen_at)
+    return out
+
+
 def resolve_subjects(
     conn: Connection,
     clock: DbClock,
@@ -374,9 +409,11 @@ def resolve_subjects(
     subjects: Sequence[str],
     batch_id: str,
     note: str,
+    gone: bool = False,
 ) -> int:
-    """Resolves every open ticket of these subjects, whatever its class: the hotel published
-    (the publish path's hook), or the hotel or city is gone.
+    """Closes every open ticket of these subjects, whatever its class: RESOLVED when the
+    hotel published (the publish path's hook); IGNORED when ``gone`` (the hotel or city is
+    gone: nothing was fixed, so the fix rate does not count it).
 
     Tickets a compensation of this same batch holds (RETRYING) are left to it: it resolves
     them itself, saying how. A problem this batch saw again is not resolved by it either
@@ -404,16 +441,11 @@ def resolve_subjects(
                 )
             ).scalars()
         ]
-    return move(conn, clock, ids, "resolve", fix_note=note[:1024])
+    return move(conn, clock, ids, "ignore" if gone else "resolve", fix_note=note[:1024])
 
 
 CITY_FAILED = "CITY_FAILED"
 """A city whose sync stopped mid-way (the supplier failed beyond retries)."""
-
-
-def city_position(city_code: str) -> str:
-    """The record position of a city's CITY_FAILED ticket (one per batch and city)."""
-    return f"city:{city_code}"[:128]
 
 
 def record_city_failure(
@@ -425,8 +457,11 @@ def record_city_failure(
     supplier_id: int,
     city_code: str,
     error: str,
+    error_code: str = CITY_FAILED,
 ) -> None:
-    """Writes the CITY_FAILED ticket of a city that failed in a batch (once per batch).
+    """Writes the ticket of a city that failed in a batch (one open ticket per city and
+    code): CITY_FAILED by default (retryable: the city is re-synced), or another city code
+    such as CITY_NOT_FOUND (its class from :data:`RULES`: a 404 needs a person).
 
     Args:
         db: The sync database.
@@ -436,7 +471,15 @@ def record_city_failure(
         supplier_id: The supplier.
         city_code: The city.
         error: What failed.
+        error_code: The ticket's code.
     """
+    rule = rule_for(error_code)
+    retryable = rule.error_class == "RETRYABLE"
+    message = (
+        f"the city's sync stopped: {error}"
+        if error_code == CITY_FAILED
+        else f"the supplier does not know the city: {error}"
+    )
     with db.begin() as conn:
         record_dead_letters(
             conn,
@@ -449,9 +492,9 @@ def record_city_failure(
                 DeadLetter(
                     None,
                     "ADAPTER",
-                    "RETRYABLE",
-                    CITY_FAILED,
-                    f"the city's sync stopped: {error}",
+                    "RETRYABLE" if retryable else "NON_RETRYABLE",
+                    error_code,
+                    message,
                     None,
                     None,
                     record_position=city_position(city_code),
@@ -459,26 +502,6 @@ def record_city_failure(
                 )
             ],
         )
-
-
-def resolve_gone_city(
-    conn: Connection, clock: DbClock, *, supplier_id: int, city_code: str, batch_id: str
-) -> int:
-    """Resolves the open tickets of a city the supplier no longer lists (a retired city):
-    its CITY_FAILED ticket has nothing left to retry. Its hotels' tickets are resolved as
-    they are tombstoned (``tombstones.unpublish_missing``).
-
-    Returns:
-        The tickets resolved.
-    """
-    return resolve_subjects(
-        conn,
-        clock,
-        supplier_id=supplier_id,
-        subjects=[city_subject(city_code)],
-        batch_id=batch_id,
-        note=f"the supplier no longer lists the city (batch {batch_id})",
-    )
 
 
 def _initial_state(error_code: str, now: datetime) -> dict[str, Any]:

@@ -291,6 +291,7 @@ def _unpublish(
         subjects=[hotel_subject(str(r.supplier_hotel_id)) for r in done],
         batch_id=batch_id,
         note=f"the hotel is gone ({reason}): unpublished by batch {batch_id}",
+        gone=True,
     )
     log.info("unpublished %d hotels (%s)", len(done), reason)
 

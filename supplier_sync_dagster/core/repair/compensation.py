@@ -278,18 +278,14 @@ def resolve_synced_cities(
 
     A ticket is one failed city (seen failing by one or more batches); the sync that heals
     it is any SUCCESS shard of that city, of a batch of the same task no older than the one
-    that last saw it fail, finished after it was last seen (the batch itself resumed, a re-execution, a re-sync, the next night).
+    that last saw it fail, finished after it was last seen (the batch itself resumed, a re-execution, a
+    re-sync, the next night).
     """
     d, sh, b = schema.dead_letter.c, schema.shard.c, schema.batch.c
+    seen = sa.func.coalesce(d.last_seen_at, d.created_at).label("seen")
     with db.engine.connect() as conn:
         tickets = conn.execute(
-            sa.select(
-                d.id,
-                d.city_code,
-                d.task_code,
-                sa.func.coalesce(d.last_seen_at, d.created_at).label("seen"),
-                b.created_at.label("since"),
-            )
+            sa.select(d.id, d.city_code, d.task_code, seen, b.created_at.label("since"))
             .join(schema.batch, b.batch_id == sa.func.coalesce(d.last_batch_id, d.batch_id))
             .where(
                 d.supplier_id == supplier_id,

@@ -86,6 +86,7 @@ from supplier_sync_dagster.core.settings import (
     MAX_CHANGES_LIMIT,
     MAX_OVERLAP_SECONDS,
     MIN_CHANGES_LIMIT,
+    require_within,
 )
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore, use_index
@@ -163,16 +164,8 @@ class IncrementalSettings:
     max_pages: int = DEFAULT_MAX_PAGES
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overlap_seconds <= MAX_OVERLAP_SECONDS:
-            raise ConfigError(
-                f"overlap_seconds must be within 0..{MAX_OVERLAP_SECONDS:g}; "
-                f"got {self.overlap_seconds!r}"
-            )
-        if not MIN_CHANGES_LIMIT <= self.limit <= MAX_CHANGES_LIMIT:
-            raise ConfigError(
-                f"the changes limit must be within {MIN_CHANGES_LIMIT}..{MAX_CHANGES_LIMIT}; "
-                f"got {self.limit!r}"
-            )
+        require_within("overlap_seconds", self.overlap_seconds, 0, MAX_OVERLAP_SECONDS)
+        require_within("the changes limit", self.limit, MIN_CHANGES_LIMIT, MAX_CHANGES_LIMIT)
         if self.max_pages < 1:
             raise ConfigError(f"max_pages must be >= 1; got {self.max_pages!r}")
 

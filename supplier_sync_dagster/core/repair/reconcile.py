@@ -63,7 +63,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierNotFound,
     UnknownCity,
 )
-from supplier_sync_dagster.core.records.deadletters import UNKNOWN
+from supplier_sync_dagster.core.records.deadletters import CLOSED_STATUSES, UNKNOWN
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.rules import parse_timestamp
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
@@ -83,7 +83,7 @@ REWALK_PAGE_SIZE = 500
 ID_CHUNK = 500
 # A dead-letter ticket in these states is closed; in any other it waits (the one rule of
 # what an open ticket is, for the reconciliation and the walk again alike).
-CLOSED_TICKETS = ("RESOLVED", "IGNORED")
+CLOSED_TICKETS = CLOSED_STATUSES
 
 
 @dataclass(frozen=True)
@@ -305,15 +305,10 @@ def open_tickets(db: SyncDatabase, supplier_id: int) -> dict[str, list[OpenTicke
     """City -> its hotels with an open dead-letter ticket (status neither RESOLVED nor
     IGNORED; a city's own CITY_FAILED ticket names no hotel and is not one), each once."""
     d, h = schema.dead_letter.c, schema.platform_hotel.c
+    columns = (d.supplier_resource_code, d.city_code, d.raw_payload_ref)
     with db.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(
-                d.supplier_resource_code,
-                d.city_code,
-                d.raw_payload_ref,
-                d.record_position,
-                d.updated_at,
-            )
+            sa.select(*columns, d.record_position, d.updated_at)
             .where(
                 d.supplier_id == supplier_id,
                 d.status.not_in(CLOSED_TICKETS),

@@ -20,7 +20,6 @@ from typing import Any, Literal, NamedTuple, Protocol, TypedDict, Unpack
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import (
-    ConfigError,
     code_of_description,
     describe_error,
     error_code_of,
@@ -32,6 +31,7 @@ from supplier_sync_dagster.core.records.tombstones import DEFAULT_MISSING_SYNCS,
 from supplier_sync_dagster.core.settings import (
     DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     MAX_CLOCK_SKEW_LIMIT_SECONDS,
+    require_within,
 )
 from supplier_sync_dagster.core.supplier import SupplierClient, WalkLimits, WalkStats
 
@@ -93,11 +93,9 @@ class SyncSettings:
     max_clock_skew_seconds: float = DEFAULT_MAX_CLOCK_SKEW_SECONDS
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_clock_skew_seconds <= MAX_CLOCK_SKEW_LIMIT_SECONDS:
-            raise ConfigError(
-                f"max_clock_skew_seconds must be within 0..{MAX_CLOCK_SKEW_LIMIT_SECONDS:.0f}; "
-                f"got {self.max_clock_skew_seconds!r}"
-            )
+        require_within(
+            "max_clock_skew_seconds", self.max_clock_skew_seconds, 0, MAX_CLOCK_SKEW_LIMIT_SECONDS
+        )
 
 
 class SyncTuning(TypedDict, total=False):

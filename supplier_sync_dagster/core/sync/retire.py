@@ -242,41 +242,6 @@ def retired_at(conn: Connection, supplier_id: int | None = None) -> dict[str, da
     return out
 
 
-def file_city_not_found(
-    db: SyncDatabase,
-    *,
-    batch_id: str,
-    task_code: str,
-    sync_mode: str,
-    supplier_id: int,
-    city_code: str,
-    error: str,
-) -> None:
-    """The ticket of a city that answered 404 in a batch: CITY_NOT_FOUND, for a person (a
-    404 is not retried; a city the supplier's list lacks too retires instead)."""
-    letter = deadletters.DeadLetter(
-        None,
-        "ADAPTER",
-        "NON_RETRYABLE",
-        CityNotFound.error_code,
-        f"the supplier does not know the city: {error}",
-        None,
-        None,
-        record_position=deadletters.city_position(city_code),
-        city_code=city_code,
-    )
-    with db.begin() as conn:
-        deadletters.record_dead_letters(
-            conn,
-            db.clock,
-            batch_id=batch_id,
-            task_code=task_code,
-            sync_mode=sync_mode,
-            supplier_id=supplier_id,
-            letters=[letter],
-        )
-
-
 def _target(supplier_id: int, city: str) -> str:
     return f"{supplier_id}:{city}"[:128]
 
@@ -354,25 +319,19 @@ def _hold(
         f"{retire_limit(plan.cities)} allowed: none retired, their hotels "
         f"stay published ({held}); if the drop is real, sync with --retire-dropped-cities"
     )
+    # One ticket for the whole drop: a person decides, not one ticket per held city.
+    ticket = deadletters.DeadLetter(
+        None, "ADAPTER", "NON_RETRYABLE", CITY_DROP_HELD, message, None, None,
+        record_position=_HELD_POSITION,
+    )  # fmt: skip
     deadletters.record_dead_letters(
         conn,
         db.clock,
+        letters=[ticket],
         batch_id=batch_id,
         task_code=task_code,
         sync_mode=sync_mode,
         supplier_id=supplier_id,
-        letters=[
-            deadletters.DeadLetter(
-                None,
-                "ADAPTER",
-                "NON_RETRYABLE",
-                CITY_DROP_HELD,
-                message,
-                None,
-                None,
-                record_position=_HELD_POSITION,
-            )
-        ],
     )
     log.warning("%s", message)
     return True
@@ -392,7 +351,6 @@ __all__ = [
     "RetirePlan",
     "Retirement",
     "catalog_cities",
-    "file_city_not_found",
     "held_line",
     "plan_retirement",
     "retire_cities",

@@ -79,7 +79,7 @@ from supplier_sync_dagster.core.leasing.batches import (
 )
 from supplier_sync_dagster.core.leasing.leases import get_shard
 from supplier_sync_dagster.core.leasing.processes import make_worker_id
-from supplier_sync_dagster.core.records.deadletters import record_city_failure
+from supplier_sync_dagster.core.records.deadletters import CITY_FAILED, record_city_failure
 from supplier_sync_dagster.core.records.gates import GateResult
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -94,7 +94,6 @@ from supplier_sync_dagster.core.sync.replay import (
     resolve_replayed_dead_letters,
     stored_city_countries,
 )
-from supplier_sync_dagster.core.sync.retire import file_city_not_found
 from supplier_sync_dagster.core.sync.runtime import ForkPool, prepare_process, usable_cpus
 from supplier_sync_dagster.core.sync.stop import SharedEvent, Stop, reason_of
 from supplier_sync_dagster.core.sync.tasks import open_task
@@ -439,17 +438,7 @@ def file_city_failure(
     compensation asks for a re-sync of the city, and the ticket is resolved once a sync of
     the city succeeds. A city that answered 404 gets a CITY_NOT_FOUND ticket instead, for a
     person: a 404 is not retried (the city retires once the supplier's list lacks it)."""
-    if code_of_description(error) == CityNotFound.error_code:
-        file_city_not_found(
-            db,
-            batch_id=batch_id,
-            task_code=settings.task_code,
-            sync_mode=settings.sync_mode,
-            supplier_id=settings.supplier_id,
-            city_code=city,
-            error=error,
-        )
-        return
+    code = code_of_description(error)
     record_city_failure(
         db,
         batch_id=batch_id,
@@ -458,6 +447,7 @@ def file_city_failure(
         supplier_id=settings.supplier_id,
         city_code=city,
         error=error,
+        error_code=CityNotFound.error_code if code == CityNotFound.error_code else CITY_FAILED,
     )
 
 

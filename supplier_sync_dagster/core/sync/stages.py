@@ -558,6 +558,7 @@ def _judge(
                 # stay two dead letters, and a re-run finds the same key.
                 record_position=f"record#{index}",
                 city_code=listing_city,
+                record_version=r.version,
             )
             for r, index in zip(result.rejections, result.rejection_index, strict=True)
         ]

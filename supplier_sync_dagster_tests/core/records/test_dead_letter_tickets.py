@@ -1,6 +1,6 @@
 """One open ticket per problem (supplier, subject, code): recording is an upsert, closing frees
-the slot, a newer version of the record with another problem supersedes, a publish or a
-tombstone resolves; on SQLite and MariaDB."""
+the slot, a newer version of the record with another problem supersedes, a publish resolves, a
+tombstone closes without counting a fix; on SQLite and MariaDB."""
 
 from __future__ import annotations
 
@@ -134,22 +134,24 @@ def test_a_publish_resolves_every_open_ticket_of_the_hotel_whatever_its_class(
     assert (summary.created_24h, summary.resolved_24h) == (4, 2)
 
 
-def test_a_city_the_supplier_dropped_resolves_its_city_ticket(db: SyncDatabase) -> None:
-    failed = DeadLetter(
-        None, "ADAPTER", "RETRYABLE", "CITY_FAILED", "404", None, None, city_code="OLD"
-    )
-    _record(db, "b1", failed)
-    _record(db, "b2", failed)
+def test_a_gone_hotel_closes_its_ticket_without_counting_a_fix(db: SyncDatabase) -> None:
+    _record(db, "b1", _bad("H1"))
+    _record(db, "b2", _bad("H1"))
     with db.begin() as conn:
-        assert (
-            deadletters.resolve_gone_city(
-                conn, db.clock, supplier_id=1001, city_code="OLD", batch_id="b3"
-            )
-            == 1
+        closed = resolve_subjects(
+            conn,
+            db.clock,
+            supplier_id=1001,
+            subjects=[hotel_subject("H1")],
+            batch_id="b3",
+            note="the hotel is gone",
+            gone=True,
         )
+    assert closed == 1
     (ticket,) = _tickets(db)
-    assert (ticket.status, ticket.seen_count, ticket.open_slot) == ("RESOLVED", 2, None)
-    assert "no longer lists" in ticket.fix_note
+    assert (ticket.status, ticket.seen_count, ticket.open_slot) == ("IGNORED", 2, None)
+    with db.engine.connect() as conn:
+        assert deadletters.summarize(conn, db.clock).resolved_24h == 0  # nothing was fixed
 
 
 def test_subjects() -> None:

@@ -30,7 +30,6 @@ from supplier_sync_dagster.core.sync.retire import (
     CITY_DROP_HELD,
     RETIRE_ACTION,
     catalog_cities,
-    file_city_not_found,
     plan_retirement,
     retire_cities,
     retire_limit,
@@ -188,7 +187,7 @@ def test_a_retired_city_has_its_open_tickets_closed(db: SyncDatabase, synced: Li
         error="SUPPLIER_UNAVAILABLE: 503",
     )
     other = fresh_batch(db)
-    file_city_not_found(
+    record_city_failure(
         db,
         batch_id=other,
         task_code="full",
@@ -196,6 +195,7 @@ def test_a_retired_city_has_its_open_tickets_closed(db: SyncDatabase, synced: Li
         supplier_id=SUPPLIER,
         city_code="CNX",
         error="CITY_NOT_FOUND: GET /v1/cities/CNX/hotels -> 404",
+        error_code="CITY_NOT_FOUND",
     )
     # A 404 is not retried: a person's ticket, not compensation's.
     assert tickets(db, "CITY_NOT_FOUND") == [("MANUAL_FIX", "CNX")]
