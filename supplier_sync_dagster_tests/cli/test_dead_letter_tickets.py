@@ -4,7 +4,6 @@ against the simulator, on SQLite and MariaDB."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -13,7 +12,6 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.simulator import FaultProfile
 from supplier_sync_dagster_tests.cli.test_main import (
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
     published,
@@ -144,9 +142,8 @@ def test_compensate_resyncs_every_due_city_and_reports_true_figures(
     listed = sim.ground_truth().listed_by_city
     broken = sorted(c for c, hotels in listed.items() if hotels)[:4]
     assert len(broken) == 4
-    sim.config = dataclasses.replace(
-        sim.config, faults=FaultProfile(failing_city_codes=tuple(broken))
-    )
+    # Their pages cannot be parsed (the simulator's deep_json mode): each city fails alone.
+    sim.set_modes(["deep_json"], broken)
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url).code == 1
         assert sync(capsys, db_url).code == 1  # the same cities fail again: same tickets
@@ -155,9 +152,7 @@ def test_compensate_resyncs_every_due_city_and_reports_true_figures(
         assert {t.seen_count for t in tickets.values()} == {2}
         # Mended but one; the last broken city's ticket is not due yet (left alone).
         still, waiting = broken[0], broken[-1]
-        sim.config = dataclasses.replace(
-            sim.config, faults=FaultProfile(failing_city_codes=(still,))
-        )
+        sim.set_modes(["deep_json"], [still])
         _all_due(db_url)
         db = SyncDatabase.open(db_url)
         try:
@@ -189,7 +184,7 @@ def test_compensate_json_lists_the_failing_city(
 ) -> None:
     sim = simulator()
     city = sorted(c for c, hotels in sim.ground_truth().listed_by_city.items() if hotels)[0]
-    sim.config = dataclasses.replace(sim.config, faults=FaultProfile(failing_city_codes=(city,)))
+    sim.set_modes(["deep_json"], [city])
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url).code == 1
         _all_due(db_url)

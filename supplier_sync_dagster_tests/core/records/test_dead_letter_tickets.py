@@ -122,8 +122,9 @@ def test_a_publish_resolves_every_open_ticket_of_the_hotel_whatever_its_class(
         ("H1", "RESOLVED"),
         ("H2", "MANUAL_FIX"),
     ]
-    # A batch that saw the problem itself does not resolve it by publishing another record.
-    _record(db, "b3", _bad("H1"))
+    # A batch that saw the problem itself (a newer version, still bad) does not resolve it
+    # by publishing another record.
+    _record(db, "b3", _bad("H1", version=2))
     with db.begin() as conn:
         kept = resolve_subjects(
             conn, db.clock, supplier_id=1001, subjects=["hotel:H1"], batch_id="b3", note="x"
@@ -160,3 +161,31 @@ def test_subjects() -> None:
     assert subject_key(city) == "city:BKK"
     unreadable = _bad("-", n=3)
     assert subject_key(unreadable) == f"record:{3:064d}#record#3"
+
+
+def test_the_bad_version_an_operator_fixed_seen_again_counts_on_its_resolved_ticket(
+    db: SyncDatabase,
+) -> None:
+    """The supplier keeps serving the version a fix published: the same problem, fixed, not a
+    new ticket; a newer version that is still bad is a new problem."""
+    _record(db, "b1", _bad("H1", version=7))
+    with db.begin() as conn:
+        resolve_subjects(
+            conn,
+            db.clock,
+            supplier_id=1001,
+            subjects=[hotel_subject("H1")],
+            batch_id="fix",
+            note="an operator's fix published",
+        )
+    _record(db, "b2", _bad("H1", version=7))
+    (ticket,) = _tickets(db)
+    assert (ticket.status, ticket.seen_count, ticket.last_batch_id) == ("RESOLVED", 2, "b2")
+    # An unreadable version is never taken for the fixed one: a new ticket, which the
+    # newer bad version then updates (one open ticket per problem).
+    _record(db, "b3", _bad("H1", version=None))
+    _record(db, "b4", _bad("H1", version=8))
+    assert [(t.status, t.record_version, t.seen_count) for t in _tickets(db)] == [
+        ("RESOLVED", 7, 2),
+        ("MANUAL_FIX", 8, 2),
+    ]
