@@ -32,19 +32,19 @@ FIXES: dict[str, dict[str, object]] = {
 OPEN = {"PENDING", "RETRYING", "FAILED", "MANUAL_FIX"}
 
 
-def _letters(capsys: pytest.CaptureFixture[str], db_url: str, *filters: str) -> list[dict]:
+def dead_letters(capsys: pytest.CaptureFixture[str], db_url: str, *filters: str) -> list[dict]:
     out = run(capsys, "--db-url", db_url, "dead-letters", "list", "--json", *filters)
     assert out.code == 0, out
     return [json.loads(line) for line in out.lines]
 
 
-def _fix_rate(capsys: pytest.CaptureFixture[str], db_url: str) -> float:
+def fix_rate(capsys: pytest.CaptureFixture[str], db_url: str) -> float:
     out = run(capsys, "--db-url", db_url, "metrics", "show", "--json")
     assert out.code == 0, out
     return float(json.loads(out.out)["values"]["dead_letter_fix_rate_24h"])
 
 
-def _all_due(db_url: str) -> None:
+def all_due(db_url: str) -> None:
     """A retry's backoff has passed for every open ticket."""
     db = SyncDatabase.open(db_url)
     try:
@@ -67,7 +67,7 @@ def test_three_syncs_of_the_same_bad_record_make_one_ticket_and_only_a_fix_resol
     with supplier(sim, monkeypatch):
         for _ in range(3):
             assert sync(capsys, db_url).code == 0
-        letters = _letters(capsys, db_url)
+        letters = dead_letters(capsys, db_url)
         # One ticket per bad record, seen by each of the three syncs.
         assert sorted(d["supplier_resource_code"] for d in letters) == sorted(truth.bad)
         assert {d["seen_count"] for d in letters} == {3}
@@ -83,7 +83,7 @@ def test_three_syncs_of_the_same_bad_record_make_one_ticket_and_only_a_fix_resol
             "--patch", "{}", "--by", "ops-anna", "--reason", "try as is",
         )  # fmt: skip
         assert same.code == 1 and fixable["error_code"] in same.err
-        (unchanged,) = _letters(capsys, db_url, "--hotel", fixable["supplier_resource_code"])
+        (unchanged,) = dead_letters(capsys, db_url, "--hotel", fixable["supplier_resource_code"])
         keep = ("id", "status", "seen_count", "last_batch_id", "raw_payload_ref", "error_message")
         assert {k: unchanged[k] for k in keep} == {k: fixable[k] for k in keep}
         fixed = run(
@@ -94,7 +94,7 @@ def test_three_syncs_of_the_same_bad_record_make_one_ticket_and_only_a_fix_resol
         assert fixed.code == 0, fixed
         hotel = fixable["supplier_resource_code"]
         assert hotel in published(db_url)
-        mine = _letters(capsys, db_url, "--hotel", hotel)
+        mine = dead_letters(capsys, db_url, "--hotel", hotel)
         assert [(d["id"], d["status"]) for d in mine] == [(fixable["id"], "RESOLVED")]
 
         # The supplier still serves another bad record: an operator's retry re-fetches it.
@@ -104,22 +104,22 @@ def test_three_syncs_of_the_same_bad_record_make_one_ticket_and_only_a_fix_resol
             "--by", "ops-ben", "--reason", "the supplier says it is fixed",
         )  # fmt: skip
         assert retried.code == 0, retried
-        _all_due(db_url)
+        all_due(db_url)
         compensated = run(capsys, "--db-url", db_url, "dead-letters", "compensate", "--json")
         assert compensated.code == 0, compensated
         report = json.loads(compensated.out)
         assert (report["claimed"], report["resolved"], report["refused_again"]) == (1, 0, 1)
-        again = _letters(capsys, db_url, "--hotel", still_bad["supplier_resource_code"])
+        again = dead_letters(capsys, db_url, "--hotel", still_bad["supplier_resource_code"])
         assert [d["id"] for d in again] == [still_bad["id"]]  # no new ticket
         (ticket,) = again
         assert ticket["status"] == "MANUAL_FIX" and ticket["retry_count"] == 1
         assert ticket["seen_count"] == 4
 
-    after = _letters(capsys, db_url)
+    after = dead_letters(capsys, db_url)
     assert len(after) == len(truth.bad)  # still one ticket per bad record
     assert {d["status"] for d in after if d["supplier_resource_code"] != hotel} == {"MANUAL_FIX"}
     # One problem of len(truth.bad) was fixed: the fix rate says so, not more.
-    assert _fix_rate(capsys, db_url) == pytest.approx(1 / len(truth.bad), abs=1e-4)
+    assert fix_rate(capsys, db_url) == pytest.approx(1 / len(truth.bad), abs=1e-4)
 
 
 def _city_tickets(db_url: str) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def test_compensate_resyncs_every_due_city_and_reports_true_figures(
         # Mended but one; the last broken city's ticket is not due yet (left alone).
         still, waiting = broken[0], broken[-1]
         sim.set_modes(["deep_json"], [still])
-        _all_due(db_url)
+        all_due(db_url)
         db = SyncDatabase.open(db_url)
         try:
             with db.begin() as conn:
@@ -187,7 +187,7 @@ def test_compensate_json_lists_the_failing_city(
     sim.set_modes(["deep_json"], [city])
     with supplier(sim, monkeypatch):
         assert sync(capsys, db_url).code == 1
-        _all_due(db_url)
+        all_due(db_url)
         out = run(capsys, "--db-url", db_url, "dead-letters", "compensate", "--json")
     assert out.code == 1, out
     resync = json.loads(out.out)["resync"]

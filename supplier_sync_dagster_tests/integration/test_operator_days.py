@@ -32,11 +32,17 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.deployment import ASSETS
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, decode_city_key
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster_tests.cli.test_dead_letter_tickets import (
+    FIXES,
+    OPEN,
+    all_due,
+    dead_letters,
+    fix_rate,
+)
 from supplier_sync_dagster_tests.cli.test_main import (
     Outcome,
     cli_home,  # noqa: F401 (the autouse fixture: state under the test's folder)
@@ -46,16 +52,6 @@ from supplier_sync_dagster_tests.cli.test_main import (
 )
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, cli_process, make_simulator
 
-# What makes each fixable code pass (the simulator's bad records break one field each).
-FIXES: dict[str, dict[str, object]] = {
-    "INVALID_PHONE": {"phone": "+66 2 123 4567"},
-    "STAR_RATING_OUT_OF_RANGE": {"star_rating": 4.0},
-    "UNKNOWN_STATUS": {"status": "ACTIVE"},
-    "HTML_IN_NAME": {"name": "Riverside Hotel"},
-    "CONTROL_CHARACTERS": {"name": "Riverside Hotel"},
-}
-OPEN = {"PENDING", "RETRYING", "FAILED", "MANUAL_FIX"}
-
 
 def _sync(capsys: pytest.CaptureFixture[str], db_url: str, *extra: str) -> Outcome:
     return run(capsys, "--db-url", db_url, "sync", "--full", "--page-size", "50", *extra)
@@ -64,12 +60,6 @@ def _sync(capsys: pytest.CaptureFixture[str], db_url: str, *extra: str) -> Outco
 def _ok(outcome: Outcome) -> Outcome:
     assert outcome.code == 0, outcome
     return outcome
-
-
-def _letters(capsys: pytest.CaptureFixture[str], db_url: str, *filters: str) -> list[dict]:
-    out = run(capsys, "--db-url", db_url, "dead-letters", "list", "--json", *filters)
-    assert out.code == 0, out
-    return [json.loads(line) for line in out.lines]
 
 
 def _partitions() -> set[str]:
@@ -90,20 +80,6 @@ def _partition_statuses() -> dict[str, dict[str, str]]:
                 decode_city_key(k): (s.value if (s := (found or {}).get(k)) else "-") for k in keys
             }
     return out
-
-
-def _all_due(db_url: str) -> None:
-    """A retry's backoff has passed for every open ticket (no waiting an hour in a test)."""
-    db = SyncDatabase.open(db_url)
-    try:
-        with db.begin() as conn:
-            conn.execute(
-                sa.update(schema.dead_letter)
-                .where(schema.dead_letter.c.next_retry_at.is_not(None))
-                .values(next_retry_at=db.clock.now(-1))
-            )
-    finally:
-        db.dispose()
 
 
 def _batch_status(db_url: str, trigger_id: str) -> str | None:
@@ -211,20 +187,20 @@ def test_an_operators_week_ends_true(
         day2 = _sync(capsys, db_url, "--trigger-id", "day-2")
         assert day2.code == 1, day2
         assert "Traceback" not in day2.err
-        city_tickets = _letters(capsys, db_url, "--code", "CITY_FAILED")
+        city_tickets = dead_letters(capsys, db_url, "--code", "CITY_FAILED")
         assert [t["city_code"] for t in city_tickets] == [failing], city_tickets
         # The supplier mends it; the compensation pass re-syncs it and says so.
         sim.config = dataclasses.replace(
             sim.config, faults=sim.config.faults.with_(failing_city_codes=())
         )
-        _all_due(db_url)
+        all_due(db_url)
         comp = run(capsys, "--db-url", db_url, "dead-letters", "compensate")
         assert comp.code == 0, comp
         assert "re-synced 1 of 1 failed cities" in comp.out, comp.out
         assert "Traceback" not in comp.err
 
         # The watched bad record: one ticket, seen by day 0, 1 and 2; the operator fixes it.
-        seen = [t for h in watched for t in _letters(capsys, db_url, "--hotel", h)]
+        seen = [t for h in watched for t in dead_letters(capsys, db_url, "--hotel", h)]
         assert sorted(t["supplier_resource_code"] for t in seen) == watched  # one each
         assert all(t["seen_count"] == 3 and t["status"] in OPEN for t in seen), seen
         ticket = next(t for t in seen if t["error_code"] in FIXES)
@@ -261,7 +237,7 @@ def test_an_operators_week_ends_true(
     assert catalog == {**dict(truth.valid), fixed_hotel: catalog[fixed_hotel]}
     assert _city_hotels(db_url, dropped) == {"live"}
 
-    letters = _letters(capsys, db_url)
+    letters = dead_letters(capsys, db_url)
     problem = Counter(
         (d["supplier_resource_code"], d["city_code"], d["error_code"]) for d in letters
     )
@@ -285,10 +261,7 @@ def test_an_operators_week_ends_true(
     assert still_bad == set(bad) - {fixed_hotel}
     # The fix rate is what happened: resolved tickets over tickets opened.
     resolved = [d for d in letters if d["status"] == "RESOLVED"]
-    metrics = run(capsys, "--db-url", db_url, "metrics", "show", "--json")
-    assert metrics.code == 0, metrics
-    rate = float(json.loads(metrics.out)["values"]["dead_letter_fix_rate_24h"])
-    assert rate == pytest.approx(len(resolved) / len(letters), abs=1e-4)
+    assert fix_rate(capsys, db_url) == pytest.approx(len(resolved) / len(letters), abs=1e-4)
 
     # Every city's partition is materialized: the one that came back too.
     statuses = _partition_statuses()
