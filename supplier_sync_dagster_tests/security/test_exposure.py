@@ -20,12 +20,17 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from supplier_sync_dagster import simulator
 from supplier_sync_dagster.cli.main import build_parser
@@ -325,6 +330,31 @@ def single_sign_on(text: str) -> str:
     return text
 
 
+def self_signed(cert: Path, key: Path) -> None:
+    """Writes a certificate for ``localhost``, valid for a day, and its key (PEM)."""
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.now(UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
 @dataclass
 class LocalSite:
     """The example configuration made to run here: its ports free ones on loopback, all its
@@ -338,12 +368,7 @@ class LocalSite:
     @classmethod
     def make(cls, tmp_path: Path, upstream_port: int, *, sso: bool = False) -> LocalSite:
         site = cls(tmp_path, free_port(), free_port())
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-             "-subj", "/CN=localhost", "-keyout", str(tmp_path / "key.pem"),
-             "-out", str(tmp_path / "cert.pem")],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+        self_signed(tmp_path / "cert.pem", tmp_path / "key.pem")
         (tmp_path / "htpasswd").write_text("alice:{PLAIN}secret\n")
         text = NGINX_CONF.read_text()
         text = single_sign_on(text) if sso else text
