@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supplier_sync_dagster.core.config_yaml import read_yaml_file
+from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.records.gates import GateThresholds
 
 SLUG = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+$")
 _THRESHOLD_FIELDS = frozenset(GateThresholds.__dataclass_fields__)
 
 
@@ -68,10 +68,10 @@ def _slug(value: str, what: str) -> str:
 def _cron(value: str | None) -> str | None:
     if value is None:
         return None
-    parts = value.split()
-    if len(parts) != 5 or not all(_CRON_FIELD.match(p) for p in parts):
-        raise ValueError(f"{value!r} is not a five-field cron expression")
-    return value
+    try:
+        return check_cron(value)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 class _Strict(BaseModel):
@@ -312,7 +312,12 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             f"{e['msg'].removeprefix('Value error, ')}"
             for e in err.errors(include_url=False, include_input=False)
         ]
-        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+    else:
+        problems = []
+    if problems:
+        # Raised outside the handler: the ValidationError (which holds the whole input and
+        # renders it) is no context of ours for a traceback to format.
+        raise ConfigError(f"{source}: " + "; ".join(problems))
     return [
         Account(
             supplier=supplier_name,
@@ -338,24 +343,15 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
 
 
 def load_accounts(path: Path) -> list[Account]:
-    """The accounts of the suppliers file at ``path``, read now.
+    """The accounts of the suppliers file at ``path``, read now: the one way every command,
+    server and the code location's definitions read the file.
 
     Raises:
-        ConfigError: The file cannot be read, is not YAML, or is not a valid suppliers file
-            (the message names the file and the field).
+        ConfigError: The file cannot be read, is too large, is not YAML, holds an anchor,
+            an alias or a duplicate key, or is not a valid suppliers file (the message names
+            the file and the line or field).
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(
-            f"{path}: cannot read the suppliers file: {err.strerror or err}"
-        ) from None
-    try:
-        # libyaml's loader when PyYAML has it: a code location reads the file once per module.
-        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not YAML: {err}") from None
-    return parse_accounts(data, source=str(path))
+    return parse_accounts(read_yaml_file(path, what="suppliers file"), source=str(path))
 
 
 def find_account(accounts: list[Account], code: str) -> Account:
