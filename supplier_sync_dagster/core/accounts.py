@@ -33,7 +33,11 @@ What each account owns, and what it shares:
   them later, by platform resource, without touching either supplier's namespace).
 
 Nothing here reads the environment at import; :func:`load_accounts` reads the file when it
-is called, and an API key is only ever looked up by the resource that sends it.
+is called, and an API key is only ever looked up by the resource that sends it. Every reader
+(the commands, the read API, the code location's definitions) goes through it, so through
+:func:`~supplier_sync_dagster.core.config_yaml.read_yaml_file`: no anchor, alias or duplicate
+key, 1 MiB at most; and every schedule is a cron expression that
+:func:`~supplier_sync_dagster.core.cron.check_cron` accepts.
 """
 
 from __future__ import annotations

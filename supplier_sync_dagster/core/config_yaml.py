@@ -86,16 +86,12 @@ def _refuse_references(text: str, source: str) -> None:
     # Events only: no node, no value, so nothing is expanded or even shared yet.
     depth = 0
     for event in yaml.parse(text, Loader=_LOADER):
-        line = event.start_mark.line + 1
-        if isinstance(event, yaml.AliasEvent):
-            raise ConfigError(
-                f"{source}: line {line}: YAML alias *{_short(event.anchor)} refused: "
-                "write the value out (no anchors or aliases)"
-            )
-        anchor = getattr(event, "anchor", None)
+        line = event.start_mark.line + 1 if event.start_mark else 0
+        anchor: str | None = getattr(event, "anchor", None)
         if anchor is not None:
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
             raise ConfigError(
-                f"{source}: line {line}: YAML anchor &{_short(anchor)} refused: "
+                f"{source}: line {line}: YAML {kind}{_short(anchor)} refused: "
                 "write each value out (no anchors or aliases)"
             )
         if isinstance(event, yaml.CollectionStartEvent):
