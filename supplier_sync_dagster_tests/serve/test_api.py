@@ -26,7 +26,13 @@ from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.serve.api import REFRESH_EVENT, create_app
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.core.sync.test_city import full_sync
-from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
+from supplier_sync_dagster_tests.helpers import (
+    READ_API_HEADERS,
+    READ_API_KEY,
+    make_simulator,
+    stay,
+    supplier_client,
+)
 
 
 @dataclass
@@ -54,10 +60,11 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
             db=db,
             search=projections.search,
             cache=projections.cache,
+            api_keys=[READ_API_KEY],
             supplier=lambda _supplier_id: supplier,
             ttl_seconds=60,
         )
-        with TestClient(app, raise_server_exceptions=False) as client:
+        with TestClient(app, raise_server_exceptions=False, headers=READ_API_HEADERS) as client:
             yield Api(client, db, sim, projections)
     projections.close()
     db.dispose()
@@ -110,7 +117,7 @@ def test_a_hotel_is_cached_and_the_cache_stage_invalidates_it(api: Api):
     assert api.client.get(f"/hotels/{rid}").headers["x-cache"] == "MISS"
     missing = api.client.get("/hotels/987654321")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "HOTEL_NOT_FOUND"
-    assert api.client.get("/hotels/not-a-number").status_code == 404
+    assert api.client.get("/hotels/not-a-number").status_code == 400
 
 
 def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: Api):
@@ -119,8 +126,7 @@ def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: A
         "hotel_id": hotel["resource_id"],
         "room_code": hotel["room_code"],
         "rate_plan_code": hotel["rate_plan_code"],
-        "check_in": "2026-12-24",
-        "check_out": "2026-12-26",
+        **stay(nights=2),
         "guests": 1,
     }
     r = api.client.post("/offers/confirm", json=body)
@@ -159,7 +165,7 @@ def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: A
     assert [tuple(r) for r in refresh] == [("READY", "NOTIFY")]
     for bad, code in (
         ({**body, "hotel_id": "x"}, "INVALID_PARAMETER"),
-        ({**body, "check_out": "2026-12-24"}, "INVALID_PARAMETER"),
+        ({**body, "check_out": body["check_in"]}, "INVALID_PARAMETER"),
         ({**body, "guests": 0}, "INVALID_PARAMETER"),
         ([1, 2], "INVALID_BODY"),
     ):
@@ -167,7 +173,9 @@ def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: A
         assert rejected.status_code == 400 and rejected.json()["error"]["code"] == code
     unknown = api.client.post("/offers/confirm", json={**body, "room_code": "NOPE"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "OFFER_NOT_FOUND"
-    garbage = api.client.post("/offers/confirm", content=b"{not json")
+    garbage = api.client.post(
+        "/offers/confirm", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "INVALID_BODY"
 
 
@@ -176,7 +184,7 @@ def test_errors_are_json_without_stack_traces(api: Api, db_url: str):
         def search(self, query: Any) -> Any:
             raise RuntimeError("secret internals /etc/passwd")
 
-    app = create_app(db=api.db, search=Broken(), cache=InProcessHotelCache())  # type: ignore[arg-type]
+    app = create_app(db=api.db, search=Broken(), cache=InProcessHotelCache(), api_keys=None)  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.get("/hotels", params={"q": "x"})
         assert r.status_code == 500
@@ -190,13 +198,14 @@ def test_errors_are_json_without_stack_traces(api: Api, db_url: str):
                 "hotel_id": 1,
                 "room_code": "A",
                 "rate_plan_code": "B",
-                "check_in": "2026-12-24",
-                "check_out": "2026-12-25",
+                **stay(),
             },
         )
         assert no_supplier.status_code == 503
         spec = client.get("/openapi.json").json()
         assert spec["openapi"].startswith("3.") and set(spec["paths"]) == {
+            "/health",
+            "/openapi.json",
             "/hotels",
             "/hotels/{resource_id}",
             "/offers/confirm",
