@@ -173,10 +173,12 @@ def _number(request: Request, name: str, high: Decimal) -> Decimal | None:
 
 
 def _unprintable(ch: str) -> bool:
-    """A control character, a surrogate or a Unicode noncharacter: never in a search."""
+    """A control character, a surrogate, a Unicode noncharacter, or U+FFFD (what a
+    percent-encoded byte that is not UTF-8 became): never in a search."""
     o = ord(ch)
     return (
-        o < 0x20
+        o == 0xFFFD
+        or o < 0x20
         or 0x7F <= o < 0xA0
         or 0xD800 <= o < 0xE000
         or 0xFDD0 <= o <= 0xFDEF
@@ -192,7 +194,8 @@ def _text(request: Request, name: str, limit: int) -> str | None:
         raise ApiError(
             400,
             "INVALID_PARAMETER",
-            f"{name} holds a control character, a surrogate or a Unicode noncharacter",
+            f"{name} holds a control character, a surrogate, a Unicode noncharacter or a "
+            "byte that is not UTF-8",
         )
     return raw or None
 
@@ -479,7 +482,14 @@ def _supplier_failure(err: SupplierError, hotel_id: int) -> ApiError:
     log.warning(
         "read API: confirming an offer of hotel %d failed: %s: %s", hotel_id, err.error_code, err
     )
-    wait = getattr(err, "retry_after", None) or getattr(err, "retry_in", None)
+    # Our own waits only: a supplier's Retry-After is its business with us.
+    wait = (
+        err.retry_after
+        if isinstance(err, RateShareExhausted)
+        else err.retry_in
+        if isinstance(err, CircuitOpen)
+        else None
+    )
     headers = {"Retry-After": str(max(1, math.ceil(wait)))} if wait else None
     return ApiError(status, code, message, headers)
 
@@ -509,7 +519,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and not declared.strip().isdigit():
         raise ApiError(400, "INVALID_BODY", "Content-Length is not a number")
-    too_large = ApiError(413, "BODY_TOO_LARGE", f"the body is larger than {limit} bytes")
+    # The connection closes after the answer: the rest of the body is never read.
+    too_large = ApiError(
+        413,
+        "BODY_TOO_LARGE",
+        f"the body is larger than {limit} bytes",
+        {"Connection": "close"},
+    )
     if declared is not None and int(declared) > limit:
         raise too_large
     body = bytearray()
@@ -786,8 +802,8 @@ OPENAPI: dict[str, Any] = {
                         (
                             "q",
                             {"type": "string", "maxLength": 256},
-                            "words; all must match (no control characters, surrogates or "
-                            "Unicode noncharacters: 400)",
+                            "words; all must match (a control character, surrogate, Unicode "
+                            "noncharacter or invalid UTF-8: 400)",
                         ),
                         (
                             "city",

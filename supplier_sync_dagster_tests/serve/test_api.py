@@ -4,6 +4,7 @@ against the simulator, errors as JSON; on SQLite and MariaDB."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,10 @@ class Api:
     projections: Projections
 
 
-@pytest.fixture
-def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+@contextmanager
+def served_api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    """The read API with a key (:data:`READ_API_KEY`, sent by its client) over a catalog
+    synced from a small simulator, its search index filled: one per test."""
     sim = make_simulator(FaultProfile.clean(), seed=9, n_cities=3, total_hotels=60)
     db = SyncDatabase.open(db_url)
     projections = Projections(
@@ -70,7 +73,13 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
     db.dispose()
 
 
-def _a_hotel(db: SyncDatabase) -> dict[str, Any]:
+@pytest.fixture
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    with served_api(db_url, tmp_path) as served:
+        yield served
+
+
+def a_hotel(db: SyncDatabase) -> dict[str, Any]:
     h, o = schema.platform_hotel.c, schema.platform_offer.c
     with db.engine.connect() as conn:
         row = conn.execute(
@@ -86,7 +95,7 @@ def _a_hotel(db: SyncDatabase) -> dict[str, Any]:
 
 
 def test_search_answers_from_the_projection(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     r = api.client.get(
         "/hotels", params={"q": hotel["name"].split()[0], "city": hotel["city_code"]}
     )
@@ -105,7 +114,7 @@ def test_search_answers_from_the_projection(api: Api):
 
 
 def test_a_hotel_is_cached_and_the_cache_stage_invalidates_it(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     rid = hotel["resource_id"]
     first = api.client.get(f"/hotels/{rid}")
     assert first.status_code == 200 and first.headers["x-cache"] == "MISS"
@@ -121,7 +130,7 @@ def test_a_hotel_is_cached_and_the_cache_stage_invalidates_it(api: Api):
 
 
 def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     body = {
         "hotel_id": hotel["resource_id"],
         "room_code": hotel["room_code"],
