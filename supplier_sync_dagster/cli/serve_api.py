@@ -35,7 +35,7 @@ from supplier_sync_dagster.serve.api import CONFIRM_MAX_WAIT_SECONDS, CONFIRM_SH
 def cmd_serve_api(args: argparse.Namespace) -> int:
     """``serve-api``: the read API under uvicorn until interrupted."""
     settings = load_settings()
-    api_keys = api_keys_to_serve(settings, host=args.host, no_auth=args.no_auth)
+    keys = api_keys_to_serve(settings, host=args.host, no_auth=args.no_auth)
     projection = projection_settings()
     with contextlib.ExitStack() as stack:
         db = SyncDatabase.open(args.db_url)
@@ -58,20 +58,15 @@ def cmd_serve_api(args: argparse.Namespace) -> int:
                 **timeouts,
             )
             client = confirm_client(stack, resource, settings)
-            confirming: Callable[[int], Any] = lambda _supplier_id: client  # noqa: E731
+            confirm: Callable[[int], Any] = lambda _supplier_id: client  # noqa: E731
         else:
             clients = {
                 sid: confirm_client(stack, resource, settings)
                 for sid, resource in _confirming_accounts(settings, timeouts).items()
             }
-            confirming = clients.get
+            confirm = clients.get
         app = create_app(
-            db=db,
-            search=search,
-            cache=cache,
-            api_keys=api_keys,
-            supplier=confirming,
-            ttl_seconds=args.ttl,
+            db=db, search=search, cache=cache, api_keys=keys, supplier=confirm, ttl_seconds=args.ttl
         )
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -36,7 +36,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import date, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -64,6 +64,7 @@ from supplier_sync_dagster.core.outbox.machine import first_stage
 from supplier_sync_dagster.core.outbox.projections import (
     HOTEL_KEY,
     HotelCache,
+    SearchHit,
     SearchIndex,
     SearchQuery,
     load_search_docs,
@@ -101,20 +102,12 @@ MAX_GUESTS = 10
 MAX_PRICE = Decimal(10**9)
 MAX_CODE_LENGTH = 64
 # What a hotel shows the world: the platform's fields, never the supplier's (its id, its
-# hotel id), whatever the catalog's document grows.
-PUBLIC_HOTEL_FIELDS = (
-    "resource_id",
-    "publish_version",
-    "name",
-    "name_local",
+# hotel id), whatever the catalog's document grows: a search hit's fields (what a list shows)
+# and the detail's own.
+PUBLIC_HOTEL_FIELDS: tuple[str, ...] = (
+    *(f.name for f in fields(SearchHit)),
     "address",
     "postal_code",
-    "city_code",
-    "country_code",
-    "star_rating",
-    "status",
-    "lowest_price",
-    "currency",
     "lat",
     "lng",
     "published_at",

@@ -77,8 +77,7 @@ def add_commands(sub: Subcommands) -> None:
 
     api = sub.add_parser(
         "serve-api",
-        help="the read API: /hotels (search), /hotels/{id} (cached), POST /offers/confirm; "
-        "every route but /health and /openapi.json needs a key of SUPPLIER_SYNC_API_KEYS",
+        help="the read API: /hotels, /hotels/{id}, POST /offers/confirm (SUPPLIER_SYNC_API_KEYS)",
     )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument(
