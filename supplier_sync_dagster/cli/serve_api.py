@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
 
+from supplier_sync_dagster.cli.common import warn
 from supplier_sync_dagster.cli.outbox import projection_settings
 from supplier_sync_dagster.cli.resources import account_supplier_now
 from supplier_sync_dagster.core.errors import ConfigError
@@ -30,12 +30,13 @@ from supplier_sync_dagster.core.supplier import SupplierClient, make_share_limit
 from supplier_sync_dagster.defs.accounts import account_scopes
 from supplier_sync_dagster.defs.resources import SupplierResource, supplier_resource
 from supplier_sync_dagster.serve.api import CONFIRM_MAX_WAIT_SECONDS, CONFIRM_SHARE, create_app
+from supplier_sync_dagster.serve.metrics import loopback_only
 
 
 def cmd_serve_api(args: argparse.Namespace) -> int:
     """``serve-api``: the read API under uvicorn until interrupted."""
     settings = load_settings()
-    keys = api_keys_to_serve(settings, host=args.host, no_auth=args.no_auth)
+    keys = api_keys_to_serve(settings, host=args.host, port=args.port, no_auth=args.no_auth)
     projection = projection_settings()
     with contextlib.ExitStack() as stack:
         db = SyncDatabase.open(args.db_url)
@@ -72,12 +73,14 @@ def cmd_serve_api(args: argparse.Namespace) -> int:
     return 0
 
 
-def api_keys_to_serve(settings: Settings, *, host: str, no_auth: bool) -> Sequence[str] | None:
+def api_keys_to_serve(
+    settings: Settings, *, host: str, port: int, no_auth: bool
+) -> Sequence[str] | None:
     """The keys the API asks for (``SUPPLIER_SYNC_API_KEYS``), or None with ``--no-auth``.
 
     Raises:
         ConfigError: No key and no ``--no-auth``; ``--no-auth`` with keys set, or on a host
-            that is not loopback.
+            that reaches beyond loopback (or is no address).
     """
     keys = settings.read_api_keys()
     if not no_auth:
@@ -90,24 +93,12 @@ def api_keys_to_serve(settings: Settings, *, host: str, no_auth: bool) -> Sequen
         return keys
     if keys:
         raise ConfigError("--no-auth, but SUPPLIER_SYNC_API_KEYS is set: drop one of them")
-    if not _loopback(host):
+    if not loopback_only(host, port):
         raise ConfigError(
             f"--no-auth serves a loopback --host only (127.0.0.1, ::1, localhost), not {host!r}"
         )
-    print(
-        f"supplier-sync: serve-api: --no-auth: every route is open to whoever can reach {host}",
-        file=sys.stderr,
-    )
+    warn(f"warning: serve-api --no-auth: every route is open to whoever can reach {host}")
     return None
-
-
-def _loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def confirm_client(
