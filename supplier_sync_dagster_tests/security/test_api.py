@@ -39,7 +39,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.outbox.projections import HOTEL_KEY, InProcessHotelCache
 from supplier_sync_dagster.core.settings import load_settings
-from supplier_sync_dagster.core.supplier import bucket_key
+from supplier_sync_dagster.core.supplier import InProcessTokenBucket, ShareLimiter, bucket_key
 from supplier_sync_dagster.core.supplier.ratelimit import DEFAULT_KEY_PREFIX
 from supplier_sync_dagster.defs.resources import supplier_resource
 from supplier_sync_dagster.serve.api import (
@@ -343,6 +343,26 @@ def test_a_flood_of_confirmations_leaves_the_syncs_bucket_its_tokens(
         # The syncs' bucket (burst 1) still has its token: the flood never touched it.
         sync_bucket = syncs.rate_limiter
         assert sync_bucket is not None and sync_bucket.try_acquire() == 0.0  # type: ignore[attr-defined]
+
+
+def test_a_share_waits_a_little_then_refuses_without_taking_a_token():
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    bucket = InProcessTokenBucket(2.0, 1.0, monotonic=lambda: now[0], sleep=sleep)
+    share = ShareLimiter(bucket, name="confirm", max_wait=0.5, sleep=sleep)
+    assert share.acquire() == 0.0  # the burst
+    assert share.acquire() == pytest.approx(0.5) and slept == [pytest.approx(0.5)]
+    slow = ShareLimiter(bucket, name="confirm", max_wait=0.1, sleep=sleep)
+    with pytest.raises(RateShareExhausted) as refused:
+        slow.acquire()
+    assert refused.value.retry_after == pytest.approx(0.5) and len(slept) == 1
+    now[0] += 0.5  # the token it did not take is there
+    assert slow.acquire() == 0.0
 
 
 # --- serve-api as a process ----------------------------------------------------------------
