@@ -225,6 +225,8 @@ def create_app(
     Raises:
         ConfigError: ``api_keys`` is empty (None is the way to serve without keys).
     """
+    if api_keys is not None and not api_keys:
+        raise ConfigError("no API key to authenticate the read API's requests with")
     api = ReadApi(db=db, search=search, cache=cache, supplier=supplier, ttl_seconds=ttl_seconds)
     spec = OPENAPI if api_keys is not None else {**OPENAPI, "security": []}
     return Starlette(
@@ -251,13 +253,8 @@ class ApiKeyAuth:
     """
 
     def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
-        """Wrap ``app``.
-
-        Raises:
-            ConfigError: No key.
-        """
-        if not keys:
-            raise ConfigError("no API key to authenticate the read API's requests with")
+        """Wrap ``app`` (Starlette does when the first request comes: :func:`create_app`
+        checks that there are keys beforehand)."""
         self.app = app
         self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
 

@@ -29,6 +29,7 @@ from starlette.testclient import TestClient
 from supplier_sync_dagster.cli.serve_api import confirm_client
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
+    ConfigError,
     ProjectionUnavailable,
     RateShareExhausted,
     SupplierAuthError,
@@ -343,6 +344,25 @@ def test_a_flood_of_confirmations_leaves_the_syncs_bucket_its_tokens(
         # The syncs' bucket (burst 1) still has its token: the flood never touched it.
         sync_bucket = syncs.rate_limiter
         assert sync_bucket is not None and sync_bucket.try_acquire() == 0.0  # type: ignore[attr-defined]
+
+
+def test_an_empty_key_list_is_refused_never_an_open_api(api: Api):
+    with pytest.raises(ConfigError, match="no API key"):
+        create_app(
+            db=api.db, search=api.projections.search, cache=api.projections.cache, api_keys=[]
+        )
+    # Open only when said so: then the description declares no security either.
+    app = create_app(
+        db=api.db, search=api.projections.search, cache=api.projections.cache, api_keys=None
+    )
+    with TestClient(app) as client:
+        assert client.get("/openapi.json").json()["security"] == []
+        assert (
+            client.get("/hotels", params={"city": a_hotel(api.db)["city_code"]}).status_code == 200
+        )
+    assert api.client.get("/openapi.json").json()["security"] == [{"bearer": []}, {"apiKey": []}]
+    keyless = TestClient(api.client.app)
+    _assert_error(keyless.get("/hotels", params={"city": "X"}), 401, "UNAUTHORIZED")
 
 
 def test_a_share_waits_a_little_then_refuses_without_taking_a_token():
