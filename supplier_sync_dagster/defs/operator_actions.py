@@ -45,7 +45,9 @@ class DeadLetterFixConfig(dg.Config):
 
     id: int = Field(description="The dead letter's id.")
     patch: str = Field(
-        description='A JSON merge patch of the supplier\'s record, e.g. {"phone": "+66 2 123 4567"}.'
+        description="A JSON merge patch of the supplier's record, e.g. "
+        '{"phone": "+66 2 123 4567"}; content only: hotel_id, supplier_hotel_id, supplier_id, '
+        "version and updated_at are refused (at most 32 levels deep, 1 MiB)."
     )
     by: str = Field(description=_WHO)
     reason: str = Field(description=_WHY)

@@ -846,7 +846,7 @@ def test_processes_option(capsys: pytest.CaptureFixture[str]):
     assert parser.parse_args(["demo", "--processes", "3"]).processes == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["sync", "--full", "--processes", "-1"])
-    assert "--processes: must be at least 0, not -1" in capsys.readouterr().err
+    assert "--processes: must be within 0..64, not -1" in capsys.readouterr().err
 
 
 def test_console_script_passes_its_exit_status_and_output_through_the_quick_exit(
