@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.operator_input import MAX_ID
 from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import (
@@ -74,32 +75,28 @@ def handled_by(
         parser.add_argument("--db-url", default=argparse.SUPPRESS, help="the sync database URL")
 
 
-def positive_int(text: str, least: int = 1) -> int:
-    """An argument type: a whole number of at least ``least``.
-
-    Raises:
-        argparse.ArgumentTypeError: Not a whole number, or less than ``least``.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argument type: a whole number of at least 0 (``--processes 0``: none)."""
-    return positive_int(text, least=0)
+MAX_COUNT = 10**9
+"""The largest count or limit an option takes unless it has a bound of its own: far past
+any real catalog, and within every integer column and SQL ``LIMIT``."""
+MAX_WORKERS = 64
+"""The most threads or processes an option starts: each holds database connections."""
+MAX_DURATION_SECONDS = 100 * 365 * 86_400
+"""The longest duration an option takes (a century): now minus or plus it is still a date."""
+_SHOWN = 40  # characters of a refused value an error line shows
 
 
 def _range(low: float | None, high: float | None, *, low_open: bool = False) -> str:
+    def num(x: float) -> str:  # 3153600000, not 3.1536e+09
+        if isinstance(x, int) or (x.is_integer() and abs(x) < 1e15):
+            return str(int(x))
+        return f"{x:g}"
+
     if high is None:
-        return f"more than {low:g}" if low_open else f"at least {low:g}"
+        return f"more than {num(low or 0)}" if low_open else f"at least {num(low or 0)}"
     if low is None:
-        return f"at most {high:g}"
-    return f"more than {low:g} and at most {high:g}" if low_open else f"within {low:g}..{high:g}"
+        return f"at most {num(high)}"
+    span = f"{num(low)} and at most {num(high)}"
+    return f"more than {span}" if low_open else f"within {num(low)}..{num(high)}"
 
 
 N = TypeVar("N", int, float)
@@ -136,19 +133,38 @@ def _within(
     low_open: bool = False,
 ) -> Callable[[str], N]:
     def parse(text: str) -> N:
+        shown = text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
         try:
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+        except ValueError:  # not a number, or more digits than int() reads
+            raise argparse.ArgumentTypeError(f"must be {what}, not {shown!r}") from None
         too_low = low is not None and (value <= low if low_open else value < low)
         if not math.isfinite(value) or too_low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(
-                f"must be {_range(low, high, low_open=low_open)}, not {text.strip()}"
+                f"must be {_range(low, high, low_open=low_open)}, not {shown.strip()}"
             )
         return value
 
     parse.__name__ = kind.__name__ if isinstance(kind, type) else "number"
     return parse
+
+
+def duration(unit_seconds: int = 1, *, zero: bool = False) -> Callable[[str], float]:
+    """An argument type: a duration in units of ``unit_seconds`` (3600: hours), more than 0
+    (or 0 too when ``zero``) and at most :data:`MAX_DURATION_SECONDS`."""
+    return float_within(0, MAX_DURATION_SECONDS / unit_seconds, low_open=not zero)
+
+
+rate = float_within(0, None, low_open=True)
+"""An argument type: requests per second, more than none."""
+row_id = int_within(1, MAX_ID)
+"""An argument type: the id of a row (a dead letter, an outbox event, a supplier)."""
+positive_int = int_within(1, MAX_COUNT)
+"""An argument type: a count or limit of at least 1."""
+non_negative_int = int_within(0, MAX_COUNT)
+"""An argument type: a count of at least 0 (``--processes 0``: none)."""
+workers = int_within(1, MAX_WORKERS)
+"""An argument type: threads or processes to start (at least 1)."""
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
@@ -176,7 +192,7 @@ def add_audited_actions(
     """
     for name, what in actions.items():
         act = group.add_parser(name, help=what + " (recorded in the audit trail)")
-        act.add_argument("ids", type=int, nargs="+", help=ids_help)
+        act.add_argument("ids", type=row_id, nargs="+", help=ids_help)
         add_who_and_why(act)
         handled_by(act, handler)
 

@@ -8,7 +8,6 @@ Their arguments: :mod:`supplier_sync_dagster.cli.parsers.operators`.
 from __future__ import annotations
 
 import argparse
-import json
 import uuid
 from typing import Any
 
@@ -19,8 +18,9 @@ from supplier_sync_dagster.cli.resources import (
     configured_supplier,
     storage_resources,
 )
-from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.leases import list_shards, make_worker_id
+from supplier_sync_dagster.core.operator_input import load_operator_json
+from supplier_sync_dagster.core.records.deadletters import check_fix_patch
 from supplier_sync_dagster.core.repair.compensation import (
     CompensationReport,
     CompensationSettings,
@@ -40,16 +40,15 @@ from supplier_sync_dagster.defs.resources import (
 
 
 def cmd_fix(args: argparse.Namespace) -> int:
-    """``dead-letters fix ID --patch JSON``: exit 1 when the patched record still fails."""
+    """``dead-letters fix ID --patch JSON``: exit 1 when the patched record still fails; a
+    patch that is no bounded JSON object, or touches the record's identity or versioning,
+    is refused before the database is opened."""
+    patch = check_fix_patch(load_operator_json(args.patch, what="--patch"))
     with open_db(args.db_url) as db:
-        return _fix(args, db)
+        return _fix(args, db, patch)
 
 
-def _fix(args: argparse.Namespace, db: SyncDatabase) -> int:
-    try:
-        patch = json.loads(args.patch)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--patch is not JSON: {err}") from None
+def _fix(args: argparse.Namespace, db: SyncDatabase, patch: dict[str, Any]) -> int:
     storage = load_storage_settings()
     outcome = fix_dead_letter(
         db,

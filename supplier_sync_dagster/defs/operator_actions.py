@@ -7,14 +7,14 @@ output metadata shows what changed. A refused action (a closed dead letter, a fi
 fails its checks, an unknown review) fails the run with the reason.
 """
 
-import json
 from typing import Any, Literal
 
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.errors import NotFound, SupplierSyncError
+from supplier_sync_dagster.core.errors import ConfigError, NotFound, SupplierSyncError
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
+from supplier_sync_dagster.core.operator_input import check_row_ids, load_operator_json
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
@@ -45,7 +45,9 @@ class DeadLetterFixConfig(dg.Config):
 
     id: int = Field(description="The dead letter's id.")
     patch: str = Field(
-        description='A JSON merge patch of the supplier\'s record, e.g. {"phone": "+66 2 123 4567"}.'
+        description="A JSON merge patch of the supplier's record, e.g. "
+        '{"phone": "+66 2 123 4567"}; content only: hotel_id, supplier_hotel_id, supplier_id, '
+        "version and updated_at are refused (at most 32 levels deep, 1 MiB)."
     )
     by: str = Field(description=_WHO)
     reason: str = Field(description=_WHY)
@@ -102,12 +104,21 @@ def _refused(err: Exception) -> dg.Failure:
     return dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False)
 
 
-def _json_field(text: str, refusal: str) -> Any:
-    """A form's JSON field parsed; text that is no JSON fails the run with ``refusal``."""
+def _row_ids(ids: list[int], name: str = "ids") -> list[int]:
+    """A form's row ids, each within a signed BIGINT; any other fails the run in one line."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise dg.Failure(description=f"{refusal}: {err}", allow_retries=False) from None
+        return check_row_ids(ids, what=name)
+    except ConfigError as err:
+        raise _refused(err) from None
+
+
+def _json_field(text: str, name: str) -> Any:
+    """A form's JSON field parsed, bounded in size and depth; text that is no JSON, or too
+    large or deep, fails the run with one line naming the field."""
+    try:
+        return load_operator_json(text, what=name)
+    except ConfigError as err:
+        raise _refused(err) from None
 
 
 def _dead_letter_action(
@@ -116,6 +127,7 @@ def _dead_letter_action(
     sync_db: SyncDatabaseResource,
     action: str,
 ) -> dg.Output[int]:
+    _row_ids(config.ids)
     with sync_db.opened() as db:
         with db.engine.connect() as conn:
             before = deadletters.snapshot(conn, config.ids)
@@ -172,7 +184,8 @@ def fix_dead_letter_op(
     governance: GovernanceResource,
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
-    patch = _json_field(config.patch, "patch is not JSON")
+    _row_ids([config.id], "id")
+    patch = _json_field(config.patch, "patch")
     with sync_db.opened() as db:
         try:
             outcome = fix_dead_letter(
@@ -300,6 +313,7 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
 def _outbox(
     config: OutboxActionConfig, sync_db: SyncDatabaseResource, action: Literal["retry", "cancel"]
 ) -> dg.Output[int]:
+    _row_ids(config.ids)
     with sync_db.opened() as db:
         try:
             moved = operate(db, action, config.ids, actor=config.by, reason=config.reason)

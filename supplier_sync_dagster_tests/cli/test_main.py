@@ -815,7 +815,7 @@ def test_cli_syncs_two_cities_at_once_unless_told_otherwise(capsys: pytest.Captu
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["demo", "--city-threads", "0"])
     assert exited.value.code == 2
-    assert "--city-threads: must be at least 1, not 0" in capsys.readouterr().err
+    assert "--city-threads: must be within 1..64, not 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["sync", "--full", "--city-threads", "two"])
     assert "--city-threads: must be a whole number, not 'two'" in capsys.readouterr().err
@@ -846,7 +846,7 @@ def test_processes_option(capsys: pytest.CaptureFixture[str]):
     assert parser.parse_args(["demo", "--processes", "3"]).processes == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["sync", "--full", "--processes", "-1"])
-    assert "--processes: must be at least 0, not -1" in capsys.readouterr().err
+    assert "--processes: must be within 0..64, not -1" in capsys.readouterr().err
 
 
 def test_console_script_passes_its_exit_status_and_output_through_the_quick_exit(

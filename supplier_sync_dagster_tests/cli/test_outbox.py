@@ -285,4 +285,4 @@ def test_dispatch_refuses_a_count_below_one(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exit_info:
         run(capsys, "dispatch", "--processes", "0")
     assert exit_info.value.code == 2
-    assert "must be at least 1" in capsys.readouterr().err
+    assert "must be within 1..64" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supplier_sync_dagster.cli.common import Subcommands, float_within, handled_by, positive_int
+from supplier_sync_dagster.cli.common import Subcommands, duration, handled_by, positive_int
 
 _BATCHES = "supplier_sync_dagster.cli.batches"
 
@@ -26,12 +26,10 @@ def add_status_and_stalls(sub: Subcommands) -> None:
     handled_by(status, f"{_BATCHES}:cmd_status", read_only=True)
 
     stalls = sub.add_parser("stalls", help="running shards that are stuck or whose lease expired")
-    stalls.add_argument(
-        "--checkpoint-stall-seconds", type=float_within(0, None, low_open=True), default=600.0
-    )
+    stalls.add_argument("--checkpoint-stall-seconds", type=duration(), default=600.0)
     stalls.add_argument(
         "--fetch-stall-seconds",
-        type=float_within(0, None, low_open=True),
+        type=duration(),
         default=None,
         help="a shard waiting for the supplier's next page this long is stalled (default: two "
         "request deadlines of the supplier client, 120)",

@@ -21,9 +21,11 @@ _GOVERNANCE = "supplier_sync_dagster.cli.governance"
 
 
 def add_threshold_options(parser: argparse.ArgumentParser) -> None:
-    """One option per gate threshold (``--max-bad-ratio``...), each unset by default."""
+    """One option per gate threshold (``--max-bad-ratio``...), each unset by default; the
+    core checks each one's range, a whole number's bounds are checked here first."""
     for f in dataclasses.fields(GateThresholds):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+        kind = non_negative_int if isinstance(f.default, int) else float
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
 
 
 def add_review(sub: Subcommands) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from supplier_sync_dagster.cli.common import (
     Subcommands,
     add_json_flag,
-    float_within,
+    duration,
     handled_by,
     int_within,
 )
@@ -36,7 +36,7 @@ def add_commands(sub: Subcommands) -> None:
     )
     serve.add_argument(
         "--interval",
-        type=float_within(0, None, low_open=True),
+        type=duration(),
         default=30.0,
         help="seconds between refreshes of the figures",
     )
@@ -46,7 +46,7 @@ def add_commands(sub: Subcommands) -> None:
     al = sub.add_parser("alerts", help="alerts: list them, check the conditions now, thresholds")
     al_sub = al.add_subparsers(dest="alerts_command", required=True)
     listing = al_sub.add_parser("list", help="open alerts and those of the last days")
-    listing.add_argument("--days", type=float_within(0, None, low_open=True), default=7.0)
+    listing.add_argument("--days", type=duration(86_400), default=7.0)
     listing.add_argument("--open", action="store_true", help="only the open ones")
     add_json_flag(listing)
     handled_by(listing, f"{_HEALTH}:cmd_alerts", read_only=True)

@@ -9,9 +9,10 @@ from supplier_sync_dagster.cli.common import (
     add_audited_actions,
     add_json_flag,
     add_who_and_why,
-    float_within,
+    duration,
     handled_by,
     positive_int,
+    row_id,
 )
 
 _OPERATORS = "supplier_sync_dagster.cli.operators"
@@ -34,7 +35,7 @@ def add_commands(sub: Subcommands) -> None:
     trace.add_argument("--field", default=None, help="only diffs of this field (price_amount ...)")
     trace.add_argument(
         "--supplier-id",
-        type=positive_int,
+        type=row_id,
         default=None,
         help="needed when two suppliers share the id",
     )
@@ -65,12 +66,12 @@ def _add_dead_letter_commands(dl_sub: Subcommands) -> None:
     listing.add_argument("--city", default=None, help="the supplier's city code of the record")
     listing.add_argument("--batch", default=None)
     listing.add_argument("--hotel", default=None, help="the supplier's hotel id")
-    listing.add_argument("--older-than-hours", type=float_within(0), default=None)
+    listing.add_argument("--older-than-hours", type=duration(3600, zero=True), default=None)
     listing.add_argument("--limit", type=positive_int, default=100)
     add_json_flag(listing)
     handled_by(listing, f"{_OPERATORS}:cmd_dead_letters", read_only=True)
     show = dl_sub.add_parser("show", help="one dead letter with its audit history")
-    show.add_argument("id", type=int, help="the dead letter's id (the list's first column)")
+    show.add_argument("id", type=row_id, help="the dead letter's id (the list's first column)")
     add_json_flag(show, help="one line instead of indented")
     handled_by(show, f"{_OPERATORS}:cmd_dead_letters", read_only=True)
     add_audited_actions(
@@ -91,7 +92,7 @@ def _add_repair_commands(dl_sub: Subcommands) -> None:
         help="patch the supplier's record (JSON merge patch) and run it through every check "
         "(recorded in the audit trail); exit 1 when it still fails",
     )
-    fix.add_argument("id", type=int, help="the dead letter's id")
+    fix.add_argument("id", type=row_id, help="the dead letter's id")
     fix.add_argument(
         "--patch", required=True, help='a JSON merge patch of the record: \'{"phone": "+66 2 1"}\''
     )

@@ -11,10 +11,12 @@ from supplier_sync_dagster.cli.common import (
     Subcommands,
     add_audited_actions,
     add_json_flag,
+    duration,
     float_within,
     handled_by,
     int_within,
     positive_int,
+    workers,
 )
 
 # The most dispatcher processes ``dispatch`` starts unless told (``dispatch_parallelism``).
@@ -22,7 +24,7 @@ MAX_AUTO_PROCESSES = 8
 _OUTBOX = "supplier_sync_dagster.cli.outbox"
 _STATUSES = ("READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED")
 _STAGES = ("SEARCH_INDEX", "CACHE", "NOTIFY", "END")
-_SECONDS = float_within(0, None, low_open=True)
+_SECONDS = duration()
 
 
 def _price(text: str) -> Decimal:
@@ -44,13 +46,13 @@ def add_commands(sub: Subcommands) -> None:
     dispatch.add_argument("--once", action="store_true", help="drain what is due, then exit")
     dispatch.add_argument(
         "--threads",
-        type=positive_int,
+        type=workers,
         default=None,
         help="dispatchers per process (default: 2 in one process, else 1)",
     )
     dispatch.add_argument(
         "--processes",
-        type=positive_int,
+        type=workers,
         default=None,
         help="processes of --threads dispatchers each (default: two per CPU core, at most "
         f"{MAX_AUTO_PROCESSES}, on MySQL/MariaDB; one on SQLite)",
@@ -88,7 +90,7 @@ def add_commands(sub: Subcommands) -> None:
     )
     api.add_argument("--port", type=int_within(0, 65535), default=8000)
     api.add_argument(
-        "--ttl", type=float_within(0), default=300.0, help="seconds a hotel stays cached"
+        "--ttl", type=duration(zero=True), default=300.0, help="seconds a hotel stays cached"
     )
     api.add_argument(
         "--confirm-timeout", type=_SECONDS, default=3.0, help="seconds for the supplier's answer"

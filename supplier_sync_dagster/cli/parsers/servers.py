@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from supplier_sync_dagster.cli.common import (
     Subcommands,
-    float_within,
+    duration,
     handled_by,
     int_within,
     non_negative_int,
     positive_int,
+    rate,
 )
+from supplier_sync_dagster.core.operator_input import MAX_ID
 
 # How often the backfill daemon looks for new backfills (Dagster's own tick is 30 s, and a
 # launched backfill's first run waits for it).
 BACKFILL_DAEMON_INTERVAL_SECONDS = 2
+# The simulator's clock is a datetime: a century of simulated days stays far from its end.
+MAX_SIMULATED_DAY = 36_500
 
 
 def add_simulate_and_daemon(sub: Subcommands) -> None:
@@ -22,17 +26,12 @@ def add_simulate_and_daemon(sub: Subcommands) -> None:
     sim = sub.add_parser("simulate", help="serve the supplier simulator over HTTP (uvicorn)")
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int_within(0, 65535), default=8080)
-    sim.add_argument("--seed", type=int, default=42)
+    sim.add_argument("--seed", type=int_within(0, MAX_ID), default=42)
     sim.add_argument("--cities", type=positive_int, default=50)
     sim.add_argument("--hotels", type=non_negative_int, default=20_000)
-    sim.add_argument("--day", type=non_negative_int, default=0)
+    sim.add_argument("--day", type=int_within(0, MAX_SIMULATED_DAY), default=0)
     sim.add_argument("--api-key", default="sim-key", help="the key clients must send")
-    sim.add_argument(
-        "--rate-limit",
-        type=float_within(0, None, low_open=True),
-        default=None,
-        help="requests/s per API key",
-    )
+    sim.add_argument("--rate-limit", type=rate, default=None, help="requests/s per API key")
     sim.add_argument("--profile", default="clean", help="fault profile: clean, flaky or hostile")
     sim.add_argument("--hostile-city-codes", action="store_true")
     sim.add_argument(
@@ -58,7 +57,7 @@ def add_simulate_and_daemon(sub: Subcommands) -> None:
     )
     daemon.add_argument(
         "--backfill-interval",
-        type=float_within(0, None, low_open=True),
+        type=duration(),
         default=BACKFILL_DAEMON_INTERVAL_SECONDS,
         help="seconds between backfill daemon ticks",
     )

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
+    MAX_WORKERS,
     Subcommands,
     add_json_flag,
+    duration,
     float_within,
     handled_by,
     int_within,
     non_negative_int,
     positive_int,
+    rate,
+    workers,
 )
 from supplier_sync_dagster.core.leasing.leases import MAX_LEASE_SECONDS, MIN_LEASE_SECONDS
 from supplier_sync_dagster.core.settings import (
@@ -33,8 +37,7 @@ _PROCESSES = (
     "plus one, at most 4, when the cities hold at least 5,000 hotels)"
 )
 _SYNC = "supplier_sync_dagster.cli.sync"
-# Requests per second: more than none.
-_RATE = float_within(0, None, low_open=True)
+_PROCS = int_within(0, MAX_WORKERS)
 
 
 def add_demo(sub: Subcommands) -> None:
@@ -50,9 +53,9 @@ def add_demo(sub: Subcommands) -> None:
     demo.add_argument(
         "--profile", default="flaky", help="simulator fault profile: clean, flaky or hostile"
     )
-    demo.add_argument("--rate-limit", type=_RATE, default=1000.0, help="requests/s")
-    demo.add_argument("--city-threads", type=positive_int, default=CLI_CITY_THREADS, help=_THREADS)
-    demo.add_argument("--processes", type=non_negative_int, default=None, help=_PROCESSES)
+    demo.add_argument("--rate-limit", type=rate, default=1000.0, help="requests/s")
+    demo.add_argument("--city-threads", type=workers, default=CLI_CITY_THREADS, help=_THREADS)
+    demo.add_argument("--processes", type=_PROCS, default=None, help=_PROCESSES)
     demo.add_argument(
         "--second-hotels",
         type=non_negative_int,
@@ -109,12 +112,12 @@ def add_sync(sub: Subcommands) -> None:
     )
     sync.add_argument(
         "--rate-limit",
-        type=_RATE,
+        type=rate,
         default=None,
         help="requests/s allowed (default: SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT, else 50)",
     )
-    sync.add_argument("--city-threads", type=positive_int, default=CLI_CITY_THREADS, help=_THREADS)
-    sync.add_argument("--processes", type=non_negative_int, default=None, help=_PROCESSES)
+    sync.add_argument("--city-threads", type=workers, default=CLI_CITY_THREADS, help=_THREADS)
+    sync.add_argument("--processes", type=_PROCS, default=None, help=_PROCESSES)
     sync.add_argument(
         "--retire-dropped-cities",
         action="store_true",
@@ -183,7 +186,7 @@ def add_reconcile(sub: Subcommands) -> None:
     )
     recon.add_argument(
         "--max-lag-hours",
-        type=float_within(0),
+        type=duration(3600, zero=True),
         default=6.0,
         help="newest change may trail this long",
     )

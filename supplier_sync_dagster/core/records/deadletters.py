@@ -45,6 +45,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import (
+    ConfigError,
     DeadLetterStateError,
     SupplierError,
     SupplierProtocolError,
@@ -91,6 +92,41 @@ BACKOFF_SECONDS: Final[tuple[int, ...]] = (60, 300, 1800, 7200, 43200)
 """Wait before retry n+1 (1 min, 5 min, 30 min, 2 h, 12 h; the last repeats), before jitter."""
 JITTER: Final = 0.2
 """Each wait is stretched or shrunk by up to this share, so rows failed together spread out."""
+
+
+FIX_PROTECTED_FIELDS: Final[tuple[str, ...]] = (
+    "hotel_id",
+    "supplier_hotel_id",
+    "supplier_id",
+    "version",
+    "updated_at",
+)
+"""The fields of a supplier's record that an operator's fix (:func:`check_fix_patch`) may
+not touch: those that decide which hotel a record is (``hotel_id``; ``supplier_hotel_id``
+and ``supplier_id`` are the platform's names for it and its supplier) and which of its
+versions wins (``version``: the diff's STALE, the publish guard, a batch's highest version
+of a hotel; ``updated_at``: the incremental watermark and the future-timestamp check). A fix
+that set them could publish a version no genuine one would ever overtake; the supplier's
+next version corrects them. Every other field is content, and a fix of it goes through every
+check a synced record does."""
+
+
+def check_fix_patch(patch: Any) -> dict[str, Any]:
+    """An operator's fix, checked before anything is read or written: a JSON merge patch
+    (an object) that touches none of :data:`FIX_PROTECTED_FIELDS` (setting or removing).
+
+    Raises:
+        ConfigError: Not an object, or it touches a protected field (all of them named).
+    """
+    if not isinstance(patch, dict):
+        raise ConfigError("a fix is a JSON object (a merge patch of the supplier's record)")
+    touched = [name for name in FIX_PROTECTED_FIELDS if name in patch]
+    if touched:
+        raise ConfigError(
+            f"a fix may not change {', '.join(touched)}: a record's identity and versioning "
+            "are the supplier's (its next version corrects them); every other field may change"
+        )
+    return patch
 
 
 @dataclass(frozen=True, slots=True)

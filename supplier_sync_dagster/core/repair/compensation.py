@@ -806,27 +806,28 @@ def fix_dead_letter(
 
     The patched record is a page of its own batch (the compensation task's, trigger
     ``fix:<id>:<patch hash>``), normalized, checked, diffed and published like any record:
-    a fix cannot bypass governance. Accepted, the dead letter is RESOLVED; refused, it stays
-    as it was and the refusal (the new error code) is returned. Either way one audit row
-    says who, why, the patch and the outcome. The sync settings are those of the dead
+    a fix cannot bypass governance, nor touch the record's identity or versioning
+    (``deadletters.FIX_PROTECTED_FIELDS``). Accepted, the dead letter is RESOLVED; refused,
+    it stays as it was and the refusal (the new error code) is returned. Either way one
+    audit row says who, why, the patch and the outcome. The sync settings are those of the dead
     letter's own task and supplier, with the deployment's ``lease``, ``risk_policy`` and
     ``max_clock_skew_seconds``.
 
     Raises:
-        ConfigError: No actor or reason, a patch that is not an object or changes the hotel
-            id, or a dead letter without a stored record.
+        ConfigError: No actor or reason, a patch that is not an object or touches an
+            identity or versioning field (``deadletters.FIX_PROTECTED_FIELDS``: checked
+            first, before anything is read), or a dead letter without a stored record.
         NotFound: No dead letter has this id.
         DeadLetterStateError: The dead letter is closed (RESOLVED or IGNORED).
         TriggerSkipped: A compensation run holds the task; try again when it ends.
     """
+    patch = deadletters.check_fix_patch(patch)
     d = schema.dead_letter.c
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(schema.dead_letter).where(d.id == dead_letter)).first()
     if row is None:
         raise NotFound(f"no dead letter has id {dead_letter}")
     who, why = require_who_and_why(actor, reason)
-    if not isinstance(patch, dict):
-        raise ConfigError("a fix is a JSON object (a merge patch of the supplier's record)")
     settings = build_sync_settings(
         task_code=str(row.task_code),
         supplier_id=int(row.supplier_id),
