@@ -23,6 +23,7 @@ from pydantic import Field
 from supplier_sync_dagster.core.accounts import Account
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.diff import RiskRules
+from supplier_sync_dagster.core.redaction import install_log_redaction
 from supplier_sync_dagster.core.settings import (
     DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_TASK_CODE,
@@ -36,12 +37,12 @@ from supplier_sync_dagster.core.supplier import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_DECODED_BYTES,
     DEFAULT_REQUEST_DEADLINE,
-    BoundedTransport,
     CircuitBreaker,
     RateLimiter,
     SupplierClient,
     WalkLimits,
     make_rate_limiter,
+    supplier_http_client,
 )
 from supplier_sync_dagster.core.supplier.walk import (
     DEFAULT_MAX_PAGES,
@@ -95,6 +96,9 @@ class SyncDatabaseResource(dg.ConfigurableResource):
 
     def open(self) -> SyncDatabase:
         """Opens the database (creating missing tables)."""
+        # Every job and sensor opens it: from here on the process's log lines (ours, httpx's,
+        # Dagster's own and its captured python logs) mask secrets.
+        install_log_redaction()
         return SyncDatabase.open(self.db_url)
 
     @contextmanager
@@ -268,6 +272,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
             rate_limiter: The bucket to pace requests with, shared with another client
                 (a worker process's client shares its run's); None makes the key's own.
         """
+        install_log_redaction()
         http, key = self._connection()
         # An account's bucket and breakers are its own: another account's 429s or outage
         # never slow it down.
@@ -305,9 +310,8 @@ class HttpSupplierResource(SupplierResource):
     )
 
     def _connection(self) -> tuple[httpx.Client, str]:
-        # Every socket wait of a request ends by its deadline (connect, headers, body).
-        http = httpx.Client(base_url=self.base_url, transport=BoundedTransport())
-        return http, self.api_key or ""
+        # Every socket wait ends by its deadline; a base URL query goes with every request.
+        return supplier_http_client(self.base_url), self.api_key or ""
 
 
 class SimulatedSupplierResource(SupplierResource):
