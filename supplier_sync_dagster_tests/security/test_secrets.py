@@ -33,13 +33,16 @@ from supplier_sync_dagster.core.health import alerts
 from supplier_sync_dagster.core.redaction import (
     MASK,
     install_log_redaction,
+    log_redaction_installed,
     redact,
     redact_url,
     register_secret,
     register_url,
 )
+from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient, supplier_http_client
+from supplier_sync_dagster.defs.resources import SimulatedSupplierResource, SyncDatabaseResource
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,
@@ -132,6 +135,22 @@ def test_log_records_are_masked_whichever_logger_and_handler(caplog: pytest.LogC
     assert "RuntimeError: failed at http://***@127.0.0.1/?token=***" in caplog.text
 
 
+def test_a_dagster_process_masks_its_logs_once_it_opens_a_resource(db_url: str):
+    """A run worker, a sensor or the code server never runs the command line's main: the
+    resources install the redaction when a job or sensor opens them."""
+    before = logging.getLogRecordFactory()
+    logging.setLogRecordFactory(logging.LogRecord)
+    try:
+        assert not log_redaction_installed()
+        SyncDatabaseResource(db_url=db_url).open().dispose()
+        assert log_redaction_installed()
+        logging.setLogRecordFactory(logging.LogRecord)
+        with SimulatedSupplierResource(sim_cities=1, sim_hotels=10).client():
+            assert log_redaction_installed()
+    finally:
+        logging.setLogRecordFactory(before)
+
+
 def test_the_redactor_is_fast_enough_for_every_log_line():
     register_secret(f"{PROBE}-speed")
     lines = [
@@ -214,6 +233,23 @@ def test_a_refused_webhook_leaves_no_url_in_the_stored_error_nor_the_warning(
     assert "403 Forbidden" in delivery["last_error"] and "/***" in delivery["last_error"]
     assert PROBE not in delivery["last_error"]
     assert "alert delivery" in caplog.text and PROBE not in caplog.text
+
+
+def test_an_error_stored_before_redaction_is_listed_redacted(db_url: str):
+    db = SyncDatabase.open(db_url)
+    try:
+        _fire_one_alert(db)
+        with db.begin() as conn:
+            conn.execute(
+                sa.update(schema.alert_delivery).values(
+                    last_error=f"HTTPStatusError: 403 for url 'http://ops:{PROBE}@hooks.test/x'"
+                )
+            )
+        with db.engine.connect() as conn:
+            (delivery,) = alerts.list_alerts(conn, db.clock)[0]["deliveries"]
+    finally:
+        db.dispose()
+    assert delivery["last_error"] == "HTTPStatusError: 403 for url 'http://***@hooks.test/x'"
 
 
 def _fire_one_alert(db: SyncDatabase) -> None:

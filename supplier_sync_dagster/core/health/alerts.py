@@ -51,7 +51,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth, sync_health
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
-from supplier_sync_dagster.core.redaction import bounded, register_url
+from supplier_sync_dagster.core.redaction import bounded, redact, register_url
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
@@ -744,8 +744,12 @@ def list_alerts(
             .where(dl.alert_id.in_(ids))
             .order_by(dl.id)
         ):
+            # Rows stored before errors were redacted are shown redacted too.
             deliveries.setdefault(int(d.alert_id), []).append(
-                {k: v for k, v in d._asdict().items() if k != "alert_id"}
+                {
+                    **{k: v for k, v in d._asdict().items() if k != "alert_id"},
+                    "last_error": d.last_error and redact(d.last_error),
+                }
             )
     return [
         {
