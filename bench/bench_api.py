@@ -3,7 +3,7 @@ cache, requests/s and p99 latency under ``wrk`` on loopback.
 
 ``--hotels`` hotels are published (through the publish code) and projected; ``supplier-sync
 serve-api`` runs as a process (the user's path) with Redis as its cache (``--embedded``: the
-in-process cache); every hotel is requested once to fill the cache, then ``wrk`` asks for
+in-process cache) and an API key, as deployed; every hotel is requested once to fill the cache, then ``wrk`` asks for
 random ones (all cached) with ``--connections`` connections for ``--seconds``.
 
 Needs ``wrk`` (Debian package ``wrk``). Usage:
@@ -33,12 +33,13 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster_tests.helpers import free_port, wait_for_http
 
 BIN = Path(sys.executable).parent
+API_KEY = "bench-read-api-key-0123456789"
 TARGET_RPS = 3000.0
 TARGET_P99_MS = 20.0
 LUA = """
 math.randomseed(os.time())
 request = function()
-  return wrk.format("GET", "/hotels/" .. math.random(1, {n}))
+  return wrk.format("GET", "/hotels/" .. math.random(1, {n}), {["X-Api-Key"] = "{key}"})
 end
 """
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPPLIER_SYNC_")}
     env["SUPPLIER_SYNC_HOME"] = str(tmp / "home")
+    env["SUPPLIER_SYNC_API_KEYS"] = API_KEY
     if not args.embedded:
         env["SUPPLIER_SYNC_REDIS_URL"] = REDIS_URL
     try:
@@ -82,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_for_http(f"{base}/openapi.json", server)
-            with httpx.Client(base_url=base) as client:
+            wait_for_http(f"{base}/health", server)
+            with httpx.Client(base_url=base, headers={"X-Api-Key": API_KEY}) as client:
                 for rid in range(1, args.hotels + 1):  # fill the cache
                     client.get(f"/hotels/{rid}").raise_for_status()
                 assert client.get("/hotels/1").headers["x-cache"] == "HIT"
             script = tmp / "ids.lua"
-            script.write_text(LUA.replace("{n}", str(args.hotels)))
+            script.write_text(LUA.replace("{n}", str(args.hotels)).replace("{key}", API_KEY))
             done = subprocess.run(
                 [
                     "wrk",

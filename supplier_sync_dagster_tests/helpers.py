@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import date, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,6 +31,9 @@ from supplier_sync_dagster.simulator import (
 # Not the simulator's default key: a test passes only if the key really travels from its
 # configuration (environment, resource, CLI) to the request.
 SIM_API_KEY = "test-sim-key"
+# A key of the read API (SUPPLIER_SYNC_API_KEYS), and the header that sends it.
+READ_API_KEY = "test-read-api-key-0123456789"
+READ_API_HEADERS = {"X-Api-Key": READ_API_KEY}
 
 # City codes that break paths, SQL, partition keys and case-insensitive comparisons: the
 # simulator's hostile cities plus a few more it does not serve.
@@ -71,6 +75,16 @@ def serve_simulator(
     sim = make_simulator(faults, **settings)
     with running_server(sim) as url:
         yield sim, url
+
+
+def stay(nights: int = 1, ahead: int = 14) -> dict[str, str]:
+    """``check_in`` ``ahead`` days from today and ``check_out`` ``nights`` later, as a
+    confirmation's body gives them (the read API refuses a stay in the past)."""
+    check_in = date.today() + timedelta(days=ahead)
+    return {
+        "check_in": check_in.isoformat(),
+        "check_out": (check_in + timedelta(days=nights)).isoformat(),
+    }
 
 
 def supplier_client(http: httpx.Client) -> SupplierClient:

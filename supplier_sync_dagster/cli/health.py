@@ -9,7 +9,7 @@ import json
 import signal
 import threading
 
-from supplier_sync_dagster.cli.common import open_db
+from supplier_sync_dagster.cli.common import open_db, warn
 from supplier_sync_dagster.cli.resources import full_task_scopes
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.health import alerts
@@ -20,7 +20,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.health import RECONCILIATION, alert_context
-from supplier_sync_dagster.serve.metrics import serve
+from supplier_sync_dagster.serve.metrics import loopback_only, serve
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -39,6 +39,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
                 for key, value in health.values().items():
                     print(f"  {key:<36} {value:g}")
             return 0
+        if not loopback_only(args.host, args.port):
+            warn(
+                f"warning: /metrics on {args.host}:{args.port} is unauthenticated and reachable "
+                "beyond this machine; listen on 127.0.0.1 (the default) behind a proxy that "
+                "authenticates (deploy/nginx/supplier-sync.conf)"
+            )
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

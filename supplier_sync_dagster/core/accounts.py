@@ -33,7 +33,11 @@ What each account owns, and what it shares:
   them later, by platform resource, without touching either supplier's namespace).
 
 Nothing here reads the environment at import; :func:`load_accounts` reads the file when it
-is called, and an API key is only ever looked up by the resource that sends it.
+is called, and an API key is only ever looked up by the resource that sends it. Every reader
+(the commands, the read API, the code location's definitions) goes through it, so through
+:func:`~supplier_sync_dagster.core.config_yaml.read_yaml_file`: no anchor, alias or duplicate
+key, 1 MiB at most; and every schedule is a cron expression that
+:func:`~supplier_sync_dagster.core.cron.check_cron` accepts.
 """
 
 from __future__ import annotations
@@ -44,15 +48,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from supplier_sync_dagster.core.config_yaml import read_yaml_file
+from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.records.gates import GateThresholds
 
 SLUG = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,\-?LW#]+$")
 _THRESHOLD_FIELDS = frozenset(GateThresholds.__dataclass_fields__)
 
 
@@ -68,10 +72,10 @@ def _slug(value: str, what: str) -> str:
 def _cron(value: str | None) -> str | None:
     if value is None:
         return None
-    parts = value.split()
-    if len(parts) != 5 or not all(_CRON_FIELD.match(p) for p in parts):
-        raise ValueError(f"{value!r} is not a five-field cron expression")
-    return value
+    try:
+        return check_cron(value)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 class _Strict(BaseModel):
@@ -313,7 +317,12 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             f"{e['msg'].removeprefix('Value error, ')}"
             for e in err.errors(include_url=False, include_input=False)
         ]
-        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+    else:
+        problems = []
+    if problems:
+        # Raised outside the handler: the ValidationError (which holds the whole input and
+        # renders it) is no context of ours for a traceback to format.
+        raise ConfigError(f"{source}: " + "; ".join(problems))
     return [
         Account(
             supplier=supplier_name,
@@ -339,24 +348,15 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
 
 
 def load_accounts(path: Path) -> list[Account]:
-    """The accounts of the suppliers file at ``path``, read now.
+    """The accounts of the suppliers file at ``path``, read now: the one way every command,
+    server and the code location's definitions read the file.
 
     Raises:
-        ConfigError: The file cannot be read, is not YAML, or is not a valid suppliers file
-            (the message names the file and the field).
+        ConfigError: The file cannot be read, is too large, is not YAML, holds an anchor,
+            an alias or a duplicate key, or is not a valid suppliers file (the message names
+            the file and the line or field).
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(
-            f"{path}: cannot read the suppliers file: {err.strerror or err}"
-        ) from None
-    try:
-        # libyaml's loader when PyYAML has it: a code location reads the file once per module.
-        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not YAML: {err}") from None
-    return parse_accounts(data, source=str(path))
+    return parse_accounts(read_yaml_file(path, what="suppliers file"), source=str(path))
 
 
 def find_account(accounts: list[Account], code: str) -> Account:

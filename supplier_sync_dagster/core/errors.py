@@ -45,6 +45,7 @@ The tree::
         ├── CursorExpired             410 CURSOR_EXPIRED: fall back to page numbers
         ├── CircuitOpen               the supplier's circuit breaker is open: nothing was sent
         ├── RateLimiterUnavailable    the shared rate-limit store (Redis) cannot be reached
+        ├── RateShareExhausted        a caller's own share of the request budget is used up: nothing sent
         ├── ResponseTooLarge          a body past the byte cap on the wire; never read whole, no retry
         │   └── DecompressionBomb     a body that inflates past the cap after decompression
         ├── WalkRunaway               a city's walk would not end (cursor loop, pages past its size)
@@ -292,6 +293,20 @@ class CircuitOpen(SupplierError, code="CIRCUIT_OPEN"):
 
 class RateLimiterUnavailable(SupplierError, code="RATE_LIMITER_UNAVAILABLE"):
     """The shared rate-limit store (Redis) could not be reached, so no request was sent."""
+
+
+class RateShareExhausted(SupplierError, code="RATE_SHARE_EXHAUSTED"):
+    """A caller's own share of the supplier's request budget (the read API's offer
+    confirmations) has no token within the wait it allows: no request was sent, and the
+    syncs' budget was not touched.
+
+    Attributes:
+        retry_after: Seconds until the share has a token again.
+    """
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RetryBudgetExhausted(SupplierError, code="SUPPLIER_UNAVAILABLE"):

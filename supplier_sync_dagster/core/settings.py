@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -54,6 +55,9 @@ _URL_SCHEMES: dict[str, tuple[str, ...]] = {
     "alert_url": ("http", "https", "file"),
 }
 S = TypeVar("S", bound="StorageSettings")
+# One read API key: printable ASCII without spaces or commas (the list's separator), long
+# enough that guessing is hopeless.
+API_KEY_PATTERN = re.compile(r"[!-+\--~]{16,256}")
 
 
 class StorageSettings(BaseSettings):
@@ -170,6 +174,22 @@ class Settings(StorageSettings):
         description="processes that sync a run's cities (0: the run's own process); unset: "
         "one per CPU plus one, at most 4, for runs of at least 5,000 hotels",
     )
+    api_keys: SecretStr | None = Field(
+        default=None,
+        description="the read API's keys (serve-api), comma-separated: several at once, to "
+        "rotate one without downtime; a client sends one as 'Authorization: Bearer <key>' or "
+        "'X-Api-Key: <key>'; each 16-256 printable ASCII characters without spaces or commas "
+        "(never logged); unset: serve-api refuses to start unless --no-auth on loopback",
+    )
+    confirm_rate_limit: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="requests/s the read API's offer confirmations may send to one supplier "
+        "account, all API processes together, from a bucket of their own beside the syncs' "
+        "(a flood of confirmations never spends the syncs' budget; past it: 429); unset: a "
+        "tenth of the account's rate limit",
+    )
     backfill_cities_per_run: int | None = Field(
         default=None,
         ge=1,
@@ -204,6 +224,17 @@ class Settings(StorageSettings):
     @classmethod
     def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
         return _with_scheme(value, _URL_SCHEMES[str(info.field_name)])
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            split_api_keys(value.get_secret_value())
+        return value
+
+    def read_api_keys(self) -> tuple[str, ...]:
+        """The read API's keys in clear (for the comparison only); empty when unset."""
+        return split_api_keys(self.api_keys.get_secret_value()) if self.api_keys else ()
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""
@@ -275,6 +306,26 @@ def _with_scheme(value: str | None, schemes: tuple[str, ...]) -> str | None:
         # The value is not echoed: a URL may carry a password.
         raise ValueError(f"expected a {' or '.join(s + '://' for s in schemes)} URL")
     return value
+
+
+def split_api_keys(text: str) -> tuple[str, ...]:
+    """The read API keys of a comma-separated list (spaces around a key and empty entries
+    are ignored; a key given twice counts once).
+
+    Raises:
+        ValueError: A key is malformed, or there is none; the message never shows a key.
+    """
+    keys = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    if not keys:
+        raise ValueError("no key in the comma-separated list")
+    for n, key in enumerate(keys, 1):
+        if not API_KEY_PATTERN.fullmatch(key):
+            # The key is not echoed: it is a secret, however malformed.
+            raise ValueError(
+                f"key #{n} of {len(keys)} is not 16-256 printable ASCII characters without "
+                "spaces or commas"
+            )
+    return keys
 
 
 def require_within(name: str, value: float, low: float, high: float) -> None:

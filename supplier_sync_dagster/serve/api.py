@@ -12,19 +12,32 @@
   beyond half a percent, or in availability or currency); a difference enqueues the hotel
   for a refresh: a ``HotelRefreshRequested`` outbox event of its published version, which
   subscribers receive (one per version, however many quotes differ).
-- ``GET /openapi.json``: the OpenAPI description.
+- ``GET /health`` and ``GET /openapi.json`` (the OpenAPI description, every limit in it):
+  the only routes open without a key.
+
+Every other route needs one of the deployment's API keys (``SUPPLIER_SYNC_API_KEYS``), sent as
+``Authorization: Bearer <key>`` or ``X-Api-Key: <key>`` and compared in constant time with
+each key (:class:`ApiKeyAuth`). A confirmation takes ``application/json`` only (a browser's
+form post cannot trigger it), of at most :data:`MAX_BODY_BYTES` bytes, counted as the body is
+read, nested at most :data:`MAX_JSON_DEPTH` levels. Hotels show the platform's fields only
+(:data:`PUBLIC_HOTEL_FIELDS`): nothing of the supplier's.
 
 Errors are JSON ``{"error": {"code": ..., "message": ...}}`` with a fitting status; nothing
-unexpected leaks a stack trace (500 ``INTERNAL``).
+unexpected leaks a stack trace (500 ``INTERNAL``), a path or a driver's message, and a
+supplier's error text stays in the server's log: the caller gets the API's own code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import date
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import date, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -32,20 +45,26 @@ import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
+    ConfigError,
     ProjectionUnavailable,
+    RateShareExhausted,
     SupplierError,
     SupplierNotFound,
+    SupplierTimeout,
 )
 from supplier_sync_dagster.core.outbox.machine import first_stage
 from supplier_sync_dagster.core.outbox.projections import (
     HOTEL_KEY,
     HotelCache,
+    SearchHit,
     SearchIndex,
     SearchQuery,
     load_search_docs,
@@ -64,50 +83,113 @@ REFRESH_EVENT = "HotelRefreshRequested"
 CONFIRM_RETRY = RetryPolicy(
     max_attempts=2, base_delay=0.1, max_delay=0.5, max_total_wait=1.0, max_retry_after=1.0
 )
+# The confirmations' own share of a supplier account's request rate, unless set
+# (``SUPPLIER_SYNC_CONFIRM_RATE_LIMIT``), and the longest one waits for its token: a flood is
+# answered 429 at once instead of queueing worker threads.
+CONFIRM_SHARE = 0.1
+CONFIRM_MAX_WAIT_SECONDS = 0.5
+
+# The routes open without a key: a load balancer's probe, and the API's description.
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+# A confirmation's body is a handful of fields: bytes and nesting far past that are refused.
+MAX_BODY_BYTES = 16 * 1024
+MAX_JSON_DEPTH = 8
+# Every id is a signed 64-bit column.
+MAX_ID = 2**63 - 1
+MAX_STAY_NIGHTS = 30
+MAX_DAYS_AHEAD = 730
+MAX_GUESTS = 10
+MAX_PRICE = Decimal(10**9)
+MAX_CODE_LENGTH = 64
+# What a hotel shows the world: the platform's fields, never the supplier's (its id, its
+# hotel id), whatever the catalog's document grows: a search hit's fields (what a list shows)
+# and the detail's own.
+PUBLIC_HOTEL_FIELDS: tuple[str, ...] = (
+    *(f.name for f in fields(SearchHit)),
+    "address",
+    "postal_code",
+    "lat",
+    "lng",
+    "published_at",
+)
+# A cached document written before the public fields were enforced (a rolling upgrade).
+_PRIVATE_MARK = b'"supplier_id":'
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+_ID = re.compile(r"[0-9]{1,19}")
+# A JSON string (escapes included), or a bracket outside strings.
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_OPENERS = frozenset(b"[{")
+_CLOSERS = frozenset(b"]}")
 
 
 class ApiError(HTTPException):
     """An error answered as ``{"error": {"code", "message"}}``."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status_code=status, detail=message)
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(status_code=status, detail=message, headers=headers)
         self.code = code
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+def _error(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
 
 
 def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be an integer") from None
+    if not re.fullmatch(r"[+-]?[0-9]{1,19}", raw):
+        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be an integer {low}..{high}")
+    value = int(raw)
     if not low <= value <= high:
         raise ApiError(400, "INVALID_PARAMETER", f"{name} must be {low}..{high}")
     return value
 
 
-def _number(request: Request, name: str) -> Decimal | None:
+def _number(request: Request, name: str, high: Decimal) -> Decimal | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
     try:
-        value = Decimal(raw)
+        value = Decimal(raw) if len(raw) <= 32 else Decimal("NaN")
     except InvalidOperation:
-        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be a number") from None
-    if not value.is_finite() or value < 0:
-        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be a non-negative number")
+        value = Decimal("NaN")
+    if not value.is_finite() or not 0 <= value <= high:
+        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be a number 0..{high}")
     return value
 
 
-def _text(request: Request, name: str, limit: int = 128) -> str | None:
+def _unprintable(ch: str) -> bool:
+    """A control character, a surrogate, a Unicode noncharacter, or U+FFFD (what a
+    percent-encoded byte that is not UTF-8 became): never in a search."""
+    o = ord(ch)
+    return (
+        o == 0xFFFD
+        or o < 0x20
+        or 0x7F <= o < 0xA0
+        or 0xD800 <= o < 0xE000
+        or 0xFDD0 <= o <= 0xFDEF
+        or (o & 0xFFFE == 0xFFFE)
+    )
+
+
+def _text(request: Request, name: str, limit: int) -> str | None:
     raw = request.query_params.get(name)
     if raw is not None and len(raw) > limit:
         raise ApiError(400, "INVALID_PARAMETER", f"{name} is longer than {limit} characters")
+    if raw is not None and any(_unprintable(ch) for ch in raw):
+        raise ApiError(
+            400,
+            "INVALID_PARAMETER",
+            f"{name} holds a control character, a surrogate, a Unicode noncharacter or a "
+            "byte that is not UTF-8",
+        )
     return raw or None
 
 
@@ -115,11 +197,16 @@ def _money(value: Decimal | None) -> str | None:
     return None if value is None else str(value)
 
 
+def _public(fields: dict[str, Any]) -> dict[str, Any]:
+    return {name: fields[name] for name in PUBLIC_HOTEL_FIELDS if name in fields}
+
+
 def create_app(
     *,
     db: SyncDatabase,
     search: SearchIndex,
     cache: HotelCache,
+    api_keys: Sequence[str] | None,
     supplier: Callable[[int], SupplierClient | None] | None = None,
     ttl_seconds: float = DEFAULT_TTL_SECONDS,
 ) -> Starlette:
@@ -129,20 +216,97 @@ def create_app(
         db: The sync database (the catalog, and the outbox for refresh requests).
         search: The search read model.
         cache: The hotel cache (shared with the outbox's CACHE stage).
+        api_keys: The keys a request may carry (every route but :data:`PUBLIC_PATHS` needs
+            one); None, said on purpose, serves without authentication (``--no-auth``).
         supplier: Supplier id -> the client that confirms that supplier's offers (None, or
             None for that supplier: 503).
         ttl_seconds: How long a hotel stays cached.
+
+    Raises:
+        ConfigError: ``api_keys`` is empty (None is the way to serve without keys).
     """
+    if api_keys is not None and not api_keys:
+        raise ConfigError("no API key to authenticate the read API's requests with")
     api = ReadApi(db=db, search=search, cache=cache, supplier=supplier, ttl_seconds=ttl_seconds)
+    spec = OPENAPI if api_keys is not None else {**OPENAPI, "security": []}
     return Starlette(
         routes=[
+            Route("/health", _health, methods=["GET"]),
             Route("/hotels", api.hotels, methods=["GET"]),
-            Route("/hotels/{resource_id:int}", api.hotel, methods=["GET"]),
+            Route("/hotels/{resource_id}", api.hotel, methods=["GET"]),
             Route("/offers/confirm", api.confirm, methods=["POST"]),
-            Route("/openapi.json", _openapi, methods=["GET"]),
+            Route("/openapi.json", lambda _: JSONResponse(spec), methods=["GET"]),
         ],
+        middleware=[] if api_keys is None else [Middleware(ApiKeyAuth, keys=api_keys)],
         exception_handlers={HTTPException: _on_api_error, Exception: _on_error},
     )
+
+
+class ApiKeyAuth:
+    """Lets a request through when it carries one of the keys, as ``Authorization: Bearer
+    <key>`` or ``X-Api-Key: <key>``; else answers 401 with ``WWW-Authenticate`` (the routes
+    of :data:`PUBLIC_PATHS` need none).
+
+    The SHA-256 of what the request sent is compared with every key's, each with
+    :func:`hmac.compare_digest`: the time taken says nothing of a key, its length or which
+    key came close.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+        """Wrap ``app`` (Starlette does when the first request comes: :func:`create_app`
+        checks that there are keys beforehand)."""
+        self.app = app
+        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point."""
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = _credentials(scope["headers"])
+        if any([self._known(k) for k in given]):
+            await self.app(scope, receive, send)
+            return
+        log.info(
+            "read API: refused %s %r: %s",
+            scope["method"],
+            scope["path"][:200],
+            "an unknown API key" if given else "no API key",
+        )
+        challenge = 'Bearer realm="supplier-sync"' + (', error="invalid_token"' if given else "")
+        response = _error(
+            401,
+            "UNAUTHORIZED",
+            "this API key is not valid"
+            if given
+            else "an API key is required: Authorization: Bearer <key>, or X-Api-Key: <key>",
+            {"WWW-Authenticate": challenge, "Cache-Control": "no-store"},
+        )
+        await response(scope, receive, send)
+
+    def _known(self, given: bytes) -> bool:
+        digest = hashlib.sha256(given).digest()
+        found = False
+        for known in self._digests:  # every key, whichever matched: constant time
+            found |= hmac.compare_digest(digest, known)
+        return found
+
+
+def _credentials(headers: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+    """The keys a request carries: its first Bearer token and its first X-Api-Key."""
+    bearer = key = None
+    for name, value in headers:
+        if name == b"authorization" and bearer is None:
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                bearer = token.strip()
+        elif name == b"x-api-key" and key is None and value.strip():
+            key = value.strip()
+    return [k for k in (bearer, key) if k is not None]
+
+
+async def _health(_: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
 
 
 @dataclass(frozen=True)
@@ -157,13 +321,13 @@ class ReadApi:
 
     def hotels(self, request: Request) -> JSONResponse:
         """``GET /hotels``: the search read model."""
-        stars = _number(request, "stars")
+        stars = _number(request, "stars", Decimal(5))
         query = SearchQuery(
             text=_text(request, "q", 256) or "",
-            city_code=_text(request, "city"),
+            city_code=_text(request, "city", MAX_CODE_LENGTH),
             country_code=_text(request, "country", 2),
             min_stars=None if stars is None else float(stars),
-            max_price=_number(request, "max_price"),
+            max_price=_number(request, "max_price", MAX_PRICE),
             limit=_int(request, "limit", 20, 1, 100),
         )
         if not (query.text or query.city_code or query.country_code):
@@ -172,7 +336,9 @@ class ReadApi:
         return JSONResponse(
             {
                 "count": len(hits),
-                "hotels": [{**vars(h), "lowest_price": _money(h.lowest_price)} for h in hits],
+                "hotels": [
+                    _public({**vars(h), "lowest_price": _money(h.lowest_price)}) for h in hits
+                ],
             }
         )
 
@@ -180,14 +346,17 @@ class ReadApi:
         """``GET /hotels/{id}``: the cache first, else the catalog, cached."""
         # A hit is answered on the event loop (one cache read, no worker thread: the hot
         # path of a read API); a miss reads the catalog in a worker thread.
-        resource_id = int(request.path_params["resource_id"])
+        raw = str(request.path_params["resource_id"])
+        resource_id = int(raw) if _ID.fullmatch(raw) else 0
+        if not 1 <= resource_id <= MAX_ID:
+            raise ApiError(400, "INVALID_PARAMETER", f"a hotel id is an integer 1..{MAX_ID}")
         key = HOTEL_KEY.format(resource_id=resource_id)
         try:
             cached = self.cache.get(key)
         except ProjectionUnavailable as err:  # the cache is an optimisation, not a source
             log.warning("hotel cache unavailable, reading the catalog: %s", err)
             cached = None
-        if cached is not None:
+        if cached is not None and _PRIVATE_MARK not in cached:
             return Response(cached, media_type="application/json", headers={"X-Cache": "HIT"})
         body = await run_in_threadpool(_hotel_json, self.db, resource_id)
         if body is None:
@@ -200,10 +369,10 @@ class ReadApi:
 
     async def confirm(self, request: Request) -> JSONResponse:
         """``POST /offers/confirm``: the supplier's live quote against the catalog."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise ApiError(415, "UNSUPPORTED_MEDIA_TYPE", "the body must be application/json")
+        body = _json_body(await _read_body(request, MAX_BODY_BYTES))
         return await run_in_threadpool(self.confirm_body, body)
 
     def confirm_body(self, body: Any) -> JSONResponse:
@@ -212,15 +381,15 @@ class ReadApi:
         req = _confirm_request(body)
         if self.supplier is None:
             raise ApiError(503, "SUPPLIER_UNAVAILABLE", "no supplier is configured")
+        _check_dates(self.db, req["check_in"])
         offer = _catalog_offer(self.db, req["hotel_id"], req["room_code"], req["rate_plan_code"])
         if offer is None:
             raise ApiError(404, "OFFER_NOT_FOUND", "no such hotel, room and rate plan")
         client = self.supplier(int(offer["supplier_id"]))
         if client is None:
+            log.warning("read API: no account of supplier %s confirms offers", offer["supplier_id"])
             raise ApiError(
-                503,
-                "SUPPLIER_UNAVAILABLE",
-                f"no account of supplier {offer['supplier_id']} is configured to confirm offers",
+                503, "SUPPLIER_UNAVAILABLE", "offers of this hotel cannot be confirmed now"
             )
         try:
             quote = client.confirm_offer(
@@ -232,12 +401,8 @@ class ReadApi:
                 guests=req["guests"],
                 retry=CONFIRM_RETRY,
             ).data
-        except SupplierNotFound as err:
-            raise ApiError(404, "SUPPLIER_NOT_FOUND", str(err)) from None
-        except CircuitOpen as err:
-            raise ApiError(503, "CIRCUIT_OPEN", str(err)) from None
         except SupplierError as err:
-            raise ApiError(502, "SUPPLIER_UNAVAILABLE", str(err)) from None
+            raise _supplier_failure(err, req["hotel_id"]) from None
         nights = (req["check_out"] - req["check_in"]).days
         live = quote.price
         per_night = None if live is None else (Decimal(live.amount) / nights)
@@ -274,8 +439,49 @@ class ReadApi:
         )
 
 
-def _openapi(_: Request) -> JSONResponse:
-    return JSONResponse(OPENAPI)
+# A supplier's failure as the API answers it: (class, status, code, message), the first class
+# that matches. Its own text (which may hold the supplier's words) goes to the log only.
+_SUPPLIER_FAILURES: tuple[tuple[type[SupplierError], int, str, str], ...] = (
+    (
+        RateShareExhausted,
+        429,
+        "RATE_LIMITED",
+        "too many confirmations just now; retry after Retry-After seconds",
+    ),
+    (
+        SupplierNotFound,
+        404,
+        "OFFER_UNAVAILABLE",
+        "the supplier does not offer this room and rate plan now",
+    ),
+    (
+        CircuitOpen,
+        503,
+        "CONFIRMATION_UNAVAILABLE",
+        "confirmations are paused after repeated supplier failures; retry later",
+    ),
+    (SupplierTimeout, 504, "CONFIRMATION_TIMEOUT", "the supplier did not answer in time"),
+    (SupplierError, 502, "CONFIRMATION_FAILED", "the supplier could not confirm this offer"),
+)
+
+
+def _supplier_failure(err: SupplierError, hotel_id: int) -> ApiError:
+    status, code, message = next(
+        (s, c, m) for kind, s, c, m in _SUPPLIER_FAILURES if isinstance(err, kind)
+    )
+    log.warning(
+        "read API: confirming an offer of hotel %d failed: %s: %s", hotel_id, err.error_code, err
+    )
+    # Our own waits only: a supplier's Retry-After is its business with us.
+    wait = (
+        err.retry_after
+        if isinstance(err, RateShareExhausted)
+        else err.retry_in
+        if isinstance(err, CircuitOpen)
+        else None
+    )
+    headers = {"Retry-After": str(max(1, math.ceil(wait)))} if wait else None
+    return ApiError(status, code, message, headers)
 
 
 async def _on_api_error(_: Request, exc: Exception) -> Response:
@@ -285,41 +491,111 @@ async def _on_api_error(_: Request, exc: Exception) -> Response:
         if isinstance(exc, ApiError)
         else ("NOT_FOUND" if exc.status_code == 404 else "HTTP_ERROR")
     )
-    return _error(exc.status_code, code, str(exc.detail))
+    return _error(exc.status_code, code, str(exc.detail), exc.headers)
 
 
 async def _on_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, ProjectionUnavailable):
-        return _error(503, "READ_MODEL_UNAVAILABLE", str(exc))
+        # Its message names files, hosts and the driver's words: for the log only.
+        log.warning("read API: a read model is unavailable: %s", exc)
+        return _error(503, "READ_MODEL_UNAVAILABLE", "the search index is unavailable; retry later")
     log.exception("unexpected error in the read API")
     return _error(500, "INTERNAL", "an unexpected error; it has been logged")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes: by its Content-Length before
+    anything is read, else as soon as the chunks read pass it (never buffered whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.strip().isdigit():
+        raise ApiError(400, "INVALID_BODY", "Content-Length is not a number")
+    # The connection closes after the answer: the rest of the body is never read.
+    too_large = ApiError(
+        413,
+        "BODY_TOO_LARGE",
+        f"the body is larger than {limit} bytes",
+        {"Connection": "close"},
+    )
+    if declared is not None and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def _json_body(raw: bytes) -> Any:
+    """The body's JSON value, its nesting checked before it is decoded."""
+    depth = deepest = 0
+    for token in _JSON_TOKENS.finditer(raw):
+        first = token.group()[0]
+        if first in _OPENERS:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif first in _CLOSERS:
+            depth -= 1
+    if deepest > MAX_JSON_DEPTH:
+        raise ApiError(400, "INVALID_BODY", f"the JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
+
+
+def _positive_int(body: dict[str, Any], name: str, high: int, what: str) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        raise ApiError(400, "INVALID_PARAMETER", f"{name} must be {what}, 1..{high}")
+    return value
 
 
 def _confirm_request(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "INVALID_BODY", "the body must be a JSON object")
-    out: dict[str, Any] = {}
-    hotel_id = body.get("hotel_id")
-    if not isinstance(hotel_id, int) or isinstance(hotel_id, bool) or hotel_id < 1:
-        raise ApiError(400, "INVALID_PARAMETER", "hotel_id must be the platform's hotel id")
-    out["hotel_id"] = hotel_id
+    out: dict[str, Any] = {"hotel_id": _positive_int(body, "hotel_id", MAX_ID, "a hotel id")}
     for name in ("room_code", "rate_plan_code"):
         value = body.get(name)
-        if not isinstance(value, str) or not 0 < len(value) <= 64:
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_CODE_LENGTH:
             raise ApiError(400, "INVALID_PARAMETER", f"{name} must be a code")
         out[name] = value
-    try:
-        out["check_in"] = date.fromisoformat(str(body.get("check_in")))
-        out["check_out"] = date.fromisoformat(str(body.get("check_out")))
-    except ValueError:
-        raise ApiError(400, "INVALID_PARAMETER", "check_in/check_out must be YYYY-MM-DD") from None
-    if not 1 <= (out["check_out"] - out["check_in"]).days <= 30:
-        raise ApiError(400, "INVALID_PARAMETER", "the stay must be 1 to 30 nights")
-    guests = body.get("guests", 1)
-    if not isinstance(guests, int) or isinstance(guests, bool) or not 1 <= guests <= 10:
-        raise ApiError(400, "INVALID_PARAMETER", "guests must be 1..10")
-    out["guests"] = guests
+    for name in ("check_in", "check_out"):
+        value = body.get(name)
+        try:
+            if not isinstance(value, str) or not _DATE.fullmatch(value):
+                raise ValueError(value)
+            out[name] = date.fromisoformat(value)
+        except ValueError:
+            raise ApiError(400, "INVALID_PARAMETER", f"{name} must be a date YYYY-MM-DD") from None
+    if not 1 <= (out["check_out"] - out["check_in"]).days <= MAX_STAY_NIGHTS:
+        raise ApiError(
+            400,
+            "INVALID_PARAMETER",
+            f"check_out must be 1 to {MAX_STAY_NIGHTS} nights after check_in",
+        )
+    body.setdefault("guests", 1)
+    out["guests"] = _positive_int(body, "guests", MAX_GUESTS, "a number of guests")
     return out
+
+
+def _check_dates(db: SyncDatabase, check_in: date) -> None:
+    """Refuses a check-in in the past or too far ahead, by the database's clock.
+
+    The earliest is yesterday in UTC: west of Greenwich it is still that day for up to
+    twelve hours after UTC midnight.
+    """
+    with db.engine.connect() as conn:
+        today = db.clock.read_utc(conn).date()
+    earliest, latest = today - timedelta(days=1), today + timedelta(days=MAX_DAYS_AHEAD)
+    if check_in < earliest:
+        raise ApiError(
+            400, "INVALID_PARAMETER", f"check_in is in the past (the earliest is {earliest})"
+        )
+    if check_in > latest:
+        raise ApiError(
+            400, "INVALID_PARAMETER", f"check_in is more than {MAX_DAYS_AHEAD} days ahead"
+        )
 
 
 def _hotel_json(db: SyncDatabase, resource_id: int) -> bytes | None:
@@ -342,7 +618,7 @@ def _hotel_json(db: SyncDatabase, resource_id: int) -> bytes | None:
             .where(o.resource_id == resource_id, o.active.is_(True))
             .order_by(o.room_code, o.rate_plan_code)
         ).all()
-    out = doc.to_json()
+    out = _public(doc.to_json())
     out["offers"] = [
         {
             "room_code": r.room_code,
@@ -446,19 +722,33 @@ _ERROR = {
         }
     },
 }
-_ERRORS = {
-    str(code): {
-        "description": what,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-    }
-    for code, what in (
-        (400, "bad parameters or body"),
-        (404, "not found"),
-        (500, "unexpected error (logged; no details)"),
-        (502, "the supplier failed"),
-        (503, "the supplier's circuit is open, or a read model is unavailable"),
-    )
-}
+
+
+def _responses(*codes: tuple[int, str]) -> dict[str, Any]:
+    """OpenAPI responses of these error statuses, each an ``Error`` body."""
+    out: dict[str, Any] = {}
+    for code, what in codes:
+        out[str(code)] = {
+            "description": what,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+    if "401" in out:
+        out["401"]["headers"] = {
+            "WWW-Authenticate": {
+                "description": 'Bearer realm="supplier-sync" (error="invalid_token": a wrong key)',
+                "schema": {"type": "string"},
+            }
+        }
+    return out
+
+
+_COMMON_ERRORS = (
+    (400, "bad parameters (INVALID_PARAMETER)"),
+    (401, "no API key, or not a valid one (UNAUTHORIZED)"),
+    (500, "unexpected error (INTERNAL: logged, no details)"),
+)
+_ID_SCHEMA = {"type": "integer", "minimum": 1, "maximum": MAX_ID}
+_CODE_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_CODE_LENGTH}
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
@@ -466,38 +756,88 @@ OPENAPI: dict[str, Any] = {
         "title": "supplier-sync read API",
         "version": "1",
         "description": "Hotels from the search projection and the cache; offers confirmed "
-        "with the supplier in real time.",
+        "with the supplier in real time. Every route but /health and /openapi.json needs "
+        "one of the deployment's API keys (SUPPLIER_SYNC_API_KEYS), sent as "
+        "'Authorization: Bearer <key>' or 'X-Api-Key: <key>'; without a valid one: 401. "
+        f"POST bodies: application/json only (415), at most {MAX_BODY_BYTES} bytes (413, "
+        f"by Content-Length or while reading), nested at most {MAX_JSON_DEPTH} levels (400). "
+        f"Ids are integers 1..{MAX_ID}. Offer confirmations have their own share of the "
+        "supplier's request rate (SUPPLIER_SYNC_CONFIRM_RATE_LIMIT; unset: "
+        f"{CONFIRM_SHARE:.0%} of the account's), past which they are answered 429 with "
+        'Retry-After. Errors are {"error": {"code", "message"}}; a supplier\'s own '
+        "error text is never forwarded.",
     },
+    "security": [{"bearer": []}, {"apiKey": []}],
     "paths": {
+        "/health": {
+            "get": {
+                "summary": "Liveness (no key needed)",
+                "security": [],
+                "responses": {"200": {"description": '{"status": "ok"}'}},
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This description (no key needed)",
+                "security": [],
+                "responses": {"200": {"description": "the OpenAPI description"}},
+            }
+        },
         "/hotels": {
             "get": {
                 "summary": "Search hotels",
                 "parameters": [
                     {"name": n, "in": "query", "schema": s, "description": d}
                     for n, s, d in (
-                        ("q", {"type": "string", "maxLength": 256}, "words; all must match"),
-                        ("city", {"type": "string"}, "supplier city code"),
+                        (
+                            "q",
+                            {"type": "string", "maxLength": 256},
+                            "words; all must match (a control character, surrogate, Unicode "
+                            "noncharacter or invalid UTF-8: 400)",
+                        ),
+                        (
+                            "city",
+                            {"type": "string", "maxLength": MAX_CODE_LENGTH},
+                            "city code",
+                        ),
                         ("country", {"type": "string", "maxLength": 2}, "ISO country code"),
-                        ("stars", {"type": "number", "minimum": 0}, "at least this many stars"),
-                        ("max_price", {"type": "number", "minimum": 0}, "lowest price at most"),
-                        ("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "results"),
+                        (
+                            "stars",
+                            {"type": "number", "minimum": 0, "maximum": 5},
+                            "at least this many stars",
+                        ),
+                        (
+                            "max_price",
+                            {"type": "number", "minimum": 0, "maximum": int(MAX_PRICE)},
+                            "lowest price at most",
+                        ),
+                        (
+                            "limit",
+                            {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+                            "results",
+                        ),
                     )
                 ],
-                "responses": {"200": {"description": "hotels, best first"}, **_ERRORS},
+                "responses": {
+                    "200": {"description": "hotels, best first (the platform's fields only)"},
+                    **_responses(
+                        *_COMMON_ERRORS,
+                        (503, "the search index is unavailable (READ_MODEL_UNAVAILABLE)"),
+                    ),
+                },
             }
         },
         "/hotels/{resource_id}": {
             "get": {
-                "summary": "A hotel with its offers (cached; X-Cache: HIT or MISS)",
+                "summary": "A hotel with its offers (cached; X-Cache: HIT or MISS), the "
+                "platform's fields only",
                 "parameters": [
-                    {
-                        "name": "resource_id",
-                        "in": "path",
-                        "required": True,
-                        "schema": {"type": "integer"},
-                    }
+                    {"name": "resource_id", "in": "path", "required": True, "schema": _ID_SCHEMA}
                 ],
-                "responses": {"200": {"description": "the hotel"}, **_ERRORS},
+                "responses": {
+                    "200": {"description": "the hotel"},
+                    **_responses(*_COMMON_ERRORS, (404, "no such hotel (HOTEL_NOT_FOUND)")),
+                },
             }
         },
         "/offers/confirm": {
@@ -505,6 +845,8 @@ OPENAPI: dict[str, Any] = {
                 "summary": "Confirm an offer's price and availability with the supplier now",
                 "requestBody": {
                     "required": True,
+                    "description": f"application/json only; at most {MAX_BODY_BYTES} bytes; "
+                    f"nested at most {MAX_JSON_DEPTH} levels",
                     "content": {
                         "application/json": {
                             "schema": {
@@ -517,23 +859,70 @@ OPENAPI: dict[str, Any] = {
                                     "check_out",
                                 ],
                                 "properties": {
-                                    "hotel_id": {"type": "integer"},
-                                    "room_code": {"type": "string"},
-                                    "rate_plan_code": {"type": "string"},
-                                    "check_in": {"type": "string", "format": "date"},
-                                    "check_out": {"type": "string", "format": "date"},
-                                    "guests": {"type": "integer", "minimum": 1, "maximum": 10},
+                                    "hotel_id": _ID_SCHEMA,
+                                    "room_code": _CODE_SCHEMA,
+                                    "rate_plan_code": _CODE_SCHEMA,
+                                    "check_in": {
+                                        "type": "string",
+                                        "format": "date",
+                                        "description": "not before yesterday (UTC) by the "
+                                        "database's clock, at most "
+                                        f"{MAX_DAYS_AHEAD} days ahead",
+                                    },
+                                    "check_out": {
+                                        "type": "string",
+                                        "format": "date",
+                                        "description": f"1 to {MAX_STAY_NIGHTS} nights after "
+                                        "check_in",
+                                    },
+                                    "guests": {
+                                        "type": "integer",
+                                        "minimum": 1,
+                                        "maximum": MAX_GUESTS,
+                                        "default": 1,
+                                    },
                                 },
                             }
                         }
                     },
                 },
+                "x-max-body-bytes": MAX_BODY_BYTES,
+                "x-max-json-depth": MAX_JSON_DEPTH,
                 "responses": {
                     "200": {"description": "the live quote, compared with the catalog"},
-                    **_ERRORS,
+                    **_responses(
+                        (400, "bad body or parameters (INVALID_BODY, INVALID_PARAMETER)"),
+                        *_COMMON_ERRORS[1:],
+                        (
+                            404,
+                            "no such offer in the catalog (OFFER_NOT_FOUND) or at the "
+                            "supplier (OFFER_UNAVAILABLE)",
+                        ),
+                        (413, f"body larger than {MAX_BODY_BYTES} bytes (BODY_TOO_LARGE)"),
+                        (415, "Content-Type is not application/json (UNSUPPORTED_MEDIA_TYPE)"),
+                        (
+                            429,
+                            "the confirmations' share of the supplier's rate is used up "
+                            "(RATE_LIMITED; Retry-After)",
+                        ),
+                        (502, "the supplier could not confirm (CONFIRMATION_FAILED)"),
+                        (
+                            503,
+                            "no supplier account confirms this hotel's offers "
+                            "(SUPPLIER_UNAVAILABLE), or the supplier's circuit is open "
+                            "(CONFIRMATION_UNAVAILABLE; Retry-After)",
+                        ),
+                        (504, "the supplier did not answer in time (CONFIRMATION_TIMEOUT)"),
+                    ),
                 },
             }
         },
     },
-    "components": {"schemas": {"Error": _ERROR}},
+    "components": {
+        "schemas": {"Error": _ERROR},
+        "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "an API key"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"},
+        },
+    },
 }

@@ -1,5 +1,9 @@
 """Sync health for Prometheus: ``supplier-sync metrics serve --port N``.
 
+``/metrics`` has no authentication: it listens on loopback (127.0.0.1) unless told another
+address, and a remote Prometheus scrapes it through a reverse proxy that authenticates
+(``deploy/nginx/supplier-sync.conf``).
+
 A background thread computes :func:`~supplier_sync_dagster.core.health.metrics.sync_health` for
 each task every ``interval`` seconds; a scrape reads the cached figures only (so it answers
 in milliseconds and never queries the database). Names follow Prometheus conventions: the
@@ -11,7 +15,9 @@ cached figures are, and ``supplier_sync_health_errors_total`` counts refreshes t
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -21,10 +27,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.health.metrics import SyncHealth, sync_health
 from supplier_sync_dagster.core.store.db import SyncDatabase
 
 log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
 
 # value key -> (metric name, help, scale to base units)
 GAUGES: dict[str, tuple[str, str, float]] = {
@@ -237,26 +246,49 @@ class HealthCollector(Collector):
         yield from (city, missing, by_status, open_class)
 
 
+def loopback_only(host: str, port: int) -> bool:
+    """Whether listening on ``host`` reaches loopback only (``127.0.0.1``, ``::1``,
+    ``localhost``), not other machines (``0.0.0.0``, ``::``, an interface's address).
+
+    Raises:
+        ConfigError: ``host`` is no address or name this machine can resolve.
+    """
+    try:
+        found = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, ValueError) as err:  # socket.gaierror, an embedded NUL, bad IDNA
+        raise ConfigError(f"--host {host!r} is not an address to listen on: {err}") from None
+    return all(ipaddress.ip_address(str(sockaddr[0])).is_loopback for *_, sockaddr in found)
+
+
 def serve(
     db: SyncDatabase,
     task_codes: Sequence[str],
     *,
     port: int,
-    host: str = "0.0.0.0",
+    host: str = LOOPBACK,
     interval: float = 30.0,
     stop: threading.Event | None = None,
 ) -> HealthCollector:
-    """Serves ``/metrics`` on ``host:port`` and refreshes the figures every ``interval``
-    seconds until ``stop`` is set (forever without one).
+    """Serves ``/metrics`` on ``host:port`` (loopback by default: it is unauthenticated) and
+    refreshes the figures every ``interval`` seconds until ``stop`` is set (forever without
+    one).
 
     Returns:
         The collector (once ``stop`` is set).
+
+    Raises:
+        ConfigError: Nothing can listen on ``host:port`` (taken, or not this machine's).
     """
     registry = CollectorRegistry()
     collector = HealthCollector(db, task_codes)
     collector.refresh()
     registry.register(collector)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err}") from None
     stop = stop or threading.Event()
     try:
         while not stop.wait(interval):

@@ -24,7 +24,14 @@ from supplier_sync_dagster_tests.cli.test_main import (  # noqa: F401  (cli_home
     query,
     run,
 )
-from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
+from supplier_sync_dagster_tests.helpers import (
+    READ_API_HEADERS,
+    READ_API_KEY,
+    cli_process,
+    free_port,
+    stay,
+    wait_for_http,
+)
 
 KEYS = {
     ("acme", "eu"): "k-acme-eu",
@@ -247,6 +254,7 @@ def test_serve_api_confirms_each_suppliers_offers_with_its_own_account(
             assert run(capsys, "--db-url", db_url, "sync", "--full", "--account", code).code == 0
         # globex.main's key is gone from serve-api's environment: globex.asia confirms.
         env = {k: v for k, v in os.environ.items() if k != "GLOBEX_MAIN_KEY"}
+        env["SUPPLIER_SYNC_API_KEYS"] = READ_API_KEY
         offers = query(
             db_url,
             sa.text(
@@ -268,7 +276,7 @@ def test_serve_api_confirms_each_suppliers_offers_with_its_own_account(
         proc = cli_process("--db-url", db_url, "serve-api", "--port", str(port), env=env)
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_for_http(f"{base}/openapi.json", proc)
+            wait_for_http(f"{base}/health", proc)
             for sid in (1001, 2002):
                 offer = picks[sid]
                 quote = httpx.post(
@@ -277,10 +285,10 @@ def test_serve_api_confirms_each_suppliers_offers_with_its_own_account(
                         "hotel_id": offer.resource_id,
                         "room_code": offer.room_code,
                         "rate_plan_code": offer.rate_plan_code,
-                        "check_in": "2026-12-24",
-                        "check_out": "2026-12-25",
+                        **stay(),
                         "guests": 1,
                     },
+                    headers=READ_API_HEADERS,
                     timeout=30,
                 )
                 assert quote.status_code == 200, quote.text

@@ -26,7 +26,7 @@ from supplier_sync_dagster_tests.cli.test_main import (
 )
 from supplier_sync_dagster_tests.core.records.test_catalog import hotel
 from supplier_sync_dagster_tests.core.records.test_catalog import sync as publish
-from supplier_sync_dagster_tests.helpers import cli_process, free_port, wait_for_http
+from supplier_sync_dagster_tests.helpers import cli_process, free_port, stay, wait_for_http
 
 
 def test_dispatch_outbox_search_and_audit_after_a_sync(
@@ -186,10 +186,13 @@ def test_serve_api_answers_over_http_after_a_sync(
         db.dispose()
         port = free_port()
         env = {k: v for k, v in os.environ.items()}
-        proc = cli_process("--db-url", db_url, "serve-api", "--port", str(port), env=env)
+        # The demo's way: no key, on loopback only.
+        proc = cli_process(
+            "--db-url", db_url, "serve-api", "--no-auth", "--port", str(port), env=env
+        )
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_for_http(f"{base}/openapi.json", proc)
+            wait_for_http(f"{base}/health", proc)
             found = httpx.get(f"{base}/hotels", params={"city": city}).json()
             assert found["count"] >= 1
             detail = httpx.get(f"{base}/hotels/{rid}")
@@ -201,8 +204,7 @@ def test_serve_api_answers_over_http_after_a_sync(
                     "hotel_id": rid,
                     "room_code": room,
                     "rate_plan_code": plan,
-                    "check_in": "2026-12-24",
-                    "check_out": "2026-12-25",
+                    **stay(),
                     "guests": 1,
                 },
             )

@@ -67,7 +67,7 @@ def test_accounts_are_resolved_in_file_order():
         ),
         (
             {"schedules": {"full": "every night"}},
-            r"schedules\.full: 'every night' is not a five-field cron",
+            r"schedules\.full: cron 'every night' has 2 fields",
         ),
         ({"thresholds": {"max_bad": 0.1}}, r"accounts\.eu\.thresholds: unknown threshold max_bad"),
         (

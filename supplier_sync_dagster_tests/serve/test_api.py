@@ -4,6 +4,7 @@ against the simulator, errors as JSON; on SQLite and MariaDB."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,13 @@ from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.serve.api import REFRESH_EVENT, create_app
 from supplier_sync_dagster.simulator import FaultProfile, Simulator
 from supplier_sync_dagster_tests.core.sync.test_city import full_sync
-from supplier_sync_dagster_tests.helpers import make_simulator, supplier_client
+from supplier_sync_dagster_tests.helpers import (
+    READ_API_HEADERS,
+    READ_API_KEY,
+    make_simulator,
+    stay,
+    supplier_client,
+)
 
 
 @dataclass
@@ -37,8 +44,10 @@ class Api:
     projections: Projections
 
 
-@pytest.fixture
-def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+@contextmanager
+def served_api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    """The read API with a key (:data:`READ_API_KEY`, sent by its client) over a catalog
+    synced from a small simulator, its search index filled: one per test."""
     sim = make_simulator(FaultProfile.clean(), seed=9, n_cities=3, total_hotels=60)
     db = SyncDatabase.open(db_url)
     projections = Projections(
@@ -54,16 +63,23 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
             db=db,
             search=projections.search,
             cache=projections.cache,
+            api_keys=[READ_API_KEY],
             supplier=lambda _supplier_id: supplier,
             ttl_seconds=60,
         )
-        with TestClient(app, raise_server_exceptions=False) as client:
+        with TestClient(app, raise_server_exceptions=False, headers=READ_API_HEADERS) as client:
             yield Api(client, db, sim, projections)
     projections.close()
     db.dispose()
 
 
-def _a_hotel(db: SyncDatabase) -> dict[str, Any]:
+@pytest.fixture
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    with served_api(db_url, tmp_path) as served:
+        yield served
+
+
+def a_hotel(db: SyncDatabase) -> dict[str, Any]:
     h, o = schema.platform_hotel.c, schema.platform_offer.c
     with db.engine.connect() as conn:
         row = conn.execute(
@@ -79,7 +95,7 @@ def _a_hotel(db: SyncDatabase) -> dict[str, Any]:
 
 
 def test_search_answers_from_the_projection(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     r = api.client.get(
         "/hotels", params={"q": hotel["name"].split()[0], "city": hotel["city_code"]}
     )
@@ -98,7 +114,7 @@ def test_search_answers_from_the_projection(api: Api):
 
 
 def test_a_hotel_is_cached_and_the_cache_stage_invalidates_it(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     rid = hotel["resource_id"]
     first = api.client.get(f"/hotels/{rid}")
     assert first.status_code == 200 and first.headers["x-cache"] == "MISS"
@@ -110,17 +126,16 @@ def test_a_hotel_is_cached_and_the_cache_stage_invalidates_it(api: Api):
     assert api.client.get(f"/hotels/{rid}").headers["x-cache"] == "MISS"
     missing = api.client.get("/hotels/987654321")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "HOTEL_NOT_FOUND"
-    assert api.client.get("/hotels/not-a-number").status_code == 404
+    assert api.client.get("/hotels/not-a-number").status_code == 400
 
 
 def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: Api):
-    hotel = _a_hotel(api.db)
+    hotel = a_hotel(api.db)
     body = {
         "hotel_id": hotel["resource_id"],
         "room_code": hotel["room_code"],
         "rate_plan_code": hotel["rate_plan_code"],
-        "check_in": "2026-12-24",
-        "check_out": "2026-12-26",
+        **stay(nights=2),
         "guests": 1,
     }
     r = api.client.post("/offers/confirm", json=body)
@@ -159,7 +174,7 @@ def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: A
     assert [tuple(r) for r in refresh] == [("READY", "NOTIFY")]
     for bad, code in (
         ({**body, "hotel_id": "x"}, "INVALID_PARAMETER"),
-        ({**body, "check_out": "2026-12-24"}, "INVALID_PARAMETER"),
+        ({**body, "check_out": body["check_in"]}, "INVALID_PARAMETER"),
         ({**body, "guests": 0}, "INVALID_PARAMETER"),
         ([1, 2], "INVALID_BODY"),
     ):
@@ -167,7 +182,9 @@ def test_an_offer_is_confirmed_live_and_a_difference_enqueues_one_refresh(api: A
         assert rejected.status_code == 400 and rejected.json()["error"]["code"] == code
     unknown = api.client.post("/offers/confirm", json={**body, "room_code": "NOPE"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "OFFER_NOT_FOUND"
-    garbage = api.client.post("/offers/confirm", content=b"{not json")
+    garbage = api.client.post(
+        "/offers/confirm", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "INVALID_BODY"
 
 
@@ -176,7 +193,7 @@ def test_errors_are_json_without_stack_traces(api: Api, db_url: str):
         def search(self, query: Any) -> Any:
             raise RuntimeError("secret internals /etc/passwd")
 
-    app = create_app(db=api.db, search=Broken(), cache=InProcessHotelCache())  # type: ignore[arg-type]
+    app = create_app(db=api.db, search=Broken(), cache=InProcessHotelCache(), api_keys=None)  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.get("/hotels", params={"q": "x"})
         assert r.status_code == 500
@@ -190,13 +207,14 @@ def test_errors_are_json_without_stack_traces(api: Api, db_url: str):
                 "hotel_id": 1,
                 "room_code": "A",
                 "rate_plan_code": "B",
-                "check_in": "2026-12-24",
-                "check_out": "2026-12-25",
+                **stay(),
             },
         )
         assert no_supplier.status_code == 503
         spec = client.get("/openapi.json").json()
         assert spec["openapi"].startswith("3.") and set(spec["paths"]) == {
+            "/health",
+            "/openapi.json",
             "/hotels",
             "/hotels/{resource_id}",
             "/offers/confirm",

@@ -28,7 +28,12 @@ def add_commands(sub: Subcommands) -> None:
         help="/metrics in Prometheus' text format, from figures refreshed in the background",
     )
     serve.add_argument("--port", type=int_within(0, 65535), default=9464)
-    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default loopback: /metrics is unauthenticated; "
+        "another address is warned about)",
+    )
     serve.add_argument(
         "--interval",
         type=float_within(0, None, low_open=True),

@@ -77,9 +77,15 @@ def add_commands(sub: Subcommands) -> None:
 
     api = sub.add_parser(
         "serve-api",
-        help="the read API: /hotels (search), /hotels/{id} (cached), POST /offers/confirm",
+        help="the read API: /hotels, /hotels/{id}, POST /offers/confirm (SUPPLIER_SYNC_API_KEYS)",
     )
     api.add_argument("--host", default="127.0.0.1")
+    api.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve without API keys (a local demo): a loopback --host only, and "
+        "SUPPLIER_SYNC_API_KEYS unset",
+    )
     api.add_argument("--port", type=int_within(0, 65535), default=8000)
     api.add_argument(
         "--ttl", type=float_within(0), default=300.0, help="seconds a hotel stays cached"

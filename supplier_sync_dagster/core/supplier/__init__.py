@@ -48,9 +48,12 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     InProcessTokenBucket,
     RateLimiter,
     RedisTokenBucket,
+    ShareLimiter,
+    TokenBucket,
     bucket_key,
     make_city_rate_limiters,
     make_rate_limiter,
+    make_share_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
 from supplier_sync_dagster.core.supplier.transport import (
@@ -94,7 +97,9 @@ __all__ = [
     "RateLimiter",
     "RedisTokenBucket",
     "RetryPolicy",
+    "ShareLimiter",
     "SupplierClient",
+    "TokenBucket",
     "WalkLimits",
     "WalkStats",
     "bucket_key",
@@ -102,6 +107,7 @@ __all__ = [
     "encode_segment",
     "make_city_rate_limiters",
     "make_rate_limiter",
+    "make_share_limiter",
     "parse_retry_after",
     "supplier_http_client",
 ]

@@ -9,6 +9,10 @@
 
 The bucket key holds the supplier id and a SHA-256 of the API key: the key itself never
 reaches Redis.
+
+A caller that must never starve the syncs (the read API's offer confirmations) paces on a
+share of its own (:func:`make_share_limiter`): a second bucket of the same supplier key, under
+another Redis key, that refuses at once (:class:`RateShareExhausted`) instead of queueing.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
-from supplier_sync_dagster.core.errors import ConfigError, RateLimiterUnavailable
+from supplier_sync_dagster.core.errors import (
+    ConfigError,
+    RateLimiterUnavailable,
+    RateShareExhausted,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -36,6 +44,19 @@ class RateLimiter(Protocol):
 
         Returns:
             Seconds spent waiting.
+        """
+        ...
+
+
+@runtime_checkable
+class TokenBucket(RateLimiter, Protocol):
+    """A rate limiter that can also be asked without blocking."""
+
+    def try_acquire(self) -> float:
+        """Take a token if one is available, without blocking.
+
+        Returns:
+            0.0 if a token was taken, otherwise the seconds until one will be available.
         """
         ...
 
@@ -324,7 +345,77 @@ def make_city_rate_limiters(**options: Unpack[BucketOptions]) -> CityRateLimiter
     return CityRateLimiters(_bucket_maker(options))
 
 
-def _bucket_maker(options: BucketOptions) -> Callable[[str | None], RateLimiter]:
+def make_share_limiter(
+    share: str, *, max_wait: float, **options: Unpack[BucketOptions]
+) -> ShareLimiter:
+    """Build a share of its own beside a supplier key's bucket (see :class:`ShareLimiter`).
+
+    Args:
+        share: The share's name (``"confirm"``); its Redis key is the key's bucket key under
+            the prefix ``{key_prefix}:share:{share}``, so it never spends the syncs' tokens.
+        max_wait: The longest a request waits for a token before it is refused.
+        **options: See :class:`BucketOptions`; ``rate`` and ``burst`` are the share's own.
+    """
+    prefix = options.get("key_prefix", DEFAULT_KEY_PREFIX)
+    bucket = _bucket_maker({**options, "key_prefix": f"{prefix}:share:{share}"})(None)
+    return ShareLimiter(bucket, name=share, max_wait=max_wait)
+
+
+class ShareLimiter:
+    """A caller's own bucket beside the syncs' (a share of the supplier's request budget):
+    a flood of its requests empties this bucket only, and a request that would wait longer
+    than ``max_wait`` for a token is refused at once rather than queued."""
+
+    def __init__(
+        self,
+        bucket: TokenBucket,
+        *,
+        name: str,
+        max_wait: float,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Wrap a bucket.
+
+        Args:
+            bucket: The share's own bucket.
+            name: The share's name, for the refusal's message.
+            max_wait: Seconds a request may wait for a token in all (0: none).
+            sleep: Sleep function, injectable for tests.
+        """
+        self.bucket = bucket
+        self.name = name
+        self.max_wait = max_wait
+        self._sleep = sleep
+
+    def __repr__(self) -> str:
+        return f"ShareLimiter({self.name!r}, {self.bucket!r}, max_wait={self.max_wait})"
+
+    def acquire(self) -> float:
+        """Take a token of the share, waiting at most ``max_wait`` in all.
+
+        Returns:
+            Seconds spent waiting.
+
+        Raises:
+            RateShareExhausted: No token within ``max_wait``; nothing is taken.
+            RateLimiterUnavailable: Redis could not be reached.
+        """
+        waited = 0.0
+        while True:
+            wait = self.bucket.try_acquire()
+            if wait <= 0:
+                return waited
+            if waited + wait > self.max_wait:
+                raise RateShareExhausted(
+                    f"the {self.name} share of the supplier's request budget is used up; "
+                    f"a token is due in {wait:.2f}s",
+                    retry_after=wait,
+                )
+            self._sleep(wait)
+            waited += wait
+
+
+def _bucket_maker(options: BucketOptions) -> Callable[[str | None], TokenBucket]:
     """Builds a bucket of ``options`` per scope (None: the whole key; else a city code)."""
     rate, burst = options["rate"], options.get("burst", 1.0)
     redis_url = options["redis_url"]
@@ -334,7 +425,7 @@ def _bucket_maker(options: BucketOptions) -> Callable[[str | None], RateLimiter]
     prefix = options.get("key_prefix", DEFAULT_KEY_PREFIX)
     supplier_id, api_key = options["supplier_id"], options["api_key"]
 
-    def bucket(scope: str | None) -> RateLimiter:
+    def bucket(scope: str | None) -> TokenBucket:
         key = bucket_key(prefix, supplier_id, api_key, scope=scope)
         return RedisTokenBucket(client, key, rate, burst)
 

@@ -12,7 +12,6 @@ both (:func:`open_task`).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
@@ -21,6 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, TaskDisabled
 from supplier_sync_dagster.core.leasing.batches import (
     ConcurrencyPolicy,
@@ -40,8 +40,6 @@ from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_u
 MAX_BY_LEN = 64
 MAX_REASON_LEN = 1024
 CREATED_FIELD = "task"
-_CRON_MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
-_CRON_FIELD = re.compile(r"^[A-Za-z0-9*/,?#LW-]+$")
 
 
 @dataclass(frozen=True)
@@ -325,17 +323,7 @@ def _text(value: Any) -> str | None:
 
 
 def _check_cron(text: str) -> str | None:
-    """A five-field cron expression or a macro (``@daily``); ``none`` clears the cron."""
-    expr = " ".join(text.split())
-    if expr.lower() in ("", "none"):
+    """A cron expression (:func:`check_cron`); ``none`` (or nothing) clears the cron."""
+    if text.strip().lower() in ("", "none"):
         return None
-    parts = expr.split(" ")
-    if len(expr) > 64 or not (
-        (len(parts) == 1 and expr in _CRON_MACROS)
-        or (len(parts) == 5 and all(_CRON_FIELD.match(p) for p in parts))
-    ):
-        raise ConfigError(
-            f"--cron must be five cron fields (minute hour day month weekday, e.g. '0 2 * * *'), "
-            f"a macro such as @daily, or none; got {text!r}"
-        )
-    return expr
+    return check_cron(text, what="--cron")
