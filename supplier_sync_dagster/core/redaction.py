@@ -53,10 +53,11 @@ _PAIR = re.compile(
     r"\b((?:x-)?api[-_]?key|apikey|access[-_]?token|auth[-_]?token|client[-_]?secret|secret"
     r"|password|passwd|authorization)"
     r"([\"']?\s*[:=]\s*[\"']?)"
-    r"((?:basic|bearer|token)\s+)?([^\s\"',;&)}\]]+)",
+    r"((?:basic|bearer|token)\s+)?(?!<|(?:basic|bearer|token)\s)([^\s\"',;&)}\]]+)",
     re.IGNORECASE,
 )
-_BEARER = re.compile(r"\b(bearer\s+)([A-Za-z0-9._~+/=-]{6,})", re.IGNORECASE)
+# Not a challenge's parameters (``Bearer realm="..."``) nor a placeholder (``Bearer <key>``).
+_BEARER = re.compile(r"\b(bearer\s+)(?!realm=)([A-Za-z0-9._~+/=-]{6,})", re.IGNORECASE)
 # Hosts whose URL path is the credential itself (incoming webhooks).
 _WEBHOOK_HOSTS = re.compile(
     r"^(?:hooks\.slack\.com|(?:[a-z0-9-]+\.)?discord(?:app)?\.com|[a-z0-9-]+\.webhook\.office\.com"

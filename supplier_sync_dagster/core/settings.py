@@ -292,7 +292,8 @@ def _register_secrets(settings: StorageSettings) -> None:
         # A webhook URL is a credential as a whole: its path is masked too.
         register_url(url, whole_path=name == "alert_url" and str(url).startswith("http"))
     if isinstance(settings, Settings):
-        register_secret(settings.api_key())
+        for key in (settings.api_key(), *settings.read_api_keys()):
+            register_secret(key)
 
 
 def _with_scheme(value: str | None, schemes: tuple[str, ...]) -> str | None:

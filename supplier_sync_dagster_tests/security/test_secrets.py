@@ -85,6 +85,10 @@ PROBE = f"S3CR3T-PROBE-{secrets.token_hex(6)}"
         ('{"X-Api-Key": "k-123456", "Accept": "json"}', '{"X-Api-Key": "***", "Accept": "json"}'),
         ("Authorization: Bearer abc.def-123", "Authorization: Bearer ***"),
         ("sent bearer abc.def-123 again", "sent bearer *** again"),
+        (
+            'send Authorization: Bearer <key>; WWW-Authenticate: Bearer realm="supplier-sync"',
+            'send Authorization: Bearer <key>; WWW-Authenticate: Bearer realm="supplier-sync"',
+        ),
         ("api_key=sk_live_1 password=p4ss", "api_key=*** password=***"),
         ("page 3 of PAR: 100 hotels", "page 3 of PAR: 100 hotels"),
         (
