@@ -39,10 +39,16 @@ from supplier_sync_dagster.core.redaction import (
     register_secret,
     register_url,
 )
+from supplier_sync_dagster.core.settings import load_settings
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient, supplier_http_client
-from supplier_sync_dagster.defs.resources import SimulatedSupplierResource, SyncDatabaseResource
+from supplier_sync_dagster.defs.accounts import account_scopes
+from supplier_sync_dagster.defs.resources import (
+    SimulatedSupplierResource,
+    SyncDatabaseResource,
+    account_supplier,
+)
 from supplier_sync_dagster.simulator import (
     FaultProfile,
     Simulator,
@@ -193,6 +199,32 @@ def test_a_client_whose_base_url_httpx_would_mangle_is_refused():
         pytest.raises(ValueError, match="supplier_http_client"),
     ):
         SupplierClient(http, api_key="k")
+
+
+def test_an_accounts_base_url_credentials_stay_out_of_the_resource_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The Dagster UI shows a resource's config (and the run storage keeps it): an account's
+    base URL is there masked, and read from the suppliers file when the client connects."""
+    sim = Simulator(SimulatorConfig(api_key=f"{PROBE}-acct-key", n_cities=2, total_hotels=20))
+    with running_server(sim) as url:
+        base = f"http://probe:{PROBE}-pw@{urlsplit(url).netloc}/?token={PROBE}-tok"
+        account = {"api_key_env": "PROBE_ACME_KEY"}
+        data = {
+            "suppliers": {"acme": {"supplier_id": 7, "base_url": base, "accounts": {"eu": account}}}
+        }
+        path = tmp_path / "suppliers.yaml"
+        path.write_text(json.dumps(data))
+        monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIERS_FILE", str(path))
+        monkeypatch.setenv("PROBE_ACME_KEY", f"{PROBE}-acct-key")
+        (scope,) = account_scopes()
+        resource = account_supplier(load_settings(), scope)
+        assert resource.base_url == f"http://***@{urlsplit(url).netloc}/?token=***"
+        assert PROBE not in json.dumps(resource.model_dump(), default=str)
+        # Outside a run, as a command uses it: the key read now instead of its dg.EnvVar.
+        resource = account_supplier(load_settings(), scope, api_key=f"{PROBE}-acct-key")
+        with resource.client() as client:
+            assert client.list_cities().data.cities
 
 
 # --- the pasted key ----------------------------------------------------------------------
