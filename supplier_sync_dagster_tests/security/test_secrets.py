@@ -45,6 +45,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.supplier import SupplierClient, supplier_http_client
 from supplier_sync_dagster.defs.accounts import account_scopes
 from supplier_sync_dagster.defs.resources import (
+    HttpSupplierResource,
     SimulatedSupplierResource,
     SyncDatabaseResource,
     account_supplier,
@@ -219,6 +220,7 @@ def test_an_accounts_base_url_credentials_stay_out_of_the_resource_config(
         monkeypatch.setenv("PROBE_ACME_KEY", f"{PROBE}-acct-key")
         (scope,) = account_scopes()
         resource = account_supplier(load_settings(), scope)
+        assert isinstance(resource, HttpSupplierResource)
         assert resource.base_url == f"http://***@{urlsplit(url).netloc}/?token=***"
         assert PROBE not in json.dumps(resource.model_dump(), default=str)
         # Outside a run, as a command uses it: the key read now instead of its dg.EnvVar.
