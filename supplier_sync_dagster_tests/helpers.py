@@ -93,11 +93,13 @@ def supplier_client(http: httpx.Client) -> SupplierClient:
 
 
 class Receiver:
-    """An alert webhook on loopback: keeps every JSON body; refuses the next ``refuse`` of them."""
+    """An alert webhook on loopback: keeps every JSON body; refuses the next ``refuse`` of them
+    (answering ``refuse_status``)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.refuse = 0
+        self.refuse_status = 503
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -105,7 +107,7 @@ class Receiver:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if receiver.refuse > 0:
                     receiver.refuse -= 1
-                    self.send_response(503)
+                    self.send_response(receiver.refuse_status)
                 else:
                     receiver.bodies.append(body)
                     self.send_response(200)

@@ -16,6 +16,7 @@ from supplier_sync_dagster.cli.common import open_db
 from supplier_sync_dagster.core.accounts import load_accounts
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.batches import TaskSpec
+from supplier_sync_dagster.core.redaction import redact_url
 from supplier_sync_dagster.core.settings import Settings, load_settings
 from supplier_sync_dagster.core.store.audit import require_who_and_why
 from supplier_sync_dagster.core.sync.tasks import change_task, ensure_task
@@ -28,7 +29,7 @@ def account_rows(settings: Settings) -> list[dict[str, Any]]:
             {
                 "account": "default",
                 "supplier_id": 1001,
-                "base_url": settings.supplier_url or "simulator",
+                "base_url": redact_url(settings.supplier_url or "simulator"),
                 "api_key": "SUPPLIER_SYNC_SUPPLIER_API_KEY"
                 + (" (set)" if settings.supplier_api_key else " (unset)"),
                 "rate_limit_rps": settings.supplier_rate_limit or 50.0,
@@ -39,7 +40,9 @@ def account_rows(settings: Settings) -> list[dict[str, Any]]:
         {
             "account": a.code,
             "supplier_id": a.supplier_id,
-            "base_url": a.base_url or f"simulator (seed {a.simulator.seed}, {a.simulator_profile})",
+            "base_url": redact_url(a.base_url)
+            if a.base_url
+            else f"simulator (seed {a.simulator.seed}, {a.simulator_profile})",
             "api_key": (
                 f"{a.api_key_env} ({'set' if os.environ.get(a.api_key_env) else 'unset'})"
                 if a.api_key_env

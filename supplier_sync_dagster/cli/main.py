@@ -30,6 +30,7 @@ from supplier_sync_dagster.cli.parsers import (
     sync,
 )
 from supplier_sync_dagster.core.errors import SupplierSyncError
+from supplier_sync_dagster.core.redaction import install_log_redaction, redact
 from supplier_sync_dagster.core.settings import env_name
 
 Handler = Callable[[argparse.Namespace], int]
@@ -100,7 +101,7 @@ def _stdout_to_devnull() -> None:
 
 
 def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
+    text = " ".join(redact(str(err)).split())
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
@@ -115,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         143); 141 (128 + SIGPIPE) when stdout was closed (``| head``).
     """
     args = build_parser().parse_args(argv)
+    # Every log line of the process (ours, httpx's, Dagster's) masks secrets from here on.
+    install_log_redaction()
     if args.root_log:
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING,
@@ -134,14 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stdout_to_devnull()
         return 128 + signal.SIGPIPE
     except SupplierSyncError as err:
-        print(f"supplier-sync: error: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"supplier-sync: error: {' '.join(redact(str(err)).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("supplier-sync: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
         if args.verbose:
-            traceback.print_exc()
+            print(redact(traceback.format_exc()), end="", file=sys.stderr)
         hint = "" if args.verbose else " (run with -v for the traceback)"
         print(f"supplier-sync: error: {_one_line(err)}{hint}", file=sys.stderr)
         return 1

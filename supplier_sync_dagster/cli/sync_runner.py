@@ -724,11 +724,17 @@ def _run_resources(
     supplier: SupplierResource,
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> dict[str, Any]:
-    """The resources of a command-line run (the definitions bind the same keys)."""
+    """The resources of a command-line run (the definitions bind the same keys).
+
+    The ones built from the settings and options hold their values (the API key, the
+    URLs with their passwords), not ``dg.EnvVar``: bound as they are, Dagster would store
+    those values with the run's job snapshot (as its config defaults, shown in the UI).
+    Handed over as objects, they leave no config behind.
+    """
     return {
-        "sync_db": sync_db,
-        "payloads": payloads,
-        scope.supplier_key: supplier,
+        "sync_db": dg.ResourceDefinition.hardcoded_resource(sync_db),
+        "payloads": dg.ResourceDefinition.hardcoded_resource(payloads),
+        scope.supplier_key: dg.ResourceDefinition.hardcoded_resource(supplier),
         "governance": GovernanceResource(),
     }
 

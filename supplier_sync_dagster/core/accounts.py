@@ -147,9 +147,10 @@ class AccountConfig(_Strict):
     @classmethod
     def _env_name(cls, value: str | None) -> str | None:
         if value is not None and not _ENV_NAME.match(value):
+            # The value is never echoed: what is pasted here is often the key itself.
             raise ValueError(
-                f"{value!r} is not an environment variable name (A-Z, 0-9, _): write the "
-                "variable's name here and put the key itself in the environment"
+                "not an environment variable name (A-Z, 0-9, _; if it is the key itself: put "
+                "the key in an environment variable and name that variable here)"
             )
         return value
 

@@ -27,6 +27,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.redaction import register_secret, register_url
 
 ENV_PREFIX = "SUPPLIER_SYNC_"
 # The task that `sync --full`, the Dagster resources and the task commands mean unless told.
@@ -271,7 +272,7 @@ def load_storage_settings() -> StorageSettings:
 
 def _read(part: type[S]) -> S:
     try:
-        return part()
+        settings = part()
     except ValidationError as err:
         problems = [
             f"{env_name(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
@@ -280,6 +281,19 @@ def _read(part: type[S]) -> S:
             for e in err.errors(include_url=False, include_input=False)
         ]
         raise ConfigError("; ".join(problems)) from None
+    _register_secrets(settings)
+    return settings
+
+
+def _register_secrets(settings: StorageSettings) -> None:
+    """Makes the process mask the secrets the settings hold, wherever they would show."""
+    for name in ("db_url", "payload_url", *_URL_SCHEMES):
+        url = getattr(settings, name, None)
+        # A webhook URL is a credential as a whole: its path is masked too.
+        register_url(url, whole_path=name == "alert_url" and str(url).startswith("http"))
+    if isinstance(settings, Settings):
+        for key in (settings.api_key(), *settings.read_api_keys()):
+            register_secret(key)
 
 
 def _with_scheme(value: str | None, schemes: tuple[str, ...]) -> str | None:

@@ -20,9 +20,11 @@ import dagster as dg
 import httpx
 from pydantic import Field
 
-from supplier_sync_dagster.core.accounts import Account
+from supplier_sync_dagster.core.accounts import Account, find_account, load_accounts
+from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings
 from supplier_sync_dagster.core.records.diff import RiskRules
+from supplier_sync_dagster.core.redaction import MASK, install_log_redaction, redact_url
 from supplier_sync_dagster.core.settings import (
     DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_TASK_CODE,
@@ -36,12 +38,12 @@ from supplier_sync_dagster.core.supplier import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_DECODED_BYTES,
     DEFAULT_REQUEST_DEADLINE,
-    BoundedTransport,
     CircuitBreaker,
     RateLimiter,
     SupplierClient,
     WalkLimits,
     make_rate_limiter,
+    supplier_http_client,
 )
 from supplier_sync_dagster.core.supplier.walk import (
     DEFAULT_MAX_PAGES,
@@ -95,6 +97,9 @@ class SyncDatabaseResource(dg.ConfigurableResource):
 
     def open(self) -> SyncDatabase:
         """Opens the database (creating missing tables)."""
+        # Every job and sensor opens it: from here on the process's log lines (ours, httpx's,
+        # Dagster's own and its captured python logs) mask secrets.
+        install_log_redaction()
         return SyncDatabase.open(self.db_url)
 
     @contextmanager
@@ -268,6 +273,7 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
             rate_limiter: The bucket to pace requests with, shared with another client
                 (a worker process's client shares its run's); None makes the key's own.
         """
+        install_log_redaction()
         http, key = self._connection()
         # An account's bucket and breakers are its own: another account's 429s or outage
         # never slow it down.
@@ -298,16 +304,33 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
 class HttpSupplierResource(SupplierResource):
     """The supplier's HTTP API."""
 
-    base_url: str = Field(description=f"Supplier API base URL ({env_name('supplier_url')}).")
+    base_url: str = Field(
+        description=f"Supplier API base URL ({env_name('supplier_url')}); an account's whose "
+        "userinfo or query holds credentials shows them masked (the suppliers file has them)."
+    )
     api_key: str | None = Field(
         default=None,
         description=f"Supplier API key ({env_name('supplier_api_key')}); never logged.",
     )
 
     def _connection(self) -> tuple[httpx.Client, str]:
-        # Every socket wait of a request ends by its deadline (connect, headers, body).
-        http = httpx.Client(base_url=self.base_url, transport=BoundedTransport())
-        return http, self.api_key or ""
+        # Every socket wait ends by its deadline; a base URL query goes with every request.
+        return supplier_http_client(self._base_url()), self.api_key or ""
+
+    def _base_url(self) -> str:
+        """The URL to call: an account's masked one is read from the suppliers file now."""
+        if MASK not in self.base_url or self.account is None:
+            return self.base_url
+        path = load_settings().suppliers_file
+        if path is None:
+            raise ConfigError(
+                f"account {self.account}: its base URL is masked in the resource's config and "
+                "no suppliers file is set to read it from"
+            )
+        url = find_account(load_accounts(path), self.account).base_url
+        if url is None:
+            raise ConfigError(f"account {self.account} has no base_url in {path}")
+        return url
 
 
 class SimulatedSupplierResource(SupplierResource):
@@ -519,7 +542,9 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
         }
     )
     fields: dict[str, Any] = {
-        "base_url": account.base_url,
+        # Masked, so that no credential of the URL lands in run config or the UI (read from
+        # the file when the client connects).
+        "base_url": account.base_url and redact_url(account.base_url),
         "api_key": dg.EnvVar(account.api_key_env) if account.api_key_env else None,
         "redis_url": env_var(settings, "redis_url"),
         "supplier_id": account.supplier_id,

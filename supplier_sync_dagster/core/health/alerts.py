@@ -51,6 +51,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, SyncHealth, sync_health
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
+from supplier_sync_dagster.core.redaction import bounded, redact, register_url
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
@@ -524,7 +525,7 @@ def record(
                 conn.execute(
                     sa.update(schema.alert)
                     .where(a.id == open_rows[key].id)
-                    .values(value=f.value, message=f.message[:1024], updated_at=now)
+                    .values(value=f.value, message=bounded(f.message), updated_at=now)
                 )
                 continue
             insert_ignore(
@@ -540,7 +541,7 @@ def record(
                         "status": "FIRING",
                         "value": f.value,
                         "threshold": f.threshold,
-                        "message": f.message[:1024],
+                        "message": bounded(f.message),
                         "run_url": _run_url(run_url, f.run_id),
                     }
                 ],
@@ -592,6 +593,8 @@ class WebhookChannel(Channel):
 
     def __init__(self, url: str, *, http: httpx.Client | None = None, timeout: float = 5.0):
         self.url = url
+        # The URL is the credential (a Slack webhook's path is its secret): never shown.
+        register_url(url, whole_path=True)
         self._http = http or httpx.Client(timeout=timeout)
 
     def send(self, message: Mapping[str, Any]) -> None:
@@ -698,6 +701,7 @@ def deliver(db: SyncDatabase, channel: Channel, *, limit: int = 100) -> Delivere
             channel.send(message(row, str(row.kind)))
         except Exception as err:  # the channel's trouble: retried, never raised
             failed += 1
+            error = bounded(f"{type(err).__name__}: {err}")
             wait = BACKOFF_SECONDS[min(int(row.attempts), len(BACKOFF_SECONDS) - 1)]
             with db.begin() as conn:
                 conn.execute(
@@ -706,11 +710,11 @@ def deliver(db: SyncDatabase, channel: Channel, *, limit: int = 100) -> Delivere
                     .values(
                         attempts=dl.attempts + 1,
                         next_attempt_at=db.clock.now(wait),
-                        last_error=f"{type(err).__name__}: {err}"[:1024],
+                        last_error=error,
                     )
                 )
             log.warning(
-                "alert delivery %s failed (next try in %ss): %s", row.delivery_id, wait, err
+                "alert delivery %s failed (next try in %ss): %s", row.delivery_id, wait, error
             )
             continue
         sent += 1
@@ -740,8 +744,12 @@ def list_alerts(
             .where(dl.alert_id.in_(ids))
             .order_by(dl.id)
         ):
+            # Rows stored before errors were redacted are shown redacted too.
             deliveries.setdefault(int(d.alert_id), []).append(
-                {k: v for k, v in d._asdict().items() if k != "alert_id"}
+                {
+                    **{k: v for k, v in d._asdict().items() if k != "alert_id"},
+                    "last_error": d.last_error and redact(d.last_error),
+                }
             )
     return [
         {

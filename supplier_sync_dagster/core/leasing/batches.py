@@ -55,6 +55,7 @@ from supplier_sync_dagster.core.leasing.processes import (
     make_worker_id,
 )
 from supplier_sync_dagster.core.leasing.shards import move_shards
+from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 
@@ -600,7 +601,7 @@ def _cancel(conn: Connection, clock: DbClock, batch_id: str, reason: str) -> Non
         .where(
             schema.batch.c.batch_id == batch_id, schema.batch.c.status.in_(ACTIVE_BATCH_STATUSES)
         )
-        .values(status="CANCELLED", finished_at=now, updated_at=now, error_message=reason[:1024]),
+        .values(status="CANCELLED", finished_at=now, updated_at=now, error_message=bounded(reason)),
         lambda: InvalidTransition(f"batch {batch_id} is not PENDING or RUNNING; cannot cancel"),
     )
     # Shards leave RUNNING too (one bulk move): every fenced write requires status RUNNING,
@@ -655,16 +656,16 @@ def fail_unstarted(
                 sources=["PENDING"],
                 finished_at=clock.now(),
                 updated_at=clock.now(),
-                error_message=error[:1024],
+                error_message=bounded(error),
                 last_heartbeat_stage="NOT_STARTED",
-                last_heartbeat_message=error[:512],
+                last_heartbeat_message=bounded(error, 512),
             )
         derive_batch(conn, clock, current)
         b = schema.batch.c
         conn.execute(
             sa.update(schema.batch)
             .where(b.batch_id == batch_id)
-            .values(error_message=error[:1024], updated_at=clock.now())
+            .values(error_message=bounded(error), updated_at=clock.now())
         )
         # A batch without shards derives no status: it failed before it had any.
         conn.execute(

@@ -59,6 +59,7 @@ from supplier_sync_dagster.core.leasing.processes import (
     make_worker_id,
 )
 from supplier_sync_dagster.core.leasing.shards import ShardStatus, move_shard_returning, move_shards
+from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase
 
@@ -283,7 +284,7 @@ class ShardLease:
                 heartbeat_at=now,
                 lease_until=self.db.clock.now(self.settings.lease_seconds),
                 last_heartbeat_stage=stage[:64],
-                last_heartbeat_message=message[:512],
+                last_heartbeat_message=bounded(message, 512),
                 updated_at=now,
             )
 
@@ -352,7 +353,7 @@ class ShardLease:
             heartbeat_at=self.db.clock.now(),
             lease_until=self.db.clock.now(self.settings.lease_seconds),
             last_heartbeat_stage=stage[:64],
-            last_heartbeat_message=message[:512],
+            last_heartbeat_message=bounded(message, 512),
             updated_at=self.db.clock.now(),
         )
 
@@ -392,7 +393,7 @@ class ShardLease:
             "FINISHED",
             f"finished {status}",
             finished_at=self.db.clock.now(),
-            error_message=(error_message or None) and error_message[:1024],
+            error_message=(error_message or None) and bounded(error_message),
             **totals,
         )
         assert batch is not None  # _end re-derives the batch unless told not to
@@ -434,7 +435,7 @@ class ShardLease:
             last_heartbeat_message=f"finished {status}",
             updated_at=self.db.clock.now(),
             finished_at=self.db.clock.now(),
-            error_message=(error_message or None) and error_message[:1024],
+            error_message=(error_message or None) and bounded(error_message),
             total_count=counts.total,
             success_count=counts.success,
             failed_count=counts.failed,
@@ -474,7 +475,7 @@ class ShardLease:
                 target,
                 lease_until=None,
                 last_heartbeat_stage=stage,
-                last_heartbeat_message=message[:512],
+                last_heartbeat_message=bounded(message, 512),
                 updated_at=self.db.clock.now(),
                 **values,
             )
@@ -721,7 +722,7 @@ def reopen_shard(db: SyncDatabase, batch_id: str, shard_key: str, reason: str) -
             ),
             finished_at=None,
             last_heartbeat_stage="REOPENED",
-            last_heartbeat_message=reason[:512],
+            last_heartbeat_message=bounded(reason, 512),
             updated_at=clock.now(),
         )
         return refresh_batch(conn, clock, batch_id)

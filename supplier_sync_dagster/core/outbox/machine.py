@@ -50,6 +50,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, UnknownOutboxEvent
+from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase, use_index
@@ -401,7 +402,7 @@ def settle(
             give_up = attempt >= STAGE_POLICIES[stage].max_attempts  # type: ignore[index]
             target = "FAILED" if give_up else "READY"
             values.update(
-                next_stage=stage, retry_count=attempt, last_error=p.error[:MAX_ERROR_LENGTH]
+                next_stage=stage, retry_count=attempt, last_error=bounded(p.error, MAX_ERROR_LENGTH)
             )
             if give_up:
                 values["next_attempt_at"] = None

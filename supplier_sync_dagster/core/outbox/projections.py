@@ -50,6 +50,7 @@ from pamqp.exceptions import UnmarshalingException
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import ConfigError, ProjectionUnavailable
+from supplier_sync_dagster.core.redaction import redact
 from supplier_sync_dagster.core.store import schema
 
 if TYPE_CHECKING:
@@ -355,7 +356,7 @@ class PostgresSearchIndex:
             except psycopg.OperationalError as err:
                 self._drop()
                 raise ProjectionUnavailable(
-                    f"search index {_safe(self.url)} is unavailable: {_first_line(err)}"
+                    f"search index {redact(self.url)} is unavailable: {_first_line(err)}"
                 ) from err
             except BaseException:
                 if self._conn is not None and not self._conn.closed:
@@ -640,7 +641,7 @@ class RedisHotelCache:
             yield
         except self._redis_error as err:
             raise ProjectionUnavailable(
-                f"hotel cache {_safe(self.url)} is unavailable: {_first_line(err)}"
+                f"hotel cache {redact(self.url)} is unavailable: {_first_line(err)}"
             ) from err
 
     def get(self, key: str) -> bytes | None:
@@ -953,7 +954,7 @@ class RabbitMqNotifier:
             except Exception as err:
                 self._reset()
                 raise ProjectionUnavailable(
-                    f"message broker {_safe(self.url)} did not confirm {len(notes)} "
+                    f"message broker {redact(self.url)} did not confirm {len(notes)} "
                     f"messages: {type(err).__name__}: {_first_line(err)}"
                 ) from err
 
@@ -1040,15 +1041,6 @@ def open_projections(
     else:
         notifier = JsonLinesNotifier(settings.state_dir / "notifications.jsonl")
     return Projections(open_search_index(settings), cache, notifier)
-
-
-def _safe(url: str) -> str:
-    """A URL with its password masked."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return url
 
 
 def _first_line(err: BaseException) -> str:

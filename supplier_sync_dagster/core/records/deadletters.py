@@ -53,6 +53,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import ERROR_CODES
+from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
@@ -364,7 +365,7 @@ def _supersede(
 def _payload(d: DeadLetter) -> dict[str, Any]:
     """The columns a re-seen problem refreshes: what the latest sight of it was."""
     out: dict[str, Any] = {
-        "error_message": d.error_message[:1024],
+        "error_message": bounded(d.error_message),
         "raw_payload_ref": d.raw_payload_ref,
         "raw_payload_hash": d.raw_payload_hash or UNKNOWN,
         "record_position": (d.record_position or UNKNOWN)[:128],
@@ -632,7 +633,7 @@ def fail_attempt(
         sa.select(d.id, d.retry_count, d.max_retry_count).where(d.id.in_(sorted(set(ids))))
     ).all()
     message: dict[str, Any] = (
-        {} if error_message is None else {"error_message": error_message[:1024]}
+        {} if error_message is None else {"error_message": bounded(error_message)}
     )
     exhausted = [int(r.id) for r in rows if r.retry_count >= r.max_retry_count]
     by_count: dict[int, list[int]] = {}

@@ -34,6 +34,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from supplier_sync_dagster.core.errors import ConfigError, DatabaseUnavailable
+from supplier_sync_dagster.core.redaction import register_secret
 from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 _SUPPORTED_BACKENDS = ("sqlite", "mysql", "mariadb")
@@ -116,6 +117,7 @@ def make_engine(url: str) -> Engine:
         ConfigError: The URL is malformed or names an unsupported backend.
     """
     parsed = check_db_url(url)
+    register_secret(parsed.password)  # masked in every log line and stored error from now on
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)

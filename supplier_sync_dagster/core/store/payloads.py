@@ -50,6 +50,7 @@ from supplier_sync_dagster.core.errors import (
     PayloadError,
     PayloadNotFound,
 )
+from supplier_sync_dagster.core.redaction import redact
 from supplier_sync_dagster.core.settings import env_name, load_storage_settings
 
 ENDPOINT_URL_ENV = "AWS_ENDPOINT_URL"
@@ -681,7 +682,7 @@ def open_payload_store(
 
     def bad(why: str) -> ConfigError:
         return ConfigError(
-            f"{env_name('payload_url')} {_redact(raw)} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
+            f"{env_name('payload_url')} {_show(redact(raw))} is not usable: {why}; accepted: {_ACCEPTED_URLS}"
         )
 
     try:
@@ -721,9 +722,3 @@ def _default_s3_client() -> Any:
             "(it comes with dagster-aws)"
         ) from None
     return boto3.client("s3", endpoint_url=os.environ.get(ENDPOINT_URL_ENV) or None)
-
-
-def _redact(url: str) -> str:
-    # A user may paste an URL with user:secret@ in it: never echo the secret.
-    shown = re.sub(r"(?<=://)[^/@]*@", "***@", url)
-    return _show(shown)

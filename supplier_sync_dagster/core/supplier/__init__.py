@@ -4,8 +4,8 @@ Build one client per supplier API key::
 
     limiter = make_rate_limiter(redis_url=settings.redis_url, supplier_id="acme",
                                 api_key=key, rate=20, burst=1)
-    transport = BoundedTransport()  # every socket wait ends by the request's deadline
-    with httpx.Client(base_url="https://api.acme.example/", transport=transport) as http:
+    # Every socket wait ends by the request's deadline; a base URL's query is kept apart.
+    with supplier_http_client("https://api.acme.example/?token=t") as http:
         client = SupplierClient(http, api_key=key, supplier_id="acme", rate_limiter=limiter)
         walk = CityWalk(client, "BKK", page_size=100, start=checkpoint, hotel_count=size)
         for item in walk:
@@ -56,7 +56,11 @@ from supplier_sync_dagster.core.supplier.ratelimit import (
     make_share_limiter,
 )
 from supplier_sync_dagster.core.supplier.retry import NO_RETRY, RetryPolicy, parse_retry_after
-from supplier_sync_dagster.core.supplier.transport import BoundedTransport, deadline_scope
+from supplier_sync_dagster.core.supplier.transport import (
+    BoundedTransport,
+    deadline_scope,
+    supplier_http_client,
+)
 from supplier_sync_dagster.core.supplier.walk import CityWalk, WalkLimits, WalkStats
 
 __all__ = [
@@ -105,4 +109,5 @@ __all__ = [
     "make_rate_limiter",
     "make_share_limiter",
     "parse_retry_after",
+    "supplier_http_client",
 ]

@@ -50,6 +50,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierUnreachable,
     TruncatedBody,
 )
+from supplier_sync_dagster.core.redaction import MASK, redact, register_secret, register_url
 from supplier_sync_dagster.core.settings import (
     MAX_CHANGES_LIMIT,
     MAX_PAGE_SIZE,
@@ -101,7 +102,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_MAX_DECODED_BYTES = 16 * 2**20
 
 _MAX_MESSAGE = 300
-_REDACTED = "***"
+_REDACTED = MASK
 _CONNECTION_REASONS = frozenset({"connection_refused", "dns", "tls", "connection"})
 
 
@@ -335,6 +336,16 @@ class SupplierClient:
         """
         if not api_key:
             raise ValueError("api_key must not be empty")
+        if http.base_url.query:
+            raise ValueError(
+                "the HTTP client's base URL has a query, which httpx mangles with each path: "
+                "build it with supplier_http_client()"
+            )
+        # Every log line, stored error and output of this process masks them from now on.
+        register_secret(api_key)
+        register_url(str(http.base_url))
+        for param in http.params.values():
+            register_secret(param)
         for name, value in (
             ("request_deadline", request_deadline),
             ("max_body_bytes", max_body_bytes),
@@ -1034,8 +1045,8 @@ class SupplierClient:
         return dataclasses.replace(ok, parsed=parsed)
 
     def _redact(self, text: str) -> str:
-        # A supplier may echo the key back in an error message.
-        return text.replace(self._key.reveal(), _REDACTED)
+        # A supplier may echo the key back in an error message (registered: see __init__).
+        return redact(text.replace(self._key.reveal(), _REDACTED))
 
 
 def _check_city(city_code: str) -> None:

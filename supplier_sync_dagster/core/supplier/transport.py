@@ -162,6 +162,28 @@ class _Body(httpx.SyncByteStream):
                 close()
 
 
+def supplier_http_client(
+    base_url: str, *, transport: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    """The HTTP client of a supplier at ``base_url``: each endpoint's path joins onto the base
+    URL's path, and the base URL's query (a token some suppliers authenticate by) goes with
+    every request, beside the request's own parameters.
+
+    httpx would append a path to the query of a base URL that has one
+    (``?token=abc/v1/cities``); this client keeps the two apart.
+
+    Args:
+        base_url: The supplier API's base URL, as configured.
+        transport: The transport; None: a :class:`BoundedTransport`.
+    """
+    url = httpx.URL(base_url)
+    return httpx.Client(
+        base_url=url.copy_with(query=None, fragment=None),
+        params=url.params,
+        transport=transport or BoundedTransport(),
+    )
+
+
 class BoundedTransport(httpx.BaseTransport):
     """httpx's HTTP/1.1 transport, each request's socket waits bounded by its deadline.
 

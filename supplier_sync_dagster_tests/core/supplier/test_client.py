@@ -36,6 +36,7 @@ from supplier_sync_dagster.core.supplier import (
     RetryPolicy,
     SupplierClient,
     encode_segment,
+    supplier_http_client,
 )
 from supplier_sync_dagster_tests.core.supplier.fakes import (
     API_KEY,
@@ -526,7 +527,7 @@ def test_api_key_never_leaks(caplog: pytest.LogCaptureFixture) -> None:
         assert API_KEY not in text
     assert "***" in str(failures[0])
 
-    http = httpx.Client(base_url=f"https://user:{API_KEY}@supplier.test/api/?key={API_KEY}")
+    http = supplier_http_client(f"https://user:{API_KEY}@supplier.test/api/?key={API_KEY}")
     assert API_KEY not in repr(SupplierClient(http, api_key=API_KEY))
 
 

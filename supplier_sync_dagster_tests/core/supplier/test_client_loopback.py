@@ -26,6 +26,7 @@ from supplier_sync_dagster.core.supplier import (
     CircuitBreaker,
     RetryPolicy,
     SupplierClient,
+    supplier_http_client,
 )
 from supplier_sync_dagster_tests.core.supplier.hostile_server import (
     CITIES_BODY,
@@ -54,7 +55,7 @@ def client(
     **kwargs: object,
 ) -> SupplierClient:
     transport = BoundedTransport() if bounded else httpx.HTTPTransport()
-    http = httpx.Client(base_url=url, transport=transport)
+    http = supplier_http_client(url, transport=transport)
     return SupplierClient(
         http,
         api_key=KEY,
