@@ -4,22 +4,27 @@ The same actions as the CLI (``dead-letters retry|ignore|fix``, ``review approve
 ``gate override``, ``task set``, ``outbox retry|cancel``), through the same core functions:
 each needs who (``by``) and why (``reason``), writes one audit row per target, and its run's
 output metadata shows what changed. A refused action (a closed dead letter, a fix that still
-fails its checks, an unknown review) fails the run with the reason.
+fails its checks, an unknown review, a ``by`` or ``reason`` with a control character) fails
+the run with the reason, before anything changes. Beside the declared ``by``, each audit row
+records the identity the run can prove: its process's OS user, host and pid, the run's id,
+and the user Dagster names as its launcher (the ``user`` tag, which Dagster+ sets;
+open-source Dagster has no login and sets none).
 """
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import dagster as dg
 from pydantic import Field
 
-from supplier_sync_dagster.core.errors import NotFound, SupplierSyncError
+from supplier_sync_dagster.core.errors import ConfigError, NotFound, SupplierSyncError
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
 from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
+from supplier_sync_dagster.core.store.audit import Identity, process_identity, require_who_and_why
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -30,6 +35,8 @@ from supplier_sync_dagster.defs.resources import (
 GROUP = "operator_actions"
 _WHO = "Who does this (recorded in the audit trail)."
 _WHY = "Why (recorded in the audit trail)."
+# The run tag Dagster+ sets to the launching user (dagster._core.storage.tags.USER_TAG).
+DAGSTER_USER_TAG = "user"
 
 
 class DeadLetterActionConfig(dg.Config):
@@ -102,6 +109,28 @@ def _refused(err: Exception) -> dg.Failure:
     return dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False)
 
 
+class _Declared(Protocol):
+    """A form's who and why."""
+
+    by: str
+    reason: str
+
+
+def run_identity(context: dg.OpExecutionContext) -> Identity:
+    """This process's identity as the op's run, with the user Dagster names as its launcher."""
+    return process_identity().in_run(context.run_id, context.run.tags.get(DAGSTER_USER_TAG))
+
+
+def _acting(context: dg.OpExecutionContext, config: _Declared) -> Identity:
+    """The run's identity, once the form's who and why pass the CLI's rules for ``--by`` and
+    ``--reason``; else the run fails before anything changes."""
+    try:
+        require_who_and_why(config.by, config.reason)
+    except ConfigError as err:
+        raise _refused(err) from None
+    return run_identity(context)
+
+
 def _json_field(text: str, refusal: str) -> Any:
     """A form's JSON field parsed; text that is no JSON fails the run with ``refusal``."""
     try:
@@ -116,6 +145,7 @@ def _dead_letter_action(
     sync_db: SyncDatabaseResource,
     action: str,
 ) -> dg.Output[int]:
+    identity = _acting(context, config)
     with sync_db.opened() as db:
         with db.engine.connect() as conn:
             before = deadletters.snapshot(conn, config.ids)
@@ -128,6 +158,7 @@ def _dead_letter_action(
                     "retry" if action == "retry" else "ignore",
                     actor=config.by,
                     reason=config.reason,
+                    identity=identity,
                 )
         except SupplierSyncError as err:
             raise _refused(err) from None
@@ -172,6 +203,7 @@ def fix_dead_letter_op(
     governance: GovernanceResource,
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
+    identity = _acting(context, config)
     patch = _json_field(config.patch, "patch is not JSON")
     with sync_db.opened() as db:
         try:
@@ -186,6 +218,7 @@ def fix_dead_letter_op(
                 risk_policy=governance.risk_rules(),
                 max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
                 worker_id=make_worker_id("supplier-sync"),
+                identity=identity,
             )
         except NotFound as err:
             raise dg.Failure(description=str(err), allow_retries=False) from None
@@ -211,8 +244,12 @@ def fix_dead_letter_op(
 
 
 def _review(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource, approve: bool
+    context: dg.OpExecutionContext,
+    config: ReviewDecisionConfig,
+    sync_db: SyncDatabaseResource,
+    approve: bool,
 ) -> dg.Output[int]:
+    identity = _acting(context, config)
     if not config.review_ids and not config.batch_id:
         raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
     with sync_db.opened() as db:
@@ -224,6 +261,7 @@ def _review(
                 who=config.by,
                 reason=config.reason,
                 batch_id=config.batch_id or None,
+                identity=identity,
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
@@ -233,23 +271,26 @@ def _review(
 
 @dg.op(description="Approve reviews: their hotels publish through the version guard.")
 def approve_reviews_op(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review approval."""
-    return _review(config, sync_db, approve=True)
+    return _review(context, config, sync_db, approve=True)
 
 
 @dg.op(description="Reject reviews: their hotels stay as published.")
 def reject_reviews_op(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review rejection."""
-    return _review(config, sync_db, approve=False)
+    return _review(context, config, sync_db, approve=False)
 
 
 @dg.op(description="Let a failed gate check of one city pass; re-running the city publishes it.")
-def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) -> dg.Output[str]:
+def override_gate_op(
+    context: dg.OpExecutionContext, config: GateOverrideConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[str]:
     """An operator's gate override."""
+    identity = _acting(context, config)
     with sync_db.opened() as db:
         try:
             override = override_gate_check(
@@ -257,6 +298,7 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
                 GateCheck(config.batch_id, config.city, config.check_name),
                 who=config.by,
                 reason=config.reason,
+                identity=identity,
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
@@ -267,8 +309,11 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
 
 
 @dg.op(description="Change a sync task's settings (one audit row per field that changed).")
-def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) -> dg.Output[int]:
+def change_task_op(
+    context: dg.OpExecutionContext, config: TaskSettingsConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
     """An operator's task settings change."""
+    identity = _acting(context, config)
     thresholds = (
         _json_field(config.thresholds_json, "thresholds_json") if config.thresholds_json else None
     )
@@ -283,6 +328,7 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
                 status=config.status or None,  # type: ignore[arg-type]
                 cron=config.cron or None,
                 thresholds=thresholds,
+                identity=identity,
             )
         except SupplierSyncError as err:
             raise _refused(err) from None
@@ -298,11 +344,17 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
 
 
 def _outbox(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource, action: Literal["retry", "cancel"]
+    context: dg.OpExecutionContext,
+    config: OutboxActionConfig,
+    sync_db: SyncDatabaseResource,
+    action: Literal["retry", "cancel"],
 ) -> dg.Output[int]:
+    identity = _acting(context, config)
     with sync_db.opened() as db:
         try:
-            moved = operate(db, action, config.ids, actor=config.by, reason=config.reason)
+            moved = operate(
+                db, action, config.ids, actor=config.by, reason=config.reason, identity=identity
+            )
         except SupplierSyncError as err:
             raise _refused(err) from None
     return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
@@ -310,18 +362,18 @@ def _outbox(
 
 @dg.op(description="FAILED or CANCELLED outbox events run again from the stage they stopped at.")
 def retry_outbox_events(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's outbox retry."""
-    return _outbox(config, sync_db, "retry")
+    return _outbox(context, config, sync_db, "retry")
 
 
 @dg.op(description="READY or FAILED outbox events stop (until retried).")
 def cancel_outbox_events(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's outbox cancel."""
-    return _outbox(config, sync_db, "cancel")
+    return _outbox(context, config, sync_db, "cancel")
 
 
 def _job(name: str, op: dg.OpDefinition, description: str) -> dg.JobDefinition:

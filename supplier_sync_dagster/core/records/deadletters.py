@@ -53,7 +53,7 @@ from supplier_sync_dagster.core.errors import (
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import ERROR_CODES
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
@@ -748,6 +748,7 @@ def operator_action(
     *,
     actor: str,
     reason: str,
+    identity: Identity | None = None,
 ) -> int:
     """An operator's ``retry`` (due now, one more attempt) or ``ignore``, audited.
 
@@ -759,6 +760,7 @@ def operator_action(
             in their budget; ``ignore`` closes any open row.
         actor: Who (recorded).
         reason: Why (recorded).
+        identity: Who, as the acting process proves it; None: this process's.
 
     Returns:
         The number of rows moved.
@@ -793,6 +795,7 @@ def operator_action(
         changes=[(before[i]["dead_letter_id"], before[i], after[i]) for i in sorted(before)],
         actor=who,
         reason=why,
+        identity=identity,
     )
     return moved
 
