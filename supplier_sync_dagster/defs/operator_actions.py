@@ -12,6 +12,8 @@ open-source Dagster has no login and sets none).
 """
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
 import dagster as dg
@@ -22,9 +24,10 @@ from supplier_sync_dagster.core.leasing.leases import make_worker_id
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
-from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
+from supplier_sync_dagster.core.records.review import Decision, approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
 from supplier_sync_dagster.core.store.audit import Identity, process_identity, require_who_and_why
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -121,7 +124,7 @@ def run_identity(context: dg.OpExecutionContext) -> Identity:
     return process_identity().in_run(context.run_id, context.run.tags.get(DAGSTER_USER_TAG))
 
 
-def _acting(context: dg.OpExecutionContext, config: _Declared) -> Identity:
+def _proven(context: dg.OpExecutionContext, config: _Declared) -> Identity:
     """The run's identity, once the form's who and why pass the CLI's rules for ``--by`` and
     ``--reason``; else the run fails before anything changes."""
     try:
@@ -129,6 +132,20 @@ def _acting(context: dg.OpExecutionContext, config: _Declared) -> Identity:
     except ConfigError as err:
         raise _refused(err) from None
     return run_identity(context)
+
+
+@contextmanager
+def _acting(
+    context: dg.OpExecutionContext, config: _Declared, sync_db: SyncDatabaseResource
+) -> Iterator[tuple[SyncDatabase, Identity]]:
+    """The sync database and the run's identity for an operator's action (:func:`_proven`);
+    a refusal of the action fails the run with its reason."""
+    identity = _proven(context, config)
+    with sync_db.opened() as db:
+        try:
+            yield db, identity
+        except SupplierSyncError as err:
+            raise _refused(err) from None
 
 
 def _json_field(text: str, refusal: str) -> Any:
@@ -145,23 +162,19 @@ def _dead_letter_action(
     sync_db: SyncDatabaseResource,
     action: str,
 ) -> dg.Output[int]:
-    identity = _acting(context, config)
-    with sync_db.opened() as db:
+    with _acting(context, config, sync_db) as (db, identity):
         with db.engine.connect() as conn:
             before = deadletters.snapshot(conn, config.ids)
-        try:
-            with db.begin() as conn:
-                moved = deadletters.operator_action(
-                    conn,
-                    db.clock,
-                    config.ids,
-                    "retry" if action == "retry" else "ignore",
-                    actor=config.by,
-                    reason=config.reason,
-                    identity=identity,
-                )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+        with db.begin() as conn:
+            moved = deadletters.operator_action(
+                conn,
+                db.clock,
+                config.ids,
+                "retry" if action == "retry" else "ignore",
+                actor=config.by,
+                reason=config.reason,
+                identity=identity,
+            )
         with db.engine.connect() as conn:
             after = deadletters.snapshot(conn, config.ids)
     context.log.info(f"dead letters {config.ids}: {action} by {config.by} ({moved} moved)")
@@ -203,7 +216,7 @@ def fix_dead_letter_op(
     governance: GovernanceResource,
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
-    identity = _acting(context, config)
+    identity = _proven(context, config)
     patch = _json_field(config.patch, "patch is not JSON")
     with sync_db.opened() as db:
         try:
@@ -247,26 +260,21 @@ def _review(
     context: dg.OpExecutionContext,
     config: ReviewDecisionConfig,
     sync_db: SyncDatabaseResource,
-    approve: bool,
+    decide: Callable[..., Decision],
 ) -> dg.Output[int]:
-    identity = _acting(context, config)
-    if not config.review_ids and not config.batch_id:
-        raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
-    with sync_db.opened() as db:
-        decide = approve_reviews if approve else reject_reviews
-        try:
-            decision = decide(
-                db,
-                review_ids=config.review_ids or None,
-                who=config.by,
-                reason=config.reason,
-                batch_id=config.batch_id or None,
-                identity=identity,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        if not config.review_ids and not config.batch_id:
+            raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
+        decision = decide(
+            db,
+            review_ids=config.review_ids or None,
+            who=config.by,
+            reason=config.reason,
+            batch_id=config.batch_id or None,
+            identity=identity,
+        )
     values = {k: v for k, v in vars(decision).items() if isinstance(v, int)}
-    return dg.Output(decision.approved if approve else decision.rejected, metadata=values)
+    return dg.Output(decision.approved + decision.rejected, metadata=values)  # one is 0
 
 
 @dg.op(description="Approve reviews: their hotels publish through the version guard.")
@@ -274,7 +282,7 @@ def approve_reviews_op(
     context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review approval."""
-    return _review(context, config, sync_db, approve=True)
+    return _review(context, config, sync_db, approve_reviews)
 
 
 @dg.op(description="Reject reviews: their hotels stay as published.")
@@ -282,7 +290,7 @@ def reject_reviews_op(
     context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review rejection."""
-    return _review(context, config, sync_db, approve=False)
+    return _review(context, config, sync_db, reject_reviews)
 
 
 @dg.op(description="Let a failed gate check of one city pass; re-running the city publishes it.")
@@ -290,18 +298,14 @@ def override_gate_op(
     context: dg.OpExecutionContext, config: GateOverrideConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[str]:
     """An operator's gate override."""
-    identity = _acting(context, config)
-    with sync_db.opened() as db:
-        try:
-            override = override_gate_check(
-                db,
-                GateCheck(config.batch_id, config.city, config.check_name),
-                who=config.by,
-                reason=config.reason,
-                identity=identity,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        override = override_gate_check(
+            db,
+            GateCheck(config.batch_id, config.city, config.check_name),
+            who=config.by,
+            reason=config.reason,
+            identity=identity,
+        )
     return dg.Output(
         config.check_name,
         metadata={k: str(v) for k, v in vars(override).items()},
@@ -313,25 +317,21 @@ def change_task_op(
     context: dg.OpExecutionContext, config: TaskSettingsConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's task settings change."""
-    identity = _acting(context, config)
     thresholds = (
         _json_field(config.thresholds_json, "thresholds_json") if config.thresholds_json else None
     )
-    with sync_db.opened() as db:
-        try:
-            changes = change_task(
-                db,
-                config.task_code,
-                changed_by=config.by,
-                reason=config.reason,
-                policy=config.policy or None,  # type: ignore[arg-type]
-                status=config.status or None,  # type: ignore[arg-type]
-                cron=config.cron or None,
-                thresholds=thresholds,
-                identity=identity,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        changes = change_task(
+            db,
+            config.task_code,
+            changed_by=config.by,
+            reason=config.reason,
+            policy=config.policy or None,  # type: ignore[arg-type]
+            status=config.status or None,  # type: ignore[arg-type]
+            cron=config.cron or None,
+            thresholds=thresholds,
+            identity=identity,
+        )
     return dg.Output(
         len(changes),
         metadata={
@@ -343,37 +343,26 @@ def change_task_op(
     )
 
 
-def _outbox(
-    context: dg.OpExecutionContext,
-    config: OutboxActionConfig,
-    sync_db: SyncDatabaseResource,
-    action: Literal["retry", "cancel"],
-) -> dg.Output[int]:
-    identity = _acting(context, config)
-    with sync_db.opened() as db:
-        try:
+def _outbox_op(action: Literal["retry", "cancel"], description: str) -> dg.OpDefinition:
+    """The op of an operator's outbox retry or cancel."""
+
+    @dg.op(name=f"{action}_outbox_events", description=description)
+    def outbox_action(
+        context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
+    ) -> dg.Output[int]:
+        with _acting(context, config, sync_db) as (db, identity):
             moved = operate(
                 db, action, config.ids, actor=config.by, reason=config.reason, identity=identity
             )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
-    return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
+        return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
+
+    return outbox_action
 
 
-@dg.op(description="FAILED or CANCELLED outbox events run again from the stage they stopped at.")
-def retry_outbox_events(
-    context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
-) -> dg.Output[int]:
-    """An operator's outbox retry."""
-    return _outbox(context, config, sync_db, "retry")
-
-
-@dg.op(description="READY or FAILED outbox events stop (until retried).")
-def cancel_outbox_events(
-    context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
-) -> dg.Output[int]:
-    """An operator's outbox cancel."""
-    return _outbox(context, config, sync_db, "cancel")
+retry_outbox_events = _outbox_op(
+    "retry", "FAILED or CANCELLED outbox events run again from the stage they stopped at."
+)
+cancel_outbox_events = _outbox_op("cancel", "READY or FAILED outbox events stop (until retried).")
 
 
 def _job(name: str, op: dg.OpDefinition, description: str) -> dg.JobDefinition:
