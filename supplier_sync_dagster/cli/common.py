@@ -25,6 +25,7 @@ from supplier_sync_dagster.core.store.engine import (
     missing_sqlite_file,
     resolve_db_url,
 )
+from supplier_sync_dagster.core.text import json_printable
 
 ACCOUNT_HELP = (
     "the account (supplier.account) of $SUPPLIER_SYNC_SUPPLIERS_FILE; unset: the one account "
@@ -203,8 +204,10 @@ def first(*values: T | None) -> T | None:
 
 
 def dumps(value: Any, *, indent: int | None = None) -> str:
-    """``value`` as JSON for an operator: keys sorted, text as it is, the rest as ``str``."""
-    return json.dumps(value, default=str, ensure_ascii=False, sort_keys=True, indent=indent)
+    """``value`` as JSON for an operator: keys sorted, text as it is but for characters a
+    terminal obeys (``core.text``: escaped, the same JSON value), the rest as ``str``."""
+    text = json.dumps(value, default=str, ensure_ascii=False, sort_keys=True, indent=indent)
+    return json_printable(text)
 
 
 def warn(message: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.cli.common import open_db
+from supplier_sync_dagster.cli.common import dumps, open_db
 from supplier_sync_dagster.core.errors import ConfigError, ProfileMissing
 from supplier_sync_dagster.core.leasing.batches import get_batch, get_task
 from supplier_sync_dagster.core.leasing.leases import get_shard
@@ -33,9 +33,10 @@ from supplier_sync_dagster.core.records.review import (
     list_reviews,
     reject_reviews,
 )
-from supplier_sync_dagster.core.store.audit import require_who_and_why
+from supplier_sync_dagster.core.store.audit import describe_identity, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task, task_audit
+from supplier_sync_dagster.core.text import printable
 
 
 def threshold_changes(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,14 +184,12 @@ def cmd_task(args: argparse.Namespace) -> int:
             audit = task_audit(conn, args.task, limit=args.history)
     if args.json:
         print(
-            json.dumps(
+            dumps(
                 {
                     "task": dataclasses.asdict(task),
                     "gate_thresholds": thresholds_now.to_dict(),
                     "audit": [dataclasses.asdict(a) for a in audit],
-                },
-                default=str,
-                ensure_ascii=False,
+                }
             )
         )
         return 0
@@ -201,8 +200,12 @@ def cmd_task(args: argparse.Namespace) -> int:
     )
     print("gate thresholds: " + json.dumps(thresholds_now.to_dict()))
     for a in audit:
+        # Rows stored before control characters were refused are escaped, not obeyed.
         print(
-            f"  {a.created_at:%Y-%m-%d %H:%M:%S}  {a.changed_by}  {a.field_name}: "
-            f"{a.old_value} -> {a.new_value}  ({a.reason})"
+            printable(
+                f"  {a.created_at:%Y-%m-%d %H:%M:%S}  {a.changed_by} "
+                f"[{describe_identity(a.identity)}]  {a.field_name}: "
+                f"{a.old_value} -> {a.new_value}  ({a.reason})"
+            )
         )
     return 0

@@ -10,6 +10,7 @@ writes one row to the audit table in the transaction that makes the change.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,9 +20,10 @@ from supplier_sync_dagster.core.errors import ConfigError, NotFound
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.repair.trace import check_trace_field, trace_hotel
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import list_audit
+from supplier_sync_dagster.core.store.audit import describe_identity, list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import open_payload_store
+from supplier_sync_dagster.core.text import printable
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
@@ -64,7 +66,7 @@ def _show(db: SyncDatabase, dead_letter_id: int, *, as_json: bool) -> None:
         history = list_audit(
             conn, target_type="dead_letter", target_id=row["dead_letter_id"], limit=100
         )
-    print(dumps({**row, "audit": [vars(e) for e in history]}, indent=None if as_json else 2))
+    print(dumps({**row, "audit": [asdict(e) for e in history]}, indent=None if as_json else 2))
 
 
 def _line(row: dict[str, Any], *, as_json: bool) -> str:
@@ -173,7 +175,8 @@ def _render_trace(t: dict[str, Any]) -> str:
             out.append(f"    note: {dl['fix_note']}")
         for a in dl["audit"]:
             out.append(f"    {a['created_at']} {a['action']} by {a['actor']}: {a['reason']}")
-    return "\n".join(out)
+    # Stored text (an operator's note, a supplier's message) cannot forge a line.
+    return "\n".join(printable(line) for line in out)
 
 
 def _offer_line(o: dict[str, Any]) -> str:
@@ -198,10 +201,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         )
     for e in entries:
         if args.json:
-            print(dumps(vars(e)))
+            print(dumps(asdict(e)))
         else:
+            # Rows stored before control characters were refused are escaped, not obeyed.
             print(
-                f"{e.created_at}  {e.actor:<16} {e.action:<18} {e.target_type} {e.target_id}  "
-                f"why: {e.reason}  before: {dumps(e.before)}  after: {dumps(e.after)}"
+                printable(
+                    f"{e.created_at}  {e.actor:<16} [{describe_identity(e.identity)}]  "
+                    f"{e.action:<18} {e.target_type} {e.target_id}  why: {e.reason}  "
+                    f"before: {dumps(e.before)}  after: {dumps(e.after)}"
+                )
             )
     return 0

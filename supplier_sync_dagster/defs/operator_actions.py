@@ -4,10 +4,16 @@ The same actions as the CLI (``dead-letters retry|ignore|fix``, ``review approve
 ``gate override``, ``task set``, ``outbox retry|cancel``), through the same core functions:
 each needs who (``by``) and why (``reason``), writes one audit row per target, and its run's
 output metadata shows what changed. A refused action (a closed dead letter, a fix that still
-fails its checks, an unknown review) fails the run with the reason.
+fails its checks, an unknown review, a ``by`` or ``reason`` with a control character) fails
+the run with the reason, before anything changes. Beside the declared ``by``, each audit row
+records the identity the run can prove: its process's OS user, host and pid, the run's id,
+and the user Dagster names as its launcher (the ``user`` tag, which Dagster+ sets;
+open-source Dagster has no login and sets none).
 """
 
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol
 
 import dagster as dg
 from pydantic import Field
@@ -18,8 +24,10 @@ from supplier_sync_dagster.core.operator_input import check_row_ids, load_operat
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check
-from supplier_sync_dagster.core.records.review import approve_reviews, reject_reviews
+from supplier_sync_dagster.core.records.review import Decision, approve_reviews, reject_reviews
 from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
+from supplier_sync_dagster.core.store.audit import Identity, process_identity, require_who_and_why
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -30,6 +38,8 @@ from supplier_sync_dagster.defs.resources import (
 GROUP = "operator_actions"
 _WHO = "Who does this (recorded in the audit trail)."
 _WHY = "Why (recorded in the audit trail)."
+# The run tag Dagster+ sets to the launching user (dagster._core.storage.tags.USER_TAG).
+DAGSTER_USER_TAG = "user"
 
 
 class DeadLetterActionConfig(dg.Config):
@@ -104,6 +114,42 @@ def _refused(err: Exception) -> dg.Failure:
     return dg.Failure(description=f"{type(err).__name__}: {err}", allow_retries=False)
 
 
+class _Declared(Protocol):
+    """A form's who and why."""
+
+    by: str
+    reason: str
+
+
+def run_identity(context: dg.OpExecutionContext) -> Identity:
+    """This process's identity as the op's run, with the user Dagster names as its launcher."""
+    return process_identity().in_run(context.run_id, context.run.tags.get(DAGSTER_USER_TAG))
+
+
+def _proven(context: dg.OpExecutionContext, config: _Declared) -> Identity:
+    """The run's identity, once the form's who and why pass the CLI's rules for ``--by`` and
+    ``--reason``; else the run fails before anything changes."""
+    try:
+        require_who_and_why(config.by, config.reason)
+    except ConfigError as err:
+        raise _refused(err) from None
+    return run_identity(context)
+
+
+@contextmanager
+def _acting(
+    context: dg.OpExecutionContext, config: _Declared, sync_db: SyncDatabaseResource
+) -> Iterator[tuple[SyncDatabase, Identity]]:
+    """The sync database and the run's identity for an operator's action (:func:`_proven`);
+    a refusal of the action fails the run with its reason."""
+    identity = _proven(context, config)
+    with sync_db.opened() as db:
+        try:
+            yield db, identity
+        except SupplierSyncError as err:
+            raise _refused(err) from None
+
+
 def _row_ids(ids: list[int], name: str = "ids") -> list[int]:
     """A form's row ids, each within a signed BIGINT; any other fails the run in one line."""
     try:
@@ -128,21 +174,19 @@ def _dead_letter_action(
     action: str,
 ) -> dg.Output[int]:
     _row_ids(config.ids)
-    with sync_db.opened() as db:
+    with _acting(context, config, sync_db) as (db, identity):
         with db.engine.connect() as conn:
             before = deadletters.snapshot(conn, config.ids)
-        try:
-            with db.begin() as conn:
-                moved = deadletters.operator_action(
-                    conn,
-                    db.clock,
-                    config.ids,
-                    "retry" if action == "retry" else "ignore",
-                    actor=config.by,
-                    reason=config.reason,
-                )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+        with db.begin() as conn:
+            moved = deadletters.operator_action(
+                conn,
+                db.clock,
+                config.ids,
+                "retry" if action == "retry" else "ignore",
+                actor=config.by,
+                reason=config.reason,
+                identity=identity,
+            )
         with db.engine.connect() as conn:
             after = deadletters.snapshot(conn, config.ids)
     context.log.info(f"dead letters {config.ids}: {action} by {config.by} ({moved} moved)")
@@ -185,6 +229,7 @@ def fix_dead_letter_op(
 ) -> dg.Output[str]:
     """An operator's fix: accepted, the run succeeds; refused, it fails with the new code."""
     _row_ids([config.id], "id")
+    identity = _proven(context, config)
     patch = _json_field(config.patch, "patch")
     with sync_db.opened() as db:
         try:
@@ -199,6 +244,7 @@ def fix_dead_letter_op(
                 risk_policy=governance.risk_rules(),
                 max_clock_skew_seconds=sync_db.max_clock_skew_seconds,
                 worker_id=make_worker_id("supplier-sync"),
+                identity=identity,
             )
         except NotFound as err:
             raise dg.Failure(description=str(err), allow_retries=False) from None
@@ -224,55 +270,55 @@ def fix_dead_letter_op(
 
 
 def _review(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource, approve: bool
+    context: dg.OpExecutionContext,
+    config: ReviewDecisionConfig,
+    sync_db: SyncDatabaseResource,
+    decide: Callable[..., Decision],
 ) -> dg.Output[int]:
-    if not config.review_ids and not config.batch_id:
-        raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
-    with sync_db.opened() as db:
-        decide = approve_reviews if approve else reject_reviews
-        try:
-            decision = decide(
-                db,
-                review_ids=config.review_ids or None,
-                who=config.by,
-                reason=config.reason,
-                batch_id=config.batch_id or None,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        if not config.review_ids and not config.batch_id:
+            raise dg.Failure(description="name review_ids or a batch_id", allow_retries=False)
+        decision = decide(
+            db,
+            review_ids=config.review_ids or None,
+            who=config.by,
+            reason=config.reason,
+            batch_id=config.batch_id or None,
+            identity=identity,
+        )
     values = {k: v for k, v in vars(decision).items() if isinstance(v, int)}
-    return dg.Output(decision.approved if approve else decision.rejected, metadata=values)
+    return dg.Output(decision.approved + decision.rejected, metadata=values)  # one is 0
 
 
 @dg.op(description="Approve reviews: their hotels publish through the version guard.")
 def approve_reviews_op(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review approval."""
-    return _review(config, sync_db, approve=True)
+    return _review(context, config, sync_db, approve_reviews)
 
 
 @dg.op(description="Reject reviews: their hotels stay as published.")
 def reject_reviews_op(
-    config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
+    context: dg.OpExecutionContext, config: ReviewDecisionConfig, sync_db: SyncDatabaseResource
 ) -> dg.Output[int]:
     """An operator's review rejection."""
-    return _review(config, sync_db, approve=False)
+    return _review(context, config, sync_db, reject_reviews)
 
 
 @dg.op(description="Let a failed gate check of one city pass; re-running the city publishes it.")
-def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) -> dg.Output[str]:
+def override_gate_op(
+    context: dg.OpExecutionContext, config: GateOverrideConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[str]:
     """An operator's gate override."""
-    with sync_db.opened() as db:
-        try:
-            override = override_gate_check(
-                db,
-                GateCheck(config.batch_id, config.city, config.check_name),
-                who=config.by,
-                reason=config.reason,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        override = override_gate_check(
+            db,
+            GateCheck(config.batch_id, config.city, config.check_name),
+            who=config.by,
+            reason=config.reason,
+            identity=identity,
+        )
     return dg.Output(
         config.check_name,
         metadata={k: str(v) for k, v in vars(override).items()},
@@ -280,25 +326,25 @@ def override_gate_op(config: GateOverrideConfig, sync_db: SyncDatabaseResource) 
 
 
 @dg.op(description="Change a sync task's settings (one audit row per field that changed).")
-def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) -> dg.Output[int]:
+def change_task_op(
+    context: dg.OpExecutionContext, config: TaskSettingsConfig, sync_db: SyncDatabaseResource
+) -> dg.Output[int]:
     """An operator's task settings change."""
     thresholds = (
         _json_field(config.thresholds_json, "thresholds_json") if config.thresholds_json else None
     )
-    with sync_db.opened() as db:
-        try:
-            changes = change_task(
-                db,
-                config.task_code,
-                changed_by=config.by,
-                reason=config.reason,
-                policy=config.policy or None,  # type: ignore[arg-type]
-                status=config.status or None,  # type: ignore[arg-type]
-                cron=config.cron or None,
-                thresholds=thresholds,
-            )
-        except SupplierSyncError as err:
-            raise _refused(err) from None
+    with _acting(context, config, sync_db) as (db, identity):
+        changes = change_task(
+            db,
+            config.task_code,
+            changed_by=config.by,
+            reason=config.reason,
+            policy=config.policy or None,  # type: ignore[arg-type]
+            status=config.status or None,  # type: ignore[arg-type]
+            cron=config.cron or None,
+            thresholds=thresholds,
+            identity=identity,
+        )
     return dg.Output(
         len(changes),
         metadata={
@@ -310,32 +356,27 @@ def change_task_op(config: TaskSettingsConfig, sync_db: SyncDatabaseResource) ->
     )
 
 
-def _outbox(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource, action: Literal["retry", "cancel"]
-) -> dg.Output[int]:
-    _row_ids(config.ids)
-    with sync_db.opened() as db:
-        try:
-            moved = operate(db, action, config.ids, actor=config.by, reason=config.reason)
-        except SupplierSyncError as err:
-            raise _refused(err) from None
-    return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
+def _outbox_op(action: Literal["retry", "cancel"], description: str) -> dg.OpDefinition:
+    """The op of an operator's outbox retry or cancel."""
+
+    @dg.op(name=f"{action}_outbox_events", description=description)
+    def outbox_action(
+        context: dg.OpExecutionContext, config: OutboxActionConfig, sync_db: SyncDatabaseResource
+    ) -> dg.Output[int]:
+        _row_ids(config.ids)
+        with _acting(context, config, sync_db) as (db, identity):
+            moved = operate(
+                db, action, config.ids, actor=config.by, reason=config.reason, identity=identity
+            )
+        return dg.Output(moved, metadata={"moved": moved, "ids": dg.MetadataValue.json(config.ids)})
+
+    return outbox_action
 
 
-@dg.op(description="FAILED or CANCELLED outbox events run again from the stage they stopped at.")
-def retry_outbox_events(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource
-) -> dg.Output[int]:
-    """An operator's outbox retry."""
-    return _outbox(config, sync_db, "retry")
-
-
-@dg.op(description="READY or FAILED outbox events stop (until retried).")
-def cancel_outbox_events(
-    config: OutboxActionConfig, sync_db: SyncDatabaseResource
-) -> dg.Output[int]:
-    """An operator's outbox cancel."""
-    return _outbox(config, sync_db, "cancel")
+retry_outbox_events = _outbox_op(
+    "retry", "FAILED or CANCELLED outbox events run again from the stage they stopped at."
+)
+cancel_outbox_events = _outbox_op("cancel", "READY or FAILED outbox events stop (until retried).")
 
 
 def _job(name: str, op: dg.OpDefinition, description: str) -> dg.JobDefinition:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import socket
 
 import pytest
 import sqlalchemy as sa
@@ -61,7 +64,10 @@ def test_task_show_prints_settings_thresholds_and_the_creation(
     assert cli.main(["--db-url", task_db, "task", "show"]) == 0
     out = capsys.readouterr().out
     assert f"task {TASK}: ENABLED, policy SKIP_IF_RUNNING, schedule MANUAL" in out
-    assert '"max_bad_ratio": 0.2' in out and "run night-1  task: None -> " in out
+    assert '"max_bad_ratio": 0.2' in out
+    # Who was declared, then who the process proves it is (the one that created the task).
+    proven = f"[{pwd.getpwuid(os.geteuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}]"
+    assert f"run night-1 {proven}  task: None -> " in out
     shown = _show(task_db, capsys)
     assert shown["task"] == {
         "task_code": TASK,

@@ -53,7 +53,7 @@ from supplier_sync_dagster.core.health.metrics import FAILED_BATCH_STATUSES, Syn
 from supplier_sync_dagster.core.leasing.batches import TERMINAL_BATCH_STATUSES
 from supplier_sync_dagster.core.redaction import bounded, redact, register_url
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,16 @@ def thresholds(conn: Connection, task_code: str) -> dict[str, float]:
 
 
 def set_thresholds(
-    db: SyncDatabase, task_code: str, values: Mapping[str, float], *, actor: str, reason: str
+    db: SyncDatabase,
+    task_code: str,
+    values: Mapping[str, float],
+    *,
+    actor: str,
+    reason: str,
+    identity: Identity | None = None,
 ) -> dict[str, float]:
-    """Changes thresholds of a task, audited (action ``alert.threshold``, one row each).
+    """Changes thresholds of a task, audited (action ``alert.threshold``, one row each, with
+    ``identity``, the acting process's when None).
 
     Raises:
         ConfigError: An unknown name, a negative value, or no actor or reason.
@@ -164,6 +171,7 @@ def set_thresholds(
             ],
             actor=who,
             reason=why,
+            identity=identity,
         )
         return thresholds(conn, task_code)
 

@@ -52,7 +52,7 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, UnknownOutboxEvent
 from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase, use_index
 
 OutboxStatus = Literal["READY", "PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -528,9 +528,11 @@ def operate(
     *,
     actor: str | None,
     reason: str | None,
+    identity: Identity | None = None,
 ) -> int:
     """An operator's retry or cancel of events, recorded in the audit trail (who, why, each
-    event's state before and after) in the same transaction as the move.
+    event's state before and after, and ``identity``, the acting process's when None) in
+    the same transaction as the move.
 
     Raises:
         ConfigError: ``actor`` or ``reason`` is missing, or no event is named.
@@ -553,6 +555,7 @@ def operate(
             changes=[(str(i), before.get(i), after.get(i)) for i in wanted],
             actor=who,
             reason=why,
+            identity=identity,
         )
     return moved
 

@@ -55,7 +55,7 @@ from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import ERROR_CODES
 from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 
 ErrorStage = Literal["ADAPTER", "VALIDATION", "MAPPING", "PUBLISH", "INDEX"]
@@ -785,6 +785,7 @@ def operator_action(
     *,
     actor: str,
     reason: str,
+    identity: Identity | None = None,
 ) -> int:
     """An operator's ``retry`` (due now, one more attempt) or ``ignore``, audited.
 
@@ -796,6 +797,7 @@ def operator_action(
             in their budget; ``ignore`` closes any open row.
         actor: Who (recorded).
         reason: Why (recorded).
+        identity: Who, as the acting process proves it; None: this process's.
 
     Returns:
         The number of rows moved.
@@ -830,6 +832,7 @@ def operator_action(
         changes=[(before[i]["dead_letter_id"], before[i], after[i]) for i in sorted(before)],
         actor=who,
         reason=why,
+        identity=identity,
     )
     return moved
 

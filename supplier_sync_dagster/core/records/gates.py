@@ -50,7 +50,11 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.leasing.batches import get_task
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions
+from supplier_sync_dagster.core.store.audit import (
+    Identity,
+    record_actions,
+    refuse_control_characters,
+)
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
 
 log = logging.getLogger(__name__)
@@ -916,6 +920,10 @@ def _check_text(name: str, value: Any, max_len: int) -> str:
         raise InvalidGateOverride(
             f"a gate override's {name} has at most {max_len} characters; got {len(value)}"
         )
+    try:
+        refuse_control_characters(f"a gate override's {name}", value)
+    except ConfigError as err:
+        raise InvalidGateOverride(str(err)) from None
     return value
 
 
@@ -928,6 +936,7 @@ def override_gate(
     check_name: str,
     who: str,
     reason: str,
+    identity: Identity | None = None,
 ) -> GateOverride:
     """Lets a check of a city of a batch pass, recording who did it, when and why.
 
@@ -942,6 +951,7 @@ def override_gate(
         check_name: One of :data:`CHECK_NAMES`.
         who: The operator (at most 64 characters).
         reason: Why the city may publish (at most 1024 characters).
+        identity: Who, as the acting process proves it; None: this process's.
 
     Returns:
         The override as stored.
@@ -997,6 +1007,7 @@ def override_gate(
             ],
             actor=who,
             reason=reason,
+            identity=identity,
         )
     log.warning(
         "quality gate %s of city %r in batch %s overridden by %s: %s",
@@ -1010,7 +1021,12 @@ def override_gate(
 
 
 def override_gate_check(
-    db: SyncDatabase, check: GateCheck, *, who: str, reason: str
+    db: SyncDatabase,
+    check: GateCheck,
+    *,
+    who: str,
+    reason: str,
+    identity: Identity | None = None,
 ) -> GateOverride:
     """An operator's override (:func:`override_gate`) in a transaction of its own, as the
     ``gate override`` command and the ``gate_override`` job make it.
@@ -1020,7 +1036,9 @@ def override_gate_check(
         UnknownShard: The batch has no shard for this city.
     """
     with db.begin() as conn:
-        return override_gate(conn, db.clock, **asdict(check), who=who, reason=reason)
+        return override_gate(
+            conn, db.clock, **asdict(check), who=who, reason=reason, identity=identity
+        )
 
 
 def list_overrides(

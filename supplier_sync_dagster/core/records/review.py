@@ -33,7 +33,7 @@ from supplier_sync_dagster.core.records.diff import Candidate, HotelDiff, diff_i
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.publish import publish_hotels
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
 
 ReviewStatus = Literal["PENDING", "APPROVED", "REJECTED", "SUPERSEDED"]
@@ -156,6 +156,7 @@ def decide_reviews(
     who: str,
     reason: str,
     batch_id: str | None = None,
+    identity: Identity | None = None,
 ) -> Decision:
     """Approves or rejects PENDING reviews.
 
@@ -170,6 +171,7 @@ def decide_reviews(
         who: Who decided (recorded).
         reason: Why (recorded).
         batch_id: Limits a bulk decision to one batch.
+        identity: Who, as the acting process proves it; None: this process's.
 
     Raises:
         ConfigError: No one decided, or no reason (or either is too long).
@@ -181,11 +183,11 @@ def decide_reviews(
     for part in _targets(db, review_ids, batch_id):
         with db.begin() as conn:
             if verdict == "APPROVED":
-                p, s = _approve(conn, db.clock, part, who, reason)
+                p, s = _approve(conn, db.clock, part, who, reason, identity)
                 published += p
                 superseded += s
             else:
-                _move(conn, db.clock, part, "PENDING", "REJECTED", who, reason)
+                _move(conn, db.clock, part, "PENDING", "REJECTED", who, reason, identity)
             decided += len(part)
     if verdict == "REJECTED":
         return Decision(rejected=decided)
@@ -228,11 +230,16 @@ def _load(conn: Connection, ids: Sequence[str]) -> list[Review]:
 
 
 def _approve(
-    conn: Connection, clock: DbClock, ids: Sequence[str], who: str, reason: str
+    conn: Connection,
+    clock: DbClock,
+    ids: Sequence[str],
+    who: str,
+    reason: str,
+    identity: Identity | None,
 ) -> tuple[int, int]:
     """Approves one chunk of reviews and publishes their hotels; returns (published, superseded)."""
     reviews = _load(conn, ids)
-    _move(conn, clock, ids, "PENDING", "APPROVED", who, reason)
+    _move(conn, clock, ids, "PENDING", "APPROVED", who, reason, identity)
     by_supplier: dict[int, list[Review]] = {}
     for rv in reviews:
         by_supplier.setdefault(rv.supplier_id, []).append(rv)
@@ -252,6 +259,7 @@ def _move(
     target: ReviewStatus,
     who: str,
     reason: str,
+    identity: Identity | None,
 ) -> None:
     """The one guarded move of the review state machine (for a set of reviews)."""
     r = schema.review.c
@@ -280,6 +288,7 @@ def _move(
         changes=[(i, {"status": source}, {"status": target}) for i in ids],
         actor=who[:64],
         reason=reason[:1024],
+        identity=identity,
     )
 
 
@@ -332,7 +341,8 @@ def _publish(
                 .values(publish_version=versions[rv.supplier_hotel_id])
             )
         if stale:
-            _move(conn, clock, stale, "APPROVED", "SUPERSEDED", "system", "a newer version is live")
+            why = "a newer version is live"
+            _move(conn, clock, stale, "APPROVED", "SUPERSEDED", "system", why, None)
         published += len(versions)
         superseded += len(stale)
     return published, superseded

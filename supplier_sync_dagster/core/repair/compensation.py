@@ -71,7 +71,7 @@ from supplier_sync_dagster.core.records.normalize import canonical_dumps
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT, unpublish_missing
 from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions, require_who_and_why
+from supplier_sync_dagster.core.store.audit import Identity, record_actions, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
@@ -801,6 +801,7 @@ def fix_dead_letter(
     max_clock_skew_seconds: float,
     compensation: CompensationSettings = CompensationSettings(),
     worker_id: str,
+    identity: Identity | None = None,
 ) -> FixOutcome:
     """An operator's fix: the dead letter's record with a JSON merge patch, through every stage.
 
@@ -811,7 +812,8 @@ def fix_dead_letter(
     it stays as it was and the refusal (the new error code) is returned. Either way one
     audit row says who, why, the patch and the outcome. The sync settings are those of the dead
     letter's own task and supplier, with the deployment's ``lease``, ``risk_policy`` and
-    ``max_clock_skew_seconds``.
+    ``max_clock_skew_seconds``; the audit row's proven identity is ``identity`` (the acting
+    process's when None).
 
     Raises:
         ConfigError: No actor or reason, a patch that is not an object or touches an
@@ -822,12 +824,12 @@ def fix_dead_letter(
         TriggerSkipped: A compensation run holds the task; try again when it ends.
     """
     patch = deadletters.check_fix_patch(patch)
+    who, why = require_who_and_why(actor, reason)
     d = schema.dead_letter.c
     with db.engine.connect() as conn:
         row = conn.execute(sa.select(schema.dead_letter).where(d.id == dead_letter)).first()
     if row is None:
         raise NotFound(f"no dead letter has id {dead_letter}")
-    who, why = require_who_and_why(actor, reason)
     settings = build_sync_settings(
         task_code=str(row.task_code),
         supplier_id=int(row.supplier_id),
@@ -861,7 +863,9 @@ def fix_dead_letter(
     )
     batch = start_batch(db, decision, [FIX_SHARD], skipped="fix not run")
     batch_id = batch.batch_id
-    source = _PatchedRecord(db, batch_id, row, body, record, who=who, why=why, patch=patch)
+    source = _PatchedRecord(
+        db, batch_id, row, body, record, who=who, why=why, patch=patch, identity=identity
+    )
     report = _sync_shard(
         db, store, None, batch, FIX_SHARD, source, settings, compensation, worker_id
     )
@@ -909,9 +913,10 @@ class _PatchedRecord:
         who: str,
         why: str,
         patch: dict[str, Any],
+        identity: Identity | None,
     ) -> None:
         self.db, self.batch_id, self.row, self.body, self.record = db, batch_id, row, body, record
-        self.who, self.why, self.patch = who, why, patch
+        self.who, self.why, self.patch, self.identity = who, why, patch, identity
         self.outcome: FixOutcome | None = None
 
     def pages(
@@ -992,4 +997,5 @@ class _PatchedRecord:
             ],
             actor=self.who,
             reason=self.why,
+            identity=self.identity,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import sqlalchemy as sa
@@ -328,7 +329,7 @@ def _dead_letters(conn: Connection, supplier_id: int, hotel: str) -> list[dict[s
         {
             **_row(r),
             "audit": [
-                {k: _plain(v) for k, v in vars(e).items()}
+                {k: _plain(v) for k, v in asdict(e).items()}
                 for e in list_audit(
                     conn, target_type="dead_letter", target_id=r.dead_letter_id, limit=100
                 )

@@ -105,6 +105,18 @@ def _raw_page() -> tuple[sa.Column[str], ...]:
     )
 
 
+def _identity() -> tuple[sa.Column[Any], ...]:
+    """What the acting process can prove about who acted (``core.store.audit.Identity``);
+    NULL in rows written before it was recorded."""
+    return (
+        sa.Column("os_user", sa.String(64)),
+        sa.Column("host", sa.String(255)),
+        sa.Column("pid", sa.Integer),
+        sa.Column("dagster_run_id", sa.String(64)),
+        sa.Column("dagster_user", sa.String(255)),
+    )
+
+
 def _table(name: str, *items: SchemaItem, comment: str) -> sa.Table:
     return sa.Table(
         name,
@@ -447,8 +459,10 @@ audit = _table(
     sa.Column("before_state", sa.Text),
     sa.Column("after_state", sa.Text),
     sa.Column("created_at", _ts(), nullable=False),
+    *_identity(),
     sa.Index("idx_audit_target", "target_type", "target_id", "created_at"),
     sa.Index("idx_audit_time", "created_at"),
+    sa.Index("idx_audit_run", "dagster_run_id"),
     comment="every operator action: who, when, what, why, before and after",
 )
 
@@ -529,6 +543,7 @@ task_audit = _table(
     sa.Column("changed_by", sa.String(64), nullable=False),
     sa.Column("reason", sa.String(1024), nullable=False),
     sa.Column("created_at", _ts(), nullable=False),
+    *_identity(),
     sa.Index("idx_task_audit_task", "task_code", "created_at"),
     comment="every change of a task's settings: who, when, why, old and new value",
 )

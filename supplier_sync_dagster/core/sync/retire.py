@@ -212,6 +212,7 @@ def retire_cities(
                 changes=[(_target(supplier_id, city), {"listed": True}, after)],
                 actor=ACTOR,
                 reason="the supplier no longer lists the city",
+                identity=None,  # the process that retires: a run's or the sensor's
             )
         if plan.held:
             out.held_ticket = _hold(conn, db, plan, supplier_id, batch_id, task_code, sync_mode)

@@ -34,8 +34,15 @@ from supplier_sync_dagster.core.records.gates import (
     set_gate_thresholds,
 )
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.audit import record_actions
+from supplier_sync_dagster.core.store.audit import (
+    IDENTITY_COLUMNS,
+    Identity,
+    process_identity,
+    record_actions,
+    require_who_and_why,
+)
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
+from supplier_sync_dagster.core.text import printable
 
 MAX_BY_LEN = 64
 MAX_REASON_LEN = 1024
@@ -53,6 +60,7 @@ class AuditEntry:
     changed_by: str
     reason: str
     created_at: datetime | None = None
+    identity: Identity | None = None
 
 
 def ensure_task(
@@ -128,7 +136,7 @@ def require_enabled(conn: Connection, task_code: str) -> None:
         .limit(1)
     ).first()
     why = (
-        f" by {last.changed_by} at {last.created_at:%Y-%m-%d %H:%M:%S}: {last.reason}"
+        printable(f" by {last.changed_by} at {last.created_at:%Y-%m-%d %H:%M:%S}: {last.reason}")
         if last
         else ""
     )
@@ -171,6 +179,7 @@ def change_task(
     status: TaskStatus | None = None,
     cron: str | None = None,
     thresholds: Mapping[str, Any] | None = None,
+    identity: Identity | None = None,
 ) -> list[AuditEntry]:
     """Changes a task's settings in one transaction, one audit row per field that changed.
 
@@ -185,6 +194,7 @@ def change_task(
             (MANUAL).
         thresholds: Gate thresholds to change (``GateThresholds`` fields); the others keep
             their stored values.
+        identity: Who changes it, as the acting process proves it; None: this process's.
 
     Returns:
         The changes made; empty when every value given was already the task's.
@@ -198,6 +208,7 @@ def change_task(
         raise ConfigError(f"who changes the task (--by) must be 1-{MAX_BY_LEN} characters")
     if not why or len(why) > MAX_REASON_LEN:
         raise ConfigError(f"why the task changes (--reason) must be 1-{MAX_REASON_LEN} characters")
+    require_who_and_why(by, why)
     if policy is None and status is None and cron is None and not thresholds:
         raise ConfigError("nothing to change: give --policy, --status, --cron or a gate threshold")
     cron_expr = _check_cron(cron) if cron is not None else None
@@ -245,7 +256,7 @@ def change_task(
                 )
                 entries += moved
         for entry in entries:
-            _audit(conn, db.clock, entry)
+            _audit(conn, db.clock, entry, identity=identity)
     return entries
 
 
@@ -261,12 +272,19 @@ def task_audit(conn: Connection, task_code: str, *, limit: int = 20) -> list[Aud
             a.changed_by,
             a.reason,
             a.created_at,
+            *(a[name] for name in IDENTITY_COLUMNS),
         )
         .where(a.task_code == task_code)
         .order_by(a.id.desc())
         .limit(limit)
     )
-    return [AuditEntry(**row._mapping) for row in rows]
+    return [
+        AuditEntry(
+            **{k: v for k, v in row._mapping.items() if k not in IDENTITY_COLUMNS},
+            identity=Identity.of_row(row._mapping),
+        )
+        for row in rows
+    ]
 
 
 def _find_task(conn: Connection, task_code: str) -> TaskSpec | None:
@@ -279,9 +297,16 @@ def _find_task(conn: Connection, task_code: str) -> TaskSpec | None:
 
 
 def _audit(
-    conn: Connection, clock: DbClock, entry: AuditEntry, *, by_operator: bool = True
+    conn: Connection,
+    clock: DbClock,
+    entry: AuditEntry,
+    *,
+    by_operator: bool = True,
+    identity: Identity | None = None,
 ) -> None:
-    """One row of the task's change log and, for an operator's change, of the audit trail."""
+    """One row of the task's change log and, for an operator's change, of the audit trail;
+    ``identity`` None: this process's."""
+    proven = identity or process_identity()
     conn.execute(
         sa.insert(schema.task_audit).values(
             task_code=entry.task_code,
@@ -291,6 +316,7 @@ def _audit(
             changed_by=entry.changed_by[:MAX_BY_LEN],
             reason=entry.reason[:MAX_REASON_LEN],
             created_at=clock.now(),
+            **proven.columns(),
         )
     )
     created = entry.field_name == CREATED_FIELD
@@ -311,6 +337,7 @@ def _audit(
             ],
             actor=entry.changed_by[:MAX_BY_LEN],
             reason=entry.reason[:MAX_REASON_LEN],
+            identity=proven,
         )
 
 
