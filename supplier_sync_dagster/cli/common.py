@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.operator_input import MAX_ID
+from supplier_sync_dagster.core.inputs.operator_input import MAX_ID
+from supplier_sync_dagster.core.inputs.text import json_printable
 from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import (
@@ -25,7 +26,6 @@ from supplier_sync_dagster.core.store.engine import (
     missing_sqlite_file,
     resolve_db_url,
 )
-from supplier_sync_dagster.core.text import json_printable
 
 ACCOUNT_HELP = (
     "the account (supplier.account) of $SUPPLIER_SYNC_SUPPLIERS_FILE; unset: the one account "
@@ -205,7 +205,7 @@ def first(*values: T | None) -> T | None:
 
 def dumps(value: Any, *, indent: int | None = None) -> str:
     """``value`` as JSON for an operator: keys sorted, text as it is but for characters a
-    terminal obeys (``core.text``: escaped, the same JSON value), the rest as ``str``."""
+    terminal obeys (``core.inputs.text``: escaped, the same JSON value), the rest as ``str``."""
     text = json.dumps(value, default=str, ensure_ascii=False, sort_keys=True, indent=indent)
     return json_printable(text)
 

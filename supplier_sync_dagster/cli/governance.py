@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.cli.common import dumps, open_db
 from supplier_sync_dagster.core.errors import ConfigError, ProfileMissing
+from supplier_sync_dagster.core.inputs.text import printable
 from supplier_sync_dagster.core.leasing.batches import get_batch, get_task
 from supplier_sync_dagster.core.leasing.leases import get_shard
 from supplier_sync_dagster.core.records.gates import (
@@ -36,7 +37,6 @@ from supplier_sync_dagster.core.records.review import (
 from supplier_sync_dagster.core.store.audit import describe_identity, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task, task_audit
-from supplier_sync_dagster.core.text import printable
 
 
 def threshold_changes(args: argparse.Namespace) -> dict[str, Any]:

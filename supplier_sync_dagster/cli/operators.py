@@ -17,13 +17,13 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.cli.common import dumps, open_db, warn
 from supplier_sync_dagster.core.errors import ConfigError, NotFound
+from supplier_sync_dagster.core.inputs.text import printable
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.repair.trace import check_trace_field, trace_hotel
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import describe_identity, list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import open_payload_store
-from supplier_sync_dagster.core.text import printable
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:

@@ -18,8 +18,8 @@ from supplier_sync_dagster.cli.resources import (
     configured_supplier,
     storage_resources,
 )
+from supplier_sync_dagster.core.inputs.operator_input import load_operator_json
 from supplier_sync_dagster.core.leasing.leases import list_shards, make_worker_id
-from supplier_sync_dagster.core.operator_input import load_operator_json
 from supplier_sync_dagster.core.records.deadletters import check_fix_patch
 from supplier_sync_dagster.core.repair.compensation import (
     CompensationReport,

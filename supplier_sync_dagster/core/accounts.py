@@ -35,9 +35,9 @@ What each account owns, and what it shares:
 Nothing here reads the environment at import; :func:`load_accounts` reads the file when it
 is called, and an API key is only ever looked up by the resource that sends it. Every reader
 (the commands, the read API, the code location's definitions) goes through it, so through
-:func:`~supplier_sync_dagster.core.config_yaml.read_yaml_file`: no anchor, alias or duplicate
+:func:`~supplier_sync_dagster.core.inputs.config_yaml.read_yaml_file`: no anchor, alias or duplicate
 key, 1 MiB at most; and every schedule is a cron expression that
-:func:`~supplier_sync_dagster.core.cron.check_cron` accepts.
+:func:`~supplier_sync_dagster.core.inputs.cron.check_cron` accepts.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from supplier_sync_dagster.core.config_yaml import read_yaml_file
-from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.inputs.config_yaml import read_yaml_file
+from supplier_sync_dagster.core.inputs.cron import check_cron
 from supplier_sync_dagster.core.records.gates import GateThresholds
 
 SLUG = re.compile(r"^[a-z][a-z0-9_]{0,23}$")

@@ -19,8 +19,8 @@ import dagster as dg
 from pydantic import Field
 
 from supplier_sync_dagster.core.errors import ConfigError, NotFound, SupplierSyncError
+from supplier_sync_dagster.core.inputs.operator_input import check_row_ids, load_operator_json
 from supplier_sync_dagster.core.leasing.leases import make_worker_id
-from supplier_sync_dagster.core.operator_input import check_row_ids, load_operator_json
 from supplier_sync_dagster.core.outbox.machine import operate
 from supplier_sync_dagster.core.records import deadletters
 from supplier_sync_dagster.core.records.gates import GateCheck, override_gate_check

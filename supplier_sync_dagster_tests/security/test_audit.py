@@ -20,13 +20,13 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.errors import TaskDisabled
+from supplier_sync_dagster.core.inputs.text import json_printable, printable
 from supplier_sync_dagster.core.leasing.batches import TaskSpec, get_task
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import process_identity
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.migrations import migrate
 from supplier_sync_dagster.core.sync.tasks import ensure_task, require_enabled
-from supplier_sync_dagster.core.text import json_printable, printable
 from supplier_sync_dagster.defs import operator_actions as actions
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,

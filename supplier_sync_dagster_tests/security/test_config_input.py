@@ -21,8 +21,8 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.accounts import load_accounts
-from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.inputs.cron import check_cron
 from supplier_sync_dagster.core.leasing.batches import TaskSpec
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase

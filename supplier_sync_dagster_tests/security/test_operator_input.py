@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import main as cli
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.core.operator_input import (
+from supplier_sync_dagster.core.inputs.operator_input import (
     MAX_ID,
     MAX_INPUT_JSON_DEPTH,
     json_depth,

@@ -12,7 +12,7 @@ from supplier_sync_dagster.cli.common import (
     positive_int,
     rate,
 )
-from supplier_sync_dagster.core.operator_input import MAX_ID
+from supplier_sync_dagster.core.inputs.operator_input import MAX_ID
 
 # How often the backfill daemon looks for new backfills (Dagster's own tick is 30 s, and a
 # launched backfill's first run waits for it).

@@ -24,9 +24,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.inputs.text import escaped, unsafe_characters
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock
-from supplier_sync_dagster.core.text import escaped, unsafe_characters
 
 # The columns of an identity in the audit tables (core.store.schema), and their text's sizes.
 IDENTITY_COLUMNS = ("os_user", "host", "pid", "dagster_run_id", "dagster_user")
@@ -125,7 +125,7 @@ class AuditEntry:
 
 def require_who_and_why(actor: str | None, reason: str | None) -> tuple[str, str]:
     """The actor and reason of an action, both required, bounded and free of characters a
-    terminal obeys (``core.text``: newlines, ANSI escapes, bidi overrides), which would let
+    terminal obeys (``core.inputs.text``: newlines, ANSI escapes, bidi overrides), which would let
     them forge a line of the audit trail where it is printed.
 
     Raises:

@@ -20,8 +20,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.cron import check_cron
 from supplier_sync_dagster.core.errors import ConfigError, InvalidTransition, TaskDisabled
+from supplier_sync_dagster.core.inputs.cron import check_cron
+from supplier_sync_dagster.core.inputs.text import printable
 from supplier_sync_dagster.core.leasing.batches import (
     ConcurrencyPolicy,
     TaskSpec,
@@ -42,7 +43,6 @@ from supplier_sync_dagster.core.store.audit import (
     require_who_and_why,
 )
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
-from supplier_sync_dagster.core.text import printable
 
 MAX_BY_LEN = 64
 MAX_REASON_LEN = 1024
