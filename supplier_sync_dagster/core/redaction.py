@@ -3,8 +3,8 @@
 One function masks a text, wherever it goes:
 
 - the values registered with :func:`register_secret` or :func:`register_url` (the supplier API
-  keys, the passwords and query values of the configured URLs, the alert webhook's path),
-  wherever they appear, as ``***``;
+  keys, the passwords and query values of the configured URLs and their userinfo as the Basic
+  credentials an HTTP client sends, the alert webhook's path), wherever they appear, as ``***``;
 - the userinfo of any URL (``https://user:pw@host`` -> ``https://***@host``);
 - the values of a URL's credential-like query parameters (a name holding ``token``, ``key``,
   ``secret``, ``sig``, ``pass``, ``pwd``, ``auth``, ``credential`` or ``session``:
@@ -28,13 +28,14 @@ installs it, and the core's stores call :func:`redact` on the error text they ke
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 #: What a secret becomes.
 MASK = "***"
@@ -92,7 +93,8 @@ def register_secret(value: str | None) -> None:
 
 
 def register_url(url: str | None, *, whole_path: bool = False) -> None:
-    """Registers the secrets a configured URL carries: its password and its query values.
+    """Registers the secrets a configured URL carries: its password (and its userinfo as Basic
+    credentials) and its query values.
 
     Args:
         url: A URL from the settings or the suppliers file; None registers nothing.
@@ -106,6 +108,11 @@ def register_url(url: str | None, *, whole_path: bool = False) -> None:
         register_secret(url)  # not parseable: its whole text is all we can hide
         return
     register_secret(parts.password)
+    if parts.username or parts.password:
+        # httpx sends the userinfo as 'Authorization: Basic <base64>', which a server may echo
+        # in free text, where no structural rule finds it.
+        userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+        register_secret(base64.b64encode(userinfo.encode()).decode())
     for _, value in parse_qsl(parts.query, keep_blank_values=False):
         register_secret(value)
     if whole_path:

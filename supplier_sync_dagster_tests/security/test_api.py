@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
@@ -389,16 +389,21 @@ def test_a_share_waits_a_little_then_refuses_without_taking_a_token():
 
 
 @contextlib.contextmanager
-def _serve_api(db_url: str, env: dict[str, str], *extra: str) -> Iterator[tuple[str, Any]]:
+def serve_api_process(
+    db_url: str, env: dict[str, str], *extra: str, options: Sequence[str] = ()
+) -> Iterator[tuple[str, Any]]:
+    """``supplier-sync [OPTIONS] --db-url DB_URL serve-api [EXTRA]`` as a process on a free
+    port: its base URL and the process, whose ``output`` is (stdout, stderr) once stopped."""
     port = free_port()
-    proc = cli_process("--db-url", db_url, "serve-api", "--port", str(port), *extra, env=env)
+    argv = (*options, "--db-url", db_url, "serve-api", "--port", str(port), *extra)
+    proc = cli_process(*argv, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for_http(f"{base}/health", proc)
         yield base, proc
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.output = proc.communicate(timeout=30)
 
 
 def _rss_kib(pid: int) -> int:
@@ -449,7 +454,9 @@ def _post_streamed(
     return b"".join(answer), (answered_at or [sent[0]])[0], sent[0]
 
 
-def _catalog(capsys: pytest.CaptureFixture[str], db_url: str) -> tuple[int, dict[str, Any]]:
+def catalog_offer(capsys: pytest.CaptureFixture[str], db_url: str) -> tuple[int, dict[str, Any]]:
+    """A catalog synced and dispatched: one hotel's resource id, with its city and the body
+    that confirms one of its offers."""
     assert sync(capsys, db_url).code == 0
     assert run(capsys, "--db-url", db_url, "dispatch", "--once").code == 0
     row = query(
@@ -477,11 +484,11 @@ def test_serve_api_process_asks_for_a_key_refuses_forms_and_large_bodies(
     db_url = f"sqlite:///{tmp_path / 'sync.sqlite3'}"
     sim = simulator(total_hotels=60)
     with supplier(sim, monkeypatch):
-        rid, found = _catalog(capsys, db_url)
+        rid, found = catalog_offer(capsys, db_url)
         body = found["body"]
         env = dict(os.environ)
         env["SUPPLIER_SYNC_API_KEYS"] = f" {READ_API_KEY}, {OTHER_KEY} ,"
-        with _serve_api(db_url, env) as (base, proc):
+        with serve_api_process(db_url, env) as (base, proc):
             # Open: the health route and the description, which documents every limit.
             assert httpx.get(f"{base}/health").json() == {"status": "ok"}
             spec = httpx.get(f"{base}/openapi.json").json()
@@ -611,7 +618,7 @@ def test_serve_api_process_on_mariadb_redis_and_postgres_search(
     monkeypatch.setenv("SUPPLIER_SYNC_SEARCH_URL", fresh_postgres_db)
     with supplier(sim, monkeypatch):
         monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_API_KEY", key)
-        rid, found = _catalog(capsys, fresh_mysql_db)
+        rid, found = catalog_offer(capsys, fresh_mysql_db)
         body = found["body"]
         env = dict(os.environ)
         env.update(
@@ -624,7 +631,7 @@ def test_serve_api_process_on_mariadb_redis_and_postgres_search(
         store = redis.Redis.from_url(redis_url)
         store.delete(syncs_key, share_key)
         with (
-            _serve_api(fresh_mysql_db, env) as (base, _proc),
+            serve_api_process(fresh_mysql_db, env) as (base, _proc),
             httpx.Client(base_url=base, headers=READ_API_HEADERS, timeout=30) as client,
         ):
             found_hotels = client.get("/hotels", params={"city": found["city"]})

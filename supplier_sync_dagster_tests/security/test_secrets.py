@@ -10,15 +10,19 @@ MariaDB).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gzip
 import json
 import logging
+import os
 import secrets
 import sqlite3
+import threading
 import time
 import zlib
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -63,6 +67,7 @@ from supplier_sync_dagster_tests.cli.test_main import (
     run,
 )
 from supplier_sync_dagster_tests.helpers import Receiver
+from supplier_sync_dagster_tests.security.test_api import catalog_offer, serve_api_process
 
 # What every planted secret starts with: one search finds any of them.
 PROBE = f"S3CR3T-PROBE-{secrets.token_hex(6)}"
@@ -437,6 +442,124 @@ def test_no_planted_secret_shows_in_any_output_log_store_or_file(
     assert leaks == {"stdout/stderr": [], "log records": [], "sync database": [], "files": []}
     # The scan covered the stored pages (the payload folder in the state folder).
     assert any(p.is_file() for p in (cli_home / "home" / "payloads").rglob("*"))
+
+
+class EchoingSupplier:
+    """A supplier on loopback that fails every request with the next status of ``statuses``
+    (else 500; a 200 holds an error), its body echoing the request's URL and credentials:
+    what a careless proxy or error page does."""
+
+    def __init__(self, *statuses: int) -> None:
+        self.statuses = list(statuses)
+        self.seen: list[str] = []
+        supplier = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                supplier.seen.append(self.path)
+                status = supplier.statuses.pop(0) if supplier.statuses else 500
+                # The credentials as free text, where no "name: value" shape gives them away.
+                echo = (
+                    f"got {self.headers.get('Authorization')} and {self.headers.get('X-Api-Key')}"
+                    f" for http://{self.headers.get('Host')}{self.path}"
+                )
+                # A JSON error (in a 200 too: its message is kept), or a page of text.
+                body, kind = (
+                    (f"<h1>{status}</h1><pre>{echo}</pre>", "html")
+                    if status == 502
+                    else (json.dumps({"error": {"code": "INTERNAL", "message": echo}}), "json")
+                )
+                self.send_response(status)
+                self.send_header("Content-Type", f"application/{kind}")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.netloc = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        """Closes the port: the supplier is unreachable from now on."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_no_planted_secret_shows_in_the_read_apis_errors_output_store_or_files(
+    planted: tuple[Planted, Simulator, Receiver],
+    cli_home: Path,  # noqa: F811 (the autouse fixture, for its folder)
+    capsys: pytest.CaptureFixture[str],
+):
+    """``serve-api -v`` as a process, with two read API keys, the supplier's key, the
+    userinfo and token of its URL and the database's password planted; every error path a
+    client can reach is played, then every answer, output line, row and file is searched."""
+    secret = planted[0]
+    rid, found = catalog_offer(capsys, secret.db_url)
+    keys = (f"{PROBE}-readkey-one", f"{PROBE}-readkey-two")
+    supplier = EchoingSupplier(500, 200, 502, 401)
+    userinfo = f"probe:{PROBE}-stubpw"
+    supplier_url = f"http://{userinfo}@{supplier.netloc}/?token={PROBE}-stubtoken"
+    # httpx sends a URL's userinfo as Basic credentials: their encoded form is a secret too.
+    basic = base64.b64encode(userinfo.encode()).decode()
+    env = {
+        **os.environ,
+        "SUPPLIER_SYNC_API_KEYS": ",".join(keys),
+        "SUPPLIER_SYNC_SUPPLIER_URL": supplier_url,
+    }
+    answers: list[httpx.Response] = []
+    try:
+        with serve_api_process(secret.db_url, env, options=["-v"]) as (base, proc):
+
+            def ask(method: str, path: str, key: dict[str, str], **kw: Any) -> httpx.Response:
+                answers.append(httpx.request(method, base + path, headers=key, timeout=30, **kw))
+                return answers[-1]
+
+            good = {"X-Api-Key": keys[1]}
+            for bad in (
+                {"Authorization": "Bearer wrong-key-wrong-key-wrong"},
+                {"X-Api-Key": keys[0][:-1]},  # near misses of a planted key
+                {"Authorization": f"Bearer {keys[1]}x"},
+                {"X-Api-Key": keys[0].lower()},
+            ):
+                assert ask("GET", f"/hotels/{rid}", bad).status_code == 401
+                assert ask("POST", "/offers/confirm", bad, json=found["body"]).status_code == 401
+            assert ask("GET", f"/hotels/{2**63 - 1}", good).status_code == 404
+            bad_date = {**found["body"], "check_in": "2030-02-30"}
+            assert ask("POST", "/offers/confirm", good, json=bad_date).status_code == 400
+            # The supplier fails (500 and an error in a 200, then 502 and 401), echoing its
+            # credentials; then it is gone.
+            for _ in range(2):
+                assert ask("POST", "/offers/confirm", good, json=found["body"]).status_code == 502
+            assert len(supplier.seen) == 4 and f"token={PROBE}" in supplier.seen[0]
+            supplier.stop()
+            down = ask("POST", "/offers/confirm", good, json=found["body"])
+            assert down.status_code == 502, down.text
+    finally:
+        supplier.stop()
+    out, err = proc.output
+    needles = (PROBE, basic)
+    leaks = {
+        "answers": [
+            f"{r.request.url.path} {r.status_code}: {r.headers} {r.text}"
+            for r in answers
+            if any(n in f"{r.headers} {r.text}" for n in needles)
+        ],
+        "stdout/stderr": [
+            line for line in (out + err).splitlines() if any(n in line for n in needles)
+        ],
+        "sync database": [hit for n in needles for hit in _rows_with(secret.db_url, n)],
+        "files": [hit for n in needles for hit in _files_with(cli_home, n)],
+    }
+    assert leaks == {"answers": [], "stdout/stderr": [], "sync database": [], "files": []}
+    # The lines are there, masked: the supplier's requests, their failures, the refusals.
+    assert f'POST http://***@{supplier.netloc}/v1/offers/confirm?token=*** "HTTP/1.0 500' in err
+    assert f"got Basic *** and *** for http://{supplier.netloc}/v1/offers/confirm?token=***" in err
+    assert f"{supplier.netloc}: connection refused" in err
+    assert "read API: confirming an offer of hotel" in err and "read API: refused GET" in err
 
 
 def _rows_with(db_url: str, needle: str) -> list[str]:
