@@ -60,6 +60,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierNotFound,
     SupplierTimeout,
 )
+from supplier_sync_dagster.core.inputs.operator_input import json_depth
 from supplier_sync_dagster.core.outbox.machine import first_stage
 from supplier_sync_dagster.core.outbox.projections import (
     HOTEL_KEY,
@@ -117,9 +118,6 @@ _PRIVATE_MARK = b'"supplier_id":'
 _DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _ID = re.compile(r"[0-9]{1,19}")
 # A JSON string (escapes included), or a bracket outside strings.
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
-_OPENERS = frozenset(b"[{")
-_CLOSERS = frozenset(b"]}")
 
 
 class ApiError(HTTPException):
@@ -528,18 +526,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def _json_body(raw: bytes) -> Any:
     """The body's JSON value, its nesting checked before it is decoded."""
-    depth = deepest = 0
-    for token in _JSON_TOKENS.finditer(raw):
-        first = token.group()[0]
-        if first in _OPENERS:
-            depth += 1
-            deepest = max(deepest, depth)
-        elif first in _CLOSERS:
-            depth -= 1
-    if deepest > MAX_JSON_DEPTH:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
+    if json_depth(text, stop_past=MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise ApiError(400, "INVALID_BODY", f"the JSON nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
+        return json.loads(text)
     except ValueError:
         raise ApiError(400, "INVALID_BODY", "the body must be JSON") from None
 
