@@ -4,9 +4,9 @@ before anything builds a value from it.
 PyYAML's safe loader shares the object of an anchor with every alias to it, so an "alias
 bomb" (nine aliases of nine aliases of ...) loads at once into a small graph, and only
 expands when something walks it as a tree: a validation error's message, a ``repr``, a
-traceback that Dagster serializes when the code location's definitions load fails (9^8
-aliases took seconds and hundreds of MB there). A configuration file has no use for them,
-so :func:`read_yaml_file` scans the file's events first and refuses:
+traceback that Dagster serializes when the code location's definitions load fails. A
+configuration file has no use for them, so :func:`read_yaml_file` scans the file's events
+first and refuses:
 
 - a file over :data:`MAX_YAML_BYTES`, or not UTF-8;
 - any anchor (``&name``) or alias (``*name``), and so any merge of one (``<<: *name``);
