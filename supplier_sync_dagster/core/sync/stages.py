@@ -515,14 +515,15 @@ def _judge(
     failed: dict[int, DeadLetter] = {}
     moved = 0
     if docs:
-        # Every document comes straight from normalize_documents, whose phone rule
-        # already parsed and validated its number with libphonenumber; the second net
-        # keeps the vectorised E.164 shape check without a second parse of each number.
+        # Every document comes straight from normalize_documents, which enforced the rules
+        # of layer 3 (its phone rule parsed each number with libphonenumber): a chunk is
+        # flattened and checked again only when what normalization leaves open fails.
         quality = check_quality(
             docs,
             city_code=listing_city,
             city_countries=city_countries,
             parse_phones=False,
+            normalized=True,
         )
         moved = len(quality.moved)
         starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))
