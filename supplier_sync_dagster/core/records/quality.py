@@ -1095,24 +1095,20 @@ def check_quality(
     began = time.perf_counter()
     failures: dict[int, QualityFailure] = {}
 
+    # The usual chunk lists no hotel twice: no duplicates to collapse first.
+    distinct = normalized and _distinct_ids(docs)
+    if distinct and _normalized_pass(docs, range(len(docs)), city_countries):
+        return _all_pass(docs, range(len(docs)), [], city_code, began)
     # Duplicates first: only the highest version of a hotel is validated and reported.
     kept, duplicates = _highest(docs, failures)
     positions = sorted(kept)
-    if normalized and not failures and _normalized_pass(docs, positions, city_countries):
-        screened = time.perf_counter()
-        valid, moved = _route(docs, positions, failures, city_code)
-        return QualityResult(
-            total=len(docs),
-            valid=valid,
-            failures=(),
-            moved=moved,
-            duplicates=tuple(sorted(duplicates, key=lambda d: d.index)),
-            seconds={
-                "flatten": 0.0,
-                "validate": screened - began,
-                "report": time.perf_counter() - screened,
-            },
-        )
+    if (
+        normalized
+        and not distinct
+        and not failures
+        and _normalized_pass(docs, positions, city_countries)
+    ):
+        return _all_pass(docs, positions, duplicates, city_code, began)
     while True:
         try:
             cols = _collect(docs, positions)
@@ -1188,7 +1184,42 @@ def _route(
     return tuple(valid), tuple(moved)
 
 
+def _all_pass(
+    docs: Sequence[Mapping[str, Any]],
+    positions: Sequence[int],
+    duplicates: list[Duplicate],
+    city_code: str | None,
+    began: float,
+) -> QualityResult:
+    """The result when no document at ``positions`` fails (the others are ``duplicates``)."""
+    screened = time.perf_counter()
+    valid, moved = _route(docs, positions, {}, city_code)
+    return QualityResult(
+        total=len(docs),
+        valid=valid,
+        failures=(),
+        moved=moved,
+        duplicates=tuple(sorted(duplicates, key=lambda d: d.index)),
+        seconds={
+            "flatten": 0.0,
+            "validate": screened - began,
+            "report": time.perf_counter() - screened,
+        },
+    )
+
+
 _FACILITY_MAX: Final = int(_LIMITS[_F_FACILITY])
+_HOTEL_ID_MAX: Final = LIMITS["hotel_id"]
+
+
+def _distinct_ids(docs: Sequence[Mapping[str, Any]]) -> bool:
+    """No two documents share a ``supplier_hotel_id`` (then none is a duplicate); False
+    also when one has none: :func:`_highest` decides then."""
+    try:
+        ids = {doc["supplier_hotel_id"] for doc in docs}
+    except (KeyError, TypeError):
+        return False
+    return len(ids) == len(docs)
 
 
 def _normalized_pass(
@@ -1200,13 +1231,22 @@ def _normalized_pass(
     guarantee of the document it writes is checked here: lower-casing can lengthen a
     facility (``"İ"`` is two characters in lower case), the phone's E.164 shape is cheap to
     confirm, and layer 4 (country of the city, one currency per room) is not its concern.
-    A document of an unexpected shape also says False: the full pass names its problem.
+    A document of an unexpected shape, or whose id and version :func:`_highest` would not
+    read as they are, also says False: the full pass names its problem.
     """
     pairs: set[tuple[Any, Any]] = set()
     phones: set[Any] = set()
     try:
         for pos in positions:
             doc = docs[pos]
+            hotel_id = doc["supplier_hotel_id"]
+            # What _highest reads as the hotel's id and version, unchanged (no MALFORMED).
+            if not (
+                type(hotel_id) is str
+                and len(hotel_id) <= _HOTEL_ID_MAX
+                and type(doc["version"]) is int
+            ):
+                return False
             pairs.add((doc["city_code"], doc["country_code"]))
             phones.add(doc["phone_e164"])
             facilities = doc["facilities"]
