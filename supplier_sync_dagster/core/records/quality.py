@@ -1254,8 +1254,11 @@ def _normalized_pass(
                 return False
             for room in doc["rooms"]:
                 plans = room["rate_plans"]
-                if len(plans) > 1 and len({plan["currency"] for plan in plans}) > 1:
-                    return False
+                if len(plans) > 1:
+                    first = plans[0]["currency"]
+                    for plan in plans:
+                        if plan["currency"] != first:
+                            return False
     except (KeyError, TypeError, AttributeError, IndexError):
         return False
     phones.discard(None)
