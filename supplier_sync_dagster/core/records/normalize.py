@@ -80,6 +80,7 @@ from supplier_sync_dagster.core.records.rules import (
     STAR_BY_VALUE,
     STATUSES,
     STRING_FIELDS_BY_SOURCE,
+    UNSIGNED_AMOUNT_RE,
     URL_RE,
     WS_RE,
     StringField,
@@ -1222,8 +1223,7 @@ def _fast_plans(raw: object) -> list[dict[str, Any]] | None:
         if not (
             type(amount) is str
             and len(amount) <= AMOUNT_MAX
-            and amount[:1] != "-"
-            and AMOUNT_RE.fullmatch(amount) is not None
+            and UNSIGNED_AMOUNT_RE.fullmatch(amount) is not None
             and type(currency) is str
             and currency in MONEY_CODES
         ):
