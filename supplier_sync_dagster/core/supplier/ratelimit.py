@@ -113,25 +113,28 @@ class InProcessTokenBucket:
     def __repr__(self) -> str:
         return f"InProcessTokenBucket(rate={self.rate}, burst={self.burst})"
 
+    def _refilled(self) -> float:
+        """The tokens now, the refill since the last call counted (under the lock)."""
+        now = self._clock()
+        tokens, stamp = self._state[0], self._state[1]
+        if now > stamp:
+            tokens = min(self.burst, tokens + (now - stamp) * self.rate)
+            self._state[1] = now
+        return tokens
+
     def try_acquire(self) -> float:
         """Take a token if one is available, without blocking.
 
         Returns:
             0.0 if a token was taken, otherwise the seconds until one will be available.
         """
-        state = self._state
         with self._lock:
-            now = self._clock()
-            tokens, stamp = state[0], state[1]
-            elapsed = now - stamp
-            if elapsed > 0:
-                tokens = min(self.burst, tokens + elapsed * self.rate)
-                state[1] = now
+            tokens = self._refilled()
             # Float rounding can leave 0.99999...; waiting that out would never end.
             if tokens >= 1.0 - _EPSILON:
-                state[0] = max(0.0, tokens - 1.0)
+                self._state[0] = max(0.0, tokens - 1.0)
                 return 0.0
-            state[0] = tokens
+            self._state[0] = tokens
             return (1.0 - tokens) / self.rate
 
     def acquire(self) -> float:
@@ -144,16 +147,9 @@ class InProcessTokenBucket:
         Returns:
             Seconds spent waiting.
         """
-        state = self._state
         with self._lock:
-            now = self._clock()
-            tokens, stamp = state[0], state[1]
-            elapsed = now - stamp
-            if elapsed > 0:
-                tokens = min(self.burst, tokens + elapsed * self.rate)
-                state[1] = now
-            tokens -= 1.0
-            state[0] = tokens
+            tokens = self._refilled() - 1.0
+            self._state[0] = tokens
         # Float rounding can leave -0.00001; that token is due now.
         wait = -tokens / self.rate if tokens < -_EPSILON else 0.0
         if wait > 0:
