@@ -246,17 +246,26 @@ class CpuUse:
     Attributes:
         busy: The machine's busy share over all cores (``1 - idle / total``): every
             process on the machine counts, not only this run's.
-        tree: CPU seconds of the run's process tree (its reaped children).
-        sampled: The same tree's CPU as sampled from ``/proc`` while it ran.
+        reaped: CPU seconds of the run's process tree as ``getrusage`` counts its reaped
+            children: complete for ``sync --full`` (its workers are reaped by the command),
+            not for the daemon's path (processes killed with their parent are reaped by
+            init).
+        sampled: The same tree's CPU as sampled from ``/proc`` while it ran (each process's
+            last figure seen: a lower bound).
         simulator: CPU seconds of the simulator's process.
         window: What the figures span.
     """
 
     busy: float
-    tree: float
+    reaped: float
     sampled: float
     simulator: float
     window: str
+
+    @property
+    def tree(self) -> float:
+        """The tree's CPU seconds: the larger of the two counts."""
+        return max(self.reaped, self.sampled)
 
 
 class CpuWindow:
@@ -276,7 +285,7 @@ class CpuWindow:
         idle, total = machine_times()
         return CpuUse(
             busy=1 - (idle - self.idle) / max(1.0, total - self.total),
-            tree=children_cpu() - self.tree,
+            reaped=children_cpu() - self.tree,
             sampled=self.sampler.seconds,
             simulator=(process_cpu(self.simulator_pid) if self.simulator_pid else 0.0)
             - self.simulator,
@@ -603,8 +612,9 @@ def report_cpu(m: Measured, cpu: CpuUse) -> None:
     print(
         f"  CPU ({cpu.window}): machine {cpu.busy:.0%} busy over all {os.cpu_count()} cores "
         f"(every process on it) [target >= {TARGET_BUSY:.0%}: {_verdict(cpu.busy >= TARGET_BUSY)}]"
-        f"; process tree {cpu.tree:.1f} CPU-s = {cpu.tree * per:.2f} per 1,000 hotels (its "
-        f"processes sampled from /proc while they ran: >= {cpu.sampled:.1f}s); simulator "
+        f"; process tree {cpu.tree:.1f} CPU-s = {cpu.tree * per:.2f} per 1,000 hotels (the "
+        f"larger of: its reaped children's getrusage {cpu.reaped:.1f}s, its processes "
+        f"sampled from /proc while they ran {cpu.sampled:.1f}s); simulator "
         f"{cpu.simulator:.1f} CPU-s = {cpu.simulator * per:.2f} per 1,000 hotels"
     )
     print(
@@ -779,13 +789,26 @@ class PeerRun:
         return self.hotels / self.wall if self.wall else 0.0
 
 
+def _main_checkout() -> Path:
+    """The repository's main checkout (this one, unless this is a ``git worktree``)."""
+    dot_git = REPO / ".git"
+    if dot_git.is_file():  # a worktree's: "gitdir: <main>/.git/worktrees/<name>"
+        return Path(dot_git.read_text().split(":", 1)[1].strip()).parents[2]
+    return REPO
+
+
 def dlt_peer_path(args: argparse.Namespace) -> Path:
-    """The dlt peer's script: ``--dlt-peer``, else ``<repo>/../shared/bench/dlt_peer.py``.
+    """The dlt peer's script: ``--dlt-peer``, else ``<repo>/../shared/bench/dlt_peer.py``
+    (``<repo>`` the main checkout when this is a worktree).
 
     Raises:
         SystemExit: It is not there.
     """
-    path = Path(args.dlt_peer) if args.dlt_peer else REPO.parent / "shared/bench/dlt_peer.py"
+    path = (
+        Path(args.dlt_peer)
+        if args.dlt_peer
+        else _main_checkout().parent / "shared" / "bench" / "dlt_peer.py"
+    )
     if not path.is_file():
         raise SystemExit(
             f"bench_user_path: the dlt peer {path} is missing: pass --dlt-peer PATH "
@@ -1140,7 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-peers", action="store_true", help="no dlt peers, no ceiling, one project run"
     )
     parser.add_argument(
-        "--dlt-peer", default=None, help="dlt_peer.py (default <repo>/../shared/bench/)"
+        "--dlt-peer", default=None, help="dlt_peer.py (default: <repo>/../shared/bench/)"
     )
     parser.add_argument("--peer-page-size", type=int, default=200, help="the dlt peers' page size")
     parser.add_argument(
