@@ -394,15 +394,26 @@ def _instance_problems(args: argparse.Namespace, tmp: Path) -> list[str]:
     return [f"the user's {config} was changed or removed"]
 
 
-def run_sync(
-    tmp: Path,
-    db_url: str,
-    supplier_url: str,
-    args: argparse.Namespace,
-    world: World,
-    instance_env: dict[str, str],
-    cpu: Callable[[], CpuWindow],
-) -> Measured:
+@dataclass
+class RunSetup:
+    """What a project run is given.
+
+    Attributes:
+        tmp: Its folder (state, payloads, Dagster home).
+        db_url: Its sync database.
+        supplier_url: The simulator's URL.
+        instance_env: The ``DAGSTER_*`` environment of its instance (none: embedded).
+        cpu: Starts the run's :class:`CpuWindow`.
+    """
+
+    tmp: Path
+    db_url: str
+    supplier_url: str
+    instance_env: dict[str, str]
+    cpu: Callable[[], CpuWindow]
+
+
+def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
     """``supplier-sync sync --full`` as a subprocess, then what its instance recorded."""
     import dagster as dg
 
@@ -424,10 +435,10 @@ def run_sync(
         # Its worker processes too; the wall time then includes the sampler's cost.
         spy = shutil.which("py-spy") or str(BIN / "py-spy")
         cmd = [spy, "record", "--subprocesses", "--format", "raw", "-o", args.profile, "--", *cmd]
-    env = {**_env(tmp, db_url, supplier_url, args), **instance_env}
-    window = cpu()
+    env = {**_env(run.tmp, run.db_url, run.supplier_url, args), **run.instance_env}
+    window = run.cpu()
     began = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=run.tmp)
     wall = time.perf_counter() - began
     used = window.stop("the command, start to exit")
     if done.returncode != 0 and not done.stdout.strip():
@@ -435,14 +446,14 @@ def run_sync(
     # The JSON summary is the command's last line starting with "{" (py-spy prints too).
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     summary: dict[str, Any] = json.loads(lines[-1] if lines else done.stdout)
-    with _environ(instance_env):
+    with _environ(run.instance_env):
         instance = dg.DagsterInstance.from_config(summary["dagster_home"])
         try:
             steps = run_steps(instance, [summary["dagster_run_id"]])
             stages = city_stages(instance)
         finally:
             instance.dispose()
-    problems = _instance_problems(args, tmp)
+    problems = _instance_problems(args, run.tmp)
     if done.returncode != 0 or summary["status"] != "SUCCESS":
         problems.append(
             f"exit {done.returncode}, batch {summary['status']}: {done.stderr.strip()[-300:]}"
@@ -466,15 +477,7 @@ def run_sync(
     )
 
 
-def run_daemon_backfill(
-    tmp: Path,
-    db_url: str,
-    supplier_url: str,
-    args: argparse.Namespace,
-    world: World,
-    instance_env: dict[str, str],
-    cpu: Callable[[], CpuWindow],
-) -> Measured:
+def run_daemon_backfill(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
     """A backfill of every city under ``supplier-sync daemon``, then what its instance recorded."""
     import dagster as dg
 
@@ -482,23 +485,23 @@ def run_daemon_backfill(
     from supplier_sync_dagster.defs.partitions import encode_city_key
 
     env = profile_env(
-        dagster_home=Path(instance_env["DAGSTER_HOME"]),
-        extra={**_env(tmp, db_url, supplier_url, args), **instance_env},
+        dagster_home=Path(run.instance_env["DAGSTER_HOME"]),
+        extra={**_env(run.tmp, run.db_url, run.supplier_url, args), **run.instance_env},
     )
     keys = [encode_city_key(c) for c in world.cities]
-    with _environ(instance_env):
+    with _environ(run.instance_env):
         # Made before the webserver and the daemon start: three processes creating the
         # SQLite instance's tables at once can leave two alembic heads.
-        instance = dg.DagsterInstance.from_config(instance_env["DAGSTER_HOME"])
+        instance = dg.DagsterInstance.from_config(run.instance_env["DAGSTER_HOME"])
         try:
-            window = cpu()
-            with DagsterProcesses(env, tmp / "logs") as dagster:
+            window = run.cpu()
+            with DagsterProcesses(env, run.tmp / "logs") as dagster:
                 done = run_backfill(dagster, instance, keys, timeout=args.timeout)
             used = window.stop("webserver and daemon, start to exit, with every run")
             stages = city_stages(instance)
         finally:
             instance.dispose()
-    problems = _instance_problems(args, tmp)
+    problems = _instance_problems(args, run.tmp)
     if done.ok_runs != len(done.run_ids):
         problems.append(f"{done.ok_runs} of {len(done.run_ids)} runs succeeded")
     if not done.shown == done.own == len(keys):
@@ -1027,15 +1030,10 @@ def measure_project(
             excluded = {"busy simulator": busy_server.pid if busy_server else None}
             with busy_load(args, busy_url, tmp) as load:
                 excluded.update(load)
-                m = measure(
-                    tmp,
-                    db_url,
-                    server.url,
-                    args,
-                    world,
-                    instance_env,
-                    lambda: CpuWindow(server.pid, excluded),
+                setup = RunSetup(
+                    tmp, db_url, server.url, instance_env, lambda: CpuWindow(server.pid, excluded)
                 )
+                m = measure(setup, args, world)
             m.problems += catalog_problems(published_catalog(db_url), valid)
             if bad:
                 m.problems.append(f"{len(bad)} bad records on the clean profile")
