@@ -341,6 +341,11 @@ class SimulatedSupplierResource(SupplierResource):
     sim_hotels: int = Field(default=20_000, description="Number of hotels.")
     sim_profile: str = Field(default="flaky", description="Fault profile (clean, flaky, hostile).")
     sim_day: int = Field(default=0, description="The supplier's day.")
+    sim_data_profile: str = Field(
+        default="standard",
+        description="What the hotels look like (standard, or rich: large hotels, long "
+        "descriptions, much non-ASCII text).",
+    )
 
     def _connection(self) -> tuple[httpx.Client, str]:
         from supplier_sync_dagster.simulator import FaultProfile, Simulator, SimulatorConfig
@@ -351,6 +356,7 @@ class SimulatedSupplierResource(SupplierResource):
             total_hotels=self.sim_hotels,
             day=self.sim_day,
             faults=FaultProfile.named(self.sim_profile),
+            data_profile=self.sim_data_profile,
         )
         sim = Simulator(config)
         http = httpx.Client(base_url="http://simulator.local", transport=sim.transport())

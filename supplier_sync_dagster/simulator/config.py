@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -213,6 +214,127 @@ class FaultProfile:
         return replace(self, **changes)
 
 
+ROOM_TYPE_KINDS = 14
+"""Kinds of room the simulator's catalogue offers (``render.ROOM_TYPES``)."""
+RATE_PLAN_KINDS = 10
+"""Kinds of rate plan the simulator's catalogue offers (``render.RATE_PLANS``)."""
+FACILITY_KINDS = 14
+"""Facilities the simulator's catalogue offers (``render.FACILITIES``)."""
+MAX_IMAGES = 256
+"""The contract's limit on a hotel's images (``core.records.rules.LIMITS``)."""
+MAX_DESCRIPTION_CHARS = 20_000
+"""The longest description a data profile may ask for."""
+
+
+@dataclass(frozen=True)
+class DataProfile:
+    """What the supplier's hotels look like: their size and their text (faults aside).
+
+    Every range is ``(least, most)``, both included, drawn uniformly per hotel.
+
+    Attributes:
+        name: the preset it came from (``standard``, ``rich``) or a caller's own name.
+        rooms_per_hotel: rooms of a hotel (each of another kind: at most ``room_kinds``).
+        room_kinds: how many kinds of room of the catalogue hotels choose from (the first
+            ``room_kinds`` of :data:`ROOM_TYPE_KINDS`).
+        rate_plan_kinds: how many kinds of rate plan a room may offer (the first
+            ``rate_plan_kinds`` of :data:`RATE_PLAN_KINDS`; the first is always offered,
+            each other one by its own chance).
+        images_per_hotel: images of a hotel.
+        facilities_per_hotel: facilities of a hotel (at most :data:`FACILITY_KINDS`).
+        description_chars: length of a hotel's ``description``, a field beyond the contract
+            that a platform ignores; ``(0, 0)``: no such field.
+        non_ascii_share: share of hotels whose name, address, image captions, room names
+            and description are written in other scripts (CJK, Arabic, Cyrillic, accented
+            Latin, emoji); the others keep the language of their city.
+    """
+
+    name: str = "standard"
+    rooms_per_hotel: tuple[int, int] = (1, 4)
+    room_kinds: int = 7
+    rate_plan_kinds: int = 4
+    images_per_hotel: tuple[int, int] = (1, 4)
+    facilities_per_hotel: tuple[int, int] = (2, 7)
+    description_chars: tuple[int, int] = (0, 0)
+    non_ascii_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.room_kinds <= ROOM_TYPE_KINDS:
+            raise ValueError(f"DataProfile.room_kinds must be within 1..{ROOM_TYPE_KINDS}")
+        # A hotel's room codes are unique: no more rooms than kinds of room.
+        _check_range("rooms_per_hotel", self.rooms_per_hotel, 1, self.room_kinds)
+        if not 1 <= self.rate_plan_kinds <= RATE_PLAN_KINDS:
+            raise ValueError(f"DataProfile.rate_plan_kinds must be within 1..{RATE_PLAN_KINDS}")
+        _check_range("images_per_hotel", self.images_per_hotel, 0, MAX_IMAGES)
+        _check_range("facilities_per_hotel", self.facilities_per_hotel, 0, FACILITY_KINDS)
+        _check_range("description_chars", self.description_chars, 0, MAX_DESCRIPTION_CHARS)
+        if not 0.0 <= self.non_ascii_share <= 1.0:
+            raise ValueError(
+                f"DataProfile.non_ascii_share must be within [0, 1], got {self.non_ascii_share!r}"
+            )
+
+    @classmethod
+    def standard(cls) -> DataProfile:
+        """Mid-size hotels, each named in its city's language: the simulator's usual world."""
+        return cls()
+
+    @classmethod
+    def rich(cls) -> DataProfile:
+        """Large hotels: long descriptions, many images, facilities, rooms and rate plans,
+        and most text in other scripts (CJK, Arabic, Cyrillic, accented Latin, emoji)."""
+        return cls(
+            name="rich",
+            rooms_per_hotel=(3, 10),
+            room_kinds=ROOM_TYPE_KINDS,
+            rate_plan_kinds=RATE_PLAN_KINDS,
+            images_per_hotel=(6, 20),
+            facilities_per_hotel=(6, FACILITY_KINDS),
+            description_chars=(400, 1600),
+            non_ascii_share=0.6,
+        )
+
+    @classmethod
+    def named(cls, name: str) -> DataProfile:
+        """The preset called ``name`` (see :data:`DATA_PROFILES`).
+
+        Raises:
+            ValueError: the name is not a known preset.
+        """
+        if name not in DATA_PROFILES:
+            raise ValueError(f"unknown data profile {name!r}; known: {', '.join(DATA_PROFILES)}")
+        return cls.standard() if name == "standard" else cls.rich()
+
+    @functools.cached_property
+    def is_standard(self) -> bool:
+        """Whether hotels are drawn exactly as the standard preset draws them."""
+        return replace(self, name="standard") == DataProfile()
+
+    def with_(self, **changes: Any) -> DataProfile:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+DATA_PROFILES: tuple[str, ...] = ("standard", "rich")
+"""The names :meth:`DataProfile.named` knows."""
+
+
+def _check_range(name: str, value: tuple[int, int], least: int, most: int) -> None:
+    """Refuse a ``(low, high)`` range outside ``least..most`` or upside down.
+
+    Raises:
+        ValueError: naming the field, the value and the bounds.
+    """
+    if (
+        not isinstance(value, tuple)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise ValueError(f"{name} must be a pair of whole numbers (low, high), got {value!r}")
+    low, high = value
+    if not least <= low <= high <= most:
+        raise ValueError(f"{name} must satisfy {least} <= low <= high <= {most}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SimulatorConfig:
     """Everything that defines a simulated supplier. Same config, same world, same answers.
@@ -251,6 +373,14 @@ class SimulatorConfig:
         rate_limit_burst: bucket size; ``None``: one second worth of ``rate_limit_rps``.
         faults: the fault profile.
         hotel_cache_size: how many serialized hotels are kept (an LRU, bounds memory).
+        data_profile: what the hotels look like (:data:`DATA_PROFILES`): ``standard``, or
+            ``rich`` (large hotels, long descriptions, much non-ASCII text).
+        rooms_per_hotel: ``(least, most)`` rooms per hotel instead of the data profile's
+            (most: at most :data:`ROOM_TYPE_KINDS`).
+        description_chars: ``(least, most)`` characters of a hotel's description instead of
+            the data profile's (``(0, 0)``: none).
+        non_ascii_share: the data profile's share of hotels written in other scripts,
+            replaced.
     """
 
     seed: int = 42
@@ -274,6 +404,10 @@ class SimulatorConfig:
     rate_limit_burst: float | None = None
     faults: FaultProfile = field(default_factory=FaultProfile.clean)
     hotel_cache_size: int = 50_000
+    data_profile: str = "standard"
+    rooms_per_hotel: tuple[int, int] | None = None
+    description_chars: tuple[int, int] | None = None
+    non_ascii_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_cities < 1:
@@ -311,6 +445,31 @@ class SimulatorConfig:
             raise ValueError("SimulatorConfig.rate_limit_rps must be > 0 or None")
         if self.rate_limit_burst is not None and self.rate_limit_burst < 1:
             raise ValueError("SimulatorConfig.rate_limit_burst must be >= 1 or None")
+        try:
+            self.data  # noqa: B018  (resolving it validates the profile and its overrides)
+        except ValueError as err:
+            raise ValueError(f"SimulatorConfig: {err}") from None
+
+    @functools.cached_property
+    def data(self) -> DataProfile:
+        """The data profile with this config's overrides applied.
+
+        Raises:
+            ValueError: an unknown profile name, or an override out of its range.
+        """
+        profile = DataProfile.named(self.data_profile)
+        changes: dict[str, Any] = {}
+        if self.rooms_per_hotel is not None:
+            high = self.rooms_per_hotel[1] if len(self.rooms_per_hotel) == 2 else 0
+            # More rooms than kinds of room need more kinds: a hotel's room codes are unique.
+            if isinstance(high, int) and high > profile.room_kinds:
+                changes["room_kinds"] = min(high, ROOM_TYPE_KINDS)
+            changes["rooms_per_hotel"] = tuple(self.rooms_per_hotel)
+        if self.description_chars is not None:
+            changes["description_chars"] = tuple(self.description_chars)
+        if self.non_ascii_share is not None:
+            changes["non_ascii_share"] = self.non_ascii_share
+        return profile.with_(**changes) if changes else profile
 
     @property
     def epoch_seconds(self) -> int:

@@ -737,6 +737,7 @@ class World:
             updated_at=rfc3339(h.updated_at),
             version=h.version,
             price_shock_rate=self.config.price_shock_rate,
+            profile=self.config.data,
         )
 
     def record(self, listed: City, h: Hotel, day: int) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from supplier_sync_dagster.simulator import locales
+from supplier_sync_dagster.simulator import locales, richtext
+from supplier_sync_dagster.simulator.config import DataProfile
 
 FACILITIES = (
     "wifi", "pool", "parking", "gym", "spa", "restaurant", "bar", "airport_shuttle",
@@ -24,6 +25,8 @@ FACILITIES = (
 )  # fmt: skip
 CAPTIONS = ("Lobby", "Facade", "Room", "Pool", "Restaurant", "Bathroom", "View", "Terrace")
 # (code, name, bed type, max occupancy, price factor)
+# A data profile's hotels choose among the first ``room_kinds`` of these rooms and the first
+# ``rate_plan_kinds`` of these plans (the standard profile: the first 7 and 4).
 ROOM_TYPES = (
     ("SGL", "Single Room", "SINGLE", 1, 0.8),
     ("STD", "Standard Double", "DOUBLE", 2, 1.0),
@@ -32,6 +35,13 @@ ROOM_TYPES = (
     ("DLX", "Deluxe King", "KING", 2, 1.4),
     ("FAM", "Family Room", "DOUBLE", 4, 1.6),
     ("STE", "Junior Suite", "KING", 3, 2.2),
+    ("TRP", "Triple Room", "TWIN", 3, 1.3),
+    ("QUA", "Quadruple Room", "DOUBLE", 4, 1.5),
+    ("STU", "Studio", "QUEEN", 2, 1.25),
+    ("APT", "Two-Bedroom Apartment", "DOUBLE", 5, 2.0),
+    ("DSV", "Deluxe Sea View", "KING", 2, 1.7),
+    ("EXE", "Executive Suite", "KING", 2, 2.6),
+    ("PRS", "Presidential Suite", "KING", 4, 5.0),
 )
 # (code, board, refundable, price factor, per-mille chance that a room offers it)
 RATE_PLANS = (
@@ -39,6 +49,12 @@ RATE_PLANS = (
     ("NRF", "RO", False, 0.88, 600),
     ("BB", "BB", True, 1.12, 500),
     ("HB", "HB", True, 1.35, 150),
+    ("FB", "FB", True, 1.55, 300),
+    ("AI", "AI", True, 1.9, 250),
+    ("ADV", "RO", False, 0.8, 450),
+    ("MEM", "BB", True, 1.02, 400),
+    ("LOS7", "RO", True, 0.85, 350),
+    ("PKG", "HB", False, 1.25, 200),
 )
 _STAR_TABLE = tuple(
     star
@@ -47,10 +63,14 @@ _STAR_TABLE = tuple(
 )
 _FACILITY_JSON = tuple(json.dumps(f) for f in FACILITIES)
 _CAPTION_JSON = tuple(json.dumps(c) for c in CAPTIONS)
+_ROOM_CODE = tuple(f'{{"room_code":{json.dumps(code)},"name":' for code, *_ in ROOM_TYPES)
+_ROOM_TAIL = tuple(
+    f',"bed_type":{json.dumps(bed)},"max_occupancy":{occ},"rate_plans":['
+    for _, _, bed, occ, _ in ROOM_TYPES
+)
 _ROOM_HEAD = tuple(
-    f'{{"room_code":{json.dumps(code)},"name":{json.dumps(name)},'
-    f'"bed_type":{json.dumps(bed)},"max_occupancy":{occ},"rate_plans":['
-    for code, name, bed, occ, _ in ROOM_TYPES
+    f"{code}{json.dumps(room[1])}{tail}"
+    for code, tail, room in zip(_ROOM_CODE, _ROOM_TAIL, ROOM_TYPES, strict=True)
 )
 _PLAN_HEAD = tuple(
     f'{{"code":{json.dumps(code)},"board":{json.dumps(board)},'
@@ -65,21 +85,27 @@ def _digest(*parts: object) -> int:
 
 
 class _Bits:
-    """Draws uniform integers from a big random integer, digit by mixed-radix digit."""
+    """Draws uniform integers from a big random integer, digit by mixed-radix digit.
 
-    __slots__ = ("v",)
+    Given ``more`` (the parts of further digests), it draws more random bits whenever few are
+    left, for hotels whose many choices would use up one digest.
+    """
 
-    def __init__(self, v: int) -> None:
+    __slots__ = ("more", "v")
+
+    def __init__(self, v: int, more: tuple[object, ...] | None = None) -> None:
         self.v = v
+        self.more = more
 
     def take(self, n: int) -> int:
+        if self.more is not None and self.v < n << 64:
+            self.v = (self.v << 512) | _digest(*self.more, self.v.bit_length(), n)
         self.v, r = divmod(self.v, n)
         return r
 
     def unit(self) -> float:
         """Uniform in ``[0, 1)`` with 16 bits of resolution."""
-        self.v, r = divmod(self.v, 65536)
-        return r / 65536.0
+        return self.take(65536) / 65536.0
 
 
 @dataclass(frozen=True)
@@ -169,6 +195,9 @@ def _slug(text: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in folded).split()) or "hotel"
 
 
+STANDARD = DataProfile.standard()
+"""The data profile records are drawn by unless told otherwise."""
+
 PRICE_SHOCK = 2.5  # a shocked price epoch multiplies every price of the hotel by this
 
 
@@ -191,11 +220,17 @@ def render_valid(
     updated_at: str,
     version: int,
     price_shock_rate: float = 0.0,
+    profile: DataProfile = STANDARD,
 ) -> bytes:
-    """The hotel's valid record as compact JSON (UTF-8), keys in the contract's order."""
+    """The hotel's valid record as compact JSON (UTF-8), keys in the contract's order.
+
+    The standard data profile draws exactly as it always has (the same seed, the same bytes);
+    other profiles draw their extra choices from digests of their own.
+    """
+    deep = not profile.is_standard
     # What a hotel is (name, position, stars, rooms) never changes; a content change edits
     # what a hotel's content team edits (address, phone, facilities, images), as real feeds do.
-    b = _Bits(_digest(seed, "content", num, 0))
+    b = _Bits(_digest(seed, "content", num, 0), (seed, "content+", num) if deep else None)
     take = b.take
     name_json, local_json, slug = kit.names[take(len(kit.names))]
     lat = kit.lat + (b.unit() + b.unit() + b.unit() - 1.5) * 2.0 * kit.spread
@@ -203,22 +238,40 @@ def render_valid(
     lng = (kit.lng + (b.unit() + b.unit() + b.unit() - 1.5) * 2.0 * kit.lng_spread + 180.0) % 360.0
     lng -= 180.0
     star = _STAR_TABLE[take(len(_STAR_TABLE))]
-    e = _Bits(_digest(seed, "edit", num, content_epoch))
+    # A hotel written in other scripts keeps them through its content changes.
+    foreign = (
+        profile.non_ascii_share > 0
+        and _Bits(_digest(seed, "script", num, 0)).unit() < profile.non_ascii_share
+    )
+    text = _NO_BITS
+    if foreign:
+        text = _Bits(_digest(seed, "text", num, content_epoch), (seed, "text+", num, content_epoch))
+        name = richtext.name(_Bits(_digest(seed, "name", num, 0)).take)
+        name_json = json.dumps(name, ensure_ascii=False)
+    e = _Bits(_digest(seed, "edit", num, content_epoch), (seed, "edit+", num) if deep else None)
     edit = e.take
     number = 1 + edit(250)
     street = kit.streets[edit(len(kit.streets))]
+    if foreign:
+        street = richtext.street(text.take)
     line1 = f"{number} {street}" if kit.number_first else f"{street} {number}"
     digits = kit.postal_digits
     postal = f'"{edit(10**digits):0{digits}d}"' if digits else "null"
     phone = kit.phones[edit(len(kit.phones))]
-    facilities = _pick(edit, len(FACILITIES), 2 + edit(6))
-    n_images = 1 + edit(4)
+    low, high = profile.facilities_per_hotel
+    facilities = _pick(edit, len(FACILITIES), low + edit(high - low + 1))
+    low, high = profile.images_per_hotel
+    n_images = low + edit(high - low + 1)
+    captions = [_CAPTION_JSON[edit(len(CAPTIONS))] for _ in range(n_images)]
+    if foreign:
+        captions = [
+            c if text.take(3) else _pick_json(richtext.CAPTIONS_JSON, text) for c in captions
+        ]
     images = ",".join(
-        f'{{"url":"https://img.example/h/{hotel_id}/{i}.jpg",'
-        f'"caption":{_CAPTION_JSON[edit(len(CAPTIONS))]}}}'
-        for i in range(1, n_images + 1)
+        f'{{"url":"https://img.example/h/{hotel_id}/{i}.jpg","caption":{caption}}}'
+        for i, caption in enumerate(captions, 1)
     )
-    p = _Bits(_digest(seed, "price", num, price_epoch))
+    p = _Bits(_digest(seed, "price", num, price_epoch), (seed, "price+", num) if deep else None)
     drift = (0.85 + 0.35 * p.unit()) if price_epoch else 1.0
     if price_shocked(seed, num, price_epoch, price_shock_rate):
         drift *= PRICE_SHOCK
@@ -226,10 +279,12 @@ def render_valid(
     decimals = kit.decimals
     currency = kit.currency_json
     rooms = []
-    for t in _pick(take, len(ROOM_TYPES), 1 + take(4)):
+    low, high = profile.rooms_per_hotel
+    plan_kinds = RATE_PLANS[: profile.rate_plan_kinds]
+    for t in _pick(take, profile.room_kinds, low + take(high - low + 1)):
         base = level * ROOM_TYPES[t][4] * (0.85 + 0.35 * b.unit())
         plans = []
-        for i, plan in enumerate(RATE_PLANS):
+        for i, plan in enumerate(plan_kinds):
             if plan[4] < 1000 and take(1000) >= plan[4]:
                 continue
             amount = round(base * plan[3], decimals)
@@ -238,17 +293,34 @@ def render_valid(
                 f'{_PLAN_HEAD[i]}{available},"price":'
                 f'{{"amount":"{amount:.{decimals}f}","currency":{currency}}}}}'
             )
-        rooms.append(_ROOM_HEAD[t] + ",".join(plans) + "]}")
+        head = _ROOM_HEAD[t]
+        if foreign and not text.take(3):
+            head = _ROOM_CODE[t] + _pick_json(richtext.ROOM_NAMES_JSON, text) + _ROOM_TAIL[t]
+        rooms.append(head + ",".join(plans) + "]}")
     facility_json = ",".join(_FACILITY_JSON[f] for f in facilities)
     status = "ACTIVE" if active else "INACTIVE"
+    description = ""
+    low, high = profile.description_chars
+    if high:
+        d = _Bits(_digest(seed, "description", num, content_epoch), (seed, "description+", num))
+        said = richtext.description(d.take, low + d.take(high - low + 1))
+        description = f',"description":{json.dumps(said, ensure_ascii=False)}'
     return (
         f'{{"hotel_id":"{hotel_id}","name":{name_json},"name_local":{local_json},'
         f'{kit.city_fields},"address":{{"line1":{json.dumps(line1, ensure_ascii=False)},'
         f'"postal_code":{postal}}},"geo":{{"lat":{lat:.6f},"lng":{lng:.6f}}},'
-        f'"star_rating":{star},"phone":{phone},"email":"stay@{slug}-{num % 100_000}.example",'
-        f'"facilities":[{facility_json}],"images":[{images}],"rooms":[{",".join(rooms)}],'
-        f'"status":"{status}","updated_at":"{updated_at}","version":{version}}}'
+        f'"star_rating":{star},"phone":{phone},"email":"stay@{slug}-{num % 100_000}.example"'
+        f'{description},"facilities":[{facility_json}],"images":[{images}],'
+        f'"rooms":[{",".join(rooms)}],"status":"{status}","updated_at":"{updated_at}",'
+        f'"version":{version}}}'
     ).encode()
+
+
+_NO_BITS = _Bits(0)
+
+
+def _pick_json(values: tuple[str, ...], bits: _Bits) -> str:
+    return values[bits.take(len(values))]
 
 
 def _pick(take: Callable[[int], int], n: int, k: int) -> list[int]:

@@ -39,7 +39,13 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.migrations import load_migrations
 from supplier_sync_dagster.core.sync.runtime import GC_GEN0_THRESHOLD
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
-from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster.simulator import (
+    FaultProfile,
+    Simulator,
+    encode_city_code,
+    running_server,
+)
+from supplier_sync_dagster.simulator.data import hotel_id
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 
 TASK = "hotel_supplier_full_resource"
@@ -695,6 +701,12 @@ def test_simulate_serves_the_contract_over_http(tmp_path: Path, capsys: pytest.C
             "--hostile-city-codes",
             "--api-key",
             "k1",
+            "--data-profile",
+            "rich",
+            "--rooms-per-hotel",
+            "2,2",
+            "--non-ascii-share",
+            "1",
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -715,6 +727,13 @@ def test_simulate_serves_the_contract_over_http(tmp_path: Path, capsys: pytest.C
         codes = {c["city_code"] for c in resp.json()["cities"]}
         assert "../../etc" in codes and len(codes) >= 4
         assert httpx.get(f"http://127.0.0.1:{port}/v1/cities").status_code == 401
+        city = next(c for c in resp.json()["cities"] if c["hotel_count"])["city_code"]
+        page = httpx.get(
+            f"http://127.0.0.1:{port}/v1/cities/{encode_city_code(city)}/hotels",
+            headers={"X-Api-Key": "k1"},
+        ).json()["hotels"]
+        assert page and all(len(h["rooms"]) == 2 and h["description"] for h in page)
+        assert not any(h["name"].isascii() for h in page)
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0].decode()
@@ -722,6 +741,16 @@ def test_simulate_serves_the_contract_over_http(tmp_path: Path, capsys: pytest.C
     assert "Traceback" not in out
     unknown = run(capsys, "simulate", "--profile", "nope")
     assert "unknown fault profile 'nope'" in assert_one_line_error(unknown, code=2)
+    for argv, says in (
+        (["--data-profile", "huge"], "unknown data profile 'huge'; known: standard, rich"),
+        (["--rooms-per-hotel", "1,99"], "rooms_per_hotel must satisfy 1 <= low <= high <= 14"),
+        (["--non-ascii-share", "2"], "non_ascii_share must be within [0, 1], got 2.0"),
+    ):
+        refused = run(capsys, "simulate", *argv)
+        assert says in assert_one_line_error(refused, code=2), argv
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["simulate", "--description-chars", "9,3"])
+    assert "--description-chars: LOW must not exceed HIGH" in capsys.readouterr().err
 
 
 def test_daemon_comes_up_heartbeats_and_stops_on_sigterm(tmp_path: Path):
@@ -837,6 +866,54 @@ def test_sync_full_in_worker_processes_publishes_the_ground_truth(
     s = schema.shard.c
     holders = {w for (w,) in query(db_url, sa.select(s.worker_id))}
     assert holders and all(w and f"-{os.getpid()}-" not in w for w in holders)
+
+
+def test_sync_full_of_a_rich_world_publishes_its_text_unchanged(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    # Large hotels whose names, streets, captions and room names are in many scripts (CJK,
+    # Arabic, emoji joined by ZERO WIDTH JOINER, beyond the BMP), some records bad.
+    sim = simulator(
+        n_cities=4, total_hotels=240, data_profile="rich", faults={"bad_record_rate": 0.05}
+    )
+    truth = sim.ground_truth()
+    assert truth.bad
+    with supplier(sim, monkeypatch):
+        done = sync(capsys, db_url, "--json", "--trigger-id", "rich-1")
+    assert done.code == 0, done
+    summary = json.loads(done.out)
+    assert summary["status"] == "SUCCESS" and summary["counts_add_up"]
+    assert published(db_url) == dict(truth.valid)
+
+    # Only the bad records are dead letters: no valid rich record is.
+    letters = run(capsys, "--db-url", db_url, "export", "dead-letters")
+    assert {json.loads(line)["supplier_hotel_id"] for line in letters.lines} == set(truth.bad)
+
+    # Every published text is the supplier's, character for character.
+    world = sim.world
+    records = {
+        hotel_id(num): world.valid_record(city, state.hotels[num])
+        for city, state in world.all_states(0)
+        for num in state.ids
+    }
+    exported = run(capsys, "--db-url", db_url, "export", "published")
+    rows = [json.loads(line) for line in exported.lines]
+    assert len(rows) == len(truth.valid)
+    foreign = 0
+    for row in rows:
+        rec = records[row["supplier_hotel_id"]]
+        assert row["name"] == rec["name"]
+        assert row["name_local"] == rec["name_local"]
+        assert row["address_line1"] == rec["address"]["line1"]
+        assert [i["caption"] for i in row["images"]] == [i["caption"] for i in rec["images"]]
+        rooms = {r["room_code"]: r["name"] for r in rec["rooms"]}
+        assert {o["room_code"]: o["room_name"] for o in row["offers"]} == rooms
+        assert len(row["offers"]) == sum(len(r["rate_plans"]) for r in rec["rooms"])
+        foreign += not row["name"].isascii()
+    assert foreign > len(rows) // 2
+    assert any(
+        "\u200d" in r["name"] or any("\u200d" in i["caption"] for i in r["images"]) for r in rows
+    )
 
 
 def test_processes_option(capsys: pytest.CaptureFixture[str]):

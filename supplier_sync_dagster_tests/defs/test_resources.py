@@ -83,10 +83,22 @@ def test_each_implementation_has_only_its_own_fields():
         "sim_hotels",
         "sim_profile",
         "sim_day",
+        "sim_data_profile",
     }
     assert SimulatedSupplierResource().task_code == DEFAULT_TASK_CODE
     with pytest.raises(TypeError):
         SupplierResource()  # type: ignore[abstract]
+
+
+def test_the_simulated_supplier_serves_its_data_profile():
+    rich = SimulatedSupplierResource(sim_cities=2, sim_hotels=40, sim_data_profile="rich")
+    with rich.client() as client:
+        city = next(c for c in client.list_cities().data.cities if c.hotel_count)
+        hotels = client.get_hotels_page(city.city_code, page_size=50).data.hotels
+    assert hotels and all(len(h["rooms"]) >= 3 and h["description"] for h in hotels)
+    huge = SimulatedSupplierResource(sim_data_profile="huge")
+    with pytest.raises(ValueError, match="unknown data profile 'huge'"), huge.client():
+        pass
 
 
 def test_unset_supplier_url_binds_the_simulator():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from supplier_sync_dagster.cli.common import (
     Subcommands,
     duration,
@@ -19,6 +21,10 @@ from supplier_sync_dagster.core.inputs.operator_input import MAX_ID
 BACKFILL_DAEMON_INTERVAL_SECONDS = 2
 # The simulator's clock is a datetime: a century of simulated days stays far from its end.
 MAX_SIMULATED_DAY = 36_500
+_DATA_PROFILE_HELP = (
+    "what the hotels look like: standard, or rich (large hotels, long descriptions, much "
+    "non-ASCII text)"
+)
 
 
 def add_simulate_and_daemon(sub: Subcommands) -> None:
@@ -34,6 +40,19 @@ def add_simulate_and_daemon(sub: Subcommands) -> None:
     sim.add_argument("--rate-limit", type=rate, default=None, help="requests/s per API key")
     sim.add_argument("--profile", default="clean", help="fault profile: clean, flaky or hostile")
     sim.add_argument("--hostile-city-codes", action="store_true")
+    sim.add_argument("--data-profile", default="standard", help=_DATA_PROFILE_HELP)
+    for option, what in (
+        ("--rooms-per-hotel", "rooms per hotel"),
+        ("--description-chars", "characters of each hotel's description (0,0: none)"),
+    ):
+        sim.add_argument(
+            option, type=_count_range, metavar="LOW,HIGH", help=f"{what}, not the data profile's"
+        )
+    sim.add_argument(
+        "--non-ascii-share",
+        type=float,
+        help="share of hotels written in other scripts (0 to 1), not the data profile's",
+    )
     sim.add_argument(
         "--mode",
         action="append",
@@ -69,3 +88,14 @@ def add_simulate_and_daemon(sub: Subcommands) -> None:
     )
     # The daemon's loggers have their own handlers.
     handled_by(daemon, "supplier_sync_dagster.cli.daemon:cmd_daemon", root_log=False)
+
+
+def _count_range(text: str) -> tuple[int, int]:
+    """``LOW,HIGH``: two whole numbers, low first (the simulator checks their bounds)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH (two whole numbers), not {text[:40]!r}")
+    low, high = (int(p) for p in parts)
+    if low > high:
+        raise argparse.ArgumentTypeError(f"LOW must not exceed HIGH, not {text[:40]!r}")
+    return low, high

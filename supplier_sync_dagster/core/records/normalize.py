@@ -86,6 +86,7 @@ from supplier_sync_dagster.core.records.rules import (
     StringField,
     collapse,
     email_ok,
+    formats_only,
     might_hold_html,
     parse_timestamp,
     phone_e164,
@@ -950,7 +951,7 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         and hotel_id.isprintable()
         and type(name) is str
         and len(name) <= _NAME.limit
-        and name.isprintable()
+        and (name.isprintable() or formats_only(name))
         and not might_hold_html(name)
         and type(city_code) is str
         and 0 < len(city_code) <= _CITY_CODE.limit
@@ -969,7 +970,7 @@ def _fast(rec: dict[str, Any]) -> dict[str, Any] | None:
         if not (
             type(name_local) is str
             and len(name_local) <= _NAME_LOCAL.limit
-            and name_local.isprintable()
+            and (name_local.isprintable() or formats_only(name_local))
             and not might_hold_html(name_local)
         ):
             return None
@@ -1056,7 +1057,11 @@ def _fast_contact(
             return None
         line1 = address.get("line1")
         if line1 is not None:
-            if not (type(line1) is str and len(line1) <= _LINE1.limit and line1.isprintable()):
+            if not (
+                type(line1) is str
+                and len(line1) <= _LINE1.limit
+                and (line1.isprintable() or formats_only(line1))
+            ):
                 return None
             line1 = collapse(line1) or None
         postal = address.get("postal_code")
@@ -1122,7 +1127,9 @@ def _fast_images(raw: object) -> list[dict[str, Any]] | None:
             return None
         if caption is not None:
             if not (
-                type(caption) is str and len(caption) <= _CAPTION.limit and caption.isprintable()
+                type(caption) is str
+                and len(caption) <= _CAPTION.limit
+                and (caption.isprintable() or formats_only(caption))
             ):
                 return None
             caption = caption.strip(" ")
@@ -1156,7 +1163,7 @@ def _fast_rooms(raw: object) -> list[dict[str, Any]] | None:
             and room_code not in room_codes
             and type(room_name) is str
             and len(room_name) <= _ROOM_NAME.limit
-            and room_name.isprintable()
+            and (room_name.isprintable() or formats_only(room_name))
             and not might_hold_html(room_name)
             and (
                 bed is None

@@ -62,6 +62,7 @@ __all__ = [
     "country",
     "currency",
     "email_ok",
+    "formats_only",
     "might_hold_html",
     "parse_timestamp",
     "phone_e164",
@@ -374,6 +375,19 @@ def string_problem(
     if html and might_hold_html(value) and _HTML_RE.search(value):
         return "HTML_IN_NAME", "holds HTML markup"
     return None
+
+
+def formats_only(value: str) -> bool:
+    """Whether every character of ``value`` that is not printable is harmless in free text
+    and kept as sent: no control character (tab, CR and LF included: collapsing changes
+    them) and no lone surrogate.
+
+    What is left are format characters and non-ASCII spaces (ZERO WIDTH JOINER in emoji,
+    ZERO WIDTH NON-JOINER in Persian, bidirectional marks, a no-break space), which
+    :func:`string_problem` accepts and :func:`collapse` keeps: the fast path's test of a
+    free-text value that ``str.isprintable`` refuses.
+    """
+    return CODE_CONTROL_RE.search(value) is None and _SURROGATE_RE.search(value) is None
 
 
 def collapse(value: str) -> str:

@@ -7,6 +7,10 @@
   limit is per API key, and several workers share a key. The refill and the take happen in
   one Lua script on Redis' own clock (``TIME``), so worker clocks never matter.
 
+A caller that waits (``acquire``) reserves its token at once, the bucket going into debt, and
+sleeps until the token is due: waiters are served in turn, and one woken late (a busy
+machine) still gets its token, so the supplier's rate is not lost to late wake-ups.
+
 The bucket key holds the supplier id and a SHA-256 of the API key: the key itself never
 reaches Redis.
 
@@ -109,45 +113,55 @@ class InProcessTokenBucket:
     def __repr__(self) -> str:
         return f"InProcessTokenBucket(rate={self.rate}, burst={self.burst})"
 
+    def _refilled(self) -> float:
+        """The tokens now, the refill since the last call counted (under the lock)."""
+        now = self._clock()
+        tokens, stamp = self._state[0], self._state[1]
+        if now > stamp:
+            tokens = min(self.burst, tokens + (now - stamp) * self.rate)
+            self._state[1] = now
+        return tokens
+
     def try_acquire(self) -> float:
         """Take a token if one is available, without blocking.
 
         Returns:
             0.0 if a token was taken, otherwise the seconds until one will be available.
         """
-        state = self._state
         with self._lock:
-            now = self._clock()
-            tokens, stamp = state[0], state[1]
-            elapsed = now - stamp
-            if elapsed > 0:
-                tokens = min(self.burst, tokens + elapsed * self.rate)
-                state[1] = now
+            tokens = self._refilled()
             # Float rounding can leave 0.99999...; waiting that out would never end.
             if tokens >= 1.0 - _EPSILON:
-                state[0] = max(0.0, tokens - 1.0)
+                self._state[0] = max(0.0, tokens - 1.0)
                 return 0.0
-            state[0] = tokens
+            self._state[0] = tokens
             return (1.0 - tokens) / self.rate
 
     def acquire(self) -> float:
-        """Block until a token is available and take it.
+        """Take a token, waiting until it is due.
+
+        The token is reserved at once, the bucket going into debt for it, and the caller
+        sleeps until it is due: a waiter woken late (a busy machine) still gets its token,
+        so none of the rate is lost to late wake-ups, and waiters are served in turn.
 
         Returns:
             Seconds spent waiting.
         """
-        waited = 0.0
-        while True:
-            wait = self.try_acquire()
-            if wait <= 0:
-                return waited
+        with self._lock:
+            tokens = self._refilled() - 1.0
+            self._state[0] = tokens
+        # Float rounding can leave -0.00001; that token is due now.
+        wait = -tokens / self.rate if tokens < -_EPSILON else 0.0
+        if wait > 0:
             self._sleep(wait)
-            waited += wait
+        return wait
 
 
 _LUA_TAKE = """
--- KEYS[1]: bucket key. ARGV: rate (tokens/s), burst (capacity), ttl_ms.
--- Returns "0" when a token was taken, otherwise the seconds until one is available.
+-- KEYS[1]: bucket key. ARGV: rate (tokens/s), burst (capacity), ttl_ms, reserve (0/1).
+-- Returns "0" when a token was taken, otherwise the seconds until one is available; with
+-- reserve=1 the token is taken even so (the bucket goes into debt) and the seconds until it
+-- is due are returned.
 local t = redis.call('TIME')
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
@@ -167,11 +181,16 @@ end
 local wait = 0
 if tokens >= 1 - 1e-9 then
   tokens = math.max(0, tokens - 1)
+elseif ARGV[4] == '1' then
+  tokens = tokens - 1
+  wait = -tokens / rate
 else
   wait = (1 - tokens) / rate
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 's', t[1], 'us', t[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+-- A bucket in debt lives until it is full again: expiring earlier would forget the debt.
+local ttl = math.max(tonumber(ARGV[3]), math.ceil((burst - tokens) / rate * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[1], ttl)
 return string.format('%.17g', wait)
 """
 
@@ -206,7 +225,6 @@ class RedisTokenBucket:
         burst: float = 1.0,
         *,
         sleep: Callable[[float], None] = time.sleep,
-        max_sleep: float = 1.0,
     ) -> None:
         """Create a handle on a shared bucket (the bucket starts full when first used).
 
@@ -216,8 +234,6 @@ class RedisTokenBucket:
             rate: Tokens added per second, for all processes together.
             burst: Capacity of the bucket.
             sleep: Sleep function, injectable for tests.
-            max_sleep: Longest single sleep before asking Redis again (guards against a
-                rate change by another process).
         """
         _check_rate(rate, burst)
         self.key = key
@@ -225,7 +241,6 @@ class RedisTokenBucket:
         self.burst = float(burst)
         self._redis = redis_client
         self._sleep = sleep
-        self._max_sleep = max_sleep
         self._script = redis_client.register_script(_LUA_TAKE)
         # Long enough for an idle bucket to refill completely, then it can go.
         self._ttl_ms = int(math.ceil(self.burst / self.rate * 1000)) + 1000
@@ -242,10 +257,15 @@ class RedisTokenBucket:
         Raises:
             RateLimiterUnavailable: Redis could not be reached or refused the script.
         """
+        return self._take(reserve=False)
+
+    def _take(self, *, reserve: bool) -> float:
         import redis
 
         try:
-            result = self._script(keys=[self.key], args=[self.rate, self.burst, self._ttl_ms])
+            result = self._script(
+                keys=[self.key], args=[self.rate, self.burst, self._ttl_ms, int(reserve)]
+            )
         except redis.RedisError as err:
             raise RateLimiterUnavailable(
                 f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
@@ -254,7 +274,12 @@ class RedisTokenBucket:
         return max(0.0, float(text))
 
     def acquire(self) -> float:
-        """Block until the shared bucket yields a token and take it.
+        """Take a token of the shared bucket, waiting until it is due.
+
+        The token is reserved at once (the shared bucket goes into debt for it, so every
+        process sharing the key waits behind it) and the caller sleeps until it is due: a
+        waiter woken late still gets its token, and none of the rate is lost to late
+        wake-ups.
 
         Returns:
             Seconds spent waiting.
@@ -262,14 +287,10 @@ class RedisTokenBucket:
         Raises:
             RateLimiterUnavailable: Redis could not be reached or refused the script.
         """
-        waited = 0.0
-        while True:
-            wait = self.try_acquire()
-            if wait <= 0:
-                return waited
-            wait = min(wait, self._max_sleep)
+        wait = self._take(reserve=True)
+        if wait > 0:
             self._sleep(wait)
-            waited += wait
+        return wait
 
 
 class CityRateLimiters:

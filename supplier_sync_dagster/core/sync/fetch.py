@@ -4,14 +4,17 @@ A city's listing is walked from the shard's checkpoint (``core.supplier.walk``);
 :class:`~supplier_sync_dagster.core.sync.model.PageSource` gives the pages of a shard that
 is not a listing. Each page's exact bytes go to the payload store, and its RAW snapshot row
 and the checkpoint past it commit in one fenced transaction: a crash re-fetches at most the
-page in flight.
+pages requested ahead (:data:`READ_AHEAD_PAGES`) and the one in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -37,10 +40,15 @@ from supplier_sync_dagster.core.sync.snapshots import (
     record_snapshots,
     snapshot_row,
 )
-from supplier_sync_dagster.core.sync.stop import Stop, in_daemon_thread
+from supplier_sync_dagster.core.sync.stop import Stop
 
 PageSink = Callable[[StoredPage, list[Any]], None]
 """Takes each page right after it is committed: its RAW snapshot and its records."""
+
+READ_AHEAD_PAGES = 3
+"""Pages of a walk requested while the pages before them are stored and normalized: a city
+spends its share of the supplier's rate limit while its pages are worked on, and a slow
+moment of that work (a busy machine) does not stall its requests."""
 
 
 def walk(
@@ -117,14 +125,15 @@ def fetch_pages(
     *,
     on_page: PageSink | None = None,
     stop: Stop | None = None,
+    read_ahead: int = READ_AHEAD_PAGES,
 ) -> None:
     """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
 
-    The next page is requested while ``on_page`` works on the current one, but only after
-    the current one is committed: a crash re-fetches at most one page, as without overlap.
-    Each request runs in a daemon thread (:func:`in_daemon_thread`): a stop, or any error of
-    this thread, never waits for a request in flight, which writes nothing (see
-    :mod:`supplier_sync_dagster.core.sync.stop`).
+    The walk runs in a daemon thread of its own (:class:`ReadAhead`), up to ``read_ahead``
+    pages ahead of the page being stored: the next pages are requested while this one is
+    stored and ``on_page`` works on it. Only committed pages count: a crash re-fetches the
+    pages requested ahead. A stop, or any error of this thread, never waits for a request in
+    flight, which writes nothing (see :mod:`supplier_sync_dagster.core.sync.stop`).
 
     Args:
         lease: The shard's lease (every write is fenced by it).
@@ -135,20 +144,20 @@ def fetch_pages(
         report: Counts the pages and the fetch's time.
         on_page: Takes each page once it is committed (a fresh walk's normalizer).
         stop: The run's stop: waiting for a page ends at once when it is asked.
+        read_ahead: Pages requested before the one being stored is committed (>= 1).
 
     Raises:
-        SyncInterrupted: The run's stop was asked (nothing of the page in flight is written).
+        SyncInterrupted: The run's stop was asked (nothing of the pages in flight is written).
     """
     city = lease.shard_key
     stop = stop or Stop()
-    pending = in_daemon_thread(next, pages, None)
-    walked = False
+    ahead = ReadAhead(pages, read_ahead)
     try:
         while True:
             began = time.perf_counter()
             # Waiting for the supplier: what a stall of the walk shows (find_stalls).
             heartbeat.report("FETCHING", f"city={city} waiting for the supplier's next page")
-            page = stop.result(pending)
+            page = stop.result(ahead.next())
             if page is None:
                 report.seconds["fetch"] += time.perf_counter() - began
                 break
@@ -173,7 +182,6 @@ def fetch_pages(
                     conn=conn,
                 )
             report.pages_fetched += 1
-            pending = in_daemon_thread(next, pages, None)
             report.seconds["fetch"] += time.perf_counter() - began
             if on_page is not None:
                 on_page(
@@ -181,16 +189,66 @@ def fetch_pages(
                     _unwrap(page.records),
                 )
             collect_garbage()
-        walked = True
     finally:
-        # The generator must not be closed while a request is inside it: a walk that ended,
-        # or whose last request returned, is closed; one abandoned mid-request ends with it.
-        if walked or pending.done():
-            with contextlib.suppress(Exception):  # that error is already on its way
-                pending.result()
-            close = getattr(pages, "close", None)
+        ahead.close()
+
+
+class ReadAhead:
+    """A walk's pages, requested in a daemon thread up to ``depth`` pages ahead of the taker.
+
+    The thread alone advances and closes the walk, so the walk is never closed while a
+    request is inside it; a walk abandoned mid-request ends with its thread, a daemon, which
+    never keeps the process from exiting.
+
+    Args:
+        pages: The walk.
+        depth: Pages requested and not taken yet, at most (>= 1).
+    """
+
+    def __init__(self, pages: Iterator[FetchedPage], depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"read-ahead depth must be >= 1, got {depth}")
+        self._pages = pages
+        self._room = threading.Semaphore(depth)
+        self._ready: queue.SimpleQueue[Future[FetchedPage | None]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        threading.Thread(target=self._walk, name="supplier-walk", daemon=True).start()
+
+    def _walk(self) -> None:
+        try:
+            while True:
+                self._room.acquire()
+                if self._closed.is_set():
+                    return
+                # Queued before the request: the taker finds the page's future at once.
+                future: Future[FetchedPage | None] = Future()
+                future.set_running_or_notify_cancel()
+                self._ready.put(future)
+                try:
+                    page = next(self._pages, None)
+                except BaseException as err:  # the taker gets it with the page it waits for
+                    future.set_exception(err)
+                    return
+                future.set_result(page)
+                if page is None:
+                    return
+        finally:
+            close = getattr(self._pages, "close", None)
             if close is not None:
-                close()
+                with contextlib.suppress(Exception):
+                    close()
+
+    def next(self) -> Future[FetchedPage | None]:
+        """The future of the walk's next page (None once the walk has ended); call it again
+        only after that future is done and held a page."""
+        future = self._ready.get()
+        self._room.release()
+        return future
+
+    def close(self) -> None:
+        """Asks for no more pages: the thread closes the walk after the request in flight."""
+        self._closed.set()
+        self._room.release()
 
 
 def record_walk(conn: Connection, lease: ShardLease, stats: WalkStats) -> None:

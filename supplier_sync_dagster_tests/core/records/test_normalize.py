@@ -242,10 +242,107 @@ def test_outputs_are_traced_to_input_positions(
     ] * len(page)
 
 
-def test_valid_records_take_the_fast_path_and_match_the_reference(
-    bad_world: tuple[Simulator, list[dict[str, Any]]],
+@pytest.fixture(scope="module")
+def rich_world() -> tuple[Simulator, list[dict[str, Any]]]:
+    """Large hotels, most of their text in other scripts, some records bad."""
+    sim = make_simulator(
+        FaultProfile.clean().with_(bad_record_rate=0.2),
+        n_cities=8,
+        total_hotels=800,
+        data_profile="rich",
+    )
+    return sim, walk(sim)
+
+
+def test_rich_records_end_as_the_ground_truth_says(
+    rich_world: tuple[Simulator, list[dict[str, Any]]],
 ) -> None:
-    _, records = bad_world
+    sim, records = rich_world
+    truth = sim.ground_truth()
+    result = normalize_records(records)
+    assert {h.supplier_hotel_id: h.version for h in result.hotels} == dict(truth.valid)
+    got = {r.supplier_hotel_id: (r.stage, r.error_code, r.field) for r in result.rejections}
+    assert got == {hid: EXPECTED_FOR_REASON[reason] for hid, reason in truth.bad.items()}
+
+
+def test_rich_text_is_kept_character_for_character(
+    rich_world: tuple[Simulator, list[dict[str, Any]]],
+) -> None:
+    sim, records = rich_world
+    by_id = {r["hotel_id"]: r for r in records}
+    docs = normalize_documents(records).docs
+    assert len(docs) == len(sim.ground_truth().valid)
+    kept = []
+    for doc in docs:
+        rec = by_id[doc["supplier_hotel_id"]]
+        pairs = [
+            (doc["name"], rec["name"]),
+            (doc["name_local"], rec["name_local"]),
+            (doc["address_line1"], rec["address"]["line1"]),
+            *(
+                (d["caption"], i["caption"])
+                for d, i in zip(doc["images"], rec["images"], strict=True)
+            ),
+            *((d["name"], r["name"]) for d, r in zip(doc["rooms"], rec["rooms"], strict=True)),
+        ]
+        for got, sent in pairs:
+            assert got == sent
+        kept += [sent for _, sent in pairs if not sent.isascii()]
+    # The sample holds every kind of text the rich profile makes.
+    text = "".join(kept)
+    assert "\u200d" in text and any(ord(c) > 0xFFFF for c in text)
+    assert any("\u0600" <= c <= "\u06ff" for c in text)  # Arabic
+    assert any("\u4e00" <= c <= "\u9fff" for c in text)  # CJK
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Family \U0001f468\u200d\U0001f469\u200d\U0001f467 Inn",  # emoji joined by ZWJ
+        "\u0647\u062a\u0644\u200c\u0647\u0627",  # Persian with ZERO WIDTH NON-JOINER
+        "Hotel\u00a0Central",  # a no-break space
+        "\u200fفندق النخيل",  # a RIGHT-TO-LEFT MARK
+        "Ryokan \U00020bb7",  # beyond the Basic Multilingual Plane
+    ],
+)
+def test_text_with_format_characters_takes_the_fast_path_unchanged(text: str) -> None:
+    assert not text.isprintable() or not text.isascii()
+    rec = record(
+        name=text,
+        name_local=text,
+        address={"line1": text, "postal_code": "10500"},
+        images=[{"url": "https://img.example/1.jpg", "caption": text}],
+    )
+    rec["rooms"][0]["name"] = text
+    fast = n._fast(rec)
+    assert fast is not None and fast == to_primitive(ok(rec))
+    assert fast["name"] == fast["name_local"] == fast["address_line1"] == text
+    assert fast["images"][0]["caption"] == fast["rooms"][0]["name"] == text
+
+
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ("Riverside\tGrand", None),  # valid, collapsed: the reference path's
+        ("Riverside\x1b[31m", "CONTROL_CHARACTERS"),
+        ("Riverside\x85", "CONTROL_CHARACTERS"),
+        ("Riverside\ud800", "INVALID_UNICODE"),
+    ],
+)
+def test_text_with_controls_or_surrogates_leaves_the_fast_path(text: str, code: str | None) -> None:
+    assert not rules.formats_only(text)
+    for field in ("name", "name_local", "address"):
+        rec = record(**{field: {"line1": text} if field == "address" else text})
+        assert n._fast(rec) is None
+        out = normalize_record(rec)
+        assert (out.error_code if isinstance(out, Rejection) else None) == code
+
+
+@pytest.mark.parametrize("world", ["bad_world", "rich_world"])
+def test_valid_records_take_the_fast_path_and_match_the_reference(
+    world: str, request: pytest.FixtureRequest
+) -> None:
+    _, records = request.getfixturevalue(world)
     for rec in records:
         fast = n._fast(rec)
         out = normalize_record(rec)

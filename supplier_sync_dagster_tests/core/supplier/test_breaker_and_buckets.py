@@ -209,6 +209,37 @@ def test_bucket_paces_n_requests_to_n_over_rate() -> None:
     assert clock.now - start == pytest.approx(100 / 20.0)
 
 
+def test_a_waiter_woken_late_loses_no_token() -> None:
+    """A busy machine wakes sleepers late: the bucket's rate is still the supplier's."""
+    clock = FakeClock()
+    late = 0.3 / 20.0  # every sleep overshoots by 30 % of a token's interval
+
+    def sleep_late(seconds: float) -> None:
+        clock.sleep(seconds + late)
+
+    bucket = InProcessTokenBucket(20.0, 1, monotonic=clock.monotonic, sleep=sleep_late)
+    start = clock.now
+    for _ in range(101):
+        bucket.acquire()
+    # Each late wake-up shortens the next wait: only the last one's lateness adds up.
+    assert clock.now - start == pytest.approx(100 / 20.0 + late)
+
+
+def test_waiters_reserve_their_tokens_in_turn_and_a_try_waits_behind_them() -> None:
+    clock = FakeClock()
+    slept: list[float] = []
+    bucket = InProcessTokenBucket(10.0, 1, monotonic=clock.monotonic, sleep=slept.append)
+    # Four callers at the same instant (their sleeps do not move the clock): each gets the
+    # next token, due one interval after the one before.
+    assert [bucket.acquire() for _ in range(4)] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert slept == pytest.approx([0.1, 0.2, 0.3])
+    assert bucket.try_acquire() == pytest.approx(0.4)  # asked, not taken
+    clock.advance(0.3)
+    assert bucket.try_acquire() == pytest.approx(0.1)
+    clock.advance(0.1)
+    assert bucket.try_acquire() == 0.0
+
+
 def test_bucket_is_thread_safe() -> None:
     bucket = InProcessTokenBucket(1000.0, 1)
     taken: list[float] = []
@@ -267,6 +298,32 @@ def test_redis_bucket_arithmetic(redis_url: str) -> None:
         assert set(r.hkeys(key)) == {b"tokens", b"s", b"us"}
         time.sleep(0.35)
         assert [bucket.try_acquire() for _ in range(3)] == [0.0, 0.0, 0.0]
+    finally:
+        r.delete(key)
+        r.close()
+
+
+@pytest.mark.redis
+def test_redis_waiters_reserve_their_tokens_and_the_debt_outlives_the_idle_expiry(
+    redis_url: str,
+) -> None:
+    r = redis_client(redis_url)
+    key = f"test:{uuid.uuid4().hex}"
+    slept: list[float] = []
+    bucket = RedisTokenBucket(r, key, rate=10.0, burst=1, sleep=slept.append)
+    other = RedisTokenBucket(r, key, rate=10.0, burst=1)
+    try:
+        waits = [bucket.acquire() for _ in range(6)]  # the sleeps do not happen
+        assert waits[0] == 0.0
+        # Each waiter's token is due one interval after the one before (less what refilled
+        # while asking).
+        assert all(0.05 < b - a <= 0.1 for a, b in zip(waits, waits[1:], strict=False))
+        assert slept == waits[1:]
+        # Another process waits behind the reserved tokens; asking takes nothing.
+        assert 0.5 < other.try_acquire() <= 0.6
+        assert 0.5 < other.try_acquire() <= 0.6
+        # The bucket lives until its debt is paid and it is full again, past the idle expiry.
+        assert r.pttl(key) > bucket._ttl_ms + 400
     finally:
         r.delete(key)
         r.close()

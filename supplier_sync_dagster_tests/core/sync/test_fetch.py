@@ -5,7 +5,8 @@ no hotel and is recorded; a walk that could have missed a hotel never counts it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.errors import WalkRunaway
+from supplier_sync_dagster.core.errors import SupplierError, WalkRunaway
 from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.leasing.batches import Batch
 from supplier_sync_dagster.core.leasing.leases import list_shards
@@ -23,6 +24,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient, WalkLimits
 from supplier_sync_dagster.core.sync.city import sync_city
+from supplier_sync_dagster.core.sync.fetch import ReadAhead
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import RunRequest, plan_run, run_cities
 from supplier_sync_dagster_tests.core.conftest import MakeBatch
@@ -258,3 +260,91 @@ def test_a_walk_that_could_have_skipped_a_hotel_never_counts_it_missing(
             ).scalars()
         )
     assert live == set(ids(59, start=2)) | {"H000061"}
+
+
+# -- the read-ahead of a walk ----------------------------------------------------------------
+
+WAIT = 30.0  # a generous bound on waits for another thread: never a measurement
+
+
+class _Walk:
+    """A walk of ``n`` pages whose requests are logged, and can be held or made to fail."""
+
+    def __init__(self, n: int, *, fail_at: int | None = None) -> None:
+        self.n, self.fail_at = n, fail_at
+        self.asked: list[int] = []
+        self.closed_by: str | None = None
+        self.changed = threading.Condition()
+        self.release = threading.Event()
+        self.release.set()
+        self.in_request = False
+
+    def wait_for(self, predicate: Callable[[], bool]) -> None:
+        with self.changed:
+            assert self.changed.wait_for(predicate, timeout=WAIT)
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for i in range(self.n):
+                with self.changed:
+                    self.asked.append(i)
+                    self.in_request = True
+                    self.changed.notify_all()
+                assert self.release.wait(WAIT)
+                with self.changed:
+                    self.in_request = False
+                if i == self.fail_at:
+                    raise SupplierError(f"page {i} failed")
+                yield i
+        finally:
+            with self.changed:
+                self.closed_by = threading.current_thread().name
+                self.changed.notify_all()
+
+
+def test_a_walk_is_requested_ahead_up_to_its_depth_and_no_further() -> None:
+    walk = _Walk(10)
+    ahead = ReadAhead(iter(walk), 3)
+    try:
+        walk.wait_for(lambda: len(walk.asked) == 3)
+        # Nothing taken: the fourth page is not asked for, however long we look.
+        assert not ahead._room.acquire(timeout=0)  # every slot is held by a requested page
+        assert walk.asked == [0, 1, 2]
+        assert ahead.next().result(WAIT) == 0
+        walk.wait_for(lambda: len(walk.asked) == 4)
+        got = [ahead.next().result(WAIT) for _ in range(10)]
+        assert got == [*range(1, 10), None]
+    finally:
+        ahead.close()
+    walk.wait_for(lambda: walk.closed_by is not None)
+    assert walk.closed_by == "supplier-walk"
+
+
+def test_a_failed_request_reaches_the_taker_and_ends_the_walk() -> None:
+    walk = _Walk(10, fail_at=1)
+    ahead = ReadAhead(iter(walk), 3)
+    assert ahead.next().result(WAIT) == 0
+    with pytest.raises(SupplierError, match="page 1 failed"):
+        ahead.next().result(WAIT)
+    walk.wait_for(lambda: walk.closed_by is not None)
+    assert walk.asked == [0, 1]
+    ahead.close()
+
+
+def test_closing_mid_request_asks_no_more_and_closes_the_walk_after_the_request() -> None:
+    walk = _Walk(10)
+    walk.release.clear()  # the first request hangs
+    ahead = ReadAhead(iter(walk), 3)
+    first = ahead.next()
+    walk.wait_for(lambda: walk.in_request)
+    ahead.close()  # the taker gives up (a stop, a lost lease)
+    assert not first.done() and walk.closed_by is None  # never closed under a request
+    walk.release.set()
+    walk.wait_for(lambda: walk.closed_by is not None)
+    assert walk.closed_by == "supplier-walk" and walk.asked == [0]
+    assert first.result(WAIT) == 0
+
+
+def test_a_read_ahead_needs_a_depth() -> None:
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ReadAhead(iter(()), 0)
