@@ -27,7 +27,10 @@ chunk's columns before any frame exists (a rule of one value only over a column'
 values): when no row fails, which is the usual chunk, neither the frames nor pandera's pass
 are needed, and the result is the one pandera would give; a frame where a row fails is built
 and validated by pandera, which names every failure case (the other frames, whose rules all
-passed, are neither built nor validated).
+passed, are neither built nor validated). A sync's own chunk, straight from normalization
+(``normalized=True``), is not even flattened when what normalization leaves open passes (layer
+4, a facility lengthened by lower-casing, the E.164 shape): normalization enforced the same
+rows of rules on every value, so the full pass could find nothing else.
 
 Every input position ends in exactly one of ``valid``, ``failures``, ``moved`` and
 ``duplicates`` of :class:`QualityResult`. A record fails with exactly one
@@ -1062,6 +1065,7 @@ def check_quality(
     city_code: str | None,
     city_countries: Mapping[str, str],
     parse_phones: bool = True,
+    normalized: bool = False,
 ) -> QualityResult:
     """Row-level quality of a chunk of one city's normalized hotels (layers 3 and 4).
 
@@ -1080,6 +1084,13 @@ def check_quality(
             a libphonenumber parse for each number not seen before). False keeps only the vectorised E.164
             shape check (``+``, a real calling code, 7-15 digits), for callers whose
             documents come straight from normalization, which parsed each number already.
+        normalized: every document comes straight from ``normalize_documents`` in this
+            process, which already enforced the rules of layer 3 (the same rows of
+            :mod:`~supplier_sync_dagster.core.records.rules`). Only what it does not
+            guarantee is checked first (layer 4, a facility that lower-casing made longer
+            than its limit, the E.164 shape): a chunk that passes is valid as the full pass
+            would find it, without flattening it; any other chunk takes the full pass, so
+            the result is always the full pass's.
 
     Returns:
         Valid positions, failures (one per failed record), moved hotels and duplicates.
@@ -1087,9 +1098,20 @@ def check_quality(
     began = time.perf_counter()
     failures: dict[int, QualityFailure] = {}
 
+    # The usual chunk lists no hotel twice: no duplicates to collapse first.
+    distinct = normalized and _distinct_ids(docs)
+    if distinct and _normalized_pass(docs, range(len(docs)), city_countries):
+        return _all_pass(docs, range(len(docs)), [], city_code, began)
     # Duplicates first: only the highest version of a hotel is validated and reported.
     kept, duplicates = _highest(docs, failures)
     positions = sorted(kept)
+    if (
+        normalized
+        and not distinct
+        and not failures
+        and _normalized_pass(docs, positions, city_countries)
+    ):
+        return _all_pass(docs, positions, duplicates, city_code, began)
     while True:
         try:
             cols = _collect(docs, positions)
@@ -1129,6 +1151,29 @@ def check_quality(
     for pos, (_, code, path, message) in best.items():
         failures[pos] = _failure(pos, docs[pos], code, path, message)
 
+    valid, moved = _route(docs, positions, failures, city_code)
+    done = time.perf_counter()
+    return QualityResult(
+        total=len(docs),
+        valid=valid,
+        failures=tuple(failures[p] for p in sorted(failures)),
+        moved=moved,
+        duplicates=tuple(sorted(duplicates, key=lambda d: d.index)),
+        seconds={
+            "flatten": flattened - began,
+            "validate": validated - flattened,
+            "report": done - validated,
+        },
+    )
+
+
+def _route(
+    docs: Sequence[Mapping[str, Any]],
+    positions: Sequence[int],
+    failures: Mapping[int, QualityFailure],
+    city_code: str | None,
+) -> tuple[tuple[int, ...], tuple[MovedHotel, ...]]:
+    """The positions that did not fail: (valid under ``city_code``, moved to another city)."""
     valid: list[int] = []
     moved: list[MovedHotel] = []
     for pos in positions:
@@ -1139,16 +1184,90 @@ def check_quality(
             valid.append(pos)
         else:
             moved.append(MovedHotel(pos, doc["supplier_hotel_id"], doc["city_code"]))
-    done = time.perf_counter()
+    return tuple(valid), tuple(moved)
+
+
+def _all_pass(
+    docs: Sequence[Mapping[str, Any]],
+    positions: Sequence[int],
+    duplicates: list[Duplicate],
+    city_code: str | None,
+    began: float,
+) -> QualityResult:
+    """The result when no document at ``positions`` fails (the others are ``duplicates``)."""
+    screened = time.perf_counter()
+    valid, moved = _route(docs, positions, {}, city_code)
     return QualityResult(
         total=len(docs),
-        valid=tuple(valid),
-        failures=tuple(failures[p] for p in sorted(failures)),
-        moved=tuple(moved),
+        valid=valid,
+        failures=(),
+        moved=moved,
         duplicates=tuple(sorted(duplicates, key=lambda d: d.index)),
         seconds={
-            "flatten": flattened - began,
-            "validate": validated - flattened,
-            "report": done - validated,
+            "flatten": 0.0,
+            "validate": screened - began,
+            "report": time.perf_counter() - screened,
         },
+    )
+
+
+_FACILITY_MAX: Final = int(_LIMITS[_F_FACILITY])
+_HOTEL_ID_MAX: Final = LIMITS["hotel_id"]
+
+
+def _distinct_ids(docs: Sequence[Mapping[str, Any]]) -> bool:
+    """No two documents share a ``supplier_hotel_id`` (then none is a duplicate); False
+    also when one has none: :func:`_highest` decides then."""
+    try:
+        ids = {doc["supplier_hotel_id"] for doc in docs}
+    except (KeyError, TypeError):
+        return False
+    return len(ids) == len(docs)
+
+
+def _normalized_pass(
+    docs: Sequence[Mapping[str, Any]], positions: Sequence[int], city_countries: Mapping[str, str]
+) -> bool:
+    """True when documents straight from normalization break no rule of the full pass.
+
+    Normalization enforces every rule of layer 3 on the values as sent; what it does not
+    guarantee of the document it writes is checked here: lower-casing can lengthen a
+    facility (``"İ"`` is two characters in lower case), the phone's E.164 shape is cheap to
+    confirm, and layer 4 (country of the city, one currency per room) is not its concern.
+    A document of an unexpected shape, or whose id and version :func:`_highest` would not
+    read as they are, also says False: the full pass names its problem.
+    """
+    pairs: set[tuple[Any, Any]] = set()
+    phones: set[Any] = set()
+    try:
+        for pos in positions:
+            doc = docs[pos]
+            hotel_id = doc["supplier_hotel_id"]
+            # What _highest reads as the hotel's id and version, unchanged (no MALFORMED).
+            if not (
+                type(hotel_id) is str
+                and len(hotel_id) <= _HOTEL_ID_MAX
+                and type(doc["version"]) is int
+            ):
+                return False
+            pairs.add((doc["city_code"], doc["country_code"]))
+            phones.add(doc["phone_e164"])
+            facilities = doc["facilities"]
+            if facilities and max(map(len, facilities)) > _FACILITY_MAX:
+                return False
+            for room in doc["rooms"]:
+                plans = room["rate_plans"]
+                if len(plans) > 1:
+                    first = plans[0]["currency"]
+                    for plan in plans:
+                        if plan["currency"] != first:
+                            return False
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return False
+    phones.discard(None)
+    if not all(type(p) is str and _E164_RE.fullmatch(p) is not None for p in phones):
+        return False
+    return all(
+        type(city) is str and city_countries.get(city, country) == country
+        for city, country in pairs
     )

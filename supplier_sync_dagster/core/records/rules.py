@@ -241,7 +241,9 @@ _HTML_RE: Final = re.compile(
     r"</?[a-z][a-z0-9-]*(?:[\s/][^>]*)?>|<!--|<\s*script|\bon[a-z]+\s*=|javascript\s*:",
     re.IGNORECASE,
 )
-AMOUNT_RE: Final = re.compile(r"-?[0-9]{1,15}(?:\.[0-9]{1,6})?")
+UNSIGNED_AMOUNT_RE: Final = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,6})?")
+"""A price amount that is not negative (see :data:`AMOUNT_RE`)."""
+AMOUNT_RE: Final = re.compile("-?" + UNSIGNED_AMOUNT_RE.pattern)
 """A price amount as a string: a plain decimal, at most 15 integer and 6 fraction digits."""
 _TS_RE: Final = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?"

@@ -65,7 +65,7 @@ from supplier_sync_dagster.core.records.mapping import (
 )
 from supplier_sync_dagster.core.records.normalize import (
     NormalizedDocuments,
-    canonical_dumps,
+    canonical_lines,
     loads_canonical,
     normalize_documents,
 )
@@ -134,7 +134,8 @@ class NormalizedWriter:
     def page(self, raw: StoredPage, lines: list[bytes], letters: list[DeadLetter]) -> None:
         """Stores a page's kept documents (JSON lines) and keeps its rows for :meth:`flush`."""
         body = b"\n".join(lines)
-        if hashlib.sha256(body).hexdigest() in self.done and not letters:
+        # The store hashes the body again: hash it here only when a resumed claim may skip it.
+        if self.done and not letters and hashlib.sha256(body).hexdigest() in self.done:
             return
         stored = self.store.put(body, kind="normalized", compresslevel=PAGE_COMPRESSLEVEL)
         self.rows.append(
@@ -393,8 +394,7 @@ class Normalizer:
         self.report.moved += moved
         kept_chunk: list[Candidate] = []
         for page, (kept, letters) in zip(pages, judged, strict=True):
-            lines = [canonical_dumps(d) for d in kept]
-            self._keep(page.raw, lines, kept, letters, kept_chunk)
+            self._keep(page.raw, canonical_lines(kept), kept, letters, kept_chunk)
         pages.clear()
         self.buffered = 0
         if self.writer is not None and flush:
@@ -502,7 +502,7 @@ def _judge_page(raw: StoredPage, records: list[Any], not_after: datetime) -> _Ju
     page = _Page(raw, normalize_documents(records, not_after=not_after))
     moved, judged = _judge([page], listing_city, city_countries)
     kept, letters = judged[0]
-    return _JudgedPage([canonical_dumps(d) for d in kept], letters, moved)
+    return _JudgedPage(canonical_lines(kept), letters, moved)
 
 
 def _judge(
@@ -515,14 +515,15 @@ def _judge(
     failed: dict[int, DeadLetter] = {}
     moved = 0
     if docs:
-        # Every document comes straight from normalize_documents, whose phone rule
-        # already parsed and validated its number with libphonenumber; the second net
-        # keeps the vectorised E.164 shape check without a second parse of each number.
+        # Every document comes straight from normalize_documents, which enforced the rules
+        # of layer 3 (its phone rule parsed each number with libphonenumber): a chunk is
+        # flattened and checked again only when what normalization leaves open fails.
         quality = check_quality(
             docs,
             city_code=listing_city,
             city_countries=city_countries,
             parse_phones=False,
+            normalized=True,
         )
         moved = len(quality.moved)
         starts = list(itertools.accumulate((len(p.result.docs) for p in pages), initial=0))

@@ -1056,3 +1056,15 @@ def test_the_fast_path_writes_each_timestamp_as_the_reference_does(updated_at: s
     fast = n._fast(copy.deepcopy(rec))
     if isinstance(out, NormalizedHotel):
         assert fast == to_primitive(out)
+
+
+def test_canonical_lines_are_each_document_s_canonical_json() -> None:
+    docs = normalize_documents(
+        [
+            EXAMPLE,
+            {**EXAMPLE, "hotel_id": "Ĥ名\u2028", "name": "é" * 255, "geo": {"lat": 1e-7, "lng": 0}},
+        ]
+    ).docs
+    assert len(docs) == 2
+    assert n.canonical_lines(docs) == [n.canonical_dumps(d) for d in docs]
+    assert n.canonical_lines([]) == []

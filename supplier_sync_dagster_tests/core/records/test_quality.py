@@ -477,3 +477,105 @@ def test_a_large_chunk_gives_the_same_result_without_the_screen(
             validated.moved,
         )
     assert [f.index for f in screened.failures] == [3, 7, 9]
+
+
+# -- documents straight from normalization: the short pass gives the full pass's result --------
+
+
+def _both(docs: list[dict[str, Any]], **kwargs: Any) -> q.QualityResult:
+    """check_quality with ``normalized=True``, asserted equal to the full pass's result."""
+    short = check(docs, parse_phones=False, normalized=True, **kwargs)
+    full = check(docs, parse_phones=False, **kwargs)
+    assert (short.valid, short.failures, short.moved, short.duplicates) == (
+        full.valid,
+        full.failures,
+        full.moved,
+        full.duplicates,
+    )
+    return short
+
+
+def _normalized_docs(records: list[Any]) -> list[dict[str, Any]]:
+    from supplier_sync_dagster.core.records.normalize import normalize_documents
+
+    return normalize_documents(records).docs
+
+
+def test_a_clean_normalized_chunk_is_not_flattened() -> None:
+    docs = _normalized_docs([{**RECORD, "hotel_id": f"H{i}"} for i in range(50)])
+    result = _both(docs)
+    assert result.valid == tuple(range(50))
+    assert result.seconds["flatten"] == 0.0  # the short pass decided
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        # Lower-casing lengthens "İ": normalization checked the facility as sent.
+        (lambda r: r.update(facilities=["İ" * rules.LIMITS["facility"]]), "OVERSIZED_STRING"),
+        (lambda r: r["rooms"][0]["rate_plans"][1]["price"].update(currency="USD"), None),
+        (lambda r: r.update(country_code="FR"), "COUNTRY_CITY_MISMATCH"),
+        (lambda r: r.update(city_code="PAR"), "COUNTRY_CITY_MISMATCH"),
+        (lambda r: r.update(city_code="CNX"), None),  # moved, same country
+        (lambda r: r.update(city_code="ZZZ"), None),  # moved to a city not listed
+        (lambda r: r.update(name="名" * rules.LIMITS["name"]), None),
+        (lambda r: r.update(facilities=["ß" * rules.LIMITS["facility"]]), None),
+        (lambda r: r.update(phone=None, email=None, address=None), None),
+    ],
+)
+def test_normalized_documents_fail_as_in_the_full_pass(change: Any, code: str | None) -> None:
+    record = copy.deepcopy(RECORD)
+    record["hotel_id"] = "BAD"
+    change(record)
+    docs = _normalized_docs([*({**RECORD, "hotel_id": f"H{i}"} for i in range(5)), record])
+    assert len(docs) == 6
+    result = _both(docs)
+    if record["rooms"][0]["rate_plans"][1]["price"]["currency"] == "USD":
+        code = "MIXED_ROOM_CURRENCY"
+    assert [f.error_code for f in result.failures] == ([code] if code else [])
+    assert len(result.valid) + len(result.moved) + len(result.failures) == 6
+
+
+def test_normalized_duplicates_and_moves_are_the_full_pass_s() -> None:
+    records = [
+        {**RECORD, "hotel_id": "A", "version": 3},
+        {**RECORD, "hotel_id": "A", "version": 5},
+        {**RECORD, "hotel_id": "B", "city_code": "CNX"},
+        {**RECORD, "hotel_id": "A", "version": 5},
+    ]
+    result = _both(_normalized_docs(records))
+    assert result.valid == (1,) and [m.index for m in result.moved] == [2]
+    assert sorted(d.index for d in result.duplicates) == [0, 3]
+    assert _both(_normalized_docs(records), city_code=None).moved == ()
+
+
+def test_fuzzed_normalized_chunks_give_the_full_pass_s_result() -> None:
+    import random
+
+    from supplier_sync_dagster_tests.core.records.test_normalize import EXAMPLE, _mutate
+
+    rng = random.Random(42)
+    seeds = [RECORD, EXAMPLE]
+    docs: list[dict[str, Any]] = []
+    for i in range(1200):
+        record = copy.deepcopy(rng.choice(seeds))
+        if rng.random() < 0.6:
+            record = _mutate(record, rng)
+        else:  # valid, but maybe moved, mismatched, mixed or lengthened by lower-casing
+            record["city_code"] = rng.choice([*COUNTRIES, "ZZZ", "BKK", "BKK"])
+            record["country_code"] = rng.choice(["TH", "TH", "TH", "FR"])
+            plan = rng.choice([p for room in record["rooms"] for p in room["rate_plans"]])
+            plan["price"]["currency"] = rng.choice(["THB"] * 8 + ["USD"])
+            record["facilities"] = rng.choice([["wifi"], ["İ" * 64], ["İ" * 32, "Spa"]])
+        if type(record) is dict:
+            record["hotel_id"] = f"F{i % 700}"
+        docs += _normalized_docs([record])
+    assert len(docs) > 400
+    short_passes = 0
+    for start in range(0, len(docs), 4):
+        chunk = docs[start : start + 4]
+        short_passes += _both(chunk).seconds["flatten"] == 0.0
+        if start % 40 == 0:
+            _both(chunk, city_code=None)
+            _both(chunk, city_countries={})
+    assert 0 < short_passes < len(docs) // 4

@@ -155,3 +155,57 @@ def test_a_listed_record_dated_ahead_of_the_database_clock_is_a_dead_letter_unti
     batch_id, reports = _full_sync(db, store, client, settings)
     assert dict(reports["BKK"].dead_letters_by_code) == {"FUTURE_TIMESTAMP": 1}
     assert _catalog(db)["H000003"] == (2, "ACTIVE") and _catalog(db)["H000004"] == (1, "ACTIVE")
+
+
+# -- the quality pass over freshly normalized pages: one dead letter per bad record ----------
+
+
+def test_each_hostile_record_of_a_judged_page_is_one_dead_letter_with_its_code() -> None:
+    from supplier_sync_dagster.core.records.normalize import normalize_documents
+    from supplier_sync_dagster.core.sync.snapshots import StoredPage
+    from supplier_sync_dagster.core.sync.stages import _judge, _Page
+    from supplier_sync_dagster_tests.core.records.test_quality import RECORD
+
+    def rec(hotel_id: str, **changes: object) -> dict[str, object]:
+        return {**RECORD, "hotel_id": hotel_id, **changes}
+
+    mixed = rec("MIXED")
+    mixed["rooms"] = [
+        {
+            **RECORD["rooms"][0],
+            "rate_plans": [
+                RECORD["rooms"][0]["rate_plans"][0],
+                {
+                    **RECORD["rooms"][0]["rate_plans"][1],
+                    "price": {"amount": "1", "currency": "USD"},
+                },
+            ],
+        }
+    ]
+    records: list[object] = [
+        rec("OK1", name="Ünïcødé 名 " * 20),
+        rec("LOWER", facilities=["İ" * 64]),  # longer than its limit once lower-cased
+        rec("LONG", name="n" * 100_000),
+        rec("TYPE", version="7"),
+        rec("CTRL", name="a\x1b[31mb"),
+        mixed,
+        rec("ELSEWHERE", country_code="FR"),
+        rec("MOVED", city_code="CNX"),
+        ["not", "an", "object"],
+        rec("OK2", facilities=["ß" * 64]),
+    ]
+    page = _Page(StoredPage("ref", "hash", 1, len(records)), normalize_documents(records))
+    moved, [(kept, letters)] = _judge([page], "BKK", {"BKK": "TH", "CNX": "TH"})
+    assert moved == 1
+    # A moved hotel is kept: it is published under its own city.
+    assert [d["supplier_hotel_id"] for d in kept] == ["OK1", "MOVED", "OK2"]
+    assert len(letters) == 7  # one per bad record
+    assert {d.record_position: f"{d.supplier_hotel_id}:{d.error_code}" for d in letters} == {
+        "record#1": "LOWER:OVERSIZED_STRING",
+        "record#2": "LONG:OVERSIZED_STRING",
+        "record#3": "TYPE:WRONG_TYPE",
+        "record#4": "CTRL:CONTROL_CHARACTERS",
+        "record#5": "MIXED:MIXED_ROOM_CURRENCY",
+        "record#6": "ELSEWHERE:COUNTRY_CITY_MISMATCH",
+        "record#8": "None:NOT_AN_OBJECT",
+    }
