@@ -120,10 +120,14 @@ def fetch_pages(
 ) -> None:
     """Stores and checkpoints each page of the walk, then gives it to ``on_page``.
 
-    The next page is requested while ``on_page`` works on the current one, but only after
-    the current one is committed: a crash re-fetches at most one page, as without overlap.
-    Each request runs in a daemon thread (:func:`in_daemon_thread`): a stop, or any error of
-    this thread, never waits for a request in flight, which writes nothing (see
+    The next page is requested as soon as the current one has arrived, while the current one
+    is stored, committed and given to ``on_page``: the request's wait overlaps the store's
+    syncs and the commit (a thread blocked in them leaves the interpreter to the request).
+    One page is in flight at most, so memory stays two pages; a crash re-fetches at most the
+    page being committed and the one requested. A page's RAW row and checkpoint commit only
+    after its bytes are durable (:meth:`PayloadStore.put` returned). Each request runs in a
+    daemon thread (:func:`in_daemon_thread`): a stop, or any error of this thread, never
+    waits for a request in flight, which writes nothing (see
     :mod:`supplier_sync_dagster.core.sync.stop`).
 
     Args:
@@ -152,6 +156,7 @@ def fetch_pages(
             if page is None:
                 report.seconds["fetch"] += time.perf_counter() - began
                 break
+            pending = in_daemon_thread(next, pages, None)
             heartbeat.check()
             heartbeat.report("FETCHING", f"city={city} page={page.page_number}")
             stored = store.put(page.raw, kind="raw", compresslevel=PAGE_COMPRESSLEVEL)
@@ -173,7 +178,6 @@ def fetch_pages(
                     conn=conn,
                 )
             report.pages_fetched += 1
-            pending = in_daemon_thread(next, pages, None)
             report.seconds["fetch"] += time.perf_counter() - began
             if on_page is not None:
                 on_page(
