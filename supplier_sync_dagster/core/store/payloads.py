@@ -72,6 +72,8 @@ _ACCEPTED_URLS = "file:///absolute/path or s3://bucket[/prefix]"
 
 BytesLike = bytes | bytearray | memoryview
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# A kind folder's subfolders: the first two hex digits of a payload's sha256.
+_SHARDS = tuple(f"{i:02x}" for i in range(256))
 
 
 @dataclass(frozen=True)
@@ -288,9 +290,11 @@ class LocalPayloadStore(PayloadStore):
     1. the temporary file's bytes are fsynced *before* the rename: the final name never
        points at bytes that are not on disk (a later :meth:`put` of the same bytes trusts an
        existing object without reading it, so a partial one would be kept for good);
-    2. after the rename, the folder is fsynced, so that the name itself survives; a folder
-       this store creates is made durable in its parent once (the ``kind`` and shard
-       folders), then remembered, so no later put stats or creates it again.
+    2. after the rename, the folder is fsynced, so that the name itself survives. A kind's
+       folder is made with all its 256 shard folders on its first put, then remembered, so
+       no later put stats or creates a folder; the kind folder, the root and any folder
+       made above it are fsynced once then, so a store's first puts do not pay a folder
+       sync per new shard folder.
 
     The temporary name is made from the hash, the process, the thread and a counter and
     opened with ``O_EXCL`` (no ``mkstemp`` with its random names and retries). ``fsync=False``
@@ -316,8 +320,8 @@ class LocalPayloadStore(PayloadStore):
         super().__init__(compresslevel=compresslevel, max_payload_bytes=max_payload_bytes)
         self.root = Path(root).resolve()
         self.fsync = fsync
-        # Folders known to exist (created or seen by this store): a put skips its mkdir.
-        self._folders: set[str] = set()
+        # Kind folders known to exist with all their shard folders: a put skips its mkdir.
+        self._folders: set[Path] = set()
         self._temp_seq = itertools.count()
         self._root_uri = self.root.as_uri().rstrip("/")
         if len(self._root_uri) + 1 + _MAX_KEY_TAIL > MAX_REF_LENGTH:
@@ -383,7 +387,7 @@ class LocalPayloadStore(PayloadStore):
                 continue  # left by a dead process whose id this one reuses
             except FileNotFoundError:
                 # The folder went away behind the store's back: create it again.
-                self._folders.discard(str(folder))
+                self._folders.discard(folder.parent)
                 self._ensure_folder(folder)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
             break
@@ -407,20 +411,30 @@ class LocalPayloadStore(PayloadStore):
             _fsync_dir(folder)
 
     def _ensure_folder(self, folder: Path) -> None:
-        """Creates ``folder`` (and its parents) unless known to exist; new ones made durable."""
-        key = str(folder)
-        if key in self._folders:
+        """Creates the shard ``folder``'s kind folder with every shard folder in it, unless
+        known to exist; the folders that may hold a new entry are fsynced, each once."""
+        kind_folder = folder.parent
+        if kind_folder in self._folders:
             return
-        if not folder.is_dir():
-            new_kind = not folder.parent.is_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            if self.fsync:
-                # The new shard folder's entry in its kind folder (and a new kind folder's
-                # in the root).
-                _fsync_dir(folder.parent)
-                if new_kind:
-                    _fsync_dir(folder.parent.parent)
-        self._folders.add(key)
+        # The kind folder and any missing one above it: each new entry's parent is synced.
+        missing: list[Path] = []
+        above = kind_folder
+        while not above.is_dir():
+            missing.append(above)
+            above = above.parent
+        for new in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+                new.mkdir()
+        for shard in _SHARDS:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(kind_folder / shard)
+        if self.fsync:
+            # The root and the kind folder always: another process may have made a folder
+            # in them that it has not synced yet.
+            made = [new.parent for new in reversed(missing)]
+            for parent in dict.fromkeys([*made, kind_folder.parent, kind_folder]):
+                _fsync_dir(parent)
+        self._folders.add(kind_folder)
 
     def get(self, ref: str) -> bytes:
         """See :meth:`PayloadStore.get`."""

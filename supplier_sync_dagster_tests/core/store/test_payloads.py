@@ -481,13 +481,53 @@ def test_local_put_fsyncs_the_bytes_before_the_rename_and_the_folder_after(
     monkeypatch.setattr(os, "replace", replace)
     data = b"durable"
     folder = store.root / "raw" / hashlib.sha256(data).hexdigest()[:2]
-    new_folder = not folder.exists()
     store.put(data, kind="raw")
-    # A new shard folder is made durable in its kind folder once, before the object's writes.
-    expected = ["fsync-dir"] if new_folder else []
-    assert calls == [*expected, "fsync-file", "replace", "fsync-dir"]
+    # Its shard folder was made, and made durable, with the kind's first put.
+    assert calls == ["fsync-file", "replace", "fsync-dir"]
     stored = folder / f"{hashlib.sha256(data).hexdigest()}.json.gz"
     assert stored.stat().st_mode & 0o777 == 0o644
+
+
+def test_local_store_makes_each_new_folder_durable_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = tmp_path / "new" / "payloads"
+    store = LocalPayloadStore(root)
+    first = store.put(b"first", kind="raw")
+    # Each folder that may hold a new entry is synced once: tmp_path (new), new (payloads),
+    # payloads (raw), raw (its shard folders); then the object and its shard folder.
+    shard = root / "raw" / first.sha256[:2]
+    expected = [tmp_path, tmp_path / "new", root, root / "raw"]
+    assert synced[:4] == [str(p) for p in expected]
+    assert synced[5:] == [str(shard)] and os.path.basename(synced[4]).startswith(".")
+    assert sorted(p.name for p in (root / "raw").iterdir()) == [f"{i:02x}" for i in range(256)]
+    # Later puts, into any shard folder, sync only their object and its folder.
+    synced.clear()
+    datas = [f"page {i}".encode() for i in range(40)]
+    refs = [store.put(data, kind="raw") for data in datas]
+    dirs = [s for s in synced if os.path.isdir(s)]
+    assert dirs == [str(root / "raw" / r.sha256[:2]) for r in refs]
+    assert len(synced) == 2 * len(datas)
+    # Another kind: its folder and shard folders, once.
+    synced.clear()
+    store.put(b"first", kind="normalized")
+    assert synced[:2] == [str(root), str(root / "normalized")]
+    # A store opened on an existing folder syncs the root and the kind folder once (another
+    # process may have made them and not synced them yet), then only what it writes.
+    synced.clear()
+    again = LocalPayloadStore(root)
+    second = again.put(b"second", kind="raw")
+    assert synced[:2] == [str(root), str(root / "raw")]
+    assert synced[3:] == [str(root / "raw" / second.sha256[:2])] and len(synced) == 4
+    assert [again.get(r.ref) for r in refs] == datas
 
 
 def test_local_put_survives_its_folder_removed_and_a_stale_temp_name(

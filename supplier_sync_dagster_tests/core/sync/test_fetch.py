@@ -1,10 +1,14 @@
 """The fetch stage under a hostile listing (SQLite and MariaDB): a walk that would never end
 fails its city with WALK_RUNAWAY and a CITY_FAILED ticket, having stored a bounded number of
 pages, while the other cities publish; a listing that shifts under a page-number walk loses
-no hotel and is recorded; a walk that could have missed a hotel never counts it missing."""
+no hotel and is recorded; a walk that could have missed a hotel never counts it missing.
+And its order: the next pages are requested while a page is stored and committed; a page's bytes are durable before its row commits; a page that cannot be
+stored gets no row nor checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,19 +18,26 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.errors import SupplierError, WalkRunaway
+from supplier_sync_dagster.core.errors import PayloadError, SupplierError, WalkRunaway
 from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.leasing.batches import Batch
-from supplier_sync_dagster.core.leasing.leases import list_shards
+from supplier_sync_dagster.core.leasing.leases import (
+    Checkpoint,
+    ShardLease,
+    claim_shard,
+    list_shards,
+)
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
+from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, StoredPayload
 from supplier_sync_dagster.core.supplier import SupplierClient, WalkLimits
+from supplier_sync_dagster.core.sync import fetch as fetch_module
 from supplier_sync_dagster.core.sync.city import sync_city
-from supplier_sync_dagster.core.sync.fetch import ReadAhead
-from supplier_sync_dagster.core.sync.model import CityReport
+from supplier_sync_dagster.core.sync.fetch import ReadAhead, fetch_pages
+from supplier_sync_dagster.core.sync.model import NO_PROGRESS, CityReport, FetchedPage
 from supplier_sync_dagster.core.sync.run import RunRequest, plan_run, run_cities
+from supplier_sync_dagster.core.sync.snapshots import StoredPage
 from supplier_sync_dagster_tests.core.conftest import MakeBatch
 from supplier_sync_dagster_tests.core.supplier.fakes import (
     FakeCatalog,
@@ -348,3 +359,118 @@ def test_closing_mid_request_asks_no_more_and_closes_the_walk_after_the_request(
 def test_a_read_ahead_needs_a_depth() -> None:
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ReadAhead(iter(()), 0)
+
+
+class _Watched:
+    """Events of a fetch, in order: a page requested, a payload stored (``put`` returned),
+    a RAW row written; a waiter wakes on each."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self._changed = threading.Condition()
+
+    def add(self, *event: Any) -> None:
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+    def wait_for(self, *event: Any) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: event in self.events, timeout=10)
+
+    def requested(self, pages: list[FetchedPage]) -> Iterator[FetchedPage]:
+        for page in pages:
+            self.add("requested", page.page_number)
+            yield page
+
+
+class _WatchedStore(LocalPayloadStore):
+    """A local store whose puts are events; it can be told to fail for one payload, and to
+    hold each put until the page after it is requested."""
+
+    def __init__(self, root: Path, watched: _Watched, *, fail_on: bytes | None = None) -> None:
+        super().__init__(root)
+        self.watched = watched
+        self.fail_on = fail_on
+        self.hold_until_next: dict[bytes, int] = {}
+        self.overlapped: list[bool] = []
+
+    def put(self, data: Any, *, kind: str, compresslevel: int | None = None) -> StoredPayload:
+        if bytes(data) == self.fail_on:
+            raise PayloadError("disk full")
+        if bytes(data) in self.hold_until_next:
+            page = self.hold_until_next[bytes(data)]
+            self.overlapped.append(self.watched.wait_for("requested", page + 1))
+        stored = super().put(data, kind=kind, compresslevel=compresslevel)
+        self.watched.add("stored", stored.sha256)
+        return stored
+
+
+def _pages(n: int) -> list[FetchedPage]:
+    return [
+        FetchedPage(
+            json.dumps({"hotels": [hotel(f"H{page}")], "page": page}).encode(),
+            page,
+            [hotel(f"H{page}")],
+            n,
+            Checkpoint("BKK", page=page + 1, done=page == n),
+        )
+        for page in range(1, n + 1)
+    ]
+
+
+def _fetch(
+    lease: ShardLease,
+    store: _WatchedStore,
+    pages: list[FetchedPage],
+    on_page: Callable[[StoredPage, list[Any]], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fetch_pages`` over ``pages`` of the lease's city; each RAW row written is an event."""
+    real = fetch_module.record_snapshots
+
+    def record(conn: Any, lease: ShardLease, supplier: int, kind: str, rows: Any) -> None:
+        for row in rows:
+            store.watched.add("row", row["payload_hash"])
+        real(conn, lease, supplier, kind, rows)
+
+    monkeypatch.setattr(fetch_module, "record_snapshots", record)
+    walk = store.watched.requested(pages)
+    fetch_pages(lease, store, walk, NO_PROGRESS, settings(), CityReport("BKK"), on_page=on_page)
+
+
+def test_the_next_page_is_requested_while_one_is_stored_and_its_row_waits_for_its_bytes(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watched = _Watched()
+    store = _WatchedStore(tmp_path / "payloads", watched)
+    pages = _pages(4)
+    # Each page's put waits for the next page's request: it comes before the put returns.
+    store.hold_until_next = {p.raw: p.page_number for p in pages[:-1]}
+    processed: list[int | None] = []
+    lease = claim_shard(db, make_batch(["BKK"]).batch_id, "BKK", worker_id="w")
+    _fetch(lease, store, pages, lambda p, _: processed.append(p.page_number), monkeypatch)
+    assert store.overlapped == [True, True, True]
+    assert processed == [1, 2, 3, 4]
+    # Every row is written after its page's bytes are stored (durable), never before.
+    for page in pages:
+        sha = hashlib.sha256(page.raw).hexdigest()
+        assert watched.events.index(("stored", sha)) < watched.events.index(("row", sha))
+    assert snapshot_rows(db, "BKK") == 4
+    (shard,) = list_shards(db, lease.batch_id)
+    assert shard.checkpoint is not None and shard.checkpoint.done and shard.pages_done == 4
+
+
+def test_a_page_whose_bytes_cannot_be_stored_gets_no_row_and_no_checkpoint(
+    db: SyncDatabase, make_batch: MakeBatch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = _pages(3)
+    store = _WatchedStore(tmp_path / "payloads", _Watched(), fail_on=pages[1].raw)
+    processed: list[int | None] = []
+    lease = claim_shard(db, make_batch(["BKK"]).batch_id, "BKK", worker_id="w")
+    with pytest.raises(PayloadError, match="disk full"):
+        _fetch(lease, store, pages, lambda p, _: processed.append(p.page_number), monkeypatch)
+    assert processed == [1]
+    assert snapshot_rows(db, "BKK") == 1
+    (shard,) = list_shards(db, lease.batch_id)
+    assert shard.checkpoint == pages[0].checkpoint and shard.pages_done == 1
