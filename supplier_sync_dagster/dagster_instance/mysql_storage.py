@@ -1,0 +1,194 @@
+"""The production profile's Dagster storage: dagster-mysql's tables, cheaper connections.
+
+Checked in dagster-mysql 0.29's source: ``MySQLEventLogStorage`` and ``MySQLRunStorage``
+create their engine with ``NullPool`` (outside the webserver, which calls
+``optimize_for_webserver``), so every statement opens a new connection to the server (TCP,
+authentication, session settings) and closes it; an asset event takes two or three of them,
+each its own transaction. A ``sync --full`` pays that for every event of every city.
+
+:class:`PooledMySQLStorage` is ``DagsterMySQLStorage`` with :class:`PooledMySQLEventLogStorage`
+and :class:`PooledMySQLRunStorage`: the same tables and statements, one small pool of
+connections per storage (as the webserver's), and :meth:`PooledMySQLEventLogStorage.one_transaction`,
+in which a thread's events share one transaction (a city's events: see ``events.py``).
+``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
+reads and writes the same database with Dagster's classes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from dagster._core.storage.config import MySqlStorageConfig
+from dagster._serdes import ConfigurableClassData
+from dagster_mysql import DagsterMySQLStorage, MySQLEventLogStorage, MySQLRunStorage
+from dagster_mysql.schedule_storage import MySQLScheduleStorage
+from dagster_mysql.utils import (
+    create_mysql_connection,
+    mysql_isolation_level,
+    mysql_url_from_config,
+)
+from sqlalchemy.engine import Connection, Engine
+
+# One idle connection per storage, as Dagster's webserver keeps; overflow for threads that
+# store at once (the step's thread, the cancel poll, Dagster's own).
+_POOL_SIZE = 1
+_MAX_OVERFLOW = 8
+# Below MySQL's default wait_timeout (8 hours) and any proxy's idle limit.
+_POOL_RECYCLE_SECONDS = 3600
+
+
+def pooled_mysql_engine(mysql_url: str) -> Engine:
+    """An engine as dagster-mysql's, with a pool of connections that survives a fork.
+
+    A forked child (the run's worker processes) drops the parent's connections without
+    closing them: they are the parent's sockets. ``pool_pre_ping`` replaces a connection the
+    server closed meanwhile.
+    """
+    engine = sa.create_engine(
+        mysql_url,
+        isolation_level=mysql_isolation_level(),
+        pool_size=_POOL_SIZE,
+        max_overflow=_MAX_OVERFLOW,
+        pool_recycle=_POOL_RECYCLE_SECONDS,
+        pool_pre_ping=True,
+    )
+    ref = weakref.ref(engine)
+
+    def _in_child() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.dispose(close=False)
+
+    os.register_at_fork(after_in_child=_in_child)
+    return engine
+
+
+class PooledMySQLEventLogStorage(MySQLEventLogStorage):
+    """dagster-mysql's event log on a pooled engine, with one transaction per block.
+
+    Args:
+        mysql_url: The database's SQLAlchemy URL.
+        inst_data: Dagster's record of the configuration this storage came from.
+    """
+
+    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
+        self._block = threading.local()  # before the base class's __init__, which connects
+        super().__init__(mysql_url, inst_data)
+        self._engine.dispose()
+        self._engine = pooled_mysql_engine(mysql_url)
+
+    @classmethod
+    def from_config_value(  # type: ignore[override]
+        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
+    ) -> PooledMySQLEventLogStorage:
+        """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
+        return cls(mysql_url_from_config(config_value), inst_data)
+
+    def _connect(self) -> Any:
+        conn: Connection | None = getattr(self._block, "conn", None)
+        if conn is not None:
+            return _joined(conn)
+        return create_mysql_connection(self._engine, __file__, "event log")
+
+    @contextmanager
+    def one_transaction(self) -> Iterator[None]:
+        """Within the block, this thread's events share one transaction.
+
+        What the thread reads in the block sees what it stored; other threads store and read
+        on their own connections (and see the block's events once it ends). The block
+        commits at its end, or rolls everything back if it raises: all of its events or
+        none. A block inside a block of the same thread joins the outer one.
+        """
+        if getattr(self._block, "conn", None) is not None:
+            yield
+            return
+        with self._engine.connect() as conn, conn.begin():
+            self._block.conn = conn
+            try:
+                yield
+            finally:
+                self._block.conn = None
+
+    def dispose(self) -> None:
+        """Stops Dagster's watcher and closes the pooled connections."""
+        super().dispose()
+        self._engine.dispose()
+
+
+@contextmanager
+def _joined(conn: Connection) -> Iterator[Connection]:
+    yield conn
+
+
+class PooledMySQLRunStorage(MySQLRunStorage):
+    """dagster-mysql's run storage on a pooled engine (a run's tags, its status polls).
+
+    Args:
+        mysql_url: The database's SQLAlchemy URL.
+        inst_data: Dagster's record of the configuration this storage came from.
+    """
+
+    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
+        super().__init__(mysql_url, inst_data)
+        self._engine.dispose()
+        self._engine = pooled_mysql_engine(mysql_url)
+
+    @classmethod
+    def from_config_value(  # type: ignore[override]
+        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
+    ) -> PooledMySQLRunStorage:
+        """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
+        return cls(mysql_url_from_config(config_value), inst_data)
+
+    def dispose(self) -> None:
+        """Closes the pooled connections."""
+        super().dispose()
+        self._engine.dispose()
+
+
+class PooledMySQLStorage(DagsterMySQLStorage):
+    """``storage: mysql`` with the pooled run and event storages, named as ``storage: custom``
+    with the same configuration (``mysql_url``, or ``mysql_db``'s fields).
+
+    Args:
+        mysql_url: The database's SQLAlchemy URL.
+        inst_data: Dagster's record of the configuration this storage came from.
+    """
+
+    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
+        # DagsterMySQLStorage.__init__ would open dagster-mysql's own storages first.
+        self.mysql_url = mysql_url
+        self._inst_data = inst_data
+        self._run_storage = PooledMySQLRunStorage(mysql_url)
+        self._event_log_storage = PooledMySQLEventLogStorage(mysql_url)
+        self._schedule_storage = MySQLScheduleStorage(mysql_url)
+        super(DagsterMySQLStorage, self).__init__()
+
+    @classmethod
+    def from_config_value(  # type: ignore[override]
+        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
+    ) -> PooledMySQLStorage:
+        """The storage a ``dagster.yaml`` block configures."""
+        return cls(mysql_url_from_config(config_value), inst_data)
+
+    def _own(self, cls: type) -> ConfigurableClassData | None:
+        data = self.inst_data
+        return (
+            ConfigurableClassData(cls.__module__, cls.__name__, data.config_yaml) if data else None
+        )
+
+    @property
+    def event_storage_data(self) -> ConfigurableClassData | None:
+        """The event log's class and configuration (for processes that rebuild it)."""
+        return self._own(PooledMySQLEventLogStorage)
+
+    @property
+    def run_storage_data(self) -> ConfigurableClassData | None:
+        """The run storage's class and configuration."""
+        return self._own(PooledMySQLRunStorage)
