@@ -1,9 +1,11 @@
-"""What ``defs/`` may use of Dagster's internals: the whole interface, three names.
+"""What ``defs/`` may use of Dagster's internals: the whole interface, four names.
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
   transaction per shard of the pooled SQLite event log (the embedded instance, a plain one
   opened by the command line) and one transaction of the pooled MySQL event log (the
   production profile); any other instance stores them as before.
+- :func:`pooled_events`: a step's events of a run worker of a user's plain SQLite
+  instance stored through the pooled event log on the same files (``storage.py``).
 - :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
   its record as Dagster's own ``AssetCheckResult`` builds it for a partition (Dagster does
   not export the class).
@@ -24,6 +26,16 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
+from supplier_sync_dagster.dagster_instance.storage import pooled_events
+
+__all__ = [
+    "CheckTarget",
+    "check_target",
+    "latest_evaluation",
+    "one_event_transaction",
+    "pooled_events",
+]
+
 # What ``dg.AssetCheckEvaluation(target_materialization_data=...)`` takes.
 CheckTarget = AssetCheckEvaluationTargetMaterializationData
 
@@ -32,8 +44,7 @@ CheckTarget = AssetCheckEvaluationTargetMaterializationData
 class OneTransaction(Protocol):
     """An event log of this package that stores a block's events in one transaction
     (``storage.PooledSqliteEventLogStorage``, ``mysql_storage.PooledMySQLEventLogStorage``;
-    named by the method, so that importing this module imports neither dagster-mysql nor
-    the SQLite storage)."""
+    named by the method, so that importing this module does not import dagster-mysql)."""
 
     def one_transaction(self) -> AbstractContextManager[None]:
         """The block's events in one transaction (per shard)."""

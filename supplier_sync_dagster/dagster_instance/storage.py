@@ -688,3 +688,29 @@ def local_instance(home: str) -> DagsterInstance:
     (:func:`pooled_ref`)."""
     ref = InstanceRef.from_dir(home)
     return DagsterInstance.from_ref(pooled_ref(ref) or ref)
+
+
+@contextmanager
+def pooled_events(instance: DagsterInstance) -> Iterator[None]:
+    """Within the block, ``instance`` stores and reads its events through
+    :class:`PooledSqliteEventLogStorage` on the same files, when its event log is Dagster's
+    stock ``SqliteEventLogStorage``; any other instance is left as it is.
+
+    For a run worker of a user's plain instance, which Dagster builds from the user's
+    ``dagster.yaml``: its step's events then cost what they cost on the embedded instance,
+    and :func:`.events.one_event_transaction` groups them. Dagster reaches the event log
+    through the instance's attribute on every call, so the swap holds for every thread of
+    the process until the block ends; the stock storage comes back then.
+    """
+    stock = instance.event_log_storage
+    if type(stock) is not SqliteEventLogStorage:
+        yield
+        return
+    pooled = PooledSqliteEventLogStorage(stock._base_dir)
+    pooled.register_instance(instance)
+    instance._event_storage = pooled
+    try:
+        yield
+    finally:
+        instance._event_storage = stock
+        pooled.dispose()

@@ -63,7 +63,11 @@ from supplier_sync_dagster.core.sync.run import (
     take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
-from supplier_sync_dagster.dagster_instance.events import latest_evaluation, one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import (
+    latest_evaluation,
+    one_event_transaction,
+    pooled_events,
+)
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target
 from supplier_sync_dagster.defs.city_keys import (
@@ -203,7 +207,10 @@ def build_city_sync(
     def city_sync(
         context: dg.AssetExecutionContext,
     ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
-        yield from _sync_cities(context, scope, SyncResources.of(context, scope))
+        # A run worker of a user's plain SQLite instance: the step's events on pooled
+        # connections, a city's in one transaction, as on the embedded instance.
+        with pooled_events(context.instance):
+            yield from _sync_cities(context, scope, SyncResources.of(context, scope))
 
     return city_sync
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -26,6 +27,7 @@ from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_START_TAG,
 )
 
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction, pooled_events
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.dagster_instance.storage import (
     EmbeddedDagsterInstance,
@@ -33,7 +35,12 @@ from supplier_sync_dagster.dagster_instance.storage import (
     PooledSqliteRunStorage,
     pooled_ref,
 )
-from supplier_sync_dagster_tests.dagster_instance.test_storage import ASSET, CHECK, cities
+from supplier_sync_dagster_tests.dagster_instance.test_storage import (
+    ASSET,
+    CHECK,
+    PARTITIONS,
+    cities,
+)
 
 PLAIN_YAML = "telemetry:\n  enabled: false\n"
 
@@ -189,3 +196,66 @@ def test_a_process_killed_inside_a_block_keeps_every_earlier_block(plain_home: P
         )
         assert set(_per_partition(stock)) == {"a", "b", "e"}
     assert (plain_home / "dagster.yaml").read_text() == PLAIN_YAML
+
+
+SEEN: list[tuple[str, bool, set[str]]] = []
+
+
+@dg.multi_asset(
+    specs=[dg.AssetSpec(ASSET, skippable=True)],
+    partitions_def=PARTITIONS,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    can_subset=True,
+)
+def worker_cities(context: dg.AssetExecutionContext) -> Iterator[dg.AssetMaterialization]:
+    """As the city_sync step of a run worker: pooled events, a block per partition; notes what
+    another process's stock instance sees while the block is open."""
+    with pooled_events(context.instance):
+        for key in context.partition_keys:
+            with one_event_transaction(context.instance):
+                yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": 2})
+                storage = context.instance.event_log_storage
+                with dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"]) as other:
+                    SEEN.append(
+                        (
+                            key,
+                            isinstance(storage, PooledSqliteEventLogStorage),
+                            set(_per_partition(other)),
+                        )
+                    )
+    assert type(context.instance.event_log_storage) is SqliteEventLogStorage
+
+
+def test_a_run_worker_s_step_stores_through_the_pooled_log_of_a_stock_instance(
+    plain_home: Path,
+) -> None:
+    SEEN.clear()
+    # A run worker's instance: Dagster's, from the user's dagster.yaml.
+    with dg.DagsterInstance.from_config(str(plain_home)) as instance:
+        assert type(instance.event_log_storage) is SqliteEventLogStorage
+        result = dg.materialize(
+            [worker_cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+        assert type(instance.event_log_storage) is SqliteEventLogStorage
+    # Each partition's event was in its open block, unseen by others; then all of them.
+    assert [
+        ("a", True, set()),
+        ("b", True, {"a"}),
+        ("c", True, {"a", "b"}),
+        ("d", True, {"a", "b", "c"}),
+    ] == SEEN
+    with dg.DagsterInstance.from_config(str(plain_home)) as stock:
+        assert _per_partition(stock) == {"a": 2, "b": 2, "c": 2, "d": 2}
+        run = stock.get_run_by_id(result.run_id)
+        assert run is not None and run.status == dg.DagsterRunStatus.SUCCESS
+    assert (plain_home / "dagster.yaml").read_text() == PLAIN_YAML
+
+
+def test_other_instances_keep_their_event_log(plain_home: Path) -> None:
+    with dagster_instance() as instance:
+        before = instance.event_log_storage
+        with pooled_events(instance):
+            assert instance.event_log_storage is before
