@@ -651,7 +651,7 @@ class EmbeddedDagsterInstance(DagsterInstance):
 
 # Dagster's stock SQLite storage, as ``InstanceRef.from_dir`` names it for a ``dagster.yaml``
 # without a ``storage`` block or with ``storage: sqlite``.
-_STOCK_SQLITE_STORAGE = ("dagster._core.storage.sqlite_storage", "DagsterSqliteStorage")
+STOCK_SQLITE_STORAGE = ("dagster._core.storage.sqlite_storage", "DagsterSqliteStorage")
 
 
 def pooled_ref(ref: InstanceRef) -> InstanceRef | None:
@@ -665,7 +665,7 @@ def pooled_ref(ref: InstanceRef) -> InstanceRef | None:
     events.
     """
     data = ref.storage_data
-    if data is None or (data.module_name, data.class_name) != _STOCK_SQLITE_STORAGE:
+    if data is None or (data.module_name, data.class_name) != STOCK_SQLITE_STORAGE:
         return None
     base_dir = data.config_dict.get("base_dir")
     if not isinstance(base_dir, str):
