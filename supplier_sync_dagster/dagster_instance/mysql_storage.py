@@ -69,7 +69,32 @@ def pooled_mysql_engine(mysql_url: str) -> Engine:
     return engine
 
 
-class PooledMySQLEventLogStorage(MySQLEventLogStorage):
+class _PooledEngine:
+    """What the pooled run and event storages share: the engine swapped for a pooled one
+    after dagster-mysql's ``__init__`` (which made its own and the tables), configuration
+    read as dagster-mysql reads it, the pool closed on ``dispose``."""
+
+    mysql_url: str
+    _engine: Engine
+
+    @classmethod
+    def from_config_value(
+        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
+    ) -> Any:
+        """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
+        return cls(mysql_url_from_config(config_value), inst_data)  # type: ignore[call-arg]
+
+    def _use_pool(self) -> None:
+        self._engine.dispose()
+        self._engine = pooled_mysql_engine(self.mysql_url)
+
+    def dispose(self) -> None:
+        """The storage's own ``dispose``, then the pooled connections closed."""
+        super().dispose()  # type: ignore[misc]
+        self._engine.dispose()
+
+
+class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: ignore[misc]
     """dagster-mysql's event log on a pooled engine, with one transaction per block.
 
     Args:
@@ -80,15 +105,7 @@ class PooledMySQLEventLogStorage(MySQLEventLogStorage):
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
         self._block = threading.local()  # before the base class's __init__, which connects
         super().__init__(mysql_url, inst_data)
-        self._engine.dispose()
-        self._engine = pooled_mysql_engine(mysql_url)
-
-    @classmethod
-    def from_config_value(  # type: ignore[override]
-        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
-    ) -> PooledMySQLEventLogStorage:
-        """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
-        return cls(mysql_url_from_config(config_value), inst_data)
+        self._use_pool()
 
     def _connect(self) -> Any:
         conn: Connection | None = getattr(self._block, "conn", None)
@@ -115,18 +132,13 @@ class PooledMySQLEventLogStorage(MySQLEventLogStorage):
             finally:
                 self._block.conn = None
 
-    def dispose(self) -> None:
-        """Stops Dagster's watcher and closes the pooled connections."""
-        super().dispose()
-        self._engine.dispose()
-
 
 @contextmanager
 def _joined(conn: Connection) -> Iterator[Connection]:
     yield conn
 
 
-class PooledMySQLRunStorage(MySQLRunStorage):
+class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[misc]
     """dagster-mysql's run storage on a pooled engine (a run's tags, its status polls).
 
     Args:
@@ -136,20 +148,7 @@ class PooledMySQLRunStorage(MySQLRunStorage):
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
         super().__init__(mysql_url, inst_data)
-        self._engine.dispose()
-        self._engine = pooled_mysql_engine(mysql_url)
-
-    @classmethod
-    def from_config_value(  # type: ignore[override]
-        cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
-    ) -> PooledMySQLRunStorage:
-        """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
-        return cls(mysql_url_from_config(config_value), inst_data)
-
-    def dispose(self) -> None:
-        """Closes the pooled connections."""
-        super().dispose()
-        self._engine.dispose()
+        self._use_pool()
 
 
 class PooledMySQLStorage(DagsterMySQLStorage):

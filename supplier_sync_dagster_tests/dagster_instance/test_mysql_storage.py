@@ -29,7 +29,11 @@ from supplier_sync_dagster.dagster_instance.mysql_storage import (
     PooledMySQLRunStorage,
     PooledMySQLStorage,
 )
-from supplier_sync_dagster_tests.dagster_instance.test_storage import ASSET, CHECK, cities
+from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
+    check_results,
+    per_partition,
+)
+from supplier_sync_dagster_tests.dagster_instance.test_storage import ASSET, cities
 
 STOCK_YAML = "storage:\n  mysql:\n    mysql_url:\n      env: DAGSTER_MYSQL_URL\n"
 
@@ -47,16 +51,6 @@ def homes(
     shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", ours / "dagster.yaml")
     (stock / "dagster.yaml").write_text(STOCK_YAML)
     yield ours, stock
-
-
-def _per_partition(instance: dg.DagsterInstance) -> dict[str, object]:
-    records = instance.fetch_materializations(ASSET, limit=100).records
-    out: dict[str, object] = {}
-    for record in records:
-        m = record.asset_materialization
-        assert m is not None and m.partition is not None
-        out.setdefault(m.partition, m.metadata["rows"].value)
-    return out
 
 
 def _report(instance: dg.DagsterInstance, partition: str) -> None:
@@ -83,15 +77,8 @@ def test_the_profile_runs_on_the_pooled_storage_and_dagster_mysql_reads_it(
         assert type(stock.event_log_storage) is MySQLEventLogStorage
         run = stock.get_run_by_id(result.run_id)
         assert run is not None and run.status == dg.DagsterRunStatus.SUCCESS
-        assert _per_partition(stock) == {"a": 1, "b": 1, "c": 1}
-        checks = stock.event_log_storage.get_asset_check_execution_history(
-            dg.AssetCheckKey(ASSET, CHECK), limit=10
-        )
-        assert sorted((c.partition, c.status.value) for c in checks) == [
-            ("a", "SUCCEEDED"),
-            ("b", "SUCCEEDED"),
-            ("c", "SUCCEEDED"),
-        ]
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1}
+        assert check_results(stock) == {"a": "SUCCEEDED", "b": "SUCCEEDED", "c": "SUCCEEDED"}
 
 
 def test_a_block_is_one_transaction(homes: tuple[Path, Path]) -> None:
@@ -105,16 +92,16 @@ def test_a_block_is_one_transaction(homes: tuple[Path, Path]) -> None:
             _report(instance, "a")
             with one_event_transaction(instance):  # joins the outer block
                 _report(instance, "b")
-            seen.append(set(_per_partition(instance)))  # the block reads its own writes
-            seen.append(set(_per_partition(stock)))  # nobody else does, yet
+            seen.append(set(per_partition(instance)))  # the block reads its own writes
+            seen.append(set(per_partition(stock)))  # nobody else does, yet
         assert seen == [{"a", "b"}, set()]
-        assert set(_per_partition(stock)) == {"a", "b"}
+        assert set(per_partition(stock)) == {"a", "b"}
         with pytest.raises(RuntimeError, match="boom"), one_event_transaction(instance):
             _report(instance, "c")
             raise RuntimeError("boom")
-        assert set(_per_partition(stock)) == {"a", "b"}
+        assert set(per_partition(stock)) == {"a", "b"}
         _report(instance, "d")  # on its own again
-        assert set(_per_partition(stock)) == {"a", "b", "d"}
+        assert set(per_partition(stock)) == {"a", "b", "d"}
 
 
 def _child(home: str) -> None:
@@ -133,4 +120,4 @@ def test_a_forked_child_leaves_the_parent_s_connections_working(
             child.join(timeout=60)
             assert child.exitcode == 0
             _report(instance, "b")
-        assert set(_per_partition(instance)) == {"a", "b"}
+        assert set(per_partition(instance)) == {"a", "b"}
