@@ -1,9 +1,9 @@
 """What ``defs/`` may use of Dagster's internals: the whole interface, four names.
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
-  transaction per shard of the pooled SQLite event log (the embedded instance, a plain one
-  opened by the command line) and one transaction of the pooled MySQL event log (the
-  production profile); any other instance stores them as before.
+  transaction per shard of the pooled SQLite event log (the embedded instance; a plain one
+  opened by the command line or swapped in by :func:`pooled_events`); any other instance
+  stores them as before (``mysql_storage.py`` says why not on MySQL).
 - :func:`pooled_events`: a step's events of a run worker of a user's plain SQLite
   instance stored through the pooled event log on the same files (``storage.py``).
 - :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
@@ -17,7 +17,6 @@ Dagster upgrade breaks what this package uses of Dagster's private modules.
 """
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol, runtime_checkable
 
 import dagster as dg
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
@@ -26,7 +25,10 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
-from supplier_sync_dagster.dagster_instance.storage import pooled_events
+from supplier_sync_dagster.dagster_instance.storage import (
+    PooledSqliteEventLogStorage,
+    pooled_events,
+)
 
 __all__ = [
     "CheckTarget",
@@ -40,25 +42,14 @@ __all__ = [
 CheckTarget = AssetCheckEvaluationTargetMaterializationData
 
 
-@runtime_checkable
-class OneTransaction(Protocol):
-    """An event log of this package that stores a block's events in one transaction
-    (``storage.PooledSqliteEventLogStorage``, ``mysql_storage.PooledMySQLEventLogStorage``;
-    named by the method, so that importing this module does not import dagster-mysql)."""
-
-    def one_transaction(self) -> AbstractContextManager[None]:
-        """The block's events in one transaction (per shard)."""
-        ...
-
-
 def one_event_transaction(instance: dg.DagsterInstance) -> AbstractContextManager[None]:
     """The instance's events stored in the block share one transaction per shard.
 
-    With a pooled event log of this package, a city's events cost one commit per shard
-    instead of one or two per event; any other event log stores them as before.
+    With the pooled SQLite event log, a city's events cost one commit per shard instead of
+    one or two per event; any other event log stores them as before.
     """
     storage = instance.event_log_storage
-    if isinstance(storage, OneTransaction):
+    if isinstance(storage, PooledSqliteEventLogStorage):
         return storage.one_transaction()
     return nullcontext()
 

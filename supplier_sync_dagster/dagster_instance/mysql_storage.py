@@ -7,9 +7,8 @@ authentication, session settings) and closes it; an asset event takes two or thr
 each its own transaction. A ``sync --full`` pays that for every event of every city.
 
 :class:`PooledMySQLStorage` is ``DagsterMySQLStorage`` with :class:`PooledMySQLEventLogStorage`
-and :class:`PooledMySQLRunStorage`: the same tables and statements, one small pool of
-connections per storage (as the webserver's), and :meth:`PooledMySQLEventLogStorage.one_transaction`,
-in which a thread's events share one transaction (a city's events: see ``events.py``).
+and :class:`PooledMySQLRunStorage`: the same tables, statements and transactions, on one
+small pool of connections per storage (as the webserver's).
 ``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
 reads and writes the same database with Dagster's classes.
 """
@@ -17,10 +16,7 @@ reads and writes the same database with Dagster's classes.
 from __future__ import annotations
 
 import os
-import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,11 +25,10 @@ from dagster._serdes import ConfigurableClassData
 from dagster_mysql import DagsterMySQLStorage, MySQLEventLogStorage, MySQLRunStorage
 from dagster_mysql.schedule_storage import MySQLScheduleStorage
 from dagster_mysql.utils import (
-    create_mysql_connection,
     mysql_isolation_level,
     mysql_url_from_config,
 )
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 # One idle connection per storage, as Dagster's webserver keeps; overflow for threads that
 # store at once (the step's thread, the cancel poll, Dagster's own).
@@ -95,7 +90,14 @@ class _PooledEngine:
 
 
 class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: ignore[misc]
-    """dagster-mysql's event log on a pooled engine, with one transaction per block.
+    """dagster-mysql's event log on a pooled engine: the same statements and transactions
+    (one or more per event).
+
+    Not one transaction per city, as on SQLite: MySQL allocates an event's id when it is
+    inserted, not when it commits, so while a block is open another run can commit later
+    ids, and a reader that remembers the highest id it has seen (the backfill daemon, the
+    asset daemon, a run's log watcher) would then skip the block's events for ever. SQLite
+    has one writer at a time, which commits before the next one inserts.
 
     Args:
         mysql_url: The database's SQLAlchemy URL.
@@ -103,39 +105,8 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
     """
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
-        self._block = threading.local()  # before the base class's __init__, which connects
         super().__init__(mysql_url, inst_data)
         self._use_pool()
-
-    def _connect(self) -> Any:
-        conn: Connection | None = getattr(self._block, "conn", None)
-        if conn is not None:
-            return _joined(conn)
-        return create_mysql_connection(self._engine, __file__, "event log")
-
-    @contextmanager
-    def one_transaction(self) -> Iterator[None]:
-        """Within the block, this thread's events share one transaction.
-
-        What the thread reads in the block sees what it stored; other threads store and read
-        on their own connections (and see the block's events once it ends). The block
-        commits at its end, or rolls everything back if it raises: all of its events or
-        none. A block inside a block of the same thread joins the outer one.
-        """
-        if getattr(self._block, "conn", None) is not None:
-            yield
-            return
-        with self._engine.connect() as conn, conn.begin():
-            self._block.conn = conn
-            try:
-                yield
-            finally:
-                self._block.conn = None
-
-
-@contextmanager
-def _joined(conn: Connection) -> Iterator[Connection]:
-    yield conn
 
 
 class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[misc]

@@ -51,7 +51,6 @@ OWN_METHODS: dict[type, set[str]] = {
         "_dispose_engines",
     },
     storage.PooledSqliteRunStorage: {"_engine"},
-    mysql_storage.PooledMySQLEventLogStorage: {"one_transaction"},
     mysql_storage.PooledMySQLStorage: {"_own"},
 }
 # Methods of a custom instance class that Dagster looks up by name (no base defines them),
