@@ -72,12 +72,16 @@ class _PooledEngine:
     mysql_url: str
     _engine: Engine
 
+    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
+        super().__init__(mysql_url, inst_data)  # type: ignore[call-arg]
+        self._use_pool()
+
     @classmethod
     def from_config_value(
         cls, inst_data: ConfigurableClassData | None, config_value: MySqlStorageConfig
     ) -> Any:
         """The storage a ``dagster.yaml`` block configures (``mysql_url`` or ``mysql_db``)."""
-        return cls(mysql_url_from_config(config_value), inst_data)  # type: ignore[call-arg]
+        return cls(mysql_url_from_config(config_value), inst_data)
 
     def _use_pool(self) -> None:
         self._engine.dispose()
@@ -104,10 +108,6 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         inst_data: Dagster's record of the configuration this storage came from.
     """
 
-    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
-        super().__init__(mysql_url, inst_data)
-        self._use_pool()
-
 
 class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[misc]
     """dagster-mysql's run storage on a pooled engine (a run's tags, its status polls).
@@ -116,10 +116,6 @@ class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[mis
         mysql_url: The database's SQLAlchemy URL.
         inst_data: Dagster's record of the configuration this storage came from.
     """
-
-    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
-        super().__init__(mysql_url, inst_data)
-        self._use_pool()
 
 
 class PooledMySQLStorage(DagsterMySQLStorage):
