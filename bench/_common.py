@@ -219,6 +219,8 @@ class CityStages:
         seconds: ``fetch``, ``normalize``, ``publish`` (from each city's materialization
             metadata) and ``city`` (the wall time a run spent on the city), summed over the
             cities: with several cities in flight at once the sums exceed the wall time.
+            ``cpu_fetch``, ``cpu_normalize``, ``cpu_publish``: the CPU seconds of each stage
+            (``cpu_<stage>_seconds``, measured on the threads that did its work), summed.
         intervals: Per published city, (its published_hotels event's time - its seconds,
             that time): when the city was in flight.
         records: Per published city, its records (in the order of ``intervals``).
@@ -261,10 +263,12 @@ def _number(record: dg.EventLogRecord, name: str) -> float:
 
 
 def city_stages(instance: dg.DagsterInstance) -> CityStages:
-    """Every city's stage seconds and in-flight interval from the instance's materializations."""
-    found = CityStages(seconds={"fetch": 0.0, "normalize": 0.0, "publish": 0.0, "city": 0.0})
+    """Every city's stage seconds (wall and CPU) and in-flight interval from the instance's
+    materializations."""
+    found = CityStages(seconds=dict.fromkeys(["fetch", "normalize", "publish", "city"], 0.0))
     for asset, name in STAGE_METADATA.items():
         stage = name.removesuffix("_seconds")
+        found.seconds[f"cpu_{stage}"] = 0.0
         for record in _materializations(instance, asset):
             mat = record.asset_materialization
             status = mat.metadata.get("city_status") if mat is not None else None
@@ -272,6 +276,7 @@ def city_stages(instance: dg.DagsterInstance) -> CityStages:
                 # Reported from the sync database: another run (which helped) synced it.
                 continue
             found.seconds[stage] += _number(record, name)
+            found.seconds[f"cpu_{stage}"] += _number(record, f"cpu_{name}")
             if asset == "published_hotels":
                 seconds = _number(record, "seconds")
                 found.seconds["city"] += seconds

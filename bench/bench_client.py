@@ -85,6 +85,11 @@ class ServerProcess:
         self._proc.terminate()
         raise RuntimeError("the simulator did not start within 120 s")
 
+    @property
+    def pid(self) -> int | None:
+        """The simulator's process id (None before it starts)."""
+        return self._proc.pid
+
     def __exit__(self, *exc: object) -> None:
         self._proc.terminate()
         self._proc.join(timeout=10)

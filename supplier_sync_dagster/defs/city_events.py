@@ -213,6 +213,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "records": r.records,
             "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
             "fetch_seconds": round(r.seconds.get("fetch", 0.0), 3),
+            "cpu_fetch_seconds": round(r.cpu_seconds.get("fetch", 0.0), 3),
             **walk,
         },
         NORMALIZED: {
@@ -224,6 +225,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "moved_hotels": r.moved,
             "gate": r.error if r.status == "GATED" and r.error else "passed",
             "normalize_seconds": round(r.seconds.get("normalize", 0.0), 3),
+            "cpu_normalize_seconds": round(r.cpu_seconds.get("normalize", 0.0), 3),
             **(
                 {"dead_letters_resolved_by_replay": outcome.resolved_dead_letters}
                 if outcome.resolved_dead_letters
@@ -256,6 +258,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "resumed_from_page": r.resumed_from_page if r.resumed_from_page is not None else "",
             "counts_add_up": r.records == r.published + r.skipped + r.dead_letters,
             "publish_seconds": round(r.seconds.get("publish", 0.0), 3),
+            "cpu_publish_seconds": round(r.cpu_seconds.get("publish", 0.0), 3),
             **({"listing_drift": walk["listing_drift"]} if walk else {}),
         },
     }

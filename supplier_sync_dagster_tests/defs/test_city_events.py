@@ -25,6 +25,23 @@ def test_the_walk_s_drift_reaches_the_city_metadata() -> None:
     assert meta[PUBLISHED]["listing_drift"] == "SHIFTED"
 
 
+def test_each_stage_s_wall_and_cpu_seconds_reach_its_asset_s_metadata() -> None:
+    report = CityReport("BKK")
+    report.seconds.update(fetch=2.0, normalize=1.0, publish=0.5)
+    report.cpu_seconds.update(fetch=0.25, normalize=0.75, publish=0.125)
+    meta = city_metadata(CityOutcome(report), "b1")
+    assert (meta[RAW]["fetch_seconds"], meta[RAW]["cpu_fetch_seconds"]) == (2.0, 0.25)
+    assert (meta[NORMALIZED]["normalize_seconds"], meta[NORMALIZED]["cpu_normalize_seconds"]) == (
+        1.0,
+        0.75,
+    )
+    assert (meta[PUBLISHED]["publish_seconds"], meta[PUBLISHED]["cpu_publish_seconds"]) == (
+        0.5,
+        0.125,
+    )
+    assert "cpu_fetch_seconds" not in meta[PUBLISHED]
+
+
 def test_a_city_that_walked_no_listing_says_nothing_of_drift() -> None:
     meta = city_metadata(CityOutcome(CityReport("BKK")), "b1")
     assert "listing_drift" not in meta[RAW] and "listing_drift" not in meta[PUBLISHED]

@@ -17,8 +17,11 @@ skipped = records in the city's stored pages``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection
 
@@ -45,7 +48,13 @@ from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.fetch import fetch_pages, record_walk, walk
 from supplier_sync_dagster.core.sync.gate import PipelineGate
-from supplier_sync_dagster.core.sync.model import CityReport, PageSource, Progress, SyncSettings
+from supplier_sync_dagster.core.sync.model import (
+    CityReport,
+    FetchedPage,
+    PageSource,
+    Progress,
+    SyncSettings,
+)
 from supplier_sync_dagster.core.sync.runtime import prepare_process
 from supplier_sync_dagster.core.sync.snapshots import RAW, stored_pages
 from supplier_sync_dagster.core.sync.stages import (
@@ -58,6 +67,7 @@ from supplier_sync_dagster.core.sync.stages import (
 from supplier_sync_dagster.core.sync.stop import Stop, StopAware, reason_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sync_city(
@@ -224,23 +234,34 @@ class _CityStages:
         # Every stored page of a fresh walk reaches the normalizer as it is fetched: it has
         # none to read back.
         self.normalizer.stored_pages_seen = fresh
-        fetch_pages(
-            self.lease,
-            self.store,
-            walk(
-                self.client,
+        # The walk's requests run on other threads, and the pages are normalized on this
+        # one as they arrive: each is counted on its own thread, under its own stage.
+        walk_cpu, page_cpu = _ThreadCpu(), _ThreadCpu()
+        began = time.thread_time()
+        try:
+            fetch_pages(
                 self.lease,
+                self.store,
+                walk_cpu.iterate(
+                    walk(
+                        self.client,
+                        self.lease,
+                        self.settings,
+                        self.source,
+                        hotel_count=self.hotel_count,
+                        report=self.report,
+                    )
+                ),
+                self.heartbeat,
                 self.settings,
-                self.source,
-                hotel_count=self.hotel_count,
-                report=self.report,
-            ),
-            self.heartbeat,
-            self.settings,
-            self.report,
-            on_page=self.normalizer.add if fresh else None,
-            stop=self.stop,
-        )
+                self.report,
+                on_page=page_cpu.wrap(self.normalizer.add) if fresh else None,
+                stop=self.stop,
+            )
+        finally:
+            cpu = self.report.cpu_seconds
+            cpu["fetch"] += time.thread_time() - began - page_cpu.seconds + walk_cpu.seconds
+            cpu["normalize"] += page_cpu.seconds
 
     def stopped_by_drift(self) -> bool:
         """Judges schema drift on the first pages; a drifted city ends GATED here."""
@@ -266,7 +287,8 @@ class _CityStages:
         ):
             # A small city: its last normalize writes go with the shard's end.
             writer.defer = True
-        self.normalizer.finish()
+        with _cpu_of(self.report, "normalize"):
+            self.normalizer.finish()
 
     def stopped_by_gate(self, gate: PipelineGate) -> bool:
         """Runs the batch gate; a city it stops ends GATED here, nothing published."""
@@ -282,17 +304,18 @@ class _CityStages:
         chunk's transaction, or in one of its own when the city is read back."""
         settings, source = self.settings, self.source
         publishing = settings if source is None else source.publish_settings(self.report, settings)
-        finished = publish_city(
-            self.lease,
-            self.store,
-            self.heartbeat,
-            publishing,
-            self.report,
-            self.normalizer.candidates,
-            finish=self._finish,
-        )
-        if not finished:
-            retry_deadlocks(self._finish_alone)
+        with _cpu_of(self.report, "publish"):
+            finished = publish_city(
+                self.lease,
+                self.store,
+                self.heartbeat,
+                publishing,
+                self.report,
+                self.normalizer.candidates,
+                finish=self._finish,
+            )
+            if not finished:
+                retry_deadlocks(self._finish_alone)
         self.lease.mark_lost(f"shard {self.city!r} already finished", expected=True)
 
     def _finish(self, conn: Connection) -> None:
@@ -343,6 +366,41 @@ class _CityStages:
     def close(self) -> None:
         """Stops the normalizer's forked processes, if any ran (idempotent)."""
         self.normalizer.close()
+
+
+class _ThreadCpu:
+    """The CPU seconds of the calls it wraps, each on the thread that runs it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn``, its calls counted."""
+
+        def counted(*args: Any) -> T:
+            began = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.thread_time() - began
+
+        return counted
+
+    def iterate(self, items: Iterator[FetchedPage]) -> Iterator[FetchedPage]:
+        """``items``, each step counted on the thread that asks for it."""
+        step = self.wrap(next)
+        while (item := step(items, None)) is not None:
+            yield item
+
+
+@contextmanager
+def _cpu_of(report: CityReport, stage: str) -> Iterator[None]:
+    """Counts this thread's CPU seconds in the block under ``stage``."""
+    began = time.thread_time()
+    try:
+        yield
+    finally:
+        report.cpu_seconds[stage] += time.thread_time() - began
 
 
 # A city's newly missing hotels asked for one by one at most (each costs a request).

@@ -176,6 +176,8 @@ class CityReport:
     diffs_by_type: Counter[str] = field(default_factory=Counter)
     diffs_by_action: Counter[str] = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # Per stage, the CPU seconds of the threads that did its work (``seconds`` is wall time).
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # A failed city's ``CODE: what happened`` (core.errors.describe_error) and its code.
     error: str | None = None
     error_code: str | None = None

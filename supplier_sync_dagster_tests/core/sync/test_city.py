@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -29,8 +30,10 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.sync import city as city_module
 from supplier_sync_dagster.core.sync.city import sync_city
 from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
+from supplier_sync_dagster.core.sync.stages import Normalizer
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
 from supplier_sync_dagster_tests.core.conftest import run_concurrently
 from supplier_sync_dagster_tests.helpers import (
@@ -417,6 +420,46 @@ def test_cities_are_synced_largest_first_unknown_sizes_last():
 
     order = largest_first(["a", "b", "c", "d", "e"], {"a": 5, "b": 50, "d": 50, "e": 0})
     assert order == ["b", "d", "a", "e", "c"]
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_each_stage_s_cpu_is_counted_on_the_thread_that_does_its_work(
+    db: SyncDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The walk's requests run on other threads than the city's, which normalizes each page
+    as it arrives: the walk's CPU is the fetch's, a page's normalization is not, and a wait
+    is no CPU."""
+    walk_threads: set[int] = set()
+    real_walk, real_add = city_module.walk, Normalizer.add
+
+    def slow_walk(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for page in real_walk(*args, **kwargs):
+            walk_threads.add(threading.get_ident())
+            _burn(0.2)
+            time.sleep(0.2)
+            yield page
+
+    def slow_add(self: Normalizer, *args: Any) -> None:
+        _burn(0.3)
+        real_add(self, *args)
+
+    monkeypatch.setattr(city_module, "walk", slow_walk)
+    monkeypatch.setattr(Normalizer, "add", slow_add)
+    sim = make_simulator(seed=5, n_cities=1, total_hotels=150, empty_city_share=0.0)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with httpx.Client(base_url="http://sim", transport=sim.transport()) as http:
+        _, (report,) = full_sync(db, store, supplier_client(http), "t1")
+    assert report.status == "SUCCESS" and walk_threads and threading.get_ident() not in walk_threads
+    pages, cpu = report.pages_fetched, report.cpu_seconds
+    assert pages >= 3
+    assert 0.2 * pages <= cpu["fetch"] < 0.2 * pages + 0.25 * pages
+    assert cpu["normalize"] >= 0.3 * pages
+    assert 0 < cpu["publish"] < report.seconds["publish"] + 0.05
 
 
 def test_a_deadlock_victim_publish_runs_again_and_counts_once(
