@@ -1,8 +1,11 @@
-"""What ``defs/`` may use of Dagster's internals: the whole interface, three names.
+"""What ``defs/`` may use of Dagster's internals: the whole interface, four names.
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
-  transaction per shard of the embedded instance's event log; any other instance stores them
-  as before.
+  transaction per shard of the pooled SQLite event log (the embedded instance; a plain one
+  opened by the command line or swapped in by :func:`pooled_events`); any other instance
+  stores them as before (``mysql_storage.py`` says why not on MySQL).
+- :func:`pooled_events`: a step's events of a run worker of a user's plain SQLite
+  instance stored through the pooled event log on the same files (``storage.py``).
 - :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
   its record as Dagster's own ``AssetCheckResult`` builds it for a partition (Dagster does
   not export the class).
@@ -22,7 +25,18 @@ from dagster._core.definitions.asset_checks.asset_check_evaluation import (
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
-from supplier_sync_dagster.dagster_instance.storage import PooledSqliteEventLogStorage
+from supplier_sync_dagster.dagster_instance.storage import (
+    PooledSqliteEventLogStorage,
+    pooled_events,
+)
+
+__all__ = [
+    "CheckTarget",
+    "check_target",
+    "latest_evaluation",
+    "one_event_transaction",
+    "pooled_events",
+]
 
 # What ``dg.AssetCheckEvaluation(target_materialization_data=...)`` takes.
 CheckTarget = AssetCheckEvaluationTargetMaterializationData
@@ -31,9 +45,8 @@ CheckTarget = AssetCheckEvaluationTargetMaterializationData
 def one_event_transaction(instance: dg.DagsterInstance) -> AbstractContextManager[None]:
     """The instance's events stored in the block share one transaction per shard.
 
-    With the pooled SQLite event log (the embedded instance), a city's events cost one
-    commit per shard instead of one or two per event; any other event log stores them as
-    before.
+    With the pooled SQLite event log, a city's events cost one commit per shard instead of
+    one or two per event; any other event log stores them as before.
     """
     storage = instance.event_log_storage
     if isinstance(storage, PooledSqliteEventLogStorage):

@@ -9,7 +9,8 @@ run of a killed ``sync --full`` FAILURE.
 A ``DAGSTER_HOME`` that has no ``dagster.yaml`` (a folder just made for it) gets the same
 file, and one line on stderr says so: without it Dagster warns on every command, prints its
 telemetry banner and runs without run monitoring. One that has a ``dagster.yaml`` is the
-user's instance, and is left exactly as it is.
+user's instance, and is left exactly as it is; when it keeps Dagster's stock SQLite storage,
+the command opens the same files through the pooled storages (:func:`.storage.pooled_ref`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import dagster as dg
 
 from supplier_sync_dagster.core.store.engine import state_dir
+from supplier_sync_dagster.dagster_instance.storage import local_instance
 
 RUN_MONITORING = """\
 run_monitoring:
@@ -78,7 +80,10 @@ def dagster_instance() -> dg.DagsterInstance:
             "instance settings there (embedded storage, run monitoring, no telemetry)",
             file=sys.stderr,
         )
-    return dg.DagsterInstance.get()
+    home_dir = os.path.expanduser(os.environ["DAGSTER_HOME"])
+    if not os.path.isabs(home_dir) or not os.path.isdir(home_dir):
+        return dg.DagsterInstance.get()  # which says what is wrong with it
+    return local_instance(home_dir)
 
 
 def settle_dagster_home(home: Path) -> bool:

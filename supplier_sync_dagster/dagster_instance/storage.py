@@ -647,3 +647,70 @@ class EmbeddedDagsterInstance(DagsterInstance):
                 PooledSqliteEventLogStorage, _event_logs_directory(base_dir)
             ),
         }
+
+
+# Dagster's stock SQLite storage, as ``InstanceRef.from_dir`` names it for a ``dagster.yaml``
+# without a ``storage`` block or with ``storage: sqlite``.
+STOCK_SQLITE_STORAGE = ("dagster._core.storage.sqlite_storage", "DagsterSqliteStorage")
+
+
+def pooled_ref(ref: InstanceRef) -> InstanceRef | None:
+    """``ref`` with the pooled storages on the same files, when it stores in Dagster's stock
+    SQLite storage (a user's plain instance); None for any other storage.
+
+    The ``dagster.yaml`` stays as it is: only this process opens the files through the
+    pooled classes, and every other process (the webserver, the daemon, Dagster's CLI) reads
+    and writes them with Dagster's own, which these are compatible with. An instance without
+    a class of its own gets :class:`EmbeddedDagsterInstance`, which batches a run's planned
+    events.
+    """
+    data = ref.storage_data
+    if data is None or (data.module_name, data.class_name) != STOCK_SQLITE_STORAGE:
+        return None
+    base_dir = data.config_dict.get("base_dir")
+    if not isinstance(base_dir, str):
+        return None
+    pooled = EmbeddedDagsterInstance.config_defaults(base_dir)
+    return ref._replace(
+        storage_data=pooled["storage"],
+        run_storage_data=pooled["run_storage"],
+        event_storage_data=pooled["event_log_storage"],
+        custom_instance_class_data=ref.custom_instance_class_data
+        or ConfigurableClassData(
+            EmbeddedDagsterInstance.__module__, EmbeddedDagsterInstance.__name__, "{}\n"
+        ),
+    )
+
+
+def local_instance(home: str) -> DagsterInstance:
+    """The instance of the Dagster home ``home`` (``DagsterInstance.get()`` for it), on the
+    pooled storages when its ``dagster.yaml`` keeps Dagster's stock SQLite storage
+    (:func:`pooled_ref`)."""
+    ref = InstanceRef.from_dir(home)
+    return DagsterInstance.from_ref(pooled_ref(ref) or ref)
+
+
+@contextmanager
+def pooled_events(instance: DagsterInstance) -> Iterator[None]:
+    """Within the block, ``instance`` stores and reads its events through
+    :class:`PooledSqliteEventLogStorage` on the same files, when its event log is Dagster's
+    stock ``SqliteEventLogStorage``; any other instance is left as it is.
+
+    For a run worker of a user's plain instance, which Dagster builds from the user's
+    ``dagster.yaml``: its step's events then cost what they cost on the embedded instance,
+    and :func:`.events.one_event_transaction` groups them. Dagster reaches the event log
+    through the instance's attribute on every call, so the swap holds for every thread of
+    the process until the block ends; the stock storage comes back then.
+    """
+    stock = instance.event_log_storage
+    if type(stock) is not SqliteEventLogStorage:
+        yield
+        return
+    pooled = PooledSqliteEventLogStorage(stock._base_dir)
+    pooled.register_instance(instance)
+    instance._event_storage = pooled
+    try:
+        yield
+    finally:
+        instance._event_storage = stock
+        pooled.dispose()

@@ -63,7 +63,11 @@ from supplier_sync_dagster.core.sync.run import (
     take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
-from supplier_sync_dagster.dagster_instance.events import latest_evaluation, one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import (
+    latest_evaluation,
+    one_event_transaction,
+    pooled_events,
+)
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target
 from supplier_sync_dagster.defs.city_keys import (
@@ -203,7 +207,10 @@ def build_city_sync(
     def city_sync(
         context: dg.AssetExecutionContext,
     ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
-        yield from _sync_cities(context, scope, SyncResources.of(context, scope))
+        # A run worker of a user's plain SQLite instance: the step's events on pooled
+        # connections, a city's in one transaction, as on the embedded instance.
+        with pooled_events(context.instance):
+            yield from _sync_cities(context, scope, SyncResources.of(context, scope))
 
     return city_sync
 
@@ -390,11 +397,13 @@ def _report(
     progress: "_Progress",
     db: SyncDatabase,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
-    """One city's log line and events, on its partition; the batch's progress."""
-    # Dagster stores each event as it is yielded, on this thread: the city's log line,
-    # materializations and check evaluations are one transaction.
+    """One city's events, on its partition (and an error line when it did not publish); the
+    batch's progress."""
+    # Dagster stores each event as it is yielded, on this thread: the city's
+    # materializations, check evaluations and error line are one transaction.
     with one_event_transaction(context.instance):
-        _log_city(context, outcome)
+        if not outcome.done:
+            _log_failed_city(context, outcome)
         yield from city_events(
             outcome,
             plan.batch.batch_id,
@@ -500,10 +509,12 @@ def _worker_io(
     return open_io
 
 
-def _log_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:
+def _log_failed_city(context: dg.AssetExecutionContext, outcome: CityOutcome) -> None:
+    """What stopped a city, in the run's log. A city that published gets no line: its
+    materializations carry the same counts, and a line each would be one more event per
+    city to store."""
     r = outcome.report
-    log = context.log.info if outcome.done else context.log.error
-    log(
+    context.log.error(
         f"city {r.city_code!r}: {r.status}, {r.records} records, "
         f"{r.published} published, {r.dead_letters} dead letters"
         + (" (helping another run)" if outcome.helped else "")

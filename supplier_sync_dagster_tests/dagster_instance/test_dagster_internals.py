@@ -32,8 +32,9 @@ from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
 from dagster._daemon import cli as daemon_cli
 from dagster._daemon import controller
 from dagster._serdes import serialize_value
+from dagster_mysql import utils as mysql_utils
 
-from supplier_sync_dagster.dagster_instance import events, run_launcher, storage
+from supplier_sync_dagster.dagster_instance import events, mysql_storage, run_launcher, storage
 from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
 
 PACKAGE = Path(storage.__file__).resolve().parents[1]
@@ -50,6 +51,7 @@ OWN_METHODS: dict[type, set[str]] = {
         "_dispose_engines",
     },
     storage.PooledSqliteRunStorage: {"_engine"},
+    mysql_storage.PooledMySQLStorage: {"_own"},
 }
 # Methods of a custom instance class that Dagster looks up by name (no base defines them),
 # and the module whose code calls them.
@@ -64,9 +66,12 @@ OURS = (
     storage.EmbeddedDagsterInstance,
     storage.WalAwareWatchdog,
     run_launcher.LocalRunLauncher,
+    mysql_storage.PooledMySQLEventLogStorage,
+    mysql_storage.PooledMySQLRunStorage,
+    mysql_storage.PooledMySQLStorage,
 )
 # Dagster methods our code calls (not overrides), with the parameters it passes.
-CALLED: list[tuple[type, str, list[str]]] = [
+CALLED: list[tuple[Any, str, list[str]]] = [
     (SqliteEventLogStorage, "conn_string_for_shard", ["self", "shard_name"]),
     (SqliteEventLogStorage, "_initdb", ["self", "engine"]),
     (SqliteEventLogStorage, "run_connection", ["self", "run_id"]),
@@ -82,6 +87,10 @@ CALLED: list[tuple[type, str, list[str]]] = [
     (SqliteRunStorage, "from_local", ["cls", "base_dir", "inst_data"]),
     (dg.DagsterInstance, "_get_event_batch_size", ["self"]),
     (InstanceRef, "config_defaults", ["base_dir"]),
+    (InstanceRef, "from_dir", ["base_dir"]),
+    (SqliteEventLogStorage, "register_instance", ["self", "instance"]),
+    (mysql_utils, "create_mysql_connection", ["engine", "dunder_file", "storage_type_desc"]),
+    (mysql_utils, "mysql_url_from_config", ["config_value"]),
 ]
 
 
@@ -196,7 +205,7 @@ def test_dagster_still_calls_the_instance_class_hooks(name: str, caller: str) ->
     ("cls", "name", "params"), CALLED, ids=[f"{c.__name__}.{n}" for c, n, _ in CALLED]
 )
 def test_each_dagster_method_we_call_keeps_its_parameters(
-    cls: type, name: str, params: list[str]
+    cls: Any, name: str, params: list[str]
 ) -> None:
     method = inspect.getattr_static(cls, name, None)
     assert method is not None, f"Dagster {VERSION}: {cls.__name__}.{name} is gone"
@@ -251,6 +260,26 @@ def test_dagster_s_sqlite_storage_reads_the_attributes_we_set(instance: dg.Dagst
     finally:
         made.run_storage.dispose()
         made.event_log_storage.dispose()
+
+
+def test_a_plain_dagster_yaml_still_means_dagster_s_sqlite_storage(tmp_path: Path) -> None:
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    data = InstanceRef.from_dir(str(tmp_path)).storage_data
+    assert data is not None
+    assert (data.module_name, data.class_name) == storage.STOCK_SQLITE_STORAGE, (
+        f"Dagster {VERSION}: a dagster.yaml without storage is {data.class_name} now"
+    )
+    assert data.config_dict == {"base_dir": str(tmp_path)}
+
+
+def test_dagster_mysql_s_storages_keep_the_attributes_we_replace() -> None:
+    for cls in (mysql_storage.MySQLEventLogStorage, mysql_storage.MySQLRunStorage):
+        assert "self._engine = create_engine(" in inspect.getsource(cls.__init__), (
+            f"dagster-mysql: {cls.__name__}.__init__ no longer makes self._engine"
+        )
+    source = inspect.getsource(mysql_storage.DagsterMySQLStorage)
+    for name in ("_run_storage", "_event_log_storage", "_schedule_storage", "_inst_data"):
+        assert f"self.{name}" in source, f"dagster-mysql: DagsterMySQLStorage.{name} is gone"
 
 
 def test_the_instance_defaults_we_replace_are_dagster_s_keys(tmp_path: Path) -> None:
