@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from functools import cached_property
 from typing import Any, Literal
 
 import orjson
@@ -72,24 +71,23 @@ class Candidate:
         fingerprint: sha256 of its canonical JSON.
         raw_payload_ref: The raw page it came from (traceability).
         raw_payload_hash: sha256 of that page.
+        supplier_hotel_id: The supplier's hotel id (from ``doc``).
+        version: The supplier's version of this hotel (from ``doc``).
     """
 
     doc: Mapping[str, Any]
     fingerprint: str
     raw_payload_ref: str | None = None
     raw_payload_hash: str | None = None
+    # Read from the document once: a publish reads them several times per hotel (and
+    # Python 3.11's ``cached_property`` takes a lock on each first read).
+    supplier_hotel_id: str = field(init=False, repr=False, compare=False)
+    version: int = field(init=False, repr=False, compare=False)
 
-    # Cached: a publish reads them several times per hotel. ``cached_property`` stores
-    # into the instance's ``__dict__``, which a frozen dataclass allows.
-    @cached_property
-    def supplier_hotel_id(self) -> str:
-        """The supplier's hotel id."""
-        return str(self.doc["supplier_hotel_id"])
-
-    @cached_property
-    def version(self) -> int:
-        """The supplier's version of this hotel."""
-        return int(self.doc["version"])
+    def __post_init__(self) -> None:
+        doc = self.doc
+        object.__setattr__(self, "supplier_hotel_id", str(doc["supplier_hotel_id"]))
+        object.__setattr__(self, "version", int(doc["version"]))
 
 
 @dataclass(frozen=True)
@@ -264,6 +262,8 @@ def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
 
     Ties keep the first seen, so the result does not depend on anything but input order.
     """
+    if len({c.supplier_hotel_id for c in candidates}) == len(candidates):
+        return list(candidates)  # the usual chunk: no hotel twice
     kept = highest_versions((c.supplier_hotel_id, c.version) for c in candidates)
     return [candidates[i] for i in kept]
 

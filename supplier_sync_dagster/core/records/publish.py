@@ -10,6 +10,7 @@ the same version write once and emit once, and an older version never overwrites
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from collections.abc import Mapping, Sequence
@@ -247,14 +248,10 @@ def publish_hotels(
         # time), so each row now holds the versions its diff expects: one above the
         # publish version read (1 when none was) and the candidate's supplier version.
         written = dict(plan.expected)
-    h = schema.platform_hotel.c
+    read_back = _written_query()
     for part in chunks(rids) if not written else ():
-        for rid, pv, sv in conn.execute(
-            sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
-                h.resource_id.in_(part), h.publish_token == token
-            )
-        ).all():
-            written[int(rid)] = (int(pv), int(sv))
+        for rid, pv, sv in conn.execute(read_back, {"ids": part, "token": token}):
+            written[rid] = (pv, sv)
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
     offers: list[tuple[Any, ...]] = []
     events: list[tuple[Any, ...]] = []
@@ -294,6 +291,16 @@ def publish_hotels(
         note=f"the hotel published (a newer version of the record) by batch {batch_id}",
     )
     return PublishResult(published, not_newer, len(events))
+
+
+@functools.cache
+def _written_query() -> sa.Select[Any]:
+    """The versions of the hotels a publish wrote (its token), built once."""
+    h = schema.platform_hotel.c
+    return sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
+        h.resource_id.in_(sa.bindparam("ids", expanding=True)),
+        h.publish_token == sa.bindparam("token"),
+    )
 
 
 def _hotel_tail(cand: Candidate, supplier_id: int, batch_id: str) -> tuple[Any, ...]:
