@@ -91,13 +91,14 @@ def main() -> None:
             faults=FaultProfile.clean(),
         )
     )
+    # The task, supplier and defaults of `sync --full`.
+    deployment: dict[str, Any] = {
+        "lease": LeaseSettings(),
+        "risk_policy": default_risk_policy,
+        "max_clock_skew_seconds": DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+    }
     settings = build_sync_settings(
-        task_code=DEFAULT_TASK_CODE,
-        supplier_id=1001,
-        page_size=args.page_size,
-        lease=LeaseSettings(),
-        risk_policy=default_risk_policy,
-        max_clock_skew_seconds=DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+        task_code=DEFAULT_TASK_CODE, supplier_id=1001, page_size=args.page_size, **deployment
     )
     with (
         _database(args.backend) as url,
