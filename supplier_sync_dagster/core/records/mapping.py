@@ -103,11 +103,11 @@ def _read_mappings(
     versions: dict[int, PublishedVersion] = {}
     query = _mappings_query(with_published)
     for part in chunks(ids):
-        for hotel_id, rid, made_by, *published in conn.execute(
-            query, {"supplier_id": supplier_id, "ids": part}
+        for hotel_id, rid, made_here, *published in conn.execute(
+            query, {"supplier_id": supplier_id, "ids": part, "batch_id": batch_id}
         ):
             resource_ids[hotel_id] = rid
-            if made_by == batch_id:
+            if made_here:
                 created.add(hotel_id)
             # A published hotel's versions come in the same statement: a diff of new or
             # unchanged hotels then reads nothing more.
@@ -121,7 +121,9 @@ def _mappings_query(with_published: bool) -> sa.Select[Any]:
     """The read of a part of the mappings (and, when asked, of their published versions),
     built once: its IN list is one expanding parameter, not a bound value per id."""
     c, h = schema.hotel_mapping.c, schema.platform_hotel.c
-    columns: list[Any] = [c.supplier_hotel_id, c.id, c.created_batch_id]
+    # Whether this batch made the mapping, as a number: no batch id sent back per row.
+    made_here = (c.created_batch_id == sa.bindparam("batch_id")).label("made_here")
+    columns: list[Any] = [c.supplier_hotel_id, c.id, made_here]
     source: Any = schema.hotel_mapping
     if with_published:
         columns += [h.supplier_version, h.publish_version, h.fingerprint]
