@@ -132,7 +132,7 @@ def publish_synthetic(db: SyncDatabase, hotels: int, chunk: int = 2000) -> float
                 batch_id=batch,
                 hotel_ids=[c.supplier_hotel_id for c in cands],
             )
-            diffs = compute_diffs(conn, cands, maps.resource_ids, published_ids=maps.published)
+            diffs = compute_diffs(conn, cands, maps.resource_ids, published=maps.versions)
             record_diffs(
                 conn, db.clock, batch_id=batch, shard_key="BENCH", supplier_id=1001, diffs=diffs
             )

@@ -34,6 +34,7 @@ hash)``) and the latest sight's payload and batch (``last_batch_id``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
@@ -459,26 +460,32 @@ def resolve_subjects(
     Returns:
         The tickets resolved.
     """
-    d = schema.dead_letter.c
     ids: list[int] = []
+    query = _open_of_subjects()
     for part in chunks(sorted(set(subjects))):
-        ids += [
-            int(i)
-            for i in conn.execute(
-                sa.select(d.id).where(
-                    d.supplier_id == supplier_id,
-                    d.subject_key.in_(part),
-                    d.open_slot == 1,
-                    sa.or_(d.last_batch_id.is_(None), d.last_batch_id != batch_id),
-                    sa.or_(
-                        d.status != "RETRYING",
-                        d.retry_batch_id.is_(None),
-                        d.retry_batch_id != batch_id,
-                    ),
-                )
-            ).scalars()
-        ]
+        ids += conn.execute(
+            query, {"supplier_id": supplier_id, "subjects": part, "batch_id": batch_id}
+        ).scalars()
     return move(conn, clock, ids, "ignore" if gone else "resolve", fix_note=note[:1024])
+
+
+@functools.cache
+def _open_of_subjects() -> sa.Select[Any]:
+    """The open tickets of some subjects that :func:`resolve_subjects` closes, built once
+    (a publish runs it per chunk; the IN list is one expanding parameter)."""
+    d = schema.dead_letter.c
+    batch_id: Any = sa.bindparam("batch_id")
+    return sa.select(d.id).where(
+        d.supplier_id == sa.bindparam("supplier_id"),
+        d.subject_key.in_(sa.bindparam("subjects", expanding=True)),
+        d.open_slot == 1,
+        sa.or_(d.last_batch_id.is_(None), d.last_batch_id != batch_id),
+        sa.or_(
+            d.status != "RETRYING",
+            d.retry_batch_id.is_(None),
+            d.retry_batch_id != batch_id,
+        ),
+    )
 
 
 CITY_FAILED = "CITY_FAILED"

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from functools import cached_property
 from typing import Any, Literal
 
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from supplier_sync_dagster.core.records.mapping import chunks
+from supplier_sync_dagster.core.records.mapping import PublishedVersion, chunks
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, insert_ignore, use_index
 
@@ -71,24 +71,23 @@ class Candidate:
         fingerprint: sha256 of its canonical JSON.
         raw_payload_ref: The raw page it came from (traceability).
         raw_payload_hash: sha256 of that page.
+        supplier_hotel_id: The supplier's hotel id (from ``doc``).
+        version: The supplier's version of this hotel (from ``doc``).
     """
 
     doc: Mapping[str, Any]
     fingerprint: str
     raw_payload_ref: str | None = None
     raw_payload_hash: str | None = None
+    # Read from the document once: a publish reads them several times per hotel (and
+    # Python 3.11's ``cached_property`` takes a lock on each first read).
+    supplier_hotel_id: str = field(init=False, repr=False, compare=False)
+    version: int = field(init=False, repr=False, compare=False)
 
-    # Cached: a publish reads them several times per hotel. ``cached_property`` stores
-    # into the instance's ``__dict__``, which a frozen dataclass allows.
-    @cached_property
-    def supplier_hotel_id(self) -> str:
-        """The supplier's hotel id."""
-        return str(self.doc["supplier_hotel_id"])
-
-    @cached_property
-    def version(self) -> int:
-        """The supplier's version of this hotel."""
-        return int(self.doc["version"])
+    def __post_init__(self) -> None:
+        doc = self.doc
+        object.__setattr__(self, "supplier_hotel_id", str(doc["supplier_hotel_id"]))
+        object.__setattr__(self, "version", int(doc["version"]))
 
 
 @dataclass(frozen=True)
@@ -263,6 +262,8 @@ def collapse_duplicates(candidates: Sequence[Candidate]) -> list[Candidate]:
 
     Ties keep the first seen, so the result does not depend on anything but input order.
     """
+    if len({c.supplier_hotel_id for c in candidates}) == len(candidates):
+        return list(candidates)  # the usual chunk: no hotel twice
     kept = highest_versions((c.supplier_hotel_id, c.version) for c in candidates)
     return [candidates[i] for i in kept]
 
@@ -298,34 +299,69 @@ _PUBLISHED_OFFER = (
 )
 
 
-def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """The published hotels (canonical form plus versions and fingerprint) by resource id."""
-    out: dict[int, dict[str, Any]] = {}
+def published_versions(
+    conn: Connection, resource_ids: Sequence[int]
+) -> dict[int, PublishedVersion]:
+    """The versions and fingerprint of the published hotels among these, by resource id."""
+    out: dict[int, PublishedVersion] = {}
+    query = _versions_query()
+    for part in chunks(sorted(set(resource_ids))):
+        for rid, supplier_version, publish_version, fingerprint in conn.execute(
+            query, {"ids": part}
+        ):
+            out[rid] = (supplier_version, publish_version, fingerprint)
+    return out
+
+
+@functools.cache
+def _versions_query() -> sa.Select[Any]:
+    h = schema.platform_hotel.c
+    return sa.select(h.resource_id, h.supplier_version, h.publish_version, h.fingerprint).where(
+        h.resource_id.in_(sa.bindparam("ids", expanding=True))
+    )
+
+
+@functools.cache
+def _published_queries() -> tuple[sa.Select[Any], sa.Select[Any]]:
+    """The reads of published hotels and of their active offers, built once (each IN list
+    is one expanding parameter)."""
     h, o = schema.platform_hotel.c, schema.platform_offer.c
-    hotel_columns = [
+    ids: Any = sa.bindparam("ids", expanding=True)
+    hotels = sa.select(
         h.resource_id,
         h.supplier_version,
         h.publish_version,
         h.fingerprint,
         *(h[name] for name in _DOC_COLUMNS),
-    ]
-    offer_columns = [o[name] for name in _PUBLISHED_OFFER]
+    ).where(h.resource_id.in_(ids))
+    offers = use_index(
+        sa.select(*(o[name] for name in _PUBLISHED_OFFER)).where(
+            o.resource_id.in_(ids), o.active.is_(True)
+        ),
+        schema.platform_offer,
+        schema.OFFER_IDENTITY,
+    )
+    return hotels, offers
+
+
+def load_published(
+    conn: Connection, resource_ids: Sequence[int]
+) -> dict[int, tuple[PublishedVersion, dict[str, Any]]]:
+    """The published hotels by resource id: their versions and fingerprint, and their
+    canonical form (rooms by code, rate plans by code)."""
+    out: dict[int, tuple[PublishedVersion, dict[str, Any]]] = {}
+    hotels, offers = _published_queries()
     loads = orjson.loads
-    ids = sorted(set(resource_ids))
-    for part in chunks(ids):
-        rows = conn.execute(sa.select(*hotel_columns).where(h.resource_id.in_(part))).all()
-        for rid, supplier_version, publish_version, fingerprint, *values in rows:
+    for part in chunks(sorted(set(resource_ids))):
+        for rid, supplier_version, publish_version, fingerprint, *values in conn.execute(
+            hotels, {"ids": part}
+        ):
             doc = dict(zip(_DOC_FIELDS, values, strict=True))
             doc["star_rating"] = _dec_str(doc["star_rating"])
             doc["facilities"] = loads(doc["facilities"] or "[]")
             doc["images"] = loads(doc["images"] or "[]")
             doc["rooms"] = {}
-            out[rid] = {
-                "supplier_version": supplier_version,
-                "publish_version": publish_version,
-                "fingerprint": fingerprint,
-                "doc": doc,
-            }
+            out[rid] = ((supplier_version, publish_version, fingerprint), doc)
         found = [rid for rid in part if rid in out]
         if not found:  # new hotels have no offers: skip the query
             continue
@@ -341,8 +377,8 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
             available,
             price,
             currency,
-        ) in conn.execute(active_offers(found, *offer_columns)).all():
-            rooms = out[rid]["doc"]["rooms"]
+        ) in conn.execute(offers, {"ids": found}):
+            rooms = out[rid][1]["rooms"]
             room = rooms.get(room_code)
             if room is None:
                 room = rooms[room_code] = {
@@ -361,8 +397,15 @@ def load_published(conn: Connection, resource_ids: Sequence[int]) -> dict[int, d
     return out
 
 
-def _diff(cand: Candidate, rid: int, pub: Mapping[str, Any] | None) -> HotelDiff:
-    """The candidate against its published version (None: never published), before risk."""
+def _diff(
+    cand: Candidate,
+    rid: int,
+    pub: PublishedVersion | None,
+    old: Mapping[str, Any] | None = None,
+) -> HotelDiff:
+    """The candidate against its published version (None: never published), before risk;
+    ``old``, the published canonical form, is needed only when neither the versions nor
+    the fingerprints decide (:func:`_compares`)."""
     if pub is None:
         return HotelDiff(
             cand.supplier_hotel_id,
@@ -373,27 +416,34 @@ def _diff(cand: Candidate, rid: int, pub: Mapping[str, Any] | None) -> HotelDiff
             "NEW",
             [{"field": "*", "old": None, "new": "created"}],
         )
+    supplier_version, publish_version, fingerprint = pub
     diff_type: DiffType
     changes: list[dict[str, Any]] = []
     drops_offers = True
-    if pub["supplier_version"] > cand.version:
+    if supplier_version > cand.version:
         diff_type = "STALE"
-        changes = [{"field": "version", "old": pub["supplier_version"], "new": cand.version}]
-    elif pub["fingerprint"] == cand.fingerprint:
+        changes = [{"field": "version", "old": supplier_version, "new": cand.version}]
+    elif fingerprint == cand.fingerprint:
         diff_type = "NO_CHANGE"
     else:
-        changes, kinds = _changes(pub["doc"], cand.doc)
+        assert old is not None, "a changed hotel is compared with its published form"
+        changes, kinds = _changes(old, cand.doc)
         diff_type, drops_offers = _primary(kinds), _DROPPED in kinds
     return HotelDiff(
         cand.supplier_hotel_id,
         rid,
-        pub["publish_version"],
-        pub["supplier_version"],
+        publish_version,
+        supplier_version,
         cand.version,
         diff_type,
         changes,
         drops_offers=drops_offers,
     )
+
+
+def _compares(cand: Candidate, pub: PublishedVersion | None) -> bool:
+    """Whether the diff compares the candidate field by field with its published form."""
+    return pub is not None and pub[0] <= cand.version and pub[2] != cand.fingerprint
 
 
 def compute_diffs(
@@ -402,23 +452,31 @@ def compute_diffs(
     resource_ids: Mapping[str, int],
     *,
     policy: RiskPolicy = default_risk_policy,
-    published_ids: Collection[int] | None = None,
+    published: Mapping[int, PublishedVersion] | None = None,
 ) -> list[HotelDiff]:
     """Compares each candidate with its published version; one HotelDiff per candidate.
 
-    ``published_ids``, when known (read in the same transaction), bounds the read of the
-    published versions to these resource ids; None reads every candidate's.
+    The versions and fingerprints decide a new, stale or unchanged hotel; only a changed
+    one's published form (its hotel row and active offers) is read and compared field by
+    field. ``published``, when known (read in the same transaction, as
+    ``HotelMappings.versions``), holds the versions of every published hotel among the
+    candidates; None reads them.
     """
     rids = [resource_ids[c.supplier_hotel_id] for c in candidates]
-    if published_ids is not None:
-        rids = [rid for rid in rids if rid in published_ids]
-    published = load_published(conn, rids)
+    if published is None:
+        published = published_versions(conn, rids)
+    get = published.get
+    changed = [rid for cand, rid in zip(candidates, rids, strict=True) if _compares(cand, get(rid))]
+    forms = load_published(conn, changed) if changed else {}
     out = []
-    for cand in candidates:
-        rid = resource_ids[cand.supplier_hotel_id]
-        diff = _diff(cand, rid, published.get(rid))
+    for cand, rid in zip(candidates, rids, strict=True):
+        found = forms.get(rid)
+        # The form's versions were read with it: the later read, if both were made.
+        diff = _diff(cand, rid, get(rid)) if found is None else _diff(cand, rid, *found)
         risk, action = policy(diff)
-        out.append(dataclasses.replace(diff, risk_level=risk, action=action))
+        if risk != diff.risk_level or action != diff.action:
+            diff = dataclasses.replace(diff, risk_level=risk, action=action)
+        out.append(diff)
     if isinstance(policy, RiskRules):
         out = policy.escalate(out)
     return out

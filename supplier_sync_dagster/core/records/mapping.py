@@ -13,8 +13,9 @@ whole mapping.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -38,14 +39,20 @@ def chunks(items: Sequence[T], size: int = CHUNK) -> Iterator[Sequence[T]]:
         yield items[start : start + size]
 
 
+PublishedVersion = tuple[int, int, str]
+"""What a diff needs first of a published hotel: (supplier version, publish version,
+fingerprint). Most hotels are new or unchanged, and these decide those alone."""
+
+
 @dataclass(frozen=True)
 class HotelMappings:
     """Resource ids of a set of supplier hotels, which of them this call created, and the
-    resource ids that had a published hotel row when they were read."""
+    resource ids that had a published hotel row when they were read, with its versions."""
 
     resource_ids: dict[str, int]
     created: frozenset[str]
     published: frozenset[int] = frozenset()
+    versions: Mapping[int, PublishedVersion] = field(default_factory=dict)
 
 
 def ensure_hotel_mappings(
@@ -64,8 +71,9 @@ def ensure_hotel_mappings(
     earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
     ``at``: the transaction's database time (``clock.read``), written as the creation time
     instead of the clock's SQL expression evaluated on every row. ``published``: whether to
-    read which hotels have a published row (``HotelMappings.published``; left empty
-    otherwise): on InnoDB that reads each hotel's row from the table itself.
+    read which hotels have a published row and its versions (``HotelMappings.published``
+    and ``versions``; left empty otherwise): on InnoDB that reads each hotel's row from the
+    table itself.
     """
     ids = sorted(set(hotel_ids))
     insert_ignore(
@@ -90,27 +98,41 @@ def _read_mappings(
     ids: Sequence[str],
     with_published: bool,
 ) -> HotelMappings:
-    c = schema.hotel_mapping.c
     resource_ids: dict[str, int] = {}
     created: set[str] = set()
-    published: set[int] = set()
-    h = schema.platform_hotel.c
-    # Whether each hotel is published, in the same statement: a diff of new hotels then
-    # reads nothing more.
-    is_published: Any = (
-        sa.select(h.resource_id).where(h.resource_id == c.id).exists()
-        if with_published
-        else sa.false()
-    )
+    versions: dict[int, PublishedVersion] = {}
+    query = _mappings_query(with_published)
     for part in chunks(ids):
-        for hotel_id, rid, made_by, pub in conn.execute(
-            sa.select(c.supplier_hotel_id, c.id, c.created_batch_id, is_published).where(
-                c.supplier_id == supplier_id, c.supplier_hotel_id.in_(part)
-            )
-        ).all():
-            resource_ids[hotel_id] = int(rid)
-            if made_by == batch_id:
+        for hotel_id, rid, made_here, *published in conn.execute(
+            query, {"supplier_id": supplier_id, "ids": part, "batch_id": batch_id}
+        ):
+            resource_ids[hotel_id] = rid
+            if made_here:
                 created.add(hotel_id)
-            if pub:
-                published.add(int(rid))
-    return HotelMappings(resource_ids, frozenset(created), frozenset(published))
+            # A published hotel's versions come in the same statement: a diff of new or
+            # unchanged hotels then reads nothing more.
+            if published and published[0] is not None:
+                versions[rid] = (published[0], published[1], published[2])
+    return HotelMappings(resource_ids, frozenset(created), frozenset(versions), versions)
+
+
+@functools.cache
+def _mappings_query(with_published: bool) -> sa.Select[Any]:
+    """The read of a part of the mappings (and, when asked, of their published versions),
+    built once: its IN list is one expanding parameter, not a bound value per id."""
+    c, h = schema.hotel_mapping.c, schema.platform_hotel.c
+    # Whether this batch made the mapping, as a number: no batch id sent back per row.
+    made_here = (c.created_batch_id == sa.bindparam("batch_id")).label("made_here")
+    columns: list[Any] = [c.supplier_hotel_id, c.id, made_here]
+    source: Any = schema.hotel_mapping
+    if with_published:
+        columns += [h.supplier_version, h.publish_version, h.fingerprint]
+        source = source.outerjoin(schema.platform_hotel, h.resource_id == c.id)
+    return (
+        sa.select(*columns)
+        .select_from(source)
+        .where(
+            c.supplier_id == sa.bindparam("supplier_id"),
+            c.supplier_hotel_id.in_(sa.bindparam("ids", expanding=True)),
+        )
+    )

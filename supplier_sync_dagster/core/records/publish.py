@@ -10,6 +10,7 @@ the same version write once and emit once, and an older version never overwrites
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from collections.abc import Mapping, Sequence
@@ -69,10 +70,13 @@ _HOTEL_ROW = (
     "fingerprint",
     *_HOTEL_COLUMNS[: _HOTEL_COLUMNS.index("publish_token")],
 )
-# An offer row as :func:`_offer_rows` builds it; its identity comes first.
+# An offer row as :func:`_offer_rows` builds it: what the document gives (as
+# :func:`_offer_parts` reads it), then the hotel and its versions, which are added to each
+# part in one tuple concatenation.
 _OFFER_IDENTITY = ("resource_id", "room_code", "rate_plan_code")
 _OFFER_ROW = (
-    *_OFFER_IDENTITY,
+    "room_code",
+    "rate_plan_code",
     "room_name",
     "bed_type",
     "max_occupancy",
@@ -81,6 +85,7 @@ _OFFER_ROW = (
     "available",
     "price_amount",
     "currency",
+    "resource_id",
     "supplier_version",
     "publish_version",
 )
@@ -125,8 +130,8 @@ class CandidateRows:
 
     Attributes:
         hotel: The hotel row (the columns ``_HOTEL_ROW``) without its first, the resource id.
-        offers: Each offer row without the resource id and the trailing (supplier
-            version, publish version).
+        offers: Each offer row without its trailing (resource id, supplier version,
+            publish version).
     """
 
     hotel: tuple[Any, ...]
@@ -247,14 +252,10 @@ def publish_hotels(
         # time), so each row now holds the versions its diff expects: one above the
         # publish version read (1 when none was) and the candidate's supplier version.
         written = dict(plan.expected)
-    h = schema.platform_hotel.c
+    read_back = _written_query()
     for part in chunks(rids) if not written else ():
-        for rid, pv, sv in conn.execute(
-            sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
-                h.resource_id.in_(part), h.publish_token == token
-            )
-        ).all():
-            written[int(rid)] = (int(pv), int(sv))
+        for rid, pv, sv in conn.execute(read_back, {"ids": part, "token": token}):
+            written[rid] = (pv, sv)
     done = [(d, c) for d, c in todo if d.platform_resource_id in written]
     offers: list[tuple[Any, ...]] = []
     events: list[tuple[Any, ...]] = []
@@ -294,6 +295,16 @@ def publish_hotels(
         note=f"the hotel published (a newer version of the record) by batch {batch_id}",
     )
     return PublishResult(published, not_newer, len(events))
+
+
+@functools.cache
+def _written_query() -> sa.Select[Any]:
+    """The versions of the hotels a publish wrote (its token), built once."""
+    h = schema.platform_hotel.c
+    return sa.select(h.resource_id, h.publish_version, h.supplier_version).where(
+        h.resource_id.in_(sa.bindparam("ids", expanding=True)),
+        h.publish_token == sa.bindparam("token"),
+    )
 
 
 def _hotel_tail(cand: Candidate, supplier_id: int, batch_id: str) -> tuple[Any, ...]:
@@ -379,8 +390,8 @@ def _hotel_upsert(conn: Connection) -> Any:
 
 
 def _offer_parts(cand: Candidate) -> list[tuple[Any, ...]]:
-    """The hotel's offers as platform rows (the columns ``_OFFER_ROW``) without the resource
-    id and the versions.
+    """The hotel's offers as platform rows (the columns ``_OFFER_ROW``) without the hotel
+    (its resource id) and the versions.
 
     The document is in canonical primitive form (``normalize.to_primitive``): every key is
     present, codes are strings and prices are decimal strings.
@@ -414,8 +425,8 @@ def _offer_parts(cand: Candidate) -> list[tuple[Any, ...]]:
 def _offer_rows(rid: int, rows: CandidateRows, versions: tuple[int, int]) -> list[tuple[Any, ...]]:
     """The hotel's offer rows (the columns ``_OFFER_ROW``) for its (publish, supplier)
     versions."""
-    pv, sv = versions
-    return [(rid, *part, sv, pv) for part in rows.offers]
+    tail = (rid, versions[1], versions[0])
+    return [part + tail for part in rows.offers]
 
 
 def offer_deactivation(resource_ids: Sequence[int], at: Any) -> sa.Update:
@@ -469,7 +480,7 @@ def _replace_offers(
 def _upsert_offers(conn: Connection, now: Any, rows: Sequence[tuple[Any, ...]]) -> None:
     o = schema.platform_offer.c
     identity = _OFFER_IDENTITY
-    columns = [*_OFFER_ROW[len(identity) :], "active", "updated_at"]
+    columns = [*(name for name in _OFFER_ROW if name not in identity), "active", "updated_at"]
 
     def build() -> Any:
         if conn.dialect.name == "sqlite":
@@ -491,41 +502,47 @@ def _upsert_offers(conn: Connection, now: Any, rows: Sequence[tuple[Any, ...]]) 
     )
 
 
+def _event_kinds(*types: str) -> tuple[tuple[str, str, str], ...]:
+    """Per event type: the type, its first stage, and its payload's head (the type comes
+    first, then the body that every event of the hotel's version shares)."""
+    return tuple((t, first_stage(t), f'{{"event_type":"{t}",') for t in types)
+
+
+# The events of a published version by diff type (HOTEL_EVENTS, then the content and the
+# new-mapping events that a diff type adds), worked out once.
+_EVENTS_OF_DIFF = {
+    diff_type: _event_kinds(
+        *HOTEL_EVENTS,
+        *(("HotelContentChanged",) if diff_type in CONTENT_DIFFS else ()),
+        *(("HotelMappingCreated",) if diff_type == "NEW" else ()),
+    )
+    for diff_type in ("NEW", "CONTENT_CHANGED", "STATUS_CHANGED", "PRICE_CHANGED", "STOCK_CHANGED")
+}
+
+
 def _hotel_events(
     batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
 ) -> list[tuple[Any, ...]]:
     """The outbox events of one published version of a hotel (the columns ``EVENT_COLUMNS``)."""
     rid = diff.platform_resource_id
     pv, sv = versions
-    types = list(HOTEL_EVENTS)
-    if diff.diff_type in CONTENT_DIFFS:
-        types.append("HotelContentChanged")
-    if diff.diff_type == "NEW":
-        types.append("HotelMappingCreated")
+    diff_type = diff.diff_type
+    kinds = _EVENTS_OF_DIFF.get(diff_type) or _event_kinds(*HOTEL_EVENTS)
     # One encoding per hotel: its events differ only by their type, which comes first.
-    body = json_text(
+    tail = json_text(
         {
             "resource_id": rid,
             "publish_version": pv,
             "supplier_hotel_id": cand.supplier_hotel_id,
             "supplier_version": sv,
-            "diff_type": diff.diff_type,
-            "changed_fields": [c["field"] for c in diff.changed_fields][:50],
+            "diff_type": diff_type,
+            "changed_fields": [c["field"] for c in diff.changed_fields[:50]],
             "batch_id": batch_id,
         }
-    )
-    tail = body[1:]
+    )[1:]
     return [
-        (
-            event_id(event_type, rid, pv),
-            event_type,
-            "HOTEL",
-            rid,
-            pv,
-            f'{{"event_type":"{event_type}",{tail}',
-            first_stage(event_type),
-        )
-        for event_type in types
+        (event_id(event_type, rid, pv), event_type, "HOTEL", rid, pv, head + tail, stage)
+        for event_type, stage, head in kinds
     ]
 
 
@@ -555,6 +572,9 @@ def event_id(event_type: str, resource_id: int, publish_version: int) -> str:
 
 
 def _utc(value: Any) -> datetime:
+    if type(value) is str and value[-1:] == "Z":
+        # A canonical document's time (RFC 3339 in UTC): naive UTC as it stands.
+        return datetime.fromisoformat(value[:-1])
     if isinstance(value, datetime):
         dt = value
     else:

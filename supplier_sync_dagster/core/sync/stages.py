@@ -678,7 +678,7 @@ class _LeasePublisher:
                     cands,
                     maps.resource_ids,
                     policy=settings.risk_policy,
-                    published_ids=maps.published,
+                    published=maps.versions,
                 )
                 items, plan = self._plan(diffs, cands, rows)
                 return self._write(conn, items, plan, then, at, diffs_current=True)

@@ -96,6 +96,17 @@ def cand(doc: dict[str, Any]) -> Candidate:
     return Candidate(doc, fp, raw_payload_ref="file:///raw/x.json.gz", raw_payload_hash="a" * 64)
 
 
+def map_in(conn: Connection, db: SyncDatabase, batch_id: str, cands: list[Candidate]):
+    """The candidates' mappings (with the published versions), made inside ``conn``."""
+    return ensure_hotel_mappings(
+        conn,
+        db.clock,
+        supplier_id=SUPPLIER,
+        batch_id=batch_id,
+        hotel_ids=[c.supplier_hotel_id for c in cands],
+    )
+
+
 def sync_in(
     conn: Connection,
     db: SyncDatabase,
@@ -298,13 +309,7 @@ def test_a_diff_says_whether_the_new_version_drops_an_active_offer(db: SyncDatab
     no_room = hotel("H4", 2, rooms=[])
     with db.begin() as conn:
         cands = [cand(d) for d in (repriced, grown, one_plan, no_room, hotel("H5"))]
-        maps = ensure_hotel_mappings(
-            conn,
-            db.clock,
-            supplier_id=SUPPLIER,
-            batch_id="b2",
-            hotel_ids=[c.supplier_hotel_id for c in cands],
-        )
+        maps = map_in(conn, db, "b2", cands)
         diffs = compute_diffs(conn, cands, maps.resource_ids)
     assert {d.supplier_hotel_id: d.drops_offers for d in diffs} == {
         "H1": False,
@@ -313,6 +318,59 @@ def test_a_diff_says_whether_the_new_version_drops_an_active_offer(db: SyncDatab
         "H4": True,
         "H5": True,  # new: nothing compared (and nothing to deactivate)
     }
+
+
+def test_a_diff_reads_the_published_form_only_of_a_changed_hotel(db: SyncDatabase):
+    """New, stale and unchanged hotels are decided by their versions and fingerprints; the
+    published row and offers are read, and compared, only for a hotel whose fingerprint
+    differs (also at the same supplier version: a normalization fix replayed)."""
+    sync(db, "b1", [hotel("H1"), hotel("H2"), hotel("H3", 5), hotel("H4")])
+    repriced = hotel("H2", 2)
+    repriced["rooms"][0]["rate_plans"][0]["price"] = "150.00"
+    cands = [
+        cand(hotel("H1")),  # unchanged
+        cand(repriced),
+        cand(hotel("H3", 4, name="older")),  # stale
+        cand(hotel("H4", facilities=["wifi"])),  # same version, other fingerprint
+        cand(hotel("H5")),  # new
+    ]
+    statements: list[str] = []
+
+    def before(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    with db.begin() as conn:
+        maps = map_in(conn, db, "b2", cands)
+        rid = maps.resource_ids
+        assert set(maps.versions) == maps.published == {rid[h] for h in ("H1", "H2", "H3", "H4")}
+        assert maps.versions[rid["H3"]][:2] == (5, 1)
+        assert maps.versions[rid["H1"]][2] == cands[0].fingerprint
+        sa.event.listen(db.engine, "before_cursor_execute", before)
+        try:
+            given = compute_diffs(conn, cands, rid, published=maps.versions)
+            read = compute_diffs(conn, cands, rid)
+        finally:
+            sa.event.remove(db.engine, "before_cursor_execute", before)
+    for diffs in (given, read):
+        assert [(d.diff_type, d.action) for d in diffs] == [
+            ("NO_CHANGE", "IGNORE"),
+            ("PRICE_CHANGED", "AUTO_PUBLISH"),
+            ("STALE", "IGNORE"),
+            ("CONTENT_CHANGED", "AUTO_PUBLISH"),
+            ("NEW", "AUTO_PUBLISH"),
+        ]
+        assert [(d.old_publish_version, d.old_supplier_version) for d in diffs] == [
+            (1, 1),
+            (1, 1),
+            (1, 5),
+            (1, 1),
+            (None, None),
+        ]
+    assert given == read
+    # With the versions given: the changed hotels' rows and their offers; otherwise the
+    # versions are read first.
+    assert len(statements) == 2 + 3
+    assert "fingerprint" in statements[2] and "name" not in statements[2]
 
 
 def test_a_publish_deactivates_offers_only_of_hotels_that_dropped_one(db: SyncDatabase):
