@@ -432,9 +432,11 @@ def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
     if args.city_threads:
         cmd += ["--city-threads", str(args.city_threads)]
     if args.profile:
-        # Its worker processes too; the wall time then includes the sampler's cost.
+        # Its worker processes too; the wall time then includes the sampler's cost. Without
+        # --nonblocking, py-spy pauses the process to sample and counts idle threads as busy.
         spy = shutil.which("py-spy") or str(BIN / "py-spy")
-        cmd = [spy, "record", "--subprocesses", "--format", "raw", "-o", args.profile, "--", *cmd]
+        sampler = [spy, "record", "--subprocesses", "--nonblocking", "--format", "raw"]
+        cmd = [*sampler, "-o", args.profile, "--", *cmd]
     env = {**_env(run.tmp, run.db_url, run.supplier_url, args), **run.instance_env}
     window = run.cpu()
     began = time.perf_counter()
