@@ -116,6 +116,7 @@ def _cancel_previous_day(
     )
     assert policy.code == 0, policy
     sim.set_modes(["slow_body"])
+    sim.reset_stats()
     base = ("--db-url", db_url, "sync", "--full", "--page-size", "50")
     first = cli_process(
         *base, "--trigger-id", "day-3a", "--city-threads", "1", env=dict(os.environ)
@@ -124,16 +125,22 @@ def _cancel_previous_day(
         b, s = schema.batch.c, schema.shard.c
         _wait_for(
             "a city of day-3a in flight",
-            lambda: bool(
-                query(
-                    db_url,
-                    sa.select(s.shard_key)
-                    .join(schema.batch, b.batch_id == s.batch_id)
-                    .where(b.trigger_id == "day-3a", s.status == "RUNNING"),
+            lambda: (
+                bool(
+                    query(
+                        db_url,
+                        sa.select(s.shard_key)
+                        .join(schema.batch, b.batch_id == s.batch_id)
+                        .where(b.trigger_id == "day-3a", s.status == "RUNNING"),
+                    )
                 )
+                # A page request served while the body trickles: the run is held in it, so
+                # clearing the mode cannot let day-3a finish before day-3b cancels it.
+                and sim.stats["requests_by_endpoint"].get("city_hotels", 0) >= 1
             ),
             first,
         )
+        time.sleep(0.2)  # the trickle is set just after the request is counted
         sim.set_modes([])
         second = _sync(capsys, db_url, "--trigger-id", "day-3b")
         cancelled = time.monotonic()
