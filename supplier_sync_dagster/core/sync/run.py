@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, closing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -638,8 +639,39 @@ def run_cities(
     processes: WorkerProcesses | None = None,
     stop: Stop | None = None,
 ) -> Iterator[CityOutcome]:
+    """:func:`run_city_groups`, one outcome at a time."""
+    groups = run_city_groups(
+        db,
+        store,
+        client,
+        plan,
+        request,
+        settings,
+        worker_id=worker_id,
+        processes=processes,
+        stop=stop,
+    )
+    with closing(groups):
+        for group in groups:
+            yield from group
+
+
+def run_city_groups(
+    db: SyncDatabase,
+    store: PayloadStore,
+    client: SupplierClient | None,
+    plan: RunPlan,
+    request: RunRequest,
+    settings: SyncSettings,
+    *,
+    worker_id: str,
+    processes: WorkerProcesses | None = None,
+    stop: Stop | None = None,
+) -> Generator[list[CityOutcome], None, None]:
     """Syncs the plan's cities (then helps other runs of the batch); yields each city's
-    outcome as it finishes.
+    outcome as it finishes, with those of the cities that finished while the iteration was
+    away: whoever reports each group (a Dagster step writing the cities' events) can store
+    it at once.
 
     A city that raises is yielded as FAILED (its shard is FAILED and resumable, its
     CITY_FAILED ticket filed); the other cities go on, unless the supplier refused the API
@@ -690,15 +722,15 @@ def run_cities(
                 # this process to receive the outcome and hand one out (this process is busy
                 # writing the finished city's events meanwhile, and shares the CPUs).
                 guard = _Guard(db, plan, request, settings, pool.sync)
-                for outcome in _run(db, guard, plan, request, processes.count + QUEUED_AHEAD, stop):
-                    done.append(outcome)
-                    yield outcome
+                for group in _run(db, guard, plan, request, processes.count + QUEUED_AHEAD, stop):
+                    done.extend(group)
+                    yield group
             return
         worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id, stop)
         guard = _Guard(db, plan, request, settings, worker.sync)
-        for outcome in _run(db, guard, plan, request, request.threads, stop):
-            done.append(outcome)
-            yield outcome
+        for group in _run(db, guard, plan, request, request.threads, stop):
+            done.extend(group)
+            yield group
     except BaseException as err:
         if isinstance(err, Exception):
             _end_grace(db, batch_id)
@@ -804,16 +836,16 @@ def _run(
     request: RunRequest,
     threads: int,
     stop: Stop,
-) -> Iterator[CityOutcome]:
-    """The run's cities through ``guard``, ``threads`` at once: own, held, then helping."""
+) -> Iterator[list[CityOutcome]]:
+    """The run's cities through ``guard``, ``threads`` at once: own, held, then helping;
+    in groups of the outcomes that finished meanwhile."""
     held: list[str] = []
-    own = in_flight(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
-    for outcome in own:
-        if outcome.status == "HELD_BY_OTHER":
-            held.append(outcome.city_code)
-        else:
-            yield outcome
-    yield from in_flight(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
+    own = in_flight_groups(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
+    for group in own:
+        held.extend(o.city_code for o in group if o.status == "HELD_BY_OTHER")
+        if reported := [o for o in group if o.status != "HELD_BY_OTHER"]:
+            yield reported
+    yield from in_flight_groups(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
     if request.help_other_runs and not request.replay and guard.refused is None:
         helped: list[CityOutcome] = []
 
@@ -835,7 +867,8 @@ def _run(
             hotel_counts=plan.sizes,
             stop=stop,
         )
-        yield from helped
+        if helped:
+            yield helped
 
 
 # Cities handed to the worker processes beyond one each (see run_cities).
@@ -994,8 +1027,19 @@ def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]
 
 def in_flight(
     items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
-) -> Iterator[R]:
-    """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they finish.
+) -> Generator[R, None, None]:
+    """:func:`in_flight_groups`, one result at a time."""
+    groups = in_flight_groups(items, fn, threads, stop)
+    with closing(groups):
+        for group in groups:
+            yield from group
+
+
+def in_flight_groups(
+    items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
+) -> Generator[list[R], None, None]:
+    """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they
+    finish, each with the others that finished while the iteration was away.
 
     Items start in order. ``fn`` should not raise (an exception ends the iteration after
     the calls in flight finish). Leaving the iteration early cancels the calls not started;
@@ -1004,15 +1048,23 @@ def in_flight(
     """
     if threads <= 1:
         for item in items:
-            yield fn(item)
+            yield [fn(item)]
         return
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city")
+    # Each call hands its future over as it finishes: waiting on every pending future at
+    # once, per result, would cost a run of many cities quadratic time.
+    finished: queue.Queue[Future[R]] = queue.Queue()
     try:
-        pending: set[Future[R]] = {pool.submit(fn, item) for item in items}
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                yield future.result()
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            future.add_done_callback(finished.put)
+        left = len(futures)
+        while left:
+            group = [finished.get()]
+            while len(group) < left and not finished.empty():
+                group.append(finished.get())
+            left -= len(group)
+            yield [future.result() for future in group]
     except BaseException as err:
         if stop is not None and not isinstance(err, Exception):
             stop.set(reason_of(err))
