@@ -51,7 +51,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, closing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import sqlalchemy as sa
 
@@ -108,6 +108,7 @@ DONE_STATUSES = ("SUCCESS", "ALREADY_DONE")
 
 T = TypeVar("T")
 R = TypeVar("R")
+P = ParamSpec("P")
 
 
 def resolve_batch(
@@ -627,35 +628,6 @@ def record_run_stats(
         )
 
 
-def run_cities(
-    db: SyncDatabase,
-    store: PayloadStore,
-    client: SupplierClient | None,
-    plan: RunPlan,
-    request: RunRequest,
-    settings: SyncSettings,
-    *,
-    worker_id: str,
-    processes: WorkerProcesses | None = None,
-    stop: Stop | None = None,
-) -> Iterator[CityOutcome]:
-    """:func:`run_city_groups`, one outcome at a time."""
-    groups = run_city_groups(
-        db,
-        store,
-        client,
-        plan,
-        request,
-        settings,
-        worker_id=worker_id,
-        processes=processes,
-        stop=stop,
-    )
-    with closing(groups):
-        for group in groups:
-            yield from group
-
-
 def run_city_groups(
     db: SyncDatabase,
     store: PayloadStore,
@@ -753,6 +725,25 @@ def run_city_groups(
             )
         except Exception as err:  # metrics never fail a sync
             log.warning("could not record the run's stats: %s", err)
+
+
+def one_at_a_time(
+    groups_of: Callable[P, Generator[list[T], None, None]],
+) -> Callable[P, Generator[T, None, None]]:
+    """``groups_of`` (a generator of groups), yielding one item at a time; leaving the
+    iteration closes ``groups_of``'s at once."""
+
+    def flat(*args: P.args, **kwargs: P.kwargs) -> Generator[T, None, None]:
+        groups = groups_of(*args, **kwargs)
+        with closing(groups):
+            for group in groups:
+                yield from group
+
+    return flat
+
+
+run_cities = one_at_a_time(run_city_groups)
+""":func:`run_city_groups`, one outcome at a time."""
 
 
 def _end_grace(db: SyncDatabase, batch_id: str) -> None:
@@ -1025,16 +1016,6 @@ def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]
     return earlier
 
 
-def in_flight(
-    items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
-) -> Generator[R, None, None]:
-    """:func:`in_flight_groups`, one result at a time."""
-    groups = in_flight_groups(items, fn, threads, stop)
-    with closing(groups):
-        for group in groups:
-            yield from group
-
-
 def in_flight_groups(
     items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
 ) -> Generator[list[R], None, None]:
@@ -1071,6 +1052,10 @@ def in_flight_groups(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+in_flight = one_at_a_time(in_flight_groups)
+""":func:`in_flight_groups`, one result at a time."""
 
 
 def not_done(outcomes: Iterable[CityOutcome]) -> Mapping[str, list[CityOutcome]]:
