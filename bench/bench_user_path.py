@@ -413,6 +413,20 @@ class RunSetup:
     cpu: Callable[[], CpuWindow]
 
 
+def events_line(instance: Any, run_ids: list[str], cities: int) -> str:
+    """The Dagster events the runs stored, per city, by kind (read back from the event log)."""
+    kinds: Counter[str] = Counter()
+    for run_id in run_ids:
+        for entry in instance.all_logs(run_id):
+            kind = entry.dagster_event_type
+            kinds[kind.value if kind is not None else "log line"] += 1
+    per_city = ", ".join(f"{n / cities:.2f} {kind}" for kind, n in kinds.most_common(5))
+    return (
+        f"Dagster events: {sum(kinds.values()) / cities:.2f} per city ({per_city}; "
+        f"{sum(kinds.values())} in {len(run_ids)} run(s))"
+    )
+
+
 def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
     """``supplier-sync sync --full`` as a subprocess, then what its instance recorded."""
     import dagster as dg
@@ -453,6 +467,7 @@ def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
         try:
             steps = run_steps(instance, [summary["dagster_run_id"]])
             stages = city_stages(instance)
+            events = events_line(instance, [summary["dagster_run_id"]], len(world.cities))
         finally:
             instance.dispose()
     problems = _instance_problems(args, run.tmp)
@@ -474,7 +489,8 @@ def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
             f"outside the step: {wall - summary['seconds']:.1f}s in the command around the run "
             f"(interpreter start, imports, instance, city list and partitions, summary) + "
             f"{summary['seconds'] - steps.busy:.1f}s in the run around its step (run start "
-            "with its planned events per partition, resources, run end)"
+            "with its planned events per partition, resources, run end)",
+            events,
         ],
     )
 
@@ -501,6 +517,7 @@ def run_daemon_backfill(run: RunSetup, args: argparse.Namespace, world: World) -
                 done = run_backfill(dagster, instance, keys, timeout=args.timeout)
             used = window.stop("webserver and daemon, start to exit, with every run")
             stages = city_stages(instance)
+            events = events_line(instance, done.run_ids, len(world.cities))
         finally:
             instance.dispose()
     problems = _instance_problems(args, run.tmp)
@@ -521,7 +538,8 @@ def run_daemon_backfill(run: RunSetup, args: argparse.Namespace, world: World) -
         cpu=used,
         notes=[
             f"{len(done.run_ids)} run(s); launch -> first run {done.first_run:.1f}s, "
-            f"-> first step {first_step:.1f}s"
+            f"-> first step {first_step:.1f}s",
+            events,
         ],
     )
 

@@ -42,7 +42,6 @@ from supplier_sync_dagster.core.errors import (
     describe_error,
 )
 from supplier_sync_dagster.core.leasing.batches import Batch, batch_for_trigger, time_left
-from supplier_sync_dagster.core.leasing.leases import list_shards
 from supplier_sync_dagster.core.leasing.processes import this_host
 from supplier_sync_dagster.core.records.deadletters import count_dead_letters
 from supplier_sync_dagster.core.records.gates import GATED_PREFIX, gate_check_names
@@ -845,14 +844,13 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         )
     gated: dict[str, str] = {}
     failed: dict[str, str] = {}
-    for shard in list_shards(db, batch.batch_id):
-        if shard.status == "FAILED":
-            message = shard.error_message or "no error recorded"
-            if message.startswith(GATED_PREFIX):
-                gated[shard.shard_key] = message[len(GATED_PREFIX) :]
-            else:
-                failed[shard.shard_key] = message
     with db.engine.connect() as conn:
+        for shard_key, error_message in _failed_shards(conn, batch.batch_id):
+            message = error_message or "no error recorded"
+            if message.startswith(GATED_PREFIX):
+                gated[shard_key] = message[len(GATED_PREFIX) :]
+            else:
+                failed[shard_key] = message
         by_code = count_dead_letters(conn, batch.batch_id)
         by_type = _count_diffs(conn, batch.batch_id, schema.diff_log.c.diff_type)
         by_action = _count_diffs(conn, batch.batch_id, schema.diff_log.c.action)
@@ -879,6 +877,18 @@ def summarize(db: SyncDatabase, task_code: str, trigger_id: str, seconds: float)
         error=batch.error_message or "",
         cancelled=(batch.error_message or "cancelled") if batch.status == "CANCELLED" else "",
     )
+
+
+def _failed_shards(conn: sa.Connection, batch_id: str) -> list[tuple[str, str | None]]:
+    """(shard key, error message) of a batch's FAILED shards, in creation order: a batch of
+    many cities reads only the few that failed."""
+    sh = schema.shard.c
+    rows = conn.execute(
+        sa.select(sh.shard_key, sh.error_message)
+        .where(sh.batch_id == batch_id, sh.status == "FAILED")
+        .order_by(sh.id)
+    ).all()
+    return [(str(key), message) for key, message in rows]
 
 
 def _count_diffs(conn: sa.Connection, batch_id: str, column: sa.Column[Any]) -> dict[str, int]:

@@ -4,17 +4,28 @@ what ``supplier-sync daemon`` runs.
 Dagster has no setting for the backfill daemon's interval (its own is 30 s, and a launched
 backfill's first run waits for that tick), so :func:`set_backfill_daemon_interval` sets the
 module constant Dagster reads when the loop starts.
+
+On a user's plain instance (a ``DAGSTER_HOME`` whose ``dagster.yaml`` keeps Dagster's stock
+SQLite storage) the daemon opens the same files through the pooled storages
+(:func:`.storage.pooled_ref`, passed as Dagster's ``--instance-ref``): the runs it creates
+store their planned events (several per city) in one transaction instead of a connection
+and a synchronous commit each, and the runs it launches inherit the reference, so their
+workers store through the pooled storages too. The ``dagster.yaml`` stays as it is.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
+from dagster._core.instance.ref import InstanceRef
 from dagster._daemon import cli as daemon_cli
 from dagster._daemon import controller
+from dagster._serdes import serialize_value
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.dagster_instance.storage import pooled_ref
 
 
 def set_backfill_daemon_interval(seconds: float) -> float:
@@ -46,9 +57,22 @@ def run_daemon(args: Sequence[str], *, backfill_interval_seconds: float) -> int:
         The daemon's exit status (it runs until it is stopped).
     """
     set_backfill_daemon_interval(backfill_interval_seconds)
-    sys.argv = ["dagster-daemon", "run", *args]
+    ref = daemon_instance_ref()
+    own = ["--instance-ref", serialize_value(ref)] if ref is not None else []
+    sys.argv = ["dagster-daemon", "run", *own, *args]
     try:
         daemon_cli.main()
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     return 0
+
+
+def daemon_instance_ref() -> InstanceRef | None:
+    """The instance the daemon opens instead of Dagster's reading of ``$DAGSTER_HOME``: the
+    pooled storages on the same files when it is a plain SQLite instance; None (Dagster's own
+    reading) for any other, or when ``DAGSTER_HOME`` is unset or no folder (Dagster then
+    says what is wrong)."""
+    home = os.path.expanduser(os.environ.get("DAGSTER_HOME") or "")
+    if not os.path.isabs(home) or not os.path.isdir(home):
+        return None
+    return pooled_ref(InstanceRef.from_dir(home))

@@ -1,4 +1,4 @@
-"""What ``defs/`` may use of Dagster's internals: the whole interface, four names.
+"""What ``defs/`` may use of Dagster's internals: the whole interface, five names.
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
   transaction per shard of the pooled SQLite event log (the embedded instance; a plain one
@@ -11,6 +11,9 @@
   not export the class).
 - :func:`latest_evaluation`: a check's latest result on a partition (its execution history
   filtered by partition has no public API).
+- :func:`stored_target`: the materialization of a partition this process stored last, as a
+  check evaluation's target, without reading the event log (the pooled storages remember
+  it); None where that is not known.
 
 ``supplier_sync_dagster_tests/dagster_instance/test_dagster_internals.py`` fails when a
 Dagster upgrade breaks what this package uses of Dagster's private modules.
@@ -27,6 +30,7 @@ from dagster._core.storage.asset_check_execution_record import AssetCheckExecuti
 
 from supplier_sync_dagster.dagster_instance.storage import (
     PooledSqliteEventLogStorage,
+    StoredMaterializations,
     pooled_events,
 )
 
@@ -36,6 +40,7 @@ __all__ = [
     "latest_evaluation",
     "one_event_transaction",
     "pooled_events",
+    "stored_target",
 ]
 
 # What ``dg.AssetCheckEvaluation(target_materialization_data=...)`` takes.
@@ -62,6 +67,26 @@ def check_target(record: dg.EventLogRecord) -> CheckTarget:
         storage_id=record.storage_id,
         timestamp=record.timestamp,
     )
+
+
+def stored_target(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partition: str
+) -> CheckTarget | None:
+    """The materialization of ``key`` for ``partition`` that this process stored last, as a
+    check evaluation's target; None when the instance's storage does not remember it (then
+    read the partition's latest materialization).
+
+    What a city's checks judge is the materialization its own events just stored; the pooled
+    storages know its storage id without a query.
+    """
+    memory = getattr(instance.event_log_storage, "stored_materializations", None)
+    if not isinstance(memory, StoredMaterializations):
+        return None
+    found = memory.lookup(key.to_string(), partition)
+    if found is None:
+        return None
+    run_id, storage_id, timestamp = found
+    return CheckTarget(run_id=run_id, storage_id=storage_id, timestamp=timestamp)
 
 
 def latest_evaluation(

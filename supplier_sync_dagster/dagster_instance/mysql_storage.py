@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 import sqlalchemy as sa
+from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.config import MySqlStorageConfig
 from dagster._serdes import ConfigurableClassData
 from dagster_mysql import DagsterMySQLStorage, MySQLEventLogStorage, MySQLRunStorage
@@ -28,7 +29,9 @@ from dagster_mysql.utils import (
     mysql_isolation_level,
     mysql_url_from_config,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
+
+from supplier_sync_dagster.dagster_instance.storage import StoredMaterializations
 
 # One idle connection per storage, as Dagster's webserver keeps; overflow for threads that
 # store at once (the step's thread, the cancel poll, Dagster's own).
@@ -103,10 +106,27 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
     asset daemon, a run's log watcher) would then skip the block's events for ever. SQLite
     has one writer at a time, which commits before the next one inserts.
 
+    It remembers the materializations it stored (:class:`.storage.StoredMaterializations`),
+    so that a city's check evaluations name the materialization they judged without reading
+    it back.
+
     Args:
         mysql_url: The database's SQLAlchemy URL.
         inst_data: Dagster's record of the configuration this storage came from.
     """
+
+    def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
+        self.stored_materializations = StoredMaterializations()
+        super().__init__(mysql_url, inst_data)
+
+    def _store_asset_event(self, conn: Connection, event: EventLogEntry, event_id: int) -> None:
+        super()._store_asset_event(conn, event, event_id)
+        self.stored_materializations.record(event, event_id)
+
+    def wipe(self) -> None:
+        """dagster-mysql's wipe; nothing stored is remembered any more."""
+        super().wipe()
+        self.stored_materializations.forget()
 
 
 class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[misc]

@@ -148,6 +148,82 @@ def pooled_sqlite_engine(conn_string: str) -> Engine:
     return engine
 
 
+# Materializations remembered per storage: a run's cities, each looked up right after its
+# events are stored; older ones fall back to a read.
+REMEMBERED_MATERIALIZATIONS = 4096
+
+
+class StoredMaterializations:
+    """The materializations this process stored last, per (asset, partition): what a check
+    evaluation of the partition judges, known without reading the event log back.
+
+    A thread's materializations inside an open transaction (:meth:`pending`) are seen by that
+    thread only, and kept only when it commits (:meth:`settle`).
+    """
+
+    def __init__(self, limit: int = REMEMBERED_MATERIALIZATIONS) -> None:
+        self._limit = max(1, limit)
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[str, str], tuple[str, int, float]] = OrderedDict()
+        self._pending: dict[int, dict[tuple[str, str], tuple[str, int, float]]] = {}
+
+    def record(self, event: EventLogEntry, event_id: int) -> None:
+        """Remembers ``event`` (stored with ``event_id``) when it materializes a partition."""
+        dagster_event = event.dagster_event
+        if dagster_event is None or not dagster_event.is_step_materialization:
+            return
+        key, partition = dagster_event.asset_key, dagster_event.partition
+        if key is None or partition is None:
+            return
+        entry = (event.run_id, int(event_id), event.timestamp)
+        with self._lock:
+            pending = self._pending.get(threading.get_ident())
+            if pending is not None:
+                pending[(key.to_string(), partition)] = entry
+            else:
+                self._keep({(key.to_string(), partition): entry})
+
+    def lookup(self, key: str, partition: str) -> tuple[str, int, float] | None:
+        """(run id, storage id, timestamp) of the partition's materialization stored last
+        here (``key`` as ``AssetKey.to_string``), if remembered."""
+        with self._lock:
+            pending = self._pending.get(threading.get_ident())
+            if pending is not None and (key, partition) in pending:
+                return pending[(key, partition)]
+            return self._kept.get((key, partition))
+
+    @contextmanager
+    def pending(self) -> Iterator[None]:
+        """The thread's materializations in the block are provisional until :meth:`settle`."""
+        with self._lock:
+            self._pending[threading.get_ident()] = {}
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending.pop(threading.get_ident(), None)
+
+    def settle(self) -> None:
+        """Keeps the thread's provisional materializations (their transaction committed)."""
+        with self._lock:
+            pending = self._pending.get(threading.get_ident())
+            if pending:
+                self._keep(pending)
+                pending.clear()
+
+    def forget(self) -> None:
+        """Forgets everything (the event log was wiped)."""
+        with self._lock:
+            self._kept.clear()
+
+    def _keep(self, entries: Mapping[tuple[str, str], tuple[str, int, float]]) -> None:
+        for name, entry in entries.items():
+            self._kept[name] = entry
+            self._kept.move_to_end(name)
+        while len(self._kept) > self._limit:
+            self._kept.popitem(last=False)
+
+
 class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     """Dagster's run-sharded SQLite event log with one pooled engine per shard.
 
@@ -185,6 +261,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         self._batch_thread: int | None = None
         # (event, its serialized text) while store_event writes the event's asset row.
         self._serialized: tuple[EventLogEntry, str] | None = None
+        self.stored_materializations = StoredMaterializations()
         super().__init__(base_dir, inst_data)
 
     @classmethod
@@ -398,13 +475,14 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         if self._batch is not None and self._batch_thread == threading.get_ident():
             yield
             return
-        with self._db_lock:
+        with self._db_lock, self.stored_materializations.pending():
             batch: dict[str, Connection] = {}
             self._batch, self._batch_thread = batch, threading.get_ident()
             try:
                 yield
                 for conn in batch.values():
                     conn.commit()
+                self.stored_materializations.settle()
             except BaseException:
                 for conn in batch.values():
                     conn.rollback()
@@ -453,12 +531,12 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         if not values:
             return
         key = asset_key.to_string()
-        if conn.execute(_UPDATE_ASSET_KEY, {"key_asset_key": key, **values}).rowcount:
-            return
-        try:
-            conn.execute(_INSERT_ASSET_KEY, {"asset_key": key, **values})
-        except sa.exc.IntegrityError:
-            conn.execute(_UPDATE_ASSET_KEY, {"key_asset_key": key, **values})
+        if not conn.execute(_UPDATE_ASSET_KEY, {"key_asset_key": key, **values}).rowcount:
+            try:
+                conn.execute(_INSERT_ASSET_KEY, {"asset_key": key, **values})
+            except sa.exc.IntegrityError:
+                conn.execute(_UPDATE_ASSET_KEY, {"key_asset_key": key, **values})
+        self.stored_materializations.record(event, event_id)
 
     def cached_shards(self) -> list[str]:
         """The shards whose engine is open, least recently used first."""
@@ -475,6 +553,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         """Dagster's wipe, after closing every connection to the files it deletes."""
         self._dispose_engines()
         self._tables.clear()
+        self.stored_materializations.forget()
         super().wipe()
 
     def upgrade(self) -> None:

@@ -46,6 +46,7 @@ def city_events(
     earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None] = (
         lambda _check, _partition: None
     ),
+    stored: Callable[[str], CheckTarget | None] = lambda _: None,
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
     """The Dagster events of one city's outcome, for its partition only.
@@ -63,6 +64,9 @@ def city_events(
             ignored once the partition has any materialization.
         earlier: (check, partition) -> the check's latest result on the partition, for a
             city an earlier run of the batch published (:func:`earlier_evaluations`).
+        stored: Partition -> the materialization of ``normalized_hotels`` for it that this
+            process stored last, if known without a read: asked instead of ``target`` once
+            these events have materialized it.
 
     A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
     every selected asset, its metadata saying so: the run planned its partitions, and a
@@ -70,11 +74,16 @@ def city_events(
     """
     partition = encode_city_key(outcome.city_code)
     metadata = city_metadata(outcome, batch_id)
+    normalized = False
     for stage in outcome.report.stages_done:
         for plain in STAGE_ASSETS[stage]:
             key = scope.key(plain.path[-1])
             if key in selected:
                 yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
+                normalized = normalized or plain == NORMALIZED
+    if normalized:
+        # The checks judge the materialization just stored: known, when remembered.
+        target = _first(stored, target)
     if outcome.status == "FAILED":
         yield dg.AssetObservation(
             scope.key(RAW.path[-1]), partition=partition, metadata=metadata[RAW]
@@ -108,6 +117,21 @@ def city_events(
         yield from earlier_evaluations(
             outcome.city_code, batch_id, earlier=earlier, target=target, scope=scope
         )
+
+
+def _first(
+    *finders: Callable[[str], CheckTarget | None],
+) -> Callable[[str], CheckTarget | None]:
+    """The first answer of ``finders`` that is not None, asked in order."""
+
+    def find(partition: str) -> CheckTarget | None:
+        for finder in finders:
+            found = finder(partition)
+            if found is not None:
+                return found
+        return None
+
+    return find
 
 
 def earlier_evaluations(

@@ -59,7 +59,7 @@ from supplier_sync_dagster.core.sync.run import (
     not_done,
     plan_run,
     refusal_line,
-    run_cities,
+    run_city_groups,
     take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop, reason_of, stop_on_signals
@@ -67,6 +67,7 @@ from supplier_sync_dagster.dagster_instance.events import (
     latest_evaluation,
     one_event_transaction,
     pooled_events,
+    stored_target,
 )
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
 from supplier_sync_dagster.defs.city_events import city_events, latest_target
@@ -250,14 +251,13 @@ def _sync_cities(
             progress = _Progress()
             # Reported before any city is synced: whatever stops this run later, the
             # partitions of the cities its batch published already stay materialized.
-            for outcome in earlier:
-                outcomes.append(outcome)
-                yield from _report(context, scope, outcome, plan, progress, db)
+            outcomes.extend(earlier)
+            yield from _report(context, scope, earlier, plan, progress, db)
             processes = auto_processes(request, plan)
             if processes:
                 context.log.info(f"syncing the cities in {processes} worker processes")
             requests = 0
-            for outcome in run_cities(
+            for group in run_city_groups(
                 db,
                 store,
                 client,
@@ -268,9 +268,9 @@ def _sync_cities(
                 processes=WorkerProcesses(processes, _worker_io(resources, client)),
                 stop=stop,
             ):
-                requests += outcome.requests if processes else 0
-                outcomes.append(outcome)
-                yield from _report(context, scope, outcome, plan, progress, db)
+                requests += sum(o.requests for o in group) if processes else 0
+                outcomes.extend(group)
+                yield from _report(context, scope, group, plan, progress, db)
             progress.show(context, db, plan.batch.batch_id, final=True)
             if client is not None and any(o.report.error_code == CITY_GONE for o in outcomes):
                 _retire_unlisted(context, scope, db, client, settings, plan.batch.batch_id)
@@ -392,29 +392,38 @@ def _log_plan(
 def _report(
     context: dg.AssetExecutionContext,
     scope: AccountScope,
-    outcome: CityOutcome,
+    outcomes: list[CityOutcome],
     plan: RunPlan,
     progress: "_Progress",
     db: SyncDatabase,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
-    """One city's events, on its partition (and an error line when it did not publish); the
-    batch's progress."""
-    # Dagster stores each event as it is yielded, on this thread: the city's
-    # materializations, check evaluations and error line are one transaction.
-    with one_event_transaction(context.instance):
-        if not outcome.done:
-            _log_failed_city(context, outcome)
-        yield from city_events(
-            outcome,
-            plan.batch.batch_id,
-            context.selected_asset_keys,
-            scope=scope,
-            target=lambda partition: latest_target(
-                context.instance, scope.key(NORMALIZED.path[-1]), partition
-            ),
-            earlier=lambda check, partition: latest_evaluation(context.instance, check, partition),
-        )
-        progress.show(context, db, plan.batch.batch_id)
+    """Each city's events, on its partition (and an error line when it did not publish);
+    the batch's progress."""
+    if not outcomes:
+        return
+    normalized = scope.key(NORMALIZED.path[-1])
+    for start in range(0, len(outcomes), CITIES_PER_EVENT_TRANSACTION):
+        # Dagster stores each event as it is yielded, on this thread: the cities'
+        # materializations, check evaluations and error lines are one transaction.
+        with one_event_transaction(context.instance):
+            for outcome in outcomes[start : start + CITIES_PER_EVENT_TRANSACTION]:
+                if not outcome.done:
+                    _log_failed_city(context, outcome)
+                yield from city_events(
+                    outcome,
+                    plan.batch.batch_id,
+                    context.selected_asset_keys,
+                    scope=scope,
+                    target=lambda p: latest_target(context.instance, normalized, p),
+                    earlier=lambda check, p: latest_evaluation(context.instance, check, p),
+                    stored=lambda p: stored_target(context.instance, normalized, p),
+                )
+    progress.show(context, db, plan.batch.batch_id)
+
+
+# Cities whose events share one transaction at most (those that finished while the last
+# ones were reported): SQLite's write lock on the event log is held no longer than that.
+CITIES_PER_EVENT_TRANSACTION = 32
 
 
 def _not_published(

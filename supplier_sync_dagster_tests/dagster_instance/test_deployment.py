@@ -14,14 +14,21 @@ from typing import Any
 import dagster as dg
 import dagster._daemon.cli as daemon_cli
 import pytest
+from dagster._core.instance.ref import InstanceRef
 from dagster._daemon import controller
 from dagster._daemon.backfill import execute_backfill_iteration_loop
+from dagster._serdes import deserialize_value
 
 from supplier_sync_dagster.cli import main as cli
 from supplier_sync_dagster.cli.parsers.servers import BACKFILL_DAEMON_INTERVAL_SECONDS
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.dagster_instance.daemon import set_backfill_daemon_interval
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
+from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
+from supplier_sync_dagster.dagster_instance.storage import (
+    PooledSqliteEventLogStorage,
+    PooledSqliteRunStorage,
+)
 
 
 class _Waits(threading.Event):
@@ -86,8 +93,58 @@ def test_supplier_sync_daemon_runs_dagster_daemon_with_its_arguments(
 
     monkeypatch.setattr(daemon_cli, "main", fake_main)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
     assert cli.main(["daemon", "--backfill-interval", "7", "-w", "workspace.yaml"]) == 0
     assert seen == {"argv": ["dagster-daemon", "run", "-w", "workspace.yaml"], "interval": 7.0}
+
+
+def _daemon_argv(monkeypatch: pytest.MonkeyPatch, home: Path) -> list[str]:
+    """What ``supplier-sync daemon`` hands Dagster's daemon with ``DAGSTER_HOME=home``."""
+    seen: list[str] = []
+
+    def fake_main() -> None:
+        seen.extend(sys.argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(daemon_cli, "main", fake_main)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    assert cli.main(["daemon", "-w", "workspace.yaml"]) == 0
+    return seen
+
+
+def test_the_daemon_opens_a_plain_instance_through_the_pooled_storages(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interval: None
+) -> None:
+    plain = "telemetry:\n  enabled: false\n"
+    (tmp_path / "dagster.yaml").write_text(plain)
+    argv = _daemon_argv(monkeypatch, tmp_path)
+    assert argv[:3] == ["dagster-daemon", "run", "--instance-ref"]
+    assert argv[4:] == ["-w", "workspace.yaml"]
+    ref = deserialize_value(argv[3], InstanceRef)
+    with dg.DagsterInstance.from_ref(ref) as instance:
+        # The same files, through the pooled storages; a run it launches gets the same ref.
+        assert isinstance(instance.event_log_storage, PooledSqliteEventLogStorage)
+        assert isinstance(instance.run_storage, PooledSqliteRunStorage)
+        assert instance.root_directory == str(tmp_path)
+        assert instance.get_ref() == ref
+    assert (tmp_path / "dagster.yaml").read_text() == plain  # the user's file, untouched
+
+
+@pytest.mark.parametrize(
+    "yaml",
+    [
+        "storage:\n  mysql:\n    mysql_url: mysql+mysqlconnector://u@h:3306/d\n",
+        # The embedded instance's own file: pooled already, by its instance class.
+        EMBEDDED_DAGSTER_YAML,
+    ],
+)
+def test_the_daemon_leaves_other_instances_to_dagster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interval: None, yaml: str
+) -> None:
+    (tmp_path / "dagster.yaml").write_text(yaml)
+    assert _daemon_argv(monkeypatch, tmp_path) == ["dagster-daemon", "run", "-w", "workspace.yaml"]
+    assert _daemon_argv(monkeypatch, tmp_path / "missing")[2:] == ["-w", "workspace.yaml"]
 
 
 def test_the_asset_daemon_keeps_dagster_s_interval(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from dagster._core.storage.tags import (
 from dagster_mysql import MySQLEventLogStorage
 
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
-from supplier_sync_dagster.dagster_instance.events import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import one_event_transaction, stored_target
 from supplier_sync_dagster.dagster_instance.mysql_storage import (
     PooledMySQLEventLogStorage,
     PooledMySQLRunStorage,
@@ -32,7 +32,12 @@ from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
     check_results,
     per_partition,
 )
-from supplier_sync_dagster_tests.dagster_instance.test_storage import ASSET, cities
+from supplier_sync_dagster_tests.dagster_instance.test_storage import (
+    ASSET,
+    cities,
+    read_target,
+    report_city,
+)
 
 STOCK_YAML = "storage:\n  mysql:\n    mysql_url:\n      env: DAGSTER_MYSQL_URL\n"
 
@@ -115,3 +120,19 @@ def test_a_forked_child_leaves_the_parent_s_connections_working(
             assert child.exitcode == 0
             _report(instance, "b")
         assert set(per_partition(instance)) == {"a", "b"}
+
+
+def test_the_pooled_event_log_remembers_what_it_stored_and_dagster_mysql_does_not(
+    homes: tuple[Path, Path],
+) -> None:
+    ours, stock_home = homes
+    with dg.DagsterInstance.from_config(str(ours)) as instance:
+        report_city(instance, "a")
+        first = stored_target(instance, ASSET, "a")
+        assert first is not None and first == read_target(instance, "a")
+        report_city(instance, "a", rows=2)
+        assert stored_target(instance, ASSET, "a") == read_target(instance, "a") != first
+        assert stored_target(instance, ASSET, "b") is None
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        report_city(stock, "b")
+        assert stored_target(stock, ASSET, "b") is None

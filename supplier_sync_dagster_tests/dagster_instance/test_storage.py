@@ -31,7 +31,12 @@ from dagster._core.storage.tags import (
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
-from supplier_sync_dagster.dagster_instance.events import one_event_transaction
+from supplier_sync_dagster.dagster_instance.events import (
+    CheckTarget,
+    check_target,
+    one_event_transaction,
+    stored_target,
+)
 from supplier_sync_dagster.dagster_instance.home import (
     EMBEDDED_DAGSTER_YAML,
     OLD_EMBEDDED_DAGSTER_YAMLS,
@@ -42,6 +47,7 @@ from supplier_sync_dagster.dagster_instance.storage import (
     EmbeddedDagsterInstance,
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
+    StoredMaterializations,
 )
 
 PARTITIONS = dg.StaticPartitionsDefinition(["a", "b", "c", "d"])
@@ -409,6 +415,76 @@ def test_a_block_that_raises_stores_none_of_its_events(home: Path) -> None:
             dg.AssetMaterialization(ASSET, partition="a", metadata={"rows": 1})
         )
         assert set(_materialized(instance)) == {"a"}
+
+
+def report_city(instance: dg.DagsterInstance, partition: str, rows: int = 1) -> None:
+    """One materialization of ``cities`` for ``partition``, outside any run."""
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization(ASSET, partition=partition, metadata={"rows": rows})
+    )
+
+
+def read_target(instance: dg.DagsterInstance, partition: str) -> CheckTarget:
+    """The partition's latest materialization as a check's target, read from the event log."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[partition]), limit=1
+    ).records
+    assert records
+    return check_target(records[0])
+
+
+def test_a_stored_materialization_is_known_without_a_read_once_committed(home: Path) -> None:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        other_thread: list[CheckTarget | None] = []
+        with one_event_transaction(instance):
+            report_city(instance, "a")
+            inside = stored_target(instance, ASSET, "a")
+            # Not committed yet: another thread does not take it for stored.
+            reader = threading.Thread(
+                target=lambda: other_thread.append(stored_target(instance, ASSET, "a"))
+            )
+            reader.start()
+            reader.join()
+        assert other_thread == [None]
+        assert inside is not None and inside == read_target(instance, "a")
+        assert stored_target(instance, ASSET, "a") == inside
+        # A block that raises stores nothing, and nothing of it is remembered.
+        with pytest.raises(RuntimeError, match="boom"), one_event_transaction(instance):
+            report_city(instance, "a", rows=2)
+            report_city(instance, "b")
+            raise RuntimeError("boom")
+        assert stored_target(instance, ASSET, "b") is None
+        assert stored_target(instance, ASSET, "a") == inside == read_target(instance, "a")
+        # Outside a block each event commits on its own: the newer one is remembered.
+        report_city(instance, "a", rows=3)
+        newer = stored_target(instance, ASSET, "a")
+        assert newer == read_target(instance, "a") and newer != inside
+        # Only materializations of a partition.
+        instance.report_runless_asset_event(dg.AssetObservation(ASSET, partition="c"))
+        instance.report_runless_asset_event(dg.AssetMaterialization(dg.AssetKey("whole")))
+        assert stored_target(instance, ASSET, "c") is None
+        # A wiped event log forgets them.
+        instance.wipe()
+        assert stored_target(instance, ASSET, "a") is None
+
+
+def test_dagster_s_stock_storage_remembers_nothing(tmp_path: Path) -> None:
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert type(instance.event_log_storage) is SqliteEventLogStorage
+        report_city(instance, "a")
+        assert stored_target(instance, ASSET, "a") is None
+
+
+def test_remembered_materializations_are_bounded(home: Path) -> None:
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        storage = _pooled(instance)
+        storage.stored_materializations = StoredMaterializations(limit=2)
+        for partition in "abc":
+            report_city(instance, partition)
+        assert stored_target(instance, ASSET, "a") is None  # the oldest, dropped
+        assert stored_target(instance, ASSET, "c") == read_target(instance, "c")
+        assert stored_target(instance, ASSET, "b") == read_target(instance, "b")
 
 
 def test_dagster_s_default_storage_reads_what_it_wrote_and_back(home: Path) -> None:

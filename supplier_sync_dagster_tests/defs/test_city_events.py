@@ -3,10 +3,12 @@ published earlier in the batch is reported again, its gates too."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import dagster as dg
 import pytest
 
-from supplier_sync_dagster.core.records.gates import CHECK_NAMES
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateResult
 from supplier_sync_dagster.core.supplier import WalkStats
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome
@@ -116,3 +118,56 @@ def test_a_city_that_failed_is_not_materialized_nor_judged_again():
         )
     )
     assert [type(e) for e in events] == [dg.AssetObservation]
+
+
+def _published(city: str) -> CityOutcome:
+    report = CityReport(
+        city,
+        status="SUCCESS",
+        records=3,
+        published=3,
+        stages_done=["fetch", "normalize", "publish"],
+    )
+    report.checks = [
+        GateResult(check_name=name, passed=True, severity="ERROR", description="ok", metadata={})
+        for name in CHECK_NAMES
+    ]
+    return CityOutcome(report)
+
+
+def _targets(events: Sequence[object]) -> set[CheckTarget | None]:
+    return {e.target_materialization_data for e in events if isinstance(e, dg.AssetCheckEvaluation)}
+
+
+def test_a_city_s_gates_judge_the_materialization_its_events_just_stored() -> None:
+    stored = CheckTarget(run_id="r1", storage_id=7, timestamp=1.0)
+    read = CheckTarget(run_id="r0", storage_id=3, timestamp=0.5)
+    asked: list[str] = []
+
+    def reading(partition: str) -> CheckTarget:
+        asked.append(partition)
+        return read
+
+    events = list(
+        city_events(
+            _published("BKK"), "b1", set(ALL_KEYS), target=reading, stored=lambda _p: stored
+        )
+    )
+    assert _targets(events) == {stored} and asked == []  # known: no read
+    # Not remembered (another instance's storage): read back.
+    events = list(
+        city_events(_published("BKK"), "b1", set(ALL_KEYS), target=reading, stored=lambda _p: None)
+    )
+    assert _targets(events) == {read} and asked == ["BKK"]
+    # normalized_hotels not materialized by these events (a re-execution of the downstream
+    # assets): the checks judge its latest materialization, whatever this process stored.
+    events = list(
+        city_events(
+            _published("BKK"),
+            "b1",
+            {MAPPINGS, DIFFS, PUBLISHED},
+            target=reading,
+            stored=lambda _p: pytest.fail("not this run's materialization"),
+        )
+    )
+    assert _targets(events) == {read}

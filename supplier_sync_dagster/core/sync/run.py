@@ -43,14 +43,15 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, closing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import sqlalchemy as sa
 
@@ -107,6 +108,7 @@ DONE_STATUSES = ("SUCCESS", "ALREADY_DONE")
 
 T = TypeVar("T")
 R = TypeVar("R")
+P = ParamSpec("P")
 
 
 def resolve_batch(
@@ -626,7 +628,7 @@ def record_run_stats(
         )
 
 
-def run_cities(
+def run_city_groups(
     db: SyncDatabase,
     store: PayloadStore,
     client: SupplierClient | None,
@@ -637,9 +639,11 @@ def run_cities(
     worker_id: str,
     processes: WorkerProcesses | None = None,
     stop: Stop | None = None,
-) -> Iterator[CityOutcome]:
+) -> Generator[list[CityOutcome], None, None]:
     """Syncs the plan's cities (then helps other runs of the batch); yields each city's
-    outcome as it finishes.
+    outcome as it finishes, with those of the cities that finished while the iteration was
+    away: whoever reports each group (a Dagster step writing the cities' events) can store
+    it at once.
 
     A city that raises is yielded as FAILED (its shard is FAILED and resumable, its
     CITY_FAILED ticket filed); the other cities go on, unless the supplier refused the API
@@ -690,15 +694,15 @@ def run_cities(
                 # this process to receive the outcome and hand one out (this process is busy
                 # writing the finished city's events meanwhile, and shares the CPUs).
                 guard = _Guard(db, plan, request, settings, pool.sync)
-                for outcome in _run(db, guard, plan, request, processes.count + QUEUED_AHEAD, stop):
-                    done.append(outcome)
-                    yield outcome
+                for group in _run(db, guard, plan, request, processes.count + QUEUED_AHEAD, stop):
+                    done.extend(group)
+                    yield group
             return
         worker = _CityWorker(WorkerIO(db, store, client), plan, request, settings, worker_id, stop)
         guard = _Guard(db, plan, request, settings, worker.sync)
-        for outcome in _run(db, guard, plan, request, request.threads, stop):
-            done.append(outcome)
-            yield outcome
+        for group in _run(db, guard, plan, request, request.threads, stop):
+            done.extend(group)
+            yield group
     except BaseException as err:
         if isinstance(err, Exception):
             _end_grace(db, batch_id)
@@ -721,6 +725,25 @@ def run_cities(
             )
         except Exception as err:  # metrics never fail a sync
             log.warning("could not record the run's stats: %s", err)
+
+
+def one_at_a_time(
+    groups_of: Callable[P, Generator[list[T], None, None]],
+) -> Callable[P, Generator[T, None, None]]:
+    """``groups_of`` (a generator of groups), yielding one item at a time; leaving the
+    iteration closes ``groups_of``'s at once."""
+
+    def flat(*args: P.args, **kwargs: P.kwargs) -> Generator[T, None, None]:
+        groups = groups_of(*args, **kwargs)
+        with closing(groups):
+            for group in groups:
+                yield from group
+
+    return flat
+
+
+run_cities = one_at_a_time(run_city_groups)
+""":func:`run_city_groups`, one outcome at a time."""
 
 
 def _end_grace(db: SyncDatabase, batch_id: str) -> None:
@@ -804,16 +827,16 @@ def _run(
     request: RunRequest,
     threads: int,
     stop: Stop,
-) -> Iterator[CityOutcome]:
-    """The run's cities through ``guard``, ``threads`` at once: own, held, then helping."""
+) -> Iterator[list[CityOutcome]]:
+    """The run's cities through ``guard``, ``threads`` at once: own, held, then helping;
+    in groups of the outcomes that finished meanwhile."""
     held: list[str] = []
-    own = in_flight(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
-    for outcome in own:
-        if outcome.status == "HELD_BY_OTHER":
-            held.append(outcome.city_code)
-        else:
-            yield outcome
-    yield from in_flight(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
+    own = in_flight_groups(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
+    for group in own:
+        held.extend(o.city_code for o in group if o.status == "HELD_BY_OTHER")
+        if reported := [o for o in group if o.status != "HELD_BY_OTHER"]:
+            yield reported
+    yield from in_flight_groups(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
     if request.help_other_runs and not request.replay and guard.refused is None:
         helped: list[CityOutcome] = []
 
@@ -835,7 +858,8 @@ def _run(
             hotel_counts=plan.sizes,
             stop=stop,
         )
-        yield from helped
+        if helped:
+            yield helped
 
 
 # Cities handed to the worker processes beyond one each (see run_cities).
@@ -992,10 +1016,11 @@ def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]
     return earlier
 
 
-def in_flight(
+def in_flight_groups(
     items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
-) -> Iterator[R]:
-    """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they finish.
+) -> Generator[list[R], None, None]:
+    """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they
+    finish, each with the others that finished while the iteration was away.
 
     Items start in order. ``fn`` should not raise (an exception ends the iteration after
     the calls in flight finish). Leaving the iteration early cancels the calls not started;
@@ -1004,21 +1029,33 @@ def in_flight(
     """
     if threads <= 1:
         for item in items:
-            yield fn(item)
+            yield [fn(item)]
         return
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city")
+    # Each call hands its future over as it finishes: waiting on every pending future at
+    # once, per result, would cost a run of many cities quadratic time.
+    finished: queue.Queue[Future[R]] = queue.Queue()
     try:
-        pending: set[Future[R]] = {pool.submit(fn, item) for item in items}
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                yield future.result()
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            future.add_done_callback(finished.put)
+        left = len(futures)
+        while left:
+            group = [finished.get()]
+            while len(group) < left and not finished.empty():
+                group.append(finished.get())
+            left -= len(group)
+            yield [future.result() for future in group]
     except BaseException as err:
         if stop is not None and not isinstance(err, Exception):
             stop.set(reason_of(err))
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+in_flight = one_at_a_time(in_flight_groups)
+""":func:`in_flight_groups`, one result at a time."""
 
 
 def not_done(outcomes: Iterable[CityOutcome]) -> Mapping[str, list[CityOutcome]]:

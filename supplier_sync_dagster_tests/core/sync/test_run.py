@@ -36,10 +36,13 @@ from supplier_sync_dagster.core.sync.run import (
     WorkerIO,
     WorkerProcesses,
     auto_processes,
+    in_flight,
+    in_flight_groups,
     plan_run,
     published_earlier,
     refuse_trigger,
     run_cities,
+    run_city_groups,
     take_published_earlier,
 )
 from supplier_sync_dagster.core.sync.stop import Stop
@@ -505,3 +508,74 @@ def test_the_cities_published_earlier_in_the_batch_are_taken_out_of_a_resumed_pl
     # Left to sync: the city that failed, and the one the batch has not seen.
     assert sorted(plan.cities) == sorted([broken, "NOPE"])
     assert published_earlier(db, plan.batch.batch_id, []) == []
+
+
+def test_in_flight_yields_every_result_once_as_it_finishes_and_stops_when_left() -> None:
+    started: list[int] = []
+    release = threading.Event()
+
+    def work(item: int) -> int:
+        started.append(item)
+        if item in (0, 2):
+            release.wait(10)  # held until released
+        return item * 10
+
+    seen = []
+    for result in in_flight(range(40), work, threads=4):
+        seen.append(result)
+        if len(seen) == 38:
+            release.set()
+    assert sorted(seen) == [i * 10 for i in range(40)] and set(seen[-2:]) == {0, 20}
+    # A call that raises ends the iteration with its error.
+    with pytest.raises(ZeroDivisionError):
+        list(in_flight(range(10), lambda i: 1 // (i - 5), threads=3))
+    # Left early: the calls in flight are asked to stop, the others never start.
+    started.clear()
+    release.clear()
+    stop = Stop()
+    early = in_flight(range(100), work, threads=2, stop=stop)
+    assert next(early) == 10  # items 0 and 2 are held: both threads busy
+    threading.Timer(0.2, release.set).start()
+    early.close()
+    assert sorted(started) == [0, 1, 2] and stop.is_set
+
+
+def test_results_that_finish_while_the_iteration_is_away_come_together() -> None:
+    go = threading.Event()
+    finished: list[int] = []
+
+    def work(item: int) -> int:
+        if item:
+            go.wait(10)
+        finished.append(item)
+        return item
+
+    groups = in_flight_groups(range(6), work, threads=3)
+    assert next(groups) == [0]
+    go.set()
+    deadline = time.monotonic() + 10
+    while len(finished) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # each call's future is handed over just after it returns
+    rest = list(groups)
+    assert rest == [sorted(rest[0], key=finished.index)] and sorted(rest[0]) == [1, 2, 3, 4, 5]
+
+
+def test_a_run_s_outcomes_come_in_groups_every_city_once(db: SyncDatabase, tmp_path: Path) -> None:
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with (
+        serve_simulator(seed=14, n_cities=8, total_hotels=400) as (sim, url),
+        _client(url) as client,
+    ):
+        cities = [c.city_code for c in client.list_cities().data.cities]
+        request = RunRequest(trigger_id="groups", source="MANUAL", cities=cities, threads=3)
+        plan = plan_run(db, store, client, request, SETTINGS)
+        groups = list(
+            run_city_groups(db, store, client, plan, request, SETTINGS, worker_id="parent")
+        )
+    assert all(groups)
+    assert sorted(o.city_code for g in groups for o in g) == sorted(
+        sim.ground_truth().listed_by_city
+    )
+    assert {o.status for g in groups for o in g} == {"SUCCESS"}
+    assert _published(db) == sim.ground_truth().valid
