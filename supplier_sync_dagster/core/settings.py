@@ -129,7 +129,7 @@ class ClaimLockSettings(BaseSettings):
         return _with_scheme(value, _URL_SCHEMES["redis_url"])
 
 
-class Settings(StorageSettings, ClaimLockSettings):
+class Settings(ClaimLockSettings, StorageSettings):
     """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
 
     suppliers_file: Path | None = Field(
