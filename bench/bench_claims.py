@@ -36,6 +36,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import MYSQL_URL, mariadb_databases
+from bench_pipeline import calibrate
 
 from supplier_sync_dagster.core.errors import ClaimLockHeld, LeaseNotAcquired
 from supplier_sync_dagster.core.leasing import leases
@@ -273,7 +274,8 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"{args.shards} shards, {args.hosts} hosts x {args.threads} claimers, "
-        f"{args.rounds} rounds of each mode (alternating)",
+        f"{args.rounds} rounds of each mode (alternating); machine speed "
+        f"{calibrate():.2f}s for 10M Python additions",
         flush=True,
     )
     results: list[dict[str, Any]] = []

@@ -77,6 +77,8 @@ FinishStatus = Literal["SUCCESS", "FAILED"]
 MIN_LEASE_SECONDS = 5.0
 MAX_LEASE_SECONDS = 1800.0
 MAX_CHECKPOINT_LEN = 1024
+# Shards that one claim_next_shard call reads and tries, at most.
+CANDIDATES = 50
 
 
 @dataclass(frozen=True)
@@ -582,7 +584,7 @@ def claim_shard(
     )
     try:
         lease = _claim_in_db(
-            db, batch_id, shard_key, worker_id, token, settings, reclaim_dead_local
+            db, settings, batch_id, shard_key, worker_id, token, reclaim_dead_local
         )
     except BaseException:
         if lock is not None:
@@ -594,11 +596,11 @@ def claim_shard(
 
 def _claim_in_db(
     db: SyncDatabase,
+    settings: LeaseSettings,
     batch_id: str,
     shard_key: str,
     worker_id: str,
     token: str,
-    settings: LeaseSettings,
     reclaim_dead_local: bool,
 ) -> ShardLease:
     """:func:`claim_shard`'s conditional UPDATE, and the batch's start with its first claim."""
@@ -756,16 +758,17 @@ def claim_next_shard(
     """
     settings = settings or LeaseSettings()
     c = schema.shard.c
+    # Two reads in index order (status; status and lease_until) that stop at the first
+    # candidates, rather than one that sorts every claimable shard of the batch per call.
+    pending = sa.select(c.shard_key).where(c.batch_id == batch_id, c.status == "PENDING")
+    expired = sa.select(c.shard_key).where(
+        c.batch_id == batch_id, c.status == "RUNNING", c.lease_until < db.clock.now()
+    )
     with db.engine.connect() as conn:
-        candidates = [
-            row.shard_key
-            for row in conn.execute(
-                sa.select(c.shard_key)
-                .where(c.batch_id == batch_id, _claimable(db.clock))
-                .order_by(sa.case((c.status == "PENDING", 0), else_=1), c.id)
-                .limit(50)
-            )
-        ]
+        candidates = list(conn.execute(pending.order_by(c.id).limit(CANDIDATES)).scalars())
+        if len(candidates) < CANDIDATES:
+            more = expired.order_by(c.id).limit(CANDIDATES - len(candidates))
+            candidates += conn.execute(more).scalars()
     for key in candidates:
         try:
             return claim_shard(db, batch_id, key, worker_id=worker_id, settings=settings)

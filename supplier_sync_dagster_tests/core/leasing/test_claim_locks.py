@@ -45,7 +45,7 @@ from supplier_sync_dagster.core.leasing.leases import (
 )
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
-from supplier_sync_dagster_tests.cli.test_main import published, simulator, supplier, sync
+from supplier_sync_dagster_tests.cli.test_main import published, query, simulator, supplier, sync
 from supplier_sync_dagster_tests.core.conftest import MakeBatch
 
 OTHER = "supplier-sync-other-host-1-20260101T000000Z:another-token"
@@ -454,21 +454,14 @@ def test_sync_full_with_claim_locks_on_mariadb_publishes_the_ground_truth(
     events = client.pubsub()
     events.psubscribe("__keyspace@0__:supplier-sync:claim:*")
     sim = simulator(n_cities=6, total_hotels=600, faults={"bad_record_rate": 0.05})
+    truth = sim.ground_truth()
     with supplier(sim, monkeypatch):
         done = sync(capsys, fresh_mysql_db, "--processes", "2", "--json", "--trigger-id", "locks-1")
     assert done.code == 0, done
     summary = json.loads(done.out)
-    truth = sim.ground_truth()
-    assert summary["status"] == "SUCCESS" and summary["counts_add_up"]
+    assert summary["status"] == "SUCCESS" and summary["counts_add_up"], summary
     assert published(fresh_mysql_db) == truth.valid
-    db = SyncDatabase.open(fresh_mysql_db)
-    try:
-        with db.engine.connect() as conn:
-            shards = conn.execute(
-                sa.select(schema.shard.c.shard_key, schema.shard.c.claim_count)
-            ).all()
-    finally:
-        db.dispose()
+    shards = query(fresh_mysql_db, sa.select(schema.shard.c.shard_key, schema.shard.c.claim_count))
     assert shards and {n for _, n in shards} == {1}
     # Every city was claimed through its lock, once, and every lock was deleted at its end.
     seen: dict[str, list[str]] = {}
