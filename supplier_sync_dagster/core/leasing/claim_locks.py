@@ -47,6 +47,13 @@ REDIS_TIMEOUT_SECONDS = 1.0
 DEFAULT_RETRY_SECONDS = 5.0
 
 # KEYS[1] the lock, ARGV[1] the holder's value, ARGV[2] the ttl in ms.
+# A claim's SET NX, answering the holder when it is taken: one round trip either way.
+_TAKE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+return redis.call('GET', KEYS[1])
+"""
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -141,6 +148,7 @@ class ClaimLocks:
         self._scripts = {
             name: self._client.register_script(text)
             for name, text in (
+                ("take", _TAKE),
                 ("renew", _RENEW),
                 ("release", _RELEASE),
                 ("retake", _RETAKE),
@@ -152,13 +160,15 @@ class ClaimLocks:
         """The lock's key of one shard."""
         return f"{self.config.key_prefix}{batch_id}:{shard_key}"
 
-    def set_if_free(self, key: str, value: str, ttl_seconds: float) -> bool | None:
-        """``SET key value NX PX ttl``: True when taken, False when another holds it."""
-        return self._call(lambda: bool(self._client.set(key, value, nx=True, px=_ms(ttl_seconds))))
+    def take(self, key: str, value: str, ttl_seconds: float) -> Literal[True] | str | None:
+        """``SET key value NX PX ttl``: True when taken, else the value of its holder;
+        None when Redis cannot be reached."""
 
-    def holder(self, key: str) -> str | None:
-        """The value the lock holds now ("" when free); None when Redis cannot be reached."""
-        return self._call(lambda: _text(self._client.get(key)))
+        def take() -> Literal[True] | str:
+            done = self._scripts["take"](keys=[key], args=[value, _ms(ttl_seconds)])
+            return True if done == 1 else _text(done)
+
+        return self._call(take)
 
     def script(self, name: str, key: str, *args: str | int) -> bool | None:
         """Runs one of the compare-first scripts (renew, release, retake, replace)."""
@@ -267,17 +277,9 @@ def take_claim_lock(
         return None
     locks = claim_locks_for(config)
     key = locks.key(batch_id, shard_key)
-    taken = locks.set_if_free(key, value, ttl_seconds)
-    if taken is None or taken:
-        return ClaimLock(locks, key, value, ttl_seconds, held=bool(taken))
-    holder = locks.holder(key)
-    if holder == "":  # freed meanwhile: one more try
-        taken = locks.set_if_free(key, value, ttl_seconds)
-        if taken is None or taken:
-            return ClaimLock(locks, key, value, ttl_seconds, held=bool(taken))
-        holder = locks.holder(key)
-    if holder is None:
-        return ClaimLock(locks, key, value, ttl_seconds, held=False)
+    holder = locks.take(key, value, ttl_seconds)
+    if holder is None or holder is True:
+        return ClaimLock(locks, key, value, ttl_seconds, held=holder is True)
     worker = holder.rpartition(":")[0]
     if holder_is_dead is not None and worker and holder_is_dead(worker):
         replaced = locks.script("replace", key, holder, value, _ms(ttl_seconds))
