@@ -30,6 +30,7 @@ MAX_FUNCTION_LINES = 120
 # {deferred module: the least saving in seconds that
 # test_each_deferred_import_saves_start_up_time asserts}.
 DEFERRED_IMPORTS: dict[str, dict[str, float]] = {
+    f"{PACKAGE}.core.leasing.claim_locks": {"redis": 0.02},
     f"{PACKAGE}.core.outbox.projections": {"psycopg": 0.03, "redis": 0.02},
     f"{PACKAGE}.core.store.db": {"pymysql": 0.008},
     f"{PACKAGE}.core.store.payloads": {"boto3": 0.03},

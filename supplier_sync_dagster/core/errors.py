@@ -34,7 +34,10 @@ The tree::
     ├── ProjectionUnavailable         a read model (search index, cache, broker) cannot be reached
     ├── LeaseError                    shard ownership problems
     │   ├── LeaseNotAcquired          the shard is held by a live lease, finished, or was taken first
-    │   └── LeaseLost                 a fenced write matched 0 rows: stop, write nothing more
+    │   │   └── ClaimLockHeld         another worker holds the shard's Redis claim lock: not tried
+    │   ├── LeaseLost                 a fenced write matched 0 rows: stop, write nothing more
+    │   │   └── ClaimLockLost         the Redis claim lock was not renewed: stopped, lease released
+    │   └── ClaimLockUnavailable      Redis cannot be reached: the claim lock is skipped, MySQL decides
     └── SupplierError                 a call to a supplier's HTTP API failed (never shows the API key);
         │                             each class names its ``error_code``, the city's or record's code
         ├── SupplierAuthError         401/403: wrong, missing or revoked key; never retried, stop, alert
@@ -207,6 +210,19 @@ class LeaseLost(LeaseError):
 
     The worker that sees this must stop at once and write nothing more for the shard.
     """
+
+
+class ClaimLockHeld(LeaseNotAcquired):
+    """Another worker holds the shard's Redis claim lock: the claim did not touch the database."""
+
+
+class ClaimLockLost(LeaseLost):
+    """The shard's Redis claim lock could not be renewed (it expired or another worker holds
+    it): the work stops and the database lease is given back, though it was still valid."""
+
+
+class ClaimLockUnavailable(LeaseError):
+    """Redis, which holds the claim locks, cannot be reached: the database alone decides."""
 
 
 class SupplierError(SupplierSyncError):

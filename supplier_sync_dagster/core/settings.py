@@ -54,7 +54,7 @@ _URL_SCHEMES: dict[str, tuple[str, ...]] = {
     "amqp_url": ("amqp", "amqps"),
     "alert_url": ("http", "https", "file"),
 }
-S = TypeVar("S", bound="StorageSettings")
+S = TypeVar("S", bound=BaseSettings)
 # One read API key: printable ASCII without spaces or commas (the list's separator), long
 # enough that guessing is hopeless.
 API_KEY_PATTERN = re.compile(r"[!-+\--~]{16,256}")
@@ -103,7 +103,33 @@ class StorageSettings(BaseSettings):
         return self.db_url or f"sqlite:///{self.state_dir / 'sync.sqlite3'}"
 
 
-class Settings(StorageSettings):
+class ClaimLockSettings(BaseSettings):
+    """Redis, and whether shard claims take a short lock in it first (the claim accelerator):
+    the part of :class:`Settings` that a claim reads when its lease settings do not say."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis for the rate limit shared by every worker, the hotel cache and the "
+        "claim locks; unset: in-process",
+    )
+    claim_locks: bool | None = Field(
+        default=None,
+        description="take a short Redis lock on a shard before its database claim, so that "
+        "workers skip shards being taken without a database round trip (needs redis_url; "
+        "the database still decides, and the sync goes on without Redis); unset: off",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return _with_scheme(value, _URL_SCHEMES["redis_url"])
+
+
+class Settings(ClaimLockSettings, StorageSettings):
     """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
 
     suppliers_file: Path | None = Field(
@@ -117,11 +143,6 @@ class Settings(StorageSettings):
     )
     supplier_api_key: SecretStr | None = Field(
         default=None, description="the supplier API key (never logged); unset: none"
-    )
-    redis_url: str | None = Field(
-        default=None,
-        description="Redis for the rate limit shared by every worker and the hotel cache; "
-        "unset: in-process",
     )
     search_url: str | None = Field(
         default=None,
@@ -220,7 +241,7 @@ class Settings(StorageSettings):
         "only); unset: on",
     )
 
-    @field_validator(*_URL_SCHEMES)
+    @field_validator(*(name for name in _URL_SCHEMES if name != "redis_url"))
     @classmethod
     def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
         return _with_scheme(value, _URL_SCHEMES[str(info.field_name)])
@@ -270,6 +291,15 @@ def load_storage_settings() -> StorageSettings:
     return _read(StorageSettings)
 
 
+def load_claim_lock_settings() -> ClaimLockSettings:
+    """Reads only Redis and the claim accelerator's switch, now.
+
+    Raises:
+        ConfigError: One of these variables is malformed.
+    """
+    return _read(ClaimLockSettings)
+
+
 def _read(part: type[S]) -> S:
     try:
         settings = part()
@@ -285,7 +315,7 @@ def _read(part: type[S]) -> S:
     return settings
 
 
-def _register_secrets(settings: StorageSettings) -> None:
+def _register_secrets(settings: BaseSettings) -> None:
     """Makes the process mask the secrets the settings hold, wherever they would show."""
     for name in ("db_url", "payload_url", *_URL_SCHEMES):
         url = getattr(settings, name, None)

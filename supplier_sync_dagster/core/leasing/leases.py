@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.errors import (
+    ClaimLockLost,
     ConfigError,
     InvalidCheckpoint,
     InvalidTransition,
@@ -51,6 +52,12 @@ from supplier_sync_dagster.core.leasing.batches import (
     get_batch,
     lock_batch,
     refresh_batch,
+)
+from supplier_sync_dagster.core.leasing.claim_locks import (
+    ClaimLock,
+    ClaimLockConfig,
+    claim_locks_from_env,
+    take_claim_lock,
 )
 from supplier_sync_dagster.core.leasing.processes import (
     DEFAULT_LEASE_SECONDS,
@@ -70,18 +77,24 @@ FinishStatus = Literal["SUCCESS", "FAILED"]
 MIN_LEASE_SECONDS = 5.0
 MAX_LEASE_SECONDS = 1800.0
 MAX_CHECKPOINT_LEN = 1024
+# Shards that one claim_next_shard call reads and tries, at most.
+CANDIDATES = 50
 
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """How long a lease lasts and how often it is renewed.
+    """How long a lease lasts and how often it is renewed, and whether claims take a Redis
+    claim lock first (:mod:`~supplier_sync_dagster.core.leasing.claim_locks`).
 
     The default is the seed's: renew every 20 s, a lease of 3 minutes. The heartbeat must
     be at most a third of the lease so that two missed beats still leave the lease alive.
+    The claim locks default to what the environment says (``SUPPLIER_SYNC_CLAIM_LOCKS``);
+    None turns them off.
     """
 
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     heartbeat_seconds: float = 20.0
+    claim_locks: ClaimLockConfig | None = field(default_factory=claim_locks_from_env)
 
     def __post_init__(self) -> None:
         if not MIN_LEASE_SECONDS <= self.lease_seconds <= MAX_LEASE_SECONDS:
@@ -239,8 +252,11 @@ class ShardLease:
     claim_count: int
     # Whether the city had quality gate overrides when claimed (None: not known).
     gate_overrides: bool | None = field(default=None, init=False)
+    # The shard's Redis claim lock, renewed and released with the lease (None: no locks).
+    claim_lock: ClaimLock | None = field(default=None, init=False)
     _lost: threading.Event = field(default_factory=threading.Event, init=False)
     _lost_reason: str = field(default="", init=False)
+    _lost_as: type[LeaseLost] = field(default=LeaseLost, init=False)
 
     def __repr__(self) -> str:
         return (
@@ -261,7 +277,7 @@ class ShardLease:
     def ensure_held(self) -> None:
         """Raises :class:`LeaseLost` if the lease is known to be lost (no database call)."""
         if self._lost.is_set():
-            raise LeaseLost(self._lost_reason)
+            raise self._lost_as(self._lost_reason)
 
     def mark_lost(self, reason: str, *, expected: bool = False) -> None:
         """Records that the lease is lost (or given up); every later write refuses to run."""
@@ -270,12 +286,16 @@ class ShardLease:
             self._lost.set()
             if not expected:
                 log.warning("LEASE_LOST %s", reason)
+            if self.claim_lock is not None:
+                self.claim_lock.release()
 
     def heartbeat(self, stage: str = "RUNNING", message: str = "") -> None:
-        """Renews the lease and reports what the worker is doing.
+        """Renews the lease, then its Redis claim lock, and reports what the worker is doing.
 
         Raises:
             LeaseLost: Another worker owns the shard or the batch was cancelled.
+            ClaimLockLost: The claim lock expired or another worker holds it: the lease was
+                given back (RUNNING -> PENDING, checkpoint kept) and the work must stop.
         """
         now = self.db.clock.now()
         with self.db.begin() as conn:
@@ -287,6 +307,23 @@ class ShardLease:
                 last_heartbeat_message=bounded(message, 512),
                 updated_at=now,
             )
+        if self.claim_lock is not None and self.claim_lock.renew() == "LOST":
+            self._give_up_for_lock()
+
+    def _give_up_for_lock(self) -> None:
+        reason = (
+            f"shard {self.shard_key!r} of batch {self.batch_id}: worker {self.worker_id} no "
+            "longer holds its Redis claim lock (it expired or another worker holds it); the "
+            "work stops and the lease is given back"
+        )
+        log.warning("CLAIM_LOCK_LOST %s", reason)
+        self._lost_as = ClaimLockLost
+        try:
+            self.release(reason)
+        except Exception as err:  # the lease then expires on its own
+            log.warning("could not release shard %r: %s", self.shard_key, err)
+        self.mark_lost(reason)
+        raise ClaimLockLost(reason)
 
     def advance(
         self,
@@ -522,17 +559,51 @@ def claim_shard(
     provably no longer runs (:func:`holder_is_dead_here`) is taken over at once, by a
     conditional UPDATE on that exact holder and token, instead of waiting for expiry.
 
+    With claim locks (``settings.claim_locks``), the shard's Redis lock is taken first
+    and the database is not asked while another worker holds it; a failed claim deletes
+    the lock again. Without Redis the database alone decides.
+
     Returns:
         The lease, carrying the stored checkpoint to resume from (None: start at page 1).
 
     Raises:
         UnknownShard: The batch has no shard with this key.
         LeaseNotAcquired: A live lease holds it, it is finished or cancelled, or another
-            worker claimed it first.
+            worker claimed it first; ``ClaimLockHeld`` when another holds its claim lock.
     """
     settings = settings or LeaseSettings()
     _check_worker_id(worker_id)
     token = str(uuid.uuid4())
+    lock = take_claim_lock(
+        settings.claim_locks,
+        batch_id,
+        shard_key,
+        f"{worker_id}:{token}",
+        ttl_seconds=settings.lease_seconds,
+        holder_is_dead=holder_is_dead_here if reclaim_dead_local else None,
+    )
+    try:
+        lease = _claim_in_db(
+            db, settings, batch_id, shard_key, worker_id, token, reclaim_dead_local
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    lease.claim_lock = lock
+    return lease
+
+
+def _claim_in_db(
+    db: SyncDatabase,
+    settings: LeaseSettings,
+    batch_id: str,
+    shard_key: str,
+    worker_id: str,
+    token: str,
+    reclaim_dead_local: bool,
+) -> ShardLease:
+    """:func:`claim_shard`'s conditional UPDATE, and the batch's start with its first claim."""
     clock = db.clock
     c = schema.shard.c
     where = [c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)]
@@ -681,23 +752,28 @@ def claim_next_shard(
     worker_id: str,
     settings: LeaseSettings | None = None,
 ) -> ShardLease | None:
-    """Claims any claimable shard of a batch (PENDING first, then expired); None if none is."""
+    """Claims any claimable shard of a batch (PENDING first, then expired); None if none is.
+
+    A candidate whose claim lock another worker holds is skipped without a database claim.
+    """
+    settings = settings or LeaseSettings()
     c = schema.shard.c
+    # Two reads in index order (status; status and lease_until) that stop at the first
+    # candidates, rather than one that sorts every claimable shard of the batch per call.
+    pending = sa.select(c.shard_key).where(c.batch_id == batch_id, c.status == "PENDING")
+    expired = sa.select(c.shard_key).where(
+        c.batch_id == batch_id, c.status == "RUNNING", c.lease_until < db.clock.now()
+    )
     with db.engine.connect() as conn:
-        candidates = [
-            row.shard_key
-            for row in conn.execute(
-                sa.select(c.shard_key)
-                .where(c.batch_id == batch_id, _claimable(db.clock))
-                .order_by(sa.case((c.status == "PENDING", 0), else_=1), c.id)
-                .limit(50)
-            )
-        ]
+        candidates = list(conn.execute(pending.order_by(c.id).limit(CANDIDATES)).scalars())
+        if len(candidates) < CANDIDATES:
+            more = expired.order_by(c.id).limit(CANDIDATES - len(candidates))
+            candidates += conn.execute(more).scalars()
     for key in candidates:
         try:
             return claim_shard(db, batch_id, key, worker_id=worker_id, settings=settings)
         except LeaseNotAcquired:
-            continue  # another worker won this one; try the next
+            continue  # another worker won this one (or is taking it); try the next
     return None
 
 
