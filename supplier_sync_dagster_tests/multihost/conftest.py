@@ -1,166 +1,26 @@
-"""One multi-host deployment per test: fresh MariaDB databases (the Dagster instance's and
-the sync database), payloads in S3 (a moto server), the rate bucket and Celery results in
-Redis, runs through RabbitMQ on a queue of the test's own, the simulator over real HTTP
-counting each page request, and a control host (webserver + daemon) on the profile of
-``deploy/celery/``. Worker hosts are started by the tests (``hosts.py``).
-"""
+"""The services of a multi-host test (``deploy.py`` runs a deployment on them)."""
 
 from __future__ import annotations
 
-import shutil
-import threading
-import uuid
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qsl
 
-import dagster as dg
 import pytest
 
-from supplier_sync_dagster.dagster_instance.deployment import (
-    DagsterProcesses,
-    migrate_instance,
-    profile_env,
-)
-from supplier_sync_dagster.defs.partitions import encode_city_key
-from supplier_sync_dagster.simulator import Simulator
-from supplier_sync_dagster.simulator.core import SimRequest, SimResponse
-from supplier_sync_dagster.simulator.server import running_server
 from supplier_sync_dagster_tests.defs.test_city_sync import moto_s3  # noqa: F401
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 from supplier_sync_dagster_tests.integration.test_webserver_daemon import (  # noqa: F401
     mysql_databases,
 )
-from supplier_sync_dagster_tests.multihost.hosts import PROFILE_YAML, WorkerHost
+from supplier_sync_dagster_tests.multihost.deploy import Services
 
 
-class PageCounter:
-    """Serves a simulator and counts each city page request by its exact query."""
-
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
-        self._lock = threading.Lock()
-        self.pages: Counter[tuple[str, str]] = Counter()
-
-    def dispatch(self, request: SimRequest) -> SimResponse:
-        """Answers as the simulator does, counting ``/v1/cities/{city}/hotels`` requests."""
-        parts = request.raw_path.decode("ascii", "replace").strip("/").split("/")
-        if len(parts) == 4 and parts[:2] == ["v1", "cities"] and parts[3] == "hotels":
-            query = "&".join(f"{k}={v}" for k, v in sorted(parse_qsl(request.query)))
-            with self._lock:
-                self.pages[(parts[2], query)] += 1
-        return self.sim.dispatch(request)
-
-    def refetched(self) -> Counter[str]:
-        """City (as on the wire) -> how many of its page requests repeated an earlier one."""
-        with self._lock:
-            extra: Counter[str] = Counter()
-            for (city, _), count in self.pages.items():
-                if count > 1:
-                    extra[city] += count - 1
-            return extra
-
-
-@dataclass
-class Deployment:
-    """A running deployment: services, simulator and control host; worker hosts on demand.
-
-    Attributes:
-        env: The settings every host shares (services, supplier, profile).
-        dagster: The control host's webserver and daemon.
-        sim: The simulator (its ground truth).
-        counter: Its page requests.
-        keys: Every city's partition key, added to the instance.
-        root: The test's folder (one sub-folder per host).
-    """
-
-    env: dict[str, str]
-    dagster: DagsterProcesses
-    sim: Simulator
-    counter: PageCounter
-    keys: list[str]
-    root: Path
-    started: list[WorkerHost] = field(default_factory=list)
-
-    def hosts(self, *names: str, **options: Any) -> list[WorkerHost]:
-        """Starts worker hosts, each answering its ping before this returns (all stopped
-        when the deployment ends)."""
-        hosts = [
-            WorkerHost(name, self.root / "hosts" / name, self.env, **options) for name in names
-        ]
-        self.started += hosts
-        for host in hosts:
-            host.start()
-        for host in hosts:
-            host.wait_ready()
-        return hosts
-
-    @property
-    def instance(self) -> dg.DagsterInstance:
-        """The Dagster instance (this process's ``DAGSTER_HOME`` is the control host's)."""
-        return dg.DagsterInstance.get()
-
-
-@contextmanager
-def deployment(
-    *,
-    databases: tuple[str, str],
-    s3: tuple[str, str],
+@pytest.fixture
+def services(
+    mysql_databases: tuple[str, str],  # noqa: F811
+    moto_s3: tuple[str, str],  # noqa: F811
     redis_url: str,
     amqp_url: str,
-    root: Path,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    settings: dict[str, str],
-    **simulator: Any,
-) -> Iterator[Deployment]:
-    """A deployment of the celery profile for one test (see the module's docstring)."""
-    dagster_url, sync_url = databases
-    endpoint, bucket = s3
-    queue = f"sst-{uuid.uuid4().hex[:10]}"
-    sim = make_simulator(**simulator)
-    counter = PageCounter(sim)
-    home = root / "control" / "dagster_home"
-    home.mkdir(parents=True)
-    shutil.copy(PROFILE_YAML, home / "dagster.yaml")
-    with running_server(counter) as sim_url:  # type: ignore[arg-type]
-        env = {
-            "DAGSTER_MYSQL_URL": dagster_url,
-            "SUPPLIER_SYNC_DB_URL": sync_url,
-            "SUPPLIER_SYNC_SUPPLIER_URL": sim_url,
-            "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
-            "SUPPLIER_SYNC_PAYLOAD_URL": f"s3://{bucket}/supplier-sync",
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "SUPPLIER_SYNC_REDIS_URL": redis_url,
-            "SUPPLIER_SYNC_CELERY_BROKER_URL": amqp_url,
-            "SUPPLIER_SYNC_CELERY_BACKEND_URL": redis_url,
-            "SUPPLIER_SYNC_CELERY_QUEUE": queue,
-            **settings,
-        }
-        control = profile_env(
-            dagster_home=home,
-            extra={
-                **env,
-                "HOSTNAME": "control",
-                "POD_NAME": "control",
-                "SUPPLIER_SYNC_HOME": str(root / "control" / "state"),
-            },
-        )
-        for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL", *env):
-            monkeypatch.setenv(name, control[name])
-        migrate_instance(control)
-        keys = [encode_city_key(code) for code in sim.city_codes()]
-        dg.DagsterInstance.get().add_dynamic_partitions("supplier_city", keys)
-        with DagsterProcesses(control, root / "control" / "logs") as dagster:
-            deployed = Deployment(env, dagster, sim, counter, keys, root)
-            try:
-                yield deployed
-            finally:
-                for host in deployed.started:
-                    host.stop()
+) -> Services:
+    """Fresh MariaDB databases, a moto S3 bucket, Redis and RabbitMQ for one test."""
+    return Services(mysql_databases, moto_s3, redis_url, amqp_url, tmp_path, monkeypatch)
