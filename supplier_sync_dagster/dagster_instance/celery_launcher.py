@@ -49,12 +49,15 @@ QUEUE_ENV = "SUPPLIER_SYNC_CELERY_QUEUE"
 QUEUE = "dagster"
 DEFAULT_PING_TIMEOUT_SECONDS = 5.0
 
-# A worker takes one run at a time per pool process and acknowledges it when it starts:
-# a run is never handed to a second host behind Dagster's back (run_retries decide).
+# A worker host holds only the runs it executes: with early acknowledgement a busy worker
+# reserves the next run too, and a host lost while busy takes that run down with it (it
+# stays STARTING, never launched). Acknowledged late, a run's message goes back to the queue
+# when its host's connection drops; Dagster ignores a second worker of a run that started.
+# RabbitMQ's consumer_timeout (30 min by default) must exceed the longest run.
 WORKER_CONFIG: dict[str, Any] = {
     **DEFAULT_CONFIG,
     "worker_prefetch_multiplier": 1,
-    "task_acks_late": False,
+    "task_acks_late": True,
     "task_track_started": True,
     "broker_connection_retry_on_startup": True,
 }

@@ -7,6 +7,7 @@ counting each page request, and a control host (webserver + daemon) on the profi
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import uuid
@@ -104,6 +105,10 @@ class Deployment:
         return dg.DagsterInstance.get()
 
 
+# The moto server logs every request of every host.
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
+
 @dataclass(frozen=True)
 class Services:
     """What a test's deployment runs on (the fixtures of ``conftest.py``).
@@ -137,6 +142,10 @@ def deployment(
         **simulator: The simulator's settings (seed, n_cities, total_hotels...).
     """
     dagster_url, sync_url = services.databases
+    # As deploy/celery/supplier-sync.env: MariaDB ends a transaction left idle (a frozen
+    # host's) once its lease has expired, so its row locks do not block the hosts left.
+    idle = settings.get("SUPPLIER_SYNC_LEASE_SECONDS", "180")
+    sync_url += f"&init_command=SET+SESSION+idle_transaction_timeout%3D{idle}"
     endpoint, bucket = services.s3
     redis_url, amqp_url, root = services.redis_url, services.amqp_url, services.root
     queue = f"sst-{uuid.uuid4().hex[:10]}"

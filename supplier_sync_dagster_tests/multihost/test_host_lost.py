@@ -18,6 +18,8 @@ from collections.abc import Callable
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from celery.result import AsyncResult
+from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster_tests.multihost.deploy import (
@@ -139,3 +141,44 @@ def test_a_killed_host_is_failed_retried_and_taken_over(services: Services):
         for city in cities:
             assert claims[city].claim_count >= 2, claims[city]
             assert not claims[city].worker_id.startswith(f"supplier-sync-{killed.name}-")
+
+
+def events_text(instance: dg.DagsterInstance, run_id: str) -> str:
+    """Everything a run's event log says, as text."""
+    return "\n".join(str(record) for record in instance.all_logs(run_id))
+
+
+def test_a_frozen_host_is_taken_over_and_fenced_when_it_wakes(services: Services):
+    with deployment(services, settings=SETTINGS, **LOST_HOST) as deployed:
+        frozen, cities, backfill_id = launch_and_lose(deployed, WorkerHost.freeze)
+        db_url = deployed.env["SUPPLIER_SYNC_DB_URL"]
+        runs = check_completed(deployed, backfill_id, frozen)
+        shards = {row.shard_key: row for row in shard_rows(db_url)}
+        for city in cities:  # taken over while it slept
+            assert shards[city].claim_count >= 2, shards[city]
+            assert not shards[city].worker_id.startswith(f"supplier-sync-{frozen.name}-")
+        before = (catalog(db_url), outbox_per_hotel(db_url), shard_rows(db_url))
+
+        instance = deployed.instance
+        launcher = instance.run_launcher
+
+        def task(run: dg.DagsterRun) -> AsyncResult:
+            return launcher.celery.AsyncResult(run.tags[DAGSTER_CELERY_TASK_ID_TAG])  # type: ignore[attr-defined]
+
+        # Its run: failed by run monitoring, its task still STARTED on the frozen host.
+        (its_run,) = [
+            r
+            for r in runs
+            if r.status == dg.DagsterRunStatus.FAILURE
+            and isinstance(task(r).info, dict)
+            and task(r).info.get("hostname") == frozen.node
+        ]
+        frozen.thaw()
+        # Awake, it tries to go on: every write is refused (LEASE_LOST) and its run stops.
+        wait_for("the woken run to stop", lambda: task(its_run).ready(), timeout=90)
+        wait_for(
+            "LEASE_LOST in the woken run's log",
+            lambda: "LEASE_LOST" in events_text(instance, its_run.run_id),
+            timeout=30,
+        )
+        assert (catalog(db_url), outbox_per_hotel(db_url), shard_rows(db_url)) == before
