@@ -50,7 +50,9 @@ class PageCounter:
         """Answers as the simulator does, counting ``/v1/cities/{city}/hotels`` requests."""
         parts = request.raw_path.decode("ascii", "replace").strip("/").split("/")
         if len(parts) == 4 and parts[:2] == ["v1", "cities"] and parts[3] == "hotels":
-            query = "&".join(f"{k}={v}" for k, v in sorted(parse_qsl(request.query)))
+            query = "&".join(
+                f"{k}={v}" for k, v in sorted(parse_qsl(request.query.decode("ascii", "replace")))
+            )
             with self._lock:
                 self.pages[(parts[2], query)] += 1
         return self.sim.dispatch(request)
@@ -154,7 +156,7 @@ def deployment(
     home = root / "control" / "dagster_home"
     home.mkdir(parents=True)
     shutil.copy(PROFILE_YAML, home / "dagster.yaml")
-    with running_server(counter) as sim_url:  # type: ignore[arg-type]
+    with running_server(counter) as sim_url:
         env = {
             "DAGSTER_MYSQL_URL": dagster_url,
             "SUPPLIER_SYNC_DB_URL": sync_url,
@@ -213,7 +215,8 @@ def shard_rows(db_url: str) -> list[sa.Row[Any]]:
 def catalog(db_url: str) -> dict[str, int]:
     """The published catalog: supplier hotel id -> version."""
     h = schema.platform_hotel.c
-    return dict(sync_rows(db_url, sa.select(h.supplier_hotel_id, h.supplier_version)))  # type: ignore[arg-type]
+    rows = sync_rows(db_url, sa.select(h.supplier_hotel_id, h.supplier_version))
+    return {row.supplier_hotel_id: row.supplier_version for row in rows}
 
 
 def host_of(worker_id: str | None, hosts: Sequence[str]) -> str:
