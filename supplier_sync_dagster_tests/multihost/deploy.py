@@ -86,20 +86,7 @@ class Deployment:
     counter: PageCounter
     keys: list[str]
     root: Path
-    started: list[WorkerHost] = field(default_factory=list)
-
-    def hosts(self, *names: str, **options: Any) -> list[WorkerHost]:
-        """Starts worker hosts, each answering its ping before this returns (all stopped
-        when the deployment ends)."""
-        hosts = [
-            WorkerHost(name, self.root / "hosts" / name, self.env, **options) for name in names
-        ]
-        self.started += hosts
-        for host in hosts:
-            host.start()
-        for host in hosts:
-            host.wait_ready()
-        return hosts
+    workers: list[WorkerHost] = field(default_factory=list)
 
     @property
     def instance(self) -> dg.DagsterInstance:
@@ -134,13 +121,15 @@ class Services:
 
 @contextmanager
 def deployment(
-    services: Services, *, settings: dict[str, str], **simulator: Any
+    services: Services, *, settings: dict[str, str], hosts: Sequence[str], **simulator: Any
 ) -> Iterator[Deployment]:
     """A deployment of the celery profile for one test (see the module's docstring).
 
     Args:
         services: The test's services.
         settings: Further settings of every host (``SUPPLIER_SYNC_*``).
+        hosts: The worker hosts' names: started while the control host starts, each
+            answering its ping once this yields, killed when it ends.
         **simulator: The simulator's settings (seed, n_cities, total_hotels...).
     """
     dagster_url, sync_url = services.databases
@@ -187,13 +176,17 @@ def deployment(
         migrate_instance(control)
         keys = [encode_city_key(code) for code in sim.city_codes()]
         dg.DagsterInstance.get().add_dynamic_partitions("supplier_city", keys)
-        with DagsterProcesses(control, root / "control" / "logs") as dagster:
-            deployed = Deployment(env, dagster, sim, counter, keys, root)
-            try:
-                yield deployed
-            finally:
-                for host in deployed.started:
-                    host.stop()
+        workers = [WorkerHost(name, root / "hosts" / name, env) for name in hosts]
+        try:
+            for worker in workers:
+                worker.start()
+            with DagsterProcesses(control, root / "control" / "logs") as dagster:
+                for worker in workers:
+                    worker.wait_ready()
+                yield Deployment(env, dagster, sim, counter, keys, root, workers)
+        finally:
+            for worker in workers:
+                worker.kill()
 
 
 def sync_rows(db_url: str, query: sa.Select[Any]) -> list[sa.Row[Any]]:

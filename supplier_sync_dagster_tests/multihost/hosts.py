@@ -12,6 +12,7 @@ in ``env`` are whatever that prefix lets the host reach.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -125,7 +126,10 @@ class WorkerHost:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
     def _signal(self, sig: signal.Signals) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Sends ``sig`` to its process group (every process of its tree that is left)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
@@ -141,15 +145,3 @@ class WorkerHost:
     def thaw(self) -> None:
         """SIGCONT to its whole process tree."""
         self._signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Ends it: SIGCONT and SIGTERM to its tree, SIGKILL after 20 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)

@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.mariadb, pytest.mark.redis]
 
 # Cities of three pages, paced by a shared budget so that a host is lost mid-city.
 LOST_HOST = {"n_cities": 24, "total_hotels": 7200, "empty_city_share": 0.0, "seed": 7}
+HOSTS = ("host-a", "host-b", "host-c")
 SETTINGS = {
     "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "6",
     "SUPPLIER_SYNC_LEASE_SECONDS": "8",
@@ -82,7 +83,7 @@ def launch_and_lose(
     deployed: Deployment, lose: Callable[[WorkerHost], None]
 ) -> tuple[WorkerHost, list[str], str]:
     """Three hosts, a backfill, and ``lose`` applied to the first host that holds a city."""
-    hosts = deployed.hosts("host-a", "host-b", "host-c")
+    hosts = deployed.workers
     backfill_id = deployed.dagster.launch_backfill(deployed.keys, title="a host lost")
     db_url = deployed.env["SUPPLIER_SYNC_DB_URL"]
     victim: list[tuple[WorkerHost, list[str]]] = []
@@ -133,7 +134,7 @@ def check_completed(
 
 
 def test_a_killed_host_is_failed_retried_and_taken_over(services: Services):
-    with deployment(services, settings=SETTINGS, **LOST_HOST) as deployed:
+    with deployment(services, settings=SETTINGS, hosts=HOSTS, **LOST_HOST) as deployed:
         killed, cities, backfill_id = launch_and_lose(deployed, WorkerHost.kill)
         check_completed(deployed, backfill_id, killed)
         # Its cities were claimed again by another host.
@@ -149,7 +150,7 @@ def events_text(instance: dg.DagsterInstance, run_id: str) -> str:
 
 
 def test_a_frozen_host_is_taken_over_and_fenced_when_it_wakes(services: Services):
-    with deployment(services, settings=SETTINGS, **LOST_HOST) as deployed:
+    with deployment(services, settings=SETTINGS, hosts=HOSTS, **LOST_HOST) as deployed:
         frozen, cities, backfill_id = launch_and_lose(deployed, WorkerHost.freeze)
         db_url = deployed.env["SUPPLIER_SYNC_DB_URL"]
         runs = check_completed(deployed, backfill_id, frozen)

@@ -26,15 +26,17 @@ from supplier_sync_dagster_tests.multihost.deploy import (
 pytestmark = [pytest.mark.multihost, pytest.mark.mariadb, pytest.mark.redis]
 
 
+NAMES = ("host-a", "host-b", "host-c")
 THREE_HOSTS = {"n_cities": 200, "total_hotels": 2400, "empty_city_share": 0.0, "seed": 43}
 
 
 def test_three_hosts_sync_one_backfill(services: Services):
     with deployment(
-        services, settings={"SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "20"}, **THREE_HOSTS
+        services,
+        settings={"SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "40"},
+        hosts=NAMES,
+        **THREE_HOSTS,
     ) as deployed:
-        names = ["host-a", "host-b", "host-c"]
-        deployed.hosts(*names)
         started = time.monotonic()
         backfill_id = deployed.dagster.launch_backfill(deployed.keys, title="three hosts")
         status, runs = deployed.dagster.wait_for_backfill(
@@ -54,10 +56,10 @@ def test_three_hosts_sync_one_backfill(services: Services):
         assert sorted(row.shard_key for row in shards) == sorted(deployed.sim.city_codes())
         assert {(row.status, row.claim_count) for row in shards} == {("SUCCESS", 1)}
 
-        per_host = Counter(host_of(row.worker_id, names) for row in shards)
+        per_host = Counter(host_of(row.worker_id, NAMES) for row in shards)
         wall = time.monotonic() - started
         print(f"cities per host: {dict(sorted(per_host.items()))}; backfill {wall:.0f} s")
-        assert set(per_host) <= set(names)
+        assert set(per_host) <= set(NAMES)
         assert len(per_host) > 1, per_host
 
         view = deployed.dagster.partitions("published_hotels", deployed.keys)
