@@ -24,7 +24,6 @@ import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.deployment import (
     DagsterProcesses,
     migrate_instance,
@@ -34,6 +33,7 @@ from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import Simulator
 from supplier_sync_dagster.simulator.core import SimRequest, SimResponse
 from supplier_sync_dagster.simulator.server import running_server
+from supplier_sync_dagster_tests.cli.test_main import query
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, make_simulator
 from supplier_sync_dagster_tests.multihost.hosts import PROFILE_YAML, WorkerHost
 
@@ -50,11 +50,11 @@ class PageCounter:
         """Answers as the simulator does, counting ``/v1/cities/{city}/hotels`` requests."""
         parts = request.raw_path.decode("ascii", "replace").strip("/").split("/")
         if len(parts) == 4 and parts[:2] == ["v1", "cities"] and parts[3] == "hotels":
-            query = "&".join(
+            asked = "&".join(
                 f"{k}={v}" for k, v in sorted(parse_qsl(request.query.decode("ascii", "replace")))
             )
             with self._lock:
-                self.pages[(parts[2], query)] += 1
+                self.pages[(parts[2], asked)] += 1
         return self.sim.dispatch(request)
 
     def refetched(self) -> Counter[str]:
@@ -189,26 +189,16 @@ def deployment(
                 worker.kill()
 
 
-def sync_rows(db_url: str, query: sa.Select[Any]) -> list[sa.Row[Any]]:
-    """The rows of ``query`` on the sync database."""
-    db = SyncDatabase.open(db_url)
-    try:
-        with db.engine.connect() as conn:
-            return list(conn.execute(query).all())
-    finally:
-        db.dispose()
-
-
 def shard_rows(db_url: str) -> list[sa.Row[Any]]:
     """Every shard: key, status, claims, its last worker."""
     s = schema.shard.c
-    return sync_rows(db_url, sa.select(s.shard_key, s.status, s.claim_count, s.worker_id))
+    return query(db_url, sa.select(s.shard_key, s.status, s.claim_count, s.worker_id))
 
 
 def catalog(db_url: str) -> dict[str, int]:
     """The published catalog: supplier hotel id -> version."""
     h = schema.platform_hotel.c
-    rows = sync_rows(db_url, sa.select(h.supplier_hotel_id, h.supplier_version))
+    rows = query(db_url, sa.select(h.supplier_hotel_id, h.supplier_version))
     return {row.supplier_hotel_id: row.supplier_version for row in rows}
 
 

@@ -27,8 +27,8 @@ from supplier_sync_dagster_tests.multihost.deploy import (
     Services,
     catalog,
     deployment,
+    query,
     shard_rows,
-    sync_rows,
 )
 from supplier_sync_dagster_tests.multihost.hosts import WorkerHost
 
@@ -70,7 +70,7 @@ def holding(db_url: str, host: WorkerHost) -> list[str]:
 def outbox_per_hotel(db_url: str) -> dict[tuple[int, int], int]:
     """(hotel, version) -> its outbox events of each type together."""
     o = schema.outbox.c
-    rows = sync_rows(
+    rows = query(
         db_url,
         sa.select(o.aggregate_id, o.aggregate_version, o.event_type, sa.func.count()).group_by(
             o.aggregate_id, o.aggregate_version, o.event_type
