@@ -18,6 +18,13 @@ hold on that version, and :class:`HostCeleryRunLauncher` replaces them:
   (``execute_job_args_packed`` for ``resume_job_args_packed``), so a resumed run never
   starts: this launcher does not offer resuming (``max_resume_run_attempts: 0``).
 
+And dagster-celery's run task executes the run inside the Celery pool process, a daemonic
+process: a run that starts its own worker processes (``SUPPLIER_SYNC_WORKER_PROCESSES``, the
+default for large runs) fails every city ("daemonic processes are not allowed to have
+children"). The worker app's run task (:func:`register_run_task`, same name and arguments)
+starts the run as ``dagster api execute_run`` in a child process instead, as Dagster's
+default launcher does, on the worker host's own instance (its ``DAGSTER_HOME``).
+
 :func:`worker_app` is the Celery app of a worker host (``celery -A
 supplier_sync_dagster.dagster_instance.celery_worker worker``): the launcher's broker,
 backend and queues from the same ``SUPPLIER_SYNC_CELERY_*`` variables, and the run task.
@@ -26,6 +33,8 @@ backend and queues from the same ``SUPPLIER_SYNC_CELERY_*`` variables, and the r
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -33,12 +42,12 @@ import dagster as dg
 from celery import Celery
 from dagster._config import UserConfigSchema
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
-from dagster._serdes import ConfigurableClassData
+from dagster._grpc.types import ExecuteRunArgs
+from dagster._serdes import ConfigurableClassData, serialize_value, unpack_value
 from dagster_celery.config import DEFAULT_CONFIG, TASK_EXECUTE_JOB_NAME
 from dagster_celery.launcher import CeleryRunLauncher
 from dagster_celery.make_app import make_app
 from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
-from dagster_celery.tasks import create_execute_job_task
 from kombu import Queue
 
 from supplier_sync_dagster.core.errors import ConfigError
@@ -193,5 +202,26 @@ def worker_app(env: Mapping[str, str] | None = None) -> Celery:
         }
     )
     use_queue(app, queue)
-    create_execute_job_task(app)
+    register_run_task(app)
     return app
+
+
+def register_run_task(app: Celery) -> Any:
+    """Registers the run task of a worker host: the run in a ``dagster api execute_run``
+    process of its own (in the worker's session, so the host's signals reach it)."""
+
+    @app.task(bind=True, name=TASK_EXECUTE_JOB_NAME, track_started=True)
+    def execute_job(_task: Any, execute_job_args_packed: Any) -> int:
+        sent = unpack_value(execute_job_args_packed, as_type=ExecuteRunArgs)
+        # This host's instance (DAGSTER_HOME), not the launching host's folders.
+        here = ExecuteRunArgs(
+            job_origin=sent.job_origin,
+            run_id=sent.run_id,
+            instance_ref=None,
+            set_exit_code_on_failure=True,
+        )
+        # This host's interpreter: the origin's entry point is the launching host's.
+        command = [sys.executable, "-m", "dagster", "api", "execute_run", serialize_value(here)]
+        return subprocess.run(command, check=False).returncode
+
+    return execute_job

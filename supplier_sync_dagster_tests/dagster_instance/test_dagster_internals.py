@@ -33,7 +33,6 @@ from dagster._daemon import cli as daemon_cli
 from dagster._daemon import controller
 from dagster._serdes import serialize_value
 from dagster_celery import make_app as celery_make_app
-from dagster_celery import tasks as celery_tasks
 from dagster_mysql import utils as mysql_utils
 
 from supplier_sync_dagster.dagster_instance import (
@@ -101,7 +100,6 @@ CALLED: list[tuple[Any, str, list[str]]] = [
     (mysql_utils, "create_mysql_connection", ["engine", "dunder_file", "storage_type_desc"]),
     (mysql_utils, "mysql_url_from_config", ["config_value"]),
     (celery_make_app, "make_app", ["app_args"]),
-    (celery_tasks, "create_execute_job_task", ["celery"]),
 ]
 
 

@@ -33,7 +33,10 @@ THREE_HOSTS = {"n_cities": 200, "total_hotels": 2400, "empty_city_share": 0.0, "
 def test_three_hosts_sync_one_backfill(services: Services):
     with deployment(
         services,
-        settings={"SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "67"},
+        settings={
+            "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "67",
+            "SUPPLIER_SYNC_WORKER_PROCESSES": "2",
+        },
         hosts=NAMES,
         **THREE_HOSTS,
     ) as deployed:
