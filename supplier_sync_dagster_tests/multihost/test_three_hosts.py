@@ -3,7 +3,8 @@
 The backfill's runs go through RabbitMQ to whichever host takes them; shards are claimed
 through the leases. The catalog must equal the simulator's ground truth, every city be
 claimed once in the batch, every partition be materialized with its own metadata, and more
-than one host must have worked (cities per host are printed).
+than one host must have worked (cities per host are printed). Each run syncs its cities in
+two worker processes of its own, as large runs do by default.
 """
 
 from __future__ import annotations
