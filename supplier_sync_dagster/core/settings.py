@@ -211,6 +211,15 @@ class Settings(ClaimLockSettings, StorageSettings):
         "(a flood of confirmations never spends the syncs' budget; past it: 429); unset: a "
         "tenth of the account's rate limit",
     )
+    lease_seconds: float | None = Field(
+        default=None,
+        ge=5,
+        le=1800,
+        allow_inf_nan=False,
+        description="shard lease of the runs the Dagster definitions start (seconds, 5-1800; "
+        "renewed every sixth of it, at most every 20 s): how long a city held by a lost host "
+        "waits before another host takes it over; unset: 180",
+    )
     backfill_cities_per_run: int | None = Field(
         default=None,
         ge=1,

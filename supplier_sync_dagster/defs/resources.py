@@ -486,12 +486,23 @@ def resources() -> dg.Definitions:
             "sync_db": SyncDatabaseResource(
                 db_url=env_var(settings, "db_url"),
                 max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                **lease_fields(settings),
             ),
             "payloads": PayloadStoreResource(url=env_var(settings, "payload_url")),
             **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),
         }
     )
+
+
+def lease_fields(settings: Settings) -> dict[str, Any]:
+    """The sync database resource's lease fields when ``SUPPLIER_SYNC_LEASE_SECONDS`` is set."""
+    if settings.lease_seconds is None:
+        return {}
+    return {
+        "lease_seconds": settings.lease_seconds,
+        "heartbeat_seconds": min(20.0, settings.lease_seconds / 6),
+    }
 
 
 def client_limits(settings: Settings, account: Account | None = None) -> dict[str, Any]:

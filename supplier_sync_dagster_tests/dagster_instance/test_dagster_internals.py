@@ -32,9 +32,16 @@ from dagster._core.storage.sqlite_storage import DagsterSqliteStorage
 from dagster._daemon import cli as daemon_cli
 from dagster._daemon import controller
 from dagster._serdes import serialize_value
+from dagster_celery import make_app as celery_make_app
 from dagster_mysql import utils as mysql_utils
 
-from supplier_sync_dagster.dagster_instance import events, mysql_storage, run_launcher, storage
+from supplier_sync_dagster.dagster_instance import (
+    celery_launcher,
+    events,
+    mysql_storage,
+    run_launcher,
+    storage,
+)
 from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
 
 PACKAGE = Path(storage.__file__).resolve().parents[1]
@@ -66,6 +73,7 @@ OURS = (
     storage.EmbeddedDagsterInstance,
     storage.WalAwareWatchdog,
     run_launcher.LocalRunLauncher,
+    celery_launcher.HostCeleryRunLauncher,
     mysql_storage.PooledMySQLEventLogStorage,
     mysql_storage.PooledMySQLRunStorage,
     mysql_storage.PooledMySQLStorage,
@@ -91,6 +99,7 @@ CALLED: list[tuple[Any, str, list[str]]] = [
     (SqliteEventLogStorage, "register_instance", ["self", "instance"]),
     (mysql_utils, "create_mysql_connection", ["engine", "dunder_file", "storage_type_desc"]),
     (mysql_utils, "mysql_url_from_config", ["config_value"]),
+    (celery_make_app, "make_app", ["app_args"]),
 ]
 
 

@@ -202,6 +202,21 @@ def test_the_choice_is_made_in_one_place():
     assert (http.base_url, http.api_key, http.page_size) == ("http://x", "k", 7)
 
 
+def test_the_lease_setting_reaches_the_sync_database(monkeypatch: pytest.MonkeyPatch):
+    def bound_lease() -> tuple[float, float]:
+        bound = resources_module.resources().resources or {}
+        lease = bound["sync_db"].lease_settings()
+        return lease.lease_seconds, lease.heartbeat_seconds
+
+    assert bound_lease() == (180.0, 20.0)
+    monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", "12")
+    assert bound_lease() == (12.0, 2.0)
+    for bad in ("4", "1801", "nan"):
+        monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", bad)
+        with pytest.raises(ConfigError, match="SUPPLIER_SYNC_LEASE_SECONDS"):
+            resources_module.resources()
+
+
 def test_settings_are_read_once_per_load(monkeypatch: pytest.MonkeyPatch):
     calls = []
     real = resources_module.load_settings

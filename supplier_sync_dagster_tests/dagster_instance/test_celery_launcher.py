@@ -1,0 +1,127 @@
+"""The multi-host launcher's health check, its config and the worker app, on RabbitMQ and Redis.
+
+The check reads the task state that every host shares (Redis) and pings the worker that
+took the run: a run whose worker does not answer is FAILED, where dagster-celery's own
+launcher calls it running for ever. ``multihost/`` runs the whole profile.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import dagster as dg
+import pytest
+from dagster._core.launcher import WorkerStatus
+from dagster_celery.launcher import CeleryRunLauncher
+from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+
+from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.dagster_instance.celery_launcher import (
+    BACKEND_ENV,
+    BROKER_ENV,
+    QUEUE_ENV,
+    HostCeleryRunLauncher,
+    worker_app,
+)
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def launcher(amqp_url: str, redis_url: str) -> Iterator[HostCeleryRunLauncher]:
+    made = HostCeleryRunLauncher(
+        default_queue=f"sst-{uuid.uuid4().hex[:8]}",
+        broker=amqp_url,
+        backend=redis_url,
+        ping_timeout_seconds=1,
+    )
+    yield made
+    made.celery.close()
+
+
+def run_with_task() -> tuple[dg.DagsterRun, str]:
+    """A run launched as a Celery task (its id, with no state recorded yet)."""
+    task_id = uuid.uuid4().hex
+    return dg.DagsterRun(
+        job_name="j", run_id=uuid.uuid4().hex, tags={DAGSTER_CELERY_TASK_ID_TAG: task_id}
+    ), task_id
+
+
+def test_a_started_run_whose_worker_does_not_answer_is_failed(launcher: HostCeleryRunLauncher):
+    run, task_id = run_with_task()
+    node = f"supplier-sync@gone-{uuid.uuid4().hex[:6]}"
+    launcher.celery.backend.store_result(task_id, {"hostname": node, "pid": 4242}, "STARTED")
+
+    checked = launcher.check_run_worker_health(run)
+    assert checked.status == WorkerStatus.FAILED
+    assert node in (checked.msg or "")
+    # dagster-celery's own launcher, on the same state, calls the run healthy for ever.
+    stock = CeleryRunLauncher.check_run_worker_health(launcher, run)
+    assert stock.status == WorkerStatus.RUNNING
+
+
+def test_task_states_map_to_worker_states(launcher: HostCeleryRunLauncher):
+    finished = {"SUCCESS": WorkerStatus.SUCCESS, "FAILURE": WorkerStatus.FAILED}
+    for state, expected in finished.items():
+        run, task_id = run_with_task()
+        launcher.celery.backend.store_result(
+            task_id, 0 if state == "SUCCESS" else RuntimeError("x"), state
+        )
+        assert launcher.check_run_worker_health(run).status == expected, state
+    # Queued (no state yet): running, where the stock launcher's UNKNOWN fails the run.
+    queued, _ = run_with_task()
+    assert launcher.check_run_worker_health(queued).status == WorkerStatus.RUNNING
+    assert (
+        CeleryRunLauncher.check_run_worker_health(launcher, queued).status == WorkerStatus.UNKNOWN
+    )
+    untagged = dg.DagsterRun(job_name="j", run_id=uuid.uuid4().hex)
+    assert launcher.check_run_worker_health(untagged).status == WorkerStatus.RUNNING
+
+
+def test_the_launcher_refuses_a_backend_other_hosts_cannot_read(amqp_url: str):
+    for backend in (None, "rpc://"):
+        with pytest.raises(ConfigError, match="result backend every host reads"):
+            HostCeleryRunLauncher(broker=amqp_url, backend=backend)
+    with pytest.raises(ConfigError, match="ping_timeout_seconds"):
+        HostCeleryRunLauncher(
+            broker=amqp_url, backend="redis://127.0.0.1:6379/15", ping_timeout_seconds=0
+        )
+
+
+def test_resuming_is_not_offered(launcher: HostCeleryRunLauncher):
+    # dagster-celery's resume_run sends its task an argument the task does not take.
+    assert CeleryRunLauncher.supports_resume_run.fget(launcher) is True  # type: ignore[attr-defined]
+    assert launcher.supports_resume_run is False
+
+
+def test_the_launcher_is_read_from_the_profile_config(amqp_url: str, redis_url: str):
+    config = {
+        "broker": amqp_url,
+        "backend": redis_url,
+        "default_queue": "q1",
+        "ping_timeout_seconds": 2.5,
+    }
+    made = HostCeleryRunLauncher.from_config_value(None, config)  # type: ignore[arg-type]
+    try:
+        assert made.ping_timeout_seconds == 2.5
+        assert made.celery.conf.task_acks_late is True
+        assert made.celery.conf.worker_prefetch_multiplier == 1
+        assert made.celery.conf.task_routes["execute_job"]["queue"] == "q1"
+    finally:
+        made.celery.close()
+    fields = HostCeleryRunLauncher.config_type()
+    assert isinstance(fields, dict)
+    assert {"broker", "backend", "ping_timeout_seconds"} <= set(fields)
+
+
+def test_the_worker_app_takes_the_launcher_s_settings(amqp_url: str, redis_url: str):
+    app = worker_app({BROKER_ENV: amqp_url, BACKEND_ENV: redis_url, QUEUE_ENV: "q2"})
+    try:
+        assert "execute_job" in app.tasks
+        assert [q.name for q in app.conf.task_queues] == ["q2"]
+        assert app.conf.task_acks_late is True
+    finally:
+        app.close()
+    with pytest.raises(ConfigError, match=BROKER_ENV):
+        worker_app({BACKEND_ENV: redis_url})
