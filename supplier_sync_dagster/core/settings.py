@@ -27,6 +27,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.leasing.processes import DEFAULT_LEASE_SECONDS
 from supplier_sync_dagster.core.redaction import register_secret, register_url
 
 ENV_PREFIX = "SUPPLIER_SYNC_"
@@ -91,6 +92,15 @@ class StorageSettings(BaseSettings):
         description="how far a supplier record's updated_at may be ahead of the sync database's "
         "clock (seconds, 0-604800); a record further ahead is a FUTURE_TIMESTAMP dead letter and "
         "no watermark passes the database clock plus this; unset: 3600",
+    )
+    lease_seconds: float = Field(
+        default=DEFAULT_LEASE_SECONDS,
+        ge=5,
+        le=1800,
+        allow_inf_nan=False,
+        description="how long a worker's shard lease lasts without renewal (seconds, 5-1800): "
+        "how long a frozen or lost worker's cities wait before another worker takes them over; "
+        "renewed every sixth of it, at most every 20 s; unset: 180",
     )
 
     @property

@@ -29,6 +29,7 @@ from supplier_sync_dagster.core.settings import (
     DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_TASK_CODE,
     Settings,
+    StorageSettings,
     env_name,
     load_settings,
 )
@@ -486,12 +487,20 @@ def resources() -> dg.Definitions:
             "sync_db": SyncDatabaseResource(
                 db_url=env_var(settings, "db_url"),
                 max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                **lease_fields(settings),
             ),
             "payloads": PayloadStoreResource(url=env_var(settings, "payload_url")),
             **{scope.supplier_key: account_supplier(settings, scope) for scope in account_scopes()},
             "governance": GovernanceResource(),
         }
     )
+
+
+def lease_fields(settings: StorageSettings) -> dict[str, float]:
+    """The sync database resource's lease fields of the settings: the lease, and a renewal
+    every sixth of it (two missed renewals still leave it alive), at most every 20 s."""
+    lease = settings.lease_seconds
+    return {"lease_seconds": lease, "heartbeat_seconds": min(20.0, lease / 6)}
 
 
 def client_limits(settings: Settings, account: Account | None = None) -> dict[str, Any]:
