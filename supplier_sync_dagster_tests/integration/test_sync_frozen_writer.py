@@ -66,7 +66,9 @@ def _all_stopped(pgid: int) -> bool:
     states = []
     for pid in _group(pgid):
         try:
-            states.append((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            states.append(
+                (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            )
         except OSError:
             continue
     return bool(states) and all(s in "TtZ" for s in states)
@@ -245,7 +247,10 @@ def test_a_frozen_sync_is_overtaken_and_every_write_it_attempts_on_waking_is_fen
             outcomes = dict(conn.execute(sa.select(g.trigger_id, g.outcome)).all())
             published = dict(
                 conn.execute(
-                    sa.select(schema.platform_hotel.c.supplier_hotel_id, schema.platform_hotel.c.supplier_version)
+                    sa.select(
+                        schema.platform_hotel.c.supplier_hotel_id,
+                        schema.platform_hotel.c.supplier_version,
+                    )
                 ).all()
             )
     finally:

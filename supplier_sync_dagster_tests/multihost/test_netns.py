@@ -1,0 +1,114 @@
+"""Network namespaces as hosts: a process inside reaches the services only through the
+forwarders, never the root namespace's loopback, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from _pytest.outcomes import Failed, Skipped
+
+from supplier_sync_dagster_tests.multihost import netns
+from supplier_sync_dagster_tests.multihost.netns import Namespace, ip, namespaces
+
+# Connects to MariaDB at HOST:PORT as root and prints the server's version, else the error.
+PROBE = textwrap.dedent(
+    """
+    import sys, pymysql
+    try:
+        conn = pymysql.connect(host=sys.argv[1], port=int(sys.argv[2]), user="root",
+                               connect_timeout=3)
+        with conn.cursor() as cur:
+            cur.execute("SELECT VERSION()")
+            print("CONNECTED", cur.fetchone()[0])
+    except Exception as err:
+        print("REFUSED", type(err).__name__, err)
+    """
+)
+
+
+def _probe(ns: Namespace, host: str, port: int = 3306) -> str:
+    done = ns.run(sys.executable, "-c", PROBE, host, str(port))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie waiting for its parent does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _links() -> str:
+    return ip("-o", "link", "show").stdout
+
+
+def test_a_process_inside_reaches_mariadb_through_the_forwarder_not_the_root_loopback(
+    mysql_server_url: str,
+):
+    with Namespace("probe") as ns:
+        assert ns.prefix == ["ip", "netns", "exec", ns.name]
+        assert ns.service_address != ns.address
+        assert _probe(ns, ns.service_address).startswith("CONNECTED"), ns.name
+        # The root namespace's loopback, where MariaDB listens, is not this host's.
+        assert _probe(ns, "127.0.0.1").startswith("REFUSED")
+        # A port nothing forwards is closed at the service address, though a root-side
+        # service listens on it (the Erlang port mapper beside RabbitMQ).
+        assert _probe(ns, ns.service_address, 4369).startswith("REFUSED")
+
+
+def test_a_port_forwarded_later_is_reached_and_two_namespaces_do_not_share_an_address(
+    mysql_server_url: str,
+):
+    with Namespace("one", ports=()) as one, Namespace("two", ports=()) as two:
+        assert len({one.service_address, two.service_address, one.address, two.address}) == 4
+        assert _probe(one, one.service_address).startswith("REFUSED")
+        assert one.url_host(3306) == f"{one.service_address}:3306"
+        assert _probe(one, one.service_address).startswith("CONNECTED")
+        # Each namespace sees its own root-side address only through its own veth.
+        assert _probe(two, one.service_address).startswith("REFUSED")
+
+
+def test_cleanup_leaves_no_namespace_veth_or_process_behind_even_when_the_test_fails():
+    with pytest.raises(RuntimeError, match="the test failed"), Namespace("cleanup") as ns:
+        name, link = ns.name, ns.root_link
+        sleeper = ns.run("sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!")
+        pid = int(sleeper.stdout)
+        assert name in namespaces() and link in _links()
+        raise RuntimeError("the test failed")
+    assert name not in namespaces()
+    assert link not in _links()
+    deadline = time.monotonic() + 30
+    while _running(pid):
+        assert time.monotonic() < deadline, f"process {pid} started inside still runs"
+        time.sleep(0.05)
+
+
+def test_namespaces_of_a_killed_test_run_are_removed_by_the_next_one():
+    netns.require_namespaces()
+    stale = f"ss-stale-{2**22 + 17}-abcdef"  # above any pid this machine hands out
+    ip("netns", "add", stale)
+    try:
+        assert stale in netns.remove_stale()
+        assert stale not in namespaces()
+    finally:
+        ip("netns", "del", stale, check=False)
+
+
+def test_without_root_the_tests_skip_but_fail_when_services_are_required(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("SUPPLIER_SYNC_REQUIRE_SERVICES", raising=False)
+    with pytest.raises(Skipped, match="network namespaces need root"):
+        Namespace("laptop").__enter__()
+    monkeypatch.setenv("SUPPLIER_SYNC_REQUIRE_SERVICES", "1")
+    with pytest.raises(Failed, match="SUPPLIER_SYNC_REQUIRE_SERVICES=1"):
+        Namespace("laptop").__enter__()
