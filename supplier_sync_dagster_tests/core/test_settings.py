@@ -34,6 +34,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_DB_URL",
         "SUPPLIER_SYNC_PAYLOAD_URL",
         "SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS",
+        "SUPPLIER_SYNC_LEASE_SECONDS",
         "SUPPLIER_SYNC_SUPPLIERS_FILE",
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
@@ -169,6 +170,18 @@ def test_the_clock_skew_is_an_hour_unless_set_and_within_a_week(monkeypatch: pyt
         message = str(pytest.raises(ConfigError, load_storage_settings).value)
         assert message.startswith("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS: "), message
         assert "\n" not in message
+
+
+def test_the_lease_is_three_minutes_unless_set_and_within_5_to_1800_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    assert load_storage_settings().lease_seconds == 180.0
+    monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", "6")
+    assert load_settings().lease_seconds == 6.0
+    for bad in ("4.9", "1801", "nan", "inf", "3 minutes"):
+        monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", bad)
+        message = str(pytest.raises(ConfigError, load_storage_settings).value)
+        assert message.startswith("SUPPLIER_SYNC_LEASE_SECONDS: "), message
 
 
 def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch):

@@ -14,6 +14,7 @@ Dagster partition stays materialized.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,7 +35,13 @@ from supplier_sync_dagster.dagster_instance.deployment import ASSETS
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import Simulator
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, cli_process, serve_simulator
+from supplier_sync_dagster_tests.cli.test_main import published, query
+from supplier_sync_dagster_tests.helpers import (
+    SIM_API_KEY,
+    cli_process,
+    process_state,
+    serve_simulator,
+)
 
 LEASE_SECONDS = 6
 PAGE_SIZE = 50
@@ -53,25 +60,15 @@ def _group(pgid: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                pids.append(int(entry.name))
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
     return pids
 
 
 def _all_stopped(pgid: int) -> bool:
-    states = []
-    for pid in _group(pgid):
-        try:
-            states.append(
-                (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            )
-        except OSError:
-            continue
-    return bool(states) and all(s in "TtZ" for s in states)
+    states = [process_state(pid) for pid in _group(pgid)]
+    return bool(states) and all(s is None or s in "TtZ" for s in states)
 
 
 def _sqlite_locked(path: Path) -> bool:
@@ -240,22 +237,10 @@ def test_a_frozen_sync_is_overtaken_and_every_write_it_attempts_on_waking_is_fen
         if frozen.poll() is None:
             os.killpg(frozen.pid, signal.SIGKILL)
             frozen.wait()
-    text = frozen_log.read_text(errors="replace")
-    try:
-        g = schema.trigger_log.c
-        with db.engine.connect() as conn:
-            outcomes = dict(conn.execute(sa.select(g.trigger_id, g.outcome)).all())
-            published = dict(
-                conn.execute(
-                    sa.select(
-                        schema.platform_hotel.c.supplier_hotel_id,
-                        schema.platform_hotel.c.supplier_version,
-                    )
-                ).all()
-            )
-    finally:
         db.dispose()
-
+    text = frozen_log.read_text(errors="replace")
+    g = schema.trigger_log.c
+    outcomes = dict(query(db_url, sa.select(g.trigger_id, g.outcome)))
     assert outcomes == {"night": "CREATED", "rescue": "ADOPTED"}
     # Not one row written by the process that woke up after losing its cities, but for the
     # metrics row of its own run: the requests it made before it froze were made.
@@ -265,10 +250,12 @@ def test_a_frozen_sync_is_overtaken_and_every_write_it_attempts_on_waking_is_fen
     assert len(added) == 1 and added[0][3] == repr(frozen_worker), (added, frozen_worker)
     changed = {name for name in before if before[name] != after[name]}
     assert not changed, {name: (before[name], after[name]) for name in changed}
-    assert published == dict(sim.ground_truth().valid)
+    assert published(db_url) == dict(sim.ground_truth().valid)
     # It stopped, saying why, with the exit status of a sync that did not complete.
     assert status == 1, text[-4000:]
     assert "LEASE_LOST" in text, text[-4000:]
+    last = text.strip().splitlines()[-1]
+    assert "taken over by another worker after this run's leases expired" in last, last
     codes = sim.city_codes()
     truth = {asset: dict.fromkeys(codes, "MATERIALIZED") for asset in ASSETS}
     assert _statuses(dagster_home, codes) == truth

@@ -26,7 +26,6 @@ import subprocess
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 
 import pytest
 
@@ -133,12 +132,7 @@ class Namespace:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def forward(self, port: int) -> int:

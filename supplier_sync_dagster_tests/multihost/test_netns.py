@@ -7,11 +7,11 @@ import os
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from _pytest.outcomes import Failed, Skipped
 
+from supplier_sync_dagster_tests.helpers import process_state
 from supplier_sync_dagster_tests.multihost import netns
 from supplier_sync_dagster_tests.multihost.netns import Namespace, ip, namespaces
 
@@ -35,15 +35,6 @@ def _probe(ns: Namespace, host: str, port: int = 3306) -> str:
     done = ns.run(sys.executable, "-c", PROBE, host, str(port))
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
-
-
-def _running(pid: int) -> bool:
-    """Whether the process runs (a zombie waiting for its parent does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _links() -> str:
@@ -86,7 +77,7 @@ def test_cleanup_leaves_no_namespace_veth_or_process_behind_even_when_the_test_f
     assert name not in namespaces()
     assert link not in _links()
     deadline = time.monotonic() + 30
-    while _running(pid):
+    while process_state(pid) not in (None, "Z"):
         assert time.monotonic() < deadline, f"process {pid} started inside still runs"
         time.sleep(0.05)
 
