@@ -159,29 +159,32 @@ def test_the_supplier_clients_bounds(monkeypatch: pytest.MonkeyPatch):
         assert message.startswith(f"{name}: ") and "\n" not in message
 
 
-def test_the_clock_skew_is_an_hour_unless_set_and_within_a_week(monkeypatch: pytest.MonkeyPatch):
-    assert load_storage_settings().max_clock_skew_seconds == 3600.0
-    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "0")
-    assert load_storage_settings().max_clock_skew_seconds == 0.0
-    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "120.5")
-    assert load_settings().max_clock_skew_seconds == 120.5
-    for bad in ("-1", "604801", "nan", "inf", "an hour"):
-        monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", bad)
-        message = str(pytest.raises(ConfigError, load_storage_settings).value)
-        assert message.startswith("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS: "), message
-        assert "\n" not in message
-
-
-def test_the_lease_is_three_minutes_unless_set_and_within_5_to_1800_seconds(
+@pytest.mark.parametrize(
+    ("field", "unset", "good", "bad"),
+    [
+        # The clock skew: an hour unless set, within a week.
+        ("max_clock_skew_seconds", 3600.0, ("0", "120.5"), ("-1", "604801", "an hour")),
+        # The shard lease: three minutes unless set, within 5-1800 s.
+        ("lease_seconds", 180.0, ("5", "6", "1800"), ("4.9", "1801", "3 minutes")),
+    ],
+)
+def test_a_seconds_setting_has_its_default_and_its_bounds(
     monkeypatch: pytest.MonkeyPatch,
+    field: str,
+    unset: float,
+    good: tuple[str, ...],
+    bad: tuple[str, ...],
 ):
-    assert load_storage_settings().lease_seconds == 180.0
-    monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", "6")
-    assert load_settings().lease_seconds == 6.0
-    for bad in ("4.9", "1801", "nan", "inf", "3 minutes"):
-        monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", bad)
+    name = env_name(field)
+    assert getattr(load_storage_settings(), field) == unset
+    for value in good:
+        monkeypatch.setenv(name, value)
+        assert getattr(load_settings(), field) == float(value)
+    for value in (*bad, "nan", "inf"):
+        monkeypatch.setenv(name, value)
         message = str(pytest.raises(ConfigError, load_storage_settings).value)
-        assert message.startswith("SUPPLIER_SYNC_LEASE_SECONDS: "), message
+        assert message.startswith(f"{name}: "), message
+        assert "\n" not in message
 
 
 def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch):

@@ -166,13 +166,8 @@ def _statuses(dagster_home: Path, codes: list[str]) -> dict[str, dict[str, str]]
 
 def _sync(trigger: str, env: dict[str, str], log: IO[str], *options: str) -> Any:
     return cli_process(
-        "sync",
-        "--full",
-        "--json",
-        "--trigger-id",
+        *f"sync --full --json --page-size {PAGE_SIZE} --trigger-id".split(),
         trigger,
-        "--page-size",
-        str(PAGE_SIZE),
         *options,
         env=env,
         stdout=log,

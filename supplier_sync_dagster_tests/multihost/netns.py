@@ -150,10 +150,12 @@ class Namespace:
         """``service_address:port`` after forwarding the port: the host part of a URL."""
         return f"{self.service_address}:{self.forward(port)}"
 
-    def run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """Runs a program inside the namespace and waits for it, its output captured."""
         return subprocess.run(
-            [*self.prefix, *argv], capture_output=True, text=True, timeout=timeout
+            [*self.prefix, *argv], env=env, capture_output=True, text=True, timeout=timeout
         )
 
     def close(self) -> None:

@@ -4,14 +4,17 @@ forwarders, never the root namespace's loopback, and nothing is left behind."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from _pytest.outcomes import Failed, Skipped
 
-from supplier_sync_dagster_tests.helpers import process_state
+from supplier_sync_dagster_tests.cli.test_main import published
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, process_state, serve_simulator
 from supplier_sync_dagster_tests.multihost import netns
 from supplier_sync_dagster_tests.multihost.netns import Namespace, ip, namespaces
 
@@ -103,3 +106,35 @@ def test_without_root_the_tests_skip_but_fail_when_services_are_required(
     monkeypatch.setenv("SUPPLIER_SYNC_REQUIRE_SERVICES", "1")
     with pytest.raises(Failed, match="SUPPLIER_SYNC_REQUIRE_SERVICES=1"):
         Namespace("laptop").__enter__()
+
+
+def test_a_sync_inside_reaches_its_database_and_supplier_only_through_the_forwarders(
+    fresh_mysql_db: str, tmp_path: Path
+):
+    with serve_simulator(seed=3, n_cities=3, total_hotels=300) as (sim, sim_url):
+        sim_port = int(sim_url.rsplit(":", 1)[1])
+        with Namespace("sync") as ns:
+            inside = ns.url_host(sim_port)
+
+            def sync(db_url: str, supplier_url: str) -> subprocess.CompletedProcess[str]:
+                env = {
+                    **os.environ,
+                    "DAGSTER_HOME": str(tmp_path / "dagster_home"),
+                    "SUPPLIER_SYNC_HOME": str(tmp_path / "home"),
+                    "SUPPLIER_SYNC_DB_URL": db_url,
+                    "SUPPLIER_SYNC_SUPPLIER_URL": supplier_url,
+                    "SUPPLIER_SYNC_SUPPLIER_API_KEY": SIM_API_KEY,
+                }
+                argv = ("-m", "supplier_sync_dagster.cli", "sync", "--full", "--json")
+                return ns.run(sys.executable, *argv, env=env, timeout=300)
+
+            (tmp_path / "dagster_home").mkdir()
+            # The root namespace's loopback addresses lead nowhere from inside.
+            refused = sync(fresh_mysql_db, sim_url)
+            assert refused.returncode != 0, refused.stdout
+            assert published(fresh_mysql_db) == {}
+            done = sync(
+                fresh_mysql_db.replace("127.0.0.1:3306", ns.url_host(3306)), f"http://{inside}"
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+    assert published(fresh_mysql_db) == dict(sim.ground_truth().valid)
