@@ -453,9 +453,16 @@ class ShardLease:
         self.mark_lost(f"shard {self.shard_key!r} was released: {reason}", expected=True)
 
     def refresh_batch(self) -> Batch:
-        """Re-derives the batch's counts and progress (called by the heartbeat runner)."""
+        """Re-derives the batch's counts and progress (called by the heartbeat runner); fenced
+        after the batch's lock, so a worker that lost the lease writes nothing to its batch.
+
+        Raises:
+            LeaseLost: Another worker owns the shard or the batch was cancelled.
+        """
         with self.db.begin() as conn:
-            return refresh_batch(conn, self.db.clock, self.batch_id)
+            batch = refresh_batch(conn, self.db.clock, self.batch_id)
+            self._fenced(conn, updated_at=self.db.clock.now())
+            return batch
 
     def _end(
         self,
@@ -935,6 +942,9 @@ class HeartbeatRunner:
             if self._refresh_every and self.beats % self._refresh_every == 0:
                 try:
                     self.lease.refresh_batch()
+                except LeaseLost as err:
+                    self._lose(err)
+                    return
                 except Exception as err:  # progress display only; never stop the work for it
                     log.warning("batch refresh failed: %s", err)
 

@@ -388,6 +388,23 @@ def test_progress_and_current_city_follow_checkpoints(db: SyncDatabase, make_bat
     assert float(b.progress_percent) == pytest.approx(12.5)  # (1/4) of one of two shards
 
 
+def test_a_worker_that_lost_its_lease_does_not_refresh_the_batch(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    """The zombie writer's heartbeat thread, woken between a beat and its batch refresh."""
+    batch = make_batch(["A"])
+    stale = claim_shard(db, batch.batch_id, "A", worker_id="w1", settings=FAST)
+    later = SyncDatabase(engine=db.engine, clock=DbClock(FAST.lease_seconds + 1))
+    claim_shard(later, batch.batch_id, "A", worker_id="w2", settings=FAST)
+    with db.engine.connect() as conn:
+        before = conn.execute(sa.select(schema.batch)).all()
+    with pytest.raises(LeaseLost):
+        stale.refresh_batch()
+    assert stale.lost
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(schema.batch)).all() == before
+
+
 # ---------------------------------------------------------------- stalls
 
 
