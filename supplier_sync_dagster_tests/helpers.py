@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -219,13 +220,17 @@ class BoundQueue:
 class TcpProxy:
     """A loopback TCP proxy to a service, that a test can take down and bring back: the
     service "stops" for whoever connects through the proxy (open connections are cut, new
-    ones refused) while it keeps running for everyone else."""
+    ones refused) while it keeps running for everyone else. It listens on loopback unless
+    told an address (and port) of its own, such as a network namespace's root-side veth."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(
+        self, target_host: str, target_port: int, *, listen_host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self.target = (target_host, target_port)
+        self.listen_host = listen_host
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind((listen_host, port))
         self.port = int(self._listener.getsockname()[1])
         self._listener.close()
         self._server: socket.socket | None = None
@@ -236,7 +241,7 @@ class TcpProxy:
         """Accepts connections on :attr:`port` again."""
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
+        server.bind((self.listen_host, self.port))
         server.listen(64)
         self._server = server
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
@@ -286,6 +291,16 @@ class TcpProxy:
                     s.shutdown(socket.SHUT_RDWR)
 
 
+def process_state(pid: int) -> str | None:
+    """A process's state letter as ``/proc`` shows it (R, S, T stopped, Z a zombie nobody
+    reaped), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on now."""
     with socket.socket() as s:
@@ -314,16 +329,18 @@ def wait_for_http(url: str, proc: Any, *, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def cli_process(*argv: str, env: dict[str, str]) -> Any:
+def cli_process(*argv: str, env: dict[str, str], **popen: Any) -> Any:
     """``supplier-sync ARGV`` as a process of its own (a user's long-running command), its
-    output captured as text."""
+    output captured as text; ``popen`` overrides the ``subprocess.Popen`` arguments (output to
+    files, ``start_new_session`` for a process group of its own)."""
     import subprocess
     import sys
 
-    return subprocess.Popen(
-        [sys.executable, "-m", "supplier_sync_dagster.cli", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    options: dict[str, Any] = {
+        "env": env,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+        **popen,
+    }
+    return subprocess.Popen([sys.executable, "-m", "supplier_sync_dagster.cli", *argv], **options)

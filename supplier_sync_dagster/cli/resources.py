@@ -22,6 +22,7 @@ from supplier_sync_dagster.defs.resources import (
     SyncDatabaseResource,
     account_supplier,
     client_limits,
+    lease_fields,
     supplier_resource,
     walk_fields,
 )
@@ -35,6 +36,7 @@ def storage_resources(
         SyncDatabaseResource(
             db_url=args.db_url or settings.db_url,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            **lease_fields(settings),
         ),
         PayloadStoreResource(url=settings.payload_url),
     )

@@ -27,6 +27,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.leasing.processes import DEFAULT_LEASE_SECONDS
 from supplier_sync_dagster.core.redaction import register_secret, register_url
 
 ENV_PREFIX = "SUPPLIER_SYNC_"
@@ -91,6 +92,15 @@ class StorageSettings(BaseSettings):
         description="how far a supplier record's updated_at may be ahead of the sync database's "
         "clock (seconds, 0-604800); a record further ahead is a FUTURE_TIMESTAMP dead letter and "
         "no watermark passes the database clock plus this; unset: 3600",
+    )
+    lease_seconds: float = Field(
+        default=DEFAULT_LEASE_SECONDS,
+        ge=5,
+        le=1800,
+        allow_inf_nan=False,
+        description="how long a worker's shard lease lasts without renewal (seconds, 5-1800): "
+        "how long a frozen or lost worker's cities wait before another worker takes them over; "
+        "renewed every sixth of it, at most every 20 s; unset: 180",
     )
 
     @property
@@ -210,15 +220,6 @@ class Settings(ClaimLockSettings, StorageSettings):
         "account, all API processes together, from a bucket of their own beside the syncs' "
         "(a flood of confirmations never spends the syncs' budget; past it: 429); unset: a "
         "tenth of the account's rate limit",
-    )
-    lease_seconds: float | None = Field(
-        default=None,
-        ge=5,
-        le=1800,
-        allow_inf_nan=False,
-        description="shard lease of the runs the Dagster definitions start (seconds, 5-1800; "
-        "renewed every sixth of it, at most every 20 s): how long a city held by a lost host "
-        "waits before another host takes it over; unset: 180",
     )
     backfill_cities_per_run: int | None = Field(
         default=None,

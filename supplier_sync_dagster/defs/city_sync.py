@@ -440,6 +440,13 @@ def _not_published(
         for status, group in failed.items()
     }
     parts = [f"{len(group)} {status}" for status, group in sorted(failed.items())]
+    if "LEASE_LOST" in failed:
+        # The zombie writer's case: its cities belong to whoever took them over.
+        parts.append(
+            "the LEASE_LOST ones were taken over by another worker after this run's leases "
+            "expired (it was frozen or cut off from the database for longer than the lease), "
+            "and this run wrote nothing more of them"
+        )
     if unreplayed:
         parts.append(f"{len(unreplayed)} without stored raw pages to replay")
     errors = cities.get("FAILED", {})

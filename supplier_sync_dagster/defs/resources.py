@@ -29,6 +29,7 @@ from supplier_sync_dagster.core.settings import (
     DEFAULT_MAX_CLOCK_SKEW_SECONDS,
     DEFAULT_TASK_CODE,
     Settings,
+    StorageSettings,
     env_name,
     load_settings,
 )
@@ -495,14 +496,11 @@ def resources() -> dg.Definitions:
     )
 
 
-def lease_fields(settings: Settings) -> dict[str, Any]:
-    """The sync database resource's lease fields when ``SUPPLIER_SYNC_LEASE_SECONDS`` is set."""
-    if settings.lease_seconds is None:
-        return {}
-    return {
-        "lease_seconds": settings.lease_seconds,
-        "heartbeat_seconds": min(20.0, settings.lease_seconds / 6),
-    }
+def lease_fields(settings: StorageSettings) -> dict[str, float]:
+    """The sync database resource's lease fields of the settings: the lease, and a renewal
+    every sixth of it (two missed renewals still leave it alive), at most every 20 s."""
+    lease = settings.lease_seconds
+    return {"lease_seconds": lease, "heartbeat_seconds": min(20.0, lease / 6)}
 
 
 def client_limits(settings: Settings, account: Account | None = None) -> dict[str, Any]:

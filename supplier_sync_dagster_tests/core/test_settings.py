@@ -34,6 +34,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_DB_URL",
         "SUPPLIER_SYNC_PAYLOAD_URL",
         "SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS",
+        "SUPPLIER_SYNC_LEASE_SECONDS",
         "SUPPLIER_SYNC_REDIS_URL",
         "SUPPLIER_SYNC_CLAIM_LOCKS",
         "SUPPLIER_SYNC_SUPPLIERS_FILE",
@@ -50,7 +51,6 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_WORKER_PROCESSES",
         "SUPPLIER_SYNC_API_KEYS",
         "SUPPLIER_SYNC_CONFIRM_RATE_LIMIT",
-        "SUPPLIER_SYNC_LEASE_SECONDS",
         "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN",
         "SUPPLIER_SYNC_WALK_MAX_PAGES",
         "SUPPLIER_SYNC_WALK_PAGE_SLACK",
@@ -160,16 +160,31 @@ def test_the_supplier_clients_bounds(monkeypatch: pytest.MonkeyPatch):
         assert message.startswith(f"{name}: ") and "\n" not in message
 
 
-def test_the_clock_skew_is_an_hour_unless_set_and_within_a_week(monkeypatch: pytest.MonkeyPatch):
-    assert load_storage_settings().max_clock_skew_seconds == 3600.0
-    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "0")
-    assert load_storage_settings().max_clock_skew_seconds == 0.0
-    monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", "120.5")
-    assert load_settings().max_clock_skew_seconds == 120.5
-    for bad in ("-1", "604801", "nan", "inf", "an hour"):
-        monkeypatch.setenv("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS", bad)
+@pytest.mark.parametrize(
+    ("field", "unset", "good", "bad"),
+    [
+        # The clock skew: an hour unless set, within a week.
+        ("max_clock_skew_seconds", 3600.0, ("0", "120.5"), ("-1", "604801", "an hour")),
+        # The shard lease: three minutes unless set, within 5-1800 s.
+        ("lease_seconds", 180.0, ("5", "6", "1800"), ("4.9", "1801", "3 minutes")),
+    ],
+)
+def test_a_seconds_setting_has_its_default_and_its_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+    field: str,
+    unset: float,
+    good: tuple[str, ...],
+    bad: tuple[str, ...],
+):
+    name = env_name(field)
+    assert getattr(load_storage_settings(), field) == unset
+    for value in good:
+        monkeypatch.setenv(name, value)
+        assert getattr(load_settings(), field) == float(value)
+    for value in (*bad, "nan", "inf"):
+        monkeypatch.setenv(name, value)
         message = str(pytest.raises(ConfigError, load_storage_settings).value)
-        assert message.startswith("SUPPLIER_SYNC_MAX_CLOCK_SKEW_SECONDS: "), message
+        assert message.startswith(f"{name}: "), message
         assert "\n" not in message
 
 

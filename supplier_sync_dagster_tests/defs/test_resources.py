@@ -130,6 +130,23 @@ def test_rate_limit_and_worker_processes_reach_the_supplier(monkeypatch: pytest.
     assert (supplier.rate_limit_rps, supplier.worker_processes) == (40.0, 2)
 
 
+def test_the_lease_setting_reaches_the_sync_database_and_the_runs(monkeypatch: pytest.MonkeyPatch):
+    def lease() -> tuple[float, float]:
+        loaded = resources_module.resources()
+        assert loaded.resources is not None
+        sync_db = loaded.resources["sync_db"]
+        assert isinstance(sync_db, SyncDatabaseResource)
+        settings = run_settings(sync_db, _supplier(), GovernanceResource()).lease
+        return settings.lease_seconds, settings.heartbeat_seconds
+
+    assert lease() == (180.0, 20.0)
+    # A short lease is renewed every sixth of it: two missed renewals leave it alive.
+    monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", "6")
+    assert lease() == (6.0, 1.0)
+    monkeypatch.setenv("SUPPLIER_SYNC_LEASE_SECONDS", "1800")
+    assert lease() == (1800.0, 20.0)
+
+
 def test_walk_limits_reach_the_supplier_and_the_sync_settings(monkeypatch: pytest.MonkeyPatch):
     assert _supplier().walk_limits() == WalkLimits()
     monkeypatch.setenv("SUPPLIER_SYNC_WALK_MAX_PAGES", "300")

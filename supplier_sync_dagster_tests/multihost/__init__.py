@@ -1,0 +1,1 @@
+"""Tests across several hosts on one machine: network namespaces, worker hosts."""

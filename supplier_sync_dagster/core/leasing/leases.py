@@ -490,9 +490,16 @@ class ShardLease:
         self.mark_lost(f"shard {self.shard_key!r} was released: {reason}", expected=True)
 
     def refresh_batch(self) -> Batch:
-        """Re-derives the batch's counts and progress (called by the heartbeat runner)."""
+        """Re-derives the batch's counts and progress (called by the heartbeat runner); fenced
+        after the batch's lock, so a worker that lost the lease writes nothing to its batch.
+
+        Raises:
+            LeaseLost: Another worker owns the shard or the batch was cancelled.
+        """
         with self.db.begin() as conn:
-            return refresh_batch(conn, self.db.clock, self.batch_id)
+            batch = refresh_batch(conn, self.db.clock, self.batch_id)
+            self._fenced(conn, updated_at=self.db.clock.now())
+            return batch
 
     def _end(
         self,
@@ -1011,6 +1018,9 @@ class HeartbeatRunner:
             if self._refresh_every and self.beats % self._refresh_every == 0:
                 try:
                     self.lease.refresh_batch()
+                except LeaseLost as err:
+                    self._lose(err)
+                    return
                 except Exception as err:  # progress display only; never stop the work for it
                     log.warning("batch refresh failed: %s", err)
 
@@ -1033,8 +1043,10 @@ class ShardWork:
       and kept in :attr:`lost`, and the caller reports the city as LEASE_LOST;
     - any other exception: the shard finishes FAILED with ``"CODE: what happened"``
       (:func:`~supplier_sync_dagster.core.errors.describe_error`, also kept in :attr:`error`)
-      and the exception propagates; if the lease is lost by then, another
-      worker owns the shard and its outcome stands (that LeaseLost is dropped);
+      and the exception propagates; if that fenced finish finds the lease lost, another
+      worker owns the shard and its outcome stands: the work ends as a lost lease (the
+      exception is suppressed, the LeaseLost kept in :attr:`lost`), so a stale worker files
+      no failure for a city someone else completes;
     - an interruption (KeyboardInterrupt, SystemExit, a closed generator; a run terminated
       from the Dagster UI): the lease is released (RUNNING -> PENDING, checkpoint kept) so
       another worker can resume at once; if the release fails the lease expires on its own;
@@ -1075,11 +1087,18 @@ class ShardWork:
                 self.lost = exc
                 log.warning("shard %r stopped: %s", lease.shard_key, exc)
                 return True
-            self.error = describe_error(exc)
+            error = describe_error(exc)
             try:
-                lease.finish("FAILED", self.error)
+                lease.finish("FAILED", error)
             except LeaseLost as err:
-                log.warning("shard %r failed after its lease was lost: %s", lease.shard_key, err)
+                # Another worker owns the shard: its outcome stands, and this failure is the
+                # stale worker's; it neither fails the city nor files its ticket.
+                self.lost = err
+                log.warning(
+                    "shard %r failed after its lease was lost (%s): %s", lease.shard_key, error, err
+                )
+                return True
+            self.error = error
             return False
         # A cancelled batch's shards are over: nothing to release, nobody to resume.
         if not lease.lost and not isinstance(exc, SyncCancelled):

@@ -79,7 +79,7 @@ from supplier_sync_dagster.core.leasing.batches import (
     start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import get_shard
-from supplier_sync_dagster.core.leasing.processes import make_worker_id
+from supplier_sync_dagster.core.leasing.processes import DEFAULT_LEASE_SECONDS, make_worker_id
 from supplier_sync_dagster.core.records.deadletters import CITY_FAILED, record_city_failure
 from supplier_sync_dagster.core.records.gates import GateResult
 from supplier_sync_dagster.core.store import schema
@@ -119,6 +119,7 @@ def resolve_batch(
     trigger_id: str,
     source: TriggerSource,
     cities: Sequence[str],
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
 ) -> Batch:
     """The batch of this trigger (created once, or adopted), with a shard per city of the run.
 
@@ -130,7 +131,12 @@ def resolve_batch(
         TriggerSkipped: The task's concurrency policy skipped this trigger.
     """
     decision = decide_trigger(
-        db, task_code=task_code, supplier_id=supplier_id, trigger_id=trigger_id, source=source
+        db,
+        task_code=task_code,
+        supplier_id=supplier_id,
+        trigger_id=trigger_id,
+        source=source,
+        lease_seconds=lease_seconds,
     )
     return start_batch(db, decision, list(cities), skipped="sync skipped")
 
@@ -143,9 +149,11 @@ def decide_trigger(
     trigger_id: str,
     source: TriggerSource,
     adopt: bool = True,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
 ) -> BatchDecision:
     """What the task's policy decides for a run's trigger (``create_batch``), the task
-    created first if it is missing.
+    created first if it is missing; ``lease_seconds`` is the creator's grace (the shards'
+    lease: a frozen creator's batch is adopted as soon as its leases could expire).
 
     Raises:
         TaskDisabled: The task is DISABLED.
@@ -154,7 +162,12 @@ def decide_trigger(
         db, TaskSpec(task_code=task_code, supplier_id=supplier_id), trigger_id=trigger_id, run="run"
     )
     return create_batch(
-        db, task_code=task_code, trigger_id=trigger_id, trigger_source=source, adopt=adopt
+        db,
+        task_code=task_code,
+        trigger_id=trigger_id,
+        trigger_source=source,
+        adopt=adopt,
+        lease_seconds=lease_seconds,
     )
 
 
@@ -305,6 +318,7 @@ def plan_run(
         trigger_id=request.trigger_id,
         source=request.source,
         cities=cities,
+        lease_seconds=settings.lease.lease_seconds,
     )
     plan = RunPlan(batch=batch, cities=cities)
     if client is None:

@@ -25,9 +25,14 @@ from supplier_sync_dagster.core.leasing.batches import (
     get_batch,
     upsert_task,
 )
-from supplier_sync_dagster.core.leasing.leases import LeaseSettings, list_shards
+from supplier_sync_dagster.core.leasing.leases import (
+    LeaseSettings,
+    claim_shard,
+    get_shard,
+    list_shards,
+)
 from supplier_sync_dagster.core.store import schema
-from supplier_sync_dagster.core.store.db import SyncDatabase
+from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore, PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync import city as city_module
@@ -606,3 +611,55 @@ def test_a_gated_small_city_keeps_the_profile_and_dead_letters_it_was_judged_on(
             assert profile is not None and profile.record_count == r.records
             assert profile.bad_count == r.dead_letters
     assert {s.status for s in list_shards(db, batch_id)} == {"FAILED"}
+
+
+def test_a_city_that_fails_after_another_worker_took_it_over_files_nothing(
+    db: SyncDatabase, tmp_path: Path
+):
+    """The zombie writer: a worker overtaken mid-city (its lease expired, another worker
+    claimed the city) then meets an error. The other worker's outcome stands: the city is
+    LEASE_LOST for the stale worker, not FAILED; the shard keeps no error of it and the batch
+    gets no CITY_FAILED ticket (the run files one for a FAILED city)."""
+    sim = make_simulator(seed=7, n_cities=1, total_hotels=200, empty_city_share=0.0)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    upsert_task(db, TaskSpec(task_code="hotel_full", supplier_id=SUPPLIER))
+    city = sim.city_codes()[0]
+    decision = create_batch(
+        db, task_code="hotel_full", trigger_id="zombie", trigger_source="MANUAL", shard_keys=[city]
+    )
+    batch = decision.batch
+    assert batch is not None
+    later = SyncDatabase(engine=db.engine, clock=DbClock(settings().lease.lease_seconds + 1))
+    pages: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if "/hotels" in request.url.path:
+            pages.append(request.url.path)
+            if len(pages) == 2:
+                # Frozen past the lease once page 1 is committed (the walk reads ahead):
+                # another worker has the city when this one wakes, and the supplier refuses
+                # it (not retried: the city fails at once).
+                deadline = time.monotonic() + 30
+                while get_shard(db, batch.batch_id, city).pages_done < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                claim_shard(later, batch.batch_id, city, worker_id="w2")
+            if len(pages) >= 2:
+                return httpx.Response(401, json={"error": "key revoked while frozen"})
+        return sim.handle(request)
+
+    with httpx.Client(base_url="http://sim", transport=httpx.MockTransport(handle)) as http:
+        report = sync_city(
+            db,
+            store,
+            supplier_client(http),
+            batch=batch,
+            city_code=city,
+            worker_id="w1",
+            settings=settings(page_size=50),
+        )
+    assert report.status == "LEASE_LOST", report
+    shard = get_shard(db, batch.batch_id, city)
+    assert (shard.status, shard.worker_id, shard.error_message) == ("RUNNING", "w2", None)
+    assert dead_letters(db, batch.batch_id) == {}
+    assert published(db) == {}

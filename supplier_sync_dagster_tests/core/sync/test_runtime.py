@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from supplier_sync_dagster.core.sync.runtime import PARENT_POLL_SECONDS, ForkPool
+from supplier_sync_dagster_tests.helpers import process_state
 
 _started: list[int] = []
 
@@ -25,11 +26,7 @@ def _state() -> tuple[list[int], int]:
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie that nobody reaped has ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return process_state(pid) not in (None, "Z")
 
 
 def test_each_process_runs_the_initializer_before_its_calls():
