@@ -178,6 +178,42 @@ def test_reclaimed_lease_cannot_write_checkpoint_counts_heartbeat_or_finish(
     assert new.finish("SUCCESS").status == "SUCCESS"
 
 
+def test_advance_writes_the_checkpoint_counts_progress_and_lease_by_the_database_clock(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    other = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=FAST)
+    lease.advance(Checkpoint("BKK", page=2), PageCounts(success=7, failed=2), total_pages=5)
+    db.clock.advance(100)  # the move's times come from the shifted database clock
+    with db.begin() as conn:
+        lease.advance(
+            Checkpoint("BKK", page=3, cursor="c3"),
+            PageCounts(success=1, skipped=4),
+            fetched=30,
+            message="page three",
+            conn=conn,
+        )
+        with db.engine.connect() as reader:
+            now = db.clock.read(reader)
+    row = _shard_row(db, batch.batch_id, "BKK")
+    assert Checkpoint.from_json(row["checkpoint"]) == Checkpoint("BKK", page=3, cursor="c3")
+    counts = ("total_count", "success_count", "failed_count", "skipped_count")
+    assert [row[k] for k in counts] == [14, 8, 2, 4]
+    assert (row["pages_done"], row["fetched_count"], row["total_pages"]) == (2, 30, 5)
+    assert (row["status"], row["worker_id"]) == ("RUNNING", "w1")
+    assert (row["last_heartbeat_stage"], row["last_heartbeat_message"]) == (
+        "CHECKPOINTING",
+        "page three",
+    )
+    assert row["heartbeat_at"] == row["last_checkpoint_at"] == row["updated_at"]
+    assert abs((row["heartbeat_at"] - now).total_seconds()) < 60
+    assert (row["lease_until"] - row["heartbeat_at"]).total_seconds() == FAST.lease_seconds
+    # Only this shard moved.
+    assert _shard_row(db, batch.batch_id, "SIN")["pages_done"] == 0
+    assert other.checkpoint is None
+
+
 def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
     db: SyncDatabase, make_batch: MakeBatch
 ):
