@@ -340,11 +340,8 @@ class ShardLease:
         page's transaction holds SQLite's write lock while it runs. When it matches no row,
         the generic guarded move runs instead: it raises :class:`LeaseLost`, saying why."""
         self.ensure_held()
-        offset = self.db.clock.offset_seconds
         params = {
-            "shard_id": self.shard_id,
-            "holder_worker": self.worker_id,
-            "holder_token": self.lease_token,
+            **self._holder_params(),
             "new_checkpoint": checkpoint.to_json(),
             "add_total": counts.total,
             "add_success": counts.success,
@@ -352,8 +349,6 @@ class ShardLease:
             "add_skipped": counts.skipped,
             "add_fetched": fetched,
             "new_total_pages": total_pages,
-            "now_us": round(offset * 1_000_000),
-            "until_us": round((offset + self.settings.lease_seconds) * 1_000_000),
             "message": message,
         }
         if int(conn.execute(_checkpoint_move(), params).rowcount) == 1:
@@ -466,21 +461,47 @@ class ShardLease:
         # SQLite: the transaction holds the one write lock from its start; the batch is
         # read with its shards' counts, after this shard's end.
         batch = self.batch_id if self.db.dialect == "sqlite" else lock_batch(conn, self.batch_id)
-        self._fenced(
-            conn,
-            status,
-            lease_until=None,
-            last_heartbeat_stage="FINISHED",
-            last_heartbeat_message=f"finished {status}",
-            updated_at=self.db.clock.now(),
-            finished_at=self.db.clock.now(),
-            error_message=(error_message or None) and bounded(error_message),
-            total_count=counts.total,
-            success_count=counts.success,
-            failed_count=counts.failed,
-            skipped_count=counts.skipped,
-        )
+        error = (error_message or None) and bounded(error_message)
+        totals = {
+            "total_count": counts.total,
+            "success_count": counts.success,
+            "failed_count": counts.failed,
+            "skipped_count": counts.skipped,
+        }
+        params = {
+            **self._holder_params(),
+            **totals,
+            "new_status": status,
+            "message": f"finished {status}",
+            "error": error,
+        }
+        # One statement built once (the shard's last transaction holds SQLite's write
+        # lock); when it matches no row, the generic guarded move raises LeaseLost.
+        if int(conn.execute(_finish_move(), params).rowcount) != 1:
+            self._fenced(
+                conn,
+                status,
+                lease_until=None,
+                last_heartbeat_stage="FINISHED",
+                last_heartbeat_message=params["message"],
+                updated_at=self.db.clock.now(),
+                finished_at=self.db.clock.now(),
+                error_message=error,
+                **totals,
+            )
         derive_batch(conn, self.db.clock, batch)
+
+    def _holder_params(self) -> dict[str, Any]:
+        """The parameters of a move built once (:func:`_held`, :func:`_now`): this holder,
+        and the database clock's offsets for now and for the lease's expiry."""
+        offset = self.db.clock.offset_seconds
+        return {
+            "shard_id": self.shard_id,
+            "holder_worker": self.worker_id,
+            "holder_token": self.lease_token,
+            "now_us": round(offset * 1_000_000),
+            "until_us": round((offset + self.settings.lease_seconds) * 1_000_000),
+        }
 
     def release(self, reason: str = "released") -> None:
         """Gives the shard back (RUNNING → PENDING), keeping its checkpoint, for a quick resume.
@@ -546,6 +567,22 @@ class ShardLease:
         )
 
 
+def _held() -> sa.ColumnElement[bool]:
+    """The shard that its holder's move may write: RUNNING, and held by the holder."""
+    c = schema.shard.c
+    return sa.and_(
+        c.id == sa.bindparam("shard_id"),
+        c.status == "RUNNING",
+        c.worker_id == sa.bindparam("holder_worker"),
+        c.lease_token == sa.bindparam("holder_token"),
+    )
+
+
+def _now(name: str = "now_us") -> db_now:
+    """The database's time plus the offset in parameter ``name``."""
+    return db_now(sa.bindparam(name, type_=sa.BigInteger()))
+
+
 @functools.cache
 def _checkpoint_move() -> sa.Update:
     """The checkpoint's RUNNING -> RUNNING move of its holder (:meth:`ShardLease.advance`),
@@ -553,18 +590,9 @@ def _checkpoint_move() -> sa.Update:
     if "RUNNING" not in sources_of("RUNNING"):
         raise InvalidTransition("a shard's holder writes RUNNING -> RUNNING")
     c = schema.shard.c
-
-    def now(name: str) -> db_now:
-        return db_now(sa.bindparam(name, type_=sa.BigInteger()))
-
     return (
         sa.update(schema.shard)
-        .where(
-            c.id == sa.bindparam("shard_id"),
-            c.status == "RUNNING",
-            c.worker_id == sa.bindparam("holder_worker"),
-            c.lease_token == sa.bindparam("holder_token"),
-        )
+        .where(_held())
         .values(
             checkpoint=sa.bindparam("new_checkpoint"),
             total_count=c.total_count + sa.bindparam("add_total"),
@@ -576,12 +604,37 @@ def _checkpoint_move() -> sa.Update:
             total_pages=sa.func.coalesce(
                 sa.bindparam("new_total_pages", type_=sa.Integer()), c.total_pages
             ),
-            heartbeat_at=now("now_us"),
-            lease_until=now("until_us"),
-            last_checkpoint_at=now("now_us"),
+            heartbeat_at=_now(),
+            lease_until=_now("until_us"),
+            last_checkpoint_at=_now(),
             last_heartbeat_stage="CHECKPOINTING",
             last_heartbeat_message=sa.bindparam("message"),
-            updated_at=now("now_us"),
+            updated_at=_now(),
+        )
+    )
+
+
+@functools.cache
+def _finish_move() -> sa.Update:
+    """A holder's RUNNING -> SUCCESS | FAILED move (:meth:`ShardLease.finish_in`), with
+    every value a parameter: built and compiled once."""
+    if any("RUNNING" not in sources_of(end) for end in ("SUCCESS", "FAILED")):
+        raise InvalidTransition("a shard's holder finishes it from RUNNING")
+    return (
+        sa.update(schema.shard)
+        .where(_held())
+        .values(
+            status=sa.bindparam("new_status"),
+            lease_until=None,
+            last_heartbeat_stage="FINISHED",
+            last_heartbeat_message=sa.bindparam("message"),
+            updated_at=_now(),
+            finished_at=_now(),
+            error_message=sa.bindparam("error", type_=sa.String(1024)),
+            total_count=sa.bindparam("total_count"),
+            success_count=sa.bindparam("success_count"),
+            failed_count=sa.bindparam("failed_count"),
+            skipped_count=sa.bindparam("skipped_count"),
         )
     )
 
