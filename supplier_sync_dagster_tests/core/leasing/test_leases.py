@@ -214,6 +214,22 @@ def test_advance_writes_the_checkpoint_counts_progress_and_lease_by_the_database
     assert other.checkpoint is None
 
 
+def _store_page_row(conn: Connection, db: SyncDatabase, batch_id: str, snapshot_id: str) -> None:
+    """A page's RAW snapshot row, written in the caller's transaction."""
+    conn.execute(
+        sa.insert(schema.snapshot).values(
+            snapshot_id=snapshot_id,
+            batch_id=batch_id,
+            supplier_id=1001,
+            category_code="HOTEL",
+            snapshot_type="RAW",
+            snapshot_version=1,
+            payload_hash="0" * 64,
+            created_at=db.clock.now(),
+        )
+    )
+
+
 @pytest.mark.parametrize("status", ["SUCCESS", "FAILED"])
 def test_finish_in_ends_the_shard_with_its_counts_and_a_stale_holder_writes_nothing(
     db: SyncDatabase, make_batch: MakeBatch, status: str
@@ -241,18 +257,7 @@ def test_finish_in_ends_the_shard_with_its_counts_and_a_stale_holder_writes_noth
 
     before = _shard_row(db, batch.batch_id, "SIN")
     with pytest.raises(LeaseLost), db.begin() as conn:
-        conn.execute(
-            sa.insert(schema.snapshot).values(
-                snapshot_id="last-page",
-                batch_id=batch.batch_id,
-                supplier_id=1001,
-                category_code="HOTEL",
-                snapshot_type="RAW",
-                snapshot_version=1,
-                payload_hash="0" * 64,
-                created_at=db.clock.now(),
-            )
-        )
+        _store_page_row(conn, db, batch.batch_id, "last-page")
         stale.finish_in(conn, status, counts=counts)  # type: ignore[arg-type]
     assert stale.lost
     assert _shard_row(db, batch.batch_id, "SIN") == before
@@ -275,18 +280,7 @@ def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
     claim_shard(db, batch.batch_id, "BKK", worker_id="new", settings=FAST)
 
     with pytest.raises(LeaseLost), db.begin() as conn:
-        conn.execute(
-            sa.insert(schema.snapshot).values(
-                snapshot_id="page-2",
-                batch_id=batch.batch_id,
-                supplier_id=1001,
-                category_code="HOTEL",
-                snapshot_type="RAW",
-                snapshot_version=1,
-                payload_hash="0" * 64,
-                created_at=db.clock.now(),
-            )
-        )
+        _store_page_row(conn, db, batch.batch_id, "page-2")
         old.advance(Checkpoint("BKK", page=2), PageCounts(success=1), conn=conn)
     with db.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(schema.snapshot)).scalar() == 0
