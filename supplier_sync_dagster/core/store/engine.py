@@ -274,9 +274,7 @@ class db_now(FunctionElement[datetime]):
     inherit_cache = True
 
     def __init__(self, offset_us: int | sa.BindParameter[int]) -> None:
-        """Args:
-        offset_us: The offset, or a parameter of it (a statement built once).
-        """
+        # A parameter: the offset of a statement built once, given each time it runs.
         if isinstance(offset_us, sa.BindParameter):
             super().__init__(offset_us)
         else:
