@@ -21,6 +21,7 @@ runs, and decides how the work ends (lease lost, failed, interrupted).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -65,10 +66,16 @@ from supplier_sync_dagster.core.leasing.processes import (
     holder_is_dead_here,
     make_worker_id,
 )
-from supplier_sync_dagster.core.leasing.shards import ShardStatus, move_shard_returning, move_shards
+from supplier_sync_dagster.core.leasing.shards import (
+    ShardStatus,
+    move_shard_returning,
+    move_shards,
+    sources_of,
+)
 from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase
+from supplier_sync_dagster.core.store.engine import db_now
 
 log = logging.getLogger(__name__)
 
@@ -349,32 +356,59 @@ class ShardLease:
             raise InvalidCheckpoint(
                 f"checkpoint for city {checkpoint.city_code!r} given to shard {self.shard_key!r}"
             )
-        clock = self.db.clock
+        message = (message or f"city={self.shard_key} next page={checkpoint.page}")[:512]
+        if conn is not None:
+            self._advance_in(conn, checkpoint, counts, total_pages, fetched, message)
+        else:
+            with self.db.begin() as own:
+                self._advance_in(own, checkpoint, counts, total_pages, fetched, message)
+        self.checkpoint = checkpoint
+
+    def _advance_in(
+        self,
+        conn: Connection,
+        checkpoint: Checkpoint,
+        counts: PageCounts,
+        total_pages: int | None,
+        fetched: int,
+        message: str,
+    ) -> None:
+        """:meth:`advance`'s guarded move in ``conn``: one statement built once, since a
+        page's transaction holds SQLite's write lock while it runs. When it matches no row,
+        the generic guarded move runs instead: it raises :class:`LeaseLost`, saying why."""
+        self.ensure_held()
+        params = {
+            **self._holder_params(),
+            "new_checkpoint": checkpoint.to_json(),
+            "add_total": counts.total,
+            "add_success": counts.success,
+            "add_failed": counts.failed,
+            "add_skipped": counts.skipped,
+            "add_fetched": fetched,
+            "new_total_pages": total_pages,
+            "message": message,
+        }
+        if int(conn.execute(_checkpoint_move(), params).rowcount) == 1:
+            return
+        clock, c = self.db.clock, schema.shard.c
         values: dict[str, Any] = {
-            "checkpoint": checkpoint.to_json(),
-            "total_count": schema.shard.c.total_count + counts.total,
-            "success_count": schema.shard.c.success_count + counts.success,
-            "failed_count": schema.shard.c.failed_count + counts.failed,
-            "skipped_count": schema.shard.c.skipped_count + counts.skipped,
-            "pages_done": schema.shard.c.pages_done + 1,
-            "fetched_count": schema.shard.c.fetched_count + fetched,
+            "checkpoint": params["new_checkpoint"],
+            "total_count": c.total_count + counts.total,
+            "success_count": c.success_count + counts.success,
+            "failed_count": c.failed_count + counts.failed,
+            "skipped_count": c.skipped_count + counts.skipped,
+            "pages_done": c.pages_done + 1,
+            "fetched_count": c.fetched_count + fetched,
             "heartbeat_at": clock.now(),
             "lease_until": clock.now(self.settings.lease_seconds),
             "last_checkpoint_at": clock.now(),
             "last_heartbeat_stage": "CHECKPOINTING",
-            "last_heartbeat_message": (
-                message or f"city={self.shard_key} next page={checkpoint.page}"
-            )[:512],
+            "last_heartbeat_message": message,
             "updated_at": clock.now(),
         }
         if total_pages is not None:
             values["total_pages"] = total_pages
-        if conn is not None:
-            self._fenced(conn, **values)
-        else:
-            with self.db.begin() as own:
-                self._fenced(own, **values)
-        self.checkpoint = checkpoint
+        self._fenced(conn, **values)
 
     def fence(self, conn: Connection, stage: str, message: str = "") -> None:
         """A fenced heartbeat inside the caller's transaction.
@@ -464,21 +498,47 @@ class ShardLease:
         # SQLite: the transaction holds the one write lock from its start; the batch is
         # read with its shards' counts, after this shard's end.
         batch = self.batch_id if self.db.dialect == "sqlite" else lock_batch(conn, self.batch_id)
-        self._fenced(
-            conn,
-            status,
-            lease_until=None,
-            last_heartbeat_stage="FINISHED",
-            last_heartbeat_message=f"finished {status}",
-            updated_at=self.db.clock.now(),
-            finished_at=self.db.clock.now(),
-            error_message=(error_message or None) and bounded(error_message),
-            total_count=counts.total,
-            success_count=counts.success,
-            failed_count=counts.failed,
-            skipped_count=counts.skipped,
-        )
+        error = (error_message or None) and bounded(error_message)
+        totals = {
+            "total_count": counts.total,
+            "success_count": counts.success,
+            "failed_count": counts.failed,
+            "skipped_count": counts.skipped,
+        }
+        params = {
+            **self._holder_params(),
+            **totals,
+            "new_status": status,
+            "message": f"finished {status}",
+            "error": error,
+        }
+        # One statement built once (the shard's last transaction holds SQLite's write
+        # lock); when it matches no row, the generic guarded move raises LeaseLost.
+        if int(conn.execute(_finish_move(), params).rowcount) != 1:
+            self._fenced(
+                conn,
+                status,
+                lease_until=None,
+                last_heartbeat_stage="FINISHED",
+                last_heartbeat_message=params["message"],
+                updated_at=self.db.clock.now(),
+                finished_at=self.db.clock.now(),
+                error_message=error,
+                **totals,
+            )
         derive_batch(conn, self.db.clock, batch)
+
+    def _holder_params(self) -> dict[str, Any]:
+        """The parameters of a move built once (:func:`_held`, :func:`_now`): this holder,
+        and the database clock's offsets for now and for the lease's expiry."""
+        offset = self.db.clock.offset_seconds
+        return {
+            "shard_id": self.shard_id,
+            "holder_worker": self.worker_id,
+            "holder_token": self.lease_token,
+            "now_us": round(offset * 1_000_000),
+            "until_us": round((offset + self.settings.lease_seconds) * 1_000_000),
+        }
 
     def release(self, reason: str = "released") -> None:
         """Gives the shard back (RUNNING → PENDING), keeping its checkpoint, for a quick resume.
@@ -549,6 +609,78 @@ class ShardLease:
             on_miss=lost,
             **values,
         )
+
+
+def _held() -> sa.ColumnElement[bool]:
+    """The shard that its holder's move may write: RUNNING, and held by the holder."""
+    c = schema.shard.c
+    return sa.and_(
+        c.id == sa.bindparam("shard_id"),
+        c.status == "RUNNING",
+        c.worker_id == sa.bindparam("holder_worker"),
+        c.lease_token == sa.bindparam("holder_token"),
+    )
+
+
+def _now(name: str = "now_us") -> db_now:
+    """The database's time plus the offset in parameter ``name``."""
+    return db_now(sa.bindparam(name, type_=sa.BigInteger()))
+
+
+@functools.cache
+def _checkpoint_move() -> sa.Update:
+    """The checkpoint's RUNNING -> RUNNING move of its holder (:meth:`ShardLease.advance`),
+    with every value a parameter: built and compiled once."""
+    if "RUNNING" not in sources_of("RUNNING"):
+        raise InvalidTransition("a shard's holder writes RUNNING -> RUNNING")
+    c = schema.shard.c
+    return (
+        sa.update(schema.shard)
+        .where(_held())
+        .values(
+            checkpoint=sa.bindparam("new_checkpoint"),
+            total_count=c.total_count + sa.bindparam("add_total"),
+            success_count=c.success_count + sa.bindparam("add_success"),
+            failed_count=c.failed_count + sa.bindparam("add_failed"),
+            skipped_count=c.skipped_count + sa.bindparam("add_skipped"),
+            pages_done=c.pages_done + 1,
+            fetched_count=c.fetched_count + sa.bindparam("add_fetched"),
+            total_pages=sa.func.coalesce(
+                sa.bindparam("new_total_pages", type_=sa.Integer()), c.total_pages
+            ),
+            heartbeat_at=_now(),
+            lease_until=_now("until_us"),
+            last_checkpoint_at=_now(),
+            last_heartbeat_stage="CHECKPOINTING",
+            last_heartbeat_message=sa.bindparam("message"),
+            updated_at=_now(),
+        )
+    )
+
+
+@functools.cache
+def _finish_move() -> sa.Update:
+    """A holder's RUNNING -> SUCCESS | FAILED move (:meth:`ShardLease.finish_in`), with
+    every value a parameter: built and compiled once."""
+    if any("RUNNING" not in sources_of(end) for end in ("SUCCESS", "FAILED")):
+        raise InvalidTransition("a shard's holder finishes it from RUNNING")
+    return (
+        sa.update(schema.shard)
+        .where(_held())
+        .values(
+            status=sa.bindparam("new_status"),
+            lease_until=None,
+            last_heartbeat_stage="FINISHED",
+            last_heartbeat_message=sa.bindparam("message"),
+            updated_at=_now(),
+            finished_at=_now(),
+            error_message=sa.bindparam("error", type_=sa.String(1024)),
+            total_count=sa.bindparam("total_count"),
+            success_count=sa.bindparam("success_count"),
+            failed_count=sa.bindparam("failed_count"),
+            skipped_count=sa.bindparam("skipped_count"),
+        )
+    )
 
 
 def claim_shard(

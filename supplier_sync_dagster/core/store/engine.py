@@ -273,8 +273,12 @@ class db_now(FunctionElement[datetime]):
     name = "db_now"
     inherit_cache = True
 
-    def __init__(self, offset_us: int) -> None:
-        super().__init__(sa.literal(int(offset_us), sa.BigInteger()))
+    def __init__(self, offset_us: int | sa.BindParameter[int]) -> None:
+        # A parameter: the offset of a statement built once, given each time it runs.
+        if isinstance(offset_us, sa.BindParameter):
+            super().__init__(offset_us)
+        else:
+            super().__init__(sa.literal(int(offset_us), sa.BigInteger()))
 
 
 @compiles(db_now, "sqlite")

@@ -178,6 +178,99 @@ def test_reclaimed_lease_cannot_write_checkpoint_counts_heartbeat_or_finish(
     assert new.finish("SUCCESS").status == "SUCCESS"
 
 
+def test_advance_writes_the_checkpoint_counts_progress_and_lease_by_the_database_clock(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    other = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=FAST)
+    lease.advance(Checkpoint("BKK", page=2), PageCounts(success=7, failed=2), total_pages=5)
+    db.clock.advance(100)  # the move's times come from the shifted database clock
+    with db.begin() as conn:
+        lease.advance(
+            Checkpoint("BKK", page=3, cursor="c3"),
+            PageCounts(success=1, skipped=4),
+            fetched=30,
+            message="page three",
+            conn=conn,
+        )
+        with db.engine.connect() as reader:
+            now = db.clock.read(reader)
+    row = _shard_row(db, batch.batch_id, "BKK")
+    assert Checkpoint.from_json(row["checkpoint"]) == Checkpoint("BKK", page=3, cursor="c3")
+    counts = ("total_count", "success_count", "failed_count", "skipped_count")
+    assert [row[k] for k in counts] == [14, 8, 2, 4]
+    assert (row["pages_done"], row["fetched_count"], row["total_pages"]) == (2, 30, 5)
+    assert (row["status"], row["worker_id"]) == ("RUNNING", "w1")
+    assert (row["last_heartbeat_stage"], row["last_heartbeat_message"]) == (
+        "CHECKPOINTING",
+        "page three",
+    )
+    assert row["heartbeat_at"] == row["last_checkpoint_at"] == row["updated_at"]
+    assert abs((row["heartbeat_at"] - now).total_seconds()) < 60
+    assert (row["lease_until"] - row["heartbeat_at"]).total_seconds() == FAST.lease_seconds
+    # Only this shard moved.
+    assert _shard_row(db, batch.batch_id, "SIN")["pages_done"] == 0
+    assert other.checkpoint is None
+
+
+def _store_page_row(conn: Connection, db: SyncDatabase, batch_id: str, snapshot_id: str) -> None:
+    """A page's RAW snapshot row, written in the caller's transaction."""
+    conn.execute(
+        sa.insert(schema.snapshot).values(
+            snapshot_id=snapshot_id,
+            batch_id=batch_id,
+            supplier_id=1001,
+            category_code="HOTEL",
+            snapshot_type="RAW",
+            snapshot_version=1,
+            payload_hash="0" * 64,
+            created_at=db.clock.now(),
+        )
+    )
+
+
+@pytest.mark.parametrize("status", ["SUCCESS", "FAILED"])
+def test_finish_in_ends_the_shard_with_its_counts_and_a_stale_holder_writes_nothing(
+    db: SyncDatabase, make_batch: MakeBatch, status: str
+):
+    batch = make_batch(["BKK", "SIN"])
+    stale = claim_shard(db, batch.batch_id, "SIN", worker_id="old", settings=FAST)
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    db.clock.advance(FAST.lease_seconds + 1)  # both leases expire; SIN is taken over
+    claim_shard(db, batch.batch_id, "SIN", worker_id="new", settings=FAST)
+    counts = PageCounts(success=5, failed=2, skipped=3)
+    with db.begin() as conn:
+        lease.finish_in(conn, status, "why" if status == "FAILED" else None, counts=counts)  # type: ignore[arg-type]
+    row = _shard_row(db, batch.batch_id, "BKK")
+    assert (row["status"], row["lease_until"], row["last_heartbeat_stage"]) == (
+        status,
+        None,
+        "FINISHED",
+    )
+    assert row["last_heartbeat_message"] == f"finished {status}"
+    assert row["error_message"] == ("why" if status == "FAILED" else None)
+    got = [row[k] for k in ("total_count", "success_count", "failed_count", "skipped_count")]
+    assert got == [10, 5, 2, 3]
+    assert row["finished_at"] == row["updated_at"] and row["finished_at"] is not None
+    assert get_batch_shards_done(db, batch.batch_id) == 1
+
+    before = _shard_row(db, batch.batch_id, "SIN")
+    with pytest.raises(LeaseLost), db.begin() as conn:
+        _store_page_row(conn, db, batch.batch_id, "last-page")
+        stale.finish_in(conn, status, counts=counts)  # type: ignore[arg-type]
+    assert stale.lost
+    assert _shard_row(db, batch.batch_id, "SIN") == before
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(schema.snapshot)).scalar() == 0
+
+
+def get_batch_shards_done(db: SyncDatabase, batch_id: str) -> int:
+    """The batch's finished shards as the finish derived them."""
+    with db.engine.connect() as conn:
+        return get_batch(conn, batch_id).shards_done
+
+
 def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
     db: SyncDatabase, make_batch: MakeBatch
 ):
@@ -187,18 +280,7 @@ def test_lost_lease_rolls_back_page_data_written_in_the_same_transaction(
     claim_shard(db, batch.batch_id, "BKK", worker_id="new", settings=FAST)
 
     with pytest.raises(LeaseLost), db.begin() as conn:
-        conn.execute(
-            sa.insert(schema.snapshot).values(
-                snapshot_id="page-2",
-                batch_id=batch.batch_id,
-                supplier_id=1001,
-                category_code="HOTEL",
-                snapshot_type="RAW",
-                snapshot_version=1,
-                payload_hash="0" * 64,
-                created_at=db.clock.now(),
-            )
-        )
+        _store_page_row(conn, db, batch.batch_id, "page-2")
         old.advance(Checkpoint("BKK", page=2), PageCounts(success=1), conn=conn)
     with db.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(schema.snapshot)).scalar() == 0
