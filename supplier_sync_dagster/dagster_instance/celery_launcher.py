@@ -146,7 +146,14 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
         if state != "STARTED" or not isinstance(node, str):
             # Queued, or started without a recorded worker: the task's worker is not known.
             return CheckRunHealthResult(WorkerStatus.RUNNING, f"Celery task {state}")
-        if worker_answers(self.celery, node, self.ping_timeout_seconds):
+        try:
+            answered = worker_answers(self.celery, node, self.ping_timeout_seconds)
+        except BrokerUnreachable as err:
+            # Which host is lost cannot be told without the broker; the lease stays the authority.
+            return CheckRunHealthResult(
+                WorkerStatus.RUNNING, f"worker {node} not pinged: {err}", run_worker_id=node
+            )
+        if answered:
             return CheckRunHealthResult(WorkerStatus.RUNNING, run_worker_id=node)
         return CheckRunHealthResult(
             WorkerStatus.FAILED,
@@ -156,10 +163,30 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
         )
 
 
+class BrokerUnreachable(Exception):
+    """The broker could not be reached to ping a worker (twice in a row)."""
+
+
 def worker_answers(app: Celery, node: str, timeout: float) -> bool:
-    """True when the Celery worker named ``node`` answers a ping within ``timeout`` s."""
-    replies = app.control.ping(destination=[node], timeout=timeout) or []
-    return any(node in reply for reply in replies)
+    """True when the Celery worker named ``node`` answers a ping within ``timeout`` s.
+
+    A broker connection that fails (a pooled connection the broker closed, a reset) is
+    retried once on a new connection.
+
+    Raises:
+        BrokerUnreachable: The broker failed both times.
+    """
+    with app.connection_for_write() as probe:
+        failures = (OSError, *probe.connection_errors, *probe.channel_errors)
+    try:
+        replies = app.control.ping(destination=[node], timeout=timeout)
+    except failures:
+        try:  # a pooled connection the broker closed: once more, on a new connection
+            with app.connection_for_write() as fresh:
+                replies = app.control.ping(destination=[node], timeout=timeout, connection=fresh)
+        except failures as err:
+            raise BrokerUnreachable(f"the broker failed twice: {err!r}") from err
+    return any(node in reply for reply in replies or [])
 
 
 def use_queue(app: Celery, queue: str) -> None:

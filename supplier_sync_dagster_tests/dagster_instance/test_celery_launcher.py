@@ -21,7 +21,9 @@ from supplier_sync_dagster.dagster_instance.celery_launcher import (
     BACKEND_ENV,
     BROKER_ENV,
     QUEUE_ENV,
+    BrokerUnreachable,
     HostCeleryRunLauncher,
+    worker_answers,
     worker_app,
 )
 
@@ -59,6 +61,43 @@ def test_a_started_run_whose_worker_does_not_answer_is_failed(launcher: HostCele
     # dagster-celery's own launcher, on the same state, calls the run healthy for ever.
     stock = CeleryRunLauncher.check_run_worker_health(launcher, run)
     assert stock.status == WorkerStatus.RUNNING
+
+
+def test_a_broker_connection_that_fails_once_is_retried_on_a_new_one(
+    launcher: HostCeleryRunLauncher, monkeypatch: pytest.MonkeyPatch
+):
+    node = f"supplier-sync@gone-{uuid.uuid4().hex[:6]}"
+    calls: list[str] = []
+    real_ping = launcher.celery.control.ping
+
+    def reset_once(*args: object, **kwargs: object) -> object:
+        calls.append(node)
+        if len(calls) == 1:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real_ping(*args, **kwargs)
+
+    monkeypatch.setattr(launcher.celery.control, "ping", reset_once)
+    assert worker_answers(launcher.celery, node, 0.5) is False  # asked again: nobody there
+    assert len(calls) == 2
+
+
+def test_a_broker_that_keeps_failing_leaves_the_run_running(
+    launcher: HostCeleryRunLauncher, monkeypatch: pytest.MonkeyPatch
+):
+    run, task_id = run_with_task()
+    node = f"supplier-sync@far-{uuid.uuid4().hex[:6]}"
+    launcher.celery.backend.store_result(task_id, {"hostname": node, "pid": 4242}, "STARTED")
+
+    def reset(*args: object, **kwargs: object) -> object:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(launcher.celery.control, "ping", reset)
+    with pytest.raises(BrokerUnreachable, match="failed twice"):
+        worker_answers(launcher.celery, node, 0.5)
+    # Without the broker no host can be called lost: the run is not failed for it.
+    checked = launcher.check_run_worker_health(run)
+    assert checked.status == WorkerStatus.RUNNING
+    assert node in (checked.msg or "") and "not pinged" in (checked.msg or "")
 
 
 def test_task_states_map_to_worker_states(launcher: HostCeleryRunLauncher):

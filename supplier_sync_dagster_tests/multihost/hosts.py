@@ -23,9 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from celery import Celery
+
 from supplier_sync_dagster.dagster_instance.celery_launcher import (
     QUEUE,
     QUEUE_ENV,
+    BrokerUnreachable,
     worker_answers,
     worker_app,
 )
@@ -113,7 +116,7 @@ class WorkerHost:
         app = worker_app(self.env)
         deadline = time.monotonic() + timeout
         try:
-            while not worker_answers(app, self.node, 2.0):
+            while not answers_yet(app, self.node):
                 if self.proc is None or self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited: {self.tail()}")
                 if time.monotonic() > deadline:
@@ -145,3 +148,12 @@ class WorkerHost:
     def thaw(self) -> None:
         """SIGCONT to its whole process tree."""
         self._signal(signal.SIGCONT)
+
+
+def answers_yet(app: Celery, node: str) -> bool:
+    """Whether ``node`` answers a ping; a broker that fails while hosts start is "not yet"."""
+    try:
+        return worker_answers(app, node, 2.0)
+    except BrokerUnreachable:
+        time.sleep(1.0)
+        return False
