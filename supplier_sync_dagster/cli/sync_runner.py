@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -411,7 +411,7 @@ def run_full_sync(
                 scope=scope,
                 console_log_level=console_log_level,
                 keep_going=cities is not None,
-                after=_lineage_after(instance, lineage, sync_db),
+                after=_lineage_after(instance, lineage, sync_db, build_city_sync(scope).keys),
             )
         finally:
             stop.set()
@@ -524,16 +524,19 @@ def _materialize_ranges(
 
 
 def _lineage_after(
-    instance: dg.DagsterInstance, lineage: CommandLineage | None, sync_db: SyncDatabaseResource
+    instance: dg.DagsterInstance,
+    lineage: CommandLineage | None,
+    sync_db: SyncDatabaseResource,
+    assets: Collection[dg.AssetKey],
 ) -> Callable[[dg.ExecuteInProcessResult], None] | None:
-    """What sends an ended run's OpenLineage events, if the command has lineage."""
+    """What sends an ended run's OpenLineage events (of ``assets``), if the command has
+    lineage."""
     if lineage is None:
         return None
 
     def after(result: dg.ExecuteInProcessResult) -> None:
-        lineage.finished(
-            instance, result.run_id, sync_db, None if result.success else run_failure(result)
-        )
+        error = None if result.success else run_failure(result)
+        lineage.finished(instance, result.run_id, sync_db, assets, error)
 
     return after
 
@@ -697,7 +700,7 @@ def run_incremental_sync(
                 loggers=run_config.loggers,
             ),
         )
-        if (after := _lineage_after(instance, lineage, sync_db)) is not None:
+        if (after := _lineage_after(instance, lineage, sync_db, feed.keys)) is not None:
             after(result)
         summary = IncrementalSummary(
             trigger_id=trigger_id,

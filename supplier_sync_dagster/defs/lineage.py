@@ -215,16 +215,21 @@ def emit_finished_run(
     *,
     lineage: LineageResource,
     sync_db: SyncDatabaseResource,
+    assets: Collection[dg.AssetKey] = (),
     error: str | None = None,
     settings: Settings | None = None,
 ) -> int:
     """START and the end event (COMPLETE, FAIL or ABORT) of a run that no daemon watched,
-    each with the time Dagster recorded; returns the events delivered."""
+    each with the time Dagster recorded; returns the events delivered.
+
+    Args:
+        assets: The run's assets when it selected none (``dg.materialize`` runs all it got).
+    """
     record = instance.get_run_record_by_id(run_id)
     if record is None:
         return 0
     run = record.dagster_run
-    facts = run_facts(run, run.asset_selection or (), error)
+    facts = run_facts(run, run.asset_selection or assets, error)
     end = STATUS_EVENTS.get(run.status)
     sent = 0
     for event_type, at in (("START", record.start_time), (end, record.end_time)):
@@ -267,14 +272,16 @@ class CommandLineage:
         instance: dg.DagsterInstance,
         run_id: str,
         sync_db: SyncDatabaseResource,
+        assets: Collection[dg.AssetKey],
         error: str | None = None,
     ) -> int:
-        """Sends the ended run's events (:func:`emit_finished_run`)."""
+        """Sends the ended run's events (:func:`emit_finished_run`) of its ``assets``."""
         return emit_finished_run(
             instance,
             run_id,
             lineage=self.lineage,
             sync_db=sync_db,
+            assets=assets,
             error=error,
             settings=self.settings,
         )

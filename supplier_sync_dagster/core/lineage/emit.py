@@ -97,7 +97,12 @@ class LineageEmitter:
     Attributes:
         sent: Events delivered.
         failed: Events lost (the endpoint down, slow or refusing; the file not writable).
+        lost_in_process: Events every emitter of this process lost (a command or sensor
+            makes one emitter per event; the log says this count).
     """
+
+    lost_in_process = 0
+    _lost_lock = threading.Lock()
 
     def __init__(self, config: LineageConfig) -> None:
         self.config = config
@@ -127,10 +132,13 @@ class LineageEmitter:
             self._client.emit(event)
         except Exception as err:
             self.failed += 1
+            with LineageEmitter._lost_lock:
+                LineageEmitter.lost_in_process += 1
+                lost = LineageEmitter.lost_in_process
             log.warning(
-                "lineage event not delivered to %s (%d lost so far): %s",
+                "lineage event not delivered to %s (%d lost in this process): %s",
                 self.where,
-                self.failed,
+                lost,
                 type(err).__name__ + ": " + str(err)[:300],
             )
             return False

@@ -50,6 +50,8 @@ PRODUCER = "urn:supplier-sync:supplier_sync_dagster"
 # A gated city's failed checks are listed one by one up to this many: an event stays small
 # when a supplier breaks every city at once (the aggregate assertion still counts them all).
 MAX_CITY_ASSERTIONS = 100
+# The gated cities read of a batch: enough to list and count any real batch's.
+MAX_GATED_CITIES = 100_000
 # What a gate check measures, for its assertion's description.
 CHECK_WHAT: dict[str, str] = {
     "bad_record_ratio": "share of a city's records that normalization dead-lettered",
@@ -134,13 +136,13 @@ class CityVerdict:
 
 @dataclass(frozen=True)
 class BatchQuality:
-    """What the quality gates saw of a batch so far."""
+    """What the quality gates saw of a batch so far: its records (fetched, and failed as dead
+    letters) and the cities they stopped."""
 
     batch_id: str
     task_code: str
     status: str
     cities: int
-    profiled_cities: int
     records: int
     bad_records: int
     gated: tuple[CityVerdict, ...]
@@ -148,36 +150,37 @@ class BatchQuality:
 
     @property
     def bad_ratio(self) -> float:
-        """Dead-lettered records / records (0 without records)."""
+        """Failed (dead-lettered) records / records (0 without records)."""
         return self.bad_records / self.records if self.records else 0.0
 
 
 def batch_quality(db: SyncDatabase, trigger_id: str) -> BatchQuality | None:
     """The gates' view of the newest batch of a trigger, or None when it made none.
 
-    Bounded reads: the batch row, sums over its city profiles, and its gated shards.
+    Bounded reads: the batch row (its record counts) and its gated shards.
     """
-    b, s, p = schema.batch, schema.shard, schema.city_profile
+    b, s = schema.batch, schema.shard
     with db.engine.connect() as conn:
         row = conn.execute(
-            sa.select(b.c.batch_id, b.c.task_code, b.c.status, b.c.shard_count)
+            sa.select(
+                b.c.batch_id,
+                b.c.task_code,
+                b.c.status,
+                b.c.shard_count,
+                b.c.total_count,
+                b.c.failed_count,
+            )
             .where(b.c.trigger_id == trigger_id)
             .order_by(b.c.id.desc())
             .limit(1)
         ).first()
         if row is None:
             return None
-        profiled = conn.execute(
-            sa.select(
-                sa.func.count(),
-                sa.func.coalesce(sa.func.sum(p.c.record_count), 0),
-                sa.func.coalesce(sa.func.sum(p.c.bad_count), 0),
-            ).where(p.c.batch_id == row.batch_id)
-        ).one()
         gated = conn.execute(
             sa.select(s.c.shard_key, s.c.error_message)
             .where(s.c.batch_id == row.batch_id, s.c.error_message.startswith(GATED_PREFIX))
             .order_by(s.c.shard_key)
+            .limit(MAX_GATED_CITIES)
         ).all()
         thresholds = get_gate_thresholds(conn, row.task_code)
     return BatchQuality(
@@ -185,9 +188,8 @@ def batch_quality(db: SyncDatabase, trigger_id: str) -> BatchQuality | None:
         task_code=row.task_code,
         status=row.status,
         cities=int(row.shard_count),
-        profiled_cities=int(profiled[0]),
-        records=int(profiled[1]),
-        bad_records=int(profiled[2]),
+        records=int(row.total_count),
+        bad_records=int(row.failed_count),
         gated=tuple(
             CityVerdict(g.shard_key, tuple(gated_checks(g.error_message) or ())) for g in gated
         ),
@@ -216,8 +218,8 @@ def run_event(
     """
     inputs: list[Role] = []
     outputs: list[Role] = []
-    for asset in sorted(facts.assets):
-        ins, outs = ROLES.get(asset, ((), ()))
+    # In the flow's order (ROLES'), so that events of the same job list datasets alike.
+    for ins, outs in (roles for asset, roles in ROLES.items() if asset in facts.assets):
         inputs += [r for r in ins if r not in inputs]
         outputs += [r for r in outs if r not in outputs]
     # A dataset the job writes is not also listed as read (the city sync's raw snapshots).
@@ -406,7 +408,7 @@ def quality_facets(quality: BatchQuality) -> dict[str, Any]:
 
 def _actual(check: str, quality: BatchQuality, failed: Iterable[tuple[str, str]]) -> str:
     n = len(list(failed))
-    cities = f"{n} of {quality.profiled_cities} cities failed"
+    cities = f"{n} of {quality.cities} cities failed"
     if check == "bad_record_ratio":
         return f"{quality.bad_ratio:.4f} over the batch ({quality.bad_records} of {quality.records} records); {cities}"
     if check == "record_count":
