@@ -27,6 +27,16 @@ def _facet(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _strings(*required: str, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A facet of string fields."""
+    return _facet(list(required), {name: {"type": "string"} for name in (*required, *optional)})
+
+
+def _facets(**known: dict[str, Any]) -> dict[str, Any]:
+    """A facets object: the known ones as stated, any other a facet."""
+    return {"type": "object", "properties": known, "additionalProperties": _FACET}
+
+
 _ASSERTION = {
     "type": "object",
     "properties": {
@@ -65,20 +75,11 @@ RUN_EVENT_SCHEMA: dict[str, Any] = {
             "type": "object",
             "properties": {
                 "runId": {"type": "string", "format": "uuid"},
-                "facets": {
-                    "type": "object",
-                    "properties": {
-                        "errorMessage": _facet(
-                            ["message", "programmingLanguage"],
-                            {
-                                "message": {"type": "string"},
-                                "programmingLanguage": {"type": "string"},
-                                "stackTrace": {"type": "string"},
-                            },
-                        )
-                    },
-                    "additionalProperties": _FACET,
-                },
+                "facets": _facets(
+                    errorMessage=_strings(
+                        "message", "programmingLanguage", optional=("stackTrace",)
+                    )
+                ),
             },
             "required": ["runId"],
         },
@@ -87,20 +88,9 @@ RUN_EVENT_SCHEMA: dict[str, Any] = {
             "properties": {
                 "namespace": {"type": "string"},
                 "name": {"type": "string"},
-                "facets": {
-                    "type": "object",
-                    "properties": {
-                        "jobType": _facet(
-                            ["processingType", "integration"],
-                            {
-                                "processingType": {"type": "string"},
-                                "integration": {"type": "string"},
-                                "jobType": {"type": "string"},
-                            },
-                        )
-                    },
-                    "additionalProperties": _FACET,
-                },
+                "facets": _facets(
+                    jobType=_strings("processingType", "integration", optional=("jobType",))
+                ),
             },
             "required": ["namespace", "name"],
         },

@@ -64,17 +64,16 @@ STATUS_EVENTS: dict[dg.DagsterRunStatus, EventType] = {
 }
 
 
+_URL = "OpenLineage HTTP endpoint's base URL (events to <url>/api/v1/lineage)"
+_KEY = "API key sent as a bearer token (never logged)"
+_FILE = f"a JSON-lines file, {LINEAGE_FILE},"
+
+
 class LineageResource(dg.ConfigurableResource):
     """Where the runs' OpenLineage events go: an HTTP endpoint, else a file in the state folder."""
 
-    url: str | None = setting_field(
-        "lineage_url",
-        "OpenLineage HTTP endpoint's base URL (events to <url>/api/v1/lineage)",
-        unset="a JSON-lines file in the state folder (lineage/events.jsonl).",
-    )
-    api_key: str | None = setting_field(
-        "lineage_api_key", "API key sent as a bearer token (never logged)", unset="none."
-    )
+    url: str | None = setting_field("lineage_url", _URL, unset=f"{_FILE} in the state folder.")
+    api_key: str | None = setting_field("lineage_api_key", _KEY, unset="none.")
     namespace: str = Field(default=DEFAULT_NAMESPACE, description="The jobs' namespace.")
     timeout_seconds: float = Field(
         default=DEFAULT_TIMEOUT_SECONDS,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +24,19 @@ KEY = "lineage-key-0123456789"
 
 
 @pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """State and the Dagster instance under the test's folder; no SUPPLIER_SYNC_* leak."""
     for field in Settings.model_fields:
         monkeypatch.delenv(env_name(field), raising=False)
+    instance = tmp_path / "dagster_home"
+    instance.mkdir()
+    (instance / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(instance))
     monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "home"))
-    dagster_home = tmp_path / "dagster_home"
-    dagster_home.mkdir()
-    (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
-    supplier_log = logging.getLogger("supplier_sync_dagster.core.supplier")
-    level = supplier_log.level
-    yield tmp_path / "home"
-    supplier_log.setLevel(level)
+    # main() quietens the supplier client's logger for the process: the test gives it back.
+    quietened = logging.getLogger("supplier_sync_dagster.core.supplier")
+    monkeypatch.setattr(quietened, "level", quietened.level)
+    return tmp_path / "home"
 
 
 def simulator(**faults: Any) -> Simulator:

@@ -166,9 +166,9 @@ def batch_quality(db: SyncDatabase, trigger_id: str) -> BatchQuality | None:
                 b.c.batch_id,
                 b.c.task_code,
                 b.c.status,
-                b.c.shard_count,
-                b.c.total_count,
-                b.c.failed_count,
+                b.c.shard_count.label("cities"),
+                b.c.total_count.label("records"),
+                b.c.failed_count.label("bad_records"),
             )
             .where(b.c.trigger_id == trigger_id)
             .order_by(b.c.id.desc())
@@ -184,12 +184,7 @@ def batch_quality(db: SyncDatabase, trigger_id: str) -> BatchQuality | None:
         ).all()
         thresholds = get_gate_thresholds(conn, row.task_code)
     return BatchQuality(
-        batch_id=row.batch_id,
-        task_code=row.task_code,
-        status=row.status,
-        cities=int(row.shard_count),
-        records=int(row.total_count),
-        bad_records=int(row.failed_count),
+        **row._mapping,
         gated=tuple(
             CityVerdict(g.shard_key, tuple(gated_checks(g.error_message) or ())) for g in gated
         ),
