@@ -46,7 +46,13 @@ from supplier_sync_dagster.core.outbox.projections import DEFAULT_EXCHANGE
 from supplier_sync_dagster.core.settings import Settings, load_settings
 from supplier_sync_dagster.defs.accounts import ACCOUNT_TAG, account_scopes
 from supplier_sync_dagster.defs.city_keys import STAGE_ASSETS
-from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var, setting_field
+from supplier_sync_dagster.defs.incremental_sync import CHANGE_FEED
+from supplier_sync_dagster.defs.resources import (
+    SupplierResource,
+    SyncDatabaseResource,
+    env_var,
+    setting_field,
+)
 from supplier_sync_dagster.defs.triggers import SOURCE_TAG, TRIGGER_TAG, trigger_of
 
 log = logging.getLogger(__name__)
@@ -55,8 +61,9 @@ DEFAULT_NAMESPACE = "supplier_sync"
 # The assets whose runs belong to a batch whose gates the events report.
 GATED_ASSETS = frozenset({"raw_hotel_snapshots", "hotel_change_feed"})
 CITY_ASSETS = frozenset(key.path[-1] for keys in STAGE_ASSETS.values() for key in keys)
-# The simulator's supplier id, when no suppliers file names one (the supplier resource's).
-DEFAULT_SUPPLIER_ID = 1001
+# The jobs that run the city sync and the change feed (an account's: prefixed).
+FULL_SYNC_JOB = "full_sync_job"
+INCREMENTAL_JOB = "incremental_sync"
 STATUS_EVENTS: dict[dg.DagsterRunStatus, EventType] = {
     dg.DagsterRunStatus.SUCCESS: "COMPLETE",
     dg.DagsterRunStatus.FAILURE: "FAIL",
@@ -119,7 +126,10 @@ def places(settings: Settings, tags: Mapping[str, str], *, db_url: str | None = 
         db_url=db_url or settings.sync_db_url(),
         payload_url=settings.payload_url or f"file://{state / 'payloads'}",
         supplier_url=account.base_url if account else settings.supplier_url,
-        supplier_id=account.supplier_id if account else DEFAULT_SUPPLIER_ID,
+        # The supplier resource's own default, when no suppliers file names the account's.
+        supplier_id=account.supplier_id
+        if account
+        else SupplierResource.model_fields["supplier_id"].default,
         search_url=settings.search_url,
         search_file=state / "search.sqlite3",
         amqp_url=settings.amqp_url,
@@ -135,19 +145,19 @@ def _account(code: str | None) -> Account | None:
 
 
 def job_name(run_job: str, assets: Collection[dg.AssetKey]) -> str:
-    """The run's OpenLineage job: its Dagster job, or for an ad hoc asset run (a UI launch or
-    backfill, a command's ``dg.materialize``) the account's city sync or its assets."""
+    """The run's OpenLineage job: its Dagster job; for an ad hoc asset run (a UI launch or
+    backfill, a command's ``dg.materialize``) the account's job that runs the same assets
+    (one lineage job per kind of work, however it was started), else its assets."""
     if not run_job.startswith("__"):
         return run_job
-    names = sorted(
-        {
-            "__".join(
-                [*key.path[:-1], "city_sync" if key.path[-1] in CITY_ASSETS else key.path[-1]]
-            )
-            for key in assets
-        }
-    )
+    names = sorted({"__".join([*key.path[:-1], _job_of(key.path[-1])]) for key in assets})
     return "+".join(names) or run_job
+
+
+def _job_of(asset: str) -> str:
+    if asset in CITY_ASSETS:
+        return FULL_SYNC_JOB
+    return INCREMENTAL_JOB if asset == CHANGE_FEED.path[-1] else asset
 
 
 def run_facts(

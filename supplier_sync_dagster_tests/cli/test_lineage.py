@@ -73,10 +73,10 @@ def test_each_run_sends_start_and_its_end_and_a_gated_city_carries_its_failed_ch
         ("/api/v1/lineage", f"Bearer {KEY}")
     }
     assert [(b["eventType"], b["job"]["name"]) for b in receiver.bodies] == [
-        ("START", "city_sync"),
-        ("COMPLETE", "city_sync"),
-        ("START", "city_sync"),
-        ("FAIL", "city_sync"),
+        ("START", "full_sync_job"),
+        ("COMPLETE", "full_sync_job"),
+        ("START", "full_sync_job"),
+        ("FAIL", "full_sync_job"),
     ]
     start, complete, _, fail = receiver.bodies
     assert start["run"]["runId"] == complete["run"]["runId"] != fail["run"]["runId"]
@@ -129,3 +129,33 @@ def test_an_endpoint_that_is_down_or_slow_loses_the_events_but_not_the_sync(
         f"{before + 2} lost in this process",
     ]
     assert len(receiver.requests) == (2 if endpoint == "slow" else 0)
+
+
+def test_an_incremental_window_is_its_jobs_run_reading_the_change_feed(
+    db_url: str, home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    sim = simulator()
+    assert sync(db_url, sim, "night-1", monkeypatch) == 0
+    sim.advance_day()
+    with running_server(sim) as url:
+        monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", url)
+        assert cli.main(["--db-url", db_url, "sync", "--incremental"]) == 0
+    lines = (home / "lineage" / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    for event in events:
+        validate_run_event(event)
+    assert [(e["eventType"], e["job"]["name"]) for e in events] == [
+        ("START", "full_sync_job"),
+        ("COMPLETE", "full_sync_job"),
+        ("START", "incremental_sync"),
+        ("COMPLETE", "incremental_sync"),
+    ]
+    window = events[-1]
+    assert [d["name"] for d in window["inputs"]] == ["v1/hotels/changes"]
+    assert window["inputs"][0]["inputFacets"]["dataQualityMetrics"]["rowCount"] > 0
+    assert [d["name"].rsplit(".", 1)[-1] for d in window["outputs"]][-4:] == [
+        "platform_hotel_resource",
+        "platform_hotel_offer",
+        "supplier_sync_hotel_mapping",
+        "supplier_sync_outbox",
+    ]

@@ -106,7 +106,7 @@ def test_an_ad_hoc_asset_runs_job_is_its_accounts_city_sync_or_its_assets():
         dg.AssetKey(["acme", "eu", "raw_hotel_snapshots"]),
         dg.AssetKey(["acme", "eu", "published_hotels"]),
     ]
-    assert job_name("__ASSET_JOB", keys) == "acme__eu__city_sync"
+    assert job_name("__ASSET_JOB", keys) == "acme__eu__full_sync_job"
     assert job_name("__ASSET_JOB", [dg.AssetKey("sync_health")]) == "sync_health"
     assert job_name("outbox_dispatch_job", keys) == "outbox_dispatch_job"
 
