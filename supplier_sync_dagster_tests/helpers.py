@@ -94,18 +94,24 @@ def supplier_client(http: httpx.Client) -> SupplierClient:
 
 
 class Receiver:
-    """An alert webhook on loopback: keeps every JSON body; refuses the next ``refuse`` of them
-    (answering ``refuse_status``)."""
+    """An alert webhook or lineage endpoint on loopback: keeps every JSON body and its request's
+    path and headers; refuses the next ``refuse`` of them (answering ``refuse_status``); waits
+    ``delay`` seconds before answering (a slow endpoint)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, dict[str, str]]] = []
         self.refuse = 0
         self.refuse_status = 503
+        self.delay = 0.0
+        self.stop = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                receiver.requests.append((self.path, dict(self.headers)))
+                receiver.stop.wait(receiver.delay)
                 if receiver.refuse > 0:
                     receiver.refuse -= 1
                     self.send_response(receiver.refuse_status)
@@ -130,6 +136,7 @@ class Receiver:
         try:
             yield r
         finally:
+            r.stop.set()
             r.server.shutdown()
             r.server.server_close()
 

@@ -57,6 +57,7 @@ from supplier_sync_dagster.core.sync.replay import (
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.health import run_alerts
+from supplier_sync_dagster.defs.lineage import CommandLineage
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SimulatedSupplierResource,
@@ -163,10 +164,12 @@ def _full_sync(
     cities: list[str] | None = None,
     trigger_id: str | None = None,
     signals: sync_runner.SignalLog | None = None,
+    lineage: CommandLineage | None = None,
 ) -> sync_runner.SyncSummary:
     """A full sync through Dagster of the supplier's cities (only ``cities``, when given),
     with progress on stderr unless the output is JSON; the cities the supplier dropped
-    retire even in a mass drop when ``args`` asks so (``--retire-dropped-cities``)."""
+    retire even in a mass drop when ``args`` asks so (``--retire-dropped-cities``); each
+    run's OpenLineage events through ``lineage``."""
     return sync_runner.run_full_sync(
         supplier=supplier,
         sync_db=sync_db,
@@ -178,6 +181,7 @@ def _full_sync(
         scope=scope,
         signals=signals,
         retire_dropped=bool(getattr(args, "retire_dropped_cities", False)),
+        lineage=lineage,
     )
 
 
@@ -260,6 +264,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 trigger_id=trigger_id,
                 signals=signals,
+                lineage=CommandLineage.of(settings),
             )
         except (SyncInterrupted, Exception) as err:
             if (reason := _interruption(err, signals)) is None:
@@ -348,6 +353,7 @@ def _sync_incremental(
         trigger_id=args.trigger_id,
         console_log_level=console_log_level(args),
         signals=signals,
+        lineage=CommandLineage.of(settings),
     )
     return finish_sync(summary, as_json=args.json)
 

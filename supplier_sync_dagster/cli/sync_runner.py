@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -63,6 +63,7 @@ from supplier_sync_dagster.defs.incremental_sync import (
     IncrementalConfig,
     build_hotel_change_feed,
 )
+from supplier_sync_dagster.defs.lineage import CommandLineage
 from supplier_sync_dagster.defs.partitions import CITY_PARTITIONS, encode_city_key
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
@@ -341,6 +342,7 @@ def run_full_sync(
     scope: AccountScope = DEFAULT_SCOPE,
     signals: SignalLog | None = None,
     retire_dropped: bool = False,
+    lineage: CommandLineage | None = None,
 ) -> SyncSummary:
     """Syncs every city of the supplier in one Dagster run and returns the summary.
 
@@ -353,6 +355,8 @@ def run_full_sync(
     (``core.sync.retire``): their partitions leave the range before the run, their hotels
     count a miss against the run's batch after it; a mass drop is held unless
     ``retire_dropped``.
+
+    Each run's OpenLineage events go out through ``lineage`` once it has ended.
 
     Raises:
         TaskDisabled: The task is DISABLED (nothing is launched).
@@ -407,6 +411,7 @@ def run_full_sync(
                 scope=scope,
                 console_log_level=console_log_level,
                 keep_going=cities is not None,
+                after=_lineage_after(instance, lineage, sync_db, build_city_sync(scope).keys),
             )
         finally:
             stop.set()
@@ -484,10 +489,11 @@ def _materialize_ranges(
     scope: AccountScope,
     console_log_level: str,
     keep_going: bool,
+    after: Callable[[dg.ExecuteInProcessResult], None] | None = None,
 ) -> tuple[list[str], dg.ExecuteInProcessResult]:
     """Runs each range; returns the cities run (a range's start) and the first failed run's
     result (else the last one's). With ``keep_going`` (single cities), a failed city does
-    not stop the others: only an interruption does."""
+    not stop the others: only an interruption does. ``after`` sees each run's result."""
     attempted: list[str] = []
     failed: dg.ExecuteInProcessResult | None = None
     result: dg.ExecuteInProcessResult | None = None
@@ -507,12 +513,32 @@ def _materialize_ranges(
             run_config=_console_config(console_log_level),
         )
         attempted.append(start)
+        if after is not None:
+            after(result)
         if not result.success:
             failed = failed or result
             if not keep_going or was_interrupted(result):
                 break
     assert result is not None
     return attempted, failed or result
+
+
+def _lineage_after(
+    instance: dg.DagsterInstance,
+    lineage: CommandLineage | None,
+    sync_db: SyncDatabaseResource,
+    assets: Collection[dg.AssetKey],
+) -> Callable[[dg.ExecuteInProcessResult], None] | None:
+    """What sends an ended run's OpenLineage events (of ``assets``), if the command has
+    lineage."""
+    if lineage is None:
+        return None
+
+    def after(result: dg.ExecuteInProcessResult) -> None:
+        error = None if result.success else run_failure(result)
+        lineage.finished(instance, result.run_id, sync_db, assets, error)
+
+    return after
 
 
 def _refused(
@@ -642,9 +668,11 @@ def run_incremental_sync(
     console_log_level: str = "WARNING",
     scope: AccountScope = DEFAULT_SCOPE,
     signals: SignalLog | None = None,
+    lineage: CommandLineage | None = None,
 ) -> IncrementalSummary:
     """Runs one incremental window in a Dagster run (the ``incremental_sync`` job's asset);
-    ``signals`` says which signal interrupted it, if one did."""
+    ``signals`` says which signal interrupted it, if one did; the run's OpenLineage events
+    go out through ``lineage``."""
     feed = build_hotel_change_feed(scope)
     feed_key = scope.key(CHANGE_FEED.path[-1])
 
@@ -672,6 +700,8 @@ def run_incremental_sync(
                 loggers=run_config.loggers,
             ),
         )
+        if (after := _lineage_after(instance, lineage, sync_db, feed.keys)) is not None:
+            after(result)
         summary = IncrementalSummary(
             trigger_id=trigger_id,
             run_success=result.success,

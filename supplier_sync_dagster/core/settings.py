@@ -54,6 +54,7 @@ _URL_SCHEMES: dict[str, tuple[str, ...]] = {
     "search_url": ("postgresql", "postgres", "sqlite"),
     "amqp_url": ("amqp", "amqps"),
     "alert_url": ("http", "https", "file"),
+    "lineage_url": ("http", "https"),
 }
 S = TypeVar("S", bound=BaseSettings)
 # One read API key: printable ASCII without spaces or commas (the list's separator), long
@@ -251,6 +252,40 @@ class Settings(ClaimLockSettings, StorageSettings):
         "only); unset: on",
     )
 
+    lineage_url: str | None = Field(
+        default=None,
+        description="an OpenLineage HTTP endpoint's base URL (events are POSTed to "
+        "<url>/api/v1/lineage, as Marquez takes them); unset: a JSON-lines file in the state "
+        "folder (lineage/events.jsonl)",
+    )
+    lineage_api_key: SecretStr | None = Field(
+        default=None,
+        description="sent to the lineage endpoint as 'Authorization: Bearer <key>' (never "
+        "logged); unset: none",
+    )
+    lineage_namespace: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[!-~]+$",
+        description="the OpenLineage namespace of the sync's jobs (printable ASCII, no "
+        "spaces); unset: supplier_sync",
+    )
+    lineage_timeout_seconds: float | None = Field(
+        default=None,
+        ge=0.1,
+        le=30,
+        allow_inf_nan=False,
+        description="connect and read timeout of one lineage request (0.1-30 s; no retry: a "
+        "lost event is counted and logged, never fails the sync); unset: 2",
+    )
+    lineage_file_max_bytes: int | None = Field(
+        default=None,
+        ge=65536,
+        description="size cap of the lineage file (at least 65536); past it the file moves "
+        "to events.jsonl.1, so at most twice this is kept; unset: 67108864 (64 MiB)",
+    )
+
     @field_validator(*(name for name in _URL_SCHEMES if name != "redis_url"))
     @classmethod
     def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -266,6 +301,10 @@ class Settings(ClaimLockSettings, StorageSettings):
     def read_api_keys(self) -> tuple[str, ...]:
         """The read API's keys in clear (for the comparison only); empty when unset."""
         return split_api_keys(self.api_keys.get_secret_value()) if self.api_keys else ()
+
+    def lineage_key(self) -> str | None:
+        """The lineage endpoint's API key in clear (for its header only), or None."""
+        return self.lineage_api_key.get_secret_value() if self.lineage_api_key else None
 
     def api_key(self) -> str | None:
         """The supplier API key in clear (for the client's header only), or None."""
@@ -332,7 +371,7 @@ def _register_secrets(settings: BaseSettings) -> None:
         # A webhook URL is a credential as a whole: its path is masked too.
         register_url(url, whole_path=name == "alert_url" and str(url).startswith("http"))
     if isinstance(settings, Settings):
-        for key in (settings.api_key(), *settings.read_api_keys()):
+        for key in (settings.api_key(), settings.lineage_key(), *settings.read_api_keys()):
             register_secret(key)
 
 

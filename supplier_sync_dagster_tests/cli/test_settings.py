@@ -22,7 +22,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test"), ("SUPPLIER_SYNC_REDIS_URL", "localhost")],
+    [
+        ("SUPPLIER_SYNC_SUPPLIER_URL", "supplier.test"),
+        ("SUPPLIER_SYNC_REDIS_URL", "localhost"),
+        ("SUPPLIER_SYNC_LINEAGE_URL", "marquez:5000/api/v1/lineage"),
+    ],
 )
 def test_sync_with_a_bad_setting_is_one_line_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str, value: str

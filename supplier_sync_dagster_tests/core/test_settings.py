@@ -55,6 +55,11 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_WALK_MAX_PAGES",
         "SUPPLIER_SYNC_WALK_PAGE_SLACK",
         "SUPPLIER_SYNC_WALK_CONTINUITY_CHECK",
+        "SUPPLIER_SYNC_LINEAGE_URL",
+        "SUPPLIER_SYNC_LINEAGE_API_KEY",
+        "SUPPLIER_SYNC_LINEAGE_NAMESPACE",
+        "SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS",
+        "SUPPLIER_SYNC_LINEAGE_FILE_MAX_BYTES",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -213,6 +218,8 @@ def test_read_when_asked(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_REDIS_URL", "http://user:pw@redis:6379"),
         ("SUPPLIER_SYNC_SEARCH_URL", "mysql://user:pw@db/search"),
         ("SUPPLIER_SYNC_AMQP_URL", "http://user:pw@mq:5672"),
+        ("SUPPLIER_SYNC_LINEAGE_URL", "amqp://user:pw@marquez:5000"),
+        ("SUPPLIER_SYNC_LINEAGE_URL", "marquez:5000/api/v1/lineage"),
     ],
 )
 def test_a_bad_value_is_one_clear_error_naming_the_variable(
@@ -254,3 +261,30 @@ def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
     assert set(StorageSettings.model_fields) < set(Settings.model_fields)
     with pytest.raises(ConfigError, match="SUPPLIER_SYNC_SUPPLIER_URL"):
         load_settings()
+
+
+def test_the_lineage_settings_and_their_bounds(monkeypatch: pytest.MonkeyPatch):
+    unset = load_settings()
+    assert (unset.lineage_url, unset.lineage_key(), unset.lineage_namespace) == (None, None, None)
+    good = {
+        "SUPPLIER_SYNC_LINEAGE_URL": "https://marquez.internal:5000",
+        "SUPPLIER_SYNC_LINEAGE_API_KEY": "lineage-key-0123456789",
+        "SUPPLIER_SYNC_LINEAGE_NAMESPACE": "prod/supplier_sync",
+        "SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS": "0.5",
+        "SUPPLIER_SYNC_LINEAGE_FILE_MAX_BYTES": "65536",
+    }
+    for name, value in good.items():
+        monkeypatch.setenv(name, value)
+    s = load_settings()
+    assert s.lineage_key() == "lineage-key-0123456789" and "0123456789" not in repr(s)
+    assert (s.lineage_timeout_seconds, s.lineage_file_max_bytes) == (0.5, 65536)
+    for name, value in (
+        ("SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS", "0.05"),
+        ("SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS", "31"),
+        ("SUPPLIER_SYNC_LINEAGE_NAMESPACE", "two words"),
+        ("SUPPLIER_SYNC_LINEAGE_FILE_MAX_BYTES", "1000"),
+    ):
+        monkeypatch.setenv(name, value)
+        message = str(pytest.raises(ConfigError, load_settings).value)
+        assert message.startswith(f"{name}: ") and "\n" not in message
+        monkeypatch.setenv(name, good[name])

@@ -28,6 +28,10 @@ def _check(loaded: dg.Definitions) -> None:
         "dead_letter_city_resync_sensor",
         "alert_sensor",
         "alert_on_run_failure",
+        "lineage_on_run_start",
+        "lineage_on_run_success",
+        "lineage_on_run_failure",
+        "lineage_on_run_canceled",
     }
     assert loaded.schedules is not None
     assert {s.name for s in loaded.schedules} == {
