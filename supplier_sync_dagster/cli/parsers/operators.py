@@ -9,11 +9,14 @@ from supplier_sync_dagster.cli.common import (
     add_audited_actions,
     add_json_flag,
     add_who_and_why,
+    as_of,
     duration,
     handled_by,
+    int_within,
     positive_int,
     row_id,
 )
+from supplier_sync_dagster.core.settings import MAX_HISTORY_RETENTION_DAYS
 
 _OPERATORS = "supplier_sync_dagster.cli.operators"
 _REPAIR = "supplier_sync_dagster.cli.repair"
@@ -21,7 +24,7 @@ _STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED
 
 
 def add_commands(sub: Subcommands) -> None:
-    """Registers ``dead-letters``, ``trace`` and ``audit``."""
+    """Registers ``dead-letters``, ``trace``, ``history``, ``prune-history`` and ``audit``."""
     dl = sub.add_parser(
         "dead-letters",
         help="records that could not be published: list, show, retry, ignore, fix, compensate",
@@ -39,8 +42,38 @@ def add_commands(sub: Subcommands) -> None:
         default=None,
         help="needed when two suppliers share the id",
     )
+    trace.add_argument(
+        "--as-of",
+        type=as_of,
+        default=None,
+        metavar="TIME",
+        help="the hotel and its offers exactly as published at this time (ISO 8601 with a "
+        "zone: 2026-05-01T14:00:00Z), with the version, diff, batch and raw bytes behind it",
+    )
     add_json_flag(trace)
     handled_by(trace, f"{_OPERATORS}:cmd_trace", read_only=True)
+
+    history = sub.add_parser("history", help="every published version of a hotel, with its time")
+    history.add_argument("hotel", help="the supplier's hotel id")
+    history.add_argument(
+        "--supplier-id", type=row_id, default=None, help="needed when two suppliers share the id"
+    )
+    add_json_flag(history)
+    handled_by(history, f"{_OPERATORS}:cmd_history", read_only=True)
+
+    prune = sub.add_parser(
+        "prune-history",
+        help="drop publish versions superseded before the retention horizon (keeps the one "
+        "current at it)",
+    )
+    prune.add_argument(
+        "--retention-days",
+        type=int_within(1, MAX_HISTORY_RETENTION_DAYS),
+        default=None,
+        help="days kept (default: $SUPPLIER_SYNC_HISTORY_RETENTION_DAYS, else 400)",
+    )
+    add_json_flag(prune)
+    handled_by(prune, f"{_OPERATORS}:cmd_prune_history")
 
     audit = sub.add_parser(
         "audit", help="every operator action: who, when, what, why, before and after"

@@ -639,3 +639,39 @@ city_walk = _table(
     sa.Index("idx_city_walk_created", "created_at"),
     comment="city walks whose listing shifted (or could have, unchecked) under them",
 )
+
+hotel_version = _table(
+    "supplier_sync_hotel_version",
+    sa.Column("resource_id", sa.BigInteger, nullable=False),
+    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    sa.Column("supplier_hotel_id", _code(128), nullable=False),
+    sa.Column("publish_version", sa.BigInteger, nullable=False),
+    sa.Column("supplier_version", sa.BigInteger, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    # The diff type that produced the version, or UNPUBLISHED (a tombstone, for change_reason).
+    sa.Column("change_type", sa.String(64), nullable=False),
+    sa.Column("change_reason", sa.String(32)),
+    sa.Column("batch_id", sa.String(64), nullable=False),
+    sa.Column("raw_payload_hash", sa.String(64)),
+    sa.Column("document_hash", sa.String(64), nullable=False),
+    sa.Column("published_at", _ts(), nullable=False),
+    sa.UniqueConstraint("resource_id", "publish_version", name="uk_hotel_version"),
+    sa.Index("idx_hotel_version_hotel", "supplier_id", "supplier_hotel_id", "publish_version"),
+    sa.Index("idx_hotel_version_time", "published_at"),
+    sa.Index("idx_hotel_version_document", "document_hash"),
+    comment="every published version of a hotel: when, why, from what",
+)
+
+published_document = _table(
+    "supplier_sync_published_document",
+    sa.Column("document_hash", sa.String(64), nullable=False),
+    # The canonical JSON, zlib-compressed: stored once per content (versions share it).
+    sa.Column(
+        "document", sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), *_MYSQL), nullable=False
+    ),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("last_used_at", _ts(), nullable=False),
+    sa.UniqueConstraint("document_hash", name="uk_published_document"),
+    sa.Index("idx_published_document_used", "last_used_at"),
+    comment="published hotel documents, stored once per content",
+)
