@@ -47,11 +47,12 @@ class Day:
     number: int
     at: datetime
     served: dict[str, dict[str, Any]]
+    gap: timedelta = GAP
 
     @property
     def between(self) -> datetime:
         """A time after this day's versions and before the next day's."""
-        return self.at + GAP / 2
+        return self.at + self.gap / 2
 
 
 @dataclass
@@ -76,9 +77,15 @@ def served_now(sim: Simulator) -> dict[str, dict[str, Any]]:
     return out
 
 
-def sync_days(db: SyncDatabase, tmp_path: Path, *, hotels: int = 150, days: int = 3) -> Week:
+def sync_days(
+    db: SyncDatabase, tmp_path: Path, *, hotels: int = 150, days: int = 3, gap: timedelta = GAP
+) -> Week:
     """Full syncs of a changing simulator on ``days`` days; on day 2 the supplier withdraws
-    the largest city's first hotel (``withdrawn_hotel``), on day 3 it serves it again."""
+    the largest city's first hotel (``withdrawn_hotel``), on day 3 it serves it again.
+
+    Between two days the database clock of ``db`` moves ``gap`` on (zero: only real time
+    passes, for another process's clock to agree).
+    """
     sim = make_simulator(
         FaultProfile.clean().with_(bad_record_rate=0.0),
         seed=44,
@@ -108,8 +115,8 @@ def sync_days(db: SyncDatabase, tmp_path: Path, *, hotels: int = 150, days: int 
         assert all(r.status == "SUCCESS" for r in reports), reports
         with db.engine.connect() as conn:
             at = db.clock.read(conn)
-        week.days.append(Day(number, at, served))
-        db.clock.advance(GAP.total_seconds())
+        week.days.append(Day(number, at, served, gap))
+        db.clock.advance(gap.total_seconds())
     return week
 
 
