@@ -3,17 +3,17 @@
 CREATE TABLE IF NOT EXISTS supplier_sync_hotel_version (
 	id INTEGER NOT NULL, 
 	resource_id BIGINT NOT NULL, 
-	supplier_id BIGINT NOT NULL, 
-	supplier_hotel_id VARCHAR(128) NOT NULL, 
 	publish_version BIGINT NOT NULL, 
-	supplier_version BIGINT NOT NULL, 
-	status VARCHAR(16) NOT NULL, 
+	published_at DATETIME NOT NULL, 
 	change_type VARCHAR(64) NOT NULL, 
 	change_reason VARCHAR(32), 
-	batch_id VARCHAR(64) NOT NULL, 
+	supplier_id BIGINT NOT NULL, 
+	supplier_hotel_id VARCHAR(128) NOT NULL, 
+	supplier_version BIGINT NOT NULL, 
 	raw_payload_hash VARCHAR(64), 
+	status VARCHAR(16) NOT NULL, 
+	batch_id VARCHAR(64) NOT NULL, 
 	document_hash VARCHAR(64) NOT NULL, 
-	published_at DATETIME NOT NULL, 
 	PRIMARY KEY (id), 
 	CONSTRAINT uk_hotel_version UNIQUE (resource_id, publish_version)
 );

@@ -154,31 +154,16 @@ def _render_as_of(t: dict[str, Any]) -> str:
         out.append("    no offer sold")
     if v["change_type"] == "UNPUBLISHED":
         out.append(f"  why: unpublished ({v['change_reason'] or 'unknown'})")
-    d = t["diff"]
-    if d is not None:
-        out.append(
-            f"  why: diff {d['diff_type']} risk {d['risk_level']} -> {d['action']} "
-            f"({d['created_at']})"
-        )
-        for c in d["changed_fields"][:20]:
-            out.append(f"      {c.get('field')}: {c.get('old')!r} -> {c.get('new')!r}")
+    if t["diff"] is not None:
+        out += [_why(t["diff"]), *_change_lines(t["diff"])]
     b = t["batch"]
     if b is not None:
         out.append(
             f"  batch {b['batch_id']} of task {b['task_code']} ({b['sync_mode']}, "
             f"{b['trigger_source']} {b['trigger_id']}) {b['status']}"
         )
-    r = t["raw"]
-    if r is not None:
-        mark = "verified" if r.get("verified") else "NOT VERIFIED"
-        out.append(
-            f"  raw: sha256 {r['payload_hash']} {mark}; {r.get('payload_ref')}, city "
-            f"{r.get('city')!r} page {r.get('page')}, fetched {r.get('fetched_at')}"
-        )
-        if r.get("error"):
-            out.append(f"    {r['error']}")
-        elif r.get("record") is not None:
-            out.append("    supplier record: " + dumps(r["record"])[:2000])
+    if t["raw"] is not None:
+        out += _raw_lines(t["raw"])
     return "\n".join(printable(line) for line in out)
 
 
@@ -267,22 +252,12 @@ def _render_trace(t: dict[str, Any]) -> str:
             f"    {d['created_at']} batch {d['batch_id']} ({d['sync_mode']}) v{d['new_snapshot_version']} "
             f"{d['diff_type']} risk {d['risk_level']} -> {d['action']}{decided}"
         )
-        for c in d["changed_fields"][:20]:
-            out.append(f"      {c.get('field')}: {c.get('old')!r} -> {c.get('new')!r}")
+        out += _change_lines(d)
     n = t["normalized"]
     if n is not None:
         out.append(f"  normalized: {n['payload_ref']} (batch {n['batch_id']})")
     for r in t["raw"]:
-        mark = "verified" if r.get("verified") else "NOT VERIFIED"
-        out.append(
-            f"  raw: sha256 {r['payload_hash']} {mark}; {r.get('payload_ref')}, city "
-            f"{r.get('city')!r} page {r.get('page')}, fetched {r.get('fetched_at')} "
-            f"(batch {r.get('batch_id')})"
-        )
-        if r.get("error"):
-            out.append(f"    {r['error']}")
-        elif r.get("record") is not None:
-            out.append("    supplier record: " + dumps(r["record"])[:2000])
+        out += _raw_lines(r)
     for dl in t["dead_letters"]:
         out.append(
             f"  dead letter {dl['id']} {dl['status']} {dl['error_code']} (batch {dl['batch_id']}, "
@@ -294,6 +269,36 @@ def _render_trace(t: dict[str, Any]) -> str:
             out.append(f"    {a['created_at']} {a['action']} by {a['actor']}: {a['reason']}")
     # Stored text (an operator's note, a supplier's message) cannot forge a line.
     return "\n".join(printable(line) for line in out)
+
+
+def _why(diff: dict[str, Any]) -> str:
+    return (
+        f"  why: diff {diff['diff_type']} risk {diff['risk_level']} -> {diff['action']} "
+        f"({diff['created_at']})"
+    )
+
+
+def _change_lines(diff: dict[str, Any]) -> list[str]:
+    """A diff's changed fields, one line each (the first 20)."""
+    return [
+        f"      {c.get('field')}: {c.get('old')!r} -> {c.get('new')!r}"
+        for c in diff["changed_fields"][:20]
+    ]
+
+
+def _raw_lines(r: dict[str, Any]) -> list[str]:
+    """A raw page of a trace: where its bytes are, whether they verify, the supplier's record."""
+    mark = "verified" if r.get("verified") else "NOT VERIFIED"
+    out = [
+        f"  raw: sha256 {r['payload_hash']} {mark}; {r.get('payload_ref')}, city "
+        f"{r.get('city')!r} page {r.get('page')}, fetched {r.get('fetched_at')} "
+        f"(batch {r.get('batch_id')})"
+    ]
+    if r.get("error"):
+        out.append(f"    {r['error']}")
+    elif r.get("record") is not None:
+        out.append("    supplier record: " + dumps(r["record"])[:2000])
+    return out
 
 
 def _offer_line(o: dict[str, Any]) -> str:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.records.history import prune_history

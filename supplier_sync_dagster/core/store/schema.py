@@ -642,33 +642,46 @@ city_walk = _table(
 
 hotel_version = _table(
     "supplier_sync_hotel_version",
-    sa.Column("resource_id", sa.BigInteger, nullable=False),
-    sa.Column("supplier_id", sa.BigInteger, nullable=False),
+    *(sa.Column(name, sa.BigInteger, nullable=False) for name in ("resource_id", "supplier_id")),
     sa.Column("supplier_hotel_id", _code(128), nullable=False),
-    sa.Column("publish_version", sa.BigInteger, nullable=False),
-    sa.Column("supplier_version", sa.BigInteger, nullable=False),
-    sa.Column("status", sa.String(16), nullable=False),
-    # The diff type that produced the version, or UNPUBLISHED (a tombstone, for change_reason).
-    sa.Column("change_type", sa.String(64), nullable=False),
-    sa.Column("change_reason", sa.String(32)),
-    sa.Column("batch_id", sa.String(64), nullable=False),
-    sa.Column("raw_payload_hash", sa.String(64)),
-    sa.Column("document_hash", sa.String(64), nullable=False),
+    *(
+        sa.Column(name, sa.BigInteger, nullable=False)
+        for name in ("publish_version", "supplier_version")
+    ),
+    # ACTIVE/INACTIVE as published; the diff type that produced the version, or UNPUBLISHED
+    # (a tombstone, with why: change_reason); the batch; the raw page and the document.
+    *(
+        sa.Column(name, sa.String(length), nullable=not required)
+        for name, length, required in (
+            ("status", 16, True),
+            ("change_type", 64, True),
+            ("change_reason", 32, False),
+            ("batch_id", 64, True),
+            ("raw_payload_hash", 64, False),
+            ("document_hash", 64, True),
+        )
+    ),
     sa.Column("published_at", _ts(), nullable=False),
     sa.UniqueConstraint("resource_id", "publish_version", name="uk_hotel_version"),
-    sa.Index("idx_hotel_version_hotel", "supplier_id", "supplier_hotel_id", "publish_version"),
-    sa.Index("idx_hotel_version_time", "published_at"),
-    sa.Index("idx_hotel_version_document", "document_hash"),
+    *(
+        sa.Index(f"idx_hotel_version_{name}", *columns)
+        for name, columns in (
+            ("hotel", ("supplier_id", "supplier_hotel_id", "publish_version")),
+            ("time", ("published_at",)),
+            ("document", ("document_hash",)),
+        )
+    ),
     comment="every published version of a hotel: when, why, from what",
 )
 
 published_document = _table(
     "supplier_sync_published_document",
-    sa.Column("document_hash", sa.String(64), nullable=False),
-    # The canonical JSON, zlib-compressed: stored once per content (versions share it).
+    # The canonical JSON, zlib-compressed, under its sha256: once per content (versions
+    # share it).
     sa.Column(
         "document", sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), *_MYSQL), nullable=False
     ),
+    sa.Column("document_hash", sa.String(64), nullable=False),
     sa.Column("created_at", _ts(), nullable=False),
     sa.Column("last_used_at", _ts(), nullable=False),
     sa.UniqueConstraint("document_hash", name="uk_published_document"),

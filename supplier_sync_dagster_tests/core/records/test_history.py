@@ -171,7 +171,7 @@ def test_as_of_answers_what_the_simulator_served_then_and_pruning_keeps_the_wind
         h = schema.platform_hotel.c
         current = dict(conn.execute(sa.select(h.supplier_hotel_id, h.publish_version)).all())
         v = schema.hotel_version.c
-        recorded = dict(
+        recorded: dict[str, int] = dict(
             conn.execute(
                 sa.select(v.supplier_hotel_id, sa.func.count()).group_by(v.supplier_hotel_id)
             ).all()
