@@ -65,28 +65,25 @@ def _scratch(backend: str) -> Iterator[tuple[str, Path]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# What each backend says it stores for the two tables (and their indexes).
+_SIZE_SQL = {
+    "sqlite": "SELECT SUM(pgsize) FROM dbstat WHERE name IN (SELECT name FROM sqlite_master "
+    "WHERE tbl_name IN (:a, :b))",
+    "mysql": "SELECT SUM(data_length + index_length) FROM information_schema.tables "
+    "WHERE table_schema = DATABASE() AND table_name IN (:a, :b)",
+}
+
+
 def _stored_bytes(db: SyncDatabase) -> int:
     """Bytes the database gives the two history tables and their indexes."""
+    dialect = db.engine.dialect.name
     with db.engine.begin() as conn:
-        if db.engine.dialect.name == "sqlite":
-            pages = conn.execute(
-                sa.text(
-                    "SELECT SUM(pgsize) FROM dbstat WHERE name IN (SELECT name FROM "
-                    "sqlite_master WHERE tbl_name IN (:a, :b))"
-                ),
-                {"a": _TABLES[0], "b": _TABLES[1]},
-            ).scalar_one()
-            return int(pages or 0)
-        for table in _TABLES:
-            conn.execute(sa.text(f"ANALYZE TABLE `{table}`"))
-        total = conn.execute(
-            sa.text(
-                "SELECT SUM(data_length + index_length) FROM information_schema.tables "
-                "WHERE table_schema = DATABASE() AND table_name IN (:a, :b)"
-            ),
-            {"a": _TABLES[0], "b": _TABLES[1]},
-        ).scalar_one()
-        return int(total or 0)
+        if dialect != "sqlite":
+            for table in _TABLES:  # InnoDB's lengths are estimates until analysed
+                conn.execute(sa.text(f"ANALYZE TABLE `{table}`"))
+        names = dict(zip("ab", _TABLES, strict=True))
+        total = conn.execute(sa.text(_SIZE_SQL.get(dialect, _SIZE_SQL["mysql"])), names)
+        return int(total.scalar_one() or 0)
 
 
 def main() -> None:
@@ -98,14 +95,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=["sqlite", "mariadb"], default="sqlite")
     parser.add_argument("--retention-days", type=int, default=DEFAULT_HISTORY_RETENTION_DAYS)
     args = parser.parse_args()
-    sim = Simulator(
-        SimulatorConfig(
-            n_cities=args.cities,
-            total_hotels=args.hotels,
-            api_key=API_KEY,
-            faults=FaultProfile.clean(),
-        )
-    )
+    world = {"n_cities": args.cities, "total_hotels": args.hotels}
+    sim = Simulator(SimulatorConfig(api_key=API_KEY, faults=FaultProfile.clean(), **world))
     sync = build_sync_settings(
         task_code="bench_history",
         supplier_id=1001,
