@@ -14,11 +14,13 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.core.errors import ConfigError, InvalidTimestamp
 from supplier_sync_dagster.core.inputs.operator_input import MAX_ID
 from supplier_sync_dagster.core.inputs.text import json_printable
+from supplier_sync_dagster.core.inputs.timestamps import parse_as_of
 from supplier_sync_dagster.core.settings import env_name
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import (
@@ -166,6 +168,14 @@ non_negative_int = int_within(0, MAX_COUNT)
 """An argument type: a count of at least 0 (``--processes 0``: none)."""
 workers = int_within(1, MAX_WORKERS)
 """An argument type: threads or processes to start (at least 1)."""
+
+
+def as_of(text: str) -> datetime:
+    """An argument type: a time, ISO 8601 with a zone (as naive UTC, the database's form)."""
+    try:
+        return parse_as_of(text)
+    except InvalidTimestamp as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_json_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:

@@ -19,7 +19,14 @@ from supplier_sync_dagster.cli.common import dumps, open_db, warn
 from supplier_sync_dagster.core.errors import ConfigError, NotFound
 from supplier_sync_dagster.core.inputs.text import printable
 from supplier_sync_dagster.core.records import deadletters
-from supplier_sync_dagster.core.repair.trace import check_trace_field, trace_hotel
+from supplier_sync_dagster.core.records.history import prune_history
+from supplier_sync_dagster.core.repair.trace import (
+    check_trace_field,
+    hotel_history,
+    trace_hotel,
+    trace_hotel_as_of,
+)
+from supplier_sync_dagster.core.settings import load_history_settings
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.audit import describe_identity, list_audit
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -82,8 +89,13 @@ def _line(row: dict[str, Any], *, as_json: bool) -> str:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    """``trace HOTEL [--field F]``: from the published row to the supplier's bytes."""
+    """``trace HOTEL [--field F]``: from the published row to the supplier's bytes;
+    ``--as-of T``: the hotel as published at T, and why."""
     check_trace_field(args.field)
+    if args.as_of is not None:
+        if args.field is not None:
+            raise ConfigError("--field and --as-of do not go together: --as-of shows one version")
+        return _trace_as_of(args)
     with open_db(args.db_url) as db:
         supplier_id = args.supplier_id
         if supplier_id is None:
@@ -98,6 +110,96 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if unverified:
         warn(f"{len(unverified)} stored pages do not verify: {unverified[0].get('error')}")
         return 1
+    return 0
+
+
+def _trace_as_of(args: argparse.Namespace) -> int:
+    with open_db(args.db_url) as db:
+        supplier_id = args.supplier_id or _supplier_of(db, args.hotel)
+        found = trace_hotel_as_of(
+            db,
+            open_payload_store(),
+            supplier_id=supplier_id,
+            supplier_hotel_id=args.hotel,
+            at=args.as_of,
+        )
+    print(dumps(found) if args.json else _render_as_of(found))
+    raw = found["raw"]
+    if raw is not None and not raw.get("verified"):
+        warn(f"the raw page behind this version does not verify: {raw.get('error')}")
+        return 1
+    return 0
+
+
+def _render_as_of(t: dict[str, Any]) -> str:
+    v, doc = t["version"], t["hotel"]
+    until = t["current_until"]
+    out = [
+        f"hotel {t['supplier_hotel_id']} of supplier {t['supplier_id']} as of {t['as_of']}",
+        f"  publish version {v['publish_version']} (supplier version {v['supplier_version']}), "
+        f"{v['status']}, published at {v['published_at']} by batch {v['batch_id']}; "
+        + (
+            f"current until {until['published_at']} (publish version {until['publish_version']})"
+            if until
+            else "still current"
+        ),
+        f"  {doc.get('name')!s} ({doc.get('city_code')}, {doc.get('country_code')})",
+    ]
+    out += [
+        f"    offer {o['room_code']}/{o['rate_plan_code']}: {o['price']} {o['currency']}"
+        + ("" if o["available"] else " (unavailable)")
+        for o in t["offers"]
+    ]
+    if not t["offers"]:
+        out.append("    no offer sold")
+    if v["change_type"] == "UNPUBLISHED":
+        out.append(f"  why: unpublished ({v['change_reason'] or 'unknown'})")
+    if t["diff"] is not None:
+        out += [_why(t["diff"]), *_change_lines(t["diff"])]
+    b = t["batch"]
+    if b is not None:
+        out.append(
+            f"  batch {b['batch_id']} of task {b['task_code']} ({b['sync_mode']}, "
+            f"{b['trigger_source']} {b['trigger_id']}) {b['status']}"
+        )
+    if t["raw"] is not None:
+        out += _raw_lines(t["raw"])
+    return "\n".join(printable(line) for line in out)
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """``history HOTEL``: every published version the history keeps, with its time."""
+    with open_db(args.db_url) as db:
+        supplier_id = args.supplier_id or _supplier_of(db, args.hotel)
+        found = hotel_history(db, supplier_id=supplier_id, supplier_hotel_id=args.hotel)
+    if args.json:
+        print(dumps(found))
+        return 0
+    print(printable(f"hotel {args.hotel} of supplier {supplier_id}"))
+    for v in found["versions"]:
+        why = v["change_type"] + (f" ({v['change_reason']})" if v["change_reason"] else "")
+        print(
+            printable(
+                f"  {v['published_at']}  v{v['publish_version']:<4} supplier v"
+                f"{v['supplier_version']:<4} {v['status']:<8} {why:<24} batch {v['batch_id']}"
+            )
+        )
+    return 0
+
+
+def cmd_prune_history(args: argparse.Namespace) -> int:
+    """``prune-history``: drops the versions superseded before the retention horizon."""
+    days = args.retention_days or load_history_settings().history_retention_days
+    with open_db(args.db_url) as db:
+        report = prune_history(db, retention_days=days)
+    if args.json:
+        print(dumps({"retention_days": days, **vars(report)}))
+    else:
+        print(
+            f"pruned {report.versions} versions and {report.documents} documents published "
+            f"before {report.horizon.isoformat()}Z ({days} days kept; the version current then "
+            "stays)"
+        )
     return 0
 
 
@@ -150,22 +252,12 @@ def _render_trace(t: dict[str, Any]) -> str:
             f"    {d['created_at']} batch {d['batch_id']} ({d['sync_mode']}) v{d['new_snapshot_version']} "
             f"{d['diff_type']} risk {d['risk_level']} -> {d['action']}{decided}"
         )
-        for c in d["changed_fields"][:20]:
-            out.append(f"      {c.get('field')}: {c.get('old')!r} -> {c.get('new')!r}")
+        out += _change_lines(d)
     n = t["normalized"]
     if n is not None:
         out.append(f"  normalized: {n['payload_ref']} (batch {n['batch_id']})")
     for r in t["raw"]:
-        mark = "verified" if r.get("verified") else "NOT VERIFIED"
-        out.append(
-            f"  raw: sha256 {r['payload_hash']} {mark}; {r.get('payload_ref')}, city "
-            f"{r.get('city')!r} page {r.get('page')}, fetched {r.get('fetched_at')} "
-            f"(batch {r.get('batch_id')})"
-        )
-        if r.get("error"):
-            out.append(f"    {r['error']}")
-        elif r.get("record") is not None:
-            out.append("    supplier record: " + dumps(r["record"])[:2000])
+        out += _raw_lines(r)
     for dl in t["dead_letters"]:
         out.append(
             f"  dead letter {dl['id']} {dl['status']} {dl['error_code']} (batch {dl['batch_id']}, "
@@ -177,6 +269,36 @@ def _render_trace(t: dict[str, Any]) -> str:
             out.append(f"    {a['created_at']} {a['action']} by {a['actor']}: {a['reason']}")
     # Stored text (an operator's note, a supplier's message) cannot forge a line.
     return "\n".join(printable(line) for line in out)
+
+
+def _why(diff: dict[str, Any]) -> str:
+    return (
+        f"  why: diff {diff['diff_type']} risk {diff['risk_level']} -> {diff['action']} "
+        f"({diff['created_at']})"
+    )
+
+
+def _change_lines(diff: dict[str, Any]) -> list[str]:
+    """A diff's changed fields, one line each (the first 20)."""
+    return [
+        f"      {c.get('field')}: {c.get('old')!r} -> {c.get('new')!r}"
+        for c in diff["changed_fields"][:20]
+    ]
+
+
+def _raw_lines(r: dict[str, Any]) -> list[str]:
+    """A raw page of a trace: where its bytes are, whether they verify, the supplier's record."""
+    mark = "verified" if r.get("verified") else "NOT VERIFIED"
+    out = [
+        f"  raw: sha256 {r['payload_hash']} {mark}; {r.get('payload_ref')}, city "
+        f"{r.get('city')!r} page {r.get('page')}, fetched {r.get('fetched_at')} "
+        f"(batch {r.get('batch_id')})"
+    ]
+    if r.get("error"):
+        out.append(f"    {r['error']}")
+    elif r.get("record") is not None:
+        out.append("    supplier record: " + dumps(r["record"])[:2000])
+    return out
 
 
 def _offer_line(o: dict[str, Any]) -> str:

@@ -18,7 +18,10 @@ The tree::
     │   ├── UnknownShard
     │   ├── UnknownOutboxEvent
     │   ├── UnknownCity               a city code the supplier does not know
-    │   └── ProfileMissing            no city profile was recorded for this batch and city
+    │   ├── ProfileMissing            no city profile was recorded for this batch and city
+    │   ├── NotPublishedThen          a hotel had no published version at the time asked
+    │   └── HistoryNotKept            the time asked is before the publish history kept (retention)
+    ├── InvalidTimestamp              a time given is not ISO 8601 with a zone, or is in the future
     ├── TaskDisabled                  a batch was requested for a DISABLED task
     ├── TriggerSkipped                the task's concurrency policy skipped a trigger
     ├── NoBaseline                    an incremental sync has no watermark and no full sync to start from
@@ -126,6 +129,20 @@ class UnknownOutboxEvent(NotFound):
 
 class ProfileMissing(NotFound):
     """No `supplier_sync_city_profile` row for this (batch_id, shard_key): not normalized yet."""
+
+
+class NotPublishedThen(NotFound):
+    """The hotel had no published version at the time asked (not yet published)."""
+
+
+class HistoryNotKept(NotFound):
+    """The time asked is before the publish history kept for the hotel: pruned by the
+    retention setting, or published before the history was recorded."""
+
+
+class InvalidTimestamp(SupplierSyncError):
+    """A time given (``--as-of``, ``as_of``) is not ISO 8601 with a zone, or is in the future
+    by the database clock."""
 
 
 class TaskDisabled(SupplierSyncError):

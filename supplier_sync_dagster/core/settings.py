@@ -140,7 +140,31 @@ class ClaimLockSettings(BaseSettings):
         return _with_scheme(value, _URL_SCHEMES["redis_url"])
 
 
-class Settings(ClaimLockSettings, StorageSettings):
+# How long the publish history keeps versions superseded (days), unless set, and the range.
+DEFAULT_HISTORY_RETENTION_DAYS = 400
+MAX_HISTORY_RETENTION_DAYS = 3650
+
+
+class HistorySettings(BaseSettings):
+    """How long the catalog's publish history is kept: the part of :class:`Settings` that
+    ``history prune`` reads."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    history_retention_days: int = Field(
+        default=DEFAULT_HISTORY_RETENTION_DAYS,
+        ge=1,
+        le=MAX_HISTORY_RETENTION_DAYS,
+        description="days of publish history kept for as-of answers (1-3650): pruning drops "
+        "the versions superseded before the horizon and keeps the one current at it, so "
+        "every time inside the window is answered exactly and an earlier one is refused "
+        "(HISTORY_NOT_KEPT); unset: 400",
+    )
+
+
+class Settings(HistorySettings, ClaimLockSettings, StorageSettings):
     """The ``SUPPLIER_SYNC_*`` environment, validated; None means unset (the embedded default)."""
 
     suppliers_file: Path | None = Field(
@@ -347,6 +371,15 @@ def load_claim_lock_settings() -> ClaimLockSettings:
         ConfigError: One of these variables is malformed.
     """
     return _read(ClaimLockSettings)
+
+
+def load_history_settings() -> HistorySettings:
+    """Reads only the publish history's retention, now.
+
+    Raises:
+        ConfigError: The variable is malformed or out of range.
+    """
+    return _read(HistorySettings)
 
 
 def _read(part: type[S]) -> S:

@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -54,6 +54,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from supplier_sync_dagster.core.errors import (
     CircuitOpen,
     ConfigError,
+    HistoryNotKept,
+    InvalidTimestamp,
+    NotPublishedThen,
     ProjectionUnavailable,
     RateShareExhausted,
     SupplierError,
@@ -61,6 +64,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierTimeout,
 )
 from supplier_sync_dagster.core.inputs.operator_input import json_depth
+from supplier_sync_dagster.core.inputs.timestamps import parse_as_of
 from supplier_sync_dagster.core.outbox.machine import first_stage
 from supplier_sync_dagster.core.outbox.projections import (
     HOTEL_KEY,
@@ -70,6 +74,7 @@ from supplier_sync_dagster.core.outbox.projections import (
     SearchQuery,
     load_search_docs,
 )
+from supplier_sync_dagster.core.records.history import HotelKey, published_offers, version_as_of
 from supplier_sync_dagster.core.records.publish import event_id, write_events
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
@@ -348,6 +353,12 @@ class ReadApi:
         resource_id = int(raw) if _ID.fullmatch(raw) else 0
         if not 1 <= resource_id <= MAX_ID:
             raise ApiError(400, "INVALID_PARAMETER", f"a hotel id is an integer 1..{MAX_ID}")
+        if "as_of" in request.query_params:
+            at = _as_of(request)
+            then = await run_in_threadpool(_hotel_as_of_json, self.db, resource_id, at)
+            return Response(
+                then, media_type="application/json", headers={"Cache-Control": "no-store"}
+            )
         key = HOTEL_KEY.format(resource_id=resource_id)
         try:
             cached = self.cache.get(key)
@@ -629,6 +640,73 @@ def _hotel_json(db: SyncDatabase, resource_id: int) -> bytes | None:
     return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def _as_of(request: Request) -> datetime:
+    """The ``as_of`` parameter: ISO 8601 with a zone, as naive UTC (400 otherwise)."""
+    raw = request.query_params.get("as_of", "")
+    try:
+        return parse_as_of(raw)
+    except InvalidTimestamp:
+        # The caller's text is not echoed: it may be anything.
+        raise ApiError(
+            400,
+            "INVALID_PARAMETER",
+            "as_of must be an ISO 8601 time with a zone, e.g. 2026-05-01T14:00:00Z",
+        ) from None
+
+
+def _hotel_as_of_json(db: SyncDatabase, resource_id: int, at: datetime) -> bytes:
+    """The hotel as published at ``at``: its public fields and the offers sold then."""
+    with db.engine.connect() as conn:
+        now = db.clock.read(conn)
+        if at > now:
+            raise ApiError(400, "INVALID_PARAMETER", "as_of is in the future")
+        try:
+            found = version_as_of(conn, HotelKey(resource_id=resource_id), at)
+        except NotPublishedThen:
+            raise ApiError(404, "HOTEL_NOT_FOUND", f"no hotel {resource_id} then") from None
+        except HistoryNotKept as err:
+            raise ApiError(410, "HISTORY_NOT_KEPT", str(err)) from None
+    doc, version = found.document, found.version
+    offers = published_offers(doc)
+    sold = [(Decimal(o["price"]), o["currency"]) for o in offers if o["available"]]
+    lowest = min(sold) if sold else None
+    star = doc.get("star_rating")
+    out = _public(
+        {
+            "resource_id": resource_id,
+            "publish_version": int(version["publish_version"]),
+            "name": doc.get("name"),
+            "name_local": doc.get("name_local"),
+            "city_code": doc.get("city_code"),
+            "country_code": doc.get("country_code"),
+            "star_rating": None if star is None else float(star),
+            "status": str(version["status"]),
+            "lowest_price": None if lowest is None else str(lowest[0].quantize(Decimal("0.01"))),
+            "currency": None if lowest is None else lowest[1],
+            "address": doc.get("address_line1"),
+            "postal_code": doc.get("postal_code"),
+            "lat": doc.get("lat"),
+            "lng": doc.get("lng"),
+            "published_at": version["published_at"].isoformat(),
+        }
+    )
+    out["as_of"] = at.isoformat() + "Z"
+    out["offers"] = [
+        {
+            "room_code": o["room_code"],
+            "rate_plan_code": o["rate_plan_code"],
+            "room_name": o["room_name"],
+            "board": o["board"],
+            "refundable": o["refundable"],
+            "available": o["available"],
+            "price": str(Decimal(o["price"]).quantize(Decimal("0.01"))),
+            "currency": o["currency"],
+        }
+        for o in offers
+    ]
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _catalog_offer(
     db: SyncDatabase, resource_id: int, room_code: str, rate_plan_code: str
 ) -> dict[str, Any] | None:
@@ -826,11 +904,26 @@ OPENAPI: dict[str, Any] = {
                 "summary": "A hotel with its offers (cached; X-Cache: HIT or MISS), the "
                 "platform's fields only",
                 "parameters": [
-                    {"name": "resource_id", "in": "path", "required": True, "schema": _ID_SCHEMA}
+                    {"name": "resource_id", "in": "path", "required": True, "schema": _ID_SCHEMA},
+                    {
+                        "name": "as_of",
+                        "in": "query",
+                        "schema": {"type": "string", "format": "date-time"},
+                        "description": "the hotel and its offers exactly as published at this "
+                        "time (ISO 8601 with a zone; not cached; a time in the future: 400)",
+                    },
                 ],
                 "responses": {
                     "200": {"description": "the hotel"},
-                    **_responses(*_COMMON_ERRORS, (404, "no such hotel (HOTEL_NOT_FOUND)")),
+                    **_responses(
+                        *_COMMON_ERRORS,
+                        (404, "no such hotel (then, with as_of) (HOTEL_NOT_FOUND)"),
+                        (
+                            410,
+                            "as_of is before the publish history kept for the hotel "
+                            "(HISTORY_NOT_KEPT)",
+                        ),
+                    ),
                 },
             }
         },

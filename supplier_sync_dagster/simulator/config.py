@@ -26,6 +26,7 @@ MODES: tuple[str, ...] = (
     "future_timestamp",
     "drift",
     "dropped_city",
+    "withdrawn_hotel",
 )
 """The named misbehaviours (``FaultProfile.modes``); ``simulator.modes`` says what each does."""
 

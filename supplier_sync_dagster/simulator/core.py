@@ -406,11 +406,26 @@ class Simulator:
         return self._without_dropped(self._shifted(truth, at))
 
     def _without_dropped(self, truth: GroundTruth) -> GroundTruth:
-        """The truth without the hotels of ``dropped_city`` cities: the supplier serves none."""
-        dropped = {c for c in truth.listed_by_city if self._modes.on("dropped_city", c)}
-        if "dropped_city" not in self._modes.names or not dropped:
+        """The truth without the hotels of ``dropped_city`` cities (the supplier serves none)
+        and the ``withdrawn_hotel`` ones."""
+        names = self._modes.names
+        dropped = (
+            {c for c in truth.listed_by_city if self._modes.on("dropped_city", c)}
+            if "dropped_city" in names
+            else set()
+        )
+        withdrawn = (
+            {
+                ids[0]
+                for c, ids in truth.listed_by_city.items()
+                if ids and c not in dropped and self._modes.on("withdrawn_hotel", c)
+            }
+            if "withdrawn_hotel" in names
+            else set()
+        )
+        if not dropped and not withdrawn:
             return truth
-        gone = {h for c in dropped for h in truth.listed_by_city[c]}
+        gone = {h for c in dropped for h in truth.listed_by_city[c]} | withdrawn
         gone |= {h for c in dropped for h in truth.valid_by_city.get(c, {})}
 
         def keep(ids: Mapping[str, Any]) -> dict[str, Any]:
@@ -727,6 +742,17 @@ class Simulator:
         cities = self.world.cities
         return index < len(cities) and self._modes.on("dropped_city", cities[index].code)
 
+    def _withdrawn(self, num: int, at: int) -> bool:
+        """Whether hotel ``num`` is its city's first, withdrawn (``withdrawn_hotel``)."""
+        if "withdrawn_hotel" not in self._modes.names:
+            return False
+        index = num // data.HOTELS_PER_CITY_SPAN
+        cities = self.world.cities
+        if index >= len(cities) or not self._modes.on("withdrawn_hotel", cities[index].code):
+            return False
+        ids = self.world.state_at(cities[index], at).ids
+        return bool(ids) and ids[0] == num
+
     def _cities(self, at: int) -> bytes:
         cached = self._cities_body
         if cached is not None and cached[0] == at:
@@ -779,7 +805,10 @@ class Simulator:
     def _city_state(self, city: City, at: int) -> data.CityState:
         state = self.world.state_at(city, at)
         drift = self._drift.get(city.index)
-        return state if drift is None else drift.apply(state)
+        state = state if drift is None else drift.apply(state)
+        if state.ids and self._modes.on("withdrawn_hotel", city.code):
+            state = dataclasses.replace(state, ids=state.ids[1:])
+        return state
 
     def _city_hotels(
         self, city: City, params: Mapping[str, str], at: int
@@ -940,7 +969,7 @@ class Simulator:
         return SimResponse(200, body=self._render(listed, h, day, self._victims(at)))
 
     def _find_hotel(self, num: int, at: int) -> tuple[City, data.Hotel] | None:
-        if self._dropped(num):
+        if self._dropped(num) or self._withdrawn(num, at):
             return None
         drift = self._drift.get(num // data.HOTELS_PER_CITY_SPAN)
         if drift is not None and num in drift.removed:
@@ -975,7 +1004,7 @@ class Simulator:
                 "since": data.rfc3339(last_key // data.CHANGE_KEY_SPAN),
                 "after_id": data.hotel_id(chosen[-1]),
             }
-        chosen = [n for n in chosen if not self._dropped(n)]
+        chosen = [n for n in chosen if not (self._dropped(n) or self._withdrawn(n, at))]
         if "future_timestamp" in self._modes.names:
             # A record dated 2099 sorts after every real change, whenever it changed.
             future = {n for n, kind in self._victims(at).items() if kind == modes.FUTURE_TIMESTAMP}

@@ -25,11 +25,14 @@ when empty; then the change feed too):
 ``dropped_city``    the supplier stops serving the city: ``/v1/cities`` lacks it, and its
                     listing, summary and hotels answer 404 (``CITY_NOT_FOUND``,
                     ``HOTEL_NOT_FOUND``); the change feed leaves its hotels out
+``withdrawn_hotel`` the supplier withdraws the city's first hotel for a while: its listing
+                    lacks it (the counts too) and its detail answers 404; switched off, the
+                    hotel is back as it would be
 ==================  ==========================================================================
 
 The ground truth (``Simulator.ground_truth``) follows the modes: a ``bad_bytes`` hotel is bad
 (``INVALID_UTF8``), a ``future_timestamp`` one bad (``FUTURE_TIMESTAMP``), a drifted city lists
-what it lists after its shifts, a dropped city is not there at all.
+what it lists after its shifts, a dropped city is not there at all, nor a withdrawn hotel.
 """
 
 from __future__ import annotations

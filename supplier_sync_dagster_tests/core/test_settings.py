@@ -13,6 +13,7 @@ from supplier_sync_dagster.core.settings import (
     Settings,
     StorageSettings,
     env_name,
+    load_history_settings,
     load_settings,
     load_storage_settings,
 )
@@ -37,6 +38,7 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_LEASE_SECONDS",
         "SUPPLIER_SYNC_REDIS_URL",
         "SUPPLIER_SYNC_CLAIM_LOCKS",
+        "SUPPLIER_SYNC_HISTORY_RETENTION_DAYS",
         "SUPPLIER_SYNC_SUPPLIERS_FILE",
         "SUPPLIER_SYNC_SUPPLIER_URL",
         "SUPPLIER_SYNC_SUPPLIER_API_KEY",
@@ -288,3 +290,13 @@ def test_the_lineage_settings_and_their_bounds(monkeypatch: pytest.MonkeyPatch):
         message = str(pytest.raises(ConfigError, load_settings).value)
         assert message.startswith(f"{name}: ") and "\n" not in message
         monkeypatch.setenv(name, good[name])
+
+
+def test_history_retention_is_days_within_range(monkeypatch: pytest.MonkeyPatch):
+    assert load_history_settings().history_retention_days == 400
+    monkeypatch.setenv("SUPPLIER_SYNC_HISTORY_RETENTION_DAYS", "30")
+    assert load_settings().history_retention_days == 30
+    for bad in ("0", "3651", "2.5", "a year"):
+        monkeypatch.setenv("SUPPLIER_SYNC_HISTORY_RETENTION_DAYS", bad)
+        with pytest.raises(ConfigError, match="SUPPLIER_SYNC_HISTORY_RETENTION_DAYS"):
+            load_history_settings()

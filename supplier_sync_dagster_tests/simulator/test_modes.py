@@ -279,3 +279,22 @@ def test_dropped_city_on_every_city_empties_the_city_list() -> None:
         body = c.get("/v1/cities").json()
     assert body == {"cities": [], "total": 0}
     assert sim.ground_truth().total == 0
+
+
+def test_withdrawn_hotel_leaves_the_listing_answers_404_then_comes_back() -> None:
+    sim, city = _moded("withdrawn_hotel")
+    before = make_sim().ground_truth().listed_by_city[city]
+    hotel = before[0]
+    with sim.client() as c:
+        listing = c.get(hotels_url(city)).json()
+        detail = c.get(f"/v1/hotels/{hotel}")
+        other = c.get(f"/v1/hotels/{before[1]}")
+    assert [h["hotel_id"] for h in listing["hotels"]] == list(before[1:])[: len(listing["hotels"])]
+    assert listing["total"] == len(before) - 1
+    assert detail.status_code == 404 and other.status_code == 200
+    truth = sim.ground_truth()
+    assert hotel not in truth.versions and truth.listed_by_city[city] == before[1:]
+    sim.set_modes([])
+    with sim.client() as c:
+        assert c.get(f"/v1/hotels/{hotel}").status_code == 200
+    assert hotel in sim.ground_truth().versions

@@ -1,7 +1,10 @@
-"""The arguments of the operator commands: ``dead-letters``, ``trace`` and ``audit``
-(handlers: :mod:`supplier_sync_dagster.cli.operators`, :mod:`supplier_sync_dagster.cli.repair`)."""
+"""The arguments of the operator commands: ``dead-letters``, ``trace``, ``history``,
+``prune-history`` and ``audit`` (handlers: :mod:`supplier_sync_dagster.cli.operators`,
+:mod:`supplier_sync_dagster.cli.repair`)."""
 
 from __future__ import annotations
+
+import argparse
 
 from supplier_sync_dagster.cli.common import (
     ACCOUNT_HELP,
@@ -9,19 +12,27 @@ from supplier_sync_dagster.cli.common import (
     add_audited_actions,
     add_json_flag,
     add_who_and_why,
+    as_of,
     duration,
     handled_by,
+    int_within,
     positive_int,
     row_id,
 )
+from supplier_sync_dagster.core.settings import MAX_HISTORY_RETENTION_DAYS
 
 _OPERATORS = "supplier_sync_dagster.cli.operators"
 _REPAIR = "supplier_sync_dagster.cli.repair"
+_PRUNE_HELP = (
+    "drop the publish versions superseded before the retention horizon (the one current at "
+    "it stays)"
+)
+_RETENTION = "SUPPLIER_SYNC_HISTORY_RETENTION_DAYS, else 400"
 _STATUSES = ("PENDING", "RETRYING", "RESOLVED", "FAILED", "MANUAL_FIX", "IGNORED", "MERGED")
 
 
 def add_commands(sub: Subcommands) -> None:
-    """Registers ``dead-letters``, ``trace`` and ``audit``."""
+    """Registers ``dead-letters``, ``trace``, ``history``, ``prune-history`` and ``audit``."""
     dl = sub.add_parser(
         "dead-letters",
         help="records that could not be published: list, show, retry, ignore, fix, compensate",
@@ -31,16 +42,28 @@ def add_commands(sub: Subcommands) -> None:
     trace = sub.add_parser(
         "trace", help="where a published hotel's fields came from, down to the supplier's bytes"
     )
-    trace.add_argument("hotel", help="the supplier's hotel id")
+    _add_hotel(trace)
     trace.add_argument("--field", default=None, help="only diffs of this field (price_amount ...)")
     trace.add_argument(
-        "--supplier-id",
-        type=row_id,
-        default=None,
-        help="needed when two suppliers share the id",
+        "--as-of",
+        type=as_of,
+        metavar="TIME",
+        help="the hotel and its offers exactly as published at this time (ISO 8601 with a "
+        "zone: 2026-05-01T14:00:00Z), with the version, diff, batch and raw bytes behind it",
     )
     add_json_flag(trace)
     handled_by(trace, f"{_OPERATORS}:cmd_trace", read_only=True)
+
+    history = sub.add_parser("history", help="every published version of a hotel, with its time")
+    _add_hotel(history)
+    add_json_flag(history)
+    handled_by(history, f"{_OPERATORS}:cmd_history", read_only=True)
+
+    prune = sub.add_parser("prune-history", help=_PRUNE_HELP)
+    days = int_within(1, MAX_HISTORY_RETENTION_DAYS)
+    prune.add_argument("--retention-days", type=days, help=f"days kept (default: ${_RETENTION})")
+    add_json_flag(prune)
+    handled_by(prune, f"{_OPERATORS}:cmd_prune_history")
 
     audit = sub.add_parser(
         "audit", help="every operator action: who, when, what, why, before and after"
@@ -54,6 +77,14 @@ def add_commands(sub: Subcommands) -> None:
     audit.add_argument("--limit", type=positive_int, default=50)
     add_json_flag(audit)
     handled_by(audit, f"{_OPERATORS}:cmd_audit", read_only=True)
+
+
+def _add_hotel(parser: argparse.ArgumentParser) -> None:
+    """The hotel a command is about: its supplier's id, and the supplier when ambiguous."""
+    parser.add_argument("hotel", help="the supplier's hotel id")
+    parser.add_argument(
+        "--supplier-id", type=row_id, default=None, help="needed when two suppliers share the id"
+    )
 
 
 def _add_dead_letter_commands(dl_sub: Subcommands) -> None:

@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core.outbox.machine import PUBLISHED, first_stage
 from supplier_sync_dagster.core.records.deadletters import hotel_subject, resolve_subjects
 from supplier_sync_dagster.core.records.diff import CONTENT_FIELDS, Candidate, HotelDiff
+from supplier_sync_dagster.core.records.history import VersionRecord, record_versions
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import (
@@ -279,6 +280,11 @@ def publish_hotels(
             stale.append(rid)
     _replace_offers(conn, now, stale, offers)
     write_events(conn, events, batch_id=batch_id, at=now)
+    record_versions(
+        conn,
+        [_version(supplier_id, batch_id, d, c, written[d.platform_resource_id]) for d, c in done],
+        at=now,
+    )
     published = [
         Published(d.supplier_hotel_id, d.platform_resource_id, *written[d.platform_resource_id])
         for d, _ in done
@@ -295,6 +301,25 @@ def publish_hotels(
         note=f"the hotel published (a newer version of the record) by batch {batch_id}",
     )
     return PublishResult(published, not_newer, len(events))
+
+
+def _version(
+    supplier_id: int, batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
+) -> VersionRecord:
+    """The history row of a version this call wrote: the candidate's document as published."""
+    return VersionRecord(
+        resource_id=diff.platform_resource_id,
+        supplier_id=supplier_id,
+        supplier_hotel_id=cand.supplier_hotel_id,
+        publish_version=versions[0],
+        supplier_version=versions[1],
+        status=str(cand.doc["status"]),
+        change_type=diff.diff_type,
+        change_reason=None,
+        batch_id=batch_id,
+        raw_payload_hash=cand.raw_payload_hash,
+        document=cand.doc,
+    )
 
 
 @functools.cache

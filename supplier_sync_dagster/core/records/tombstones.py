@@ -38,6 +38,12 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.outbox.machine import first_stage
 from supplier_sync_dagster.core.records.deadletters import hotel_subject, resolve_subjects
+from supplier_sync_dagster.core.records.history import (
+    UNPUBLISHED,
+    VersionRecord,
+    record_versions,
+    tombstone_documents,
+)
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.publish import event_id, offer_deactivation, write_events
 from supplier_sync_dagster.core.store import schema
@@ -236,6 +242,10 @@ def _unpublish(
     (it came back) wins, and its tombstone is dropped.
     """
     h = schema.platform_hotel.c
+    # Read before the UPDATEs: the document each hotel has now, which its tombstone follows.
+    documents = tombstone_documents(
+        conn, {int(r.resource_id): int(r.publish_version) for r in rows}
+    )
     done: list[Any] = []
     for r in rows:
         moved = conn.execute(
@@ -284,6 +294,26 @@ def _unpublish(
                 )
             )
     write_events(conn, events, batch_id=batch_id, at=at)
+    record_versions(
+        conn,
+        [
+            VersionRecord(
+                resource_id=int(r.resource_id),
+                supplier_id=supplier_id,
+                supplier_hotel_id=str(r.supplier_hotel_id),
+                publish_version=int(r.publish_version) + 1,
+                supplier_version=int(r.supplier_version),
+                status="INACTIVE",
+                change_type=UNPUBLISHED,
+                change_reason=reason,
+                batch_id=batch_id,
+                raw_payload_hash=None,
+                document=documents[int(r.resource_id)],
+            )
+            for r in done
+        ],
+        at=at,
+    )
     resolve_subjects(
         conn,
         clock,

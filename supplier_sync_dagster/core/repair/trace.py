@@ -18,6 +18,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,6 +29,13 @@ from supplier_sync_dagster.core.records.diff import (
     CONTENT_FIELDS,
     PLAN_CONTENT_FIELDS,
     ROOM_CONTENT_FIELDS,
+)
+from supplier_sync_dagster.core.records.history import (
+    HotelKey,
+    check_not_future,
+    list_versions,
+    published_offers,
+    version_as_of,
 )
 from supplier_sync_dagster.core.records.tombstones import TOMBSTONE_FINGERPRINT, UNPUBLISHED_EVENT
 from supplier_sync_dagster.core.store import schema
@@ -109,6 +117,99 @@ def trace_hotel(
         "normalized": normalized,
         "raw": raw,
         "dead_letters": letters,
+    }
+
+
+def trace_hotel_as_of(
+    db: SyncDatabase,
+    store: PayloadStore,
+    *,
+    supplier_id: int,
+    supplier_hotel_id: str,
+    at: datetime,
+) -> dict[str, Any]:
+    """The hotel exactly as published at ``at``, and why: its publish version then, the
+    document and offers it published, the diff that produced it, the batch, the raw page
+    behind it (its bytes re-hashed) and the version that followed.
+
+    Args:
+        db: The sync database.
+        store: The payload store holding the raw pages.
+        supplier_id: The supplier.
+        supplier_hotel_id: The supplier's hotel id.
+        at: The time, naive UTC (:func:`~supplier_sync_dagster.core.inputs.timestamps.parse_as_of`).
+
+    Raises:
+        InvalidTimestamp: ``at`` is after the database clock's now.
+        NotPublishedThen: The hotel had no published version then.
+        HistoryNotKept: ``at`` is before the history kept for the hotel.
+    """
+    hotel = HotelKey(supplier_id=supplier_id, supplier_hotel_id=supplier_hotel_id)
+    with db.engine.connect() as conn:
+        check_not_future(at, db.clock.read(conn))
+        found = version_as_of(conn, hotel, at)
+        version = found.version
+        pv = int(version["publish_version"])
+        following = [v for v in list_versions(conn, hotel) if int(v["publish_version"]) > pv]
+        diff = next(
+            (
+                d
+                for d in reversed(_diffs(conn, supplier_id, supplier_hotel_id, None))
+                if d["batch_id"] == version["batch_id"]
+                and int(d["new_snapshot_version"]) == int(version["supplier_version"])
+            ),
+            None,
+        )
+        b = schema.batch.c
+        batch = conn.execute(
+            sa.select(
+                b.batch_id, b.task_code, b.trigger_source, b.trigger_id, b.sync_mode, b.status
+            ).where(b.batch_id == version["batch_id"])
+        ).first()
+        raw_hash = version["raw_payload_hash"]
+        pages = _raw_pages(conn, [raw_hash]) if raw_hash else {}
+    raw = None
+    if raw_hash:
+        raw = (
+            _read_raw(store, pages[raw_hash], supplier_hotel_id)
+            if raw_hash in pages
+            else _lost(raw_hash)
+        )
+    nxt = following[0] if following else None
+    return {
+        "supplier_id": supplier_id,
+        "supplier_hotel_id": supplier_hotel_id,
+        "as_of": f"{at.isoformat()}Z",
+        "version": {k: _plain(v) for k, v in version.items()},
+        "hotel": found.document,
+        "offers": published_offers(found.document),
+        "diff": diff,
+        "batch": None if batch is None else _row(batch),
+        "raw": raw,
+        "current_until": None
+        if nxt is None
+        else {
+            "publish_version": nxt["publish_version"],
+            "published_at": _plain(nxt["published_at"]),
+        },
+    }
+
+
+def hotel_history(db: SyncDatabase, *, supplier_id: int, supplier_hotel_id: str) -> dict[str, Any]:
+    """Every published version of the hotel the history keeps, oldest first, with its time.
+
+    Raises:
+        NotFound: The history keeps no version of it.
+    """
+    hotel = HotelKey(supplier_id=supplier_id, supplier_hotel_id=supplier_hotel_id)
+    with db.engine.connect() as conn:
+        versions = list_versions(conn, hotel)
+    if not versions:
+        raise NotFound(f"{hotel.describe()}: the publish history keeps no version of it")
+    return {
+        "supplier_id": supplier_id,
+        "supplier_hotel_id": supplier_hotel_id,
+        "versions": [{k: _plain(v) for k, v in row.items()} for row in versions],
     }
 
 

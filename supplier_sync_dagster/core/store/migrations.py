@@ -366,6 +366,7 @@ def load_migrations(dialect: str, sql_dir: Path | None = None) -> tuple[Migratio
 # metadata.create_all (which is at the newest version) is never taken for an older one and
 # given migrations whose changes it already has; test_migrations checks the newest is known.
 _MARKERS: tuple[tuple[int, str, str | None], ...] = (
+    (19, "supplier_sync_hotel_version", None),
     (18, "supplier_sync_audit", "idx_audit_run"),
     (17, "supplier_sync_dead_letter", "uk_dead_letter_open"),
     (16, "supplier_sync_city_walk", None),

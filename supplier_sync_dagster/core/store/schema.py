@@ -639,3 +639,52 @@ city_walk = _table(
     sa.Index("idx_city_walk_created", "created_at"),
     comment="city walks whose listing shifted (or could have, unchecked) under them",
 )
+
+hotel_version = _table(
+    "supplier_sync_hotel_version",
+    *(sa.Column(name, sa.BigInteger, nullable=False) for name in ("resource_id", "supplier_id")),
+    sa.Column("supplier_hotel_id", _code(128), nullable=False),
+    *(
+        sa.Column(name, sa.BigInteger, nullable=False)
+        for name in ("publish_version", "supplier_version")
+    ),
+    # ACTIVE/INACTIVE as published; the diff type that produced the version, or UNPUBLISHED
+    # (a tombstone, with why: change_reason); the batch; the raw page and the document.
+    *(
+        sa.Column(name, sa.String(length), nullable=not required)
+        for name, length, required in (
+            ("status", 16, True),
+            ("change_type", 64, True),
+            ("change_reason", 32, False),
+            ("batch_id", 64, True),
+            ("raw_payload_hash", 64, False),
+            ("document_hash", 64, True),
+        )
+    ),
+    sa.Column("published_at", _ts(), nullable=False),
+    sa.UniqueConstraint("resource_id", "publish_version", name="uk_hotel_version"),
+    *(
+        sa.Index(f"idx_hotel_version_{name}", *columns)
+        for name, columns in (
+            ("hotel", ("supplier_id", "supplier_hotel_id", "publish_version")),
+            ("time", ("published_at",)),
+            ("document", ("document_hash",)),
+        )
+    ),
+    comment="every published version of a hotel: when, why, from what",
+)
+
+published_document = _table(
+    "supplier_sync_published_document",
+    # The canonical JSON, zlib-compressed, under its sha256: once per content (versions
+    # share it).
+    sa.Column(
+        "document", sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), *_MYSQL), nullable=False
+    ),
+    sa.Column("document_hash", sa.String(64), nullable=False),
+    sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("last_used_at", _ts(), nullable=False),
+    sa.UniqueConstraint("document_hash", name="uk_published_document"),
+    sa.Index("idx_published_document_used", "last_used_at"),
+    comment="published hotel documents, stored once per content",
+)

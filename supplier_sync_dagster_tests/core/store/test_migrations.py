@@ -20,6 +20,7 @@ from supplier_sync_dagster.core.errors import (
     MigrationFailed,
     MigrationLocked,
 )
+from supplier_sync_dagster.core.records import publish as publish_module
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.engine import WRITE_OPTION, make_engine
@@ -211,7 +212,7 @@ def test_an_empty_database_gets_every_version_from_001(db_url: str):
 
 
 def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_syncs(
-    db_url: str, tmp_path: Path
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """As a DBA built it (sql/001-007, no history), synced by the release of that time."""
     apply_by_hand(db_url, 7)
@@ -223,7 +224,10 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
     with sim.client() as http:
         client = supplier_client(http)
         _rename_010_columns(old, forward=True)
-        _, reports = full_sync(old, store, client, "before-upgrade")
+        with monkeypatch.context() as patched:
+            # That release kept no publish history (sql/019).
+            patched.setattr(publish_module, "record_versions", lambda *_, **__: None)
+            _, reports = full_sync(old, store, client, "before-upgrade")
         _rename_010_columns(old, forward=False)
         assert all(r.status == "SUCCESS" for r in reports)
         before = row_counts(old)
@@ -294,6 +298,16 @@ def test_a_database_at_007_with_synced_data_migrates_without_losing_a_row_then_s
                     sa.select(sa.func.count()).where(schema.platform_hotel.c.publish_version > 1)
                 ).scalar_one()
             assert republished > 0  # hotels published before the upgrade changed after it
+            with db.engine.connect() as conn:
+                recorded = conn.execute(
+                    sa.select(sa.func.count()).select_from(schema.hotel_version)
+                ).scalar_one()
+            # The history starts at the upgrade: one row per version published (or
+            # unpublished) since.
+            assert recorded == sum(
+                r.published + len(r.presence.unpublished if r.presence else ()) for r in reports
+            )
+            assert recorded > 0
             after = row_counts(db)
             assert after["supplier_sync_outbox"] > before["supplier_sync_outbox"]
             assert after["supplier_sync_batch"] == before["supplier_sync_batch"] + 1
