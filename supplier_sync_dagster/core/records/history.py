@@ -40,8 +40,9 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase, execute_many, insert_ignore
 
 UNPUBLISHED = "UNPUBLISHED"
-# What the documents are compressed with: a hotel's JSON repeats its keys room after room.
-_ZLIB_LEVEL = 6
+# The fastest level: a hotel's JSON repeats its keys room after room, so it already shrinks
+# to about a third, and every first publish pays for it.
+_ZLIB_LEVEL = 1
 # Rows a pruning transaction deletes at most (short locks on a busy catalog).
 PRUNE_CHUNK = 5000
 _VERSION_COLUMNS = (
