@@ -38,6 +38,7 @@ def _check(loaded: dg.Definitions) -> None:
         "catalog_reconciliation_schedule",
         "dead_letter_compensation_schedule",
         "dead_letter_summary_schedule",
+        "history_retention_schedule",
         "incremental_sync_schedule",
         "nightly_full_sync",
         "outbox_dispatch_schedule",
@@ -46,7 +47,7 @@ def _check(loaded: dg.Definitions) -> None:
     }
     repo = loaded.get_repository_def()  # resolves every definition and its resource requirements
     assert repo.has_job("full_sync_job") and repo.has_job("outbox_dispatch_job")
-    assert repo.has_job("incremental_sync")
+    assert repo.has_job("incremental_sync") and repo.has_job("history_retention_job")
     assert repo.has_job("compensate_dead_letters") and repo.has_job("summarize_dead_letters")
     keys = {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
     assert keys >= {
@@ -62,6 +63,7 @@ def _check(loaded: dg.Definitions) -> None:
         "dead_letter_compensation",
         "dead_letter_summary",
         "sync_health",
+        "publish_history_retention",
     }
     graph = repo.asset_graph
     assert dg.AssetKey("hotel_diffs") in graph.get(dg.AssetKey("published_hotels")).parent_keys
