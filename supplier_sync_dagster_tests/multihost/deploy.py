@@ -12,7 +12,7 @@ import shutil
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +20,6 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import dagster as dg
-import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
@@ -100,7 +99,8 @@ logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 @dataclass(frozen=True)
 class Services:
-    """What a test's deployment runs on (the fixtures of ``conftest.py``).
+    """What a deployment runs on (a test's: the fixtures of ``conftest.py``; a benchmark's:
+    ``helpers.mysql_database_pair`` and ``helpers.moto_bucket``).
 
     Attributes:
         databases: The Dagster instance's and the sync database's URLs (fresh, MariaDB).
@@ -108,7 +108,8 @@ class Services:
         redis_url: Redis (rate bucket, Celery results).
         amqp_url: RabbitMQ (Celery broker).
         root: The test's folder.
-        monkeypatch: To point this process at the control host's instance.
+        setenv: Sets a variable of this process (to point it at the control host's
+            instance): ``monkeypatch.setenv`` in a test.
     """
 
     databases: tuple[str, str]
@@ -116,12 +117,17 @@ class Services:
     redis_url: str
     amqp_url: str
     root: Path
-    monkeypatch: pytest.MonkeyPatch
+    setenv: Callable[[str, str], None]
 
 
 @contextmanager
 def deployment(
-    services: Services, *, settings: dict[str, str], hosts: Sequence[str], **simulator: Any
+    services: Services,
+    *,
+    settings: dict[str, str],
+    hosts: Sequence[str],
+    runs_per_host: int = 1,
+    **simulator: Any,
 ) -> Iterator[Deployment]:
     """A deployment of the celery profile for one test (see the module's docstring).
 
@@ -130,6 +136,7 @@ def deployment(
         settings: Further settings of every host (``SUPPLIER_SYNC_*``).
         hosts: The worker hosts' names: started while the control host starts, each
             answering its ping once this yields, killed when it ends.
+        runs_per_host: Runs each worker host executes at once (``celery worker -c``).
         **simulator: The simulator's settings (seed, n_cities, total_hotels...).
     """
     dagster_url, sync_url = services.databases
@@ -172,11 +179,14 @@ def deployment(
             },
         )
         for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL", *env):
-            services.monkeypatch.setenv(name, control[name])
+            services.setenv(name, control[name])
         migrate_instance(control)
         keys = [encode_city_key(code) for code in sim.city_codes()]
         dg.DagsterInstance.get().add_dynamic_partitions("supplier_city", keys)
-        workers = [WorkerHost(name, root / "hosts" / name, env) for name in hosts]
+        workers = [
+            WorkerHost(name, root / "hosts" / name, env, concurrency=runs_per_host)
+            for name in hosts
+        ]
         try:
             for worker in workers:
                 worker.start()
