@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -119,7 +118,7 @@ def shards_of(db_url: str, hosts: list[str]) -> list[Shard]:
         Shard(
             r.shard_key,
             host_of(r.worker_id, hosts),
-            (r.worker_id or "").rsplit("-", 2)[-2],
+            (r.worker_id or "--").rsplit("-", 2)[-2],
             r.status,
             r.claim_count,
             epoch(r.started_at) or float("nan"),
@@ -204,13 +203,13 @@ def one_round(args: argparse.Namespace, locks: bool) -> dict[str, Any]:
         "empty_city_share": 0.0,
         "zipf_exponent": args.zipf,
     }
-    root = Path(tempfile.mkdtemp(prefix="bench_multihost_"))
     with (
+        tempfile.TemporaryDirectory(prefix="bench_multihost_") as tmp,
         scoped_environ() as setenv,
         mysql_database_pair(args.mysql_url) as databases,
         moto_bucket() as s3,
     ):
-        services = Services(databases, s3, args.redis_url, args.amqp_url, root, setenv)
+        services = Services(databases, s3, args.redis_url, args.amqp_url, Path(tmp), setenv)
         with deployment(
             services,
             settings=settings,
@@ -255,7 +254,6 @@ def one_round(args: argparse.Namespace, locks: bool) -> dict[str, Any]:
     claimed = sorted(x.claimed for x in shards)
     claim_span = claimed[-1] - claimed[0] if len(claimed) > 1 else float("nan")
     timed = run_times(records, shards, hosts)
-    shutil.rmtree(root, ignore_errors=True)
     return {
         "locks": locks,
         "ok": not problems,
