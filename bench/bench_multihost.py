@@ -281,7 +281,7 @@ PHASES = {
     "submit->start": lambda t: t.started - t.submitted,
     "start->first claim": lambda t: t.first_claim - t.started,
     "first claim->last finish": lambda t: t.last_finish - t.first_claim,
-    "  of which no city in flight": lambda t: t.between_cities,
+    "(of which no city in flight)": lambda t: t.between_cities,
     "last finish->end": lambda t: t.ended - t.last_finish,
 }
 
