@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.simulator import (
@@ -76,6 +77,65 @@ def serve_simulator(
     sim = make_simulator(faults, **settings)
     with running_server(sim) as url:
         yield sim, url
+
+
+@contextmanager
+def mysql_database_pair(server_url: str) -> Iterator[tuple[str, str]]:
+    """Two new MariaDB databases, the Dagster instance's and the sync database; dropped on exit.
+
+    Args:
+        server_url: The server's URL, without a database.
+
+    Yields:
+        The instance's URL (mysql-connector, as dagster-mysql wants) and the sync database's.
+    """
+    names = (f"sst_dg_{uuid.uuid4().hex[:10]}", f"sst_sync_{uuid.uuid4().hex[:10]}")
+    admin = sa.create_engine(server_url)
+    with admin.begin() as conn:
+        for name in names:
+            conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    url = sa.make_url(server_url)
+    try:
+        yield (
+            url.set(drivername="mysql+mysqlconnector", database=names[0]).render_as_string(
+                hide_password=False
+            ),
+            url.set(database=names[1]).render_as_string(hide_password=False) + "?charset=utf8mb4",
+        )
+    finally:
+        with admin.begin() as conn:
+            for name in names:
+                conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
+@contextmanager
+def moto_bucket() -> Iterator[tuple[str, str]]:
+    """A moto S3 server on loopback with a new bucket (credentials ``testing``).
+
+    Yields:
+        The server's endpoint URL and the bucket's name.
+    """
+    import boto3  # type: ignore[import-untyped]
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    bucket = f"sync-{uuid.uuid4().hex[:10]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield endpoint, bucket
+    finally:
+        server.stop()
 
 
 def stay(nights: int = 1, ahead: int = 14) -> dict[str, str]:

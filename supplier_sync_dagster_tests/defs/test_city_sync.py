@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +11,6 @@ import boto3  # type: ignore[import-untyped]
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from moto.server import ThreadedMotoServer
 
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.core.leasing.leases import LeaseSettings, claim_shard, list_shards
@@ -31,7 +29,12 @@ from supplier_sync_dagster.defs.resources import (
 )
 from supplier_sync_dagster.defs.triggers import TRIGGER_TAG, trigger_of
 from supplier_sync_dagster.simulator import FaultProfile, running_server
-from supplier_sync_dagster_tests.helpers import HOSTILE_CITY_CODES, SIM_API_KEY, make_simulator
+from supplier_sync_dagster_tests.helpers import (
+    HOSTILE_CITY_CODES,
+    SIM_API_KEY,
+    make_simulator,
+    moto_bucket,
+)
 
 CODES = [*HOSTILE_CITY_CODES, "a~7Cb", "~", "São Paulo", "x" * 64, "a,b", "a b\tc"]
 
@@ -181,16 +184,8 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[s
         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
     }.items():
         monkeypatch.setenv(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    bucket = f"sync-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    try:
-        yield endpoint, bucket
-    finally:
-        server.stop()
+    with moto_bucket() as found:
+        yield found
 
 
 def test_range_run_with_payloads_on_s3(tmp_path: Path, moto_s3: tuple[str, str]):

@@ -10,7 +10,6 @@ and no city may have been processed by two runs.
 from __future__ import annotations
 
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,30 +27,14 @@ from supplier_sync_dagster.dagster_instance.deployment import (
 )
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import Simulator
-from supplier_sync_dagster_tests.helpers import SIM_API_KEY, serve_simulator
+from supplier_sync_dagster_tests.helpers import SIM_API_KEY, mysql_database_pair, serve_simulator
 
 
 @pytest.fixture
 def mysql_databases(mysql_server_url: str) -> Iterator[tuple[str, str]]:
     """Two new databases: the Dagster instance's and the sync database."""
-    names = (f"sst_dg_{uuid.uuid4().hex[:10]}", f"sst_sync_{uuid.uuid4().hex[:10]}")
-    admin = sa.create_engine(mysql_server_url)
-    with admin.begin() as conn:
-        for name in names:
-            conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
-    url = sa.make_url(mysql_server_url)
-    try:
-        yield (
-            url.set(drivername="mysql+mysqlconnector", database=names[0]).render_as_string(
-                hide_password=False
-            ),
-            url.set(database=names[1]).render_as_string(hide_password=False) + "?charset=utf8mb4",
-        )
-    finally:
-        with admin.begin() as conn:
-            for name in names:
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
-        admin.dispose()
+    with mysql_database_pair(mysql_server_url) as urls:
+        yield urls
 
 
 @pytest.fixture

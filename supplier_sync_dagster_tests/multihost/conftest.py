@@ -23,4 +23,4 @@ def services(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Services:
     """Fresh MariaDB databases, a moto S3 bucket, Redis and RabbitMQ for one test."""
-    return Services(mysql_databases, moto_s3, redis_url, amqp_url, tmp_path, monkeypatch)
+    return Services(mysql_databases, moto_s3, redis_url, amqp_url, tmp_path, monkeypatch.setenv)

@@ -8,19 +8,19 @@ counting each page request, and a control host (webserver + daemon) on the profi
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
 import dagster as dg
-import pytest
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
@@ -100,7 +100,8 @@ logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 @dataclass(frozen=True)
 class Services:
-    """What a test's deployment runs on (the fixtures of ``conftest.py``).
+    """What a deployment runs on (a test's: the fixtures of ``conftest.py``; a benchmark's:
+    ``helpers.mysql_database_pair`` and ``helpers.moto_bucket``).
 
     Attributes:
         databases: The Dagster instance's and the sync database's URLs (fresh, MariaDB).
@@ -108,7 +109,8 @@ class Services:
         redis_url: Redis (rate bucket, Celery results).
         amqp_url: RabbitMQ (Celery broker).
         root: The test's folder.
-        monkeypatch: To point this process at the control host's instance.
+        setenv: Sets a variable of this process (to point it at the control host's
+            instance): ``monkeypatch.setenv`` in a test.
     """
 
     databases: tuple[str, str]
@@ -116,12 +118,18 @@ class Services:
     redis_url: str
     amqp_url: str
     root: Path
-    monkeypatch: pytest.MonkeyPatch
+    setenv: Callable[[str, str], None]
 
 
 @contextmanager
 def deployment(
-    services: Services, *, settings: dict[str, str], hosts: Sequence[str], **simulator: Any
+    services: Services,
+    *,
+    settings: dict[str, str],
+    hosts: Sequence[str],
+    runs_per_host: int = 1,
+    namespaces: bool = False,
+    **simulator: Any,
 ) -> Iterator[Deployment]:
     """A deployment of the celery profile for one test (see the module's docstring).
 
@@ -130,6 +138,9 @@ def deployment(
         settings: Further settings of every host (``SUPPLIER_SYNC_*``).
         hosts: The worker hosts' names: started while the control host starts, each
             answering its ping once this yields, killed when it ends.
+        runs_per_host: Runs each worker host executes at once (``celery worker -c``).
+        namespaces: Each worker host in a network namespace of its own (``netns.py``),
+            reaching every service, the simulator and S3 only through its forwarders.
         **simulator: The simulator's settings (seed, n_cities, total_hotels...).
     """
     dagster_url, sync_url = services.databases
@@ -172,11 +183,22 @@ def deployment(
             },
         )
         for name in ("DAGSTER_HOME", "DAGSTER_MYSQL_URL", *env):
-            services.monkeypatch.setenv(name, control[name])
+            services.setenv(name, control[name])
         migrate_instance(control)
         keys = [encode_city_key(code) for code in sim.city_codes()]
         dg.DagsterInstance.get().add_dynamic_partitions("supplier_city", keys)
-        workers = [WorkerHost(name, root / "hosts" / name, env) for name in hosts]
+        stack = ExitStack()
+        workers = []
+        for name in hosts:
+            prefix: Sequence[str] = ()
+            host_env: Mapping[str, str] = env
+            if namespaces:
+                # Imported here: it needs pytest (to skip without root), a benchmark does not.
+                from supplier_sync_dagster_tests.multihost.netns import Namespace
+
+                ns = stack.enter_context(Namespace(name.replace("-", "_")))
+                prefix, host_env = ns.prefix, through(env, ns.url_host)
+            workers.append(WorkerHost(name, root / "hosts" / name, host_env, prefix, runs_per_host))
         try:
             for worker in workers:
                 worker.start()
@@ -187,6 +209,16 @@ def deployment(
         finally:
             for worker in workers:
                 worker.kill()
+            stack.close()
+
+
+LOOPBACK = re.compile(r"127\.0\.0\.1:(\d+)")
+
+
+def through(env: Mapping[str, str], url_host: Callable[[int], str]) -> dict[str, str]:
+    """``env`` with each ``127.0.0.1:port`` replaced by ``url_host(port)`` (a namespace's
+    forwarder of that port)."""
+    return {k: LOOPBACK.sub(lambda m: url_host(int(m.group(1))), v) for k, v in env.items()}
 
 
 def shard_rows(db_url: str) -> list[sa.Row[Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -35,7 +36,12 @@ from supplier_sync_dagster_tests.multihost.hosts import WorkerHost
 pytestmark = [pytest.mark.multihost, pytest.mark.mariadb, pytest.mark.redis]
 
 # Cities of three pages, paced by a shared budget so that a host is lost mid-city.
-LOST_HOST = {"n_cities": 24, "total_hotels": 7200, "empty_city_share": 0.0, "seed": 7}
+LOST_HOST: dict[str, Any] = {
+    "n_cities": 24,
+    "total_hotels": 7200,
+    "empty_city_share": 0.0,
+    "seed": 7,
+}
 HOSTS = ("host-a", "host-b", "host-c")
 SETTINGS = {
     "SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN": "6",

@@ -4,13 +4,16 @@ The backfill's runs go through RabbitMQ to whichever host takes them; shards are
 through the leases. The catalog must equal the simulator's ground truth, every city be
 claimed once in the batch, every partition be materialized with its own metadata, and more
 than one host must have worked (cities per host are printed). Each run syncs its cities in
-two worker processes of its own, as large runs do by default.
+two worker processes of its own, as large runs do by default. With ``netns``, each host is
+in a network namespace of its own and reaches the services, the simulator and S3 only
+through its forwarders (no host relies on loopback).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -28,10 +31,16 @@ pytestmark = [pytest.mark.multihost, pytest.mark.mariadb, pytest.mark.redis]
 
 
 NAMES = ("host-a", "host-b", "host-c")
-THREE_HOSTS = {"n_cities": 200, "total_hotels": 2400, "empty_city_share": 0.0, "seed": 43}
+THREE_HOSTS: dict[str, Any] = {
+    "n_cities": 200,
+    "total_hotels": 2400,
+    "empty_city_share": 0.0,
+    "seed": 43,
+}
 
 
-def test_three_hosts_sync_one_backfill(services: Services):
+@pytest.mark.parametrize("namespaces", [False, True], ids=["loopback", "netns"])
+def test_three_hosts_sync_one_backfill(services: Services, namespaces: bool):
     with deployment(
         services,
         settings={
@@ -39,6 +48,7 @@ def test_three_hosts_sync_one_backfill(services: Services):
             "SUPPLIER_SYNC_WORKER_PROCESSES": "2",
         },
         hosts=NAMES,
+        namespaces=namespaces,
         **THREE_HOSTS,
     ) as deployed:
         started = time.monotonic()
