@@ -166,14 +166,8 @@ def _presence_of_city() -> sa.CompoundSelect:
     """:func:`record_presence`'s read (``:presence_supplier``, ``:presence_city``): built once,
     as every complete city runs it."""
     h = schema.platform_hotel.c
-    columns = (
-        h.resource_id,
-        h.supplier_hotel_id,
-        h.city_code,
-        h.missing_count,
-        h.publish_version,
-        h.supplier_version,
-    )
+    names = ("resource_id", "supplier_hotel_id", "city_code", "missing_count")
+    columns = [h[name] for name in (*names, "publish_version", "supplier_version")]
     supplier = h.supplier_id == sa.bindparam("presence_supplier", type_=h.supplier_id.type)
     # A UNION, not an OR: each part reads its own index (the city's hotels; the few with misses).
     return sa.union(
