@@ -26,6 +26,7 @@ from supplier_sync_dagster.core.records.gates import (
     CHECK_NAMES,
     GATED_PREFIX,
     FieldCounts,
+    GateOverride,
     GateResult,
     GateThresholds,
     WindowVolume,
@@ -822,9 +823,12 @@ def test_first_pages_drift_stops_a_renamed_field_and_reads_overrides_only_when_c
     # A claim that saw no override of the city: none is read (the claim read the table).
     read: list[str] = []
     real = gates_module.list_overrides
-    monkeypatch.setattr(
-        gates_module, "list_overrides", lambda *a, **k: read.append("read") or real(*a, **k)
-    )
+
+    def list_overrides_read(*a: Any, **k: Any) -> list[GateOverride]:
+        read.append("read")
+        return real(*a, **k)
+
+    monkeypatch.setattr(gates_module, "list_overrides", list_overrides_read)
     assert first_pages(False) is not None and read == []
     assert first_pages(None) is None and read == ["read"]
 
