@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar, cast
 
@@ -85,16 +85,15 @@ class DbClock:
 
     def recent_utc(self, engine: Engine, max_age_seconds: float) -> datetime:
         """:meth:`read_utc`, or this process's reading of it taken less than
-        ``max_age_seconds`` ago: the local monotonic timer only decides when to read again,
-        the time is always the database's. For a bound that a slightly older time makes
-        stricter, not looser (the latest time a record may carry)."""
+        ``max_age_seconds`` ago, moved on by the time this process's monotonic timer says has
+        passed since: the time is the database's, only its last few seconds are counted
+        here (a wall clock's skew or jumps play no part).
+        """
         recent, now = self._recent, time.monotonic()
-        if (
-            recent is not None
-            and recent[0] == self.offset_seconds
-            and now - recent[1] < max_age_seconds
-        ):
-            return recent[2]
+        if recent is not None and recent[0] == self.offset_seconds:
+            since = now - recent[1]
+            if 0 <= since < max_age_seconds:
+                return recent[2] + timedelta(seconds=since)
         offset = self.offset_seconds
         with engine.connect() as conn:
             value = self.read_utc(conn)

@@ -97,9 +97,9 @@ from supplier_sync_dagster.core.sync.snapshots import (
 
 # The first pages of a city on which schema drift is judged before any is normalized.
 DRIFT_SAMPLE_PAGES = 2
-# How old a reading of the database's time a city's first records may be judged against
-# (the latest updated_at they may carry: an older reading only makes that bound stricter).
-CLOCK_REUSE_SECONDS = 1.0
+# How old a reading of the database's time a city's first records may be judged against,
+# moved on by the time elapsed since (``DbClock.recent_utc``): small cities read it once.
+CLOCK_REUSE_SECONDS = 10.0
 
 
 @dataclass
@@ -682,10 +682,11 @@ class _LeasePublisher:
         if then is not None and len(cands) <= ONE_TRANSACTION_HOTELS:
             with db.begin() as conn:
                 lease.ensure_held()
-                # One database time per transaction: a bulk insert would otherwise
-                # evaluate the clock's SQL expression on every row.
-                at = db.clock.read(conn)
-                maps = self._mappings(conn, cands, at, published=True)
+                # One database time per transaction, read with the mappings (their few
+                # rows take the clock's SQL expression): a bulk insert would otherwise
+                # evaluate it on every row.
+                maps = self._mappings(conn, cands, None, published=True)
+                at = maps.read_at or db.clock.read(conn)
                 diffs = compute_diffs(
                     conn,
                     cands,
@@ -739,7 +740,12 @@ class _LeasePublisher:
         return self.resource_ids
 
     def _mappings(
-        self, conn: Connection, cands: Sequence[Candidate], at: datetime, *, published: bool
+        self,
+        conn: Connection,
+        cands: Sequence[Candidate],
+        at: datetime | None,
+        *,
+        published: bool,
     ) -> HotelMappings:
         return ensure_hotel_mappings(
             conn,
