@@ -794,14 +794,11 @@ def test_first_pages_drift_stops_a_renamed_field_and_reads_overrides_only_when_c
     now = cities.batch(0, status=None)
     renamed = [FieldCounts().add([hotel(i, coords="location") for i in range(50)])] * 2
 
+    city: dict[str, Any] = {"batch_id": now.batch_id, "shard_key": CITY}
+
     def first_pages(overrides: bool | None) -> GateResult | None:
         return check_first_pages(
-            db,
-            batch_id=now.batch_id,
-            task_code=cities.task_code,
-            shard_key=CITY,
-            pages=renamed,
-            overrides=overrides,
+            db, **city, task_code=cities.task_code, pages=renamed, overrides=overrides
         )
 
     for overrides in (None, False, True):
@@ -810,15 +807,7 @@ def test_first_pages_drift_stops_a_renamed_field_and_reads_overrides_only_when_c
         assert drift.metadata["stopped"] == "first pages"
         assert drift.metadata["fields_disappeared"] == ["geo"]
     with db.begin() as conn:
-        override_gate(
-            conn,
-            db.clock,
-            batch_id=now.batch_id,
-            shard_key=CITY,
-            check_name="schema_drift",
-            who="alice",
-            reason="the supplier renamed it on purpose",
-        )
+        override_gate(conn, db.clock, **city, check_name="schema_drift", who="al", reason="why")
     assert first_pages(None) is None and first_pages(True) is None
     # A claim that saw no override of the city: none is read (the claim read the table).
     read: list[str] = []
