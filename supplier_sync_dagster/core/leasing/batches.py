@@ -58,6 +58,7 @@ from supplier_sync_dagster.core.leasing.shards import move_shards
 from supplier_sync_dagster.core.redaction import bounded
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, guarded_update, insert_ignore
+from supplier_sync_dagster.core.store.engine import db_now
 
 TaskStatus = Literal["ENABLED", "DISABLED"]
 ConcurrencyPolicy = Literal["SKIP_IF_RUNNING", "CANCEL_PREVIOUS", "ALLOW_PARALLEL"]
@@ -822,26 +823,48 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None
         "progress_percent": Decimal(f"{progress:.2f}"),
         "heartbeat_at": agg.heartbeat_at,
         "last_checkpoint_at": agg.last_checkpoint_at,
-        "updated_at": clock.now(),
     }
+    # Columns set to the database's time (its clock's offset is a parameter).
+    stamped = ["updated_at"]
     if agg.latest_key is not None:
         values["current_city_code"] = agg.latest_key
         values["current_page"] = _page_of(agg.latest_checkpoint)
         values["end_checkpoint"] = (agg.latest_checkpoint or "")[:512] or None
     if status == "RUNNING" and current_started_at is None:
-        values["started_at"] = clock.now()
+        stamped.append("started_at")
     if status in TERMINAL_BATCH_STATUSES and current_status not in TERMINAL_BATCH_STATUSES:
-        values["finished_at"] = clock.now()
+        stamped.append("finished_at")
     elif status in ACTIVE_BATCH_STATUSES:
         values["finished_at"] = None  # a reopened shard makes a finished batch run again
         if current_status in TERMINAL_BATCH_STATUSES:
             values["error_message"] = None  # why it failed then is not why it runs now
-    guarded_update(
-        conn,
+    params = {f"new_{name}": value for name, value in values.items()}
+    params.update(
+        derived_batch_id=batch_id,
+        derived_from=current_status,
+        now_us=round(clock.offset_seconds * 1_000_000),
+    )
+    if conn.execute(_derived_move(tuple(values), tuple(stamped)), params).rowcount != 1:
+        raise InvalidTransition(f"batch {batch_id} changed status while locked")
+
+
+@functools.cache
+def _derived_move(columns: tuple[str, ...], stamped: tuple[str, ...]) -> sa.Update:
+    """:func:`derive_batch`'s guarded move of a batch (``:derived_batch_id`` in status
+    ``:derived_from``), setting ``columns`` to ``:new_<column>`` and ``stamped`` to the
+    database's time: built once per set of columns, as every shard's finish runs it."""
+    b = schema.batch.c
+    now = db_now(sa.bindparam("now_us", type_=sa.BigInteger()))
+    return (
         sa.update(schema.batch)
-        .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == current_status)
-        .values(**values),
-        lambda: InvalidTransition(f"batch {batch_id} changed status while locked"),
+        .where(
+            b.batch_id == sa.bindparam("derived_batch_id", type_=b.batch_id.type),
+            b.status == sa.bindparam("derived_from", type_=b.status.type),
+        )
+        .values(
+            {name: sa.bindparam(f"new_{name}", type_=b[name].type) for name in columns}
+            | {name: now for name in stamped}
+        )
     )
 
 

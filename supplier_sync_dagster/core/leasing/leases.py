@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -1059,13 +1060,17 @@ def find_stalls(
 
 
 class HeartbeatRunner:
-    """Renews a lease from its own thread, independently of page processing.
+    """Renews a lease independently of page processing, from the process's heartbeat thread.
 
     Use as a context manager around a shard's work. The worker calls :meth:`report` to say
     what it is doing and :meth:`check` between pages (or anywhere) to stop as soon as the
     lease is lost. If renewals keep failing (the database is unreachable) until the lease
     could have expired, the runner declares the lease lost too: another worker may own the
     shard by then.
+
+    Every runner of a process is renewed by one daemon thread (:class:`_Heartbeats`), each
+    at its own interval: a city does not start a thread of its own. Once :meth:`stop` has
+    returned, the lease is renewed no more.
 
     Args:
         lease: The lease to renew.
@@ -1089,25 +1094,34 @@ class HeartbeatRunner:
         self._refresh_every = refresh_batch_every
         self._stage = "RUNNING"
         self._message = ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"heartbeat-{lease.shard_key[:20]}", daemon=True
-        )
+        # Held while a beat runs: stop() waits for a beat in flight before it returns.
+        self._beating = threading.RLock()
+        self._stopped = False
+        self._started = False
+        self._last_ok = 0.0
         self.beats = 0
         self.failures = 0
 
     def __enter__(self) -> HeartbeatRunner:
-        self._thread.start()
+        self._last_ok = self._monotonic()
+        self._started = True
+        _heartbeats.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def running(self) -> bool:
+        """True while the lease is renewed: entered, not stopped, and not lost by a beat."""
+        return self._started and not self._stopped
+
     def stop(self) -> None:
-        """Stops the thread and waits for it."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=max(5.0, self.interval * 2))
+        """Stops renewing the lease; waits for a renewal in flight."""
+        self._stopped = True
+        _heartbeats.remove(self)
+        if self._beating.acquire(timeout=max(5.0, self.interval * 2)):
+            self._beating.release()
 
     def report(self, stage: str, message: str = "") -> None:
         """Sets the stage and message that the next heartbeat reports."""
@@ -1122,43 +1136,106 @@ class HeartbeatRunner:
         """True once the lease is lost."""
         return self.lease.lost
 
-    def _run(self) -> None:
-        last_ok = self._monotonic()
-        while not self._stop.wait(self.interval):
+    def beat(self) -> bool:
+        """One renewal (from the heartbeat thread); False once the lease needs no more."""
+        with self._beating:
+            if self._stopped:
+                return False
+            if not self._renew():
+                self._stopped = True
+                return False
+            return True
+
+    def _renew(self) -> bool:
+        try:
+            self.lease.heartbeat(self._stage, self._message)
+        except LeaseLost as err:
+            self._lose(err)
+            return False
+        except Exception as err:
+            # A database outage: keep trying while the lease may still be ours.
+            self.failures += 1
+            log.warning("heartbeat for shard %r failed: %s", self.lease.shard_key, err)
+            margin = self.lease.settings.lease_seconds - self.interval
+            failing_for = self._monotonic() - self._last_ok
+            if failing_for >= margin:
+                reason = (
+                    f"shard {self.lease.shard_key!r}: heartbeat failed for "
+                    f"{failing_for:.0f} s, the lease may have expired ({err})"
+                )
+                self.lease.mark_lost(reason)
+                self._lose(LeaseLost(reason))
+                return False
+            return True
+        self._last_ok = self._monotonic()
+        self.beats += 1
+        if self._refresh_every and self.beats % self._refresh_every == 0:
             try:
-                self.lease.heartbeat(self._stage, self._message)
+                self.lease.refresh_batch()
             except LeaseLost as err:
                 self._lose(err)
-                return
-            except Exception as err:
-                # A database outage: keep trying while the lease may still be ours.
-                self.failures += 1
-                log.warning("heartbeat for shard %r failed: %s", self.lease.shard_key, err)
-                margin = self.lease.settings.lease_seconds - self.interval
-                failing_for = self._monotonic() - last_ok
-                if failing_for >= margin:
-                    reason = (
-                        f"shard {self.lease.shard_key!r}: heartbeat failed for "
-                        f"{failing_for:.0f} s, the lease may have expired ({err})"
-                    )
-                    self.lease.mark_lost(reason)
-                    self._lose(LeaseLost(reason))
-                    return
-                continue
-            last_ok = self._monotonic()
-            self.beats += 1
-            if self._refresh_every and self.beats % self._refresh_every == 0:
-                try:
-                    self.lease.refresh_batch()
-                except LeaseLost as err:
-                    self._lose(err)
-                    return
-                except Exception as err:  # progress display only; never stop the work for it
-                    log.warning("batch refresh failed: %s", err)
+                return False
+            except Exception as err:  # progress display only; never stop the work for it
+                log.warning("batch refresh failed: %s", err)
+        return True
 
     def _lose(self, err: LeaseLost) -> None:
         if self._on_lost is not None:
             self._on_lost(err)
+
+
+class _Heartbeats:
+    """The one daemon thread of a process that renews every running :class:`HeartbeatRunner`.
+
+    Each runner beats every ``interval`` seconds after its previous beat ended, as a thread
+    of its own would. The thread starts with the first runner and then waits, idle, for the
+    next; a forked process starts with no runner (its parent's leases are not its own).
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._changed = threading.Condition()
+        self._due: dict[HeartbeatRunner, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, runner: HeartbeatRunner) -> None:
+        """Renews ``runner``'s lease from now on, its first beat one interval from now."""
+        with self._changed:
+            self._due[runner] = time.monotonic() + runner.interval
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+
+    def remove(self, runner: HeartbeatRunner) -> None:
+        """Renews ``runner``'s lease no more (a beat in flight ends on its own)."""
+        with self._changed:
+            self._due.pop(runner, None)
+
+    def _run(self) -> None:
+        changed = self._changed
+        while True:
+            with changed:
+                now = time.monotonic()
+                due = [r for r, at in self._due.items() if at <= now]
+                if not due:
+                    changed.wait(min(self._due.values()) - now if self._due else None)
+                    continue
+            for runner in due:
+                again = runner.beat()
+                with changed:
+                    if runner not in self._due:
+                        continue
+                    if again:
+                        self._due[runner] = time.monotonic() + runner.interval
+                    else:
+                        del self._due[runner]
+
+
+_heartbeats = _Heartbeats()
 
 
 class ShardWork:

@@ -26,6 +26,7 @@ Plain Python over SQLAlchemy Core; the Dagster asset checks and a city's sync (i
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -56,6 +57,7 @@ from supplier_sync_dagster.core.store.audit import (
     refuse_control_characters,
 )
 from supplier_sync_dagster.core.store.db import DbClock, SyncDatabase, insert_ignore
+from supplier_sync_dagster.core.store.engine import db_now
 
 log = logging.getLogger(__name__)
 
@@ -295,19 +297,41 @@ class GateResult:
 
 
 def _upsert(
-    conn: Connection, table: sa.Table, values: Mapping[str, Any], keys: Sequence[str]
+    conn: Connection,
+    clock: DbClock,
+    table: sa.Table,
+    values: Mapping[str, Any],
+    keys: Sequence[str],
 ) -> None:
-    """Inserts a row, or rewrites every column but the key columns and ``created_at``."""
-    update = [c for c in values if c not in keys and c != "created_at"]
-    if conn.dialect.name == "sqlite":
-        ins = sqlite_insert(table).values(**values)
-        stmt: Any = ins.on_conflict_do_update(
+    """Inserts a row stamped ``created_at`` and ``updated_at`` with the database's time, or
+    rewrites every column but the key columns and ``created_at``."""
+    params = {f"new_{name}": value for name, value in values.items()}
+    params["now_us"] = round(clock.offset_seconds * 1_000_000)
+    conn.execute(
+        _upsert_statement(conn.dialect.name, table.name, tuple(values), tuple(keys)), params
+    )
+
+
+@functools.cache
+def _upsert_statement(
+    dialect: str, table_name: str, columns: tuple[str, ...], keys: tuple[str, ...]
+) -> Any:
+    """:func:`_upsert`'s statement, every value a parameter (``:new_<column>``, and the
+    clock's offset ``:now_us``): built once, as every city's profile runs it."""
+    table = schema.metadata.tables[table_name]
+    now = db_now(sa.bindparam("now_us", type_=sa.BigInteger()))
+    row: dict[str, Any] = {
+        name: sa.bindparam(f"new_{name}", type_=table.c[name].type) for name in columns
+    }
+    row |= {"created_at": now, "updated_at": now}
+    update = [c for c in row if c not in keys and c != "created_at"]
+    if dialect == "sqlite":
+        ins = sqlite_insert(table).values(row)
+        return ins.on_conflict_do_update(
             index_elements=list(keys), set_={c: ins.excluded[c] for c in update}
         )
-    else:
-        mins = mysql_insert(table).values(**values)
-        stmt = mins.on_duplicate_key_update({c: mins.inserted[c] for c in update})
-    conn.execute(stmt)
+    mins = mysql_insert(table).values(row)
+    return mins.on_duplicate_key_update({c: mins.inserted[c] for c in update})
 
 
 def record_city_profile(
@@ -345,6 +369,7 @@ def record_city_profile(
         )
     _upsert(
         conn,
+        clock,
         schema.city_profile,
         {
             "batch_id": batch_id,
@@ -353,8 +378,6 @@ def record_city_profile(
             "record_count": record_count,
             "bad_count": bad_count,
             "field_counts": field_counts.to_json() if field_counts is not None else None,
-            "created_at": clock.now(),
-            "updated_at": clock.now(),
         },
         ("batch_id", "shard_key"),
     )
@@ -867,7 +890,13 @@ def judge_profile(
 
 
 def check_first_pages(
-    db: SyncDatabase, *, batch_id: str, task_code: str, shard_key: str, pages: Sequence[Any]
+    db: SyncDatabase,
+    *,
+    batch_id: str,
+    task_code: str,
+    shard_key: str,
+    pages: Sequence[FieldCounts],
+    overrides: bool | None = None,
 ) -> GateResult | None:
     """Schema drift judged on a city's first pages, before anything is normalized.
 
@@ -879,24 +908,28 @@ def check_first_pages(
         batch_id: The batch being synced.
         task_code: The task (its previous batch of the city is the reference).
         shard_key: The city.
-        pages: The records of the city's first pages, one sequence per page.
+        pages: The fields of the records of the city's first pages, one count per page.
+        overrides: Whether the city had quality gate overrides in the batch when it was
+            claimed (None: not known, they are read).
 
     Returns:
         The failed ``schema_drift`` result that stops the city, or None (no drift, no
         baseline, nothing to judge, or the check is overridden).
     """
-    sample = FieldCounts()
-    for records in pages:
-        sample.add(records)
-    if sample.records == 0:
-        return None
-    baselines = batch_baselines(db, batch_id)
-    previous = baselines.previous.get(shard_key)
+    # The baseline first: read once per batch, and most cities of a first sync have none.
+    previous = batch_baselines(db, batch_id).previous.get(shard_key)
     if previous is None or previous.field_counts is None:
         return None
+    sample = FieldCounts()
+    for counted in pages:
+        sample.merge(counted)
+    if sample.records == 0:
+        return None
     with db.engine.connect() as conn:
-        overrides = list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
-        if any(o.check_name == "schema_drift" for o in overrides):
+        if overrides is not False and any(
+            o.check_name == "schema_drift"
+            for o in list_overrides(conn, batch_id=batch_id, shard_key=shard_key)
+        ):
             return None
         thresholds = get_gate_thresholds(conn, task_code)
     current = CityProfile(batch_id, task_code, shard_key, sample.records, 0, sample)
@@ -1071,13 +1104,12 @@ def set_gate_thresholds(
     get_task(conn, task_code)
     _upsert(
         conn,
+        clock,
         schema.gate_threshold,
         {
             "task_code": task_code,
             "thresholds": thresholds.to_dict(),
             "updated_by": updated_by[:64] if updated_by else None,
-            "created_at": clock.now(),
-            "updated_at": clock.now(),
         },
         ("task_code",),
     )

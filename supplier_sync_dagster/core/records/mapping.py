@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection
 
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import DbClock, insert_ignore
+from supplier_sync_dagster.core.store.engine import db_now
 
 # Ids per IN (...) list: far below every driver's parameter limit, and below MariaDB's
 # in_predicate_conversion_threshold (1000). From 1000 values on, MariaDB turns the list
@@ -53,6 +54,8 @@ class HotelMappings:
     created: frozenset[str]
     published: frozenset[int] = frozenset()
     versions: Mapping[int, PublishedVersion] = field(default_factory=dict)
+    # The database's time when they were read (None: not asked for, or no hotel read).
+    read_at: datetime | None = None
 
 
 def ensure_hotel_mappings(
@@ -70,7 +73,9 @@ def ensure_hotel_mappings(
     ``created`` holds the hotels whose mapping was created by this batch (now or by an
     earlier attempt of the same batch), so a retried run still emits HotelMappingCreated.
     ``at``: the transaction's database time (``clock.read``), written as the creation time
-    instead of the clock's SQL expression evaluated on every row. ``published``: whether to
+    instead of the clock's SQL expression evaluated on every row; without it, the read also
+    gives the database's time (``read_at``: a caller needs no statement of its own to read
+    it, for a few hotels). ``published``: whether to
     read which hotels have a published row and its versions (``HotelMappings.published``
     and ``versions``; left empty otherwise): on InnoDB that reads each hotel's row from the
     table itself.
@@ -86,40 +91,56 @@ def ensure_hotel_mappings(
         created_at=clock.now() if at is None else at,
     )
     return _read_mappings(
-        conn, supplier_id=supplier_id, batch_id=batch_id, ids=ids, with_published=published
+        conn,
+        clock,
+        supplier_id=supplier_id,
+        batch_id=batch_id,
+        ids=ids,
+        with_published=published,
+        with_time=at is None,
     )
 
 
 def _read_mappings(
     conn: Connection,
+    clock: DbClock,
     *,
     supplier_id: int,
     batch_id: str,
     ids: Sequence[str],
     with_published: bool,
+    with_time: bool,
 ) -> HotelMappings:
     resource_ids: dict[str, int] = {}
     created: set[str] = set()
     versions: dict[int, PublishedVersion] = {}
-    query = _mappings_query(with_published)
+    read_at: datetime | None = None
+    query = _mappings_query(with_published, with_time)
+    params = {"supplier_id": supplier_id, "batch_id": batch_id}
+    if with_time:
+        params["now_us"] = round(clock.offset_seconds * 1_000_000)
     for part in chunks(ids):
-        for hotel_id, rid, made_here, *published in conn.execute(
-            query, {"supplier_id": supplier_id, "ids": part, "batch_id": batch_id}
-        ):
+        for hotel_id, rid, made_here, *more in conn.execute(query, {**params, "ids": part}):
             resource_ids[hotel_id] = rid
             if made_here:
                 created.add(hotel_id)
+            if with_time:
+                now = more.pop()
+                read_at = read_at or now
             # A published hotel's versions come in the same statement: a diff of new or
             # unchanged hotels then reads nothing more.
-            if published and published[0] is not None:
-                versions[rid] = (published[0], published[1], published[2])
-    return HotelMappings(resource_ids, frozenset(created), frozenset(versions), versions)
+            if more and more[0] is not None:
+                versions[rid] = (more[0], more[1], more[2])
+    return HotelMappings(
+        resource_ids, frozenset(created), frozenset(versions), versions, read_at=read_at
+    )
 
 
 @functools.cache
-def _mappings_query(with_published: bool) -> sa.Select[Any]:
-    """The read of a part of the mappings (and, when asked, of their published versions),
-    built once: its IN list is one expanding parameter, not a bound value per id."""
+def _mappings_query(with_published: bool, with_time: bool) -> sa.Select[Any]:
+    """The read of a part of the mappings (and, when asked, of their published versions and
+    the database's time, last), built once: its IN list is one expanding parameter, not a
+    bound value per id."""
     c, h = schema.hotel_mapping.c, schema.platform_hotel.c
     # Whether this batch made the mapping, as a number: no batch id sent back per row.
     made_here = (c.created_batch_id == sa.bindparam("batch_id")).label("made_here")
@@ -128,6 +149,8 @@ def _mappings_query(with_published: bool) -> sa.Select[Any]:
     if with_published:
         columns += [h.supplier_version, h.publish_version, h.fingerprint]
         source = source.outerjoin(schema.platform_hotel, h.resource_id == c.id)
+    if with_time:
+        columns.append(db_now(sa.bindparam("now_us", type_=sa.BigInteger())).label("read_at"))
     return (
         sa.select(*columns)
         .select_from(source)

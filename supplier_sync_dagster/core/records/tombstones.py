@@ -26,6 +26,7 @@ misses are counted and reported (``held``), and nothing is unpublished.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Collection, Sequence
@@ -107,20 +108,8 @@ def record_presence(
         max_share: Most of a city's hotels unpublished at once (beyond: held, counted).
     """
     h = schema.platform_hotel.c
-    columns = (
-        h.resource_id,
-        h.supplier_hotel_id,
-        h.city_code,
-        h.missing_count,
-        h.publish_version,
-        h.supplier_version,
-    )
-    # A UNION, not an OR: each part reads its own index (the city's hotels; the few with misses).
     rows = conn.execute(
-        sa.union(
-            sa.select(*columns).where(h.supplier_id == supplier_id, h.city_code == city_code),
-            sa.select(*columns).where(h.supplier_id == supplier_id, h.missing_count > 0),
-        )
+        _presence_of_city(), {"presence_supplier": supplier_id, "presence_city": city_code}
     ).all()
     presence = Presence()
     clear: list[int] = []
@@ -176,6 +165,23 @@ def record_presence(
         )
         presence.unpublished = [str(r.supplier_hotel_id) for r in due]
     return presence
+
+
+@functools.cache
+def _presence_of_city() -> sa.CompoundSelect:
+    """:func:`record_presence`'s read (``:presence_supplier``, ``:presence_city``): built once,
+    as every complete city runs it."""
+    h = schema.platform_hotel.c
+    names = ("resource_id", "supplier_hotel_id", "city_code", "missing_count")
+    columns = [h[name] for name in (*names, "publish_version", "supplier_version")]
+    supplier = h.supplier_id == sa.bindparam("presence_supplier", type_=h.supplier_id.type)
+    # A UNION, not an OR: each part reads its own index (the city's hotels; the few with misses).
+    return sa.union(
+        sa.select(*columns).where(
+            supplier, h.city_code == sa.bindparam("presence_city", type_=h.city_code.type)
+        ),
+        sa.select(*columns).where(supplier, h.missing_count > 0),
+    )
 
 
 def unpublish_missing(

@@ -22,14 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from supplier_sync_dagster.core.store.engine import (
@@ -58,6 +58,8 @@ class DbClock:
 
     offset_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The latest reading of recent_utc: (offset then, monotonic timer then, the time read).
+    _recent: tuple[float, float, datetime] | None = field(default=None, repr=False, compare=False)
 
     def now(self, plus_seconds: float = 0.0) -> db_now:
         """SQL expression: database now + offset + ``plus_seconds``."""
@@ -80,6 +82,23 @@ class DbClock:
         value = conn.execute(sa.select(self.now(plus_seconds))).scalar_one()
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+    def recent_utc(self, engine: Engine, max_age_seconds: float) -> datetime:
+        """:meth:`read_utc`, or this process's reading of it taken less than
+        ``max_age_seconds`` ago, moved on by the time this process's monotonic timer says has
+        passed since: the time is the database's, only its last few seconds are counted
+        here (a wall clock's skew or jumps play no part).
+        """
+        recent, now = self._recent, time.monotonic()
+        if recent is not None and recent[0] == self.offset_seconds:
+            since = now - recent[1]
+            if 0 <= since < max_age_seconds:
+                return recent[2] + timedelta(seconds=since)
+        offset = self.offset_seconds
+        with engine.connect() as conn:
+            value = self.read_utc(conn)
+        self._recent = (offset, now, value)
+        return value
 
 
 @dataclass

@@ -32,7 +32,7 @@ from supplier_sync_dagster.core.sync.model import (
     Progress,
     SyncSettings,
 )
-from supplier_sync_dagster.core.sync.runtime import collect_garbage
+from supplier_sync_dagster.core.sync.runtime import collect_garbage, in_spare_thread
 from supplier_sync_dagster.core.sync.snapshots import (
     PAGE_COMPRESSLEVEL,
     RAW,
@@ -196,9 +196,10 @@ def fetch_pages(
 class ReadAhead:
     """A walk's pages, requested in a daemon thread up to ``depth`` pages ahead of the taker.
 
-    The thread alone advances and closes the walk, so the walk is never closed while a
-    request is inside it; a walk abandoned mid-request ends with its thread, a daemon, which
-    never keeps the process from exiting.
+    The thread (a spare one of the process: :func:`in_spare_thread`) alone advances and
+    closes the walk, so the walk is never closed while a request is inside it; a walk
+    abandoned mid-request ends with its thread, a daemon, which never keeps the process from
+    exiting.
 
     Args:
         pages: The walk.
@@ -212,7 +213,7 @@ class ReadAhead:
         self._room = threading.Semaphore(depth)
         self._ready: queue.SimpleQueue[Future[FetchedPage | None]] = queue.SimpleQueue()
         self._closed = threading.Event()
-        threading.Thread(target=self._walk, name="supplier-walk", daemon=True).start()
+        in_spare_thread(self._walk, "supplier-walk")
 
     def _walk(self) -> None:
         try:

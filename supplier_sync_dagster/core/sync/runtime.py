@@ -3,20 +3,25 @@
 :func:`prepare_process` tunes the cyclic collector once per process and
 :func:`collect_garbage` bounds the memory that tuning would let grow; :func:`usable_cpus` is
 what the process may run on. :class:`ForkPool` is every forked worker process of a sync: a
-run's city workers, a shard's normalizing judges and its publishers.
+run's city workers, a shard's normalizing judges and its publishers. :func:`in_spare_thread`
+runs a call in a daemon thread that an earlier call left idle.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -161,3 +166,66 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(PARENT_POLL_SECONDS)
         if os.getppid() != parent_pid:
             os._exit(1)
+
+
+# Idle daemon threads kept for the next call, at most (more end when their call does).
+SPARE_THREADS_KEPT = 8
+
+
+class _SpareThreads:
+    """Daemon threads that run one call after another: a city's walk reuses the thread that
+    an earlier city's walk left, instead of starting one. A call that never returns (a
+    request abandoned mid-way) keeps its thread; the next call gets another. A forked
+    process starts with none (its parent's threads do not run in it)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], str]]] = []
+
+    def run(self, fn: Callable[[], None], name: str) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        inbox.put((fn, name))
+
+    @property
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Callable[[], None], str]]) -> None:
+        while True:
+            fn, name = inbox.get()
+            threading.current_thread().name = name
+            try:
+                fn()
+            except BaseException as err:  # a call hands its outcome over itself
+                log.warning("call in thread %r raised: %r", name, err)
+            with self._lock:
+                if len(self._idle) >= SPARE_THREADS_KEPT:
+                    return
+                self._idle.append(inbox)
+
+
+_spare_threads = _SpareThreads()
+
+
+def in_spare_thread(fn: Callable[[], None], name: str) -> None:
+    """Runs ``fn()`` in a daemon thread named ``name``, an idle one if this process has one.
+
+    Daemon: a call blocked on the network never keeps the process from exiting. ``fn``
+    hands its outcome over itself (what it raises is only logged).
+    """
+    _spare_threads.run(fn, name)
+
+
+def spare_threads() -> int:
+    """The idle spare threads of this process: the next calls of :func:`in_spare_thread`
+    run on them."""
+    return _spare_threads.idle

@@ -35,7 +35,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -97,6 +97,9 @@ from supplier_sync_dagster.core.sync.snapshots import (
 
 # The first pages of a city on which schema drift is judged before any is normalized.
 DRIFT_SAMPLE_PAGES = 2
+# How old a reading of the database's time a city's first records may be judged against,
+# moved on by the time elapsed since (``DbClock.recent_utc``): small cities read it once.
+CLOCK_REUSE_SECONDS = 10.0
 
 
 @dataclass
@@ -297,21 +300,23 @@ class Normalizer:
         pending, self._pending = self._pending, None
         if pending is None:
             return self._drift
+        # Each page's fields are counted once: for the sample, then for the city's profile.
         if pending:
-            sample = [records for _, records in pending]
+            counted = [FieldCounts().add(records) for _, records in pending]
         else:  # nothing arrived from a fetch: the stored pages (resumed walk, replay)
             raws = stored_pages(self.db, self.batch_id, self.city, RAW)
-            sample = [self._load(raw) for raw in raws[:DRIFT_SAMPLE_PAGES]]
+            counted = [FieldCounts().add(self._load(raw)) for raw in raws[:DRIFT_SAMPLE_PAGES]]
         self._drift = check_first_pages(
             self.db,
             batch_id=self.batch_id,
             task_code=self.settings.task_code,
             shard_key=self.city,
-            pages=sample,
+            pages=counted,
+            overrides=self.report.gate_overrides,
         )
-        if self._drift is None:
-            for raw, records in pending:
-                self._normalize(raw, records)
+        if self._drift is None and pending:
+            for (raw, records), fields in zip(pending, counted, strict=True):
+                self._normalize(raw, records, fields)
         return self._drift
 
     def add(self, raw: StoredPage, records: list[Any]) -> None:
@@ -341,7 +346,10 @@ class Normalizer:
     def _load(self, raw: StoredPage) -> list[Any]:
         return page_records(decode_page(self.store.get(raw.payload_ref)))
 
-    def _normalize(self, raw: StoredPage, records: list[Any]) -> None:
+    def _normalize(
+        self, raw: StoredPage, records: list[Any], fields: FieldCounts | None = None
+    ) -> None:
+        """Normalizes a page (``fields``: its records' fields, when counted already)."""
         if raw.payload_hash in self.seen:
             return  # the same page bytes again (a walk re-reads overlapping pages)
         began = time.perf_counter()
@@ -358,7 +366,10 @@ class Normalizer:
         self.progress.check()
         self.progress.report("NORMALIZING", f"city={self.city} page={raw.page_number}")
         self.report.records += int(raw.record_count or 0)
-        self.fields.add(records)
+        if fields is None:
+            self.fields.add(records)
+        else:
+            self.fields.merge(fields)
         not_after = self._latest_time(len(records))
         if self.settings.normalize_processes > 0 and self.on_kept is None:
             self._submit(raw, records, not_after)
@@ -375,9 +386,11 @@ class Normalizer:
         """The latest ``updated_at`` that ``records`` more records may carry: the database
         clock plus ``settings.max_clock_skew_seconds`` (FUTURE_TIMESTAMP beyond it)."""
         if self._not_after is None or self._judged_since_clock >= self.settings.chunk_hotels:
-            db = self.db
-            with db.engine.connect() as conn:
-                self._not_after = db.clock.read_utc(conn, self.settings.max_clock_skew_seconds)
+            # A city's first page may use the time another city read just before; a chunk's
+            # worth of records later, the time is read again.
+            max_age = CLOCK_REUSE_SECONDS if self._not_after is None else 0.0
+            now = self.db.clock.recent_utc(self.db.engine, max_age)
+            self._not_after = now + timedelta(seconds=self.settings.max_clock_skew_seconds)
             self._judged_since_clock = 0
         self._judged_since_clock += records
         return self._not_after
@@ -669,10 +682,11 @@ class _LeasePublisher:
         if then is not None and len(cands) <= ONE_TRANSACTION_HOTELS:
             with db.begin() as conn:
                 lease.ensure_held()
-                # One database time per transaction: a bulk insert would otherwise
-                # evaluate the clock's SQL expression on every row.
-                at = db.clock.read(conn)
-                maps = self._mappings(conn, cands, at, published=True)
+                # One database time per transaction, read with the mappings (their few
+                # rows take the clock's SQL expression): a bulk insert would otherwise
+                # evaluate it on every row.
+                maps = self._mappings(conn, cands, None, published=True)
+                at = maps.read_at or db.clock.read(conn)
                 diffs = compute_diffs(
                     conn,
                     cands,
@@ -726,7 +740,12 @@ class _LeasePublisher:
         return self.resource_ids
 
     def _mappings(
-        self, conn: Connection, cands: Sequence[Candidate], at: datetime, *, published: bool
+        self,
+        conn: Connection,
+        cands: Sequence[Candidate],
+        at: datetime | None,
+        *,
+        published: bool,
     ) -> HotelMappings:
         return ensure_hotel_mappings(
             conn,

@@ -312,6 +312,106 @@ def test_heartbeat_runner_renews_then_detects_loss_and_signals_stop(
     assert _shard_row(db, batch.batch_id, "BKK")["worker_id"] == "w2"
 
 
+def _until(done: Any, what: str) -> None:
+    """Waits (at most 10 s) until ``done()``."""
+    pause, deadline = threading.Event(), 100
+    while not done():
+        deadline -= 1
+        assert deadline, f"waited in vain: {what}"
+        pause.wait(0.1)
+
+
+def test_one_heartbeat_thread_renews_every_lease_and_a_stopped_runner_no_more(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+):
+    batch = make_batch(["BKK", "SIN"])
+    bkk = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    sin = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=FAST)
+    renewed_by: set[int] = set()
+    for lease in (bkk, sin):
+
+        def renew(*a: Any, real: Any = lease.heartbeat, **k: Any) -> None:
+            renewed_by.add(threading.get_ident())
+            real(*a, **k)
+
+        monkeypatch.setattr(lease, "heartbeat", renew)
+    with HeartbeatRunner(bkk) as first, HeartbeatRunner(sin) as second:
+        _until(lambda: first.beats >= 2 and second.beats >= 2, "both leases renewed")
+        # The city is done: once stop() returns, its lease is renewed no more.
+        first.stop()
+        beats, renewed_at = first.beats, _shard_row(db, batch.batch_id, "BKK")["heartbeat_at"]
+        seen = second.beats
+        _until(lambda: second.beats >= seen + 3, "the other lease still renewed")
+        assert first.beats == beats and not first.running and second.running
+        assert _shard_row(db, batch.batch_id, "BKK")["heartbeat_at"] == renewed_at
+    assert len(renewed_by) == 1 and threading.get_ident() not in renewed_by
+
+
+def test_a_lease_lost_among_others_still_fences_its_city(db: SyncDatabase, make_batch: MakeBatch):
+    batch = make_batch(["BKK", "SIN"])
+    bkk = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    sin = claim_shard(db, batch.batch_id, "SIN", worker_id="w1", settings=FAST)
+    lost = threading.Event()
+    with (
+        HeartbeatRunner(bkk, on_lost=lambda err: lost.set()) as first,
+        HeartbeatRunner(sin) as second,
+    ):
+        _until(lambda: first.beats >= 1, "the lease renewed")
+        # Another worker whose clock is past the lease takes the city over.
+        other = SyncDatabase(engine=db.engine, clock=DbClock(FAST.lease_seconds + 1))
+        claim_shard(other, batch.batch_id, "BKK", worker_id="w2", settings=FAST)
+        assert lost.wait(5), "the shared heartbeat did not detect the lost lease"
+        with pytest.raises(LeaseLost):
+            first.check()
+        # The stale worker's page writes fail, and roll back with their transaction.
+        with pytest.raises(LeaseLost), db.begin() as conn:
+            bkk.advance(Checkpoint("BKK", page=2), PageCounts(success=1), conn=conn)
+        seen = second.beats
+        _until(lambda: second.beats >= seen + 2, "the other lease still renewed")
+        assert not first.running and not sin.lost
+    row = _shard_row(db, batch.batch_id, "BKK")
+    assert row["worker_id"] == "w2" and row["checkpoint"] is None
+
+
+_forked: list[HeartbeatRunner] = []
+
+
+def test_a_forked_process_renews_none_of_its_parents_leases(
+    db: SyncDatabase, make_batch: MakeBatch
+):
+    batch = make_batch(["BKK"])
+    lease = claim_shard(db, batch.batch_id, "BKK", worker_id="w1", settings=FAST)
+    with HeartbeatRunner(lease) as runner:
+        _until(lambda: runner.beats >= 1, "the lease renewed")
+        _forked[:] = [runner]
+        try:
+            with mp.get_context("fork").Pool(1) as pool:
+                assert pool.apply(_beats_in_child) == 0
+        finally:
+            _forked.clear()
+
+
+class _OwnLease:
+    """A lease of the forked process's own, renewed by nothing but its runner."""
+
+    settings = FAST
+    shard_key = "OWN"
+    lost = False
+
+    def heartbeat(self, *_: object) -> None:
+        pass
+
+
+def _beats_in_child() -> int:
+    # The parent's runner as the fork copied it: the heartbeat thread this process starts
+    # for a lease of its own renews that one only.
+    runner = _forked[0]
+    before = runner.beats
+    with HeartbeatRunner(_OwnLease(), refresh_batch_every=0) as own:  # type: ignore[arg-type]
+        _until(lambda: own.beats >= 5, "the forked process's own lease renewed")
+    return runner.beats - before
+
+
 def test_heartbeat_runner_gives_up_when_renewals_fail_until_the_lease_could_expire(
     db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
 ):
@@ -836,7 +936,7 @@ def test_shard_work_suppresses_only_a_lost_lease_and_always_stops_the_heartbeat(
         cancel_batch(db, batch.batch_id, "operator cancelled")
         lease.heartbeat()  # LeaseLost: suppressed, kept
     assert isinstance(work.lost, LeaseLost) and work.error is None
-    assert not heartbeat._thread.is_alive()
+    assert not heartbeat.running
 
     # Any exception once the lease is lost is the loss's doing: suppressed too.
     batch = make_batch(["BKK"])

@@ -21,14 +21,17 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.leasing.batches import Batch
 from supplier_sync_dagster.core.leasing.leases import claim_shard
+from supplier_sync_dagster.core.records import gates as gates_module
 from supplier_sync_dagster.core.records.gates import (
     CHECK_NAMES,
     GATED_PREFIX,
     FieldCounts,
+    GateOverride,
     GateResult,
     GateThresholds,
     WindowVolume,
     check_change_volume,
+    check_first_pages,
     evaluate_gates,
     failure_reason,
     gated_checks,
@@ -782,3 +785,50 @@ def test_one_spike_in_the_history_does_not_raise_the_baseline():
     t = GateThresholds()
     history = [WindowVolume(5_000, HOUR)] + [WindowVolume(240, DAY)] * 4
     assert not check_change_volume(WindowVolume(1_000, 2 * HOUR), history, t).passed
+
+
+def test_first_pages_drift_stops_a_renamed_field_and_reads_overrides_only_when_claimed_with_one(
+    db: SyncDatabase, cities: Cities, monkeypatch: pytest.MonkeyPatch
+):
+    cities.batch(100)
+    now = cities.batch(0, status=None)
+    renamed = [FieldCounts().add([hotel(i, coords="location") for i in range(50)])] * 2
+
+    city: dict[str, Any] = {"batch_id": now.batch_id, "shard_key": CITY}
+
+    def first_pages(overrides: bool | None) -> GateResult | None:
+        return check_first_pages(
+            db, **city, task_code=cities.task_code, pages=renamed, overrides=overrides
+        )
+
+    for overrides in (None, False, True):
+        drift = first_pages(overrides)
+        assert drift is not None and not drift.passed and "first 2 pages" in drift.description
+        assert drift.metadata["stopped"] == "first pages"
+        assert drift.metadata["fields_disappeared"] == ["geo"]
+    with db.begin() as conn:
+        override_gate(conn, db.clock, **city, check_name="schema_drift", who="al", reason="why")
+    assert first_pages(None) is None and first_pages(True) is None
+    # A claim that saw no override of the city: none is read (the claim read the table).
+    read: list[str] = []
+    real = gates_module.list_overrides
+
+    def list_overrides_read(*a: Any, **k: Any) -> list[GateOverride]:
+        read.append("read")
+        return real(*a, **k)
+
+    monkeypatch.setattr(gates_module, "list_overrides", list_overrides_read)
+    assert first_pages(False) is not None and read == []
+    assert first_pages(None) is None and read == ["read"]
+
+
+def test_first_pages_without_baseline_pass(db: SyncDatabase, cities: Cities):
+    now = cities.batch(0, status=None)  # the task's first batch of the city
+    drift = check_first_pages(
+        db,
+        batch_id=now.batch_id,
+        task_code=cities.task_code,
+        shard_key=CITY,
+        pages=[FieldCounts().add([hotel(i, coords="location") for i in range(50)])],
+    )
+    assert drift is None

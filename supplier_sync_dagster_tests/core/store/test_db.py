@@ -392,3 +392,29 @@ def test_a_process_on_sqlite_does_not_import_pymysql(tmp_path: Path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loaded: []" in done.stdout, done.stdout
+
+
+def test_a_recent_database_time_is_reused_until_too_old_or_the_clock_moves(db: SyncDatabase):
+    reads: list[str] = []
+
+    def count(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if "db_now" in statement:
+            reads.append(statement)
+
+    sa.event.listen(db.engine, "after_cursor_execute", count)
+    try:
+        first = db.clock.recent_utc(db.engine, 3600)
+        assert first.tzinfo is UTC
+        # The reading, moved on by the time elapsed since: never behind the one before.
+        again = db.clock.recent_utc(db.engine, 3600)
+        assert first <= again and len(reads) == 1
+        assert db.clock.recent_utc(db.engine, 3600) >= again and len(reads) == 1
+        # Another clock (a shifted one: a test's, or a worker whose clock moved) reads anew.
+        db.clock.advance(120)
+        later = db.clock.recent_utc(db.engine, 3600)
+        assert len(reads) == 2 and (later - first).total_seconds() >= 120
+        # No reuse allowed: always the database's time now.
+        db.clock.recent_utc(db.engine, 0)
+        assert len(reads) == 3
+    finally:
+        sa.event.remove(db.engine, "after_cursor_execute", count)

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from supplier_sync_dagster.core.sync.runtime import PARENT_POLL_SECONDS, ForkPool
+from supplier_sync_dagster.core.sync.runtime import (
+    PARENT_POLL_SECONDS,
+    ForkPool,
+    in_spare_thread,
+    spare_threads,
+)
 from supplier_sync_dagster_tests.helpers import process_state
 
 _started: list[int] = []
@@ -60,3 +66,60 @@ def test_a_watched_process_exits_once_its_parent_is_killed():
     if orphaned:
         os.kill(worker, signal.SIGKILL)
     assert not orphaned
+
+
+WAIT = 10.0
+
+
+def _call_in_spare_thread() -> int:
+    """Runs a call with :func:`in_spare_thread`; the id of the thread it ran on."""
+    ran: list[int] = []
+    done = threading.Event()
+
+    def call() -> None:
+        ran.append(threading.get_ident())
+        done.set()
+
+    in_spare_thread(call, "spare-test")
+    assert done.wait(WAIT)
+    return ran[0]
+
+
+def _until_spare(n: int) -> None:
+    """Waits until ``n`` spare threads are idle (a call's thread is, once it returned)."""
+    pause, deadline = threading.Event(), time.monotonic() + WAIT
+    while spare_threads() < n:
+        assert time.monotonic() < deadline, "a finished call's thread never became spare"
+        pause.wait(0.01)
+
+
+def test_a_spare_thread_runs_the_next_call_and_a_blocked_call_keeps_its_own():
+    first = _call_in_spare_thread()
+    _until_spare(1)  # the thread is spare once its call has returned
+    assert _call_in_spare_thread() == first
+    assert first != threading.get_ident()
+
+    # A call that never returns (a request abandoned mid-way) keeps its thread: the next
+    # call runs on another one.
+    blocked, release = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        blocked.set()
+        release.wait(WAIT)
+
+    _until_spare(1)
+    in_spare_thread(hang, "spare-hang")
+    assert blocked.wait(WAIT)
+    try:
+        assert _call_in_spare_thread() != first
+    finally:
+        release.set()
+
+
+def test_a_forked_process_starts_with_no_spare_thread():
+    _call_in_spare_thread()
+    _until_spare(1)
+    with ForkPool(1, _start, (1,)) as pool:
+        assert pool.submit(spare_threads).result() == 0
+        # ...and its own calls still run there.
+        assert pool.submit(_call_in_spare_thread).result() > 0
