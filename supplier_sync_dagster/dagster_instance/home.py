@@ -15,9 +15,13 @@ the command opens the same files through the pooled storages (:func:`.storage.po
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import secrets
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -83,7 +87,24 @@ def dagster_instance() -> dg.DagsterInstance:
     home_dir = os.path.expanduser(os.environ["DAGSTER_HOME"])
     if not os.path.isabs(home_dir) or not os.path.isdir(home_dir):
         return dg.DagsterInstance.get()  # which says what is wrong with it
-    return local_instance(home_dir)
+    with _opening(home_dir):
+        return local_instance(home_dir)
+
+
+@contextmanager
+def _opening(home_dir: str) -> Iterator[None]:
+    """Holds this state folder's lock on ``home_dir`` while its instance is opened.
+
+    Opening a new home's storage creates its tables, and two commands doing that at once
+    (two accounts' syncs started together on a fresh machine) both try to create them and one
+    fails; the lock is a file in the state folder, so a user's Dagster home gets no new file.
+    """
+    locks = state_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(os.path.realpath(home_dir).encode()).hexdigest()[:16]
+    with (locks / f"dagster-home-{digest}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def settle_dagster_home(home: Path) -> bool:

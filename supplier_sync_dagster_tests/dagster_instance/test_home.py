@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -118,3 +119,37 @@ def test_a_dagster_yaml_that_appears_meanwhile_is_kept(
     assert not settle_dagster_home(home)
     assert config.read_text() == "theirs\n"
     assert [p.name for p in home.iterdir()] == ["dagster.yaml"]
+
+
+def _open_and_list_runs(state: str, home: str | None) -> None:
+    """In a fresh process: the command line's instance, opened and read."""
+    os.environ["SUPPLIER_SYNC_HOME"] = state
+    os.environ.pop("DAGSTER_HOME", None)
+    if home is not None:
+        os.environ["DAGSTER_HOME"] = home
+    instance = dagster_instance()
+    try:
+        instance.get_runs(limit=1)
+    finally:
+        instance.dispose()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "plain"])
+def test_commands_that_open_a_new_home_at_once_all_start(tmp_path: Path, kind: str) -> None:
+    """Two accounts' syncs started together on a fresh machine both create the home's tables."""
+    ctx = multiprocessing.get_context("spawn")
+    for attempt in range(3):
+        state = tmp_path / f"state-{attempt}"
+        home: str | None = None
+        if kind == "plain":  # the user's own instance: Dagster's stock storage
+            (tmp_path / f"home-{attempt}").mkdir()
+            (tmp_path / f"home-{attempt}" / "dagster.yaml").write_text(
+                "telemetry:\n  enabled: false\n"
+            )
+            home = str(tmp_path / f"home-{attempt}")
+        procs = [ctx.Process(target=_open_and_list_runs, args=(str(state), home)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0], (kind, attempt)
