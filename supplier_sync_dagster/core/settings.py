@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -249,6 +249,20 @@ class Settings(ClaimLockSettings, StorageSettings):
         description="check every page a walk fetches by number for a listing that shifted "
         "under it (a one-hotel request per page; off loses a hotel under drift: for tests "
         "only); unset: on",
+    )
+    rate_governor: Literal["fixed", "adaptive"] | None = Field(
+        default=None,
+        description="how the supplier request rate is set: fixed (the configured rate; 429s "
+        "are retried) or adaptive (starts from the configured rate, or 10/s when none is "
+        "set, follows the X-RateLimit-* headers, backs off on 429 and probes upward, for "
+        "every process of the account together); unset: fixed",
+    )
+    rate_max: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="requests/s an adaptive rate never probes past; unset: ten times the "
+        "starting rate",
     )
 
     @field_validator(*(name for name in _URL_SCHEMES if name != "redis_url"))

@@ -25,6 +25,11 @@ when empty; then the change feed too):
 ``dropped_city``    the supplier stops serving the city: ``/v1/cities`` lacks it, and its
                     listing, summary and hotels answer 404 (``CITY_NOT_FOUND``,
                     ``HOTEL_NOT_FOUND``); the change feed leaves its hotels out
+``undisclosed_limit`` the rate limit is kept but never told: no ``X-RateLimit-*`` headers,
+                    and its 429s carry no ``Retry-After``
+``limit_swing``     the rate limit halves ``limit_swing_seconds`` after the first limited
+                    request, and doubles back as long again later (the supplier's day)
+``shared_limit``    every API key spends one bucket: accounts on one contract, one limit
 ==================  ==========================================================================
 
 The ground truth (``Simulator.ground_truth``) follows the modes: a ``bad_bytes`` hotel is bad

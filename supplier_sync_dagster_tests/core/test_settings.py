@@ -55,6 +55,8 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_WALK_MAX_PAGES",
         "SUPPLIER_SYNC_WALK_PAGE_SLACK",
         "SUPPLIER_SYNC_WALK_CONTINUITY_CHECK",
+        "SUPPLIER_SYNC_RATE_GOVERNOR",
+        "SUPPLIER_SYNC_RATE_MAX",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -254,3 +256,27 @@ def test_a_bad_supplier_setting_does_not_stop_the_storage_fallbacks(
     assert set(StorageSettings.model_fields) < set(Settings.model_fields)
     with pytest.raises(ConfigError, match="SUPPLIER_SYNC_SUPPLIER_URL"):
         load_settings()
+
+
+def test_the_rate_governor_is_fixed_unless_told(monkeypatch: pytest.MonkeyPatch):
+    assert (load_settings().rate_governor, load_settings().rate_max) == (None, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_GOVERNOR", "adaptive")
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_MAX", "400")
+    assert (load_settings().rate_governor, load_settings().rate_max) == ("adaptive", 400.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "learning"),
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "Adaptive "),
+        ("SUPPLIER_SYNC_RATE_MAX", "0"),
+        ("SUPPLIER_SYNC_RATE_MAX", "inf"),
+    ],
+)
+def test_a_mistyped_rate_governor_setting_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, bad: str
+):
+    monkeypatch.setenv(name, bad)
+    message = str(pytest.raises(ConfigError, load_settings).value)
+    assert message.startswith(f"{name}: ") and "\n" not in message

@@ -59,6 +59,7 @@ from supplier_sync_dagster.core.settings import (
     env_name,
 )
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBreaker
+from supplier_sync_dagster.core.supplier.governor import GovernedLimiter
 from supplier_sync_dagster.core.supplier.models import (
     ChangesPage,
     CityList,
@@ -763,6 +764,14 @@ class SupplierClient:
         with self._c.lock:
             self._c.responses_by_status[status] = self._c.responses_by_status.get(status, 0) + 1
             self._c.last_rate_limit = rate_limit
+        if isinstance(self._limiter, GovernedLimiter):
+            if status == 429:
+                retry_after = parse_retry_after(
+                    response.headers.get("Retry-After"), now=self._wall_clock()
+                )
+                self._limiter.throttled(retry_after, age=self._clock() - progress.started)
+            else:
+                self._limiter.answered(rate_limit, age=self._clock() - progress.started)
         if isinstance(raw, _Transient):
             return raw
 
