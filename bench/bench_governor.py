@@ -2,15 +2,17 @@
 rate-limit fault modes.
 
 The simulator runs in its own process at ``--limit`` requests/s; callers fetch as fast as one
-adaptive budget lets them, starting from half the limit. For each mode it prints the rate the
-governor ended at and the limit it learnt over the true limit, the share of requests answered
-429 and the requests/s the supplier accepted over the true limit.
+adaptive budget lets them, starting from half the limit left to them. For each mode it prints
+the rate the governor ended at and the limit it learnt over the true limit left to them, the
+share of requests answered 429 and the requests/s the supplier accepted over that limit.
 
 Modes:
   undisclosed_limit  no X-RateLimit-* headers, 429s without Retry-After (1 process, 4 threads)
   headers            the limit told in X-RateLimit-* headers (1 process, 4 threads)
   limit_swing        the limit halves after 5 s and doubles back after 10 s (1 process)
-  shared_limit       two accounts on one key, two processes each, one budget in Redis
+  shared_limit       another account on the key, unseen, spends half the limit (1 process):
+                     the limit left to us is half
+  two_accounts       two accounts on one key, two processes each, one budget in Redis
 
 Usage:
     .venv/bin/python bench/bench_governor.py [--limit 80] [--seconds 30] [--redis-url URL]
@@ -20,42 +22,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from supplier_sync_dagster_tests.core.supplier.governor_load import Load, run_load, simulator
-
-
-def _two_accounts(url: str, seconds: float, start: float, redis_url: str) -> Load:
-    budget = f"bench/{uuid.uuid4().hex}"
-    loads: list[Load] = []
-
-    def account() -> None:
-        loads.append(
-            run_load(
-                url,
-                seconds=seconds,
-                start_rate=start,
-                threads=2,
-                processes=2,
-                redis_url=redis_url,
-                budget=budget,
-            )
-        )
-
-    accounts = [threading.Thread(target=account) for _ in range(2)]
-    for a in accounts:
-        a.start()
-    for a in accounts:
-        a.join()
-    return Load(
-        sum(x.requests for x in loads),
-        sum(x.throttled for x in loads),
-        loads[-1].rate,
-        loads[-1].ceiling,
-    )
+from supplier_sync_dagster_tests.core.supplier.governor_load import (
+    run_accounts,
+    run_load,
+    simulator,
+)
 
 
 def main() -> int:
@@ -70,22 +44,26 @@ def main() -> int:
     print(
         f"{'mode':18} {'rate/limit':>10} {'learnt/limit':>12} {'429 share':>9} {'accepted/limit':>14}"
     )
-    modes: list[tuple[str, tuple[str, ...]]] = [
-        ("undisclosed_limit", ("undisclosed_limit",)),
-        ("headers", ()),
-        ("limit_swing", ("undisclosed_limit", "limit_swing")),
-        ("shared_limit", ("undisclosed_limit", "shared_limit")),
+    modes: list[tuple[str, tuple[str, ...], float]] = [
+        ("undisclosed_limit", ("undisclosed_limit",), 1.0),
+        ("headers", (), 1.0),
+        ("limit_swing", ("undisclosed_limit", "limit_swing"), 1.0),
+        ("shared_limit", ("undisclosed_limit", "shared_limit"), 0.5),
+        ("two_accounts", ("undisclosed_limit",), 1.0),
     ]
-    for name, sim_modes in modes:
+    for name, sim_modes, left in modes:
         with simulator(limit, *sim_modes) as url:
-            if name == "shared_limit":
-                load = _two_accounts(url, seconds, start, args.redis_url)
+            if name == "two_accounts":
+                load = run_accounts(
+                    url, accounts=2, seconds=seconds, start_rate=start, redis_url=args.redis_url
+                )
             else:
-                load = run_load(url, seconds=seconds, start_rate=start, threads=4)
+                load = run_load(url, seconds=seconds, start_rate=start * left, threads=4)
+        true = limit * left
         accepted = (load.requests - load.throttled) / seconds
         print(
-            f"{name:18} {load.rate / limit:10.2f} {load.ceiling / limit:12.2f} "
-            f"{load.share_429:9.2%} {accepted / limit:14.2f}",
+            f"{name:18} {load.rate / true:10.2f} {load.ceiling / true:12.2f} "
+            f"{load.share_429:9.2%} {accepted / true:14.2f}",
             flush=True,
         )
     return 0

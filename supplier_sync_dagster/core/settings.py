@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -59,6 +59,10 @@ S = TypeVar("S", bound=BaseSettings)
 # One read API key: printable ASCII without spaces or commas (the list's separator), long
 # enough that guessing is hopeless.
 API_KEY_PATTERN = re.compile(r"[!-+\--~]{16,256}")
+
+
+PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A finite number of requests/s above zero."""
 
 
 class StorageSettings(BaseSettings):
@@ -257,10 +261,8 @@ class Settings(ClaimLockSettings, StorageSettings):
         "set, follows the X-RateLimit-* headers, backs off on 429 and probes upward, for "
         "every process of the account together); unset: fixed",
     )
-    rate_max: float | None = Field(
+    rate_max: PositiveRate | None = Field(
         default=None,
-        gt=0,
-        allow_inf_nan=False,
         description="requests/s an adaptive rate never probes past; unset: ten times the "
         "starting rate",
     )

@@ -275,6 +275,8 @@ class Simulator:
         self._limiter = RateLimiter(self.config.rate_limit_rps, self.config.rate_limit_burst)
         self._swing_lock = threading.Lock()
         self._swing_start: float | None = None
+        self._other_since: float | None = None
+        self._other_owed = 0.0
         self._rng = random.Random(data.stable_hash(self.config.seed, "faults"))
         self._rng_lock = threading.Lock()
         self._cursor_key = hashlib.sha256(f"{self.config.seed}:cursor".encode()).digest()
@@ -650,7 +652,23 @@ class Simulator:
                     now - self._swing_start
                 ) / self.config.faults.mode_scale.limit_swing_seconds
             self._limiter.scale(0.5 if 1 <= phase < 2 else 1.0)
-        return self._limiter.acquire("" if "shared_limit" in names else key)
+        if "shared_limit" in names:
+            self._other_account(key)
+        return self._limiter.acquire(key)
+
+    def _other_account(self, key: str) -> None:
+        """Spend what another account on ``key`` sent since the last request: half the limit."""
+        rate = self.config.rate_limit_rps
+        if rate is None:
+            return
+        now = time.monotonic()
+        with self._swing_lock:
+            start = self._other_since if self._other_since is not None else now
+            owed = self._other_owed + (now - start) * rate / 2
+            self._other_since = now
+            self._other_owed = owed - math.floor(owed)
+        for _ in range(math.floor(owed)):
+            self._limiter.acquire(key)
 
     def _finish(
         self, resp: SimResponse, decision: Decision, req_headers: Mapping[str, str]

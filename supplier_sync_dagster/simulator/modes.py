@@ -29,7 +29,7 @@ when empty; then the change feed too):
                     and its 429s carry no ``Retry-After``
 ``limit_swing``     the rate limit halves ``limit_swing_seconds`` after the first limited
                     request, and doubles back as long again later (the supplier's day)
-``shared_limit``    every API key spends one bucket: accounts on one contract, one limit
+``shared_limit``    another account on the same API key, unseen, spends half the limit
 ==================  ==========================================================================
 
 The ground truth (``Simulator.ground_truth``) follows the modes: a ``bad_bytes`` hotel is bad

@@ -215,6 +215,10 @@ def test_read_when_asked(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_REDIS_URL", "http://user:pw@redis:6379"),
         ("SUPPLIER_SYNC_SEARCH_URL", "mysql://user:pw@db/search"),
         ("SUPPLIER_SYNC_AMQP_URL", "http://user:pw@mq:5672"),
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "learning"),
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "Adaptive "),
+        ("SUPPLIER_SYNC_RATE_MAX", "0"),
+        ("SUPPLIER_SYNC_RATE_MAX", "inf"),
     ],
 )
 def test_a_bad_value_is_one_clear_error_naming_the_variable(
@@ -225,7 +229,8 @@ def test_a_bad_value_is_one_clear_error_naming_the_variable(
         load_settings()
     message = str(info.value)
     assert message.startswith(f"{name}: ") and "\n" not in message
-    assert "://" in message  # says what is expected
+    if name.endswith("_URL"):
+        assert "://" in message  # says what is expected
     assert "pw@" not in message  # and does not echo a value that may hold a password
 
 
@@ -263,20 +268,3 @@ def test_the_rate_governor_is_fixed_unless_told(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SUPPLIER_SYNC_RATE_GOVERNOR", "adaptive")
     monkeypatch.setenv("SUPPLIER_SYNC_RATE_MAX", "400")
     assert (load_settings().rate_governor, load_settings().rate_max) == ("adaptive", 400.0)
-
-
-@pytest.mark.parametrize(
-    ("name", "bad"),
-    [
-        ("SUPPLIER_SYNC_RATE_GOVERNOR", "learning"),
-        ("SUPPLIER_SYNC_RATE_GOVERNOR", "Adaptive "),
-        ("SUPPLIER_SYNC_RATE_MAX", "0"),
-        ("SUPPLIER_SYNC_RATE_MAX", "inf"),
-    ],
-)
-def test_a_mistyped_rate_governor_setting_is_one_line_naming_it(
-    monkeypatch: pytest.MonkeyPatch, name: str, bad: str
-):
-    monkeypatch.setenv(name, bad)
-    message = str(pytest.raises(ConfigError, load_settings).value)
-    assert message.startswith(f"{name}: ") and "\n" not in message

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -48,16 +48,10 @@ from supplier_sync_dagster.core.supplier.models import RateLimitInfo
 if TYPE_CHECKING:
     import redis
 
-#: Requests/s an adaptive budget starts from when no rate is configured.
 CONSERVATIVE_START_RATE = 10.0
-#: Seconds an unused budget's state stays in Redis.
+"""Requests/s an adaptive budget starts from when no rate is configured."""
 STATE_TTL_SECONDS = 30 * 24 * 3600
-#: Seconds between a process's reports of its accepted requests (a 429 reports at once).
-FLUSH_SECONDS = 0.1
-#: Seconds between writes of the in-process state file.
-SAVE_SECONDS = 2.0
-#: Length of the window over which the accepted rate is measured.
-WINDOW_SECONDS = 1.0
+"""Seconds an unused budget's state stays in Redis."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,29 +60,29 @@ class GovernorConfig:
 
     Attributes:
         start_rate: Requests/s at first use (the configured rate).
-        min_rate: The rate never goes below this.
-        max_rate: The rate never probes above this.
+        min_rate: The rate never goes below this (requests/s).
+        max_rate: The rate never probes above this (requests/s).
         decrease: Share of the estimated limit kept after a 429.
         cooldown: Seconds after a decrease before the rate rises again.
         slow_start: Growth per second, a share of the rate, before any limit is known.
         recover: Climb per second back towards the limit, a share of it.
         recover_to: Share of the estimated limit the climb goes back to.
-        plateau: Seconds the rate stays at ``recover_to`` before it probes past it.
         probe: Growth of the step per second past ``recover_to``, a share of the limit.
+        plateau: Seconds the rate stays at ``recover_to`` before it probes past it.
         low_remaining: Share of ``X-RateLimit-Limit`` left at which the rate decreases.
     """
 
     start_rate: float
-    min_rate: float = 0.5
-    max_rate: float = 1000.0
-    decrease: float = 0.85
-    cooldown: float = 1.0
-    slow_start: float = 0.25
-    recover: float = 0.1
-    recover_to: float = 0.95
-    probe: float = 0.02
-    plateau: float = 4.0
-    low_remaining: float = 0.1
+    min_rate: float = field(default=0.5)
+    max_rate: float = field(default=1000.0)
+    decrease: float = field(default=0.85)
+    cooldown: float = field(default=1.0)
+    slow_start: float = field(default=0.25)
+    recover: float = field(default=0.1)
+    recover_to: float = field(default=0.95)
+    probe: float = field(default=0.02)
+    plateau: float = field(default=4.0)
+    low_remaining: float = field(default=0.1)
 
     def __post_init__(self) -> None:
         if not (self.plateau >= 0 and math.isfinite(self.plateau)):
@@ -127,6 +121,10 @@ class GovernorSnapshot:
     waited: float
 
 
+WINDOW_SECONDS = 1.0
+"""Length of the window over which the accepted rate is measured."""
+
+
 @dataclass(slots=True)
 class GovernorState:
     """The state of one budget; every time is on the clock of whoever holds it.
@@ -146,6 +144,7 @@ class GovernorState:
         accepted: Other answers, total.
         waited: Seconds waited for tokens, total.
         tat: When the next token is due (the GCRA's theoretical arrival time).
+        cut_at: When the rate was last cut (-inf: never).
     """
 
     rate: float
@@ -161,6 +160,7 @@ class GovernorState:
     accepted: float = 0.0
     waited: float = 0.0
     tat: float = 0.0
+    cut_at: float = -math.inf
 
     @classmethod
     def fresh(cls, config: GovernorConfig, now: float) -> GovernorState:
@@ -253,6 +253,7 @@ class GovernorState:
         self.rate = max(config.min_rate, config.decrease * self.ceiling)
         # Tokens reserved before the cut are sent at the old pace: their 429s are not news.
         self.decreased = max(now, self.tat)
+        self.cut_at = now
         self.probe_from = 0.0
 
     def throttled_at(
@@ -324,6 +325,15 @@ class GovernedLimiter(Protocol):
         ...
 
 
+SAVE_SECONDS = 2.0
+"""Seconds between writes of the in-process state file."""
+
+
+RETAKES = 3
+"""Tokens a caller takes at most: one reserved before a cut goes out at the old pace, so
+a caller whose token came due after a cut takes another at the new pace."""
+
+
 class InProcessGovernedBucket:
     """An adaptive budget of one process and the workers forked from it, saved to a file."""
 
@@ -375,11 +385,19 @@ class InProcessGovernedBucket:
         return result or 0.0
 
     def acquire(self) -> float:
-        """Take a token, waiting until it is due; returns seconds waited."""
-        wait = self._change(lambda s, now: s.take(now, reserve=True))
-        if wait > 0:
-            self._sleep(wait)
-        return wait
+        """Take a token, waiting until it is due (again, when the rate was cut meanwhile);
+        returns seconds waited."""
+        waited = 0.0
+        for _ in range(RETAKES):
+            reserved = self._clock()
+            wait = self._change(lambda s, now: s.take(now, reserve=True))
+            if wait > 0:
+                self._sleep(wait)
+            waited += wait
+            with self._lock:
+                if GovernorState.from_list(list(self._state)).cut_at <= reserved:
+                    break
+        return waited
 
     def try_acquire(self) -> float:
         """Take a token if one is due now; else the seconds until one is."""
@@ -451,6 +469,28 @@ return string.format('%.17g', wait)
 _FIELDS = [f.name for f in dataclasses.fields(GovernorState)]
 
 
+def run_wait_script(script: Callable[..., object], key: str, args: list[float | int]) -> float:
+    """Run a bucket's Lua script on ``key``; its answer is the seconds to wait (>= 0).
+
+    Raises:
+        RateLimiterUnavailable: Redis could not be reached or refused the script.
+    """
+    import redis
+
+    try:
+        result = script(keys=[key], args=args)
+    except redis.RedisError as err:
+        raise RateLimiterUnavailable(
+            f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
+        ) from err
+    text = result.decode() if isinstance(result, bytes) else str(result)
+    return max(0.0, float(text))
+
+
+FLUSH_SECONDS = 0.1
+"""Seconds between a process's reports of its accepted requests (a 429 reports at once)."""
+
+
 class RedisGovernedBucket:
     """An adaptive budget shared by every process that uses the same Redis key."""
 
@@ -487,26 +527,30 @@ class RedisGovernedBucket:
         return f"RedisGovernedBucket(key={self.key!r}, start_rate={self.config.start_rate})"
 
     def _take(self, *, reserve: bool) -> float:
-        import redis
-
-        try:
-            result = self._script(
-                keys=[self.key],
-                args=[self.config.start_rate, int(reserve), STATE_TTL_SECONDS],
-            )
-        except redis.RedisError as err:
-            raise RateLimiterUnavailable(
-                f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
-            ) from err
-        text = result.decode() if isinstance(result, bytes) else str(result)
-        return max(0.0, float(text))
+        args = [self.config.start_rate, int(reserve), STATE_TTL_SECONDS]
+        return run_wait_script(self._script, self.key, args)
 
     def acquire(self) -> float:
-        """Take a token of the shared budget, waiting until it is due; seconds waited."""
-        wait = self._take(reserve=True)
-        if wait > 0:
-            self._sleep(wait)
-        return wait
+        """Take a token of the shared budget, waiting until it is due (again, when the rate
+        was cut meanwhile); seconds waited."""
+        import redis
+
+        waited = 0.0
+        for _ in range(RETAKES):
+            wait = self._take(reserve=True)
+            if wait > 0:
+                self._sleep(wait)
+            waited += wait
+            try:
+                with self._redis.pipeline(transaction=False) as pipe:
+                    cut_at, (seconds, micros) = pipe.hget(self.key, "cut_at").time().execute()
+            except redis.RedisError as err:
+                raise RateLimiterUnavailable(
+                    f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
+                ) from err
+            if cut_at is None or float(cut_at) <= seconds + micros / 1e6 - wait:
+                break
+        return waited
 
     def try_acquire(self) -> float:
         """Take a token if one is due now; else the seconds until one is."""

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack, runt
 
 from supplier_sync_dagster.core.errors import (
     ConfigError,
-    RateLimiterUnavailable,
     RateShareExhausted,
 )
 from supplier_sync_dagster.core.supplier.governor import (
     GovernorConfig,
     InProcessGovernedBucket,
     RedisGovernedBucket,
+    run_wait_script,
     state_file_name,
 )
 
@@ -267,18 +267,8 @@ class RedisTokenBucket:
         return self._take(reserve=False)
 
     def _take(self, *, reserve: bool) -> float:
-        import redis
-
-        try:
-            result = self._script(
-                keys=[self.key], args=[self.rate, self.burst, self._ttl_ms, int(reserve)]
-            )
-        except redis.RedisError as err:
-            raise RateLimiterUnavailable(
-                f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
-            ) from err
-        text = result.decode() if isinstance(result, bytes) else str(result)
-        return max(0.0, float(text))
+        args = [self.rate, self.burst, self._ttl_ms, int(reserve)]
+        return run_wait_script(self._script, self.key, args)
 
     def acquire(self) -> float:
         """Take a token of the shared bucket, waiting until it is due.

@@ -71,9 +71,8 @@ def governor(start_rate: float) -> GovernorConfig:
     return GovernorConfig(start_rate=start_rate, min_rate=0.5, max_rate=10 * start_rate)
 
 
-def _fetch(
-    url: str, budget: str, redis_url: str | None, start_rate: float, threads: int, seconds: float
-) -> tuple[int, int, GovernedLimiter]:
+def budget_limiter(budget: str, redis_url: str | None, start_rate: float) -> GovernedLimiter:
+    """The adaptive limiter of ``budget`` (in Redis when ``redis_url``, else in process)."""
     limiter = make_rate_limiter(
         redis_url=redis_url,
         supplier_id=budget,
@@ -82,6 +81,13 @@ def _fetch(
         governor=governor(start_rate),
     )
     assert isinstance(limiter, GovernedLimiter)
+    return limiter
+
+
+def _fetch(
+    url: str, budget: str, redis_url: str | None, start_rate: float, threads: int, seconds: float
+) -> tuple[int, int, GovernedLimiter]:
+    limiter = budget_limiter(budget, redis_url, start_rate)
     with supplier_http_client(url) as http:
         client = SupplierClient(
             http,
@@ -159,13 +165,40 @@ def run_load(
     counts = [pipe.recv() for pipe in pipes]
     for proc in procs:
         proc.join(timeout=30)
-    shared = make_rate_limiter(
-        redis_url=redis_url,
-        supplier_id=budget,
-        api_key=SIM_KEY,
-        rate=start_rate,
-        governor=governor(start_rate),
-    )
-    assert isinstance(shared, GovernedLimiter)
-    snap = shared.snapshot()
+    snap = budget_limiter(budget, redis_url, start_rate).snapshot()
     return Load(sum(c[0] for c in counts), sum(c[1] for c in counts), snap.rate, snap.ceiling)
+
+
+def run_accounts(
+    url: str, *, accounts: int, seconds: float, start_rate: float, redis_url: str
+) -> Load:
+    """``accounts`` accounts (two processes each, two threads in each) fetch at once through
+    one budget in Redis, as accounts configured on one supplier key do; their loads summed."""
+    budget = f"budget/{uuid.uuid4().hex}"
+    loads: list[Load] = []
+
+    def account() -> None:
+        loads.append(
+            run_load(
+                url,
+                seconds=seconds,
+                start_rate=start_rate,
+                threads=2,
+                processes=2,
+                redis_url=redis_url,
+                budget=budget,
+            )
+        )
+
+    threads = [threading.Thread(target=account) for _ in range(accounts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == accounts
+    return Load(
+        requests=sum(x.requests for x in loads),
+        throttled=sum(x.throttled for x in loads),
+        rate=loads[-1].rate,
+        ceiling=loads[-1].ceiling,
+    )

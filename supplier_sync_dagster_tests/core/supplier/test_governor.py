@@ -181,6 +181,8 @@ def drive(
     state = GovernorState.fresh(CONFIG, 0.0)
     events: list[tuple[float, int, str]] = [(0.0, n, "free") for n in range(workers)]
     answers: dict[int, tuple[bool, RateLimitInfo | None, float | None]] = {}
+    reserved = [0.0] * workers
+    retakes = [0] * workers
     accepted = throttled = 0
     while events:
         now, n, kind = heapq.heappop(events)
@@ -192,8 +194,13 @@ def drive(
             if supplier.rate != limit * factor:
                 supplier.set_rate(limit * factor, limit * factor)
         if kind == "free":
+            reserved[n] = now
             heapq.heappush(events, (now + state.take(now, reserve=True), n, "send"))
+        elif kind == "send" and state.cut_at > reserved[n] and retakes[n] < 2:
+            retakes[n] += 1  # the rate was cut while it waited: a token at the new pace
+            heapq.heappush(events, (now, n, "free"))
         elif kind == "send":
+            retakes[n] = 0
             d = supplier.acquire()
             info = RateLimitInfo(d.limit, d.remaining, d.reset_seconds) if disclosed else None
             answers[n] = (d.allowed, info, float(d.retry_after) if disclosed else None)
@@ -224,10 +231,11 @@ def test_it_converges_near_the_limit_with_few_429s(limit: float, disclosed: bool
 @pytest.mark.parametrize("limit", [40.0, 80.0])
 def test_a_limit_that_halves_then_doubles_is_followed(limit: float) -> None:
     halved = drive(limit, seconds=35.0, disclosed=False, swing=20.0)
-    assert halved.state.ceiling <= 0.65 * limit  # it learnt the halved limit
+    # It learnt the halved limit (its estimate a little above: the supplier's burst)...
+    assert halved.state.ceiling <= 0.7 * limit and halved.state.rate <= 0.6 * limit
     back = drive(limit, seconds=60.0, disclosed=False, swing=20.0)
     assert back.state.rate >= 0.9 * limit  # and found the doubled one again
-    assert back.share_429 < 0.02
+    assert back.share_429 < 0.01
 
 
 # --- the in-process bucket ---------------------------------------------------------------

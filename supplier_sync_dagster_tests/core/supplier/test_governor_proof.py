@@ -6,15 +6,17 @@ supplier key share one budget."""
 
 from __future__ import annotations
 
-import threading
-import uuid
-
 import pytest
 
-from supplier_sync_dagster_tests.core.supplier.governor_load import Load, run_load, simulator
+from supplier_sync_dagster_tests.core.supplier.governor_load import (
+    Load,
+    run_accounts,
+    run_load,
+    simulator,
+)
 
-LIMIT = 80.0
-SECONDS = 20.0
+LIMIT = 50.0
+SECONDS = 24.0
 
 
 def assert_converged(load: Load, limit: float = LIMIT) -> None:
@@ -39,38 +41,13 @@ def test_four_processes_sharing_redis_learn_an_undisclosed_limit(redis_url: str)
 
 
 def test_two_accounts_on_one_key_share_one_budget(redis_url: str) -> None:
-    """Two accounts' processes (two each) pace on the one budget their configuration names,
-    against a limit the supplier keeps for the key: together they learn it, not twice it."""
-    budget = f"1001/budget/{uuid.uuid4().hex}"
-    loads: list[Load] = []
-    with simulator(LIMIT, "undisclosed_limit", "shared_limit") as url:
-
-        def account() -> None:
-            loads.append(
-                run_load(
-                    url,
-                    seconds=SECONDS,
-                    start_rate=LIMIT / 2,
-                    threads=2,
-                    processes=2,
-                    redis_url=redis_url,
-                    budget=budget,
-                )
-            )
-
-        accounts = [threading.Thread(target=account) for _ in range(2)]
-        for a in accounts:
-            a.start()
-        for a in accounts:
-            a.join()
-    assert len(loads) == 2
-    both = Load(
-        requests=sum(x.requests for x in loads),
-        throttled=sum(x.throttled for x in loads),
-        rate=loads[-1].rate,
-        ceiling=loads[-1].ceiling,
-    )
-    assert_converged(both)
+    """Two accounts' processes pace on the one budget their configuration names, against a
+    limit the supplier keeps for the key: together they learn it, not twice it."""
+    with simulator(LIMIT, "undisclosed_limit") as url:
+        load = run_accounts(
+            url, accounts=2, seconds=SECONDS, start_rate=LIMIT / 2, redis_url=redis_url
+        )
+    assert_converged(load)
 
 
 @pytest.mark.parametrize("limit", [60.0])
