@@ -25,7 +25,15 @@ from supplier_sync_dagster.core.supplier.governor import (
     load_state_file,
 )
 from supplier_sync_dagster.simulator.ratelimit import TokenBucket
-from supplier_sync_dagster_tests.core.supplier.fakes import API_KEY, FakeClock
+from supplier_sync_dagster_tests.core.supplier.fakes import (
+    API_KEY,
+    CITIES,
+    FakeClock,
+    Script,
+    error_response,
+    json_response,
+    make_client,
+)
 
 CONFIG = GovernorConfig(start_rate=20.0, max_rate=1000.0)
 
@@ -333,3 +341,37 @@ def test_redis_down_is_a_clear_error_and_nothing_is_sent() -> None:
         bucket.acquire()
     with pytest.raises(RateLimiterUnavailable):
         bucket.throttled(1.0)
+
+
+# --- the supplier client teaches its limiter ---------------------------------------------
+
+
+def test_the_client_teaches_its_limiter_429s_with_retry_after_zero_and_headers() -> None:
+    clock = FakeClock()
+    limiter = InProcessGovernedBucket(CONFIG, monotonic=clock.monotonic, sleep=clock.sleep)
+    script = Script(
+        error_response(429, "RATE_LIMITED", headers={"Retry-After": "0"}),
+        json_response(200, CITIES, {"X-RateLimit-Limit": "30", "X-RateLimit-Remaining": "2"}),
+    )
+    client, _ = make_client(script, clock=clock, rate_limiter=limiter)
+    assert client.list_cities().data.total == 1
+    learnt = limiter.snapshot()
+    assert (learnt.throttled, learnt.accepted) == (1, 1)
+    assert learnt.rate < CONFIG.start_rate  # cut, though Retry-After asked for no wait
+    assert sum(clock.sleeps) < 0.2  # no hold: the next token at the new pace only
+
+
+def test_an_unreachable_limiter_does_not_lose_the_answer() -> None:
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+
+    class Taught(RedisGovernedBucket):
+        def acquire(self) -> float:  # the token came before Redis went away
+            return 0.0
+
+    clock = FakeClock()
+    limiter = Taught(dead, "gone", CONFIG, monotonic=clock.monotonic)
+    clock.advance(1.0)  # its answers are due to be reported
+    supplier, _ = make_client(Script(json_response(200, CITIES)), rate_limiter=limiter)
+    assert supplier.list_cities().data.total == 1
