@@ -14,6 +14,10 @@ machine) still gets its token, so the supplier's rate is not lost to late wake-u
 The bucket key holds the supplier id and a SHA-256 of the API key: the key itself never
 reaches Redis.
 
+Both pace at a fixed rate. Their adaptive kinds, which learn the supplier's limit from its
+429s and ``X-RateLimit-*`` headers, are in :mod:`~supplier_sync_dagster.core.supplier.governor`;
+:func:`make_rate_limiter` builds one when given a ``governor``.
+
 A caller that must never starve the syncs (the read API's offer confirmations) paces on a
 share of its own (:func:`make_share_limiter`): a second bucket of the same supplier key, under
 another Redis key, that refuses at once (:class:`RateShareExhausted`) instead of queueing.
