@@ -37,7 +37,7 @@ def simulator(limit: float, *modes: str) -> Iterator[str]:
     proc = cli_process(*argv, env=dict(os.environ))
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/_sim/stats", proc)
+        wait_for_http(f"{url}/_sim/stats", proc, timeout=180.0)
         yield url
     finally:
         proc.terminate()
