@@ -27,10 +27,12 @@ SIM_KEY = "governor-proof-key"
 
 
 @contextmanager
-def simulator(limit: float, *modes: str) -> Iterator[str]:
-    """The simulator at ``limit`` requests/s with ``modes`` on, as a process; yields its URL."""
+def simulator(limit: float, *modes: str, cities: int = 4, hotels: int = 200) -> Iterator[str]:
+    """The simulator (seed 42) at ``limit`` requests/s with ``modes`` on, as a process; yields
+    its URL."""
     port = free_port()
-    argv = ["simulate", "--port", str(port), "--cities", "4", "--hotels", "200"]
+    argv = ["simulate", "--port", str(port), "--seed", "42"]
+    argv += ["--cities", str(cities), "--hotels", str(hotels)]
     argv += ["--api-key", SIM_KEY, "--rate-limit", str(limit)]
     for mode in modes:
         argv += ["--mode", mode]
