@@ -82,6 +82,8 @@ def test_an_adaptive_sync_full_learns_an_undisclosed_limit_and_ends_at_the_truth
     )
     ceiling = _learnt_ceiling(tmp_path)
     assert ceiling >= 0.9 * LIMIT and stats.governed_rate >= 0.9 * LIMIT, (ceiling, stats, seen)
+    # The last cities alone do not use the rate: it holds instead of climbing past the limit.
+    assert stats.governed_rate <= 1.3 * LIMIT, (ceiling, stats, seen)
 
     cities = _raw_metadata()
     assert len(cities) == CITIES
@@ -140,4 +142,4 @@ def test_two_accounts_on_one_key_sync_at_once_on_one_redis_budget_and_learn_its_
     st = schema.run_stats.c
     rates = [rate for (rate,) in query(db_url, sa.select(st.governed_rate))]
     assert ceiling >= 0.9 * LIMIT and len(rates) == 2, (ceiling, rates, seen)
-    assert all(rate >= 0.9 * LIMIT for rate in rates), rates
+    assert all(0.9 * LIMIT <= rate <= 1.3 * LIMIT for rate in rates), rates

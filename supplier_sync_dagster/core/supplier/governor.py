@@ -24,6 +24,11 @@ How the rate moves:
   second; then it climbs back to ``recover_to`` of the ceiling at ``recover`` of the ceiling per
   second, and probes past it additively, each second's step ``probe`` of the ceiling larger
   than the last (so a limit raised mid-run is found in seconds, not minutes).
+* **Unused budget**: the rate grows (slow start, recovery and probe alike) only while it is
+  used: the answers accepted over the last window, all processes together, at least ``busy``
+  of the lesser of the rate now and the rate when that window began. Otherwise it holds
+  (RFC 7661's application-limited rule): a rate nobody sends at says nothing of the limit,
+  and demand that returns would meet it with a burst of 429s.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class GovernorConfig:
         probe: Growth of the step per second past ``recover_to``, a share of the limit.
         plateau: Seconds the rate stays at ``recover_to`` before it probes past it.
         low_remaining: Share of ``X-RateLimit-Limit`` left at which the rate decreases.
+        busy: Share of the rate the accepted answers must reach for the rate to grow.
     """
 
     start_rate: float
@@ -83,6 +89,7 @@ class GovernorConfig:
     probe: float = field(default=0.02)
     plateau: float = field(default=4.0)
     low_remaining: float = field(default=0.1)
+    busy: float = field(default=0.9)
 
     def __post_init__(self) -> None:
         if not (self.plateau >= 0 and math.isfinite(self.plateau)):
@@ -91,7 +98,15 @@ class GovernorConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"governor {name} must be a finite number > 0, got {value}")
-        for name in ("decrease", "slow_start", "recover", "recover_to", "probe", "low_remaining"):
+        for name in (
+            "decrease",
+            "slow_start",
+            "recover",
+            "recover_to",
+            "probe",
+            "low_remaining",
+            "busy",
+        ):
             value = getattr(self, name)
             if not 0 < value < 1:
                 raise ConfigError(f"governor {name} must be within (0, 1), got {value}")
@@ -145,6 +160,8 @@ class GovernorState:
         waited: Seconds waited for tokens, total.
         tat: When the next token is due (the GCRA's theoretical arrival time).
         cut_at: When the rate was last cut (-inf: never).
+        window_rate: The rate when the current window began.
+        prev_rate: The rate when the window before began.
     """
 
     rate: float
@@ -161,11 +178,16 @@ class GovernorState:
     waited: float = 0.0
     tat: float = 0.0
     cut_at: float = -math.inf
+    window_rate: float = 0.0
+    prev_rate: float = 0.0
 
     @classmethod
     def fresh(cls, config: GovernorConfig, now: float) -> GovernorState:
         """The state at first use."""
-        return cls(rate=config.start_rate, updated=now, window_start=now, tat=now)
+        rate = config.start_rate
+        return cls(
+            rate=rate, updated=now, window_start=now, tat=now, window_rate=rate, prev_rate=rate
+        )
 
     def to_list(self) -> list[float]:
         """The fields in order (for shared memory and Redis)."""
@@ -191,6 +213,11 @@ class GovernorState:
         start = max(self.updated, self.decreased + config.cooldown, self.hold_until)
         self.updated = max(self.updated, now)
         if now <= start:
+            return
+        if not self.in_use(config, now):
+            # The probe's clock stops with the growth: it resumes where it was.
+            if self.probe_from > 0:
+                self.probe_from += now - start
             return
         dt = now - start
         if self.ceiling <= 0:
@@ -229,12 +256,22 @@ class GovernorState:
         span = now - self.window_start + (WINDOW_SECONDS if self.prev_ok else 0.0)
         return (self.window_ok + self.prev_ok) / span if span >= WINDOW_SECONDS / 2 else None
 
+    def in_use(self, config: GovernorConfig, now: float) -> bool:
+        """Whether the accepted answers of the last window used ``busy`` of the rate (of the
+        lesser of it now and at the window's start: a rate that grows or was cut within the
+        window is not held against its users)."""
+        accepted = self.accepted_rate(now)
+        paced = min(self.rate, self.prev_rate if self.prev_ok else self.window_rate)
+        return accepted is not None and accepted >= config.busy * paced
+
     def _roll(self, now: float) -> None:
         if now - self.window_start >= WINDOW_SECONDS:
             recent = now - self.window_start < 2 * WINDOW_SECONDS
             self.prev_ok = self.window_ok if recent else 0.0
+            self.prev_rate = self.window_rate
             self.window_ok = 0.0
             self.window_start = now
+            self.window_rate = self.rate
 
     def decrease(
         self, config: GovernorConfig, now: float, hold: float | None, *, sent: float

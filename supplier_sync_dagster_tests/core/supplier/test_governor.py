@@ -42,14 +42,32 @@ def fresh(config: GovernorConfig = CONFIG) -> GovernorState:
     return GovernorState.fresh(config, 0.0)
 
 
+def used(s: GovernorState, now: float) -> GovernorState:
+    """``s`` with its rate fully used over the half window before ``now``."""
+    s.window_start, s.window_ok, s.prev_ok, s.window_rate = now - 0.5, s.rate / 2, 0.0, s.rate
+    return s
+
+
+def demand(
+    s: GovernorState, config: GovernorConfig, share: float, start: float, end: float
+) -> None:
+    """Answers at ``share`` of the rate from ``start`` to ``end``, a batch every 0.1 s."""
+    owed, t = 0.0, start
+    while t < end:
+        t += 0.1
+        owed += share * s.rate * 0.1
+        n, owed = int(owed), owed - int(owed)
+        s.answered(config, t, n, None)
+
+
 # --- arithmetic --------------------------------------------------------------------------
 
 
 def test_slow_start_grows_by_its_share_per_second_until_a_limit_is_known() -> None:
     s = fresh()
-    s.advance(CONFIG, 4.0)
+    used(s, 4.0).advance(CONFIG, 4.0)
     assert s.rate == pytest.approx(20.0 * math.exp(0.25 * 4))
-    s.advance(CONFIG, 100.0)
+    used(s, 100.0).advance(CONFIG, 100.0)
     assert s.rate == CONFIG.max_rate
 
 
@@ -111,7 +129,7 @@ def test_headers_low_remaining_cut_once_per_cooldown_and_zero_holds_for_reset() 
 def test_plenty_remaining_or_no_headers_probe_upward() -> None:
     s = fresh()
     s.answered(CONFIG, 1.0, 1, RateLimitInfo(limit=50, remaining=40, reset_seconds=1.0))
-    s.answered(CONFIG, 2.0, 1, None)
+    used(s, 2.0).answered(CONFIG, 2.0, 1, None)
     assert s.rate > CONFIG.start_rate
 
 
@@ -121,17 +139,28 @@ def test_after_a_cut_the_rate_recovers_plateaus_then_probes_past_the_limit() -> 
     s.updated = 10.0
     s.throttled_at(config, 10.0, None)  # no accepted rate measured: the estimate is the rate
     assert (s.ceiling, s.rate) == (50.0, pytest.approx(42.5))
-    s.advance(config, 10.5)  # cooldown: still cut
+    used(s, 10.5).advance(config, 10.5)  # cooldown: still cut
     assert s.rate == pytest.approx(42.5)
-    s.advance(config, 12.0)  # a second of recovery at 5/s: up to 0.95 * 50, no further
+    used(s, 12.0).advance(config, 12.0)  # a second of recovery at 5/s: up to 0.95 * 50, no further
     assert s.rate == pytest.approx(47.5)
-    s.advance(config, 13.9)  # the plateau
+    used(s, 13.9).advance(config, 13.9)  # the plateau
     assert s.rate == pytest.approx(47.5)
-    s.advance(config, 20.0)  # then probing: each second's step a step larger
+    used(s, 20.0).advance(config, 20.0)  # then probing: each second's step a step larger
     assert s.rate > 50.0
     step = config.probe * 50.0
     tau = 20.0 - 14.0
     assert s.rate == pytest.approx(47.5 + step * (tau + tau**2 / 2), rel=0.05)
+
+
+@pytest.mark.parametrize("ceiling", [0.0, 50.0], ids=["slow_start", "probing"])
+def test_a_budget_used_at_30_percent_for_a_minute_does_not_grow(ceiling: float) -> None:
+    s = fresh()
+    s.ceiling, s.rate = ceiling, ceiling or s.rate
+    before = s.rate
+    demand(s, CONFIG, 0.3, 0.0, 60.0)
+    assert s.rate == before
+    demand(s, CONFIG, 1.0, 60.0, 70.0)  # used in full again: it grows again
+    assert s.rate > before
 
 
 def test_the_rate_stays_between_min_and_max() -> None:
@@ -140,7 +169,7 @@ def test_the_rate_stays_between_min_and_max() -> None:
     for n in range(1, 20):
         s.throttled_at(config, float(n), None)
     assert s.rate == 1.0
-    s.advance(config, 1000.0)
+    used(s, 1000.0).advance(config, 1000.0)
     assert s.rate == 4.0
 
 
@@ -180,10 +209,12 @@ def drive(
     swing: float | None = None,
     workers: int = 8,
     latency: float = 0.02,
+    quiet: tuple[float, float] | None = None,
 ) -> Run:
     """``workers`` callers paced by one governor against the simulator's token bucket (its
     capacity a second's worth), each request answered ``latency`` seconds after it is sent;
-    ``swing``: the limit halves then and doubles back twice as late."""
+    ``swing``: the limit halves then and doubles back twice as late; ``quiet``: within it the
+    callers ask for 30 % of the limit."""
     clock = [0.0]
     supplier = TokenBucket(limit, limit, clock=lambda: clock[0])
     state = GovernorState.fresh(CONFIG, 0.0)
@@ -201,7 +232,9 @@ def drive(
             factor = 0.5 if swing <= now < 2 * swing else 1.0
             if supplier.rate != limit * factor:
                 supplier.set_rate(limit * factor, limit * factor)
-        if kind == "free":
+        if kind == "free" and quiet is not None and quiet[0] <= now < quiet[1]:
+            heapq.heappush(events, (now + workers / (0.3 * limit), n, "ready"))
+        elif kind in ("free", "ready"):
             reserved[n] = now
             heapq.heappush(events, (now + state.take(now, reserve=True), n, "send"))
         elif kind == "send" and state.cut_at > reserved[n] and retakes[n] < 2:
@@ -243,6 +276,18 @@ def test_a_limit_that_halves_then_doubles_is_followed(limit: float) -> None:
     assert halved.state.ceiling <= 0.7 * limit and halved.state.rate <= 0.6 * limit
     back = drive(limit, seconds=60.0, disclosed=False, swing=20.0)
     assert back.state.rate >= 0.9 * limit  # and found the doubled one again
+    assert back.share_429 < 0.01
+
+
+@pytest.mark.parametrize("limit", [40.0, 80.0])
+def test_demand_that_returns_after_a_quiet_spell_meets_no_burst_of_429s(limit: float) -> None:
+    before = drive(limit, seconds=20.0, disclosed=False)
+    quiet = drive(limit, seconds=40.0, disclosed=False, quiet=(20.0, 40.0))
+    # Unused, the rate held where it was (a little growth while the last full window lasts).
+    assert quiet.state.rate <= max(1.05 * before.state.rate, 1.3 * limit)
+    assert quiet.state.rate <= 1.3 * limit
+    back = drive(limit, seconds=60.0, disclosed=False, quiet=(20.0, 40.0))
+    assert back.state.rate >= 0.9 * limit  # in full use again, it probes again
     assert back.share_429 < 0.01
 
 
