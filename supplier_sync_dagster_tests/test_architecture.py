@@ -35,6 +35,7 @@ DEFERRED_IMPORTS: dict[str, dict[str, float]] = {
     f"{PACKAGE}.core.store.db": {"pymysql": 0.008},
     f"{PACKAGE}.core.store.payloads": {"boto3": 0.03},
     f"{PACKAGE}.core.supplier.ratelimit": {"redis": 0.02},
+    f"{PACKAGE}.core.supplier.governor": {"redis": 0.02},
     f"{PACKAGE}.defs.resources": {"dagster_aws": 0.15, f"{PACKAGE}.simulator": 0.015},
 }
 

@@ -22,6 +22,7 @@ from supplier_sync_dagster.defs.resources import (
     SyncDatabaseResource,
     account_supplier,
     client_limits,
+    governor_fields,
     lease_fields,
     supplier_resource,
     walk_fields,
@@ -73,7 +74,7 @@ def configured_supplier(
         base_url=settings.supplier_url,
         api_key=settings.api_key(),
         redis_url=settings.redis_url,
-        **{**walk_fields(settings), **extra},
+        **{**walk_fields(settings), **governor_fields(settings, rate), **extra},
     )
 
 

@@ -125,6 +125,12 @@ class AccountConfig(_Strict):
     worker_processes: int | None = Field(
         default=None, ge=0, description="Processes that sync a run's cities (unset: automatic)."
     )
+    rate_budget: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        description="Accounts of the supplier with the same budget share one request budget "
+        "(accounts on one supplier key); unset: the account's own.",
+    )
     city_threads: int = Field(
         default=1,
         ge=1,
@@ -245,6 +251,8 @@ class Account:
         rate_limit_rps: Requests/s the account may send, all its workers together.
         page_size: Hotels per page.
         worker_processes: Processes that sync a run's cities; None: automatic.
+        rate_budget: The request budget it shares with its supplier's other accounts of the
+            same budget (one supplier key); None: its own.
         city_threads: Cities in flight in a run's process.
         schedules: When its jobs run.
         thresholds: Gate thresholds given in the file (the rest keep their defaults).
@@ -263,6 +271,7 @@ class Account:
     rate_limit_rps: float = 50.0
     page_size: int = 100
     worker_processes: int | None = None
+    rate_budget: str | None = None
     city_threads: int = 1
     schedules: Schedules = Schedules()
     thresholds: tuple[tuple[str, float], ...] = ()
@@ -333,6 +342,7 @@ def parse_accounts(data: Any, *, source: str = "suppliers file") -> list[Account
             rate_limit_rps=account.rate_limit_rps,
             page_size=account.page_size,
             worker_processes=account.worker_processes,
+            rate_budget=account.rate_budget,
             city_threads=account.city_threads,
             schedules=account.schedules,
             thresholds=tuple(sorted(_typed_thresholds(account.thresholds).items())),

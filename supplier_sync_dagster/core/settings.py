@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -60,6 +60,10 @@ S = TypeVar("S", bound=BaseSettings)
 # One read API key: printable ASCII without spaces or commas (the list's separator), long
 # enough that guessing is hopeless.
 API_KEY_PATTERN = re.compile(r"[!-+\--~]{16,256}")
+
+
+PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A finite number of requests/s above zero."""
 
 
 class StorageSettings(BaseSettings):
@@ -274,6 +278,18 @@ class Settings(HistorySettings, ClaimLockSettings, StorageSettings):
         description="check every page a walk fetches by number for a listing that shifted "
         "under it (a one-hotel request per page; off loses a hotel under drift: for tests "
         "only); unset: on",
+    )
+    rate_governor: Literal["fixed", "adaptive"] | None = Field(
+        default=None,
+        description="how the supplier request rate is set: fixed (the configured rate; 429s "
+        "are retried) or adaptive (starts from the configured rate, or 10/s when none is "
+        "set, follows the X-RateLimit-* headers, backs off on 429 and probes upward, for "
+        "every process of the account together); unset: fixed",
+    )
+    rate_max: PositiveRate | None = Field(
+        default=None,
+        description="requests/s an adaptive rate never probes past; unset: ten times the "
+        "starting rate",
     )
 
     lineage_url: str | None = Field(

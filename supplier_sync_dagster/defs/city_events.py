@@ -207,6 +207,19 @@ def latest_target(
     return check_target(record) if record is not None else None
 
 
+def request_budget_metadata(outcome: CityOutcome) -> dict[str, Any]:
+    """What the city's requests cost of the supplier's budget: 429s (and per minute), the
+    seconds waited for the rate limiter and, when it adapts, the rate it had learnt."""
+    minutes = outcome.seconds / 60
+    return {
+        "supplier_requests": outcome.requests,
+        "supplier_429": outcome.throttled,
+        "supplier_429_per_minute": round(outcome.throttled / minutes, 3) if minutes else 0.0,
+        "rate_limiter_wait_seconds": round(outcome.waited, 3),
+        **({"governed_rate": round(outcome.rate, 2)} if outcome.rate is not None else {}),
+    }
+
+
 def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict[str, Any]]:
     """Each asset's metadata for one city: its own counts, timings and batch."""
     r = outcome.report
@@ -239,6 +252,7 @@ def city_metadata(outcome: CityOutcome, batch_id: str) -> dict[dg.AssetKey, dict
             "fetch_seconds": round(r.seconds.get("fetch", 0.0), 3),
             "cpu_fetch_seconds": round(r.cpu_seconds.get("fetch", 0.0), 3),
             **walk,
+            **request_budget_metadata(outcome),
         },
         NORMALIZED: {
             **common,

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -46,6 +47,7 @@ from supplier_sync_dagster.core.supplier import (
     make_rate_limiter,
     supplier_http_client,
 )
+from supplier_sync_dagster.core.supplier.governor import CONSERVATIVE_START_RATE, GovernorConfig
 from supplier_sync_dagster.core.supplier.walk import (
     DEFAULT_MAX_PAGES,
     DEFAULT_PAGE_SLACK,
@@ -188,6 +190,25 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         default=50.0, description="Requests per second allowed by the supplier."
     )
     page_size: int = Field(default=100, description="Hotels per page (1-500).")
+    rate_governor: str = Field(
+        default="fixed",
+        description=(
+            f"fixed: rate_limit_rps; adaptive: starts there and learns the supplier's limit "
+            f"({env_name('rate_governor')})."
+        ),
+    )
+    rate_max: float | None = Field(
+        default=None,
+        description=f"The most an adaptive rate probes to ({env_name('rate_max')}); unset: 10x.",
+    )
+    rate_budget: str | None = Field(
+        default=None,
+        description="Accounts with the same budget share one request budget (one supplier key).",
+    )
+    rate_state_dir: str | None = Field(
+        default=None,
+        description="Where an adaptive in-process budget keeps its learnt rate between runs.",
+    )
     city_threads: int = Field(
         default=1,
         description=(
@@ -266,6 +287,25 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
     def _connection(self) -> tuple[httpx.Client, str]:
         """An HTTP client bound to the supplier, and the API key it accepts."""
 
+    def governor_config(self) -> GovernorConfig | None:
+        """How the adaptive rate moves; None for a fixed rate.
+
+        Raises:
+            ConfigError: ``rate_governor`` is neither fixed nor adaptive, or the rates clash.
+        """
+        if self.rate_governor == "fixed":
+            return None
+        if self.rate_governor != "adaptive":
+            raise ConfigError(
+                f"rate_governor must be fixed or adaptive, got {self.rate_governor!r}"
+            )
+        start = self.rate_limit_rps
+        return GovernorConfig(
+            start_rate=start,
+            min_rate=min(0.5, start),
+            max_rate=self.rate_max if self.rate_max is not None else 10 * start,
+        )
+
     @contextmanager
     def client(self, *, rate_limiter: RateLimiter | None = None) -> Iterator[SupplierClient]:
         """A supplier client for the duration of the block.
@@ -279,13 +319,17 @@ class SupplierResource(dg.ConfigurableResource, abc.ABC):
         # An account's bucket and breakers are its own: another account's 429s or outage
         # never slow it down.
         scope = f"{self.supplier_id}/{self.account}" if self.account else str(self.supplier_id)
+        budget = f"{self.supplier_id}/budget/{self.rate_budget}" if self.rate_budget else scope
         try:
             limiter = rate_limiter or make_rate_limiter(
                 redis_url=self.redis_url,
-                supplier_id=scope,
+                supplier_id=budget,
                 api_key=key,
                 rate=self.rate_limit_rps,
                 burst=1,
+                governor=self.governor_config(),
+                state_dir=Path(self.rate_state_dir) if self.rate_state_dir else None,
+                shared=self.rate_budget is not None,
             )
             yield SupplierClient(
                 http,
@@ -469,6 +513,24 @@ def _set(**fields: Any) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def governor_fields(settings: Settings, configured_rate: float | None) -> dict[str, Any]:
+    """The supplier resource's rate governor fields of the settings (every account's).
+
+    Args:
+        settings: The deployment's settings.
+        configured_rate: The account's configured rate; None: unset (an adaptive governor
+            then starts from a conservative rate).
+    """
+    if settings.rate_governor != "adaptive":
+        return {}
+    return _set(
+        rate_governor="adaptive",
+        rate_max=settings.rate_max,
+        rate_state_dir=str(settings.state_dir / "governor"),
+        rate_limit_rps=CONSERVATIVE_START_RATE if configured_rate is None else None,
+    )
+
+
 def walk_fields(settings: Settings) -> dict[str, Any]:
     """The supplier resource's walk fields that the settings set (every account's)."""
     return _set(
@@ -542,6 +604,7 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
                     worker_processes=settings.worker_processes,
                 ),
                 **walk_fields(settings),
+                **governor_fields(settings, settings.supplier_rate_limit),
                 **client_limits(settings),
                 **overrides,
             }
@@ -568,8 +631,9 @@ def account_supplier(settings: Settings, scope: AccountScope, **overrides: Any) 
         "rate_limit_rps": account.rate_limit_rps,
         "page_size": account.page_size,
         "city_threads": account.city_threads,
-        **_set(worker_processes=account.worker_processes),
+        **_set(worker_processes=account.worker_processes, rate_budget=account.rate_budget),
         **walk_fields(settings),
+        **governor_fields(settings, account.rate_limit_rps),
         **client_limits(settings, account),
         **simulated,
         **overrides,

@@ -129,6 +129,21 @@ GAUGES: dict[str, tuple[str, str, float]] = {
         "429 answers over requests, last 24 hours.",
         1.0,
     ),
+    "supplier_429_per_minute_24h": (
+        "supplier_sync_supplier_throttled_per_minute",
+        "429 answers per minute of syncing, last 24 hours.",
+        1.0,
+    ),
+    "supplier_limiter_wait_seconds_24h": (
+        "supplier_sync_supplier_limiter_wait_seconds",
+        "Seconds requests waited for the rate limiter, last 24 hours.",
+        1.0,
+    ),
+    "supplier_governed_rate": (
+        "supplier_sync_supplier_governed_rate",
+        "Requests/s the adaptive rate limiter had learnt by the newest run (-1: fixed rate).",
+        1.0,
+    ),
     "listing_drifted_cities_24h": (
         "supplier_sync_listing_drifted_cities",
         "Cities whose listing shifted under their walk (or could have, unchecked), last 24 hours.",

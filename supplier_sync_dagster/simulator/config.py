@@ -27,6 +27,9 @@ MODES: tuple[str, ...] = (
     "drift",
     "dropped_city",
     "withdrawn_hotel",
+    "undisclosed_limit",
+    "limit_swing",
+    "shared_limit",
 )
 """The named misbehaviours (``FaultProfile.modes``); ``simulator.modes`` says what each does."""
 
@@ -51,12 +54,15 @@ class ModeScale:
         huge_body_bytes: the size of a ``huge_body`` page.
         inflated_body_bytes: what an ``inflating_body`` page inflates to.
         drift_shifts: how many shifts ``drift`` makes in a city (one per page asked by number).
+        limit_swing_seconds: how long after its first limited request a ``limit_swing``
+            limit halves, and as long again until it doubles back.
     """
 
     slow_body_bytes_per_second: float = 1.0
     huge_body_bytes: int = 50_000_000
     inflated_body_bytes: int = 300_000_000
     drift_shifts: int = 12
+    limit_swing_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if self.slow_body_bytes_per_second <= 0:
@@ -65,6 +71,8 @@ class ModeScale:
             raise ValueError("ModeScale's sizes must be >= 1")
         if self.drift_shifts < 0:
             raise ValueError("ModeScale.drift_shifts must be >= 0")
+        if not self.limit_swing_seconds > 0:
+            raise ValueError("ModeScale.limit_swing_seconds must be > 0")
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,10 @@ class Simulator:
         self._clock_lock = threading.Lock()
         self._stats = SimStats()
         self._limiter = RateLimiter(self.config.rate_limit_rps, self.config.rate_limit_burst)
+        self._swing_lock = threading.Lock()
+        self._swing_start: float | None = None
+        self._other_since: float | None = None
+        self._other_owed = 0.0
         self._rng = random.Random(data.stable_hash(self.config.seed, "faults"))
         self._rng_lock = threading.Lock()
         self._cursor_key = hashlib.sha256(f"{self.config.seed}:cursor".encode()).digest()
@@ -550,11 +554,12 @@ class Simulator:
                 self._limiter.peek(""),
                 headers,
             )
-        decision = self._limiter.acquire(key)
+        decision = self._limit(key)
         if not decision.allowed:
             self._stats.rate_limited()
             resp = SimResponse(429, body=error_body("RATE_LIMITED", "rate limit exceeded"))
-            resp.headers.append(("retry-after", str(decision.retry_after)))
+            if "undisclosed_limit" not in self._modes.names:
+                resp.headers.append(("retry-after", str(decision.retry_after)))
             return self._finish(resp, decision, headers)
         if endpoint == "not_found":
             resp = SimResponse(404, body=error_body("NOT_FOUND", "no such endpoint"))
@@ -650,6 +655,36 @@ class Simulator:
         code = "INTERNAL_ERROR" if u < 0.5 else "SERVICE_UNAVAILABLE"
         return SimResponse(200, body=error_body(code, "upstream failure"))
 
+    def _limit(self, key: str) -> Decision:
+        """Count a request of ``key`` against its limit, as the modes on now shape it."""
+        names = self._modes.names
+        if "limit_swing" in names:
+            now = time.monotonic()
+            with self._swing_lock:
+                if self._swing_start is None:
+                    self._swing_start = now
+                phase = (
+                    now - self._swing_start
+                ) / self.config.faults.mode_scale.limit_swing_seconds
+            self._limiter.scale(0.5 if 1 <= phase < 2 else 1.0)
+        if "shared_limit" in names:
+            self._other_account(key)
+        return self._limiter.acquire(key)
+
+    def _other_account(self, key: str) -> None:
+        """Spend what another account on ``key`` sent since the last request: half the limit."""
+        rate = self.config.rate_limit_rps
+        if rate is None:
+            return
+        now = time.monotonic()
+        with self._swing_lock:
+            start = self._other_since if self._other_since is not None else now
+            owed = self._other_owed + (now - start) * rate / 2
+            self._other_since = now
+            self._other_owed = owed - math.floor(owed)
+        for _ in range(math.floor(owed)):
+            self._limiter.acquire(key)
+
     def _finish(
         self, resp: SimResponse, decision: Decision, req_headers: Mapping[str, str]
     ) -> SimResponse:
@@ -666,9 +701,10 @@ class Simulator:
         if resp.truncate:
             resp.cut_at = max(1, len(resp.body) // 2)
         resp.headers.append(("vary", "Accept-Encoding"))
-        resp.headers.append(("x-ratelimit-limit", str(decision.limit)))
-        resp.headers.append(("x-ratelimit-remaining", str(decision.remaining)))
-        resp.headers.append(("x-ratelimit-reset", str(decision.reset_seconds)))
+        if "undisclosed_limit" not in self._modes.names:
+            resp.headers.append(("x-ratelimit-limit", str(decision.limit)))
+            resp.headers.append(("x-ratelimit-remaining", str(decision.remaining)))
+            resp.headers.append(("x-ratelimit-reset", str(decision.reset_seconds)))
         self._stats.response(resp.status, len(resp.body))
         return resp
 

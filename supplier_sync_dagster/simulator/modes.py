@@ -28,6 +28,11 @@ when empty; then the change feed too):
 ``withdrawn_hotel`` the supplier withdraws the city's first hotel for a while: its listing
                     lacks it (the counts too) and its detail answers 404; switched off, the
                     hotel is back as it would be
+``undisclosed_limit`` the rate limit is kept but never told: no ``X-RateLimit-*`` headers,
+                    and its 429s carry no ``Retry-After``
+``limit_swing``     the rate limit halves ``limit_swing_seconds`` after the first limited
+                    request, and doubles back as long again later (the supplier's day)
+``shared_limit``    another account on the same API key, unseen, spends half the limit
 ==================  ==========================================================================
 
 The ground truth (``Simulator.ground_truth``) follows the modes: a ``bad_bytes`` hotel is bad

@@ -55,6 +55,13 @@ class TokenBucket:
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
         self._stamp = now
 
+    def set_rate(self, rate: float, burst: float) -> None:
+        """Change the refill rate and capacity from now on (tokens above it are dropped)."""
+        with self._lock:
+            self._refill()
+            self.rate, self.burst = rate, burst
+            self._tokens = min(self._tokens, burst)
+
     def acquire(self) -> Decision:
         """Take a token if there is one."""
         with self._lock:
@@ -95,6 +102,16 @@ class RateLimiter:
         self.burst = burst if burst is not None else max(1.0, rate or 1.0)
         self._buckets: dict[str, TokenBucket] = {}
         self._lock = threading.Lock()
+        self._factor = 1.0
+
+    def scale(self, factor: float) -> None:
+        """Set every bucket's rate and capacity to ``factor`` times the configured ones."""
+        if self.rate is None:
+            return
+        with self._lock:
+            self._factor = factor
+            for bucket in self._buckets.values():
+                bucket.set_rate(self.rate * factor, max(1.0, self.burst * factor))
 
     def _bucket(self, key: str) -> TokenBucket | None:
         if self.rate is None:
@@ -102,7 +119,10 @@ class RateLimiter:
         with self._lock:
             bucket = self._buckets.get(key)
             if bucket is None:
-                bucket = self._buckets[key] = TokenBucket(self.rate, self.burst)
+                factor = self._factor
+                bucket = self._buckets[key] = TokenBucket(
+                    self.rate * factor, max(1.0, self.burst * factor)
+                )
             return bucket
 
     def acquire(self, key: str) -> Decision:

@@ -75,6 +75,7 @@ def test_accounts_are_resolved_in_file_order():
             r"thresholds: threshold quiet_windows must be a whole number",
         ),
         ({"thresholds": {"max_bad_ratio": 3}}, r"accounts\.eu\.thresholds: .*max_bad_ratio"),
+        ({"rate_budget": "One Key"}, r"accounts\.eu\.rate_budget: .*should match pattern"),
     ],
 )
 def test_a_bad_account_field_is_named(change: dict[str, Any], message: str):
@@ -152,3 +153,9 @@ def test_the_example_file_in_deploy_is_valid():
     assert [a.code for a in accounts] == ["acme.eu", "acme.us", "globex.main", "globex.asia"]
     assert accounts[1].schedules.incremental is None
     assert accounts[3].simulator_profile == "hostile" and accounts[3].base_url is None
+
+
+def test_accounts_on_one_supplier_key_name_one_budget():
+    accounts = parse_accounts(_file(rate_budget="acme-key"))
+    eu, us, _ = accounts
+    assert (eu.rate_budget, us.rate_budget) == ("acme-key", None)

@@ -62,6 +62,8 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_LINEAGE_NAMESPACE",
         "SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS",
         "SUPPLIER_SYNC_LINEAGE_FILE_MAX_BYTES",
+        "SUPPLIER_SYNC_RATE_GOVERNOR",
+        "SUPPLIER_SYNC_RATE_MAX",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
@@ -222,6 +224,10 @@ def test_read_when_asked(monkeypatch: pytest.MonkeyPatch):
         ("SUPPLIER_SYNC_AMQP_URL", "http://user:pw@mq:5672"),
         ("SUPPLIER_SYNC_LINEAGE_URL", "amqp://user:pw@marquez:5000"),
         ("SUPPLIER_SYNC_LINEAGE_URL", "marquez:5000/api/v1/lineage"),
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "learning"),
+        ("SUPPLIER_SYNC_RATE_GOVERNOR", "Adaptive "),
+        ("SUPPLIER_SYNC_RATE_MAX", "0"),
+        ("SUPPLIER_SYNC_RATE_MAX", "inf"),
     ],
 )
 def test_a_bad_value_is_one_clear_error_naming_the_variable(
@@ -232,7 +238,8 @@ def test_a_bad_value_is_one_clear_error_naming_the_variable(
         load_settings()
     message = str(info.value)
     assert message.startswith(f"{name}: ") and "\n" not in message
-    assert "://" in message  # says what is expected
+    if name.endswith("_URL"):
+        assert "://" in message  # says what is expected
     assert "pw@" not in message  # and does not echo a value that may hold a password
 
 
@@ -300,3 +307,10 @@ def test_history_retention_is_days_within_range(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv("SUPPLIER_SYNC_HISTORY_RETENTION_DAYS", bad)
         with pytest.raises(ConfigError, match="SUPPLIER_SYNC_HISTORY_RETENTION_DAYS"):
             load_history_settings()
+
+
+def test_the_rate_governor_is_fixed_unless_told(monkeypatch: pytest.MonkeyPatch):
+    assert (load_settings().rate_governor, load_settings().rate_max) == (None, None)
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_GOVERNOR", "adaptive")
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_MAX", "400")
+    assert (load_settings().rate_governor, load_settings().rate_max) == ("adaptive", 400.0)

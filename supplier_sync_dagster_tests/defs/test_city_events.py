@@ -19,6 +19,18 @@ from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PU
 ALL_KEYS = (RAW, NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)
 
 
+def test_what_the_city_cost_of_the_request_budget_reaches_its_metadata() -> None:
+    outcome = CityOutcome(
+        CityReport("BKK"), seconds=30.0, requests=900, throttled=3, waited=12.345, rate=47.123
+    )
+    raw = city_metadata(outcome, "b1")[RAW]
+    assert (raw["supplier_requests"], raw["supplier_429"]) == (900, 3)
+    assert raw["supplier_429_per_minute"] == 6.0
+    assert (raw["rate_limiter_wait_seconds"], raw["governed_rate"]) == (12.345, 47.12)
+    fixed = city_metadata(CityOutcome(CityReport("BKK")), "b1")[RAW]
+    assert "governed_rate" not in fixed and fixed["supplier_429_per_minute"] == 0.0
+
+
 def test_the_walk_s_drift_reaches_the_city_metadata() -> None:
     report = CityReport("BKK", walk=WalkStats(requests=12, probes=4, shifts=1, verified=True))
     meta = city_metadata(CityOutcome(report), "b1")

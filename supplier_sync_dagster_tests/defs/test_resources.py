@@ -56,6 +56,10 @@ SHARED = {
     "request_deadline",
     "max_body_bytes",
     "max_decoded_bytes",
+    "rate_governor",
+    "rate_max",
+    "rate_budget",
+    "rate_state_dir",
 }
 
 
@@ -313,3 +317,44 @@ def test_a_command_without_s3_does_not_import_dagster_aws(tmp_path: Path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loaded: []" in done.stdout, done.stdout
+
+
+def test_the_rate_governor_setting_reaches_the_supplier(monkeypatch: pytest.MonkeyPatch):
+    fixed = _supplier()
+    assert (fixed.rate_governor, fixed.governor_config()) == ("fixed", None)
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_GOVERNOR", "adaptive")
+    adaptive = _supplier()
+    config = adaptive.governor_config()
+    assert config is not None
+    # No rate configured: it starts from a conservative one, and probes up to ten times it.
+    assert (config.start_rate, config.max_rate) == (10.0, 100.0)
+    assert adaptive.rate_state_dir is not None and adaptive.rate_state_dir.endswith("governor")
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_RATE_LIMIT", "40")
+    monkeypatch.setenv("SUPPLIER_SYNC_RATE_MAX", "120")
+    config = _supplier().governor_config()
+    assert config is not None and (config.start_rate, config.max_rate) == (40.0, 120.0)
+
+
+def test_a_mistyped_governor_in_run_config_is_refused():
+    with pytest.raises(ConfigError, match="rate_governor must be fixed or adaptive"):
+        SimulatedSupplierResource(rate_governor="adaptiv").governor_config()
+
+
+def test_accounts_on_one_budget_share_its_bucket(tmp_path: Path):
+    def supplier(account: str, budget: str | None) -> SimulatedSupplierResource:
+        return SimulatedSupplierResource(
+            account=account,
+            rate_governor="adaptive",
+            rate_budget=budget,
+            rate_state_dir=str(tmp_path),
+            sim_cities=1,
+            sim_hotels=1,
+        )
+
+    with (
+        supplier("eu", "one-key").client() as eu,
+        supplier("us", "one-key").client() as us,
+        supplier("asia", None).client() as asia,
+    ):
+        assert eu.rate_limiter is us.rate_limiter
+        assert asia.rate_limiter is not eu.rate_limiter

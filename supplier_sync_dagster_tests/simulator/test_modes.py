@@ -298,3 +298,44 @@ def test_withdrawn_hotel_leaves_the_listing_answers_404_then_comes_back() -> Non
     with sim.client() as c:
         assert c.get(f"/v1/hotels/{hotel}").status_code == 200
     assert hotel in sim.ground_truth().versions
+
+
+def limited(*modes: str, swing: float = 5.0) -> Simulator:
+    return make_sim(
+        FaultProfile(modes=modes, mode_scale=ModeScale(limit_swing_seconds=swing)),
+        rate_limit_rps=10.0,
+        rate_limit_burst=2.0,
+    )
+
+
+def test_undisclosed_limit_tells_nothing_of_the_limit() -> None:
+    sim = limited("undisclosed_limit")
+    with sim.client() as c:
+        answers = [c.get("/v1/cities") for _ in range(3)]
+    assert [r.status_code for r in answers] == [200, 200, 429]
+    for r in answers:
+        assert not [h for h in r.headers if h.lower().startswith("x-ratelimit")]
+    assert "retry-after" not in answers[2].headers
+    with limited().client() as told:
+        assert told.get("/v1/cities").headers["x-ratelimit-limit"] == "2"
+
+
+def test_limit_swing_halves_then_doubles_back() -> None:
+    sim = limited("limit_swing", swing=1.0)
+    with sim.client() as c:
+        c.get("/v1/cities")  # the swing's clock starts
+        time.sleep(1.3)
+        halved = c.get("/v1/cities").headers["x-ratelimit-limit"]
+        time.sleep(1.0)
+        back = c.get("/v1/cities").headers["x-ratelimit-limit"]
+    assert (halved, back) == ("1", "2")
+
+
+def test_shared_limit_spends_half_the_limit_for_an_unseen_account() -> None:
+    sim = limited("shared_limit")
+    with sim.client() as c:
+        c.get("/v1/cities")
+        time.sleep(1.0)  # the other account sends 5 requests meanwhile; the bucket holds 2
+        first = c.get("/v1/cities")
+    # Without it the bucket would be full again (2 tokens, one taken now: 1 left).
+    assert first.status_code == 429 or first.headers["x-ratelimit-remaining"] == "0"

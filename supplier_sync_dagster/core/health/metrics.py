@@ -14,8 +14,9 @@ events, the runs' request counters), never the catalog:
   incremental watermark's lag behind now;
 - the **outbox**: READY, FAILED, stuck events, and the publish → search index lag p95 of the
   newest ``OUTBOX_WINDOW`` events;
-- the **supplier**: requests, 429 answers and retries of the last 24 hours' runs, and the
-  hotels/s of the latest finished batch;
+- the **supplier**: requests, 429 answers (and per minute of syncing), retries and seconds
+  waited for the rate limiter of the last 24 hours' runs, the rate an adaptive limiter had
+  learnt by the newest of them, and the hotels/s of the latest finished batch;
 - **listing drift**: cities of the last 24 hours' batches whose listing shifted under their
   walk (or could have, unchecked), the shifts seen, and the hotels the verification found.
 
@@ -90,6 +91,9 @@ class SyncHealth:
     requests_24h: int = 0
     throttled_24h: int = 0
     retries_24h: int = 0
+    sync_seconds_24h: float = 0.0
+    limiter_wait_24h: float = 0.0
+    governed_rate: float | None = None
     walks_24h: ListingWalks = field(default_factory=ListingWalks)
 
     @staticmethod
@@ -153,6 +157,11 @@ class SyncHealth:
             "supplier_429_24h": float(self.throttled_24h),
             "supplier_retries_24h": float(self.retries_24h),
             "supplier_429_ratio_24h": self.throttled_ratio_24h,
+            "supplier_429_per_minute_24h": self._rate(
+                60 * self.throttled_24h, round(self.sync_seconds_24h)
+            ),
+            "supplier_limiter_wait_seconds_24h": self.limiter_wait_24h,
+            "supplier_governed_rate": -1.0 if self.governed_rate is None else self.governed_rate,
             "listing_drifted_cities_24h": float(self.walks_24h.drifted_cities),
             "listing_unverified_cities_24h": float(self.walks_24h.unverified_cities),
             "listing_shifts_24h": float(self.walks_24h.shifts),
@@ -352,14 +361,26 @@ def _outbox(conn: Connection, h: SyncHealth, db: SyncDatabase) -> None:
 
 def _supplier(conn: Connection, h: SyncHealth, now: datetime) -> None:
     s = schema.run_stats.c
-    requests, throttled, retries = conn.execute(
+    recent = (s.task_code == h.task_code, s.created_at >= now - timedelta(days=1))
+    requests, throttled, retries, seconds, waited = conn.execute(
         sa.select(
             sa.func.coalesce(sa.func.sum(s.requests), 0),
             sa.func.coalesce(sa.func.sum(s.throttled), 0),
             sa.func.coalesce(sa.func.sum(s.retries), 0),
-        ).where(s.task_code == h.task_code, s.created_at >= now - timedelta(days=1))
+            sa.func.coalesce(sa.func.sum(s.seconds), 0),
+            sa.func.coalesce(sa.func.sum(s.limiter_wait_seconds), 0),
+        ).where(*recent)
     ).one()
     h.requests_24h, h.throttled_24h, h.retries_24h = int(requests), int(throttled), int(retries)
+    h.sync_seconds_24h, h.limiter_wait_24h = float(seconds), float(waited)
+    # The newest run with an adaptive rate: what it had learnt.
+    rate = conn.execute(
+        sa.select(s.governed_rate)
+        .where(*recent, s.governed_rate.is_not(None))
+        .order_by(s.created_at.desc(), s.id.desc())
+        .limit(1)
+    ).scalar()
+    h.governed_rate = None if rate is None else float(rate)
 
 
 def _drift(conn: Connection, h: SyncHealth, now: datetime) -> None:

@@ -365,7 +365,9 @@ def load_migrations(dialect: str, sql_dir: Path | None = None) -> tuple[Migratio
 # newest version whose mark it bears. Every version has one, so that a database made by
 # metadata.create_all (which is at the newest version) is never taken for an older one and
 # given migrations whose changes it already has; test_migrations checks the newest is known.
+# A mark is a table, with one of its index or unique key names, or ``column:NAME``.
 _MARKERS: tuple[tuple[int, str, str | None], ...] = (
+    (20, "supplier_sync_run_stats", "column:governed_rate"),
     (19, "supplier_sync_hotel_version", None),
     (18, "supplier_sync_audit", "idx_audit_run"),
     (17, "supplier_sync_dead_letter", "uk_dead_letter_open"),
@@ -423,6 +425,8 @@ def detect_version(conn: Connection, migrations: Sequence[Migration]) -> int:
         keys = {ix["name"] for ix in insp.get_indexes(table)} | {
             uc["name"] for uc in insp.get_unique_constraints(table)
         }
+        if key.startswith("column:"):
+            keys = {f"column:{c['name']}" for c in insp.get_columns(table)}
         if key in keys:
             version = candidate
             break

@@ -574,6 +574,8 @@ run_stats = _table(
     _counter("retries"),
     sa.Column("seconds", sa.Double, nullable=False, server_default="0"),
     sa.Column("created_at", _ts(), nullable=False),
+    sa.Column("limiter_wait_seconds", sa.Double, nullable=False, server_default="0"),
+    sa.Column("governed_rate", sa.Double),
     sa.Index("idx_run_stats_task_time", "task_code", "created_at"),
     sa.Index("idx_run_stats_batch", "batch_id"),
     comment="what each run asked of the supplier and published",

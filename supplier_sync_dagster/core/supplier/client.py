@@ -37,6 +37,7 @@ from supplier_sync_dagster.core.errors import (
     CityNotFound,
     CursorExpired,
     DecompressionBomb,
+    RateLimiterUnavailable,
     ResponseTooLarge,
     RetryBudgetExhausted,
     SupplierAuthError,
@@ -59,6 +60,7 @@ from supplier_sync_dagster.core.settings import (
     env_name,
 )
 from supplier_sync_dagster.core.supplier.breaker import BreakerState, CircuitBreaker
+from supplier_sync_dagster.core.supplier.governor import GovernedLimiter
 from supplier_sync_dagster.core.supplier.models import (
     ChangesPage,
     CityList,
@@ -676,6 +678,22 @@ class SupplierClient:
                 self._sleep(wait)
             slept += wait
 
+    def _teach(
+        self, limiter: GovernedLimiter, status: int, headers: httpx.Headers, age: float
+    ) -> None:
+        """Tell an adaptive limiter of an answer; the answer stands even if it cannot hear
+        (the next request's token then fails as it should)."""
+        try:
+            if status == 429:
+                retry_after = parse_retry_after(headers.get("Retry-After"), now=self._wall_clock())
+                limiter.throttled(retry_after, age=age)
+            else:
+                limiter.answered(_rate_limit_info(headers), age=age)
+        except RateLimiterUnavailable as err:
+            logger.warning(
+                "supplier %s: the rate limiter missed an answer: %s", self.supplier_id, err
+            )
+
     def _wait_for_token(self, city: str | None) -> None:
         waited = 0.0
         if self._limiter is not None:
@@ -755,14 +773,12 @@ class SupplierClient:
         except httpx.TransportError as err:
             return self._transport_failure(err, progress)
         status = response.status_code
-        rate_limit = RateLimitInfo(
-            limit=_int_header(response.headers, "X-RateLimit-Limit"),
-            remaining=_int_header(response.headers, "X-RateLimit-Remaining"),
-            reset_seconds=_float_header(response.headers, "X-RateLimit-Reset"),
-        )
+        rate_limit = _rate_limit_info(response.headers)
         with self._c.lock:
             self._c.responses_by_status[status] = self._c.responses_by_status.get(status, 0) + 1
             self._c.last_rate_limit = rate_limit
+        if isinstance(self._limiter, GovernedLimiter):
+            self._teach(self._limiter, status, response.headers, self._clock() - progress.started)
         if isinstance(raw, _Transient):
             return raw
 
@@ -1076,6 +1092,15 @@ def _parse_json(raw: bytes) -> tuple[Any, str | None]:
     if not isinstance(body, dict):
         return None, f"a JSON {type(body).__name__} instead of an object"
     return body, None
+
+
+def _rate_limit_info(headers: httpx.Headers) -> RateLimitInfo:
+    """The supplier's ``X-RateLimit-*`` headers of a response."""
+    return RateLimitInfo(
+        limit=_int_header(headers, "X-RateLimit-Limit"),
+        remaining=_int_header(headers, "X-RateLimit-Remaining"),
+        reset_seconds=_float_header(headers, "X-RateLimit-Reset"),
+    )
 
 
 def _connect_failure(err: BaseException) -> tuple[str, str]:

@@ -14,6 +14,10 @@ machine) still gets its token, so the supplier's rate is not lost to late wake-u
 The bucket key holds the supplier id and a SHA-256 of the API key: the key itself never
 reaches Redis.
 
+Both pace at a fixed rate. Their adaptive kinds, which learn the supplier's limit from its
+429s and ``X-RateLimit-*`` headers, are in :mod:`~supplier_sync_dagster.core.supplier.governor`;
+:func:`make_rate_limiter` builds one when given a ``governor``.
+
 A caller that must never starve the syncs (the read API's offer confirmations) paces on a
 share of its own (:func:`make_share_limiter`): a second bucket of the same supplier key, under
 another Redis key, that refuses at once (:class:`RateShareExhausted`) instead of queueing.
@@ -27,12 +31,19 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack, runtime_checkable
 
 from supplier_sync_dagster.core.errors import (
     ConfigError,
-    RateLimiterUnavailable,
     RateShareExhausted,
+)
+from supplier_sync_dagster.core.supplier.governor import (
+    GovernorConfig,
+    InProcessGovernedBucket,
+    RedisGovernedBucket,
+    run_wait_script,
+    state_file_name,
 )
 
 if TYPE_CHECKING:
@@ -260,18 +271,8 @@ class RedisTokenBucket:
         return self._take(reserve=False)
 
     def _take(self, *, reserve: bool) -> float:
-        import redis
-
-        try:
-            result = self._script(
-                keys=[self.key], args=[self.rate, self.burst, self._ttl_ms, int(reserve)]
-            )
-        except redis.RedisError as err:
-            raise RateLimiterUnavailable(
-                f"shared rate limiter unavailable ({type(err).__name__}); no request was sent"
-            ) from err
-        text = result.decode() if isinstance(result, bytes) else str(result)
-        return max(0.0, float(text))
+        args = [self.rate, self.burst, self._ttl_ms, int(reserve)]
+        return run_wait_script(self._script, self.key, args)
 
     def acquire(self) -> float:
         """Take a token of the shared bucket, waiting until it is due.
@@ -336,6 +337,12 @@ class BucketOptions(TypedDict):
         rate: Requests per second allowed for a bucket, all workers together.
         burst: Capacity of a bucket (default 1).
         key_prefix: Namespace of the Redis keys (default :data:`DEFAULT_KEY_PREFIX`).
+        governor: How an adaptive bucket moves (its ``start_rate`` replaces ``rate``);
+            None or absent: a fixed rate.
+        state_dir: Where an in-process adaptive bucket keeps its learnt rate between runs
+            (None or absent: nowhere).
+        shared: Buckets of this process with the same supplier id and key are one
+            (accounts configured on one budget); absent: False.
     """
 
     redis_url: str | None
@@ -344,6 +351,9 @@ class BucketOptions(TypedDict):
     rate: float
     burst: NotRequired[float]
     key_prefix: NotRequired[str]
+    governor: NotRequired[GovernorConfig | None]
+    state_dir: NotRequired[Path | None]
+    shared: NotRequired[bool]
 
 
 def make_rate_limiter(**options: Unpack[BucketOptions]) -> RateLimiter:
@@ -351,7 +361,8 @@ def make_rate_limiter(**options: Unpack[BucketOptions]) -> RateLimiter:
 
     Returns:
         A :class:`RedisTokenBucket` when ``redis_url`` is given, else an
-        :class:`InProcessTokenBucket`.
+        :class:`InProcessTokenBucket`; their adaptive kinds (``governor``),
+        :class:`~.governor.RedisGovernedBucket` and :class:`~.governor.InProcessGovernedBucket`.
     """
     return _bucket_maker(options)(None)
 
@@ -378,7 +389,9 @@ def make_share_limiter(
         **options: See :class:`BucketOptions`; ``rate`` and ``burst`` are the share's own.
     """
     prefix = options.get("key_prefix", DEFAULT_KEY_PREFIX)
-    bucket = _bucket_maker({**options, "key_prefix": f"{prefix}:share:{share}"})(None)
+    bucket = _bucket_maker({**options, "key_prefix": f"{prefix}:share:{share}", "governor": None})(
+        None
+    )
     return ShareLimiter(bucket, name=share, max_wait=max_wait)
 
 
@@ -436,18 +449,45 @@ class ShareLimiter:
             waited += wait
 
 
+_SHARED_BUCKETS: dict[str, TokenBucket] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 def _bucket_maker(options: BucketOptions) -> Callable[[str | None], TokenBucket]:
     """Builds a bucket of ``options`` per scope (None: the whole key; else a city code)."""
     rate, burst = options["rate"], options.get("burst", 1.0)
     redis_url = options["redis_url"]
-    if redis_url is None:
-        return lambda _scope: InProcessTokenBucket(rate, burst)
-    client = _redis_from_url(redis_url)
+    governor = options.get("governor")
     prefix = options.get("key_prefix", DEFAULT_KEY_PREFIX)
     supplier_id, api_key = options["supplier_id"], options["api_key"]
+    if redis_url is None:
+        state_dir = options.get("state_dir")
+
+        def local(scope: str | None) -> TokenBucket:
+            if governor is None or scope is not None:
+                return InProcessTokenBucket(rate, burst)
+            key = bucket_key(prefix, supplier_id, api_key)
+            state = state_dir / state_file_name(key) if state_dir is not None else None
+            return InProcessGovernedBucket(governor, state_file=state)
+
+        if not options.get("shared", False):
+            return local
+
+        def shared(scope: str | None) -> TokenBucket:
+            key = bucket_key(prefix, supplier_id, api_key, scope=scope)
+            with _SHARED_LOCK:
+                found = _SHARED_BUCKETS.get(key)
+                if found is None:
+                    found = _SHARED_BUCKETS[key] = local(scope)
+                return found
+
+        return shared
+    client = _redis_from_url(redis_url)
 
     def bucket(scope: str | None) -> TokenBucket:
         key = bucket_key(prefix, supplier_id, api_key, scope=scope)
+        if governor is not None and scope is None:
+            return RedisGovernedBucket(client, key + ":governor", governor)
         return RedisTokenBucket(client, key, rate, burst)
 
     return bucket

@@ -60,6 +60,7 @@ from supplier_sync_dagster.core.errors import (
     INTERNAL_ERROR,
     UNREACHABLE_CODES,
     CityNotFound,
+    RateLimiterUnavailable,
     SupplierAuthError,
     SupplierError,
     SyncCancelled,
@@ -86,6 +87,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.supplier.governor import GovernedLimiter
 from supplier_sync_dagster.core.sync.city import help_other_workers, largest_first, sync_city
 from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
 from supplier_sync_dagster.core.sync.model import CityReport, SyncSettings
@@ -236,6 +238,9 @@ class CityOutcome:
             process synced one city at a time.
         throttled: Of those, 429 answers.
         retries: Retries the client made for the city.
+        waited: Seconds its requests waited for the rate limiter(s).
+        rate: Requests/s the adaptive rate limiter had learnt when the city ended (None:
+            a fixed rate).
     """
 
     report: CityReport
@@ -245,6 +250,8 @@ class CityOutcome:
     requests: int = 0
     throttled: int = 0
     retries: int = 0
+    waited: float = 0.0
+    rate: float | None = None
 
     @property
     def city_code(self) -> str:
@@ -592,9 +599,15 @@ class _CityWorker:
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
         if client is not None:
             after = _counters(client)
-            outcome.requests, outcome.throttled, outcome.retries = (
+            requests, throttled, retries, waited = (
                 a - b for a, b in zip(after, before, strict=True)
             )
+            outcome.requests, outcome.throttled, outcome.retries = (
+                int(requests),
+                int(throttled),
+                int(retries),
+            )
+            outcome.waited, outcome.rate = waited, governed_rate(client)
         if self.request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
                 db,
@@ -605,12 +618,24 @@ class _CityWorker:
         return outcome
 
 
-def _counters(client: SupplierClient | None) -> tuple[int, int, int]:
-    """The client's (requests, 429 answers, retries) so far."""
+def _counters(client: SupplierClient | None) -> tuple[float, float, float, float]:
+    """The client's (requests, 429 answers, retries, seconds waited for tokens) so far."""
     if client is None:
-        return (0, 0, 0)
+        return (0, 0, 0, 0.0)
     stats = client.stats()
-    return stats.requests, stats.rate_limited, sum(stats.retries_by_reason.values())
+    retries = sum(stats.retries_by_reason.values())
+    return stats.requests, stats.rate_limited, retries, stats.rate_limiter_wait
+
+
+def governed_rate(client: SupplierClient | None) -> float | None:
+    """The requests/s the client's adaptive rate limiter has learnt; None for a fixed one."""
+    limiter = client.rate_limiter if client is not None else None
+    if not isinstance(limiter, GovernedLimiter):
+        return None
+    try:
+        return limiter.snapshot().rate
+    except RateLimiterUnavailable:
+        return None
 
 
 def record_run_stats(
@@ -620,8 +645,10 @@ def record_run_stats(
     task_code: str,
     worker_id: str,
     outcomes: Sequence[CityOutcome],
+    rate: float | None = None,
 ) -> None:
-    """One row of what a run's cities asked of the supplier and published (the metrics)."""
+    """One row of what a run's cities asked of the supplier and published (the metrics);
+    ``rate``: the requests/s an adaptive rate limiter had learnt (None: a fixed one)."""
     if not outcomes:
         return
     with db.begin() as conn:
@@ -638,6 +665,8 @@ def record_run_stats(
                 retries=sum(o.retries for o in outcomes),
                 seconds=round(sum(o.seconds for o in outcomes), 3),
                 created_at=db.clock.now(),
+                limiter_wait_seconds=round(sum(o.waited for o in outcomes), 3),
+                governed_rate=rate,
             )
         )
 
@@ -736,6 +765,7 @@ def run_city_groups(
                 task_code=settings.task_code,
                 worker_id=worker_id,
                 outcomes=done,
+                rate=governed_rate(client),
             )
         except Exception as err:  # metrics never fail a sync
             log.warning("could not record the run's stats: %s", err)
