@@ -57,13 +57,13 @@ def test_each_field_is_one_prefixed_variable():
         "SUPPLIER_SYNC_WALK_MAX_PAGES",
         "SUPPLIER_SYNC_WALK_PAGE_SLACK",
         "SUPPLIER_SYNC_WALK_CONTINUITY_CHECK",
+        "SUPPLIER_SYNC_RATE_GOVERNOR",
+        "SUPPLIER_SYNC_RATE_MAX",
         "SUPPLIER_SYNC_LINEAGE_URL",
         "SUPPLIER_SYNC_LINEAGE_API_KEY",
         "SUPPLIER_SYNC_LINEAGE_NAMESPACE",
         "SUPPLIER_SYNC_LINEAGE_TIMEOUT_SECONDS",
         "SUPPLIER_SYNC_LINEAGE_FILE_MAX_BYTES",
-        "SUPPLIER_SYNC_RATE_GOVERNOR",
-        "SUPPLIER_SYNC_RATE_MAX",
     ]
     assert all(name.startswith(ENV_PREFIX) for name in ALL)
     with pytest.raises(KeyError, match="no setting 'nope'"):
