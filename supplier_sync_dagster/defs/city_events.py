@@ -210,13 +210,13 @@ def latest_target(
 def request_budget_metadata(outcome: CityOutcome) -> dict[str, Any]:
     """What the city's requests cost of the supplier's budget: 429s (and per minute), the
     seconds waited for the rate limiter and, when it adapts, the rate it had learnt."""
-    minutes = outcome.seconds / 60
+    minutes, use = outcome.seconds / 60, outcome.supplier
     return {
-        "supplier_requests": outcome.requests,
-        "supplier_429": outcome.throttled,
-        "supplier_429_per_minute": round(outcome.throttled / minutes, 3) if minutes else 0.0,
-        "rate_limiter_wait_seconds": round(outcome.waited, 3),
-        **({"governed_rate": round(outcome.rate, 2)} if outcome.rate is not None else {}),
+        "supplier_requests": use.requests,
+        "supplier_429": use.throttled,
+        "supplier_429_per_minute": round(use.throttled / minutes, 3) if minutes else 0.0,
+        "rate_limiter_wait_seconds": round(use.waited, 3),
+        **({"governed_rate": round(use.rate, 2)} if use.rate is not None else {}),
     }
 
 

@@ -268,7 +268,7 @@ def _sync_cities(
                 processes=WorkerProcesses(processes, _worker_io(resources, client)),
                 stop=stop,
             ):
-                requests += sum(o.requests for o in group) if processes else 0
+                requests += sum(o.supplier.requests for o in group) if processes else 0
                 outcomes.extend(group)
                 yield from _report(context, scope, group, plan, progress, db)
             progress.show(context, db, plan.batch.batch_id, final=True)

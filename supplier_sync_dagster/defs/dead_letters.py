@@ -41,9 +41,9 @@ from supplier_sync_dagster.defs.full_sync_schedule import build_city_resync_sens
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource, SyncResources
 from supplier_sync_dagster.defs.triggers import (
     account_job,
-    every,
     one_at_a_time,
     run_sync_work,
+    scheduled_asset_job,
 )
 
 COMPENSATION = dg.AssetKey("dead_letter_compensation")
@@ -263,17 +263,13 @@ def dead_letter_summary(
     return dg.MaterializeResult(metadata=summary_metadata(summary))
 
 
-dead_letter_summary_job = dg.define_asset_job(
+dead_letter_summary_job, dead_letter_summary_schedule = scheduled_asset_job(
+    SUMMARY,
     "summarize_dead_letters",
-    selection=dg.AssetSelection.assets(SUMMARY),
-    description="Count the dead letters and their fix rate.",
-)
-
-dead_letter_summary_schedule = every(
-    dead_letter_summary_job,
-    "dead_letter_summary_schedule",
-    "*/15 * * * *",
-    "Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
+    "Count the dead letters and their fix rate.",
+    schedule="dead_letter_summary_schedule",
+    cron="*/15 * * * *",
+    when="Every 15 minutes: the dead-letter counts and fix rate, plotted over time.",
 )
 
 

@@ -15,7 +15,7 @@ from supplier_sync_dagster.core.records.history import prune_history
 from supplier_sync_dagster.core.settings import load_history_settings
 from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
-from supplier_sync_dagster.defs.triggers import every
+from supplier_sync_dagster.defs.triggers import scheduled_asset_job
 
 
 class RetentionConfig(dg.Config):
@@ -60,17 +60,12 @@ def publish_history_retention(
     )
 
 
-history_retention_job = dg.define_asset_job(
+history_retention_job, history_retention_schedule = scheduled_asset_job(
+    publish_history_retention,
     "history_retention_job",
-    selection=dg.AssetSelection.assets(publish_history_retention),
-    description="Prune the publish history to its retention window.",
-)
-
-
-history_retention_schedule = every(
-    history_retention_job,
-    "history_retention_schedule",
-    "30 3 * * *",
-    "Daily: the publish history pruned to its retention window (as-of answers inside it "
+    "Prune the publish history to its retention window.",
+    schedule="history_retention_schedule",
+    cron="45 3 * * *",
+    when="Daily: the publish history pruned to its retention window (as-of answers inside it "
     "stay exact).",
 )

@@ -33,7 +33,7 @@ from supplier_sync_dagster.core.settings import load_settings, load_storage_sett
 from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
 from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource, env_var, setting_field
-from supplier_sync_dagster.defs.triggers import every
+from supplier_sync_dagster.defs.triggers import scheduled_asset_job
 
 
 class ProjectionsResource(dg.ConfigurableResource):
@@ -134,18 +134,13 @@ def hotel_search_projection(
     return dg.MaterializeResult(metadata=metadata)
 
 
-outbox_dispatch_job = dg.define_asset_job(
+outbox_dispatch_job, outbox_dispatch_schedule = scheduled_asset_job(
+    hotel_search_projection,
     "outbox_dispatch_job",
-    selection=dg.AssetSelection.assets(hotel_search_projection),
-    description="Drain the outbox once: stuck events back to READY, then every due stage.",
-)
-
-
-outbox_dispatch_schedule = every(
-    outbox_dispatch_job,
-    "outbox_dispatch_schedule",
-    "* * * * *",
-    "Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
+    "Drain the outbox once: stuck events back to READY, then every due stage.",
+    schedule="outbox_dispatch_schedule",
+    cron="* * * * *",
+    when="Every minute: the stuck-message pass and a drain of the outbox (search index, cache, "
     "subscribers), so the read models follow the catalog with the daemon alone.",
 )
 
@@ -205,17 +200,13 @@ def hotel_search_reconciliation(
     )
 
 
-projection_reconciliation_job = dg.define_asset_job(
+projection_reconciliation_job, projection_reconciliation_schedule = scheduled_asset_job(
+    hotel_search_reconciliation,
     "projection_reconciliation_job",
-    selection=dg.AssetSelection.assets(hotel_search_reconciliation),
-    description="Check the search index against the catalog and repair what differs.",
-)
-
-projection_reconciliation_schedule = every(
-    projection_reconciliation_job,
-    "projection_reconciliation_schedule",
-    "30 3 * * *",
-    "Daily: the search index against the catalog, repaired where it differs.",
+    "Check the search index against the catalog and repair what differs.",
+    schedule="projection_reconciliation_schedule",
+    cron="30 3 * * *",
+    when="Daily: the search index against the catalog, repaired where it differs.",
 )
 
 

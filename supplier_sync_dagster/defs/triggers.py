@@ -210,6 +210,25 @@ def account_job(
     return build
 
 
+def scheduled_asset_job(
+    asset: Any, name: str, description: str, *, schedule: str, cron: str, when: str
+) -> tuple[Any, dg.ScheduleDefinition]:
+    """A job that materializes ``asset``, and its schedule (:func:`every`).
+
+    Args:
+        asset: The asset (its definition or key).
+        name: The job's name.
+        description: What the job does, for the UI.
+        schedule: The schedule's name.
+        cron: When (UTC).
+        when: What the schedule does, for the UI.
+    """
+    job = dg.define_asset_job(
+        name, selection=dg.AssetSelection.assets(asset), description=description
+    )
+    return job, every(job, schedule, cron, when)
+
+
 def every(
     job: Any,
     name: str,

@@ -11,7 +11,7 @@ import pytest
 from supplier_sync_dagster.core.records.gates import CHECK_NAMES, GateResult
 from supplier_sync_dagster.core.supplier import WalkStats
 from supplier_sync_dagster.core.sync.model import CityReport
-from supplier_sync_dagster.core.sync.run import CityOutcome
+from supplier_sync_dagster.core.sync.run import CityOutcome, SupplierUse
 from supplier_sync_dagster.dagster_instance.events import CheckTarget
 from supplier_sync_dagster.defs.city_events import city_events, city_metadata
 from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED, RAW
@@ -21,7 +21,9 @@ ALL_KEYS = (RAW, NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)
 
 def test_what_the_city_cost_of_the_request_budget_reaches_its_metadata() -> None:
     outcome = CityOutcome(
-        CityReport("BKK"), seconds=30.0, requests=900, throttled=3, waited=12.345, rate=47.123
+        CityReport("BKK"),
+        seconds=30.0,
+        supplier=SupplierUse(requests=900, throttled=3, waited=12.345, rate=47.123),
     )
     raw = city_metadata(outcome, "b1")[RAW]
     assert (raw["supplier_requests"], raw["supplier_429"]) == (900, 3)

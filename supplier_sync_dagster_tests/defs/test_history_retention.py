@@ -96,7 +96,7 @@ def test_a_mistyped_retention_is_refused_before_anything_is_pruned(db_url: str, 
 
 
 def test_the_schedule_runs_the_job_daily():
-    assert history_retention_schedule.cron_schedule == "30 3 * * *"
+    assert history_retention_schedule.cron_schedule == "45 3 * * *"
     assert history_retention_schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     assert history_retention_schedule.job_name == history_retention_job.name
     with (

@@ -93,8 +93,8 @@ class SyncHealth:
     retries_24h: int = 0
     sync_seconds_24h: float = 0.0
     limiter_wait_24h: float = 0.0
-    governed_rate: float | None = None
     walks_24h: ListingWalks = field(default_factory=ListingWalks)
+    governed_rate: float | None = None
 
     @staticmethod
     def _rate(part: int, whole: int) -> float:

@@ -223,6 +223,27 @@ class RunPlan:
 
 
 @dataclass
+class SupplierUse:
+    """What a city cost of the supplier's request budget.
+
+    Attributes:
+        requests: Supplier requests (retries included); exact when the process synced one
+            city at a time.
+        throttled: Of those, 429 answers.
+        retries: Retries the client made.
+        waited: Seconds the requests waited for the rate limiter(s).
+        rate: Requests/s the adaptive rate limiter had learnt when the city ended (None:
+            a fixed rate).
+    """
+
+    requests: int = 0
+    throttled: int = 0
+    retries: int = 0
+    waited: float = 0.0
+    rate: float | None = None
+
+
+@dataclass
 class CityOutcome:
     """One city of a run, when it finished (or failed).
 
@@ -234,24 +255,14 @@ class CityOutcome:
         helped: The city belongs to another run of the batch that had not started it.
         resolved_dead_letters: For a replayed city: dead letters that now pass.
         seconds: Wall time this run spent on the city.
-        requests: Supplier requests the city cost (retries included); exact when the
-            process synced one city at a time.
-        throttled: Of those, 429 answers.
-        retries: Retries the client made for the city.
-        waited: Seconds its requests waited for the rate limiter(s).
-        rate: Requests/s the adaptive rate limiter had learnt when the city ended (None:
-            a fixed rate).
+        supplier: What it cost of the supplier's request budget.
     """
 
     report: CityReport
     helped: bool = False
     resolved_dead_letters: int = 0
     seconds: float = 0.0
-    requests: int = 0
-    throttled: int = 0
-    retries: int = 0
-    waited: float = 0.0
-    rate: float | None = None
+    supplier: SupplierUse = field(default_factory=SupplierUse)
 
     @property
     def city_code(self) -> str:
@@ -602,12 +613,9 @@ class _CityWorker:
             requests, throttled, retries, waited = (
                 a - b for a, b in zip(after, before, strict=True)
             )
-            outcome.requests, outcome.throttled, outcome.retries = (
-                int(requests),
-                int(throttled),
-                int(retries),
+            outcome.supplier = SupplierUse(
+                int(requests), int(throttled), int(retries), waited, governed_rate(client)
             )
-            outcome.waited, outcome.rate = waited, governed_rate(client)
         if self.request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
                 db,
@@ -660,12 +668,12 @@ def record_run_stats(
                 cities=len(outcomes),
                 records=sum(o.report.records for o in outcomes),
                 published=sum(o.report.published for o in outcomes),
-                requests=sum(o.requests for o in outcomes),
-                throttled=sum(o.throttled for o in outcomes),
-                retries=sum(o.retries for o in outcomes),
+                requests=sum(o.supplier.requests for o in outcomes),
+                throttled=sum(o.supplier.throttled for o in outcomes),
+                retries=sum(o.supplier.retries for o in outcomes),
                 seconds=round(sum(o.seconds for o in outcomes), 3),
                 created_at=db.clock.now(),
-                limiter_wait_seconds=round(sum(o.waited for o in outcomes), 3),
+                limiter_wait_seconds=round(sum(o.supplier.waited for o in outcomes), 3),
                 governed_rate=rate,
             )
         )

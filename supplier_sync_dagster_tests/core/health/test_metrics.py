@@ -8,14 +8,16 @@ import pytest
 from supplier_sync_dagster.core.health.metrics import sync_health
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.model import CityReport
-from supplier_sync_dagster.core.sync.run import CityOutcome, record_run_stats
+from supplier_sync_dagster.core.sync.run import CityOutcome, SupplierUse, record_run_stats
 
 TASK = "governed_task"
 
 
 def outcome(city: str, *, seconds: float, throttled: int, waited: float) -> CityOutcome:
     return CityOutcome(
-        CityReport(city), seconds=seconds, requests=100, throttled=throttled, waited=waited
+        CityReport(city),
+        seconds=seconds,
+        supplier=SupplierUse(requests=100, throttled=throttled, waited=waited),
     )
 
 

@@ -132,7 +132,9 @@ def test_worker_processes_sync_every_city_once_under_their_own_leases(
     assert {o.status for o in outcomes} == {"SUCCESS"}
     assert _published(db) == truth.valid
     # Each city's requests are counted where it was synced: pages plus nothing else.
-    assert sum(o.requests for o in outcomes) == sum(o.report.pages_fetched for o in outcomes)
+    assert sum(o.supplier.requests for o in outcomes) == sum(
+        o.report.pages_fetched for o in outcomes
+    )
     holders = {s.worker_id for s in list_shards(db, _only_batch(db))}
     # The leases were the workers' own (their pids), never the run's.
     assert holders and all(h and h != "parent" and f"-{os.getpid()}-" not in h for h in holders)
