@@ -129,8 +129,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{args.cities} cities, {args.hotels} hotels, {args.profile} profile)",
         flush=True,
     )
+    lineage = CommandLineage.of(config.load_settings())
     status = finish_sync(
-        _full_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads), as_json=False
+        _full_sync(args, supplier, DEFAULT_SCOPE, sync_db, payloads, lineage=lineage),
+        as_json=False,
     )
     if status == 0 and args.second_hotels > 0:
         status = _demo_second_supplier(args, day, sync_db, payloads)
@@ -211,8 +213,12 @@ def _demo_second_supplier(
         f"{world.cities} cities, {world.hotels} hotels, clean profile)",
         flush=True,
     )
-    supplier = account_supplier_now(config.load_settings(), scope, **_demo_tuning(args, day))
-    status = finish_sync(_full_sync(args, supplier, scope, sync_db, payloads), as_json=False)
+    settings = config.load_settings()
+    supplier = account_supplier_now(settings, scope, **_demo_tuning(args, day))
+    status = finish_sync(
+        _full_sync(args, supplier, scope, sync_db, payloads, lineage=CommandLineage.of(settings)),
+        as_json=False,
+    )
     with open_db(sync_db.db_url) as db, db.engine.connect() as conn:
         h = schema.platform_hotel.c
         counts = conn.execute(

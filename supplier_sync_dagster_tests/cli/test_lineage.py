@@ -108,6 +108,19 @@ def test_without_an_endpoint_the_events_go_to_the_file_in_the_state_folder(
     assert [e["eventType"] for e in events] == ["START", "COMPLETE"]
 
 
+def test_the_demo_s_runs_send_their_events_too(db_url: str, home: Path):
+    """The README's first command: both demo suppliers' runs, each its own job's events."""
+    argv = ["--db-url", db_url, "demo", "--cities", "2", "--hotels", "40", "--second-hotels", "30"]
+    assert cli.main(argv) == 0
+    lines = (home / "lineage" / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    for event in events:
+        validate_run_event(event)
+    assert [e["eventType"] for e in events] == ["START", "COMPLETE", "START", "COMPLETE"]
+    assert len({e["run"]["runId"] for e in events}) == 2
+    assert len({e["job"]["name"] for e in events}) == 2  # one job per supplier account
+
+
 @pytest.mark.parametrize("endpoint", ["down", "slow"])
 def test_an_endpoint_that_is_down_or_slow_loses_the_events_but_not_the_sync(
     db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, endpoint: str
