@@ -23,7 +23,9 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from typing import Any, TypeVar
@@ -190,6 +192,39 @@ class ClientStats:
     def retries(self) -> int:
         """All retries together."""
         return sum(self.retries_by_reason.values())
+
+
+@dataclass
+class RequestTally:
+    """The requests sent inside one :func:`tally_requests` block, by its thread and by the
+    threads it hands its context to (a city's read-ahead), whoever else shares the client.
+
+    Attributes:
+        requests: Requests sent (retries included).
+        throttled: Of those, 429 answers.
+        retries: Retries made.
+        waited: Seconds waited for the rate limiter(s).
+    """
+
+    requests: int = 0
+    throttled: int = 0
+    retries: int = 0
+    waited: float = 0.0
+
+
+_TALLY: ContextVar[RequestTally | None] = ContextVar("supplier_request_tally", default=None)
+
+
+@contextmanager
+def tally_requests() -> Iterator[RequestTally]:
+    """Counts the requests sent in the block (one city's, while other cities share the
+    client: the client's totals would count theirs too)."""
+    tally = RequestTally()
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
 
 
 @dataclass
@@ -664,6 +699,8 @@ class SupplierClient:
                     self._c.retries_by_reason.get(outcome.reason, 0) + 1
                 )
                 self._c.backoff_wait += wait
+                if (tally := _TALLY.get()) is not None:
+                    tally.retries += 1
             logger.warning(
                 "supplier %s: %s %s attempt %d failed (%s: %s); retrying in %.2fs",
                 self.supplier_id,
@@ -703,6 +740,8 @@ class SupplierClient:
         if waited:
             with self._c.lock:
                 self._c.rate_limiter_wait += waited
+                if (tally := _TALLY.get()) is not None:
+                    tally.waited += waited
 
     def _next_wait(
         self, outcome: _Transient, policy: RetryPolicy, attempts: int, slept: float
@@ -751,6 +790,8 @@ class SupplierClient:
         """Send one request and classify the answer; raises the non-retryable errors."""
         with self._c.lock:
             self._c.requests += 1
+            if (tally := _TALLY.get()) is not None:
+                tally.requests += 1
         progress = _Progress(started=self._clock())
         try:
             with (
@@ -1006,6 +1047,8 @@ class SupplierClient:
             if effective == 429:
                 with self._c.lock:
                     self._c.rate_limited += 1
+                    if (tally := _TALLY.get()) is not None:
+                        tally.throttled += 1
                 return _Transient(
                     "rate_limited",
                     SupplierRateLimited,

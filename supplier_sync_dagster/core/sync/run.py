@@ -87,6 +87,7 @@ from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
+from supplier_sync_dagster.core.supplier.client import tally_requests
 from supplier_sync_dagster.core.supplier.governor import GovernedLimiter
 from supplier_sync_dagster.core.sync.city import help_other_workers, largest_first, sync_city
 from supplier_sync_dagster.core.sync.gate import gate_for_pipeline
@@ -569,52 +570,48 @@ class _CityWorker:
         self.stop.check()  # a stopped run claims nothing more
         db, batch = self.io.db, self.plan.batch
         client = self.io.client
-        before = _counters(client)
         started = time.perf_counter()
         report = CityReport(city)
-        try:
-            while True:
-                report = CityReport(city)
-                sync_city(
-                    db,
-                    self.io.store,
-                    client,
-                    batch=batch,
-                    city_code=city,
-                    worker_id=self.worker_id,
-                    settings=self.settings,
-                    gate=self.gate,
-                    fetch=not self.request.replay,
-                    city_countries=self.plan.countries,
-                    report=report,
-                    hotel_count=self.plan.sizes.get(city),
-                    stop=self.stop,
-                )
-                if report.status != "HELD_BY_OTHER":
-                    break
-                # A cancelled shard refuses every claim too: it is not another run's.
-                if reason := cancellation(db, batch.batch_id):
-                    self.stop.cancel(reason)
-                    self.stop.check()
-                if not wait_if_held:
-                    break
-                # Another run of the batch is syncing it (it helped out, or raced): wait
-                # for its lease to end, then take the outcome or resume.
-                self.stop.sleep(HELD_POLL_SECONDS)
-        except Exception as err:  # reported as the city's outcome; the others go on
-            report.fail(err, report.error if report.status == "FAILED" else None)
-            # The summary says it once; its traceback goes with the report, to the run's log.
-            log.debug("city %r failed: %s", city, report.error, exc_info=err)
+        with tally_requests() as tally:
+            try:
+                while True:
+                    report = CityReport(city)
+                    sync_city(
+                        db,
+                        self.io.store,
+                        client,
+                        batch=batch,
+                        city_code=city,
+                        worker_id=self.worker_id,
+                        settings=self.settings,
+                        gate=self.gate,
+                        fetch=not self.request.replay,
+                        city_countries=self.plan.countries,
+                        report=report,
+                        hotel_count=self.plan.sizes.get(city),
+                        stop=self.stop,
+                    )
+                    if report.status != "HELD_BY_OTHER":
+                        break
+                    # A cancelled shard refuses every claim too: it is not another run's.
+                    if reason := cancellation(db, batch.batch_id):
+                        self.stop.cancel(reason)
+                        self.stop.check()
+                    if not wait_if_held:
+                        break
+                    # Another run of the batch is syncing it (it helped out, or raced): wait
+                    # for its lease to end, then take the outcome or resume.
+                    self.stop.sleep(HELD_POLL_SECONDS)
+            except Exception as err:  # reported as the city's outcome; the others go on
+                report.fail(err, report.error if report.status == "FAILED" else None)
+                # The summary says it once; its traceback goes with the report, to the run's log.
+                log.debug("city %r failed: %s", city, report.error, exc_info=err)
         if report.status == "ALREADY_DONE":
             report = published_report(db, batch.batch_id, city)
         outcome = CityOutcome(report, helped, seconds=time.perf_counter() - started)
         if client is not None:
-            after = _counters(client)
-            requests, throttled, retries, waited = (
-                a - b for a, b in zip(after, before, strict=True)
-            )
             outcome.supplier = SupplierUse(
-                int(requests), int(throttled), int(retries), waited, governed_rate(client)
+                tally.requests, tally.throttled, tally.retries, tally.waited, governed_rate(client)
             )
         if self.request.replay and report.status == "SUCCESS":
             outcome.resolved_dead_letters = resolve_replayed_dead_letters(
@@ -624,15 +621,6 @@ class _CityWorker:
                 city_code=city,
             )
         return outcome
-
-
-def _counters(client: SupplierClient | None) -> tuple[float, float, float, float]:
-    """The client's (requests, 429 answers, retries, seconds waited for tokens) so far."""
-    if client is None:
-        return (0, 0, 0, 0.0)
-    stats = client.stats()
-    retries = sum(stats.retries_by_reason.values())
-    return stats.requests, stats.rate_limited, retries, stats.rate_limiter_wait
 
 
 def governed_rate(client: SupplierClient | None) -> float | None:

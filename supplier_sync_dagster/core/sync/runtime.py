@@ -9,6 +9,7 @@ runs a call in a daemon thread that an earlier call left idle.
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import logging
 import multiprocessing
@@ -220,9 +221,11 @@ def in_spare_thread(fn: Callable[[], None], name: str) -> None:
     """Runs ``fn()`` in a daemon thread named ``name``, an idle one if this process has one.
 
     Daemon: a call blocked on the network never keeps the process from exiting. ``fn``
-    hands its outcome over itself (what it raises is only logged).
+    hands its outcome over itself (what it raises is only logged). It runs in the caller's
+    context (a city's request tally counts its read-ahead's requests).
     """
-    _spare_threads.run(fn, name)
+    context = contextvars.copy_context()
+    _spare_threads.run(lambda: context.run(fn), name)
 
 
 def spare_threads() -> int:

@@ -115,6 +115,29 @@ def _sync(
         )
 
 
+def test_each_city_counts_its_own_requests_while_others_share_the_client(
+    db: SyncDatabase, tmp_path: Path
+):
+    """Three cities in flight on one client (and each walk's read-ahead thread): a city's
+    figures are its own requests, not the client's totals that moved meanwhile."""
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with (
+        serve_simulator(seed=12, n_cities=6, total_hotels=1200) as (_, url),
+        _client(url) as client,
+    ):
+        cities = [c.city_code for c in client.list_cities().data.cities]
+        request = RunRequest(trigger_id="threads", source="MANUAL", cities=cities, threads=3)
+        plan = plan_run(db, store, client, request, SETTINGS)
+        before = client.stats().requests
+        outcomes = list(run_cities(db, store, client, plan, request, SETTINGS, worker_id="parent"))
+        sent = client.stats().requests - before
+    assert {o.status for o in outcomes} == {"SUCCESS"}
+    assert max(o.report.pages_fetched for o in outcomes) > 1
+    for o in outcomes:
+        assert o.supplier.requests == o.report.pages_fetched, o.city_code
+    assert sum(o.supplier.requests for o in outcomes) == sent
+
+
 def _published(db: SyncDatabase) -> dict[str, int]:
     h = schema.platform_hotel.c
     with db.engine.connect() as conn:
