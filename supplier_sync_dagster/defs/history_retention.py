@@ -13,6 +13,7 @@ from pydantic import Field
 
 from supplier_sync_dagster.core.records.history import prune_history
 from supplier_sync_dagster.core.settings import load_history_settings
+from supplier_sync_dagster.defs.accounts import CATALOG, account_scopes
 from supplier_sync_dagster.defs.city_keys import GROUP, PUBLISHED
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 from supplier_sync_dagster.defs.triggers import scheduled_asset_job
@@ -69,3 +70,15 @@ history_retention_job, history_retention_schedule = scheduled_asset_job(
     when="Daily: the publish history pruned to its retention window (as-of answers inside it "
     "stay exact).",
 )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    """The retention job; with several accounts, downstream of the one shared catalog (as the
+    search projection is), since no account is the unnamed default then."""
+    asset = publish_history_retention
+    if any(not scope.is_default for scope in account_scopes()):
+        asset = asset.map_asset_specs(lambda spec: spec.replace_attributes(deps=[CATALOG]))
+    return dg.Definitions(
+        assets=[asset], jobs=[history_retention_job], schedules=[history_retention_schedule]
+    )
