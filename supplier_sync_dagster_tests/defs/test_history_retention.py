@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -19,12 +18,7 @@ from supplier_sync_dagster.defs.history_retention import (
 )
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 from supplier_sync_dagster_tests.core.records.test_catalog import hotel, sync
-
-
-@pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SUPPLIER_SYNC_HOME", str(tmp_path / "state"))
-    return tmp_path / "state"
+from supplier_sync_dagster_tests.defs.test_outbox_assets import state  # noqa: F401 (fixture)
 
 
 def repriced(hid: str) -> dict[str, Any]:
@@ -47,8 +41,9 @@ def materialize(db_url: str, **config: Any) -> dict[str, Any]:
         return {k: v.value for k, v in mat.metadata.items()}
 
 
+@pytest.mark.usefixtures("state")
 def test_the_daily_job_prunes_superseded_versions_and_keeps_the_window(
-    db_url: str, state: Path, monkeypatch: pytest.MonkeyPatch
+    db_url: str, monkeypatch: pytest.MonkeyPatch
 ):
     db = SyncDatabase.open(db_url)
     ids = [f"H{i}" for i in range(6)]
@@ -80,7 +75,8 @@ def test_the_daily_job_prunes_superseded_versions_and_keeps_the_window(
     db.dispose()
 
 
-def test_a_mistyped_retention_is_refused_before_anything_is_pruned(db_url: str, state: Path):
+@pytest.mark.usefixtures("state")
+def test_a_mistyped_retention_is_refused_before_anything_is_pruned(db_url: str):
     with (
         dg.instance_for_test() as instance,
         pytest.raises(dg.DagsterInvalidConfigError, match="retention_days"),
