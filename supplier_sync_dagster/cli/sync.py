@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -58,6 +60,7 @@ from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope
 from supplier_sync_dagster.defs.health import run_alerts
 from supplier_sync_dagster.defs.lineage import CommandLineage
+from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import (
     PayloadStoreResource,
     SimulatedSupplierResource,
@@ -375,17 +378,31 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     scope = account_scope(args, settings)
     supplier = configured_supplier(settings, scope=scope)
     tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
-    with open_db(sync_db.db_url) as db, supplier.client() as client:
-        report = reconcile(
-            db,
-            client,
-            supplier_id=supplier.supplier_id,
-            cities=args.city,
-            tolerance=tolerance,
-            store=payloads.open(),
-            task_code=supplier.task_code,
-            walk=supplier.walk_limits(),
-        )
+    lineage = CommandLineage.of(settings)
+    compared = functools.partial(
+        lineage.command_run, [scope.key(RECONCILIATION.path[-1])], datetime.now(UTC), sync_db
+    )
+    try:
+        with open_db(sync_db.db_url) as db, supplier.client() as client:
+            report = reconcile(
+                db,
+                client,
+                supplier_id=supplier.supplier_id,
+                cities=args.city,
+                tolerance=tolerance,
+                store=payloads.open(),
+                task_code=supplier.task_code,
+                walk=supplier.walk_limits(),
+            )
+    except Exception as err:
+        compared(tags=scope.tags, error=f"{type(err).__name__}: {err}")
+        raise
+    not_compared = (
+        f"{len(report.failed)} cities could not be compared ({report.failed[0].error})"
+        if report.failed
+        else None
+    )
+    compared(tags=scope.tags, error=not_compared)
     plan = plan_repull(report, repull=not args.no_repull)
     if args.json:
         for c in report.cities:
@@ -395,7 +412,14 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     status = 0
     if plan.repull:
         summary = _full_sync(
-            args, supplier, scope, sync_db, payloads, as_json=args.json, cities=plan.repull
+            args,
+            supplier,
+            scope,
+            sync_db,
+            payloads,
+            as_json=args.json,
+            cities=plan.repull,
+            lineage=lineage,
         )
         problem = summary.problem()
         message = (
@@ -406,8 +430,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         if problem is not None:
             warn(problem)
             status = 1
-    if report.failed and status == 0:
-        warn(f"{len(report.failed)} cities could not be compared ({report.failed[0].error})")
+    if not_compared and status == 0:
+        warn(not_compared)
         status = 1
     return status
 
@@ -479,6 +503,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if not args.json:
                 print("dry run: nothing was written (replay without --dry-run to publish)")
             return 1 if missing else 0
+    try:
+        lineage: CommandLineage | None = CommandLineage.of(config.load_settings())
+    except ConfigError as err:
+        warn(f"this replay sends no OpenLineage events: {err}")
+        lineage = None
     summary = sync_runner.run_replay(
         # A replay never calls the supplier: the simulator stands in, never started.
         supplier=SimulatedSupplierResource(
@@ -492,6 +521,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         trigger_id=args.trigger_id,
         console_log_level=console_log_level(args),
         scope=scope,
+        lineage=lineage,
     )
     status = finish_sync(summary, as_json=args.json)
     return status or (1 if missing else 0)

@@ -953,12 +953,14 @@ def run_replay(
     trigger_id: str | None = None,
     console_log_level: str = "WARNING",
     scope: AccountScope = DEFAULT_SCOPE,
+    lineage: CommandLineage | None = None,
 ) -> SyncSummary:
     """Re-materializes normalized_hotels and downstream for ``cities`` from stored raw pages.
 
     Goes through Dagster like any sync: one run per city (a city need not be next to the
     others in the partition order), every run of the call sharing one replay batch.
     No supplier request is made. ``scope`` is the account whose assets are materialized.
+    Each run's OpenLineage events go out through ``lineage`` once it has ended.
     """
     sync_db = sync_db or SyncDatabaseResource()
     payloads = payloads or PayloadStoreResource()
@@ -971,6 +973,7 @@ def run_replay(
         success = True
         run_id = run_error = ""
         selection = [scope.key(k.path[-1]) for k in (NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)]
+        after = _lineage_after(instance, lineage, sync_db, selection)
         for key in keys:
             result = dg.materialize(
                 [build_city_sync(scope)],
@@ -984,6 +987,8 @@ def run_replay(
             )
             success = success and result.success
             run_id = result.run_id
+            if after is not None:
+                after(result)
             if not (result.success or run_error):
                 run_error = run_failure(result)
         db = SyncDatabase.open(sync_db.db_url)

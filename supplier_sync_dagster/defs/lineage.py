@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -293,6 +294,41 @@ class CommandLineage:
             assets=assets,
             error=error,
             settings=self.settings,
+        )
+
+    def command_run(
+        self,
+        assets: Collection[dg.AssetKey],
+        started: datetime,
+        sync_db: SyncDatabaseResource,
+        *,
+        tags: Mapping[str, str],
+        error: str | None = None,
+    ) -> int:
+        """Sends START (at ``started``) and COMPLETE, or FAIL with ``error``, now, of work the
+        command did outside any Dagster run (a reconciliation's comparison) on the datasets of
+        ``assets``: a run of its own, under the job that runs those assets."""
+        facts = RunFacts(
+            run_id=str(uuid.uuid4()),
+            job_name=job_name("__command", assets),
+            assets=frozenset(key.path[-1] for key in assets),
+            error=error,
+            tags=dict(tags),
+        )
+        moments: tuple[tuple[EventType, datetime], ...] = (
+            ("START", started),
+            ("FAIL" if error else "COMPLETE", datetime.now(UTC)),
+        )
+        return sum(
+            emit_run_event(
+                event_type,
+                facts,
+                lineage=self.lineage,
+                sync_db=sync_db,
+                event_time=at,
+                settings=self.settings,
+            )
+            for event_type, at in moments
         )
 
 

@@ -11,12 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from supplier_sync_dagster.cli import main as cli
 from supplier_sync_dagster.core.lineage.emit import LineageEmitter
 from supplier_sync_dagster.core.settings import Settings, env_name
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.simulator import FaultProfile, Simulator, running_server
+from supplier_sync_dagster_tests.cli.test_main import query
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, Receiver, free_port, make_simulator
 from supplier_sync_dagster_tests.openlineage_schema import validate_run_event
 
@@ -172,3 +175,57 @@ def test_an_incremental_window_is_its_jobs_run_reading_the_change_feed(
         "supplier_sync_hotel_mapping",
         "supplier_sync_outbox",
     ]
+
+
+def _events(home: Path) -> list[dict[str, Any]]:
+    events = [
+        json.loads(line) for line in (home / "lineage" / "events.jsonl").read_text().splitlines()
+    ]
+    for event in events:
+        validate_run_event(event)
+    return events
+
+
+def test_a_replay_and_a_reconciliation_with_its_re_pull_send_their_runs_events(
+    db_url: str, home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A replay's runs read the raw snapshot store; a reconciliation is a run of its own job
+    reading the city summaries and the catalog, and its re-pull the sync job's run; a
+    reconciliation whose supplier cannot be reached ends FAIL with the cause."""
+    sim = simulator()
+    assert sync(db_url, sim, "night-1", monkeypatch) == 0
+    h = schema.platform_hotel.c
+    (city,), *_ = query(db_url, sa.select(h.city_code))
+    lost = [r for (r,) in query(db_url, sa.select(h.resource_id).where(h.city_code == city))]
+    assert cli.main(["--db-url", db_url, "replay", "--city", str(city)]) == 0
+    db = SyncDatabase.open(db_url)
+    with db.begin() as conn:
+        conn.execute(sa.delete(schema.platform_hotel).where(h.resource_id.in_(lost[:9])))
+    db.dispose()
+    with running_server(sim) as url:
+        monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", url)
+        assert cli.main(["--db-url", db_url, "reconcile"]) == 0
+    monkeypatch.setenv("SUPPLIER_SYNC_SUPPLIER_URL", f"http://127.0.0.1:{free_port()}")
+    assert cli.main(["--db-url", db_url, "reconcile", "--no-repull"]) == 1
+
+    events = _events(home)[2:]
+    assert [(e["eventType"], e["job"]["name"]) for e in events] == [
+        ("START", "full_sync_job"),  # the replay
+        ("COMPLETE", "full_sync_job"),
+        ("START", "hotel_catalog_reconciliation"),
+        ("COMPLETE", "hotel_catalog_reconciliation"),
+        ("START", "full_sync_job"),  # the re-pull of the city that lost hotels
+        ("COMPLETE", "full_sync_job"),
+        ("START", "hotel_catalog_reconciliation"),
+        ("FAIL", "hotel_catalog_reconciliation"),
+    ]
+    replay, _, compared, compared_end, _, repull, _, failed = events
+    assert [d["name"] for d in replay["inputs"]] == [
+        next(d["name"] for d in repull["outputs"] if d["namespace"].startswith("file"))
+    ]
+    assert compared["run"]["runId"] == compared_end["run"]["runId"]
+    assert {d["name"].rsplit(".", 1)[-1] for d in compared_end["inputs"]} >= {
+        "platform_hotel_resource"
+    }
+    assert compared_end["outputs"] == []
+    assert "could not be compared" in failed["run"]["facets"]["errorMessage"]["message"]
