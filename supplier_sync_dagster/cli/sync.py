@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import sys
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -379,30 +378,22 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     supplier = configured_supplier(settings, scope=scope)
     tolerance = Tolerance(args.absolute, args.relative, args.max_lag_hours * 3600)
     lineage = CommandLineage.of(settings)
-    compared = functools.partial(
-        lineage.command_run, [scope.key(RECONCILIATION.path[-1])], datetime.now(UTC), sync_db
-    )
-    try:
-        with open_db(sync_db.db_url) as db, supplier.client() as client:
-            report = reconcile(
-                db,
-                client,
-                supplier_id=supplier.supplier_id,
-                cities=args.city,
-                tolerance=tolerance,
-                store=payloads.open(),
-                task_code=supplier.task_code,
-                walk=supplier.walk_limits(),
+    compared = lineage.command_run([scope.key(RECONCILIATION.path[-1])], sync_db, scope.tags)
+    with compared as run, open_db(sync_db.db_url) as db, supplier.client() as client:
+        report = reconcile(
+            db,
+            client,
+            supplier_id=supplier.supplier_id,
+            cities=args.city,
+            tolerance=tolerance,
+            store=payloads.open(),
+            task_code=supplier.task_code,
+            walk=supplier.walk_limits(),
+        )
+        if report.failed:
+            run.error = (
+                f"{len(report.failed)} cities could not be compared ({report.failed[0].error})"
             )
-    except Exception as err:
-        compared(tags=scope.tags, error=f"{type(err).__name__}: {err}")
-        raise
-    not_compared = (
-        f"{len(report.failed)} cities could not be compared ({report.failed[0].error})"
-        if report.failed
-        else None
-    )
-    compared(tags=scope.tags, error=not_compared)
     plan = plan_repull(report, repull=not args.no_repull)
     if args.json:
         for c in report.cities:
@@ -411,16 +402,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         _print_reconciliation(report, plan)
     status = 0
     if plan.repull:
-        summary = _full_sync(
-            args,
-            supplier,
-            scope,
-            sync_db,
-            payloads,
-            as_json=args.json,
-            cities=plan.repull,
-            lineage=lineage,
-        )
+        repull = functools.partial(_full_sync, args, supplier, scope, sync_db, payloads)
+        summary = repull(as_json=args.json, cities=plan.repull, lineage=lineage)
         problem = summary.problem()
         message = (
             f"re-pulled {summary.cities_done} of {len(plan.repull)} cities in batch "
@@ -430,8 +413,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         if problem is not None:
             warn(problem)
             status = 1
-    if not_compared and status == 0:
-        warn(not_compared)
+    if run.error and status == 0:
+        warn(run.error)
         status = 1
     return status
 
@@ -515,11 +498,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
             supplier_id=task.supplier_id,
             account=None if scope.account is None else scope.account.code,
         ),
+        console_log_level=console_log_level(args),
         cities=cities,
         sync_db=sync_db,
         payloads=payloads,
         trigger_id=args.trigger_id,
-        console_log_level=console_log_level(args),
         scope=scope,
         lineage=lineage,
     )

@@ -15,10 +15,11 @@ run has ended, each with the time Dagster recorded for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -296,40 +297,44 @@ class CommandLineage:
             settings=self.settings,
         )
 
+    @contextlib.contextmanager
     def command_run(
         self,
         assets: Collection[dg.AssetKey],
-        started: datetime,
         sync_db: SyncDatabaseResource,
-        *,
         tags: Mapping[str, str],
-        error: str | None = None,
-    ) -> int:
-        """Sends START (at ``started``) and COMPLETE, or FAIL with ``error``, now, of work the
-        command did outside any Dagster run (a reconciliation's comparison) on the datasets of
-        ``assets``: a run of its own, under the job that runs those assets."""
-        facts = RunFacts(
-            run_id=str(uuid.uuid4()),
-            job_name=job_name("__command", assets),
-            assets=frozenset(key.path[-1] for key in assets),
-            error=error,
-            tags=dict(tags),
-        )
-        moments: tuple[tuple[EventType, datetime], ...] = (
-            ("START", started),
-            ("FAIL" if error else "COMPLETE", datetime.now(UTC)),
-        )
-        return sum(
-            emit_run_event(
-                event_type,
-                facts,
-                lineage=self.lineage,
-                sync_db=sync_db,
-                event_time=at,
-                settings=self.settings,
+    ) -> Iterator[CommandRun]:
+        """Work the command does outside any Dagster run (a reconciliation's comparison) on the
+        datasets of ``assets``, as a run of its own under the job that runs those assets: START
+        when it begins, COMPLETE when it ends, FAIL with the error it raised or was given."""
+        started = datetime.now(UTC)
+        run = CommandRun(str(uuid.uuid4()))
+        try:
+            yield run
+        except Exception as err:
+            run.error = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            facts = RunFacts(
+                run_id=run.run_id,
+                job_name=job_name("__command", assets),
+                assets=frozenset(key.path[-1] for key in assets),
+                error=run.error,
+                tags=dict(tags),
             )
-            for event_type, at in moments
-        )
+            send = functools.partial(
+                emit_run_event, facts=facts, lineage=self.lineage, sync_db=sync_db
+            )
+            send("START", event_time=started, settings=self.settings)
+            send("FAIL" if run.error else "COMPLETE", event_time=datetime.now(UTC))
+
+
+@dataclass
+class CommandRun:
+    """A command's own run (:meth:`CommandLineage.command_run`): its id, and why it failed."""
+
+    run_id: str
+    error: str | None = None
 
 
 def _context_assets(context: dg.RunStatusSensorContext) -> Collection[dg.AssetKey]:
