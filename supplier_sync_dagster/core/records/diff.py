@@ -71,6 +71,8 @@ class Candidate:
         fingerprint: sha256 of its canonical JSON.
         raw_payload_ref: The raw page it came from (traceability).
         raw_payload_hash: sha256 of that page.
+        canonical: The canonical JSON ``fingerprint`` hashes, when the caller had it (the
+            publish history stores it without encoding the document again).
         supplier_hotel_id: The supplier's hotel id (from ``doc``).
         version: The supplier's version of this hotel (from ``doc``).
     """
@@ -79,6 +81,7 @@ class Candidate:
     fingerprint: str
     raw_payload_ref: str | None = None
     raw_payload_hash: str | None = None
+    canonical: bytes | None = field(default=None, repr=False, compare=False)
     # Read from the document once: a publish reads them several times per hotel (and
     # Python 3.11's ``cached_property`` takes a lock on each first read).
     supplier_hotel_id: str = field(init=False, repr=False, compare=False)

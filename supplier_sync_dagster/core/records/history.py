@@ -33,7 +33,7 @@ from supplier_sync_dagster.core.errors import (
     InvalidTimestamp,
     NotPublishedThen,
 )
-from supplier_sync_dagster.core.records.diff import load_published
+from supplier_sync_dagster.core.records.diff import Candidate, load_published
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.records.normalize import canonical_dumps, loads_canonical
 from supplier_sync_dagster.core.store import schema
@@ -76,12 +76,21 @@ class VersionRecord:
     batch_id: str
     raw_payload_hash: str | None
     document: Mapping[str, Any]
+    stored: tuple[str, bytes] | None = None  # the document's (hash, bytes), when made before
 
 
 def document_bytes(document: Mapping[str, Any]) -> tuple[str, bytes]:
     """The document's content address (sha256 of its canonical JSON) and stored bytes."""
     canonical = canonical_dumps(document)
     return hashlib.sha256(canonical).hexdigest(), zlib.compress(canonical, _ZLIB_LEVEL)
+
+
+def candidate_document(cand: Candidate) -> tuple[str, bytes]:
+    """:func:`document_bytes` of a candidate's document: its fingerprint is the sha256 of the
+    canonical JSON it came with, which is compressed as it stands."""
+    if cand.canonical is None:
+        return document_bytes(cand.doc)
+    return cand.fingerprint, zlib.compress(cand.canonical, _ZLIB_LEVEL)
 
 
 def decode_document(stored: bytes) -> dict[str, Any]:
@@ -107,7 +116,7 @@ def record_versions(conn: Connection, records: Sequence[VersionRecord], *, at: A
     documents: dict[str, bytes] = {}
     rows = []
     for r in records:
-        digest, body = document_bytes(r.document)
+        digest, body = r.stored or document_bytes(r.document)
         documents.setdefault(digest, body)
         rows.append(
             (

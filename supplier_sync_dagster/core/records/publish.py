@@ -14,7 +14,7 @@ import functools
 import hashlib
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -27,7 +27,11 @@ from sqlalchemy.engine import Connection
 from supplier_sync_dagster.core.outbox.machine import PUBLISHED, first_stage
 from supplier_sync_dagster.core.records.deadletters import hotel_subject, resolve_subjects
 from supplier_sync_dagster.core.records.diff import CONTENT_FIELDS, Candidate, HotelDiff
-from supplier_sync_dagster.core.records.history import VersionRecord, record_versions
+from supplier_sync_dagster.core.records.history import (
+    VersionRecord,
+    candidate_document,
+    record_versions,
+)
 from supplier_sync_dagster.core.records.mapping import chunks
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import (
@@ -172,6 +176,9 @@ class PublishPlan:
     events: dict[int, list[tuple[Any, ...]]]  # by resource id
     expected: dict[int, tuple[int, int]]  # resource id -> (publish version, supplier version)
     rows: Mapping[str, CandidateRows]  # the candidates' rows it was built from
+    # resource id -> the history's (document hash, compressed document): made before the
+    # transaction, so that a SQLite write lock is not held while it compresses.
+    documents: dict[int, tuple[str, bytes]] = field(default_factory=dict)
 
 
 def prepare_publish(
@@ -198,6 +205,7 @@ def prepare_publish(
         rid = d.platform_resource_id
         own = rows[c.supplier_hotel_id]
         versions = plan.expected[rid] = ((d.old_publish_version or 0) + 1, c.version)
+        plan.documents[rid] = candidate_document(c)
         plan.hotel_rows.append((rid, *own.hotel))
         plan.offer_rows[rid] = _offer_rows(rid, own, versions)
         plan.events[rid] = _hotel_events(batch_id, d, c, versions)
@@ -282,7 +290,7 @@ def publish_hotels(
     write_events(conn, events, batch_id=batch_id, at=now)
     record_versions(
         conn,
-        [_version(supplier_id, batch_id, d, c, written[d.platform_resource_id]) for d, c in done],
+        [_version(supplier_id, batch_id, d, c, written, plan.documents) for d, c in done],
         at=now,
     )
     published = [
@@ -304,9 +312,15 @@ def publish_hotels(
 
 
 def _version(
-    supplier_id: int, batch_id: str, diff: HotelDiff, cand: Candidate, versions: tuple[int, int]
+    supplier_id: int,
+    batch_id: str,
+    diff: HotelDiff,
+    cand: Candidate,
+    written: Mapping[int, tuple[int, int]],
+    documents: Mapping[int, tuple[str, bytes]],
 ) -> VersionRecord:
     """The history row of a version this call wrote: the candidate's document as published."""
+    versions = written[diff.platform_resource_id]
     return VersionRecord(
         resource_id=diff.platform_resource_id,
         supplier_id=supplier_id,
@@ -319,6 +333,7 @@ def _version(
         batch_id=batch_id,
         raw_payload_hash=cand.raw_payload_hash,
         document=cand.doc,
+        stored=documents.get(diff.platform_resource_id),
     )
 
 

@@ -432,7 +432,9 @@ class Normalizer:
         if self.on_kept is not None or self.candidates is not None:
             docs = kept if kept is not None else [loads_canonical(line) for line in lines]
             kept_chunk.extend(
-                Candidate(doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash)
+                Candidate(
+                    doc, hashlib.sha256(line).hexdigest(), raw.payload_ref, raw.payload_hash, line
+                )
                 for doc, line in zip(docs, lines, strict=True)
             )
         if self.writer is not None:
@@ -617,7 +619,7 @@ def _normalized_chunks(
         for line in store.get(row.payload_ref).split(b"\n"):
             if line:
                 fp = hashlib.sha256(line).hexdigest()
-                chunk.append(Candidate(loads_canonical(line), fp, raw_ref, raw_hash))
+                chunk.append(Candidate(loads_canonical(line), fp, raw_ref, raw_hash, line))
         if len(chunk) >= chunk_hotels:
             yield chunk
             chunk = []
