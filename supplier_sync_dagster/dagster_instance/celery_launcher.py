@@ -47,14 +47,16 @@ from dagster._serdes import ConfigurableClassData, serialize_value, unpack_value
 from dagster_celery.config import DEFAULT_CONFIG, TASK_EXECUTE_JOB_NAME
 from dagster_celery.launcher import CeleryRunLauncher
 from dagster_celery.make_app import make_app
-from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID_TAG
 from kombu import Queue
 
 from supplier_sync_dagster.core.errors import ConfigError
+from supplier_sync_dagster.dagster_instance.run_launcher import HOUSEKEEPING_TAGS
 
 BROKER_ENV = "SUPPLIER_SYNC_CELERY_BROKER_URL"
 BACKEND_ENV = "SUPPLIER_SYNC_CELERY_BACKEND_URL"
 QUEUE_ENV = "SUPPLIER_SYNC_CELERY_QUEUE"
+HOUSEKEEPING_QUEUE_ENV = "SUPPLIER_SYNC_CELERY_HOUSEKEEPING_QUEUE"
 QUEUE = "dagster"
 DEFAULT_PING_TIMEOUT_SECONDS = 5.0
 
@@ -84,6 +86,7 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
         config_source: dict[str, Any] | None = None,
         inst_data: ConfigurableClassData | None = None,
         ping_timeout_seconds: float = DEFAULT_PING_TIMEOUT_SECONDS,
+        housekeeping_queue: str | None = None,
     ) -> None:
         if backend is None or backend.startswith("rpc"):
             raise ConfigError(
@@ -95,7 +98,13 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
             raise ConfigError(
                 f"ping_timeout_seconds must be in (0, 300], not {ping_timeout_seconds}"
             )
+        if housekeeping_queue == default_queue:
+            raise ConfigError(
+                f"housekeeping_queue {housekeeping_queue!r} is the default queue: name "
+                "another one, or leave it unset to run housekeeping on the sync hosts"
+            )
         self.ping_timeout_seconds = ping_timeout_seconds
+        self.housekeeping_queue = housekeeping_queue or None
         super().__init__(
             default_queue=default_queue,
             broker=broker,
@@ -104,11 +113,12 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
             config_source={**WORKER_CONFIG, **(config_source or {})},
             inst_data=inst_data,
         )
-        use_queue(self.celery, default_queue)
+        use_queue(self.celery, default_queue, self.housekeeping_queue)
 
     @classmethod
     def config_type(cls) -> UserConfigSchema:
-        """``CeleryRunLauncher``'s fields plus ``ping_timeout_seconds``."""
+        """``CeleryRunLauncher``'s fields plus ``ping_timeout_seconds`` and
+        ``housekeeping_queue``."""
         base = dict(CeleryRunLauncher.config_type())  # type: ignore[arg-type]
         base["ping_timeout_seconds"] = dg.Field(
             float,
@@ -116,7 +126,29 @@ class HostCeleryRunLauncher(CeleryRunLauncher):
             default_value=DEFAULT_PING_TIMEOUT_SECONDS,
             description="How long a worker host may take to answer the health check's ping.",
         )
+        base["housekeeping_queue"] = dg.Field(
+            dg.Noneable(dg.StringSource),
+            is_required=False,
+            default_value=None,
+            description="The queue of housekeeping runs (outbox, health, summaries, "
+            "retention, reconciliation, operator actions); unset: the default queue.",
+        )
         return base
+
+    def _launch_celery_task_run(
+        self, run: dg.DagsterRun, task_signature: Any, routing_key: str
+    ) -> None:
+        """Sends a housekeeping run to the housekeeping queue (unless its tags name a queue),
+        so that it never waits behind, nor holds up, a host's city syncs."""
+        if (
+            self.housekeeping_queue is not None
+            and DAGSTER_CELERY_QUEUE_TAG not in run.tags
+            and all(run.tags.get(k) == v for k, v in HOUSEKEEPING_TAGS.items())
+        ):
+            routed = {DAGSTER_CELERY_QUEUE_TAG: self.housekeeping_queue}
+            self._instance.add_run_tags(run.run_id, routed)
+            run = run.with_tags({**run.tags, **routed})
+        super()._launch_celery_task_run(run, task_signature, routing_key)
 
     @classmethod
     def from_config_value(
@@ -189,11 +221,15 @@ def worker_answers(app: Celery, node: str, timeout: float) -> bool:
     return any(node in reply for reply in replies or [])
 
 
-def use_queue(app: Celery, queue: str) -> None:
+def use_queue(app: Celery, queue: str, housekeeping: str | None = None) -> None:
     """Routes the run task to ``queue`` (dagster-celery's app knows only ``dagster``): one
-    broker can then serve several deployments, each with its own queue and workers."""
+    broker can then serve several deployments, each with its own queue and workers. The
+    ``housekeeping`` queue is declared too: a worker host consumes the queues its ``-Q``
+    names."""
     app.conf.task_queues = [
-        Queue(queue, routing_key=f"{queue}.#", queue_arguments={"x-max-priority": 10})
+        Queue(name, routing_key=f"{name}.#", queue_arguments={"x-max-priority": 10})
+        for name in (queue, housekeeping)
+        if name
     ]
     app.conf.task_default_queue = queue
     app.conf.task_routes = {
@@ -205,8 +241,9 @@ def worker_app(env: Mapping[str, str] | None = None) -> Celery:
     """The Celery app of a worker host: the launcher's broker, backend and queue, the run task.
 
     Args:
-        env: Where ``SUPPLIER_SYNC_CELERY_BROKER_URL``, ``_BACKEND_URL`` and ``_QUEUE``
-            (unset: ``dagster``) are read (the process's environment by default).
+        env: Where ``SUPPLIER_SYNC_CELERY_BROKER_URL``, ``_BACKEND_URL``, ``_QUEUE``
+            (unset: ``dagster``) and ``_HOUSEKEEPING_QUEUE`` are read (the process's
+            environment by default).
 
     Raises:
         ConfigError: The broker or the backend is not set.
@@ -219,6 +256,7 @@ def worker_app(env: Mapping[str, str] | None = None) -> Celery:
             f"{BACKEND_ENV} (redis://host:6379/1), the launcher's broker and backend"
         )
     queue = source.get(QUEUE_ENV) or QUEUE
+    housekeeping = source.get(HOUSEKEEPING_QUEUE_ENV) or None
     app = make_app(
         app_args={
             "broker": broker,
@@ -228,7 +266,7 @@ def worker_app(env: Mapping[str, str] | None = None) -> Celery:
             "task_default_queue": queue,
         }
     )
-    use_queue(app, queue)
+    use_queue(app, queue, housekeeping)
     register_run_task(app)
     return app
 

@@ -30,6 +30,10 @@ from supplier_sync_dagster.core.leasing.processes import pid_is_dead_here, this_
 # The host a run's worker process runs on, when known: set by the launcher for workers of
 # a code server it started itself, and by the CLI for the run it executes in its process.
 WORKER_HOST_TAG = "supplier_sync/worker_host"
+# The kind of work of a job's runs: housekeeping (the outbox, health, summaries, retention,
+# reconciliation, operator actions) may go to worker hosts of its own, off the city syncs'.
+WORK_TAG = "supplier_sync/work"
+HOUSEKEEPING_TAGS = {WORK_TAG: "housekeeping"}
 
 
 class LocalRunLauncher(dg.DefaultRunLauncher):

@@ -32,7 +32,7 @@ from supplier_sync_dagster.defs.city_keys import FRESHNESS_CHECK, PUBLISHED
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.defs.reconciliation import RECONCILIATION
 from supplier_sync_dagster.defs.resources import SupplierResource, SyncDatabaseResource
-from supplier_sync_dagster.defs.triggers import BACKFILL_TAG, TRIGGER_TAG, account_job, every
+from supplier_sync_dagster.defs.triggers import BACKFILL_TAG, TRIGGER_TAG, every, housekeeping_job
 
 HEALTH = dg.AssetKey("sync_health")
 EVENTS_PER_TRANSACTION = 250
@@ -115,7 +115,7 @@ def _health(
     yield dg.MaterializeResult(metadata={**health_metadata(health), "cities_over_sla": stale})
 
 
-build_sync_health_job = account_job(
+build_sync_health_job = housekeeping_job(
     "sync_health_job", HEALTH, "Compute the sync's health figures and each city's freshness."
 )
 

@@ -29,6 +29,7 @@ from supplier_sync_dagster.core.repair.compensation import fix_dead_letter
 from supplier_sync_dagster.core.store.audit import Identity, process_identity, require_who_and_why
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.sync.tasks import change_task
+from supplier_sync_dagster.dagster_instance.run_launcher import HOUSEKEEPING_TAGS
 from supplier_sync_dagster.defs.resources import (
     GovernanceResource,
     PayloadStoreResource,
@@ -380,7 +381,11 @@ cancel_outbox_events = _outbox_op("cancel", "READY or FAILED outbox events stop 
 
 
 def _job(name: str, op: dg.OpDefinition, description: str) -> dg.JobDefinition:
-    @dg.job(name=name, description=description, tags={"supplier_sync/kind": "operator_action"})
+    @dg.job(
+        name=name,
+        description=description,
+        tags={"supplier_sync/kind": "operator_action", **HOUSEKEEPING_TAGS},
+    )
     def action() -> None:
         op()
 

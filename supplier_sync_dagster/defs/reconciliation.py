@@ -33,7 +33,7 @@ from supplier_sync_dagster.defs.resources import (
     SupplierResource,
     SyncDatabaseResource,
 )
-from supplier_sync_dagster.defs.triggers import account_job, every
+from supplier_sync_dagster.defs.triggers import every, housekeeping_job
 
 RECONCILIATION = dg.AssetKey("hotel_catalog_reconciliation")
 REPULL = "repull_cities"
@@ -166,7 +166,7 @@ def _previous_repull(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[str
     return [str(c) for c in data] if isinstance(data, list) else []
 
 
-build_reconciliation_job = account_job(
+build_reconciliation_job = housekeeping_job(
     "catalog_reconciliation_job",
     RECONCILIATION,
     "Compare every city's supplier summary with the catalog.",

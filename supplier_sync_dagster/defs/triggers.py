@@ -24,6 +24,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import PayloadStore
 from supplier_sync_dagster.core.supplier import SupplierClient
 from supplier_sync_dagster.core.sync.model import SyncSettings
+from supplier_sync_dagster.dagster_instance.run_launcher import HOUSEKEEPING_TAGS
 from supplier_sync_dagster.defs.accounts import AccountScope
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource, SyncResources
 
@@ -186,6 +187,8 @@ def account_job(
     asset: dg.AssetKey,
     description: str,
     task: Callable[[AccountScope], str] | None = None,
+    *,
+    housekeeping: bool = False,
 ) -> Callable[[AccountScope], Any]:
     """The builder of an account's job that materializes its own ``asset``, one job per
     account: named ``name`` in the account's namespace, with the account's run tags.
@@ -195,11 +198,14 @@ def account_job(
         asset: The asset it materializes (the default account's key).
         description: What the job does, for the UI.
         task: The account's task its runs are tagged with (one run per task at a time).
+        housekeeping: Its runs are housekeeping (``HOUSEKEEPING_TAGS``), not a sync.
     """
 
     @functools.cache
     def build(scope: AccountScope) -> Any:
         tags = {} if task is None else {TASK_TAG: task(scope)}
+        if housekeeping:
+            tags.update(HOUSEKEEPING_TAGS)
         return dg.define_asset_job(
             scope.name(name),
             selection=dg.AssetSelection.assets(scope.key(asset.path[-1])),
@@ -210,10 +216,15 @@ def account_job(
     return build
 
 
+# An account's housekeeping job (:func:`account_job`): its runs are tagged as such.
+housekeeping_job = functools.partial(account_job, housekeeping=True)
+
+
 def scheduled_asset_job(
     asset: Any, name: str, description: str, *, schedule: str, cron: str, when: str
 ) -> tuple[Any, dg.ScheduleDefinition]:
-    """A job that materializes ``asset``, and its schedule (:func:`every`).
+    """A housekeeping job (``HOUSEKEEPING_TAGS``) that materializes ``asset``, and its
+    schedule (:func:`every`).
 
     Args:
         asset: The asset (its definition or key).
@@ -224,7 +235,10 @@ def scheduled_asset_job(
         when: What the schedule does, for the UI.
     """
     job = dg.define_asset_job(
-        name, selection=dg.AssetSelection.assets(asset), description=description
+        name,
+        selection=dg.AssetSelection.assets(asset),
+        description=description,
+        tags=HOUSEKEEPING_TAGS,
     )
     return job, every(job, schedule, cron, when)
 

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import dagster as dg
 import pytest
 from dagster._core.launcher import WorkerStatus
 from dagster_celery.launcher import CeleryRunLauncher
-from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID_TAG
 
 from supplier_sync_dagster.core.errors import ConfigError
 from supplier_sync_dagster.dagster_instance.celery_launcher import (
     BACKEND_ENV,
     BROKER_ENV,
+    HOUSEKEEPING_QUEUE_ENV,
     QUEUE_ENV,
     BrokerUnreachable,
     HostCeleryRunLauncher,
     worker_answers,
     worker_app,
 )
+from supplier_sync_dagster.dagster_instance.run_launcher import HOUSEKEEPING_TAGS
 
 pytestmark = pytest.mark.redis
 
@@ -164,3 +168,66 @@ def test_the_worker_app_takes_the_launcher_s_settings(amqp_url: str, redis_url: 
         app.close()
     with pytest.raises(ConfigError, match=BROKER_ENV):
         worker_app({BACKEND_ENV: redis_url})
+
+
+class _Signature:
+    """A run task's signature that records where it was sent instead of sending it."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def apply_async(self, **kwargs: Any) -> Any:
+        self.sent.append(kwargs)
+        return SimpleNamespace(task_id=uuid.uuid4().hex)
+
+
+@pytest.mark.parametrize("housekeeping_queue", [True, False], ids=["own-queue", "unset"])
+def test_housekeeping_runs_go_to_their_own_queue_and_the_syncs_stay_on_theirs(
+    amqp_url: str, redis_url: str, housekeeping_queue: bool
+):
+    queue = f"sst-{uuid.uuid4().hex[:8]}"
+    own = f"{queue}-housekeeping" if housekeeping_queue else None
+    launcher = HostCeleryRunLauncher(
+        default_queue=queue, broker=amqp_url, backend=redis_url, housekeeping_queue=own
+    )
+    cases = {
+        "housekeeping": (HOUSEKEEPING_TAGS, own or queue),
+        "sync": ({}, queue),
+        # A queue the run names itself wins (dagster-celery's own tag).
+        "named": ({**HOUSEKEEPING_TAGS, DAGSTER_CELERY_QUEUE_TAG: "chosen"}, "chosen"),
+    }
+    try:
+        with dg.instance_for_test() as instance:
+            launcher.register_instance(instance)
+            for name, (tags, expected) in cases.items():
+                run = instance.add_run(
+                    dg.DagsterRun(job_name=name, run_id=uuid.uuid4().hex, tags=tags)
+                )
+                signature = _Signature()
+                launcher._launch_celery_task_run(run, signature, "execute_job")
+                (sent,) = signature.sent
+                assert (sent["queue"], sent["routing_key"]) == (
+                    expected,
+                    f"{expected}.execute_job",
+                ), name
+                stored = instance.get_run_by_id(run.run_id)
+                assert stored is not None
+                assert stored.tags.get(DAGSTER_CELERY_QUEUE_TAG) == tags.get(
+                    DAGSTER_CELERY_QUEUE_TAG, own if name == "housekeeping" else None
+                ), name
+    finally:
+        launcher.celery.close()
+    with pytest.raises(ConfigError, match="is the default queue"):
+        HostCeleryRunLauncher(
+            default_queue=queue, broker=amqp_url, backend=redis_url, housekeeping_queue=queue
+        )
+
+
+def test_the_worker_app_declares_the_housekeeping_queue(amqp_url: str, redis_url: str):
+    env = {BROKER_ENV: amqp_url, BACKEND_ENV: redis_url, QUEUE_ENV: "q3"}
+    app = worker_app({**env, HOUSEKEEPING_QUEUE_ENV: "q3-housekeeping"})
+    try:
+        assert [q.name for q in app.conf.task_queues] == ["q3", "q3-housekeeping"]
+        assert app.conf.task_routes["execute_job"]["queue"] == "q3"
+    finally:
+        app.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
+from supplier_sync_dagster.dagster_instance.run_launcher import WORK_TAG
 from supplier_sync_dagster.definitions import defs
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
 
@@ -70,6 +71,27 @@ def _check(loaded: dg.Definitions) -> None:
     # Lineage: catalog -> search.
     projection = graph.get(dg.AssetKey("hotel_search_projection"))
     assert dg.AssetKey("published_hotels") in projection.parent_keys
+
+
+def test_housekeeping_jobs_and_only_they_are_tagged_as_such():
+    """The multi-host launcher sends these to the housekeeping queue; syncs stay on theirs."""
+    with dg.instance_for_test():
+        repo = defs().get_repository_def()
+    work = {job.name: job.tags.get(WORK_TAG) for job in repo.get_all_jobs()}
+    housekeeping = {name for name, kind in work.items() if kind == "housekeeping"}
+    assert housekeeping >= {
+        "outbox_dispatch_job",
+        "projection_reconciliation_job",
+        "summarize_dead_letters",
+        "history_retention_job",
+        "sync_health_job",
+        "catalog_reconciliation_job",
+        "dead_letter_retry",
+        "review_approve",
+    }
+    syncs = {"full_sync_job", "incremental_sync", "compensate_dead_letters"}
+    assert syncs <= set(work) and not syncs & housekeeping
+    assert set(work.values()) <= {"housekeeping", None}
 
 
 def test_a_backfill_runs_its_cities_per_run_as_set(monkeypatch: pytest.MonkeyPatch):

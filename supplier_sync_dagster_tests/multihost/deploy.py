@@ -129,6 +129,7 @@ def deployment(
     hosts: Sequence[str],
     runs_per_host: int = 1,
     namespaces: bool = False,
+    queues: Mapping[str, Sequence[str]] | None = None,
     **simulator: Any,
 ) -> Iterator[Deployment]:
     """A deployment of the celery profile for one test (see the module's docstring).
@@ -141,6 +142,8 @@ def deployment(
         runs_per_host: Runs each worker host executes at once (``celery worker -c``).
         namespaces: Each worker host in a network namespace of its own (``netns.py``),
             reaching every service, the simulator and S3 only through its forwarders.
+        queues: The queues a host takes runs from, by host name (``"sync"``, its
+            ``SUPPLIER_SYNC_CELERY_QUEUE``, and ``"housekeeping"``); unset: both.
         **simulator: The simulator's settings (seed, n_cities, total_hotels...).
     """
     dagster_url, sync_url = services.databases
@@ -171,6 +174,7 @@ def deployment(
             "SUPPLIER_SYNC_CELERY_BROKER_URL": amqp_url,
             "SUPPLIER_SYNC_CELERY_BACKEND_URL": redis_url,
             "SUPPLIER_SYNC_CELERY_QUEUE": queue,
+            "SUPPLIER_SYNC_CELERY_HOUSEKEEPING_QUEUE": f"{queue}-housekeeping",
             **settings,
         }
         control = profile_env(
@@ -198,7 +202,11 @@ def deployment(
 
                 ns = stack.enter_context(Namespace(name.replace("-", "_")))
                 prefix, host_env = ns.prefix, through(env, ns.url_host)
-            workers.append(WorkerHost(name, root / "hosts" / name, host_env, prefix, runs_per_host))
+            named = {"sync": queue, "housekeeping": env["SUPPLIER_SYNC_CELERY_HOUSEKEEPING_QUEUE"]}
+            own = [named[q] for q in (queues or {}).get(name, ())] or None
+            workers.append(
+                WorkerHost(name, root / "hosts" / name, host_env, prefix, runs_per_host, own)
+            )
         try:
             for worker in workers:
                 worker.start()

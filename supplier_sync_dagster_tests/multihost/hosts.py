@@ -26,6 +26,7 @@ from pathlib import Path
 from celery import Celery
 
 from supplier_sync_dagster.dagster_instance.celery_launcher import (
+    HOUSEKEEPING_QUEUE_ENV,
     QUEUE,
     QUEUE_ENV,
     BrokerUnreachable,
@@ -48,6 +49,8 @@ class WorkerHost:
             ``DAGSTER_MYSQL_URL``); the host adds its own name and folders.
         prefix: What its command is wrapped in (a network namespace), if anything.
         concurrency: Runs it executes at once (Celery pool processes).
+        queues: The queues it takes runs from (``celery worker -Q``); None: the sync runs'
+            and the housekeeping runs' queues of ``env``.
     """
 
     name: str
@@ -55,6 +58,7 @@ class WorkerHost:
     env: Mapping[str, str]
     prefix: Sequence[str] = ()
     concurrency: int = 1
+    queues: Sequence[str] | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -93,7 +97,8 @@ class WorkerHost:
             "-A",
             "supplier_sync_dagster.dagster_instance.celery_worker",
             "worker",
-            *("-Q", self.env.get(QUEUE_ENV, QUEUE), "-n", self.node, "-c", str(self.concurrency)),
+            *("-Q", ",".join(self.queues or self.all_queues())),
+            *("-n", self.node, "-c", str(self.concurrency)),
             *("--without-gossip", "--without-mingle", "--loglevel", "INFO"),
         ]
         with self.log.open("ab") as out:
@@ -106,6 +111,11 @@ class WorkerHost:
                 start_new_session=True,
             )
         return self
+
+    def all_queues(self) -> list[str]:
+        """The sync runs' queue and, if the deployment names one, the housekeeping runs'."""
+        housekeeping = self.env.get(HOUSEKEEPING_QUEUE_ENV)
+        return [self.env.get(QUEUE_ENV, QUEUE), *([housekeeping] if housekeeping else [])]
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Waits until its worker answers a ping.
