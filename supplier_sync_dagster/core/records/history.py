@@ -393,6 +393,7 @@ __all__ = [
     "PruneReport",
     "VersionAt",
     "VersionRecord",
+    "candidate_document",
     "check_not_future",
     "decode_document",
     "document_bytes",
