@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -565,6 +567,20 @@ def test_in_flight_yields_every_result_once_as_it_finishes_and_stops_when_left()
     assert sorted(started) == [0, 1, 2] and stop.is_set
 
 
+def _pool_idle(prefix: str) -> bool:
+    """Every pool thread named ``prefix``* waits for work: none is running a work item (the
+    call, its future's result and callbacks)."""
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        frame: FrameType | None = frames.get(thread.ident or -1)
+        while thread.name.startswith(prefix) and frame is not None:
+            code = frame.f_code
+            if code.co_name == "run" and code.co_filename.endswith("futures/thread.py"):
+                return False
+            frame = frame.f_back
+    return True
+
+
 def test_results_that_finish_while_the_iteration_is_away_come_together() -> None:
     go = threading.Event()
     finished: list[int] = []
@@ -578,10 +594,11 @@ def test_results_that_finish_while_the_iteration_is_away_come_together() -> None
     groups = in_flight_groups(range(6), work, threads=3)
     assert next(groups) == [0]
     go.set()
-    deadline = time.monotonic() + 10
-    while len(finished) < 6 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    # Each call's future is handed over just after it returns: wait until every pool thread
+    # is back at its work queue (a loaded machine may take seconds to get there).
+    while (len(finished) < 6 or not _pool_idle("city")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.5)  # each call's future is handed over just after it returns
     rest = list(groups)
     assert rest == [sorted(rest[0], key=finished.index)] and sorted(rest[0]) == [1, 2, 3, 4, 5]
 
