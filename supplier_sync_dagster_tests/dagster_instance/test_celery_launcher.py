@@ -26,6 +26,7 @@ from supplier_sync_dagster.dagster_instance.celery_launcher import (
     QUEUE_ENV,
     BrokerUnreachable,
     HostCeleryRunLauncher,
+    execute_run_forked,
     worker_answers,
     worker_app,
 )
@@ -231,3 +232,12 @@ def test_the_worker_app_declares_the_housekeeping_queue(amqp_url: str, redis_url
         assert app.conf.task_routes["execute_job"]["queue"] == "q3"
     finally:
         app.close()
+
+
+def test_a_forked_run_that_cannot_start_exits_1_and_this_process_goes_on(
+    capfd: pytest.CaptureFixture[str],
+):
+    """The run's child says why on its stderr; its exit code is the task's result."""
+    assert execute_run_forked("not the arguments of a run") == 1
+    assert "Traceback" in capfd.readouterr().err
+    assert execute_run_forked("not the arguments of a run") == 1  # the caller is unharmed

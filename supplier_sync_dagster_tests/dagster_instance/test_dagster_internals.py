@@ -18,6 +18,7 @@ from typing import Any
 
 import dagster as dg
 import pytest
+from dagster._cli import api as dagster_cli_api
 from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
 from dagster._core.events.log import EventLogEntry
 from dagster._core.instance.ref import InstanceRef
@@ -358,6 +359,14 @@ def test_the_run_launcher_s_health_types_are_dagster_s() -> None:
     assert "code_location_origin" in _fields(RemoteRepositoryOrigin), (
         f"Dagster {VERSION}: RemoteRepositoryOrigin.code_location_origin is gone"
     )
+
+
+def test_the_run_entry_point_a_worker_host_calls_keeps_its_arguments() -> None:
+    """``celery_launcher.execute_run_forked`` calls ``dagster api execute_run``'s function."""
+    command = dagster_cli_api.execute_run_command
+    assert command.callback is not None, f"Dagster {VERSION}: execute_run has no function"
+    params = list(inspect.signature(command.callback).parameters)
+    assert params == ["input_json", "compressed_input_json"], f"Dagster {VERSION}: {params}"
 
 
 def test_the_daemon_interval_is_a_module_constant() -> None:
