@@ -181,7 +181,13 @@ def run() -> NoReturn:
         exit_quickly(128 + signal.SIGINT)
     finally:
         gc.enable()
-    exit_quickly(main())
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        # Ctrl-C while the arguments are read, before main() handles it itself.
+        print("supplier-sync: interrupted before the command started", file=sys.stderr)
+        status = 128 + signal.SIGINT
+    exit_quickly(status)
 
 
 def _preload_name(argv: Sequence[str]) -> str | None:

@@ -994,6 +994,25 @@ def test_console_script_raises_the_collector_threshold_before_the_commands_impor
     assert int(done.stdout) == cli.START_GC_THRESHOLD == GC_GEN0_THRESHOLD
 
 
+def test_ctrl_c_while_the_arguments_are_read_is_one_line_and_130(tmp_path: Path) -> None:
+    # main() handles an interrupt once the command runs; one while it reads its arguments
+    # (argparse, locale) reaches the console script, which says so in one line.
+    script = (
+        "import supplier_sync_dagster.cli.main as cli\n"
+        "def main():\n"
+        "    raise KeyboardInterrupt\n"
+        "cli.main = main\n"
+        "cli.run()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert (done.returncode, done.stderr) == (
+        130,
+        "supplier-sync: interrupted before the command started\n",
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
