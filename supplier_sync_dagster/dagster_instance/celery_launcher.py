@@ -47,6 +47,7 @@ from typing import Any, Self
 
 import dagster as dg
 from celery import Celery
+from dagster._cli.api import execute_run_command
 from dagster._config import UserConfigSchema
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._grpc.types import ExecuteRunArgs
@@ -297,17 +298,19 @@ def register_run_task(app: Celery) -> Any:
     return execute_job
 
 
+# What a run executes, loaded by :func:`preload_run_code`: Dagster's run entry point and the
+# project's definitions (``defs/``'s modules are found when it runs).
+RUN_CODE = ("dagster._cli.api", "supplier_sync_dagster.definitions", "supplier_sync_dagster.defs")
+
+
 def preload_run_code() -> None:
-    """Imports what a run executes (Dagster's run entry point, the project's definitions and
-    every module under ``defs/``) once, in the worker host's main process: each run's process
-    is forked with them loaded instead of importing them again (seconds on a busy host).
-    Nothing is opened: importing reads no setting and connects to nothing."""
-    from dagster._cli.api import execute_run_command  # noqa: F401 (loaded for the forked runs)
-
-    import supplier_sync_dagster.defs as defs_package
-    from supplier_sync_dagster import definitions  # noqa: F401 (loaded for the forked runs)
-
-    for module in pkgutil.walk_packages(defs_package.__path__, f"{defs_package.__name__}."):
+    """Imports what a run executes (:data:`RUN_CODE` and every module under ``defs/``) once,
+    in the worker host's main process: each run's process is forked with them loaded instead
+    of importing them again (seconds on a busy host). Nothing is opened: importing reads no
+    setting and connects to nothing."""
+    for name in RUN_CODE:
+        loaded = importlib.import_module(name)
+    for module in pkgutil.walk_packages(loaded.__path__, f"{loaded.__name__}."):
         importlib.import_module(module.name)
 
 
@@ -344,8 +347,6 @@ def execute_run_forked(input_json: str) -> int:
 
 def _execute_run(input_json: str) -> int:
     """``dagster api execute_run INPUT_JSON`` in this process; its exit code."""
-    from dagster._cli.api import execute_run_command
-
     try:
         execute_run_command.callback(input_json=input_json, compressed_input_json=None)  # type: ignore[misc]
     except SystemExit as done:
