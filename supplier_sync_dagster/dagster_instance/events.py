@@ -2,8 +2,9 @@
 
 - :func:`one_event_transaction`: the events an asset stores in a block share one
   transaction per shard of the pooled SQLite event log (the embedded instance; a plain one
-  opened by the command line or swapped in by :func:`pooled_events`); any other instance
-  stores them as before (``mysql_storage.py`` says why not on MySQL).
+  opened by the command line or swapped in by :func:`pooled_events`), and one insert
+  statement on the production profile's pooled MySQL event log (``mysql_storage.py`` says
+  why not one transaction there); any other instance stores them as before.
 - :func:`pooled_events`: a step's events of a run worker of a user's plain SQLite
   instance stored through the pooled event log on the same files (``storage.py``).
 - :func:`check_target`: the materialization an ``AssetCheckEvaluation`` judged, built from
@@ -20,6 +21,7 @@ Dagster upgrade breaks what this package uses of Dagster's private modules.
 """
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol, runtime_checkable
 
 import dagster as dg
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
@@ -47,15 +49,28 @@ __all__ = [
 CheckTarget = AssetCheckEvaluationTargetMaterializationData
 
 
+@runtime_checkable
+class _BatchingEventLog(Protocol):
+    """An event log that inserts a block's events together (``PooledMySQLEventLogStorage``,
+    not imported here: that would import dagster-mysql into every process)."""
+
+    def batched(self) -> AbstractContextManager[None]:
+        """The thread's events in the block inserted together."""
+
+
 def one_event_transaction(instance: dg.DagsterInstance) -> AbstractContextManager[None]:
     """The instance's events stored in the block share one transaction per shard.
 
     With the pooled SQLite event log, a city's events cost one commit per shard instead of
-    one or two per event; any other event log stores them as before.
+    one or two per event; with the pooled MySQL event log, one insert statement for the
+    events stored between two check targets asked for; any other event log stores them as
+    before.
     """
     storage = instance.event_log_storage
     if isinstance(storage, PooledSqliteEventLogStorage):
         return storage.one_transaction()
+    if isinstance(storage, _BatchingEventLog):
+        return storage.batched()
     return nullcontext()
 
 

@@ -8,7 +8,9 @@ each its own transaction. A ``sync --full`` pays that for every event of every c
 
 :class:`PooledMySQLStorage` is ``DagsterMySQLStorage`` with :class:`PooledMySQLEventLogStorage`
 and :class:`PooledMySQLRunStorage`: the same tables, statements and transactions, on one
-small pool of connections per storage (as the webserver's).
+small pool of connections per storage (as the webserver's). Inside
+:meth:`PooledMySQLEventLogStorage.batched`, a thread's events are inserted together in one
+statement, as dagster-postgres stores a batch.
 ``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
 reads and writes the same database with Dagster's classes.
 """
@@ -16,12 +18,18 @@ reads and writes the same database with Dagster's classes.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
+from dagster._core.errors import DagsterInvariantViolationError
+from dagster._core.events import ASSET_CHECK_EVENTS, ASSET_EVENTS
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.config import MySqlStorageConfig
+from dagster._core.storage.event_log.schema import SqlEventLogStorageTable
 from dagster._serdes import ConfigurableClassData
 from dagster_mysql import DagsterMySQLStorage, MySQLEventLogStorage, MySQLRunStorage
 from dagster_mysql.schedule_storage import MySQLScheduleStorage
@@ -98,13 +106,15 @@ class _PooledEngine:
 
 class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: ignore[misc]
     """dagster-mysql's event log on a pooled engine: the same statements and transactions
-    (one or more per event).
+    (one or more per event), and a thread's events in a :meth:`batched` block inserted in
+    one statement.
 
     Not one transaction per city, as on SQLite: MySQL allocates an event's id when it is
-    inserted, not when it commits, so while a block is open another run can commit later
-    ids, and a reader that remembers the highest id it has seen (the backfill daemon, the
-    asset daemon, a run's log watcher) would then skip the block's events for ever. SQLite
-    has one writer at a time, which commits before the next one inserts.
+    inserted, not when it commits, so while a transaction is open another run can commit
+    later ids, and a reader that remembers the highest id it has seen (the backfill daemon,
+    the asset daemon, a run's log watcher) would then skip its events for ever. One
+    ``INSERT ... RETURNING`` of several rows (MariaDB 10.5 and later) commits as soon as a
+    single row's insert would: the window is one statement's, as for Dagster's own events.
 
     It remembers the materializations it stored (:class:`.storage.StoredMaterializations`),
     so that a city's check evaluations name the materialization they judged without reading
@@ -116,17 +126,128 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
     """
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
-        self.stored_materializations = StoredMaterializations()
+        self.stored_materializations = _FlushedFirst(self)
+        self._buffers: dict[int, list[EventLogEntry]] = {}
+        self._returning: bool | None = None
         super().__init__(mysql_url, inst_data)
+        ref = weakref.ref(self)
+
+        def _in_child() -> None:
+            # A child forked inside a block keeps none of the parent's events.
+            alive = ref()
+            if alive is not None:
+                alive.forget_blocks()
+
+        os.register_at_fork(after_in_child=_in_child)
+
+    def forget_blocks(self) -> None:
+        """Drops every thread's kept events, unstored (a forked child's copy of them)."""
+        self._buffers.clear()
 
     def _store_asset_event(self, conn: Connection, event: EventLogEntry, event_id: int) -> None:
         super()._store_asset_event(conn, event, event_id)
         self.stored_materializations.record(event, event_id)
 
+    def store_event(self, event: EventLogEntry) -> None:
+        """Stores ``event``, or keeps it for the insert that ends this thread's block."""
+        buffer = self._buffers.get(threading.get_ident())
+        if buffer is None:
+            super().store_event(event)
+        else:
+            buffer.append(event)
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Within the block, this thread's events are inserted together, at its end.
+
+        They are stored earlier when the thread asks which materialization it stored last
+        (a city's checks name the one they judged), so each city's events still reach the
+        database before its checks are built. Until then the thread's reads do not see them.
+        On a server without ``INSERT ... RETURNING`` each event is stored as it would be
+        outside the block. A block inside a block of the same thread joins the outer one.
+        Events kept when the block raises are stored all the same: they happened.
+        """
+        thread = threading.get_ident()
+        if thread in self._buffers:
+            yield
+            return
+        self._buffers[thread] = []
+        try:
+            yield
+        finally:
+            try:
+                self.flush()
+            finally:
+                self._buffers.pop(thread, None)
+
+    def flush(self) -> None:
+        """Stores the events this thread's block has kept so far."""
+        buffer = self._buffers.get(threading.get_ident())
+        if not buffer:
+            return
+        events = list(buffer)
+        buffer.clear()
+        if len(events) == 1 or not self._supports_returning():
+            for event in events:
+                super().store_event(event)
+            return
+        self._store_together(events)
+
+    def _supports_returning(self) -> bool:
+        if self._returning is None:
+            with self._engine.connect() as conn:
+                self._returning = bool(conn.dialect.insert_returning)
+        return self._returning
+
+    def _store_together(self, events: Sequence[EventLogEntry]) -> None:
+        """``store_event`` of each event, with their rows inserted by one statement and their
+        asset rows written in one transaction (as dagster-postgres's ``store_event_batch``)."""
+        statement = self.prepare_insert_event_batch(events).returning(SqlEventLogStorageTable.c.id)
+        with self.run_connection(None) as conn:
+            ids = [int(row[0]) for row in conn.execute(statement).fetchall()]
+        if len(ids) != len(events):
+            raise DagsterInvariantViolationError(
+                f"{len(events)} events inserted, {len(ids)} ids returned."
+            )
+        assets = [
+            (event, event_id)
+            for event, event_id in zip(events, ids, strict=True)
+            if event.is_dagster_event
+            and event.dagster_event_type in ASSET_EVENTS
+            and event.get_dagster_event().asset_key
+        ]
+        if assets:
+            with self.index_transaction() as conn:
+                self._store_asset_event_tags(
+                    conn, [event for event, _ in assets], [event_id for _, event_id in assets]
+                )
+                for event, event_id in assets:
+                    self._store_asset_event(conn, event, event_id)
+        for event, event_id in zip(events, ids, strict=True):
+            if event.is_dagster_event and event.dagster_event_type in ASSET_CHECK_EVENTS:
+                self.store_asset_check_event(event, event_id)
+
     def wipe(self) -> None:
         """dagster-mysql's wipe; nothing stored is remembered any more."""
         super().wipe()
         self.stored_materializations.forget()
+
+
+class _FlushedFirst(StoredMaterializations):
+    """The materializations the event log stored, asked after its thread's kept events are
+    stored (so a lookup inside a :meth:`PooledMySQLEventLogStorage.batched` block finds
+    them)."""
+
+    def __init__(self, storage: PooledMySQLEventLogStorage) -> None:
+        super().__init__()
+        self._storage = weakref.ref(storage)
+
+    def lookup(self, key: str, partition: str) -> tuple[str, int, float] | None:
+        """:meth:`StoredMaterializations.lookup`, after the thread's kept events are stored."""
+        storage = self._storage()
+        if storage is not None:
+            storage.flush()
+        return super().lookup(key, partition)
 
 
 class PooledMySQLRunStorage(_PooledEngine, MySQLRunStorage):  # type: ignore[misc]

@@ -60,6 +60,13 @@ OWN_METHODS: dict[type, set[str]] = {
     },
     storage.PooledSqliteRunStorage: {"_engine"},
     mysql_storage.PooledMySQLStorage: {"_own"},
+    mysql_storage.PooledMySQLEventLogStorage: {
+        "batched",
+        "flush",
+        "forget_blocks",
+        "_supports_returning",
+        "_store_together",
+    },
 }
 # Methods of a custom instance class that Dagster looks up by name (no base defines them),
 # and the module whose code calls them.
@@ -98,6 +105,15 @@ CALLED: list[tuple[Any, str, list[str]]] = [
     (InstanceRef, "config_defaults", ["base_dir"]),
     (InstanceRef, "from_dir", ["base_dir"]),
     (SqliteEventLogStorage, "register_instance", ["self", "instance"]),
+    (mysql_storage.MySQLEventLogStorage, "prepare_insert_event_batch", ["self", "events"]),
+    (mysql_storage.MySQLEventLogStorage, "run_connection", ["self", "run_id"]),
+    (mysql_storage.MySQLEventLogStorage, "index_transaction", ["self"]),
+    (
+        mysql_storage.MySQLEventLogStorage,
+        "_store_asset_event_tags",
+        ["self", "conn", "events", "event_ids"],
+    ),
+    (mysql_storage.MySQLEventLogStorage, "store_asset_check_event", ["self", "event", "event_id"]),
     (mysql_utils, "create_mysql_connection", ["engine", "dunder_file", "storage_type_desc"]),
     (mysql_utils, "mysql_url_from_config", ["config_value"]),
     (celery_make_app, "make_app", ["app_args"]),

@@ -3,18 +3,22 @@
 What is promised: ``deploy/mysql/dagster.yaml`` opens :class:`PooledMySQLStorage`; what a run
 stores is read back by an instance with dagster-mysql's own ``storage: mysql`` on the same
 database (per-partition materializations with their metadata, check results per partition,
-the run's status). Each event is committed as it is stored, as dagster-mysql does; a forked
-child leaves the parent's pooled connections working.
+the run's status). Outside a block each event is committed as it is stored, as dagster-mysql
+does; a block's events are inserted by one statement (never one transaction holding their
+ids), before a check target is looked up and when the block ends, even when it raises; a
+forked child leaves the parent's pooled connections working.
 """
 
 import multiprocessing
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
@@ -22,7 +26,11 @@ from dagster._core.storage.tags import (
 from dagster_mysql import MySQLEventLogStorage
 
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
-from supplier_sync_dagster.dagster_instance.events import one_event_transaction, stored_target
+from supplier_sync_dagster.dagster_instance.events import (
+    CheckTarget,
+    one_event_transaction,
+    stored_target,
+)
 from supplier_sync_dagster.dagster_instance.mysql_storage import (
     PooledMySQLEventLogStorage,
     PooledMySQLRunStorage,
@@ -34,6 +42,9 @@ from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
 )
 from supplier_sync_dagster_tests.dagster_instance.test_storage import (
     ASSET,
+    CHECK,
+    CHECK_SPEC,
+    PARTITIONS,
     cities,
     read_target,
     report_city,
@@ -55,6 +66,40 @@ def homes(
     shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", ours / "dagster.yaml")
     (stock / "dagster.yaml").write_text(STOCK_YAML)
     yield ours, stock
+
+
+@dg.multi_asset(
+    specs=[dg.AssetSpec(ASSET, skippable=True)],
+    partitions_def=PARTITIONS,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    check_specs=[CHECK_SPEC],
+    can_subset=True,
+)
+def checked_cities(context: dg.AssetExecutionContext) -> Iterator[object]:
+    """As city_sync: each partition's events in a block, its check judging the materialization
+    it just stored (named by the storage, not read back)."""
+    for key in context.partition_keys:
+        with one_event_transaction(context.instance):
+            context.log.info(f"city {key}")
+            yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": len(key)})
+            yield dg.AssetCheckEvaluation(
+                asset_key=ASSET,
+                check_name=CHECK,
+                passed=key != "c",
+                partition=key,
+                target_materialization_data=stored_target(context.instance, ASSET, key),
+            )
+
+
+def checked_target(instance: dg.DagsterInstance, partition: str) -> CheckTarget | None:
+    """The materialization the partition's latest check evaluation judged."""
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        dg.AssetCheckKey(ASSET, CHECK), limit=1, partition_filter=PartitionKeyFilter(key=partition)
+    )
+    assert records and records[0].event is not None
+    data = records[0].event.dagster_event.event_specific_data  # type: ignore[union-attr]
+    assert isinstance(data, dg.AssetCheckEvaluation)
+    return data.target_materialization_data
 
 
 def _report(instance: dg.DagsterInstance, partition: str) -> None:
@@ -85,22 +130,109 @@ def test_the_profile_runs_on_the_pooled_storage_and_dagster_mysql_reads_it(
         assert check_results(stock) == {"a": "SUCCEEDED", "b": "SUCCEEDED", "c": "SUCCEEDED"}
 
 
-def test_a_block_stores_each_event_at_once(homes: tuple[Path, Path]) -> None:
-    """No transaction spans a city's events on MySQL: an event's id is allocated when it is
-    inserted, so a reader that remembers the highest id it saw (the backfill daemon) would
-    skip events committed after a later id of another run."""
+@pytest.fixture
+def event_inserts() -> Iterator[list[str]]:
+    """The INSERT statements into ``event_logs`` that any engine runs meanwhile."""
+    seen: list[str] = []
+
+    def listen(*args: Any) -> None:
+        statement = str(args[2])
+        if statement.lstrip().upper().startswith("INSERT INTO EVENT_LOGS"):
+            seen.append(statement)
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", listen)
+    yield seen
+    sa.event.remove(sa.engine.Engine, "before_cursor_execute", listen)
+
+
+def test_a_block_inserts_its_events_together_when_it_ends(
+    homes: tuple[Path, Path], event_inserts: list[str]
+) -> None:
+    """No transaction spans a city's events on MySQL (an event's id is allocated when it is
+    inserted, so a reader that remembers the highest id it saw would skip events committed
+    after a later id of another run): the block's events are one ``INSERT ... RETURNING``,
+    committed as that statement ends."""
     ours, stock_home = homes
     with (
         dg.DagsterInstance.from_config(str(ours)) as instance,
         dg.DagsterInstance.from_config(str(stock_home)) as stock,
     ):
-        seen: list[set[str]] = []
         with one_event_transaction(instance):
+            for partition in "abc":
+                _report(instance, partition)
+            assert per_partition(stock) == {}
+            assert event_inserts == []
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1}
+        assert len(event_inserts) == 1 and "RETURNING" in event_inserts[0].upper()
+        # The asset's own row names the last of them, as after three single events.
+        latest = stock.get_latest_materialization_event(ASSET)
+        assert latest is not None and latest.dagster_event is not None
+        assert latest.dagster_event.partition == "c"
+        # Outside a block, each event is stored at once.
+        _report(instance, "d")
+        assert set(per_partition(stock)) == {"a", "b", "c", "d"}
+        assert len(event_inserts) == 2
+
+
+def test_a_check_target_asked_in_a_block_is_the_materialization_just_kept(
+    homes: tuple[Path, Path], event_inserts: list[str]
+) -> None:
+    ours, stock_home = homes
+    with (
+        dg.DagsterInstance.from_config(str(ours)) as instance,
+        dg.DagsterInstance.from_config(str(stock_home)) as stock,
+    ):
+        with one_event_transaction(instance):
+            report_city(instance, "a")
+            report_city(instance, "b", rows=2)
+            target = stored_target(instance, ASSET, "a")
+            assert len(event_inserts) == 1  # the lookup stored what the block kept
+            assert target is not None and target == read_target(stock, "a")
+            report_city(instance, "a", rows=3)
+        assert stored_target(instance, ASSET, "a") == read_target(stock, "a") != target
+        assert per_partition(stock) == {"a": 3, "b": 2}
+        assert len(event_inserts) == 2
+
+
+def test_a_block_that_raises_still_stores_the_events_it_kept(homes: tuple[Path, Path]) -> None:
+    ours, stock_home = homes
+    with (
+        dg.DagsterInstance.from_config(str(ours)) as instance,
+        dg.DagsterInstance.from_config(str(stock_home)) as stock,
+    ):
+        with pytest.raises(RuntimeError, match="city failed"), one_event_transaction(instance):
             _report(instance, "a")
-            seen.append(set(per_partition(stock)))
-            _report(instance, "b")
-            seen.append(set(per_partition(stock)))
-        assert seen == [{"a"}, {"a", "b"}]
+            with one_event_transaction(instance):  # joins the outer block
+                _report(instance, "b")
+            raise RuntimeError("city failed")
+        assert per_partition(stock) == {"a": 1, "b": 1}
+
+
+def test_a_run_whose_cities_report_in_blocks_reads_back_as_dagster_mysql_s_own(
+    homes: tuple[Path, Path], event_inserts: list[str]
+) -> None:
+    ours, stock_home = homes
+    with dg.DagsterInstance.from_config(str(ours)) as instance:
+        result = dg.materialize(
+            [checked_cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "c"},
+        )
+        assert result.success
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1}
+        assert check_results(stock) == {"a": "SUCCEEDED", "b": "SUCCEEDED", "c": "FAILED"}
+        for partition in "abc":
+            assert checked_target(stock, partition) == read_target(stock, partition)
+        logs = stock.all_logs(result.run_id)
+        assert [e.user_message for e in logs if e.user_message.startswith("city ")] == [
+            "city a",
+            "city b",
+            "city c",
+        ]
+    # Each city: its log line and materialization in one statement (stored when its check
+    # asks for its target), then its check alone as its block ends.
+    assert sum("RETURNING" in s.upper() for s in event_inserts) == 3
 
 
 def _child(home: str) -> None:

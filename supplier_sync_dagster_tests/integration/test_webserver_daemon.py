@@ -4,7 +4,9 @@ A backfill of every city is launched through the webserver's GraphQL API; the da
 queues and launches its runs (grouped by the backfill policy), each run worker syncs its
 cities into the MySQL sync database, fetching from the simulator over HTTP through a
 shared Redis rate-limit bucket. The end state must equal the simulator's ground truth,
-and no city may have been processed by two runs.
+and no city may have been processed by two runs. Each city's partition shows its five
+materializations and each gate's result on the materialization of ``normalized_hotels`` it
+judged (the pooled MySQL event log inserts a city's events together).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from dagster._core.event_api import PartitionKeyFilter
 
+from supplier_sync_dagster.core.records.gates import CHECK_NAMES
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.dagster_instance.deployment import (
@@ -25,6 +29,8 @@ from supplier_sync_dagster.dagster_instance.deployment import (
     migrate_instance,
     profile_env,
 )
+from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE
+from supplier_sync_dagster.defs.city_keys import NORMALIZED, STAGE_ASSETS
 from supplier_sync_dagster.defs.partitions import encode_city_key
 from supplier_sync_dagster.simulator import Simulator
 from supplier_sync_dagster_tests.helpers import SIM_API_KEY, mysql_database_pair, serve_simulator
@@ -35,6 +41,41 @@ def mysql_databases(mysql_server_url: str) -> Iterator[tuple[str, str]]:
     """Two new databases: the Dagster instance's and the sync database."""
     with mysql_database_pair(mysql_server_url) as urls:
         yield urls
+
+
+def _partitions_show_their_city(instance: dg.DagsterInstance, keys: list[str]) -> None:
+    """Every partition of the five assets materialized, and each gate passed on the
+    partition's latest materialization of ``normalized_hotels``.
+
+    A city another run helped with has two materializations and two results per gate (the
+    helper's, and its own run's repeated on its own materialization); Dagster orders a
+    partition's results by row, and the helper's row can come after the planned one.
+    """
+    for asset in {key for keys_ in STAGE_ASSETS.values() for key in keys_}:
+        found = instance.get_status_by_partition(asset, keys, DEFAULT_SCOPE.partitions) or {}
+        assert {k: found.get(k) for k in keys} == dict.fromkeys(
+            keys, dg.AssetPartitionStatus.MATERIALIZED
+        ), asset
+    for key in keys:
+        latest = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=NORMALIZED, asset_partitions=[key]), limit=1
+        ).records
+        assert latest, key
+        for name in CHECK_NAMES:
+            records = instance.event_log_storage.get_asset_check_execution_history(
+                dg.AssetCheckKey(NORMALIZED, name),
+                limit=5,
+                partition_filter=PartitionKeyFilter(key=key),
+            )
+            assert records and {r.status.value for r in records} == {"SUCCEEDED"}, (key, name)
+            judged = set()
+            for record in records:
+                assert record.event is not None and record.event.dagster_event is not None
+                evaluation = record.event.dagster_event.event_specific_data
+                assert isinstance(evaluation, dg.AssetCheckEvaluation)
+                target = evaluation.target_materialization_data
+                judged.add(target.storage_id if target is not None else None)
+            assert latest[0].storage_id in judged, (key, name, judged)
 
 
 @pytest.fixture
@@ -99,6 +140,7 @@ def test_backfill_through_graphql_on_a_mysql_instance_matches_ground_truth(
                 covered += ordered[ordered.index(start) : ordered.index(end) + 1]
             assert "cities" in run.tags.get("supplier_sync/progress", "")
         assert sorted(covered) == sorted(keys)
+        _partitions_show_their_city(instance, keys)
 
     db = SyncDatabase.open(sync_url)
     try:
