@@ -21,7 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import sqlalchemy as sa
@@ -129,6 +129,8 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         self.stored_materializations = _FlushedFirst(self)
         self._buffers: dict[int, list[EventLogEntry]] = {}
         self._returning: bool | None = None
+        self._tables_found: set[str] = set()
+        self._held: dict[int, Connection] = {}
         super().__init__(mysql_url, inst_data)
         ref = weakref.ref(self)
 
@@ -148,6 +150,17 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         super()._store_asset_event(conn, event, event_id)
         self.stored_materializations.record(event, event_id)
 
+    def has_table(self, table_name: str) -> bool:
+        """dagster-mysql's answer, a table found kept: Dagster asks at every check evaluation,
+        and dagster-mysql lists the database's tables each time. A migration adds tables and
+        none removes them."""
+        if table_name in self._tables_found:
+            return True
+        found = bool(super().has_table(table_name))
+        if found:
+            self._tables_found.add(table_name)
+        return found
+
     def store_event(self, event: EventLogEntry) -> None:
         """Stores ``event``, or keeps it for the insert that ends this thread's block."""
         buffer = self._buffers.get(threading.get_ident())
@@ -161,8 +174,7 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         """Within the block, this thread's events are inserted together, at its end.
 
         They are stored earlier when the thread asks which materialization it stored last
-        (a city's checks name the one they judged), so each city's events still reach the
-        database before its checks are built. Until then the thread's reads do not see them.
+        and one of them is a materialization (a city's checks name the one they judged). Until then the thread's reads do not see them.
         On a server without ``INSERT ... RETURNING`` each event is stored as it would be
         outside the block. A block inside a block of the same thread joins the outer one.
         Events kept when the block raises are stored all the same: they happened.
@@ -180,10 +192,20 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
             finally:
                 self._buffers.pop(thread, None)
 
-    def flush(self) -> None:
-        """Stores the events this thread's block has kept so far."""
+    def flush(self, *, unless_no_materialization: bool = False) -> None:
+        """Stores the events this thread's block has kept so far.
+
+        Args:
+            unless_no_materialization: Keep them if none of them is a materialization (a
+                lookup of the one stored last needs no id from them).
+        """
         buffer = self._buffers.get(threading.get_ident())
         if not buffer:
+            return
+        if unless_no_materialization and not any(
+            event.dagster_event is not None and event.dagster_event.is_step_materialization
+            for event in buffer
+        ):
             return
         events = list(buffer)
         buffer.clear()
@@ -200,8 +222,12 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         return self._returning
 
     def _store_together(self, events: Sequence[EventLogEntry]) -> None:
-        """``store_event`` of each event, with their rows inserted by one statement and their
-        asset rows written in one transaction (as dagster-postgres's ``store_event_batch``)."""
+        """``store_event`` of each event, with their rows inserted by one statement and what
+        they change of the asset and check tables written in one transaction.
+
+        As dagster-postgres's ``store_event_batch``, an asset's row is written from the last
+        of its events of each kind (each kind writes the same columns every time).
+        """
         statement = self.prepare_insert_event_batch(events).returning(SqlEventLogStorageTable.c.id)
         with self.run_connection(None) as conn:
             ids = [int(row[0]) for row in conn.execute(statement).fetchall()]
@@ -209,28 +235,49 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
             raise DagsterInvariantViolationError(
                 f"{len(events)} events inserted, {len(ids)} ids returned."
             )
+        stored = list(zip(events, ids, strict=True))
         assets = [
             (event, event_id)
-            for event, event_id in zip(events, ids, strict=True)
+            for event, event_id in stored
             if event.is_dagster_event
             and event.dagster_event_type in ASSET_EVENTS
             and event.get_dagster_event().asset_key
         ]
-        if assets:
-            with self.index_transaction() as conn:
-                self._store_asset_event_tags(
-                    conn, [event for event, _ in assets], [event_id for _, event_id in assets]
-                )
-                for event, event_id in assets:
-                    self._store_asset_event(conn, event, event_id)
-        for event, event_id in zip(events, ids, strict=True):
-            if event.is_dagster_event and event.dagster_event_type in ASSET_CHECK_EVENTS:
-                self.store_asset_check_event(event, event_id)
+        last: dict[tuple[str, object], int] = {}
+        for position, (event, _) in enumerate(assets):
+            dagster_event = event.get_dagster_event()
+            last[(str(dagster_event.asset_key), dagster_event.event_type)] = position
+        written = set(last.values())
+        thread = threading.get_ident()
+        with self._connect() as conn:
+            # Dagster's check updates take this connection (index_connection).
+            self._held[thread] = conn
+            try:
+                if assets:
+                    self._store_asset_event_tags(
+                        conn, [event for event, _ in assets], [event_id for _, event_id in assets]
+                    )
+                for position, (event, event_id) in enumerate(assets):
+                    if position in written:
+                        self._store_asset_event(conn, event, event_id)
+                    else:
+                        self.stored_materializations.record(event, event_id)
+                for event, event_id in stored:
+                    if event.is_dagster_event and event.dagster_event_type in ASSET_CHECK_EVENTS:
+                        self.store_asset_check_event(event, event_id)
+            finally:
+                del self._held[thread]
+
+    def index_connection(self) -> AbstractContextManager[Connection]:
+        """dagster-mysql's connection, or the one this thread holds while it stores a block."""
+        held = self._held.get(threading.get_ident())
+        return nullcontext(held) if held is not None else super().index_connection()
 
     def wipe(self) -> None:
         """dagster-mysql's wipe; nothing stored is remembered any more."""
         super().wipe()
         self.stored_materializations.forget()
+        self._tables_found.clear()
 
 
 class _FlushedFirst(StoredMaterializations):
@@ -246,7 +293,7 @@ class _FlushedFirst(StoredMaterializations):
         """:meth:`StoredMaterializations.lookup`, after the thread's kept events are stored."""
         storage = self._storage()
         if storage is not None:
-            storage.flush()
+            storage.flush(unless_no_materialization=True)
         return super().lookup(key, partition)
 
 

@@ -72,22 +72,55 @@ def city_events(
     every selected asset, its metadata saying so: the run planned its partitions, and a
     planned partition the run does not materialize is failed in the UI once the run fails.
     """
+    yield from city_materializations(outcome, batch_id, selected, scope=scope)
+    yield from city_checks(
+        outcome, batch_id, selected, target=target, earlier=earlier, stored=stored, scope=scope
+    )
+
+
+def city_materializations(
+    outcome: CityOutcome,
+    batch_id: str,
+    selected: AbstractSet[dg.AssetKey],
+    *,
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> Iterator[dg.AssetMaterialization | dg.AssetObservation]:
+    """The first part of :func:`city_events`: the city's materializations, and the
+    observation of a city that failed."""
     partition = encode_city_key(outcome.city_code)
     metadata = city_metadata(outcome, batch_id)
-    normalized = False
     for stage in outcome.report.stages_done:
         for plain in STAGE_ASSETS[stage]:
             key = scope.key(plain.path[-1])
             if key in selected:
                 yield dg.AssetMaterialization(key, partition=partition, metadata=metadata[plain])
-                normalized = normalized or plain == NORMALIZED
-    if normalized:
-        # The checks judge the materialization just stored: known, when remembered.
-        target = _first(stored, target)
     if outcome.status == "FAILED":
         yield dg.AssetObservation(
             scope.key(RAW.path[-1]), partition=partition, metadata=metadata[RAW]
         )
+
+
+def city_checks(
+    outcome: CityOutcome,
+    batch_id: str,
+    selected: AbstractSet[dg.AssetKey],
+    *,
+    target: Callable[[str], CheckTarget | None] = lambda _: None,
+    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None] = (
+        lambda _check, _partition: None
+    ),
+    stored: Callable[[str], CheckTarget | None] = lambda _: None,
+    scope: AccountScope = DEFAULT_SCOPE,
+) -> Iterator[dg.AssetCheckEvaluation]:
+    """The second part of :func:`city_events`, once the city's materializations are stored:
+    the gates' evaluations, on the materialization of ``normalized_hotels`` they judged."""
+    partition = encode_city_key(outcome.city_code)
+    normalized = "normalize" in outcome.report.stages_done and (
+        scope.key(NORMALIZED.path[-1]) in selected
+    )
+    if normalized:
+        # The checks judge the materialization just stored: known, when remembered.
+        target = _first(stored, target)
     # The gates run whenever a city is normalized or published, selected or not (a
     # backfill's re-execution of a gated city asks for its downstream assets only, and its
     # overridden gate passes then): every result is reported on the city's partition.

@@ -70,7 +70,11 @@ from supplier_sync_dagster.dagster_instance.events import (
     stored_target,
 )
 from supplier_sync_dagster.defs.accounts import DEFAULT_SCOPE, AccountScope, per_account
-from supplier_sync_dagster.defs.city_events import city_events, latest_target
+from supplier_sync_dagster.defs.city_events import (
+    city_checks,
+    city_materializations,
+    latest_target,
+)
 from supplier_sync_dagster.defs.city_keys import (
     DIFFS,
     FRESHNESS_CHECK,
@@ -403,13 +407,19 @@ def _report(
         return
     normalized = scope.key(NORMALIZED.path[-1])
     for start in range(0, len(outcomes), CITIES_PER_EVENT_TRANSACTION):
+        group = outcomes[start : start + CITIES_PER_EVENT_TRANSACTION]
         # Dagster stores each event as it is yielded, on this thread: the cities'
-        # materializations, check evaluations and error lines are one transaction.
+        # materializations, check evaluations and error lines are one transaction (on
+        # MySQL, the materializations one insert and the checks another).
         with one_event_transaction(context.instance):
-            for outcome in outcomes[start : start + CITIES_PER_EVENT_TRANSACTION]:
+            for outcome in group:
                 if not outcome.done:
                     _log_failed_city(context, outcome)
-                yield from city_events(
+                yield from city_materializations(
+                    outcome, plan.batch.batch_id, context.selected_asset_keys, scope=scope
+                )
+            for outcome in group:
+                yield from city_checks(
                     outcome,
                     plan.batch.batch_id,
                     context.selected_asset_keys,

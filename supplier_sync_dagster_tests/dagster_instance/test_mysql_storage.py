@@ -12,6 +12,7 @@ forked child leaves the parent's pooled connections working.
 import multiprocessing
 import shutil
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,30 @@ def checked_cities(context: dg.AssetExecutionContext) -> Iterator[object]:
         with one_event_transaction(context.instance):
             context.log.info(f"city {key}")
             yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": len(key)})
+            yield dg.AssetCheckEvaluation(
+                asset_key=ASSET,
+                check_name=CHECK,
+                passed=key != "c",
+                partition=key,
+                target_materialization_data=stored_target(context.instance, ASSET, key),
+            )
+
+
+@dg.multi_asset(
+    specs=[dg.AssetSpec(ASSET, skippable=True)],
+    partitions_def=PARTITIONS,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    check_specs=[CHECK_SPEC],
+    can_subset=True,
+)
+def grouped_checked_cities(context: dg.AssetExecutionContext) -> Iterator[object]:
+    """As city_sync reports cities that finished together: every city's materialization,
+    then every city's check, in one block."""
+    with one_event_transaction(context.instance):
+        for key in context.partition_keys:
+            context.log.info(f"city {key}")
+            yield dg.AssetMaterialization(ASSET, partition=key, metadata={"rows": len(key)})
+        for key in context.partition_keys:
             yield dg.AssetCheckEvaluation(
                 asset_key=ASSET,
                 check_name=CHECK,
@@ -235,6 +260,54 @@ def test_a_run_whose_cities_report_in_blocks_reads_back_as_dagster_mysql_s_own(
     assert sum("RETURNING" in s.upper() for s in event_inserts) == 3
 
 
+def _commits_of_a_run(home: Path) -> tuple[int, str]:
+    """(commits on any engine, run id) of a run of :func:`grouped_checked_cities`."""
+    commits: list[object] = []
+
+    def commit(conn: object) -> None:
+        commits.append(conn)
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        sa.event.listen(sa.engine.Engine, "commit", commit)
+        try:
+            result = dg.materialize(
+                [grouped_checked_cities],
+                instance=instance,
+                tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+            )
+        finally:
+            sa.event.remove(sa.engine.Engine, "commit", commit)
+        assert result.success
+    return len(commits), result.run_id
+
+
+def test_cities_reported_together_are_two_inserts_and_their_asset_rows_one_transaction(
+    homes: tuple[Path, Path], event_inserts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours, stock_home = homes
+    together, _ = _commits_of_a_run(ours)
+    # Four log lines and materializations in one statement, four checks in another.
+    assert sum("RETURNING" in s.upper() for s in event_inserts) == 2
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert check_results(stock) == {
+            "a": "SUCCEEDED",
+            "b": "SUCCEEDED",
+            "c": "FAILED",
+            "d": "SUCCEEDED",
+        }
+        for partition in "abcd":
+            assert checked_target(stock, partition) == read_target(stock, partition)
+        latest = stock.get_latest_materialization_event(ASSET)
+        assert latest is not None and latest.dagster_event is not None
+        assert latest.dagster_event.partition == "d"
+    # The same run with each event stored on its own: a commit per log line, two per
+    # materialization and per check (20); together, two inserts and two transactions.
+    monkeypatch.setattr(PooledMySQLEventLogStorage, "batched", lambda _self: nullcontext())
+    one_by_one, _ = _commits_of_a_run(ours)
+    assert one_by_one - together >= 12, (one_by_one, together)
+
+
 def _child(home: str) -> None:
     """A forked process that ends normally without touching the instance."""
 
@@ -268,3 +341,25 @@ def test_the_pooled_event_log_remembers_what_it_stored_and_dagster_mysql_does_no
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
         report_city(stock, "b")
         assert stored_target(stock, ASSET, "b") is None
+
+
+def test_a_table_found_is_not_looked_up_again(homes: tuple[Path, Path]) -> None:
+    """Dagster asks whether the checks' table exists at every check evaluation."""
+    ours, _ = homes
+    statements: list[str] = []
+
+    def listen(*args: Any) -> None:
+        statements.append(str(args[2]))
+
+    with dg.DagsterInstance.from_config(str(ours)) as instance:
+        storage = instance.event_log_storage
+        assert isinstance(storage, PooledMySQLEventLogStorage)
+        assert storage.has_table("asset_check_executions")
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", listen)
+        try:
+            assert storage.has_table("asset_check_executions")
+            assert statements == []
+            assert not storage.has_table("no_such_table")
+            assert statements  # a table not found is asked again
+        finally:
+            sa.event.remove(sa.engine.Engine, "before_cursor_execute", listen)
