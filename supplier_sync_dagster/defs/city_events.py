@@ -37,47 +37,6 @@ from supplier_sync_dagster.defs.city_keys import (
 from supplier_sync_dagster.defs.partitions import encode_city_key
 
 
-def city_events(
-    outcome: CityOutcome,
-    batch_id: str,
-    selected: AbstractSet[dg.AssetKey],
-    *,
-    target: Callable[[str], CheckTarget | None] = lambda _: None,
-    earlier: Callable[[dg.AssetCheckKey, str], dg.AssetCheckEvaluation | None] = (
-        lambda _check, _partition: None
-    ),
-    stored: Callable[[str], CheckTarget | None] = lambda _: None,
-    scope: AccountScope = DEFAULT_SCOPE,
-) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation | dg.AssetObservation]:
-    """The Dagster events of one city's outcome, for its partition only.
-
-    One materialization per selected asset of each stage the run completed for the city,
-    each with the city's own metadata, and one evaluation per gate that judged it.
-
-    Args:
-        outcome: The city's outcome.
-        batch_id: The run's batch.
-        selected: The assets the run materializes.
-        target: Partition -> the latest materialization of ``normalized_hotels`` for it,
-            read after this city's materializations are stored. An evaluation that targets
-            it is the partition's current check status in the UI; one without a target is
-            ignored once the partition has any materialization.
-        earlier: (check, partition) -> the check's latest result on the partition, for a
-            city an earlier run of the batch published (:func:`earlier_evaluations`).
-        stored: Partition -> the materialization of ``normalized_hotels`` for it that this
-            process stored last, if known without a read: asked instead of ``target`` once
-            these events have materialized it.
-
-    A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
-    every selected asset, its metadata saying so: the run planned its partitions, and a
-    planned partition the run does not materialize is failed in the UI once the run fails.
-    """
-    yield from city_materializations(outcome, batch_id, selected, scope=scope)
-    yield from city_checks(
-        outcome, batch_id, selected, target=target, earlier=earlier, stored=stored, scope=scope
-    )
-
-
 def city_materializations(
     outcome: CityOutcome,
     batch_id: str,
@@ -85,8 +44,19 @@ def city_materializations(
     *,
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetMaterialization | dg.AssetObservation]:
-    """The first part of :func:`city_events`: the city's materializations, and the
-    observation of a city that failed."""
+    """The city's materializations, one per selected asset of each stage the run completed
+    for it, each with the city's own metadata; and the observation of a city that failed.
+
+    A city an earlier run of the batch published (ALREADY_DONE) is materialized again for
+    every selected asset, its metadata saying so: the run planned its partitions, and a
+    planned partition the run does not materialize is failed in the UI once the run fails.
+
+    Args:
+        outcome: The city's outcome.
+        batch_id: The run's batch.
+        selected: The assets the run materializes.
+        scope: The account whose assets these are.
+    """
     partition = encode_city_key(outcome.city_code)
     metadata = city_metadata(outcome, batch_id)
     for stage in outcome.report.stages_done:
@@ -112,8 +82,24 @@ def city_checks(
     stored: Callable[[str], CheckTarget | None] = lambda _: None,
     scope: AccountScope = DEFAULT_SCOPE,
 ) -> Iterator[dg.AssetCheckEvaluation]:
-    """The second part of :func:`city_events`, once the city's materializations are stored:
-    the gates' evaluations, on the materialization of ``normalized_hotels`` they judged."""
+    """The city's gate evaluations, asked once its materializations are stored: one per gate
+    that judged it, on the materialization of ``normalized_hotels`` it judged.
+
+    Args:
+        outcome: The city's outcome.
+        batch_id: The run's batch.
+        selected: The assets the run materializes.
+        target: Partition -> the latest materialization of ``normalized_hotels`` for it,
+            read after this city's materializations are stored. An evaluation that targets
+            it is the partition's current check status in the UI; one without a target is
+            ignored once the partition has any materialization.
+        earlier: (check, partition) -> the check's latest result on the partition, for a
+            city an earlier run of the batch published (:func:`earlier_evaluations`).
+        stored: Partition -> the materialization of ``normalized_hotels`` for it that this
+            process stored last, if known without a read: asked instead of ``target`` once
+            these events have materialized it.
+        scope: The account whose assets these are.
+    """
     partition = encode_city_key(outcome.city_code)
     normalized = "normalize" in outcome.report.stages_done and (
         scope.key(NORMALIZED.path[-1]) in selected

@@ -4,6 +4,7 @@ published earlier in the batch is reported again, its gates too."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -13,10 +14,24 @@ from supplier_sync_dagster.core.supplier import WalkStats
 from supplier_sync_dagster.core.sync.model import CityReport
 from supplier_sync_dagster.core.sync.run import CityOutcome, SupplierUse
 from supplier_sync_dagster.dagster_instance.events import CheckTarget
-from supplier_sync_dagster.defs.city_events import city_events, city_metadata
+from supplier_sync_dagster.defs.city_events import (
+    city_checks,
+    city_materializations,
+    city_metadata,
+)
 from supplier_sync_dagster.defs.city_keys import DIFFS, MAPPINGS, NORMALIZED, PUBLISHED, RAW
 
 ALL_KEYS = (RAW, NORMALIZED, MAPPINGS, DIFFS, PUBLISHED)
+
+
+def city_events(
+    outcome: CityOutcome, batch_id: str, selected: set[dg.AssetKey], **reads: Any
+) -> list[object]:
+    """A city's events as ``city_sync`` reports them: its materializations, then its checks."""
+    return [
+        *city_materializations(outcome, batch_id, selected),
+        *city_checks(outcome, batch_id, selected, **reads),
+    ]
 
 
 def test_what_the_city_cost_of_the_request_budget_reaches_its_metadata() -> None:
