@@ -170,17 +170,22 @@ def run() -> NoReturn:
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, START_GC_THRESHOLD), gen1, gen2)
     gc.disable()
+    # Ctrl-C while the command loads is noted, not raised: a KeyboardInterrupt raised in a
+    # finalizer or under an imported library's bare except would be lost, and the sync start.
+    interrupted: list[int] = []
+    default = signal.signal(signal.SIGINT, lambda number, _frame: interrupted.append(number))
     try:
         preload = _preload_name(sys.argv[1:])
         if preload is not None:
             importlib.import_module(preload)
             gc.freeze()
-    except KeyboardInterrupt:
-        # Ctrl-C while the command loads: nothing has started, nothing to resume.
+    finally:
+        signal.signal(signal.SIGINT, default)
+        gc.enable()
+    if interrupted:
+        # Nothing has started, nothing to resume.
         print("supplier-sync: interrupted before the command started", file=sys.stderr)
         exit_quickly(128 + signal.SIGINT)
-    finally:
-        gc.enable()
     try:
         status = main()
     except KeyboardInterrupt:

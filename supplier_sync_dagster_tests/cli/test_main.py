@@ -1013,6 +1013,44 @@ def test_ctrl_c_while_the_arguments_are_read_is_one_line_and_130(tmp_path: Path)
     )
 
 
+def test_ctrl_c_while_the_command_loads_is_not_lost_to_a_library_that_swallows_it(
+    tmp_path: Path,
+) -> None:
+    # A module imported while the command loads catches everything (as a bare except, or a
+    # finalizer, would): the interrupt is still the command's end, in one line.
+    (tmp_path / "swallowing.py").write_text(
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "except BaseException:\n"
+        "    pass\n"
+    )
+    script = (
+        "import sys\n"
+        "import supplier_sync_dagster.cli.main as cli\n"
+        "cli._preload_name = lambda argv: 'swallowing'\n"
+        "def main():\n"
+        "    print('the command ran')\n"
+        "    return 0\n"
+        "cli.main = main\n"
+        "cli.run()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (
+        130,
+        "",
+        "supplier-sync: interrupted before the command started\n",
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
