@@ -174,8 +174,8 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         """Within the block, this thread's events are inserted together, at its end.
 
         They are stored earlier when the thread asks which materialization it stored last
-        and one of them is a materialization (a city's checks name the one they judged). Until then the thread's reads do not see them.
-        On a server without ``INSERT ... RETURNING`` each event is stored as it would be
+        and one of them is a materialization (a city's checks name the one they judged).
+        Until then the thread's reads do not see them. On a server without ``INSERT ... RETURNING`` each event is stored as it would be
         outside the block. A block inside a block of the same thread joins the outer one.
         Events kept when the block raises are stored all the same: they happened.
         """
@@ -281,16 +281,17 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
 
 
 class _FlushedFirst(StoredMaterializations):
-    """The materializations the event log stored, asked after its thread's kept events are
-    stored (so a lookup inside a :meth:`PooledMySQLEventLogStorage.batched` block finds
-    them)."""
+    """The materializations the event log stored; a lookup first stores its thread's kept
+    events when a materialization is among them (so a lookup inside a
+    :meth:`PooledMySQLEventLogStorage.batched` block finds it)."""
 
     def __init__(self, storage: PooledMySQLEventLogStorage) -> None:
         super().__init__()
         self._storage = weakref.ref(storage)
 
     def lookup(self, key: str, partition: str) -> tuple[str, int, float] | None:
-        """:meth:`StoredMaterializations.lookup`, after the thread's kept events are stored."""
+        """:meth:`StoredMaterializations.lookup`, after the thread's kept materializations
+        are stored."""
         storage = self._storage()
         if storage is not None:
             storage.flush(unless_no_materialization=True)
