@@ -540,9 +540,12 @@ def test_the_cities_published_earlier_in_the_batch_are_taken_out_of_a_resumed_pl
 def test_in_flight_yields_every_result_once_as_it_finishes_and_stops_when_left() -> None:
     started: list[int] = []
     release = threading.Event()
+    two_started = threading.Event()
 
     def work(item: int) -> int:
         started.append(item)
+        if item == 2:
+            two_started.set()
         if item in (0, 2):
             release.wait(10)  # held until released
         return item * 10
@@ -559,9 +562,12 @@ def test_in_flight_yields_every_result_once_as_it_finishes_and_stops_when_left()
     # Left early: the calls in flight are asked to stop, the others never start.
     started.clear()
     release.clear()
+    two_started.clear()
     stop = Stop()
     early = in_flight(range(100), work, threads=2, stop=stop)
-    assert next(early) == 10  # items 0 and 2 are held: both threads busy
+    assert next(early) == 10
+    # The thread item 1 freed takes item 2, which is held: both threads are busy.
+    assert two_started.wait(10)
     threading.Timer(0.2, release.set).start()
     early.close()
     assert sorted(started) == [0, 1, 2] and stop.is_set
