@@ -10,7 +10,8 @@ each its own transaction. A ``sync --full`` pays that for every event of every c
 and :class:`PooledMySQLRunStorage`: the same tables, statements and transactions, on one
 small pool of connections per storage (as the webserver's). Inside
 :meth:`PooledMySQLEventLogStorage.batched`, a thread's events are inserted together in one
-statement, as dagster-postgres stores a batch.
+statement, as dagster-postgres stores a batch; the event log adds the index
+:data:`.storage.CHECK_HISTORY_INDEX` to the checks' table.
 ``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
 reads and writes the same database with Dagster's classes.
 """
@@ -39,7 +40,10 @@ from dagster_mysql.utils import (
 )
 from sqlalchemy.engine import Connection, Engine
 
-from supplier_sync_dagster.dagster_instance.storage import StoredMaterializations
+from supplier_sync_dagster.dagster_instance.storage import (
+    StoredMaterializations,
+    ensure_check_history_index,
+)
 
 # One idle connection per storage, as Dagster's webserver keeps; overflow for threads that
 # store at once (the step's thread, the cancel poll, Dagster's own).
@@ -132,6 +136,7 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
         self._tables_found: set[str] = set()
         self._held: dict[int, Connection] = {}
         super().__init__(mysql_url, inst_data)
+        ensure_check_history_index(self._engine)
         ref = weakref.ref(self)
 
         def _in_child() -> None:

@@ -21,6 +21,12 @@ Dagster's default storage keeps working, and Dagster's default reads one written
 ``dagster.yaml`` names it (``instance_class``) and configures no other storage, under the
 instance's own directory as Dagster's default does (a ``storage:`` block could only name a
 fixed path or one environment variable).
+
+Both pooled event logs (this one and the MySQL profile's) add one index to Dagster's
+``asset_check_executions`` table (:data:`CHECK_HISTORY_INDEX`, by
+:func:`ensure_check_history_index`): a check's latest result on one partition is then a
+lookup, not a pass over every result of the check. Dagster's own storages read and write
+the table as before.
 """
 
 from __future__ import annotations
@@ -110,6 +116,21 @@ _UPDATE_CHECK = {
     ),
 }
 
+# A check's latest result on one partition (what a run reports again for a city an earlier
+# run of the batch published) is found through this index. Dagster's own put the storage id
+# of the judged materialization before the partition, so the database read or sorted every
+# result of the check, at each city. Built on a copy of the table, not on Dagster's metadata,
+# which creates its tables for every instance in the process.
+_CHECK_HISTORY = AssetCheckExecutionsTable.to_metadata(sa.MetaData())
+CHECK_HISTORY_INDEX = sa.Index(
+    "idx_supplier_sync_check_partition",
+    _CHECK_HISTORY.c.asset_key,
+    _CHECK_HISTORY.c.check_name,
+    _CHECK_HISTORY.c.partition,
+    _CHECK_HISTORY.c.id,
+    mysql_length={"asset_key": 64, "check_name": 64, "partition": 64},
+)
+
 # One idle connection per file. Overflow only for a caller that opens a second connection
 # to the same file before closing the first (Dagster's code does not, under ``_db_lock``).
 _POOL_SIZE = 1
@@ -151,6 +172,39 @@ def pooled_sqlite_engine(conn_string: str) -> Engine:
 # Materializations remembered per storage: a run's cities, each looked up right after its
 # events are stored; older ones fall back to a read.
 REMEMBERED_MATERIALIZATIONS = 4096
+
+
+def ensure_check_history_index(engine: Engine) -> bool:
+    """Adds :data:`CHECK_HISTORY_INDEX` to Dagster's ``asset_check_executions`` table when
+    it is missing (once per database; an index only, no column or row changes).
+
+    Several processes may start at once: the one that loses the race to create it finds it.
+
+    Returns:
+        Whether the table has the index (False: no such table, a database Dagster has not
+        made yet).
+    """
+    table = CHECK_HISTORY_INDEX.table
+    assert table is not None
+
+    def found() -> bool | None:
+        with engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            if not inspector.has_table(table.name):
+                return None
+            names = {index["name"] for index in inspector.get_indexes(table.name)}
+            return CHECK_HISTORY_INDEX.name in names
+
+    has_index = found()
+    if has_index is not False:
+        return bool(has_index)
+    try:
+        with engine.begin() as conn:
+            CHECK_HISTORY_INDEX.create(conn)
+    except sa.exc.DBAPIError:
+        if not found():
+            raise
+    return True
 
 
 class StoredMaterializations:
@@ -301,6 +355,8 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         if shard not in self._initialized_dbs:
             self._initdb(engine)
             self._initialized_dbs.add(shard)
+        if shard == INDEX_SHARD_NAME:
+            ensure_check_history_index(engine)
         self._engines[shard] = engine
         run_shards = [name for name in self._engines if name != INDEX_SHARD_NAME]
         for name in run_shards[: max(0, len(run_shards) - self._max_cached_shards)]:

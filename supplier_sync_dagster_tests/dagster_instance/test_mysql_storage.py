@@ -6,10 +6,13 @@ database (per-partition materializations with their metadata, check results per 
 the run's status). Outside a block each event is committed as it is stored, as dagster-mysql
 does; a block's events are inserted by one statement (never one transaction holding their
 ids), before a check target is looked up and when the block ends, even when it raises; a
-forked child leaves the parent's pooled connections working.
+forked child leaves the parent's pooled connections working; a partition's latest check
+result is read through the index the storage adds, and dagster-mysql's storage still works
+on the table.
 """
 
 import multiprocessing
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -20,6 +23,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.storage.event_log.schema import AssetCheckExecutionsTable
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
@@ -37,6 +41,7 @@ from supplier_sync_dagster.dagster_instance.mysql_storage import (
     PooledMySQLRunStorage,
     PooledMySQLStorage,
 )
+from supplier_sync_dagster.dagster_instance.storage import CHECK_HISTORY_INDEX
 from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
     check_results,
     per_partition,
@@ -47,6 +52,7 @@ from supplier_sync_dagster_tests.dagster_instance.test_storage import (
     CHECK_SPEC,
     PARTITIONS,
     cities,
+    latest_check_query,
     read_target,
     report_city,
 )
@@ -363,3 +369,52 @@ def test_a_table_found_is_not_looked_up_again(homes: tuple[Path, Path]) -> None:
             assert statements  # a table not found is asked again
         finally:
             sa.event.remove(sa.engine.Engine, "before_cursor_execute", listen)
+
+
+def _check_indexes(engine: sa.Engine) -> set[str]:
+    return {i["name"] or "" for i in sa.inspect(engine).get_indexes("asset_check_executions")}
+
+
+def test_a_partition_s_latest_check_result_is_read_through_an_index_not_a_sort(
+    homes: tuple[Path, Path],
+) -> None:
+    """A run reports again the gates' results of each city an earlier run of the batch
+    published: without the index, MariaDB reads every result of the check for each, newest
+    first, until it meets the partition's."""
+    ours, stock_home = homes
+    engine = sa.create_engine(sa.make_url(os.environ["DAGSTER_MYSQL_URL"]))
+    try:
+        with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+            assert dg.materialize([cities], instance=stock, partition_key="a").success
+        assert CHECK_HISTORY_INDEX.name not in _check_indexes(engine)
+        # Other partitions' results, as a backfill of many cities leaves them.
+        others = [
+            {
+                "asset_key": ASSET.to_string(),
+                "check_name": CHECK,
+                "partition": f"city-{n:05d}",
+                "run_id": f"run-{n % 40}",
+                "execution_status": "SUCCEEDED",
+                "evaluation_event": "{}",
+            }
+            for n in range(3000)
+        ]
+        with engine.begin() as conn:
+            conn.execute(AssetCheckExecutionsTable.insert(), others)
+        # The pooled storage adds it to a database dagster-mysql made.
+        with dg.DagsterInstance.from_config(str(ours)) as instance:
+            assert CHECK_HISTORY_INDEX.name in _check_indexes(engine)
+            tags = {ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"}
+            assert dg.materialize([checked_cities], instance=instance, tags=tags).success
+            statement, parameters = latest_check_query(instance, "b")
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ANALYZE TABLE asset_check_executions")
+            plan = conn.exec_driver_sql("EXPLAIN " + statement, parameters).mappings().one()
+        assert plan["key"] == CHECK_HISTORY_INDEX.name and plan["type"] == "ref", dict(plan)
+        assert "filesort" not in (plan["Extra"] or ""), dict(plan)
+        # dagster-mysql's own storage reads and writes the table as before.
+        with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+            assert dg.materialize([cities], instance=stock, partition_key="c").success
+            latest_check_query(stock, "c")
+    finally:
+        engine.dispose()

@@ -3,7 +3,8 @@
 Each test makes an instance from a ``dagster.yaml`` in its folder, as the CLI, the webserver
 and the daemon do, and checks what Dagster reads back: per-partition materializations,
 check evaluations, planned events and run status; another process's writes on the same
-files; Dagster's default storage reading them; the engines closed.
+files; Dagster's default storage reading them; the engines closed; a partition's latest
+check result read through the index the storage adds, made once when processes race.
 """
 
 import sqlite3
@@ -18,11 +19,13 @@ from typing import Any
 
 import dagster as dg
 import pytest
+import sqlalchemy as sa
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData as TargetMaterialization,
 )
 from dagster._core.events import DagsterEventType
 from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.event_log.schema import AssetCheckExecutionsTable
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
@@ -34,6 +37,7 @@ from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.dagster_instance.events import (
     CheckTarget,
     check_target,
+    latest_evaluation,
     one_event_transaction,
     stored_target,
 )
@@ -43,11 +47,13 @@ from supplier_sync_dagster.dagster_instance.home import (
     dagster_instance,
 )
 from supplier_sync_dagster.dagster_instance.storage import (
+    CHECK_HISTORY_INDEX,
     DEFAULT_MAX_CACHED_SHARDS,
     EmbeddedDagsterInstance,
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
     StoredMaterializations,
+    ensure_check_history_index,
 )
 
 PARTITIONS = dg.StaticPartitionsDefinition(["a", "b", "c", "d"])
@@ -174,6 +180,91 @@ def test_a_ranged_run_stores_and_reads_back_every_partition(home: Path) -> None:
             sum(e.dagster_event_type == dg.DagsterEventType.ASSET_MATERIALIZATION for e in logs)
             == 4
         )
+
+
+def latest_check_query(instance: dg.DagsterInstance, partition: str) -> tuple[str, Any]:
+    """The statement and parameters by which Dagster reads the check's latest result on
+    ``partition`` (``latest_evaluation``), that result checked on the way."""
+    seen: list[tuple[str, Any]] = []
+
+    def listen(*args: Any) -> None:
+        statement, parameters = args[2], args[3]
+        if statement.lstrip().upper().startswith("SELECT") and (
+            "asset_check_executions" in statement
+        ):
+            seen.append((statement, parameters))
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", listen)
+    try:
+        found = latest_evaluation(instance, dg.AssetCheckKey(ASSET, CHECK), partition)
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", listen)
+    assert found is not None and found.partition == partition
+    assert len(seen) == 1
+    return seen[0]
+
+
+def _index_names(path: Path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("PRAGMA index_list('asset_check_executions')").fetchall()
+    return {row[1] for row in rows}
+
+
+def test_a_partition_s_latest_check_result_is_read_through_an_index_not_a_sort(
+    tmp_path: Path,
+) -> None:
+    """A run reports again the gates' results of each city an earlier run of the batch
+    published: without the index, SQLite sorts every result of the check for each."""
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as stock:
+        assert dg.materialize([cities], instance=stock, partition_key="a").success
+    index_db = tmp_path / "history" / "runs" / "index.db"
+    assert CHECK_HISTORY_INDEX.name not in _index_names(index_db)
+    # The embedded storage adds it to a home Dagster's default storage made.
+    (tmp_path / "dagster.yaml").write_text(EMBEDDED_DAGSTER_YAML)
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        tags = {ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"}
+        assert dg.materialize([cities], instance=instance, tags=tags).success
+        assert CHECK_HISTORY_INDEX.name in _index_names(index_db)
+        statement, parameters = latest_check_query(instance, "b")
+    with sqlite3.connect(index_db) as conn:
+        plan = conn.execute("EXPLAIN QUERY PLAN " + statement, parameters).fetchall()
+    steps = " / ".join(str(row[-1]) for row in plan)
+    assert CHECK_HISTORY_INDEX.name in steps and "TEMP B-TREE" not in steps, steps
+    # Dagster's default storage still reads and writes the file.
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as stock:
+        assert dg.materialize([cities], instance=stock, partition_key="c").success
+        latest_check_query(stock, "c")
+
+
+def test_the_check_history_index_is_made_once_by_whichever_process_is_first(
+    db_url: str,
+) -> None:
+    """Two processes opening one database at once both try to make the index: the one
+    that loses finds it made."""
+    engine, other = sa.create_engine(db_url), sa.create_engine(db_url)
+    try:
+        assert not ensure_check_history_index(engine)  # no table yet: nothing made
+        AssetCheckExecutionsTable.create(engine)
+        raced: list[str] = []
+
+        def first(*args: Any) -> None:
+            statement = args[2]
+            if statement.startswith("CREATE INDEX") and not raced:
+                raced.append(statement)
+                with other.begin() as conn:
+                    conn.exec_driver_sql(statement)
+
+        sa.event.listen(engine, "before_cursor_execute", first)
+        assert ensure_check_history_index(engine)
+        assert raced  # the other made it between the look and the make
+        assert ensure_check_history_index(engine)
+        names = [i["name"] for i in sa.inspect(engine).get_indexes("asset_check_executions")]
+        assert names.count(CHECK_HISTORY_INDEX.name) == 1
+    finally:
+        engine.dispose()
+        other.dispose()
 
 
 def _tables(path: Path) -> dict[str, list[tuple[Any, ...]]]:
