@@ -29,7 +29,8 @@ Per round it prints:
 
 Usage:
     .venv/bin/python bench/bench_multihost.py [--cities 10000] [--hosts 4]
-        [--cities-per-run 250] [--hotels 20000] [--rounds 1] [--runs-per-host 1]
+        [--cities-per-run 250] [--hotels 20000] [--rounds 1] [--locks both|off|on]
+        [--runs-per-host 1]
         [--worker-processes N]
         [--per-run] [--markdown]
 """
@@ -362,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hotels", type=int, default=20_000, help="over every city")
     parser.add_argument("--zipf", type=float, default=0.3, help="skew of hotels per city")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of each mode")
+    parser.add_argument(
+        "--locks", choices=("both", "off", "on"), default="both", help="which modes to run"
+    )
     parser.add_argument("--runs-per-host", type=int, default=1, help="celery worker -c")
     parser.add_argument("--worker-processes", type=int, help="SUPPLIER_SYNC_WORKER_PROCESSES")
     parser.add_argument("--rate-limit", type=float, default=100_000, help="requests/s")
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     for _ in range(args.rounds):
-        for locks in (False, True):
+        for locks in {"both": (False, True), "off": (False,), "on": (True,)}[args.locks]:
             r = one_round(args, locks)
             results.append(r)
             print(report(r, args.per_run), flush=True)
