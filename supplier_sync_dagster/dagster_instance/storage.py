@@ -795,9 +795,10 @@ def pooled_ref(ref: InstanceRef) -> InstanceRef | None:
 
     The ``dagster.yaml`` stays as it is: only this process opens the files through the
     pooled classes, and every other process (the webserver, the daemon, Dagster's CLI) reads
-    and writes them with Dagster's own, which these are compatible with. An instance without
-    a class of its own gets :class:`EmbeddedDagsterInstance`, which batches a run's planned
-    events.
+    and writes them with Dagster's own, which these are compatible with. The files gain one
+    index (:data:`CHECK_HISTORY_INDEX`), which Dagster's code neither needs nor minds. An
+    instance without a class of its own gets :class:`EmbeddedDagsterInstance`, which batches
+    a run's planned events.
     """
     data = ref.storage_data
     if data is None or (data.module_name, data.class_name) != STOCK_SQLITE_STORAGE:
