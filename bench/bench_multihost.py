@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import MYSQL_URL, catalog_problems, union_seconds
 from bench_claims import process_cpu
 
+from supplier_sync_dagster.core.settings import DEFAULT_TASK_CODE
 from supplier_sync_dagster.core.store import schema
 from supplier_sync_dagster_tests.cli.test_main import query
 from supplier_sync_dagster_tests.helpers import moto_bucket, mysql_database_pair
@@ -110,10 +111,14 @@ class Shard:
 
 
 def shards_of(db_url: str, hosts: list[str]) -> list[Shard]:
-    s = schema.shard.c
+    """The full sync's shards (the housekeeping schedules' batches, an incremental sync
+    retried until a full sync has finished, are not the backfill's)."""
+    s, b = schema.shard.c, schema.batch.c
     rows = query(
         db_url,
-        sa.select(s.shard_key, s.worker_id, s.status, s.claim_count, s.started_at, s.finished_at),
+        sa.select(s.shard_key, s.worker_id, s.status, s.claim_count, s.started_at, s.finished_at)
+        .join_from(schema.shard, schema.batch, b.batch_id == s.batch_id)
+        .where(b.task_code == DEFAULT_TASK_CODE),
     )
     return [
         Shard(

@@ -4,7 +4,9 @@ A trigger (schedule, UI launch or backfill, sensor, compensation) never starts w
 directly. It asks :func:`create_batch`, which is idempotent per ``(task_code, trigger_id)``
 and applies the task's concurrency policy against the task's unfinished batches. Workers
 then claim the batch's shards (:mod:`supplier_sync_dagster.core.leasing.leases`); the batch's status,
-counts and progress are derived from its shards by :func:`refresh_batch`.
+counts and progress are derived from its shards by :func:`refresh_batch`. A shard's finish
+in a large batch counts itself instead (:func:`count_finish`) while its batch's totals are
+recent and it cannot be the last.
 
 An unfinished batch is *live* (it counts as running) only while someone provably works on
 it (:func:`batch_liveness`): one of its shards holds an unexpired lease whose holder is not
@@ -90,6 +92,12 @@ def _check_code(name: str, value: str, max_len: int = MAX_CODE_LEN) -> None:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise ConfigError(f"{name} must be a string of 1-{max_len} characters; got {value!r}")
 
+
+# A finish in a batch of more shards than this re-sums them only when the batch's totals are
+# older than RETOTAL_SECONDS or the finish may be its last: summing every shard at every
+# finish, under the batch's lock, costs a batch of many cities quadratic time.
+EXACT_TOTALS_SHARDS = 500
+RETOTAL_SECONDS = 2.0
 
 # The fields of a task that say what it syncs.
 _TASK_SCOPE = ("supplier_id", "category_code", "sync_mode", "data_scope")
@@ -846,6 +854,54 @@ def derive_batch(conn: Connection, clock: DbClock, current: Batch | str) -> None
     )
     if conn.execute(_derived_move(tuple(values), tuple(stamped)), params).rowcount != 1:
         raise InvalidTransition(f"batch {batch_id} changed status while locked")
+
+
+def count_finish(conn: Connection, clock: DbClock, batch_id: str, shards: int) -> bool:
+    """Counts one more finished shard of the RUNNING batch ``batch_id`` (locked in this
+    transaction: :func:`lock_batch`) without summing its shards, when that keeps it right.
+
+    That is when the batch has more than :data:`EXACT_TOTALS_SHARDS` shards, its totals
+    were derived less than :data:`RETOTAL_SECONDS` ago (its ``updated_at``, on the
+    database's clock), and another of its shards is unfinished (``shards_done`` is exact:
+    every other move of a shard into or out of SUCCESS or FAILED derives the batch). Its
+    other counts and its progress then lag by at most that many seconds; its status cannot
+    have changed.
+
+    Args:
+        conn: The caller's transaction, holding the batch's lock.
+        clock: The database clock.
+        batch_id: The batch.
+        shards: Its shards as the caller last saw them: no statement at all for a batch
+            that small.
+
+    Returns:
+        True if counted; False if the caller must derive the batch (:func:`derive_batch`).
+    """
+    if shards <= EXACT_TOTALS_SHARDS:
+        return False
+    params = {
+        "counted_batch_id": batch_id,
+        "exact_limit": EXACT_TOTALS_SHARDS,
+        "since_us": round((clock.offset_seconds - RETOTAL_SECONDS) * 1_000_000),
+    }
+    return int(conn.execute(_counted_finish(), params).rowcount) == 1
+
+
+@functools.cache
+def _counted_finish() -> sa.Update:
+    """:func:`count_finish`'s guarded move, built once."""
+    b = schema.batch.c
+    return (
+        sa.update(schema.batch)
+        .where(
+            b.batch_id == sa.bindparam("counted_batch_id", type_=b.batch_id.type),
+            b.status == "RUNNING",
+            b.shard_count > sa.bindparam("exact_limit", type_=sa.Integer()),
+            b.shards_done + 1 < b.shard_count,
+            b.updated_at > db_now(sa.bindparam("since_us", type_=sa.BigInteger())),
+        )
+        .values(shards_done=b.shards_done + 1)
+    )
 
 
 @functools.cache

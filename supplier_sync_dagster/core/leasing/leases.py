@@ -50,6 +50,7 @@ from supplier_sync_dagster.core.errors import (
 )
 from supplier_sync_dagster.core.leasing.batches import (
     Batch,
+    count_finish,
     derive_batch,
     get_batch,
     lock_batch,
@@ -262,6 +263,9 @@ class ShardLease:
     gate_overrides: bool | None = field(default=None, init=False)
     # The shard's Redis claim lock, renewed and released with the lease (None: no locks).
     claim_lock: ClaimLock | None = field(default=None, init=False)
+    # The batch's shards when this one was claimed (batches only grow): whether a finish
+    # may count itself instead of summing them (:func:`.batches.count_finish`).
+    batch_shards: int = field(default=0, init=False)
     _lost: threading.Event = field(default_factory=threading.Event, init=False)
     _lost_reason: str = field(default="", init=False)
     _lost_as: type[LeaseLost] = field(default=LeaseLost, init=False)
@@ -527,7 +531,9 @@ class ShardLease:
                 error_message=error,
                 **totals,
             )
-        derive_batch(conn, self.db.clock, batch)
+        shards = self.batch_shards if isinstance(batch, str) else batch.shard_count
+        if not count_finish(conn, self.db.clock, self.batch_id, shards):
+            derive_batch(conn, self.db.clock, batch)
 
     def _holder_params(self) -> dict[str, Any]:
         """The parameters of a move built once (:func:`_held`, :func:`_now`): this holder,
@@ -775,6 +781,10 @@ def _claim_in_db(
                     .where(schema.batch.c.batch_id == batch_id)
                     .scalar_subquery()
                     .label("batch_status"),
+                    sa.select(schema.batch.c.shard_count)
+                    .where(schema.batch.c.batch_id == batch_id)
+                    .scalar_subquery()
+                    .label("batch_shards"),
                 ],
                 sources=("PENDING", "RUNNING"),
                 **claim,
@@ -784,8 +794,9 @@ def _claim_in_db(
                 raise UnknownBatch(f"unknown batch {batch_id!r}")
             info, overridden = _shard_info(moved), bool(moved.has_gate_overrides)
             batch_pending = moved.batch_status == "PENDING"
+            batch_shards = int(moved.batch_shards or 0)
         else:
-            info, overridden, batch_pending = _claim_locked(
+            info, overridden, batch_pending, batch_shards = _claim_locked(
                 conn,
                 db,
                 batch_id,
@@ -815,6 +826,7 @@ def _claim_in_db(
         claim_count=info.claim_count,
     )
     lease.gate_overrides = overridden
+    lease.batch_shards = batch_shards
     log.info(
         "claimed shard %r of batch %s as %s (claim #%d, resume from %s)",
         shard_key,
@@ -837,12 +849,13 @@ def _claim_locked(
     where: list[sa.ColumnElement[bool]],
     claim: dict[str, Any],
     reclaim_dead_local: bool,
-) -> tuple[ShardInfo, bool, bool]:
+) -> tuple[ShardInfo, bool, bool, int]:
     """A claim under the batch lock: the move (unless SQLite's already missed), the read of
     the shard, and a dead local holder's reclaim.
 
     Returns:
-        The claimed shard, whether it has gate overrides, and whether the batch is PENDING.
+        The claimed shard, whether it has gate overrides, whether the batch is PENDING, and
+        its shards.
 
     Raises:
         LeaseNotAcquired: The shard cannot be claimed (see :func:`claim_shard`).
@@ -882,7 +895,7 @@ def _claim_locked(
             info, overridden = _read_claimed(conn, batch_id, shard_key)
     if not claimed:
         raise LeaseNotAcquired(_why_not_claimable(conn, db, batch_id, shard_key, info), shard=info)
-    return info, overridden, batch.status == "PENDING"
+    return info, overridden, batch.status == "PENDING", batch.shard_count
 
 
 def claim_next_shard(

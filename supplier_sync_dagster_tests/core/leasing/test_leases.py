@@ -25,7 +25,8 @@ from supplier_sync_dagster.core.errors import (
     LeaseNotAcquired,
     UnknownShard,
 )
-from supplier_sync_dagster.core.leasing.batches import cancel_batch, get_batch
+from supplier_sync_dagster.core.leasing import batches
+from supplier_sync_dagster.core.leasing.batches import Batch, cancel_batch, get_batch
 from supplier_sync_dagster.core.leasing.leases import (
     Checkpoint,
     HeartbeatRunner,
@@ -1001,3 +1002,64 @@ def test_shard_work_releases_on_generator_close_and_keeps_the_interrupt_if_relea
     with pytest.raises(KeyboardInterrupt), ShardWork(lease):
         raise KeyboardInterrupt
     assert get_shard(db, batch.batch_id, "SIN").status == "RUNNING"  # it expires instead
+
+
+def _finish_in(lease: Any, status: str = "SUCCESS", success: int = 10) -> Batch:
+    """The city's last transaction's finish (as ``core.sync`` ends a shard); the batch read
+    back after it."""
+    with lease.db.begin() as conn:
+        lease.finish_in(conn, status, counts=PageCounts(success=success))
+    with lease.db.engine.connect() as conn:
+        return get_batch(conn, lease.batch_id)
+
+
+def test_a_large_batch_s_finish_counts_itself_while_its_totals_are_recent(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Summing every shard at every finish costs a batch of many cities quadratic time: a
+    finish counts itself instead, until the totals are RETOTAL_SECONDS old or it may be
+    the batch's last; the status is always right."""
+    monkeypatch.setattr(batches, "EXACT_TOTALS_SHARDS", 2)
+    batch = make_batch(["A", "B", "C", "D", "E"])
+    leases = {k: claim_shard(db, batch.batch_id, k, worker_id="w", settings=FAST) for k in "ABCDE"}
+    assert {lease.batch_shards for lease in leases.values()} == {5}
+
+    after = _finish_in(leases["A"])
+    assert (after.status, after.shards_done, after.success_count) == ("RUNNING", 1, 0)
+    after = _finish_in(leases["B"], "FAILED", success=0)
+    assert (after.shards_done, after.success_count) == (2, 0)  # counted; totals lag
+    db.clock.advance(batches.RETOTAL_SECONDS + 1)
+    after = _finish_in(leases["C"])  # the totals are old: summed again
+    assert (after.shards_done, after.success_count, after.failed_count) == (3, 20, 0)
+    after = _finish_in(leases["D"], "FAILED", success=0)
+    assert (after.status, after.shards_done, after.success_count) == ("RUNNING", 4, 20)
+    # A reopened shard derives the batch, so the count stays exact.
+    after = reopen_shard(db, batch.batch_id, "D", "retry")
+    assert (after.status, after.shards_done) == ("RUNNING", 3)
+    after = _finish_in(leases["E"])
+    assert (after.status, after.shards_done, after.success_count) == ("RUNNING", 4, 20)
+    again = claim_shard(db, batch.batch_id, "D", worker_id="w2", settings=FAST)
+    final = _finish_in(again)  # the last: summed, and the batch ends
+    assert (final.status, final.shards_done, final.success_count) == ("PARTIAL_FAILED", 5, 40)
+    assert final.finished_at is not None and final.progress_percent == 100
+
+
+def test_the_last_of_many_finishing_at_once_ends_a_large_batch(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batches, "EXACT_TOTALS_SHARDS", 2)
+    keys = [f"C{i:02d}" for i in range(24)]
+    batch = make_batch(keys)
+
+    def work(i: int) -> int:
+        done = 0
+        while (lease := claim_next_shard(db, batch.batch_id, worker_id=f"w{i}")) is not None:
+            _finish_in(lease)
+            done += 1
+        return done
+
+    results, errors = run_concurrently(4, work)
+    assert not errors and sum(results) == len(keys)
+    with db.engine.connect() as conn:
+        final = get_batch(conn, batch.batch_id)
+    assert (final.status, final.shards_done, final.success_count) == ("SUCCESS", 24, 240)
