@@ -11,7 +11,8 @@ and :class:`PooledMySQLRunStorage`: the same tables, statements and transactions
 small pool of connections per storage (as the webserver's). Inside
 :meth:`PooledMySQLEventLogStorage.batched`, a thread's events are inserted together in one
 statement, as dagster-postgres stores a batch; the event log adds the index
-:data:`.storage.CHECK_HISTORY_INDEX` to the checks' table.
+:data:`.storage.CHECK_HISTORY_INDEX` to the checks' table and runs its transactions READ
+COMMITTED (see :class:`PooledMySQLEventLogStorage`).
 ``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
 reads and writes the same database with Dagster's classes.
 """
@@ -40,6 +41,7 @@ from dagster_mysql.utils import (
 )
 from sqlalchemy.engine import Connection, Engine
 
+from supplier_sync_dagster.core.store.db import retry_deadlocks
 from supplier_sync_dagster.dagster_instance.storage import (
     StoredMaterializations,
     ensure_check_history_index,
@@ -53,16 +55,20 @@ _MAX_OVERFLOW = 8
 _POOL_RECYCLE_SECONDS = 3600
 
 
-def pooled_mysql_engine(mysql_url: str) -> Engine:
+def pooled_mysql_engine(mysql_url: str, *, isolation_level: str | None = None) -> Engine:
     """An engine as dagster-mysql's, with a pool of connections that survives a fork.
 
     A forked child (the run's worker processes) drops the parent's connections without
     closing them: they are the parent's sockets. ``pool_pre_ping`` replaces a connection the
     server closed meanwhile.
+
+    Args:
+        mysql_url: The database's SQLAlchemy URL.
+        isolation_level: The transactions' isolation level; dagster-mysql's by default.
     """
     engine = sa.create_engine(
         mysql_url,
-        isolation_level=mysql_isolation_level(),
+        isolation_level=isolation_level or mysql_isolation_level(),
         pool_size=_POOL_SIZE,
         max_overflow=_MAX_OVERFLOW,
         pool_recycle=_POOL_RECYCLE_SECONDS,
@@ -86,6 +92,8 @@ class _PooledEngine:
 
     mysql_url: str
     _engine: Engine
+    # None: dagster-mysql's level.
+    isolation_level: str | None = None
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
         super().__init__(mysql_url, inst_data)  # type: ignore[call-arg]
@@ -100,7 +108,7 @@ class _PooledEngine:
 
     def _use_pool(self) -> None:
         self._engine.dispose()
-        self._engine = pooled_mysql_engine(self.mysql_url)
+        self._engine = pooled_mysql_engine(self.mysql_url, isolation_level=self.isolation_level)
 
     def dispose(self) -> None:
         """The storage's own ``dispose``, then the pooled connections closed."""
@@ -124,10 +132,20 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
     so that a city's check evaluations name the materialization they judged without reading
     it back.
 
+    Its transactions are READ COMMITTED, not dagster-mysql's REPEATABLE READ. With the
+    checks' index, InnoDB finds the row a check's result updates (by asset, check, run and
+    partition) through that index, and under REPEATABLE READ it also locks the gaps beside it,
+    where other runs insert their planned checks for neighbouring partitions: two runs storing
+    their cities' events at once then deadlock. READ COMMITTED locks only the rows a statement
+    changes, as PostgreSQL's default level, under which Dagster runs the same statements. A
+    block's transaction that InnoDB still picks as a deadlock's victim is run again.
+
     Args:
         mysql_url: The database's SQLAlchemy URL.
         inst_data: Dagster's record of the configuration this storage came from.
     """
+
+    isolation_level = "READ COMMITTED"
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
         self.stored_materializations = _FlushedFirst(self)
@@ -253,6 +271,16 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
             dagster_event = event.get_dagster_event()
             last[(str(dagster_event.asset_key), dagster_event.event_type)] = position
         written = set(last.values())
+        retry_deadlocks(lambda: self._store_block_rows(assets, written, stored))
+
+    def _store_block_rows(
+        self,
+        assets: Sequence[tuple[EventLogEntry, int]],
+        written: set[int],
+        stored: Sequence[tuple[EventLogEntry, int]],
+    ) -> None:
+        """One transaction: the assets' rows and tags and the checks' rows of stored events
+        (``written``: the positions in ``assets`` whose asset row is written)."""
         thread = threading.get_ident()
         with self._connect() as conn:
             # Dagster's check updates take this connection (index_connection).

@@ -66,6 +66,7 @@ OWN_METHODS: dict[type, set[str]] = {
         "forget_blocks",
         "_supports_returning",
         "_store_together",
+        "_store_block_rows",
     },
 }
 # Methods of a custom instance class that Dagster looks up by name (no base defines them),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pymysql
 import pytest
 import sqlalchemy as sa
 from dagster._core.event_api import PartitionKeyFilter
@@ -418,3 +419,109 @@ def test_a_partition_s_latest_check_result_is_read_through_an_index_not_a_sort(
             latest_check_query(stock, "c")
     finally:
         engine.dispose()
+
+
+def test_a_check_result_s_update_leaves_the_gaps_beside_it_to_other_runs(
+    homes: tuple[Path, Path],
+) -> None:
+    """With the checks' index, InnoDB finds the row a check's result updates through it; under
+    REPEATABLE READ it would lock the gaps beside the row, where another run inserts its
+    planned check for a neighbouring partition, and two runs storing their cities' events at
+    once deadlocked. The pooled event log's transactions lock only the rows they change."""
+    ours, _ = homes
+    url = sa.make_url(os.environ["DAGSTER_MYSQL_URL"])
+    other = sa.create_engine(url, isolation_level="REPEATABLE READ")
+    rows = [
+        {
+            "asset_key": ASSET.to_string(),
+            "check_name": CHECK,
+            "partition": f"city-{n:05d}",
+            "run_id": f"run-{n // 50}",
+            "execution_status": "PLANNED",
+            "evaluation_event": "{}",
+        }
+        for n in range(0, 2000, 2)
+    ]
+    try:
+        with dg.DagsterInstance.from_config(str(ours)) as instance:
+            storage = instance.event_log_storage
+            assert isinstance(storage, PooledMySQLEventLogStorage)
+            with other.begin() as conn:
+                conn.execute(AssetCheckExecutionsTable.insert(), rows)
+                conn.exec_driver_sql("ANALYZE TABLE asset_check_executions")
+            table = AssetCheckExecutionsTable
+            with storage.index_connection() as conn:
+                # The statement of Dagster's _update_asset_check_evaluation, its row locked.
+                updated = conn.execute(
+                    table.update()
+                    .where(
+                        table.c.asset_key == ASSET.to_string(),
+                        table.c.check_name == CHECK,
+                        table.c.run_id == "run-20",
+                        table.c.partition == "city-01000",
+                    )
+                    .values(execution_status="SUCCEEDED")
+                )
+                assert updated.rowcount == 1
+                # Another run plans its check for the partition next to it (in the gap).
+                with other.connect() as neighbour:
+                    neighbour.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = 1")
+                    neighbour.execute(
+                        table.insert(),
+                        {**rows[0], "partition": "city-01001", "run_id": "run-other"},
+                    )
+                    neighbour.commit()
+        with other.connect() as conn:
+            count = conn.execute(
+                sa.select(sa.func.count()).select_from(table).where(table.c.run_id == "run-other")
+            ).scalar_one()
+        assert count == 1
+    finally:
+        other.dispose()
+
+
+def test_a_block_s_asset_rows_chosen_as_a_deadlock_s_victim_are_written_again_once(
+    homes: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """InnoDB rolls the victim's transaction back whole: the asset rows, tags and check rows
+    of the block are written again, and nothing is written twice."""
+    ours, stock_home = homes
+    real = PooledMySQLEventLogStorage.store_asset_check_event
+    victims: list[str] = []
+
+    def once_a_victim(self: PooledMySQLEventLogStorage, event: Any, event_id: Any) -> None:
+        if not victims and event.dagster_event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION:
+            victims.append(str(event_id))
+            error = pymysql.err.OperationalError(1213, "Deadlock found when trying to get lock")
+            raise sa.exc.OperationalError("UPDATE asset_check_executions", {}, error)
+        real(self, event, event_id)
+
+    monkeypatch.setattr(PooledMySQLEventLogStorage, "store_asset_check_event", once_a_victim)
+    _, run_id = _commits_of_a_run(ours)
+    assert len(victims) == 1
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert check_results(stock) == {
+            "a": "SUCCEEDED",
+            "b": "SUCCEEDED",
+            "c": "FAILED",
+            "d": "SUCCEEDED",
+        }
+        for partition in "abcd":
+            assert checked_target(stock, partition) == read_target(stock, partition)
+        records = stock.fetch_materializations(ASSET, limit=10).records
+        assert sorted(r.partition_key or "" for r in records) == ["a", "b", "c", "d"]
+        assert all(r.run_id == run_id for r in records)
+    engine = sa.create_engine(sa.make_url(os.environ["DAGSTER_MYSQL_URL"]))
+    try:
+        with engine.connect() as conn:
+            tags = conn.exec_driver_sql(
+                "SELECT event_id, `key`, COUNT(*) FROM asset_event_tags GROUP BY event_id, `key`"
+            ).all()
+            checks = conn.exec_driver_sql(
+                "SELECT `partition`, COUNT(*) FROM asset_check_executions GROUP BY `partition`"
+            ).all()
+    finally:
+        engine.dispose()
+    assert all(count == 1 for *_, count in tags), tags
+    assert sorted(checks) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]

@@ -30,6 +30,22 @@ from supplier_sync_dagster_tests.multihost.deploy import (
 pytestmark = [pytest.mark.multihost, pytest.mark.mariadb, pytest.mark.redis]
 
 
+def failures(instance: dg.DagsterInstance, runs: list[dg.DagsterRun]) -> list[str]:
+    """Each run that did not succeed: its id, status and its failed steps' errors."""
+    found = []
+    for run in runs:
+        if run.status == dg.DagsterRunStatus.SUCCESS:
+            continue
+        errors = [
+            entry.dagster_event.step_failure_data.error.to_string()
+            for entry in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
+            if entry.dagster_event is not None
+            and entry.dagster_event.step_failure_data.error is not None
+        ]
+        found.append(f"{run.run_id} {run.status}: {errors}")
+    return found
+
+
 NAMES = ("host-a", "host-b", "host-c")
 THREE_HOSTS: dict[str, Any] = {
     "n_cities": 200,
@@ -60,9 +76,10 @@ def test_three_hosts_sync_one_backfill(services: Services, namespaces: bool):
             status,
             deployed.dagster.tail("daemon.log"),
         )
-        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [
-            (r.run_id, r.status) for r in runs
-        ]
+        failed = failures(deployed.instance, runs)
+        if failed:  # whole, as pytest shortens an assertion's message
+            print("\n\n".join(failed))
+        assert not failed, failed
 
         db_url = deployed.env["SUPPLIER_SYNC_DB_URL"]
         assert catalog(db_url) == dict(deployed.sim.ground_truth().valid)
