@@ -288,6 +288,20 @@ def _commits_of_a_run(home: Path) -> tuple[int, str]:
     return len(commits), result.run_id
 
 
+def _assert_grouped_run_read_back(stock: dg.DagsterInstance) -> None:
+    """A run of :func:`grouped_checked_cities` as dagster-mysql reads it: one materialization
+    per city, each city's check result judging it."""
+    assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert check_results(stock) == {
+        "a": "SUCCEEDED",
+        "b": "SUCCEEDED",
+        "c": "FAILED",
+        "d": "SUCCEEDED",
+    }
+    for partition in "abcd":
+        assert checked_target(stock, partition) == read_target(stock, partition)
+
+
 def test_cities_reported_together_are_two_inserts_and_their_asset_rows_one_transaction(
     homes: tuple[Path, Path], event_inserts: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -296,15 +310,7 @@ def test_cities_reported_together_are_two_inserts_and_their_asset_rows_one_trans
     # Four log lines and materializations in one statement, four checks in another.
     assert sum("RETURNING" in s.upper() for s in event_inserts) == 2
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
-        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
-        assert check_results(stock) == {
-            "a": "SUCCEEDED",
-            "b": "SUCCEEDED",
-            "c": "FAILED",
-            "d": "SUCCEEDED",
-        }
-        for partition in "abcd":
-            assert checked_target(stock, partition) == read_target(stock, partition)
+        _assert_grouped_run_read_back(stock)
         latest = stock.get_latest_materialization_event(ASSET)
         assert latest is not None and latest.dagster_event is not None
         assert latest.dagster_event.partition == "d"
@@ -500,15 +506,7 @@ def test_a_block_s_asset_rows_chosen_as_a_deadlock_s_victim_are_written_again_on
     _, run_id = _commits_of_a_run(ours)
     assert len(victims) == 1
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
-        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
-        assert check_results(stock) == {
-            "a": "SUCCEEDED",
-            "b": "SUCCEEDED",
-            "c": "FAILED",
-            "d": "SUCCEEDED",
-        }
-        for partition in "abcd":
-            assert checked_target(stock, partition) == read_target(stock, partition)
+        _assert_grouped_run_read_back(stock)
         records = stock.fetch_materializations(ASSET, limit=10).records
         assert sorted(r.partition_key or "" for r in records) == ["a", "b", "c", "d"]
         assert all(r.run_id == run_id for r in records)
