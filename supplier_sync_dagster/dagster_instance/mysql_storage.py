@@ -10,7 +10,8 @@ each its own transaction. A ``sync --full`` pays that for every event of every c
 and :class:`PooledMySQLRunStorage`: the same tables, statements and transactions, on one
 small pool of connections per storage (as the webserver's). Inside
 :meth:`PooledMySQLEventLogStorage.batched`, a thread's events are inserted together in one
-statement, as dagster-postgres stores a batch; the event log adds the index
+statement, as dagster-postgres stores a batch, and so are the run's planned events that Dagster
+hands over together (:meth:`PooledMySQLEventLogStorage.store_event_batch`); the event log adds the index
 :data:`.storage.CHECK_HISTORY_INDEX` to the checks' table and runs its transactions READ
 COMMITTED (see :class:`PooledMySQLEventLogStorage`).
 ``deploy/mysql/dagster.yaml`` names it; an instance whose ``dagster.yaml`` says ``storage: mysql``
@@ -19,6 +20,7 @@ reads and writes the same database with Dagster's classes.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -46,6 +48,8 @@ from supplier_sync_dagster.dagster_instance.storage import (
     StoredMaterializations,
     ensure_check_history_index,
 )
+
+log = logging.getLogger(__name__)
 
 # One idle connection per storage, as Dagster's webserver keeps; overflow for threads that
 # store at once (the step's thread, the cancel poll, Dagster's own).
@@ -146,6 +150,9 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
     """
 
     isolation_level = "READ COMMITTED"
+    #: The events of one :meth:`store_event_batch` at most: one statement of a few MB at
+    #: most (about a kilobyte an event), under MySQL's smallest default packet limit.
+    planned_event_batch = 2_000
 
     def __init__(self, mysql_url: str, inst_data: ConfigurableClassData | None = None) -> None:
         self.stored_materializations = _FlushedFirst(self)
@@ -244,13 +251,40 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
                 self._returning = bool(conn.dialect.insert_returning)
         return self._returning
 
+    def store_event_batch(self, events: Sequence[EventLogEntry]) -> None:
+        """Stores ``events`` as a block's: their rows inserted by one statement, what they
+        change of the asset and check tables written in one transaction.
+
+        Dagster hands over a run's planned events together when the instance batches them
+        (:class:`.storage.EmbeddedDagsterInstance`, up to :attr:`planned_event_batch`): five
+        per city of a backfill's run, which one by one cost the daemon several round trips
+        each while it creates the run.
+
+        Dagster stores every event of a batch again, one by one, when this raises: it raises
+        only while none is stored. Once their rows are inserted, a failure to write the asset
+        and check rows is logged instead (the planned rows are bookkeeping: a check's result
+        inserts its row when the planned one is missing), so that no event is stored twice.
+        """
+        if len(events) < 2 or not self._supports_returning():
+            super().store_event_batch(events)
+            return
+        stored = self._insert_together(events)
+        try:
+            self._store_stored_rows(stored)
+        except Exception as err:
+            log.warning(
+                "the asset and check rows of %d stored events were not written: %s",
+                len(stored),
+                err,
+            )
+
     def _store_together(self, events: Sequence[EventLogEntry]) -> None:
         """``store_event`` of each event, with their rows inserted by one statement and what
-        they change of the asset and check tables written in one transaction.
+        they change of the asset and check tables written in one transaction."""
+        self._store_stored_rows(self._insert_together(events))
 
-        As dagster-postgres's ``store_event_batch``, an asset's row is written from the last
-        of its events of each kind (each kind writes the same columns every time).
-        """
+    def _insert_together(self, events: Sequence[EventLogEntry]) -> list[tuple[EventLogEntry, int]]:
+        """Inserts the events' rows by one statement; returns each event with its id."""
         statement = self.prepare_insert_event_batch(events).returning(SqlEventLogStorageTable.c.id)
         with self.run_connection(None) as conn:
             ids = [int(row[0]) for row in conn.execute(statement).fetchall()]
@@ -258,7 +292,14 @@ class PooledMySQLEventLogStorage(_PooledEngine, MySQLEventLogStorage):  # type: 
             raise DagsterInvariantViolationError(
                 f"{len(events)} events inserted, {len(ids)} ids returned."
             )
-        stored = list(zip(events, ids, strict=True))
+        return list(zip(events, ids, strict=True))
+
+    def _store_stored_rows(self, stored: Sequence[tuple[EventLogEntry, int]]) -> None:
+        """What inserted events change of the asset and check tables, in one transaction.
+
+        As dagster-postgres's ``store_event_batch``, an asset's row is written from the last
+        of its events of each kind (each kind writes the same columns every time).
+        """
         assets = [
             (event, event_id)
             for event, event_id in stored

@@ -299,6 +299,9 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         max_cached_shards: How many run shards keep an open engine.
     """
 
+    #: The events of one :meth:`store_event_batch` at most: a run's planned events.
+    planned_event_batch = PLANNED_EVENT_BATCH
+
     def __init__(
         self,
         base_dir: str,
@@ -764,12 +767,13 @@ class EmbeddedDagsterInstance(DagsterInstance):
 
     def _get_event_batch_size(self) -> int:
         # Dagster writes batched events (a run's planned events) one by one unless
-        # DAGSTER_EVENT_BATCH_SIZE is set; the pooled event log stores a batch in one
-        # transaction per shard, so the batch is the run's whole set of planned events.
+        # DAGSTER_EVENT_BATCH_SIZE is set; the pooled event logs store a batch together
+        # (SQLite: one transaction per shard, the run's whole set of planned events; MySQL:
+        # one insert of at most its ``planned_event_batch``). Dagster's own store them one by one.
         configured = super()._get_event_batch_size()
-        if configured or not isinstance(self._event_storage, PooledSqliteEventLogStorage):
+        if configured:
             return configured
-        return PLANNED_EVENT_BATCH
+        return int(getattr(self._event_storage, "planned_event_batch", 0))
 
     @staticmethod
     def config_defaults(base_dir: str) -> Mapping[str, ConfigurableClassData | None]:

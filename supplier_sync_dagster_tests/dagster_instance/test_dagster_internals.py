@@ -66,6 +66,8 @@ OWN_METHODS: dict[type, set[str]] = {
         "forget_blocks",
         "_supports_returning",
         "_store_together",
+        "_insert_together",
+        "_store_stored_rows",
         "_store_block_rows",
     },
 }

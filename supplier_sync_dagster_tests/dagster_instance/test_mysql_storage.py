@@ -8,7 +8,8 @@ does; a block's events are inserted by one statement (never one transaction hold
 ids), before a check target is looked up and when the block ends, even when it raises; a
 forked child leaves the parent's pooled connections working; a partition's latest check
 result is read through the index the storage adds, and dagster-mysql's storage still works
-on the table.
+on the table; a run's planned events are one insert, and stored once even when their asset
+and check rows fail to be written.
 """
 
 import multiprocessing
@@ -24,6 +25,7 @@ import pymysql
 import pytest
 import sqlalchemy as sa
 from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.events import AssetMaterializationPlannedData
 from dagster._core.storage.event_log.schema import AssetCheckExecutionsTable
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
@@ -42,7 +44,10 @@ from supplier_sync_dagster.dagster_instance.mysql_storage import (
     PooledMySQLRunStorage,
     PooledMySQLStorage,
 )
-from supplier_sync_dagster.dagster_instance.storage import CHECK_HISTORY_INDEX
+from supplier_sync_dagster.dagster_instance.storage import (
+    CHECK_HISTORY_INDEX,
+    EmbeddedDagsterInstance,
+)
 from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
     check_results,
     per_partition,
@@ -262,9 +267,10 @@ def test_a_run_whose_cities_report_in_blocks_reads_back_as_dagster_mysql_s_own(
             "city b",
             "city c",
         ]
-    # Each city: its log line and materialization in one statement (stored when its check
-    # asks for its target), then its check alone as its block ends.
-    assert sum("RETURNING" in s.upper() for s in event_inserts) == 3
+    # The run's planned events in one statement; then each city: its log line and
+    # materialization in one (stored when its check asks for its target), then its check
+    # alone as its block ends.
+    assert sum("RETURNING" in s.upper() for s in event_inserts) == 1 + 3
 
 
 def _commits_of_a_run(home: Path) -> tuple[int, str]:
@@ -307,8 +313,9 @@ def test_cities_reported_together_are_two_inserts_and_their_asset_rows_one_trans
 ) -> None:
     ours, stock_home = homes
     together, _ = _commits_of_a_run(ours)
-    # Four log lines and materializations in one statement, four checks in another.
-    assert sum("RETURNING" in s.upper() for s in event_inserts) == 2
+    # The run's planned events in one statement; four log lines and materializations in
+    # one, four checks in another.
+    assert sum("RETURNING" in s.upper() for s in event_inserts) == 1 + 2
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
         _assert_grouped_run_read_back(stock)
         latest = stock.get_latest_materialization_event(ASSET)
@@ -523,3 +530,89 @@ def test_a_block_s_asset_rows_chosen_as_a_deadlock_s_victim_are_written_again_on
         engine.dispose()
     assert all(count == 1 for *_, count in tags), tags
     assert sorted(checks) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+
+
+def _planned_per_partition(stock: dg.DagsterInstance, run_id: str) -> dict[str, int]:
+    """Partition -> the planned materializations of ``ASSET`` the run stored for it."""
+    records = stock.event_log_storage.get_records_for_run(
+        run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
+    ).records
+    out: dict[str, int] = {}
+    for record in records:
+        planned = record.event_log_entry.get_dagster_event().event_specific_data
+        assert isinstance(planned, AssetMaterializationPlannedData)
+        out[str(planned.partition)] = out.get(str(planned.partition), 0) + 1
+    return out
+
+
+def _planned_check_rows(run_id: str) -> list[tuple[str, str, int]]:
+    """(partition, status, rows) of the run's rows in ``asset_check_executions``."""
+    engine = sa.create_engine(sa.make_url(os.environ["DAGSTER_MYSQL_URL"]))
+    try:
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql(
+                "SELECT `partition`, execution_status, COUNT(*) FROM asset_check_executions "
+                "WHERE run_id = %s GROUP BY `partition`, execution_status",
+                (run_id,),
+            ).all()
+    finally:
+        engine.dispose()
+    return sorted((str(p), str(s), int(n)) for p, s, n in rows)
+
+
+def test_a_run_s_planned_events_are_one_insert_and_dagster_mysql_reads_them(
+    homes: tuple[Path, Path], event_inserts: list[str]
+) -> None:
+    """The profile's instance hands a run's planned events to the storage together, which
+    inserts them by one statement and writes their asset and check rows as Dagster's own."""
+    ours, stock_home = homes
+    with dg.DagsterInstance.from_config(str(ours)) as instance:
+        assert isinstance(instance, EmbeddedDagsterInstance)
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+    # The step stores its own events one by one (no block): the one insert is the plan's.
+    together = [s for s in event_inserts if "RETURNING" in s.upper()]
+    assert len(together) == 1, event_inserts
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert _planned_per_partition(stock, result.run_id) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        info = stock.event_log_storage.get_latest_planned_materialization_info(ASSET)
+        assert info is not None and info.run_id == result.run_id
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert _planned_check_rows(result.run_id) == [(p, "SUCCEEDED", 1) for p in "abcd"]
+
+
+def test_a_planned_batch_whose_rows_fail_is_stored_once(
+    homes: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dagster stores a failed batch's events again one by one: once they are inserted, a
+    failure to write their rows is logged, not raised, and the run still completes with each
+    check's result stored once."""
+    ours, stock_home = homes
+    real = PooledMySQLEventLogStorage._store_stored_rows
+    failed: list[int] = []
+
+    def rows_fail_once(self: PooledMySQLEventLogStorage, stored: Any) -> None:
+        if not failed:
+            failed.append(len(stored))
+            raise sa.exc.OperationalError("INSERT INTO asset_check_executions", {}, Exception())
+        real(self, stored)
+
+    monkeypatch.setattr(PooledMySQLEventLogStorage, "_store_stored_rows", rows_fail_once)
+    with dg.DagsterInstance.from_config(str(ours)) as instance:
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+    assert failed == [5]  # four planned materializations and the planned check
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert _planned_per_partition(stock, result.run_id) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert check_results(stock) == {p: "SUCCEEDED" for p in "abcd"}
+    assert _planned_check_rows(result.run_id) == [(p, "SUCCEEDED", 1) for p in "abcd"]
+    assert "were not written" in caplog.text
