@@ -27,6 +27,9 @@ Dagster instances (``--instance``):
   mysql     the production profile: a MariaDB sync database and a ``DAGSTER_HOME`` with
             ``deploy/mysql/dagster.yaml`` on a throwaway MariaDB database (implies
             ``--backend mariadb``; ``--mysql-instance`` is an alias).
+  mysql-stock  a user's own dagster-mysql instance: a ``DAGSTER_HOME`` whose ``dagster.yaml``
+            says only ``storage: mysql`` (and telemetry off), on a throwaway MariaDB database;
+            the command must leave it as is (implies ``--backend mariadb``).
 
 Side by side (unless ``--no-peers``, or ``--rate``: the peers and the ceiling are measured
 without a rate limit), in this order: the project, dlt plain, dlt ``--tuned``
@@ -155,6 +158,10 @@ CEILING_THREADS = 4
 # What `dagster dev` leaves in a DAGSTER_HOME it made, telemetry turned off: Dagster's
 # default (SQLite) storage.
 STOCK_DAGSTER_YAML = "telemetry:\n  enabled: false\n"
+STOCK_MYSQL_DAGSTER_YAML = (
+    STOCK_DAGSTER_YAML + "storage:\n  mysql:\n    mysql_url:\n      env: DAGSTER_MYSQL_URL\n"
+)
+MYSQL_INSTANCES = ("mysql", "mysql-stock")
 # The CPU-heavy selection `--busy suite` runs in a loop (SQLite only: no MariaDB load).
 BUSY_SUITE = ["supplier_sync_dagster_tests/core/records", "-k", "not mariadb"]
 
@@ -371,10 +378,14 @@ def dagster_instance_env(args: argparse.Namespace, tmp: Path) -> Iterator[dict[s
         return
     home = tmp / "dagster_home"
     home.mkdir()
-    with mariadb_databases(["dg"] if args.instance == "mysql" else [], args.mysql_url) as made:
+    mysql = args.instance in MYSQL_INSTANCES
+    with mariadb_databases(["dg"] if mysql else [], args.mysql_url) as made:
         env = {"DAGSTER_HOME": str(home)}
-        if args.instance == "mysql":
-            shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", home / "dagster.yaml")
+        if mysql:
+            if args.instance == "mysql":
+                shutil.copy(ROOT / "deploy" / "mysql" / "dagster.yaml", home / "dagster.yaml")
+            else:
+                (home / "dagster.yaml").write_text(STOCK_MYSQL_DAGSTER_YAML)
             env["DAGSTER_MYSQL_URL"] = _instance_url(made[0], args.mysql_url)
             migrate_instance(profile_env(dagster_home=home, extra=env))
         elif args.instance == "plain":
@@ -386,10 +397,11 @@ def dagster_instance_env(args: argparse.Namespace, tmp: Path) -> Iterator[dict[s
 
 def _instance_problems(args: argparse.Namespace, tmp: Path) -> list[str]:
     """A plain instance's ``dagster.yaml`` is the user's: the run must leave it as it was."""
-    if args.instance != "plain":
+    users = {"plain": STOCK_DAGSTER_YAML, "mysql-stock": STOCK_MYSQL_DAGSTER_YAML}
+    if args.instance not in users:
         return []
     config = tmp / "dagster_home" / "dagster.yaml"
-    if config.exists() and config.read_text() == STOCK_DAGSTER_YAML:
+    if config.exists() and config.read_text() == users[args.instance]:
         return []
     return [f"the user's {config} was changed or removed"]
 
@@ -1138,7 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", choices=["sync", "backfill"], default="sync")
     parser.add_argument(
         "--instance",
-        choices=["embedded", "plain", "mysql"],
+        choices=["embedded", "plain", "mysql", "mysql-stock"],
         default="embedded",
         help="the Dagster instance (mysql: the production profile, implies --backend mariadb)",
     )
@@ -1193,9 +1205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mysql_instance:
         args.instance = "mysql"
-    if args.instance == "mysql" and args.backend == "sqlite":
-        parser.error("--instance mysql is the production profile: its sync database is MariaDB")
-    args.backend = args.backend or ("mariadb" if args.instance == "mysql" else "sqlite")
+    if args.instance in MYSQL_INSTANCES and args.backend == "sqlite":
+        parser.error(f"--instance {args.instance}: its sync database is MariaDB")
+    args.backend = args.backend or ("mariadb" if args.instance in MYSQL_INSTANCES else "sqlite")
     known = {f.name for f in dataclasses.fields(SimulatorConfig)}
     if args.data_profile and "data_profile" not in known:
         parser.error(

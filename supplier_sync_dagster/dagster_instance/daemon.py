@@ -10,7 +10,9 @@ SQLite storage) the daemon opens the same files through the pooled storages
 (:func:`.storage.pooled_ref`, passed as Dagster's ``--instance-ref``): the runs it creates
 store their planned events (several per city) in one transaction instead of a connection
 and a synchronous commit each, and the runs it launches inherit the reference, so their
-workers store through the pooled storages too. The ``dagster.yaml`` stays as it is.
+workers store through the pooled storages too. The ``dagster.yaml`` stays as it is. A stock
+dagster-mysql instance (``storage: mysql``) is opened through the production profile's
+pooled storage on the same database in the same way.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ def run_daemon(args: Sequence[str], *, backfill_interval_seconds: float) -> int:
 
 def daemon_instance_ref() -> InstanceRef | None:
     """The instance the daemon opens instead of Dagster's reading of ``$DAGSTER_HOME``: the
-    pooled storages on the same files when it is a plain SQLite instance; None (Dagster's own
-    reading) for any other, or when ``DAGSTER_HOME`` is unset or no folder (Dagster then
-    says what is wrong)."""
+    pooled storages on the same files or database when it is a plain SQLite or a stock
+    dagster-mysql instance; None (Dagster's own reading) for any other, or when
+    ``DAGSTER_HOME`` is unset or no folder (Dagster then says what is wrong)."""
     home = os.path.expanduser(os.environ.get("DAGSTER_HOME") or "")
     if not os.path.isabs(home) or not os.path.isdir(home):
         return None

@@ -9,9 +9,10 @@ run of a killed ``sync --full`` FAILURE.
 A ``DAGSTER_HOME`` that has no ``dagster.yaml`` (a folder just made for it) gets the same
 file, and one line on stderr says so: without it Dagster warns on every command, prints its
 telemetry banner and runs without run monitoring. One that has a ``dagster.yaml`` is the
-user's instance, and is left exactly as it is; when it keeps Dagster's stock SQLite storage,
-the command opens the same files through the pooled storages (:func:`.storage.pooled_ref`),
-which add one index to its checks' table and change nothing else.
+user's instance, and is left exactly as it is; when it keeps Dagster's stock SQLite storage
+or dagster-mysql's, the command opens the same files or database through the pooled storages
+(:func:`.storage.pooled_ref`), which add one index to its checks' table and change nothing
+else.
 """
 
 from __future__ import annotations

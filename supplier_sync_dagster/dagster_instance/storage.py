@@ -53,7 +53,7 @@ from dagster._core.events import (
 )
 from dagster._core.events.log import EventLogEntry
 from dagster._core.instance import DagsterInstance
-from dagster._core.instance.ref import InstanceRef
+from dagster._core.instance.ref import InstanceRef, configurable_storage_data
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from dagster._core.storage.event_log.schema import (
     AssetCheckExecutionsTable,
@@ -791,30 +791,53 @@ class EmbeddedDagsterInstance(DagsterInstance):
 # Dagster's stock SQLite storage, as ``InstanceRef.from_dir`` names it for a ``dagster.yaml``
 # without a ``storage`` block or with ``storage: sqlite``.
 STOCK_SQLITE_STORAGE = ("dagster._core.storage.sqlite_storage", "DagsterSqliteStorage")
+# dagster-mysql's, as it names ``storage: mysql``; and the production profile's pooled one on
+# the same tables (named, not imported: that module builds on this one).
+STOCK_MYSQL_STORAGE = ("dagster_mysql", "DagsterMySQLStorage")
+POOLED_MYSQL_STORAGE = (
+    "supplier_sync_dagster.dagster_instance.mysql_storage",
+    "PooledMySQLStorage",
+)
 
 
 def pooled_ref(ref: InstanceRef) -> InstanceRef | None:
-    """``ref`` with the pooled storages on the same files, when it stores in Dagster's stock
-    SQLite storage (a user's plain instance); None for any other storage.
+    """``ref`` with the pooled storages on the same files or database, when it stores in
+    Dagster's stock SQLite storage (a user's plain instance) or dagster-mysql's
+    (``storage: mysql``); None for any other storage.
 
-    The ``dagster.yaml`` stays as it is: only this process opens the files through the
+    The ``dagster.yaml`` stays as it is: only this process opens the storage through the
     pooled classes, and every other process (the webserver, the daemon, Dagster's CLI) reads
-    and writes them with Dagster's own, which these are compatible with. The files gain one
-    index (:data:`CHECK_HISTORY_INDEX`), which Dagster's code neither needs nor minds. An
-    instance without a class of its own gets :class:`EmbeddedDagsterInstance`, which batches
-    a run's planned events.
+    and writes it with Dagster's own, which these are compatible with. The files or the
+    database gain one index (:data:`CHECK_HISTORY_INDEX`), which Dagster's code neither needs
+    nor minds. An instance without a class of its own gets :class:`EmbeddedDagsterInstance`,
+    which batches a run's planned events.
     """
     data = ref.storage_data
-    if data is None or (data.module_name, data.class_name) != STOCK_SQLITE_STORAGE:
+    if data is None:
         return None
-    base_dir = data.config_dict.get("base_dir")
-    if not isinstance(base_dir, str):
+    kind = (data.module_name, data.class_name)
+    if kind == STOCK_MYSQL_STORAGE:
+        # As ``storage: custom`` names the production profile's storage, same configuration.
+        module, name = POOLED_MYSQL_STORAGE
+        storage, runs, events, _ = configurable_storage_data(
+            {"custom": {"module": module, "class": name, "config": data.config_dict}}, {}
+        )
+    elif kind == STOCK_SQLITE_STORAGE:
+        base_dir = data.config_dict.get("base_dir")
+        if not isinstance(base_dir, str):
+            return None
+        pooled = EmbeddedDagsterInstance.config_defaults(base_dir)
+        storage, runs, events = (
+            pooled["storage"],
+            pooled["run_storage"],
+            pooled["event_log_storage"],
+        )
+    else:
         return None
-    pooled = EmbeddedDagsterInstance.config_defaults(base_dir)
     return ref._replace(
-        storage_data=pooled["storage"],
-        run_storage_data=pooled["run_storage"],
-        event_storage_data=pooled["event_log_storage"],
+        storage_data=storage,
+        run_storage_data=runs,
+        event_storage_data=events,
         custom_instance_class_data=ref.custom_instance_class_data
         or ConfigurableClassData(
             EmbeddedDagsterInstance.__module__, EmbeddedDagsterInstance.__name__, "{}\n"

@@ -26,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.events import AssetMaterializationPlannedData
+from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.event_log.schema import AssetCheckExecutionsTable
 from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_END_TAG,
@@ -33,6 +34,7 @@ from dagster._core.storage.tags import (
 )
 from dagster_mysql import MySQLEventLogStorage
 
+from supplier_sync_dagster.dagster_instance.daemon import daemon_instance_ref
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.dagster_instance.events import (
     CheckTarget,
@@ -46,7 +48,10 @@ from supplier_sync_dagster.dagster_instance.mysql_storage import (
 )
 from supplier_sync_dagster.dagster_instance.storage import (
     CHECK_HISTORY_INDEX,
+    POOLED_MYSQL_STORAGE,
     EmbeddedDagsterInstance,
+    local_instance,
+    pooled_ref,
 )
 from supplier_sync_dagster_tests.dagster_instance.test_plain_instance import (
     check_results,
@@ -616,3 +621,56 @@ def test_a_planned_batch_whose_rows_fail_is_stored_once(
         assert check_results(stock) == {p: "SUCCEEDED" for p in "abcd"}
     assert _planned_check_rows(result.run_id) == [(p, "SUCCEEDED", 1) for p in "abcd"]
     assert "were not written" in caplog.text
+
+
+def _mysql_db_yaml() -> str:
+    """``storage: mysql`` with ``mysql_db``'s fields, as a user may write it instead of a URL."""
+    url = sa.make_url(os.environ["DAGSTER_MYSQL_URL"])
+    return (
+        "storage:\n  mysql:\n    mysql_db:\n"
+        f"      username: {url.username}\n      password: '{url.password or ''}'\n"
+        f"      hostname: {url.host}\n      db_name: {url.database}\n"
+        f"      port: {url.port or 3306}\n"
+    )
+
+
+@pytest.mark.parametrize("form", ["mysql_url", "mysql_db"])
+def test_a_user_s_stock_mysql_instance_is_opened_on_the_pooled_storage(
+    homes: tuple[Path, Path],
+    event_inserts: list[str],
+    form: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``DAGSTER_HOME`` whose ``dagster.yaml`` says ``storage: mysql``, as a user writes it:
+    the project's commands and its daemon open it through the production profile's pooled storage and
+    instance class, its file unchanged, and dagster-mysql reads back what they stored."""
+    _, stock_home = homes
+    if form == "mysql_db":
+        (stock_home / "dagster.yaml").write_text(_mysql_db_yaml())
+    text = (stock_home / "dagster.yaml").read_text()
+    assert (PooledMySQLStorage.__module__, PooledMySQLStorage.__name__) == POOLED_MYSQL_STORAGE
+    assert pooled_ref(InstanceRef.from_dir(str(stock_home))) is not None
+    monkeypatch.setenv("DAGSTER_HOME", str(stock_home))
+    daemons = daemon_instance_ref()  # what `supplier-sync daemon` hands Dagster's daemon
+    assert daemons is not None
+    with dg.DagsterInstance.from_ref(daemons) as instance:
+        assert isinstance(instance.event_log_storage, PooledMySQLEventLogStorage)
+    with local_instance(str(stock_home)) as instance:
+        assert isinstance(instance, EmbeddedDagsterInstance)
+        assert isinstance(instance.event_log_storage, PooledMySQLEventLogStorage)
+        assert isinstance(instance.run_storage, PooledMySQLRunStorage)
+        result = dg.materialize(
+            [cities],
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+        )
+        assert result.success
+    assert (stock_home / "dagster.yaml").read_text() == text
+    assert sum("RETURNING" in s.upper() for s in event_inserts) == 1  # the run's plan
+    with dg.DagsterInstance.from_config(str(stock_home)) as stock:
+        assert type(stock.event_log_storage) is MySQLEventLogStorage
+        run = stock.get_run_by_id(result.run_id)
+        assert run is not None and run.status == dg.DagsterRunStatus.SUCCESS
+        assert _planned_per_partition(stock, result.run_id) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert per_partition(stock) == {"a": 1, "b": 1, "c": 1, "d": 1}
+        assert check_results(stock) == {p: "SUCCEEDED" for p in "abcd"}

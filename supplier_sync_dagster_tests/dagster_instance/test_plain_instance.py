@@ -119,9 +119,9 @@ def test_storage_sqlite_with_its_own_folder_is_pooled_there(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "yaml",
     [
-        # Any storage but Dagster's stock SQLite storage opens as Dagster opens it.
+        # Any storage but Dagster's stock SQLite storage and dagster-mysql's (whose pooled
+        # opening test_mysql_storage checks) opens as Dagster opens it.
         "storage:\n  postgres:\n    postgres_url: postgresql://u@h:5432/d\n",
-        "storage:\n  mysql:\n    mysql_url: mysql+mysqlconnector://u@h:3306/d\n",
         "run_storage:\n  module: dagster._core.storage.runs\n  class: SqliteRunStorage\n"
         "  config:\n    base_dir: /tmp/x\n",
         "storage:\n  sqlite:\n    base_dir:\n      env: SOME_DAGSTER_FOLDER\n",
