@@ -26,6 +26,8 @@ from supplier_sync_dagster.dagster_instance.daemon import set_backfill_daemon_in
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
 from supplier_sync_dagster.dagster_instance.storage import (
+    POOLED_MYSQL_STORAGE,
+    EmbeddedDagsterInstance,
     PooledSqliteEventLogStorage,
     PooledSqliteRunStorage,
 )
@@ -131,12 +133,31 @@ def test_the_daemon_opens_a_plain_instance_through_the_pooled_storages(
     assert (tmp_path / "dagster.yaml").read_text() == plain  # the user's file, untouched
 
 
+def test_the_daemon_opens_a_stock_mysql_instance_through_the_pooled_storage(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interval: None
+) -> None:
+    stock = "storage:\n  mysql:\n    mysql_url: mysql+mysqlconnector://u@h:3306/d\n"
+    (tmp_path / "dagster.yaml").write_text(stock)
+    argv = _daemon_argv(monkeypatch, tmp_path)
+    assert argv[:3] == ["dagster-daemon", "run", "--instance-ref"]
+    ref = deserialize_value(argv[3], InstanceRef)
+    # The production profile's storage and instance class on the same database (that it
+    # opens and stores there: test_mysql_storage); the user's file untouched.
+    assert ref.storage_data is not None
+    assert (ref.storage_data.module_name, ref.storage_data.class_name) == POOLED_MYSQL_STORAGE
+    assert ref.storage_data.config_dict == {"mysql_url": "mysql+mysqlconnector://u@h:3306/d"}
+    assert ref.custom_instance_class_data is not None
+    assert ref.custom_instance_class_data.class_name == EmbeddedDagsterInstance.__name__
+    assert (tmp_path / "dagster.yaml").read_text() == stock
+
+
 @pytest.mark.parametrize(
     "yaml",
     [
-        "storage:\n  mysql:\n    mysql_url: mysql+mysqlconnector://u@h:3306/d\n",
-        # The embedded instance's own file: pooled already, by its instance class.
+        "storage:\n  postgres:\n    postgres_url: postgresql://u@h:5432/d\n",
+        # The project's own files: pooled already, by their storage and instance class.
         EMBEDDED_DAGSTER_YAML,
+        (ROOT / "deploy" / "mysql" / "dagster.yaml").read_text(),
     ],
 )
 def test_the_daemon_leaves_other_instances_to_dagster(
