@@ -115,15 +115,20 @@ def _daemon_argv(monkeypatch: pytest.MonkeyPatch, home: Path) -> list[str]:
     return seen
 
 
+def _daemon_ref(monkeypatch: pytest.MonkeyPatch, home: Path) -> InstanceRef:
+    """The ``--instance-ref`` that ``supplier-sync daemon`` hands Dagster's daemon."""
+    argv = _daemon_argv(monkeypatch, home)
+    assert argv[:3] == ["dagster-daemon", "run", "--instance-ref"]
+    assert argv[4:] == ["-w", "workspace.yaml"]
+    return deserialize_value(argv[3], InstanceRef)
+
+
 def test_the_daemon_opens_a_plain_instance_through_the_pooled_storages(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interval: None
 ) -> None:
     plain = "telemetry:\n  enabled: false\n"
     (tmp_path / "dagster.yaml").write_text(plain)
-    argv = _daemon_argv(monkeypatch, tmp_path)
-    assert argv[:3] == ["dagster-daemon", "run", "--instance-ref"]
-    assert argv[4:] == ["-w", "workspace.yaml"]
-    ref = deserialize_value(argv[3], InstanceRef)
+    ref = _daemon_ref(monkeypatch, tmp_path)
     with dg.DagsterInstance.from_ref(ref) as instance:
         # The same files, through the pooled storages; a run it launches gets the same ref.
         assert isinstance(instance.event_log_storage, PooledSqliteEventLogStorage)
@@ -138,9 +143,7 @@ def test_the_daemon_opens_a_stock_mysql_instance_through_the_pooled_storage(
 ) -> None:
     stock = "storage:\n  mysql:\n    mysql_url: mysql+mysqlconnector://u@h:3306/d\n"
     (tmp_path / "dagster.yaml").write_text(stock)
-    argv = _daemon_argv(monkeypatch, tmp_path)
-    assert argv[:3] == ["dagster-daemon", "run", "--instance-ref"]
-    ref = deserialize_value(argv[3], InstanceRef)
+    ref = _daemon_ref(monkeypatch, tmp_path)
     # The production profile's storage and instance class on the same database (that it
     # opens and stores there: test_mysql_storage); the user's file untouched.
     assert ref.storage_data is not None

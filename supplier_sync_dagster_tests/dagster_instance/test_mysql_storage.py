@@ -537,6 +537,17 @@ def test_a_block_s_asset_rows_chosen_as_a_deadlock_s_victim_are_written_again_on
     assert sorted(checks) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
 
 
+def _ranged_run(instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
+    """A successful run of :func:`cities` over partitions a to d, as a backfill's run."""
+    result = dg.materialize(
+        [cities],
+        instance=instance,
+        tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
+    )
+    assert result.success
+    return result
+
+
 def _planned_per_partition(stock: dg.DagsterInstance, run_id: str) -> dict[str, int]:
     """Partition -> the planned materializations of ``ASSET`` the run stored for it."""
     records = stock.event_log_storage.get_records_for_run(
@@ -573,12 +584,7 @@ def test_a_run_s_planned_events_are_one_insert_and_dagster_mysql_reads_them(
     ours, stock_home = homes
     with dg.DagsterInstance.from_config(str(ours)) as instance:
         assert isinstance(instance, EmbeddedDagsterInstance)
-        result = dg.materialize(
-            [cities],
-            instance=instance,
-            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
-        )
-        assert result.success
+        result = _ranged_run(instance)
     # The step stores its own events one by one (no block): the one insert is the plan's.
     together = [s for s in event_inserts if "RETURNING" in s.upper()]
     assert len(together) == 1, event_inserts
@@ -608,12 +614,7 @@ def test_a_planned_batch_whose_rows_fail_is_stored_once(
 
     monkeypatch.setattr(PooledMySQLEventLogStorage, "_store_stored_rows", rows_fail_once)
     with dg.DagsterInstance.from_config(str(ours)) as instance:
-        result = dg.materialize(
-            [cities],
-            instance=instance,
-            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
-        )
-        assert result.success
+        result = _ranged_run(instance)
     assert failed == [5]  # four planned materializations and the planned check
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
         assert _planned_per_partition(stock, result.run_id) == {"a": 1, "b": 1, "c": 1, "d": 1}
@@ -659,12 +660,7 @@ def test_a_user_s_stock_mysql_instance_is_opened_on_the_pooled_storage(
         assert isinstance(instance, EmbeddedDagsterInstance)
         assert isinstance(instance.event_log_storage, PooledMySQLEventLogStorage)
         assert isinstance(instance.run_storage, PooledMySQLRunStorage)
-        result = dg.materialize(
-            [cities],
-            instance=instance,
-            tags={ASSET_PARTITION_RANGE_START_TAG: "a", ASSET_PARTITION_RANGE_END_TAG: "d"},
-        )
-        assert result.success
+        result = _ranged_run(instance)
     assert (stock_home / "dagster.yaml").read_text() == text
     assert sum("RETURNING" in s.upper() for s in event_inserts) == 1  # the run's plan
     with dg.DagsterInstance.from_config(str(stock_home)) as stock:
