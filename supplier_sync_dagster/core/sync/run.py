@@ -714,7 +714,8 @@ def run_city_groups(
         settings: The task and tuning settings.
         worker_id: This worker's id (one per run).
         processes: Worker processes to sync in, or None to sync in this process
-            (``request.threads`` cities at once).
+            (``request.threads`` cities at once, on threads of their own: the next city is
+            synced while the iteration works on the last one's outcome).
         stop: The run's stop (a new one when None): setting it stops the run.
     """
     stop = stop or Stop()
@@ -871,12 +872,16 @@ def _run(
     """The run's cities through ``guard``, ``threads`` at once: own, held, then helping;
     in groups of the outcomes that finished meanwhile."""
     held: list[str] = []
-    own = in_flight_groups(plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop)
+    own = in_flight_groups(
+        plan.cities, lambda c: guard.sync(c, wait_if_held=False), threads, stop, background=True
+    )
     for group in own:
         held.extend(o.city_code for o in group if o.status == "HELD_BY_OTHER")
         if reported := [o for o in group if o.status != "HELD_BY_OTHER"]:
             yield reported
-    yield from in_flight_groups(held, lambda c: guard.sync(c, wait_if_held=True), threads, stop)
+    yield from in_flight_groups(
+        held, lambda c: guard.sync(c, wait_if_held=True), threads, stop, background=True
+    )
     if request.help_other_runs and not request.replay and guard.refused is None:
         helped: list[CityOutcome] = []
 
@@ -1057,21 +1062,28 @@ def take_published_earlier(db: SyncDatabase, plan: RunPlan) -> list[CityOutcome]
 
 
 def in_flight_groups(
-    items: Iterable[T], fn: Callable[[T], R], threads: int, stop: Stop | None = None
+    items: Iterable[T],
+    fn: Callable[[T], R],
+    threads: int,
+    stop: Stop | None = None,
+    *,
+    background: bool = False,
 ) -> Generator[list[R], None, None]:
     """``fn`` over ``items`` with ``threads`` calls in flight; yields results as they
     finish, each with the others that finished while the iteration was away.
 
-    Items start in order. ``fn`` should not raise (an exception ends the iteration after
-    the calls in flight finish). Leaving the iteration early cancels the calls not started;
+    Items start in order. With one thread, the calls run on the iterating thread, unless
+    ``background``: then on a thread of their own, so that the next call starts while the
+    iteration works on a result (a Dagster step storing a city's events). ``fn`` should
+    not raise (an exception ends the iteration after the calls in flight finish). Leaving the iteration early cancels the calls not started;
     an interruption (KeyboardInterrupt, a Dagster termination, the iteration closed) also
     sets ``stop``, so that the calls in flight end at their next page instead of their end.
     """
-    if threads <= 1:
+    if threads <= 1 and not background:
         for item in items:
             yield [fn(item)]
         return
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="city")
+    pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="city")
     # Each call hands its future over as it finishes: waiting on every pending future at
     # once, per result, would cost a run of many cities quadratic time.
     finished: queue.Queue[Future[R]] = queue.Queue()

@@ -31,6 +31,7 @@ from supplier_sync_dagster.core.store.db import SyncDatabase
 from supplier_sync_dagster.core.store.payloads import LocalPayloadStore
 from supplier_sync_dagster.core.supplier import InProcessTokenBucket, SupplierClient
 from supplier_sync_dagster.core.sync import city as city_module
+from supplier_sync_dagster.core.sync import run as run_module
 from supplier_sync_dagster.core.sync.model import SyncSettings
 from supplier_sync_dagster.core.sync.run import (
     CityOutcome,
@@ -297,10 +298,12 @@ def _wait(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> float:
     return time.monotonic()
 
 
-@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+@pytest.mark.parametrize(
+    ("processes", "threads"), [(0, 1), (0, 2), (2, 2)], ids=["one thread", "threads", "processes"]
+)
 @pytest.mark.parametrize("how", ["in its wait", "while its caller is elsewhere"])
 def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
-    db: SyncDatabase, db_url: str, tmp_path: Path, processes: int, how: str
+    db: SyncDatabase, db_url: str, tmp_path: Path, processes: int, threads: int, how: str
 ):
     """A city whose page trickles a byte a second holds the run. Interrupted (SIGINT,
     SIGTERM, a Dagster termination) while the run's thread waits for it, or while that
@@ -313,23 +316,25 @@ def test_an_interrupted_run_stops_at_once_releases_its_leases_and_resumes(
         sim,
         url,
     ):
-        slow = sim.city_codes()[0]
-        sim.set_modes(["slow_body"], [slow])
-        others = set(sim.city_codes()) - {slow}
-
-        def only_the_slow_city_left() -> bool:
-            shards = _shards(db)
-            return shards[slow].status == "RUNNING" and all(
-                shards[c].status == "SUCCESS" for c in others
-            )
-
         request = RunRequest(
-            trigger_id="night-1", source="MANUAL", cities=sim.city_codes(), threads=2
+            trigger_id="night-1", source="MANUAL", cities=sim.city_codes(), threads=threads
         )
         outcomes: list[CityOutcome] = []
         stop = Stop()
         with _client(url) as client:
             plan = plan_run(db, store, client, request, SETTINGS)
+            # The run's last city trickles, so that with one city in flight the others
+            # finish before it.
+            slow = plan.cities[-1]
+            sim.set_modes(["slow_body"], [slow])
+            others = set(sim.city_codes()) - {slow}
+
+            def only_the_slow_city_left() -> bool:
+                shards = _shards(db)
+                return shards[slow].status == "RUNNING" and all(
+                    shards[c].status == "SUCCESS" for c in others
+                )
+
             pool = _processes(db_url, store, url) if processes else None
             cities = run_cities(
                 db,
@@ -607,6 +612,88 @@ def test_results_that_finish_while_the_iteration_is_away_come_together() -> None
         time.sleep(0.01)
     rest = list(groups)
     assert rest == [sorted(rest[0], key=finished.index)] and sorted(rest[0]) == [1, 2, 3, 4, 5]
+
+
+def test_one_call_at_a_time_in_the_background_goes_on_while_the_iteration_is_away() -> None:
+    """With one thread, the calls run on the iterating thread (the next starts once the
+    iteration asks for it), or, in the background, on a thread of their own: there the next
+    call runs while the iteration works on a result, and still one call at a time."""
+    running: list[int] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def work(item: int) -> int:
+        with lock:
+            running.append(item)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.01)
+        with lock:
+            running.remove(item)
+        return item
+
+    inline = in_flight_groups(range(3), work, threads=1)
+    assert next(inline) == [0]
+    time.sleep(0.2)
+    assert next(inline) == [1]  # item 1 started only now: nothing else came with it
+    inline.close()
+
+    began: list[int] = []
+
+    def logged(item: int) -> int:
+        began.append(item)
+        return work(item)
+
+    behind = in_flight_groups(range(5), logged, threads=1, background=True)
+    assert next(behind) == [0]
+    # This thread is away (storing a city's events): the other calls go on meanwhile.
+    _wait("every call done", lambda: len(began) == 5 and not running, timeout=10)
+    rest = [r for g in behind for r in g]
+    assert rest == [1, 2, 3, 4] and began == [0, 1, 2, 3, 4] and most == [1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_run_syncs_its_next_city_while_its_caller_reports_the_last(
+    db: SyncDatabase, tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Dagster step stores each city's events as it receives the city's outcome: the run's
+    next cities are synced meanwhile, with ``threads`` cities in flight at most."""
+    store = LocalPayloadStore(tmp_path / "payloads")
+    in_flight_now: list[str] = []
+    most = [0]
+    lock = threading.Lock()
+    sync_city = run_module.sync_city
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            in_flight_now.append(kwargs["city_code"])
+            most[0] = max(most[0], len(in_flight_now))
+        try:
+            return sync_city(*args, **kwargs)
+        finally:
+            with lock:
+                in_flight_now.remove(kwargs["city_code"])
+
+    monkeypatch.setattr(run_module, "sync_city", counted)
+    with (
+        serve_simulator(seed=15, n_cities=4, total_hotels=200, empty_city_share=0.0) as (sim, url),
+        _client(url) as client,
+    ):
+        cities = sim.city_codes()
+        request = RunRequest(trigger_id="behind", source="MANUAL", cities=cities, threads=threads)
+        plan = plan_run(db, store, client, request, SETTINGS)
+        groups = run_city_groups(db, store, client, plan, request, SETTINGS, worker_id="parent")
+        first = next(groups)
+        # The caller is away with the first outcome: the other cities publish meanwhile.
+        _wait(
+            "the other cities synced while the caller was away",
+            lambda: sum(s.status == "SUCCESS" for s in _shards(db).values()) == len(cities),
+            timeout=30,
+        )
+        outcomes = first + [o for g in groups for o in g]
+    assert sorted(o.city_code for o in outcomes) == sorted(cities)
+    assert {o.status for o in outcomes} == {"SUCCESS"}
+    assert _published(db) == sim.ground_truth().valid
+    assert most[0] <= threads
 
 
 def test_a_run_s_outcomes_come_in_groups_every_city_once(db: SyncDatabase, tmp_path: Path) -> None:
