@@ -44,6 +44,7 @@ from dagster_mysql.utils import (
 from sqlalchemy.engine import Connection, Engine
 
 from supplier_sync_dagster.core.store.db import retry_deadlocks
+from supplier_sync_dagster.core.store.engine import ping_when_idle
 from supplier_sync_dagster.dagster_instance.storage import (
     StoredMaterializations,
     ensure_check_history_index,
@@ -63,20 +64,21 @@ def pooled_mysql_engine(mysql_url: str, *, isolation_level: str | None = None) -
     """An engine as dagster-mysql's, with a pool of connections that survives a fork.
 
     A forked child (the run's worker processes) drops the parent's connections without
-    closing them: they are the parent's sockets. ``pool_pre_ping`` replaces a connection the
-    server closed meanwhile.
+    closing them: they are the parent's sockets. A connection idle for a while is pinged
+    before use, and replaced when the server closed it meanwhile (``ping_when_idle``).
 
     Args:
         mysql_url: The database's SQLAlchemy URL.
         isolation_level: The transactions' isolation level; dagster-mysql's by default.
     """
-    engine = sa.create_engine(
-        mysql_url,
-        isolation_level=isolation_level or mysql_isolation_level(),
-        pool_size=_POOL_SIZE,
-        max_overflow=_MAX_OVERFLOW,
-        pool_recycle=_POOL_RECYCLE_SECONDS,
-        pool_pre_ping=True,
+    engine = ping_when_idle(
+        sa.create_engine(
+            mysql_url,
+            isolation_level=isolation_level or mysql_isolation_level(),
+            pool_size=_POOL_SIZE,
+            max_overflow=_MAX_OVERFLOW,
+            pool_recycle=_POOL_RECYCLE_SECONDS,
+        )
     )
     ref = weakref.ref(engine)
 

@@ -135,15 +135,54 @@ def make_engine(url: str) -> Engine:
         )
         _configure_sqlite(engine)
         return engine
-    return sa.create_engine(
-        parsed,
-        isolation_level="READ COMMITTED",
-        pool_pre_ping=True,
-        pool_recycle=3600,
-        connect_args={"connect_timeout": 5},
-        json_serializer=json_text,
-        json_deserializer=orjson.loads,
+    return ping_when_idle(
+        sa.create_engine(
+            parsed,
+            isolation_level="READ COMMITTED",
+            pool_recycle=3600,
+            connect_args={"connect_timeout": 5},
+            json_serializer=json_text,
+            json_deserializer=orjson.loads,
+        )
     )
+
+
+# A pooled connection checked in less than this ago is handed out without a ping.
+IDLE_PING_SECONDS = 1.0
+_LAST_USED = "supplier_sync_last_used"
+
+
+def ping_when_idle(engine: Engine, idle_seconds: float = IDLE_PING_SECONDS) -> Engine:
+    """Pings a pooled connection at checkout only when it sat idle longer than
+    ``idle_seconds``, or since another connection's ping failed; returns ``engine``.
+
+    ``pool_pre_ping`` pings at every checkout: a round trip per transaction, a few per city
+    synced or event stored. What a ping guards against (a server restarted, a connection
+    closed for idleness, a host frozen past ``idle_transaction_timeout``) leaves the
+    connection idle first; one that dies within the second after its last use fails its
+    statement, and SQLAlchemy then replaces every older connection of the pool, as after a
+    failed ping. A connection whose ping fails is replaced (``DisconnectionError``).
+    """
+    failed_at = [float("-inf")]
+
+    def used(_dbapi_connection: Any, record: Any, *_: Any) -> None:
+        record.info[_LAST_USED] = time.monotonic()
+
+    def checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        last = record.info.get(_LAST_USED, float("-inf"))
+        if time.monotonic() - last <= idle_seconds and last > failed_at[0]:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as err:
+            failed_at[0] = time.monotonic()
+            raise sa.exc.DisconnectionError(f"ping failed: {err}") from err
+        record.info[_LAST_USED] = time.monotonic()
+
+    sa.event.listen(engine, "connect", used)
+    sa.event.listen(engine, "checkin", used)
+    sa.event.listen(engine, "checkout", checkout)
+    return engine
 
 
 def json_text(value: Any) -> str:
