@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -190,6 +191,17 @@ def run_times(
     return out
 
 
+def keep_logs(root: Path) -> Path:
+    """Copies every log of a deployment (control host, worker hosts) out of its folder,
+    which is removed with the round; returns where."""
+    kept = Path(tempfile.mkdtemp(prefix="bench_multihost_logs_"))
+    for log in root.rglob("*.log"):
+        target = kept / log.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+    return kept
+
+
 def one_round(args: argparse.Namespace, locks: bool) -> dict[str, Any]:
     """Deploys, runs one backfill of every city and measures it (see the module's docstring)."""
     import dagster as dg
@@ -230,6 +242,7 @@ def one_round(args: argparse.Namespace, locks: bool) -> dict[str, Any]:
             status, runs = deployed.dagster.wait_for_backfill(
                 deployed.instance, backfill_id, timeout=args.timeout, poll=1
             )
+            kept = keep_logs(Path(tmp)) if status != "COMPLETED_SUCCESS" else None
             cpu = {n: process_cpu(c) - cpu0[n] for n, c in SERVERS.items()}
             backfill = deployed.instance.get_backfill(backfill_id)
             assert backfill is not None
@@ -245,7 +258,7 @@ def one_round(args: argparse.Namespace, locks: bool) -> dict[str, Any]:
     wall = end - launched
     problems = catalog_problems(published, truth)
     if status not in ("COMPLETED", "COMPLETED_SUCCESS"):
-        problems.append(f"backfill {status}")
+        problems.append(f"backfill {status} (the deployment's logs: {kept})")
     failed = [r.run_id for r in runs if r.status != dg.DagsterRunStatus.SUCCESS]
     if failed:
         problems.append(f"{len(failed)} runs not SUCCESS")

@@ -51,14 +51,32 @@ def set_backfill_daemon_interval(seconds: float) -> float:
     return previous
 
 
+# Dagster's variable: how many event ids before the newest the backfill daemon reads again
+# at each tick, for the materializations stored with lower ids but committed later.
+BACKFILL_CURSOR_OFFSET_ENV = "ASSET_BACKFILL_CURSOR_OFFSET"
+# Far more ids than all writers can take while one insert of a block is in flight (a block
+# of cities' events is a few hundred, a run's plan up to 2,000).
+BACKFILL_CURSOR_OFFSET = 10_000
+
+
 def run_daemon(args: Sequence[str], *, backfill_interval_seconds: float) -> int:
     """``dagster-daemon run ARGS`` with the backfill daemon ticking every
     ``backfill_interval_seconds``: what ``supplier-sync daemon`` runs.
+
+    The backfill daemon reads the materializations stored after its cursor, the newest event
+    id it saw. On MySQL an insert takes its ids before it commits, so one in flight while a
+    later one commits (several runs' events on several hosts, a block of a run's cities in
+    one insert) becomes visible below the cursor: its partitions would never count as
+    materialized and the backfill ends COMPLETED_FAILED with every run successful. The
+    cursor is therefore moved back by ``BACKFILL_CURSOR_OFFSET`` ids (Dagster's
+    ``ASSET_BACKFILL_CURSOR_OFFSET``, unless set); Dagster counts a materialization read
+    twice once.
 
     Returns:
         The daemon's exit status (it runs until it is stopped).
     """
     set_backfill_daemon_interval(backfill_interval_seconds)
+    os.environ.setdefault(BACKFILL_CURSOR_OFFSET_ENV, str(BACKFILL_CURSOR_OFFSET))
     ref = daemon_instance_ref()
     own = ["--instance-ref", serialize_value(ref)] if ref is not None else []
     sys.argv = ["dagster-daemon", "run", *own, *args]

@@ -14,6 +14,7 @@ import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import dagster as dg
@@ -21,6 +22,7 @@ import pytest
 from dagster._cli import api as dagster_cli_api
 from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
 from dagster._core.events.log import EventLogEntry
+from dagster._core.execution import asset_backfill
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
@@ -42,6 +44,10 @@ from supplier_sync_dagster.dagster_instance import (
     mysql_storage,
     run_launcher,
     storage,
+)
+from supplier_sync_dagster.dagster_instance.daemon import (
+    BACKFILL_CURSOR_OFFSET,
+    BACKFILL_CURSOR_OFFSET_ENV,
 )
 from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
 
@@ -393,6 +399,20 @@ def test_the_daemon_interval_is_a_module_constant() -> None:
     daemon reads it)."""
     assert isinstance(controller.DEFAULT_DAEMON_INTERVAL_SECONDS, (int, float)), (
         f"Dagster {VERSION}: dagster._daemon.controller.DEFAULT_DAEMON_INTERVAL_SECONDS is gone"
+    )
+
+
+def test_the_backfill_cursor_moves_back_by_the_offset_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run_daemon`` sets ``ASSET_BACKFILL_CURSOR_OFFSET``: Dagster's backfill iteration
+    reads it for its next cursor (the newest event id less the offset)."""
+    event_log = SimpleNamespace(get_maximum_record_id=lambda: 50_000)
+    queryer = SimpleNamespace(instance=SimpleNamespace(event_log_storage=event_log))
+    monkeypatch.setenv(BACKFILL_CURSOR_OFFSET_ENV, str(BACKFILL_CURSOR_OFFSET))
+    cursor = asset_backfill._get_next_latest_storage_id(queryer)  # type: ignore[arg-type]
+    assert cursor == 50_000 - BACKFILL_CURSOR_OFFSET, (
+        f"Dagster {VERSION}: {BACKFILL_CURSOR_OFFSET_ENV} no longer moves the cursor ({cursor})"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -22,7 +23,11 @@ from dagster._serdes import deserialize_value
 from supplier_sync_dagster.cli import main as cli
 from supplier_sync_dagster.cli.parsers.servers import BACKFILL_DAEMON_INTERVAL_SECONDS
 from supplier_sync_dagster.core.errors import ConfigError
-from supplier_sync_dagster.dagster_instance.daemon import set_backfill_daemon_interval
+from supplier_sync_dagster.dagster_instance.daemon import (
+    BACKFILL_CURSOR_OFFSET,
+    BACKFILL_CURSOR_OFFSET_ENV,
+    set_backfill_daemon_interval,
+)
 from supplier_sync_dagster.dagster_instance.deployment import ROOT
 from supplier_sync_dagster.dagster_instance.home import EMBEDDED_DAGSTER_YAML
 from supplier_sync_dagster.dagster_instance.storage import (
@@ -98,6 +103,29 @@ def test_supplier_sync_daemon_runs_dagster_daemon_with_its_arguments(
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     assert cli.main(["daemon", "--backfill-interval", "7", "-w", "workspace.yaml"]) == 0
     assert seen == {"argv": ["dagster-daemon", "run", "-w", "workspace.yaml"], "interval": 7.0}
+
+
+@pytest.mark.parametrize("own", [None, "250"], ids=["unset", "set by the user"])
+def test_the_backfill_daemon_reads_materializations_again_below_its_cursor(
+    monkeypatch: pytest.MonkeyPatch, interval: None, own: str | None
+) -> None:
+    """A materialization committed after a later one (another host's insert in flight) is
+    still counted by the backfill: its cursor is moved back, unless the user chose how far."""
+    seen: dict[str, str | None] = {}
+
+    def fake_main() -> None:
+        seen["offset"] = os.environ.get(BACKFILL_CURSOR_OFFSET_ENV)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(daemon_cli, "main", fake_main)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    if own is None:
+        monkeypatch.delenv(BACKFILL_CURSOR_OFFSET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BACKFILL_CURSOR_OFFSET_ENV, own)
+    assert cli.main(["daemon", "-w", "workspace.yaml"]) == 0
+    assert seen == {"offset": own or str(BACKFILL_CURSOR_OFFSET)}
 
 
 def _daemon_argv(monkeypatch: pytest.MonkeyPatch, home: Path) -> list[str]:
