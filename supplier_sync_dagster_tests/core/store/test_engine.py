@@ -39,6 +39,12 @@ def _connection_id(engine: Engine) -> int:
         return int(conn.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one())
 
 
+def _two_pooled(engine: Engine) -> list[int]:
+    """Opens two connections at once and returns them to the pool; their ids, in order."""
+    with engine.connect() as a, engine.connect() as b:
+        return [int(c.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()) for c in (a, b)]
+
+
 def _kill(url: str, connection_id: int) -> None:
     """Closes a connection from the server's side, as a restart or an idle limit does."""
     killer = sa.create_engine(url)
@@ -79,10 +85,7 @@ def test_a_connection_closed_within_its_window_fails_one_statement_then_the_pool
     engine = ping_when_idle(sa.create_engine(fresh_mysql_db, pool_size=2), idle_seconds=60)
     try:
         with _counted_pings(engine, monkeypatch) as pings:
-            with engine.connect() as a, engine.connect() as b:
-                ids = [
-                    int(c.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()) for c in (a, b)
-                ]
+            ids = _two_pooled(engine)
             for connection_id in ids:
                 _kill(fresh_mysql_db, connection_id)
             with pytest.raises(sa.exc.OperationalError) as failed:
@@ -103,10 +106,7 @@ def test_a_failed_ping_has_every_connection_used_before_it_pinged(
     engine = ping_when_idle(sa.create_engine(fresh_mysql_db, pool_size=2), idle_seconds=0.5)
     try:
         with _counted_pings(engine, monkeypatch) as pings:
-            with engine.connect() as a, engine.connect() as b:
-                ids = [
-                    int(c.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()) for c in (a, b)
-                ]
+            ids = _two_pooled(engine)
             time.sleep(0.7)
             # The pool hands out the connection returned first (b): pinged, alive, used.
             assert _connection_id(engine) == ids[1] and pings == [True]
