@@ -571,7 +571,9 @@ def lock_batch(conn: Connection, batch_id: str) -> Batch:
     """Reads a batch with a row lock held until the transaction ends (BEGIN IMMEDIATE on SQLite).
 
     Every transaction that touches a batch and its shards takes this lock first, so they
-    all lock in the same order (batch, then shard) and cannot deadlock.
+    all lock in the same order (batch, then shard) and cannot deadlock. The one exception,
+    a claim of one shard of a started batch on a server database, locks that shard alone
+    and waits for nothing while it holds it.
     """
     row = conn.execute(
         sa.select(schema.batch).where(schema.batch.c.batch_id == batch_id).with_for_update()

@@ -88,6 +88,8 @@ MAX_LEASE_SECONDS = 1800.0
 MAX_CHECKPOINT_LEN = 1024
 # Shards that one claim_next_shard call reads and tries, at most.
 CANDIDATES = 50
+# A claim takes a PENDING shard, or a RUNNING one whose lease expired.
+_CLAIM_SOURCES: tuple[ShardStatus, ...] = ("PENDING", "RUNNING")
 
 
 @dataclass(frozen=True)
@@ -740,6 +742,20 @@ def claim_shard(
     return lease
 
 
+@dataclass(frozen=True)
+class _Claim:
+    """One claim's request: who claims which shard, and the conditional UPDATE's parts."""
+
+    batch_id: str
+    shard_key: str
+    worker_id: str
+    token: str
+    settings: LeaseSettings
+    reclaim_dead_local: bool
+    where: list[sa.ColumnElement[bool]]
+    values: dict[str, Any]
+
+
 def _claim_in_db(
     db: SyncDatabase,
     settings: LeaseSettings,
@@ -752,68 +768,28 @@ def _claim_in_db(
     """:func:`claim_shard`'s conditional UPDATE, and the batch's start with its first claim."""
     clock = db.clock
     c = schema.shard.c
-    where = [c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)]
-    claim: dict[str, Any] = {
-        "worker_id": worker_id,
-        "lease_token": token,
-        "lease_until": clock.now(settings.lease_seconds),
-        "heartbeat_at": clock.now(),
-        "started_at": sa.func.coalesce(c.started_at, clock.now()),
-        "claim_count": c.claim_count + 1,
-        "last_heartbeat_stage": "CLAIMED",
-        "last_heartbeat_message": f"claimed by {worker_id}"[:512],
-        "updated_at": clock.now(),
-    }
-    with db.begin() as conn:
-        moved = None
-        if db.dialect == "sqlite":
-            # The transaction holds SQLite's one write lock from its start (BEGIN
-            # IMMEDIATE), the batch's too: the claim reads the shard and the batch back in
-            # its own statement. A missed claim reads them as below, to say why.
-            moved = move_shard_returning(
-                conn,
-                "RUNNING",
-                where,
-                [
-                    *schema.shard.c,
-                    _has_overrides(batch_id, shard_key),
-                    sa.select(schema.batch.c.status)
-                    .where(schema.batch.c.batch_id == batch_id)
-                    .scalar_subquery()
-                    .label("batch_status"),
-                    sa.select(schema.batch.c.shard_count)
-                    .where(schema.batch.c.batch_id == batch_id)
-                    .scalar_subquery()
-                    .label("batch_shards"),
-                ],
-                sources=("PENDING", "RUNNING"),
-                **claim,
-            )
-        if moved is not None:
-            if moved.batch_status is None:
-                raise UnknownBatch(f"unknown batch {batch_id!r}")
-            info, overridden = _shard_info(moved), bool(moved.has_gate_overrides)
-            batch_pending = moved.batch_status == "PENDING"
-            batch_shards = int(moved.batch_shards or 0)
-        else:
-            info, overridden, batch_pending, batch_shards = _claim_locked(
-                conn,
-                db,
-                batch_id,
-                shard_key,
-                worker_id,
-                token,
-                settings,
-                where,
-                claim,
-                reclaim_dead_local,
-            )
-        if batch_pending:  # read under the batch lock: it cannot change meanwhile
-            conn.execute(
-                sa.update(schema.batch)
-                .where(schema.batch.c.batch_id == batch_id, schema.batch.c.status == "PENDING")
-                .values(status="RUNNING", started_at=clock.now(), updated_at=clock.now())
-            )
+    claim = _Claim(
+        batch_id,
+        shard_key,
+        worker_id,
+        token,
+        settings,
+        reclaim_dead_local,
+        where=[c.batch_id == batch_id, c.shard_key == shard_key, _claimable(clock)],
+        values={
+            "worker_id": worker_id,
+            "lease_token": token,
+            "lease_until": clock.now(settings.lease_seconds),
+            "heartbeat_at": clock.now(),
+            "started_at": sa.func.coalesce(c.started_at, clock.now()),
+            "claim_count": c.claim_count + 1,
+            "last_heartbeat_stage": "CLAIMED",
+            "last_heartbeat_message": f"claimed by {worker_id}"[:512],
+            "updated_at": clock.now(),
+        },
+    )
+    started = None if db.dialect == "sqlite" else _claim_in_started_batch(db, claim)
+    info, overridden, batch_shards = started or _claim_in_any_batch(db, claim)
     lease = ShardLease(
         db,
         shard_id=info.shard_id,
@@ -838,17 +814,77 @@ def _claim_in_db(
     return lease
 
 
+def _claim_in_started_batch(db: SyncDatabase, claim: _Claim) -> tuple[ShardInfo, bool, int] | None:
+    """A claim of a shard of a started batch on a server database, without the batch's lock.
+
+    A batch that has started stays started (RUNNING, or finished with its start kept), so
+    such a claim changes nothing of the batch and need not queue behind the batch's other
+    claims and finishes. It is the conditional UPDATE, which locks this one shard row, and
+    a read back that locks nothing: it never waits for a lock while it holds one, so it
+    cannot close a cycle with a transaction that locks the batch and then this shard.
+
+    Returns:
+        The claimed shard, whether it has gate overrides, and the batch's shards; None,
+        having changed nothing, when the shard was not claimed or the batch had not
+        started. The locked claim then decides, and says why.
+    """
+    s = schema.shard.c
+    with db.engine.connect() as conn, conn.begin() as tx:
+        if move_shards(conn, "RUNNING", claim.where, sources=_CLAIM_SOURCES, **claim.values):
+            row = conn.execute(
+                sa.select(*_claimed_columns(claim.batch_id, claim.shard_key)).where(
+                    s.batch_id == claim.batch_id, s.shard_key == claim.shard_key
+                )
+            ).one()
+            if row.batch_status not in (None, "PENDING"):
+                return _shard_info(row), bool(row.has_gate_overrides), int(row.batch_shards)
+        tx.rollback()
+    return None
+
+
+def _claim_in_any_batch(db: SyncDatabase, claim: _Claim) -> tuple[ShardInfo, bool, int]:
+    """A claim under the batch's lock (SQLite's write lock): it starts a PENDING batch,
+    takes a shard from a dead local holder, and says why a shard cannot be claimed.
+
+    Raises:
+        UnknownBatch, LeaseNotAcquired: See :func:`claim_shard`.
+    """
+    clock = db.clock
+    with db.begin() as conn:
+        moved = None
+        if db.dialect == "sqlite":
+            # The transaction holds SQLite's one write lock from its start (BEGIN
+            # IMMEDIATE), the batch's too: the claim reads the shard and the batch back in
+            # its own statement. A missed claim reads them as below, to say why.
+            moved = move_shard_returning(
+                conn,
+                "RUNNING",
+                claim.where,
+                _claimed_columns(claim.batch_id, claim.shard_key),
+                sources=_CLAIM_SOURCES,
+                **claim.values,
+            )
+        if moved is not None:
+            if moved.batch_status is None:
+                raise UnknownBatch(f"unknown batch {claim.batch_id!r}")
+            info, overridden = _shard_info(moved), bool(moved.has_gate_overrides)
+            batch_pending = moved.batch_status == "PENDING"
+            batch_shards = int(moved.batch_shards or 0)
+        else:
+            info, overridden, batch_pending, batch_shards = _claim_locked(conn, db, claim)
+        if batch_pending:  # read under the batch lock: it cannot change meanwhile
+            conn.execute(
+                sa.update(schema.batch)
+                .where(
+                    schema.batch.c.batch_id == claim.batch_id, schema.batch.c.status == "PENDING"
+                )
+                .values(status="RUNNING", started_at=clock.now(), updated_at=clock.now())
+            )
+    return info, overridden, batch_shards
+
+
 def _claim_locked(
-    conn: Connection,
-    db: SyncDatabase,
-    batch_id: str,
-    shard_key: str,
-    worker_id: str,
-    token: str,
-    settings: LeaseSettings,
-    where: list[sa.ColumnElement[bool]],
-    claim: dict[str, Any],
-    reclaim_dead_local: bool,
+    conn: Connection, db: SyncDatabase, claim: _Claim
 ) -> tuple[ShardInfo, bool, bool, int]:
     """A claim under the batch lock: the move (unless SQLite's already missed), the read of
     the shard, and a dead local holder's reclaim.
@@ -862,14 +898,15 @@ def _claim_locked(
     """
     clock = db.clock
     c = schema.shard.c
+    batch_id, shard_key = claim.batch_id, claim.shard_key
     batch = lock_batch(conn, batch_id)
     claimed = 0
     if db.dialect != "sqlite":
-        claimed = move_shards(conn, "RUNNING", where, sources=("PENDING", "RUNNING"), **claim)
+        claimed = move_shards(conn, "RUNNING", claim.where, sources=_CLAIM_SOURCES, **claim.values)
     info, overridden = _read_claimed(conn, batch_id, shard_key)
     if (
         not claimed
-        and reclaim_dead_local
+        and claim.reclaim_dead_local
         and info.status == "RUNNING"
         and info.worker_id
         and holder_is_dead_here(info.worker_id)
@@ -881,9 +918,9 @@ def _claim_locked(
             [c.id == info.shard_id],
             sources=["RUNNING"],
             holder=(info.worker_id, old_token),
-            worker_id=worker_id,
-            lease_token=token,
-            lease_until=clock.now(settings.lease_seconds),
+            worker_id=claim.worker_id,
+            lease_token=claim.token,
+            lease_until=clock.now(claim.settings.lease_seconds),
             heartbeat_at=clock.now(),
             claim_count=c.claim_count + 1,
             last_heartbeat_stage="CLAIMED",
@@ -1367,6 +1404,21 @@ def _read_claimed(conn: Connection, batch_id: str, shard_key: str) -> tuple[Shar
     if row is None:
         raise UnknownShard(f"batch {batch_id!r} has no shard for city {shard_key!r}")
     return _shard_info(row), bool(row.has_gate_overrides)
+
+
+def _claimed_columns(batch_id: str, shard_key: str) -> list[sa.ColumnElement[Any]]:
+    """What a claim reads back: the shard, whether it has gate overrides, and its batch's
+    status and shards (``batch_status``, ``batch_shards``)."""
+    b = schema.batch.c
+    return [
+        *schema.shard.c,
+        _has_overrides(batch_id, shard_key),
+        sa.select(b.status).where(b.batch_id == batch_id).scalar_subquery().label("batch_status"),
+        sa.select(b.shard_count)
+        .where(b.batch_id == batch_id)
+        .scalar_subquery()
+        .label("batch_shards"),
+    ]
 
 
 def _has_overrides(batch_id: str, shard_key: str) -> sa.Label[bool]:

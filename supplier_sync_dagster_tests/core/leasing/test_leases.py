@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from typing import Any, get_args
 
 import pytest
@@ -142,6 +143,116 @@ def test_processes_race_for_one_shard_exactly_one_wins(
         for p in procs:
             p.join(timeout=30)
     assert all(p.exitcode == 0 for p in procs)
+
+
+@contextmanager
+def _batch_locked(db: SyncDatabase, batch_id: str) -> Iterator[None]:
+    """Holds the batch's row lock, as a finish, a cancel or a batch's first claim does."""
+    with db.begin() as conn:
+        batches.lock_batch(conn, batch_id)
+        yield
+
+
+def _claim_in_thread(db: SyncDatabase, batch_id: str, key: str) -> tuple[threading.Thread, list]:
+    done: list[Any] = []
+
+    def claim() -> None:
+        try:
+            done.append(claim_shard(db, batch_id, key, worker_id="w2", settings=FAST))
+        except Exception as err:
+            done.append(err)
+
+    thread = threading.Thread(target=claim, daemon=True)
+    thread.start()
+    return thread, done
+
+
+@pytest.mark.parametrize("db_url", ["mariadb"], indirect=True)
+def test_a_claim_in_a_started_batch_does_not_queue_for_the_batch_lock_its_first_claim_does(
+    db: SyncDatabase, make_batch: MakeBatch
+) -> None:
+    """Every finish locks the batch; the claims of a started batch's cities need not wait for
+    them, while the claim that starts the batch still does (it changes the batch)."""
+    batch = make_batch(["A", "B", "C"])
+    with _batch_locked(db, batch.batch_id):
+        thread, done = _claim_in_thread(db, batch.batch_id, "A")
+        thread.join(timeout=1.0)
+        assert thread.is_alive() and not done, "the first claim must wait for the batch lock"
+    thread.join(timeout=30)
+    assert [lease.shard_key for lease in done] == ["A"]
+    with db.engine.connect() as conn:
+        started = get_batch(conn, batch.batch_id)
+    assert started.status == "RUNNING" and started.started_at is not None
+
+    with _batch_locked(db, batch.batch_id):
+        thread, done = _claim_in_thread(db, batch.batch_id, "B")
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "a started batch's claim waited for the batch lock"
+        (lease,) = done
+        assert (lease.shard_key, lease.batch_shards, lease.claim_count) == ("B", 3, 1)
+        assert _shard_row(db, batch.batch_id, "B")["worker_id"] == "w2"
+        # A shard it cannot claim is refused with the reason, after the batch's lock.
+        thread, done = _claim_in_thread(db, batch.batch_id, "B")
+        thread.join(timeout=1.0)
+        assert thread.is_alive()
+    thread.join(timeout=30)
+    (refused,) = done
+    assert isinstance(refused, LeaseNotAcquired) and "held by w2" in str(refused)
+
+
+def _cancel_among_claims(db: SyncDatabase, batch_id: str) -> tuple[int, list[str]]:
+    """Four workers claim and finish the batch's shards while a fifth cancels it once they
+    have finished a few; how many they finished, and the shards whose finish found the lease
+    lost."""
+    time_to_cancel = threading.Event()
+    lost: list[str] = []
+
+    def work(i: int) -> int:
+        if i == 4:
+            time_to_cancel.wait(timeout=30)
+            cancel_batch(db, batch_id, "operator cancelled")
+            return 0
+        done = 0
+        while (lease := claim_next_shard(db, batch_id, worker_id=f"w{i}")) is not None:
+            if done == 3:
+                time_to_cancel.set()
+            try:
+                _finish_in(lease)
+                done += 1
+            except LeaseLost:
+                lost.append(lease.shard_key)
+        return done
+
+    results, errors = run_concurrently(5, work)
+    assert not errors, errors
+    return sum(results), lost
+
+
+def test_claims_finishes_and_a_cancel_at_once_leave_no_shard_running_and_no_deadlock(
+    db: SyncDatabase, make_batch: MakeBatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims that lock only their shard, among finishes and a cancel that lock the batch
+    and then shards: no transaction is a deadlock's victim, and the cancel ends every shard
+    that had not finished, including those claimed while it ran."""
+    monkeypatch.setattr(batches, "EXACT_TOTALS_SHARDS", 2)
+    for _ in range(5):
+        keys = [f"C{i:03d}" for i in range(60)]
+        batch = make_batch(keys)
+        claim_shard(db, batch.batch_id, keys[0], worker_id="starter", settings=FAST).release()
+        finished, lost = _cancel_among_claims(db, batch.batch_id)
+        with db.engine.connect() as conn:
+            final = get_batch(conn, batch.batch_id)
+            statuses = dict(
+                conn.execute(
+                    sa.select(schema.shard.c.shard_key, schema.shard.c.status).where(
+                        schema.shard.c.batch_id == batch.batch_id
+                    )
+                ).all()
+            )
+        assert final.status == "CANCELLED"
+        assert set(statuses.values()) <= {"SUCCESS", "CANCELLED"}, statuses
+        assert sum(1 for v in statuses.values() if v == "SUCCESS") == finished
+        assert all(statuses[key] == "CANCELLED" for key in lost)
 
 
 # ---------------------------------------------------------------- fencing
