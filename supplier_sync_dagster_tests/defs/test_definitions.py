@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dagster as dg
 import pytest
 
+from supplier_sync_dagster import definitions
 from supplier_sync_dagster.dagster_instance.run_launcher import WORK_TAG
 from supplier_sync_dagster.definitions import defs
 from supplier_sync_dagster.defs.resources import SyncDatabaseResource
@@ -107,3 +110,21 @@ def test_a_backfill_runs_its_cities_per_run_as_set(monkeypatch: pytest.MonkeyPat
     assert policy() == dg.BackfillPolicy.multi_run(max_partitions_per_run=1000)
     monkeypatch.setenv("SUPPLIER_SYNC_BACKFILL_CITIES_PER_RUN", "25")
     assert policy() == dg.BackfillPolicy.multi_run(max_partitions_per_run=25)
+
+
+def test_the_definitions_are_dagster_s_folder_loader_s_without_the_component_types():
+    """``defs()`` skips only the installed component types' description that
+    ``dg.load_from_defs_folder`` adds for the UI: every definition is the same."""
+    with dg.instance_for_test():
+        ours = defs()
+        theirs = dg.load_from_defs_folder(path_within_project=Path(definitions.__file__).parent)
+    assert "plugin_component_types_json" in (theirs.metadata or {})
+    assert "plugin_component_types_json" not in (ours.metadata or {})
+    assert ours.component_tree is not None
+    mine, stock = ours.get_repository_def(), theirs.get_repository_def()
+    assert mine.asset_graph.get_all_asset_keys() == stock.asset_graph.get_all_asset_keys()
+    assert {j.name for j in mine.get_all_jobs()} == {j.name for j in stock.get_all_jobs()}
+    assert {s.name for s in mine.sensor_defs} == {s.name for s in stock.sensor_defs}
+    assert {s.name for s in mine.schedule_defs} == {s.name for s in stock.schedule_defs}
+    assert set(ours.resources or {}) == set(theirs.resources or {})
+    assert type(ours.executor) is type(theirs.executor)
