@@ -20,6 +20,7 @@ import redis
 import sqlalchemy as sa
 
 from supplier_sync_dagster.core.store import schema
+from supplier_sync_dagster.core.supplier.governor import GovernorConfig
 from supplier_sync_dagster.dagster_instance.home import dagster_instance
 from supplier_sync_dagster.defs.city_keys import RAW
 from supplier_sync_dagster_tests.cli.test_main import (
@@ -35,6 +36,11 @@ LIMIT = 50.0
 CITIES = 6
 HOTELS = 5000
 PAGE_SIZE = "5"
+
+
+# The least share of the limit a run's governed rate may end at, once the limit is learnt
+# (at least 0.9 of it): a run may end just after a 429, whose decrease keeps a share of it.
+_LEAST_END_RATE = 0.9 * GovernorConfig(start_rate=LIMIT).decrease * 0.999
 
 
 def _raw_metadata() -> list[dict[str, Any]]:
@@ -98,7 +104,8 @@ def test_an_adaptive_sync_full_learns_an_undisclosed_limit_and_ends_at_the_truth
         refused,
     )
     ceiling = _learnt_ceiling(tmp_path)
-    assert ceiling >= 0.9 * limit and stats.governed_rate >= 0.9 * limit, (ceiling, stats, seen)
+    assert ceiling >= 0.9 * limit, (ceiling, stats, seen)
+    assert stats.governed_rate >= _LEAST_END_RATE * limit, (ceiling, stats, seen)
     # The last cities alone do not use the rate: it holds instead of climbing past the limit.
     assert stats.governed_rate <= 1.3 * limit, (ceiling, stats, seen)
 
@@ -169,4 +176,4 @@ def test_two_accounts_on_one_key_sync_at_once_on_one_redis_budget_and_learn_its_
     st = schema.run_stats.c
     rates = [rate for (rate,) in query(db_url, sa.select(st.governed_rate))]
     assert ceiling >= 0.9 * limit and len(rates) == 2, (ceiling, rates, seen)
-    assert all(0.9 * limit <= rate <= 1.3 * limit for rate in rates), rates
+    assert all(_LEAST_END_RATE * limit <= rate <= 1.3 * limit for rate in rates), (ceiling, rates)
