@@ -96,6 +96,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import queue
@@ -429,7 +430,7 @@ def events_line(instance: Any, run_ids: list[str], cities: int) -> str:
     """The Dagster events the runs stored, per city, by kind (read back from the event log)."""
     kinds: Counter[str] = Counter()
     for run_id in run_ids:
-        for entry in instance.all_logs(run_id):
+        for entry in instance.all_logs(run_id) if instance is not None else []:
             kind = entry.dagster_event_type
             kinds[kind.value if kind is not None else "log line"] += 1
     per_city = ", ".join(f"{n / cities:.2f} {kind}" for kind, n in kinds.most_common(5))
@@ -437,6 +438,34 @@ def events_line(instance: Any, run_ids: list[str], cities: int) -> str:
         f"Dagster events: {sum(kinds.values()) / cities:.2f} per city ({per_city}; "
         f"{sum(kinds.values())} in {len(run_ids)} run(s))"
     )
+
+
+FAILURES_DIR = Path(tempfile.gettempdir()) / "bench_user_path_failures"
+
+
+def keep_failure(
+    done: subprocess.CompletedProcess[str], instance: Any = None, run_id: str = "no-run"
+) -> Path:
+    """Writes what a failed ``sync --full`` left (its command, whole stdout and stderr, and
+    every warning, error and failure event of its run with its stack) to a file kept after
+    the benchmark deletes the run's folder; returns the file."""
+    FAILURES_DIR.mkdir(parents=True, exist_ok=True)
+    path = FAILURES_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id[:8]}.log"
+    parts = [
+        f"command: {' '.join(map(str, done.args))}\nexit: {done.returncode}\n",
+        f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}\n--- run {run_id}: failures\n",
+    ]
+    for entry in instance.all_logs(run_id) if instance is not None else []:
+        event = entry.dagster_event
+        if entry.level < logging.WARNING and not (event is not None and event.is_failure):
+            continue
+        parts.append(f"{entry.dagster_event_type or 'log'} {entry.step_key or ''}: ")
+        parts.append(f"{entry.user_message}\n")
+        error = getattr(event.event_specific_data, "error", None) if event else None
+        if error is not None:
+            parts.append(error.to_string() + "\n")
+    path.write_text("".join(parts))
+    return path
 
 
 def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
@@ -470,22 +499,28 @@ def run_sync(run: RunSetup, args: argparse.Namespace, world: World) -> Measured:
     wall = time.perf_counter() - began
     used = window.stop("the command, start to exit")
     if done.returncode != 0 and not done.stdout.strip():
-        raise RuntimeError(f"sync --full exited {done.returncode}: {done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"sync --full exited {done.returncode}: {done.stderr[-3000:]} "
+            f"(the whole output: {keep_failure(done)})"
+        )
     # The JSON summary is the command's last line starting with "{" (py-spy prints too).
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     summary: dict[str, Any] = json.loads(lines[-1] if lines else done.stdout)
+    failed = done.returncode != 0 or summary["status"] != "SUCCESS"
     with _environ(run.instance_env):
         instance = dg.DagsterInstance.from_config(summary["dagster_home"])
         try:
             steps = run_steps(instance, [summary["dagster_run_id"]])
             stages = city_stages(instance)
             events = events_line(instance, [summary["dagster_run_id"]], len(world.cities))
+            kept = keep_failure(done, instance, summary["dagster_run_id"]) if failed else None
         finally:
             instance.dispose()
     problems = _instance_problems(args, run.tmp)
-    if done.returncode != 0 or summary["status"] != "SUCCESS":
+    if failed:
         problems.append(
-            f"exit {done.returncode}, batch {summary['status']}: {done.stderr.strip()[-300:]}"
+            f"exit {done.returncode}, batch {summary['status']}: {done.stderr.strip()[-300:]} "
+            f"(the whole output and the run's failures: {kept})"
         )
     if summary["cities_done"] != len(world.cities):
         problems.append(f"{summary['cities_done']} of {len(world.cities)} cities done")

@@ -35,6 +35,7 @@ The tree::
     │   ├── PayloadNotFound           no payload under this reference
     │   └── PayloadCorrupt            stored bytes do not match their hash, or do not decompress
     ├── ProjectionUnavailable         a read model (search index, cache, broker) cannot be reached
+    ├── WorkerStartFailed             a run's worker processes could not start: the run stops, nothing failed
     ├── LeaseError                    shard ownership problems
     │   ├── LeaseNotAcquired          the shard is held by a live lease, finished, or was taken first
     │   │   └── ClaimLockHeld         another worker holds the shard's Redis claim lock: not tried
@@ -204,6 +205,11 @@ class PayloadCorrupt(PayloadError):
 class ProjectionUnavailable(SupplierSyncError):
     """A read model the outbox drives (the search index, the hotel cache, the subscribers'
     broker) cannot be reached or did not confirm: the dispatcher retries the batch later."""
+
+
+class WorkerStartFailed(SupplierSyncError):
+    """A run's worker processes could not start (each opens its own connections): the run
+    stops, its cities not started stay to resume, none is failed for it."""
 
 
 class LeaseError(SupplierSyncError):

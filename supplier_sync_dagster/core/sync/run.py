@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractContextManager, ExitStack, closing
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
@@ -64,6 +65,7 @@ from supplier_sync_dagster.core.errors import (
     SupplierAuthError,
     SupplierError,
     SyncCancelled,
+    WorkerStartFailed,
     code_of_description,
     describe_error,
     error_code_of,
@@ -80,7 +82,11 @@ from supplier_sync_dagster.core.leasing.batches import (
     start_batch,
 )
 from supplier_sync_dagster.core.leasing.leases import get_shard
-from supplier_sync_dagster.core.leasing.processes import DEFAULT_LEASE_SECONDS, make_worker_id
+from supplier_sync_dagster.core.leasing.processes import (
+    DEFAULT_LEASE_SECONDS,
+    holder_is_dead_here,
+    make_worker_id,
+)
 from supplier_sync_dagster.core.records.deadletters import CITY_FAILED, record_city_failure
 from supplier_sync_dagster.core.records.gates import GateResult
 from supplier_sync_dagster.core.store import schema
@@ -728,7 +734,7 @@ def run_city_groups(
     end_poll = stop.poll(lambda: cancellation(db, batch_id), CANCEL_POLL_SECONDS)
     try:
         if processes is not None and processes.count > 0:
-            with _ProcessPool(processes, plan, request, settings, stop) as pool:
+            with _ProcessPool(db, processes, plan, request, settings, stop) as pool:
                 # One city more than there are workers: it waits in the pool's queue, so a
                 # worker that finishes a city takes the next at once instead of waiting for
                 # this process to receive the outcome and hand one out (this process is busy
@@ -916,28 +922,43 @@ _process_worker: _CityWorker | None = None
 
 class _ProcessPool:
     """A run's worker processes: forked, each with its own connections, one city each; they
-    stop with the run's stop (a shared event each of them watches)."""
+    stop with the run's stop (a shared event each of them watches).
+
+    A worker that dies (OOM, a signal) breaks Python's pool: every city in flight or queued
+    there fails with it. On a server database the pool is replaced (at most
+    ``MAX_POOL_RESTARTS`` times a run): the city whose lease the dead worker held fails, and
+    every other city goes to the new pool once, waiting for its lease when a worker of the
+    old pool still holds it. On SQLite they fail, and the next run resumes them: a process
+    forked while another of its threads is inside SQLite inherits SQLite's record of that
+    thread's file locks, and its own connections then wait for them for ever. Workers that
+    cannot start (their connections) stop the run with :class:`WorkerStartFailed`.
+    """
 
     def __init__(
         self,
+        db: SyncDatabase,
         processes: WorkerProcesses,
         plan: RunPlan,
         request: RunRequest,
         settings: SyncSettings,
         stop: Stop,
     ) -> None:
-        self.stop = stop
+        self.db, self.batch_id, self.stop = db, plan.batch.batch_id, stop
         shared = multiprocessing.get_context("fork").Event()
         stop.on_set(shared.set)
         # Forked with the run's rate limiter; they never touch this process's connections:
         # open_io opens their own. A worker whose run's process was killed stops too: its
         # city's lease then expires and the next run resumes the city from its checkpoint.
-        self._pool = ForkPool(
+        self._start = lambda: ForkPool(
             processes.count,
             _start_worker,
             (processes.open_io, plan, request, settings, shared),
             exit_with_parent=True,
         )
+        self._pool = self._start()
+        self._broken: list[ForkPool] = []
+        self._restarts = 0 if db.engine.dialect.name == "sqlite" else MAX_POOL_RESTARTS
+        self._lock = threading.Lock()
 
     def __enter__(self) -> _ProcessPool:
         return self
@@ -946,18 +967,74 @@ class _ProcessPool:
         if exc is not None and not isinstance(exc, Exception):
             # The workers' cities stop at their next page: closing waits for them.
             self.stop.set(reason_of(exc))
-        self._pool.close()
+        for pool in [*self._broken, self._pool]:
+            pool.close()
 
     def sync(self, city: str, *, wait_if_held: bool, helped: bool = False) -> CityOutcome:
-        """Syncs ``city`` in a worker process; a worker that died makes it FAILED."""
+        """Syncs ``city`` in a worker process; a worker that died while it held the city's
+        lease makes it FAILED.
+
+        Raises:
+            WorkerStartFailed: A worker process could not start.
+        """
         started = time.perf_counter()
+        for attempt in range(2):
+            pool = self._pool
+            try:
+                return pool.submit(_sync_in_worker, city, wait_if_held, helped).result()
+            except BrokenProcessPool as err:
+                failure: Exception = err
+                if (why := pool.start_error()) is not None:
+                    error = WorkerStartFailed(f"the run's worker processes could not start: {why}")
+                    self.stop.set(str(error))
+                    raise error from err
+                if attempt or not self._replace(pool, city):
+                    break
+                # Its lease may still be held by a worker of the broken pool, which goes on.
+                wait_if_held = True
+            except Exception as err:  # the call or its outcome could not be sent
+                failure = err
+                break
+        report = CityReport(city)
+        report.fail(failure, f"{INTERNAL_ERROR}: worker process died: {failure}")
+        log.debug("city %r failed: %s", city, report.error)
+        return CityOutcome(report, helped, seconds=time.perf_counter() - started)
+
+    def _replace(self, broken: ForkPool, city: str) -> bool:
+        """Whether ``city`` goes to a new pool in place of ``broken`` (started once, by the
+        city that asks first): not when the city's lease was held by a worker that is gone
+        (it killed its worker, or died with it), nor once the run has replaced its pool
+        ``MAX_POOL_RESTARTS`` times (never on SQLite)."""
+        # One at a time, and the new pool forked here: no thread of this pool is inside a
+        # database driver (SQLite's locks) while this process forks.
+        with self._lock:
+            if not self._restarts or self._died_holding(city):
+                return False
+            if self._pool is not broken:
+                return True
+            if len(self._broken) >= self._restarts:
+                return False
+            log.warning("a worker process of the run died: its pool is replaced")
+            # Its workers still running finish their cities; closed at the run's end.
+            broken.close(wait=False)
+            self._broken.append(broken)
+            self._pool = self._start()
+            self._pool.start()
+            return True
+
+    def _died_holding(self, city: str) -> bool:
+        """True when the city's shard is held by a process of this host that is gone."""
         try:
-            return self._pool.submit(_sync_in_worker, city, wait_if_held, helped).result()
-        except Exception as err:  # BrokenProcessPool: a worker was killed (OOM, signal)
-            report = CityReport(city)
-            report.fail(err, f"{INTERNAL_ERROR}: worker process died: {err}")
-            log.debug("city %r failed: %s", city, report.error)
-            return CityOutcome(report, helped, seconds=time.perf_counter() - started)
+            shard = get_shard(self.db, self.batch_id, city)
+        except Exception as err:  # the city fails as it would have without the new pool
+            log.warning("could not read city %r after its worker died: %s", city, err)
+            return True
+        return shard.status == "RUNNING" and holder_is_dead_here(shard.worker_id or "")
+
+
+# How many times a run replaces its worker pool after a worker died; beyond that, its cities
+# fail (the next run resumes them).
+MAX_POOL_RESTARTS = 10
 
 
 def _start_worker(

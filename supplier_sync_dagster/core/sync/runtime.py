@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing.queues import SimpleQueue as ProcessQueue
 from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class ForkPool:
     the handlers they would inherit (Dagster's) would break a call half-way. This process
     decides when they stop (a run's city workers follow its stop).
 
+    A process whose initializer raises ends, and the pool breaks (every call then raises
+    ``BrokenProcessPool``, which does not say why): :meth:`start_error` says why.
+
     Args:
         workers: How many processes.
         initializer: Called once in each process at its start, with ``initargs``.
@@ -121,13 +125,17 @@ class ForkPool:
         *,
         exit_with_parent: bool = False,
     ) -> None:
+        context = multiprocessing.get_context("fork")
+        self._start_errors: ProcessQueue[str] = context.SimpleQueue()
+        self._start_error: str | None = None
+        self._start_error_lock = threading.Lock()
         start: Callable[..., None] = _start_quiet
-        args: tuple[Any, ...] = (initializer, initargs)
+        args: tuple[Any, ...] = (self._start_errors, initializer, initargs)
         if exit_with_parent:
             start, args = _start_watched, (os.getpid(), start, args)
         self._pool = ProcessPoolExecutor(
             max_workers=workers,
-            mp_context=multiprocessing.get_context("fork"),
+            mp_context=context,
             initializer=start,
             initargs=args,
         )
@@ -142,15 +150,37 @@ class ForkPool:
         """Runs ``fn(*args, **kwargs)`` in one of the processes."""
         return self._pool.submit(fn, *args, **kwargs)
 
-    def close(self) -> None:
-        """Waits for the running calls, cancels the queued ones, ends the processes."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def start(self) -> None:
+        """Forks the processes now rather than at the first call (Python forks them all
+        then, from whichever thread submits it)."""
+        self._pool.submit(int)
+
+    def start_error(self) -> str | None:
+        """Why a process could not start (``Type: message`` of what its initializer
+        raised, the first one), or None while every process started."""
+        with self._start_error_lock:  # one reader: a second would wait for a second error
+            if self._start_error is None and not self._start_errors.empty():
+                self._start_error = self._start_errors.get()
+            return self._start_error
+
+    def close(self, *, wait: bool = True) -> None:
+        """Cancels the queued calls and ends the processes, once the running calls are
+        done: waits for that unless ``wait`` is False."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
-def _start_quiet(initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
+def _start_quiet(
+    errors: ProcessQueue[str],
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    initializer(*initargs)
+    try:
+        initializer(*initargs)
+    except BaseException as err:
+        errors.put(f"{type(err).__name__}: {err}")
+        raise
 
 
 def _start_watched(

@@ -1,4 +1,5 @@
-"""A run's cities in worker processes: every city once, a shared rate limit, a killed worker."""
+"""A run's cities in worker processes: every city once, a shared rate limit, a killed worker,
+workers that cannot start."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from supplier_sync_dagster.core.errors import SupplierAuthError, SupplierError
+from supplier_sync_dagster.core.errors import (
+    DatabaseUnavailable,
+    SupplierAuthError,
+    SupplierError,
+    WorkerStartFailed,
+)
 from supplier_sync_dagster.core.leasing.batches import (
     TaskSpec,
     create_batch,
@@ -172,9 +178,11 @@ def _only_batch(db: SyncDatabase) -> str:
         return str(conn.execute(sa.select(b.batch_id)).scalar_one())
 
 
-def test_a_killed_worker_fails_its_cities_and_the_rerun_resumes_them(
+def test_a_killed_worker_fails_its_city_the_others_go_on_and_the_rerun_resumes_it(
     db: SyncDatabase, db_url: str, tmp_path: Path
 ):
+    """On a server database the cities beside the dead worker's go on in a new pool; on
+    SQLite (no fork once the run's threads use the database) they fail with it."""
     store = LocalPayloadStore(tmp_path / "payloads")
     with serve_simulator(seed=12, n_cities=6, total_hotels=600) as (sim, url):
         with _client(url) as client:
@@ -183,14 +191,73 @@ def test_a_killed_worker_fails_its_cities_and_the_rerun_resumes_them(
         by_city = {o.city_code: o for o in first}
         assert by_city[victim].status == "FAILED"
         assert "worker process died" in (by_city[victim].report.error or "")
-        assert len(first) == len(by_city)  # each city reported once
+        assert len(first) == len(by_city) == 6  # each city reported once
+        # The cities beside it went on in a new pool (or were finished by the old one's
+        # workers, which went on).
+        others = {c: (o.status, o.report.error) for c, o in by_city.items() if c != victim}
+        if db.engine.dialect.name == "sqlite":
+            assert all(
+                status != "FAILED" or "worker process died" in (error or "")
+                for status, error in others.values()
+            ), others
+        else:
+            assert {status for status, _ in others.values()} <= {"SUCCESS", "ALREADY_DONE"}, others
         # The same trigger again: the dead worker's lease is reclaimed, nothing twice.
         second = _sync(db, store, url, "killed", _processes(db_url, store, url))
     assert {o.status for o in second} <= {"SUCCESS", "ALREADY_DONE"}
+    if db.engine.dialect.name != "sqlite":
+        assert [o.city_code for o in second if o.status == "SUCCESS"] == [victim]
     assert _published(db) == sim.ground_truth().valid
     h = schema.platform_hotel.c
     with db.engine.connect() as conn:
         assert set(conn.execute(sa.select(h.publish_version).distinct()).scalars()) == {1}
+
+
+def test_a_city_that_kills_every_worker_fails_alone_once_the_pool_was_replaced_enough(
+    db: SyncDatabase, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The pool is replaced a bounded number of times: past it, the cities left fail (the
+    next run resumes them) instead of the run forking for ever."""
+    monkeypatch.setattr(run_module, "MAX_POOL_RESTARTS", 0)
+    store = LocalPayloadStore(tmp_path / "payloads")
+    with serve_simulator(seed=12, n_cities=6, total_hotels=600) as (_sim, url):
+        with _client(url) as client:
+            victim = client.list_cities().data.cities[0].city_code
+        first = _sync(db, store, url, "no-restart", _processes(db_url, store, url, die_on=victim))
+    by_city = {o.city_code: o for o in first}
+    assert len(first) == len(by_city) == 6
+    failed = {c for c, o in by_city.items() if o.status == "FAILED"}
+    assert victim in failed
+    assert all("worker process died" in (by_city[c].report.error or "") for c in failed)
+
+
+def test_workers_that_cannot_start_stop_the_run_with_why_and_fail_no_city(
+    db: SyncDatabase, db_url: str, tmp_path: Path
+):
+    store = LocalPayloadStore(tmp_path / "payloads")
+
+    @contextmanager
+    def refused() -> Iterator[WorkerIO]:
+        # What a worker meets when its own connection is refused (a wrong URL, a full server).
+        raise DatabaseUnavailable("the sync database refused the connection: too many connections")
+        yield  # pragma: no cover
+
+    with serve_simulator(seed=13, n_cities=5, total_hotels=400) as (sim, url):
+        with pytest.raises(WorkerStartFailed) as raised:
+            _sync(db, store, url, "no-start", WorkerProcesses(2, refused))
+        assert str(raised.value) == (
+            "the run's worker processes could not start: DatabaseUnavailable: "
+            "the sync database refused the connection: too many connections"
+        )
+        batch_id = _only_batch(db)
+        assert {s.status for s in list_shards(db, batch_id)} == {"PENDING"}
+        with db.engine.connect() as conn:
+            dead_letters = sa.select(sa.func.count()).select_from(schema.dead_letter)
+            assert conn.execute(dead_letters).scalar_one() == 0
+        # The same trigger with workers that start: the batch goes on, every city once.
+        again = _sync(db, store, url, "no-start", _processes(db_url, store, url))
+    assert {o.status for o in again} == {"SUCCESS"}
+    assert _published(db) == sim.ground_truth().valid
 
 
 def test_a_bucket_paces_the_processes_forked_after_it(tmp_path: Path):

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,25 @@ def test_each_process_runs_the_initializer_before_its_calls():
     assert all(state == [7] for state, _ in seen)  # once per process, before any call
     assert {pid for _, pid in seen}.isdisjoint({os.getpid()})
     assert _started == []  # this process's memory is its own
+
+
+def _refuse(value: int) -> None:
+    raise ConnectionRefusedError(f"no database on port {value}")
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_process_that_cannot_start_breaks_the_pool_and_the_pool_says_why(watched: bool):
+    with ForkPool(2, _refuse, (3306,), exit_with_parent=watched) as pool:
+        with pytest.raises(BrokenProcessPool):
+            pool.submit(_state).result()
+        assert pool.start_error() == "ConnectionRefusedError: no database on port 3306"
+        assert pool.start_error() == "ConnectionRefusedError: no database on port 3306"
+
+
+def test_a_pool_whose_processes_started_has_no_start_error():
+    with ForkPool(2, _start, (7,)) as pool:
+        pool.submit(_state).result()
+        assert pool.start_error() is None
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
