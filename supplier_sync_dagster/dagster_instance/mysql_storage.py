@@ -42,6 +42,7 @@ from dagster_mysql.utils import (
     mysql_url_from_config,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import Pool
 
 from supplier_sync_dagster.core.store.db import retry_deadlocks
 from supplier_sync_dagster.core.store.engine import ping_when_idle
@@ -63,8 +64,9 @@ _POOL_RECYCLE_SECONDS = 3600
 def pooled_mysql_engine(mysql_url: str, *, isolation_level: str | None = None) -> Engine:
     """An engine as dagster-mysql's, with a pool of connections that survives a fork.
 
-    A forked child (the run's worker processes) drops the parent's connections without
-    closing them: they are the parent's sockets. A connection idle for a while is pinged
+    A forked child (the run's worker processes) leaves the parent's connections alone: they
+    are the parent's sockets, and mysql-connector shuts a socket down (for every process that
+    shares it) when the connection is finalized, so the child keeps them referenced. A connection idle for a while is pinged
     before use, and replaced when the server closed it meanwhile (``ping_when_idle``).
 
     Args:
@@ -85,10 +87,18 @@ def pooled_mysql_engine(mysql_url: str, *, isolation_level: str | None = None) -
     def _in_child() -> None:
         alive = ref()
         if alive is not None:
+            # Kept, never finalized: mysql-connector shuts a socket down when it is finalized,
+            # and this socket is the parent's (a forked child's garbage collection would
+            # break the parent's connection).
+            _parents_pools.append(alive.pool)
             alive.dispose(close=False)
 
     os.register_at_fork(after_in_child=_in_child)
     return engine
+
+
+# In a forked child, the parent's connection pools, with the connections they hold.
+_parents_pools: list[Pool] = []
 
 
 class _PooledEngine:

@@ -12,10 +12,11 @@ on the table; a run's planned events are one insert, and stored once even when t
 and check rows fail to be written.
 """
 
+import gc
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -337,14 +338,25 @@ def _child(home: str) -> None:
     """A forked process that ends normally without touching the instance."""
 
 
+def _collecting_child(home: str) -> None:
+    """A forked process that collects its garbage, as a run's worker processes do every few
+    seconds: what it dropped of the parent's is finalized now."""
+    gc.collect()
+
+
+@pytest.mark.parametrize("child_does", [_child, _collecting_child])
 def test_a_forked_child_leaves_the_parent_s_connections_working(
-    homes: tuple[Path, Path],
+    homes: tuple[Path, Path], child_does: Callable[[str], None]
 ) -> None:
+    """mysql-connector's socket shuts itself down when it is finalized, and a forked child's
+    socket is the parent's: a child must never finalize the parent's connections."""
     ours, _ = homes
     with dg.DagsterInstance.from_config(str(ours)) as instance:
         _report(instance, "a")  # a pooled connection is open now
         for _ in range(2):
-            child = multiprocessing.get_context("fork").Process(target=_child, args=(str(ours),))
+            child = multiprocessing.get_context("fork").Process(
+                target=child_does, args=(str(ours),)
+            )
             child.start()
             child.join(timeout=60)
             assert child.exitcode == 0
