@@ -956,8 +956,6 @@ class _ProcessPool:
             exit_with_parent=True,
         )
         self._pool = self._start()
-        # Forked now, before the run's cancellation poll first reads the database.
-        self._pool.start()
         self._broken: list[ForkPool] = []
         self._restarts = 0 if db.engine.dialect.name == "sqlite" else MAX_POOL_RESTARTS
         self._lock = threading.Lock()
