@@ -185,8 +185,7 @@ def test_a_killed_worker_fails_its_city_the_others_go_on_and_the_rerun_resumes_i
     SQLite (no fork once the run's threads use the database) they fail with it."""
     store = LocalPayloadStore(tmp_path / "payloads")
     with serve_simulator(seed=12, n_cities=6, total_hotels=600) as (sim, url):
-        with _client(url) as client:
-            victim = client.list_cities().data.cities[0].city_code
+        victim = _first_city(url)
         first = _sync(db, store, url, "killed", _processes(db_url, store, url, die_on=victim))
         by_city = {o.city_code: o for o in first}
         assert by_city[victim].status == "FAILED"
@@ -213,16 +212,21 @@ def test_a_killed_worker_fails_its_city_the_others_go_on_and_the_rerun_resumes_i
         assert set(conn.execute(sa.select(h.publish_version).distinct()).scalars()) == {1}
 
 
-def test_a_city_that_kills_every_worker_fails_alone_once_the_pool_was_replaced_enough(
+def _first_city(url: str) -> str:
+    with _client(url) as client:
+        return client.list_cities().data.cities[0].city_code
+
+
+def test_past_its_pool_restarts_a_run_fails_the_cities_its_dead_worker_took_down(
     db: SyncDatabase, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """The pool is replaced a bounded number of times: past it, the cities left fail (the
-    next run resumes them) instead of the run forking for ever."""
+    """The pool is replaced a bounded number of times: past it, the cities the broken pool
+    held fail with the reason (the next run resumes them), each reported once, instead of
+    the run forking for ever."""
     monkeypatch.setattr(run_module, "MAX_POOL_RESTARTS", 0)
     store = LocalPayloadStore(tmp_path / "payloads")
     with serve_simulator(seed=12, n_cities=6, total_hotels=600) as (_sim, url):
-        with _client(url) as client:
-            victim = client.list_cities().data.cities[0].city_code
+        victim = _first_city(url)
         first = _sync(db, store, url, "no-restart", _processes(db_url, store, url, die_on=victim))
     by_city = {o.city_code: o for o in first}
     assert len(first) == len(by_city) == 6
